@@ -1,0 +1,1 @@
+"""Engine-agnostic scheduling decisions (pure functions and small state objects; design.md §1)."""
