@@ -15,7 +15,9 @@ from collections.abc import Sequence
 from mars_openhands import __version__
 
 # (module, function) pairs; a subcommand is listed here only once it works end to end.
-SUBCOMMANDS: tuple[tuple[str, str], ...] = ()
+SUBCOMMANDS: tuple[tuple[str, str], ...] = (
+    ("eval.workloads.cli", "add_workload_subcommand"),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,273 @@
+"""Metrics of one run, computed from its recorded stream (design.md §7; MARS arXiv 2604.26963 §6).
+
+Input: the stream frame of :func:`mars_openhands.stream.reader.read_stream` (one row per event,
+a ``kind`` column, the event fields as columns, ``t_wall`` as UTC datetimes) and, for slowdown and
+goodput, each session's *ideal* time: its E2E when run alone on an idle system with the same engine
+model and the same tool times (computed by the simulator or an isolated replay, not here).
+
+Definitions (all times in seconds; a *completed* session has a ``session_end`` with status ``"ok"``
+and at least one ``finished`` event):
+
+* **arrival** = ``t_wall`` of the session's ``session_start`` (emitted by the client/replay driver
+  when the session arrives, so E2E includes admission wait).
+* **end** = ``t_wall`` of the session's last ``finished`` event (the last token of its final turn).
+* **E2E** = end − arrival. Summaries: mean, P50, P90, P95, P99 (numpy linear interpolation).
+* **makespan** = last end of a completed session − first arrival of any session.
+* **throughput** = completed sessions / makespan (sessions/s).
+* **TTFT** per turn = the engine's ``first_token.ttft_s`` (engine arrival → first token), one value
+  per (session, turn, request); summarized like E2E.
+* **slowdown** = E2E / ideal (≥ 1 up to noise; design.md §7: the physical limit of the mean is 1.0).
+* **goodput(α)** = completed sessions with E2E ≤ α·ideal, divided by the makespan (sessions/s);
+  α = 3 by default, reported over a sweep (design.md §7).
+* **tool-wait share** = Σ (tool execution ``tool_end.duration_s`` + tool queue wait
+  ``tool_start.queue_wait_s``) / Σ E2E over completed sessions: the part of session time spent in
+  tools rather than in the LLM path. The queue-wait part alone is reported too.
+* **preemptions** = number of ``preempted`` events; also per ``finished`` request.
+* **KV retention hit ratio** = retentions released with reason ``"resumed"`` (the next turn reused
+  the pinned KV) / retentions released for any reason except ``"shutdown"`` (the run ended before
+  the outcome was known). Also weighted by blocks. ``None`` when nothing was released.
+
+Pure pandas/numpy: every function takes a frame and returns new values; nothing is mutated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import numpy as np
+import pandas as pd
+from pydantic import BaseModel, ConfigDict
+
+__all__ = [
+    "DEFAULT_ALPHA",
+    "DEFAULT_ALPHAS",
+    "KvRetentionStats",
+    "RunMetrics",
+    "Summary",
+    "compute_metrics",
+    "goodput_per_s",
+    "kv_retention_stats",
+    "session_table",
+    "summarize",
+    "ttft_table",
+]
+
+DEFAULT_ALPHA = 3.0
+"""Dynamic-SLO factor: a session is good when E2E <= alpha * ideal (design.md §7)."""
+DEFAULT_ALPHAS: tuple[float, ...] = (1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+"""Default goodput sweep (includes :data:`DEFAULT_ALPHA`)."""
+
+NOT_A_RESOLUTION = "shutdown"
+"""``kv_released`` reason that does not resolve a retention (the run ended)."""
+
+
+class Summary(BaseModel):
+    """count, mean, P50, P90, P95, P99 of a sample (NaN when empty); units as the field that holds it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    count: int
+    mean: float
+    p50: float
+    p90: float
+    p95: float
+    p99: float
+
+
+def summarize(values: Iterable[float]) -> Summary:
+    """Summarize ``values`` (NaNs dropped); percentiles by linear interpolation. Pure."""
+    x = np.asarray(list(values), dtype=np.float64)
+    x = x[~np.isnan(x)]
+    if x.size == 0:
+        nan = float("nan")
+        return Summary(count=0, mean=nan, p50=nan, p90=nan, p95=nan, p99=nan)
+    p50, p90, p95, p99 = (float(v) for v in np.percentile(x, [50, 90, 95, 99]))
+    return Summary(count=int(x.size), mean=float(x.mean()), p50=p50, p90=p90, p95=p95, p99=p99)
+
+
+def _seconds(t_wall: pd.Series) -> pd.Series:
+    """UTC datetimes → float seconds since the Unix epoch."""
+    return (pd.to_datetime(t_wall, utc=True) - pd.Timestamp(0, tz="UTC")) / pd.Timedelta(seconds=1)
+
+
+def _of_kind(stream: pd.DataFrame, kind: str) -> pd.DataFrame:
+    return stream.loc[stream["kind"] == kind]
+
+
+def _per_session_sum(stream: pd.DataFrame, kind: str, column: str) -> pd.Series:
+    rows = _of_kind(stream, kind)
+    return rows.groupby("session_id")[column].sum(min_count=1).astype("float64")
+
+
+def session_table(stream: pd.DataFrame, ideal_s: Mapping[str, float] | pd.Series | None = None) -> pd.DataFrame:
+    """One row per session that has a ``session_start``, indexed by ``session_id``. Pure.
+
+    Columns: ``arrival_s``, ``end_s`` (epoch seconds), ``e2e_s``, ``status`` (of ``session_end``,
+    ``None`` if absent), ``is_complete``, ``num_turns`` (distinct turns with a ``finished`` event),
+    ``tool_s``, ``tool_queue_wait_s``, ``num_preemptions``, and with ``ideal_s`` also ``ideal_s`` and
+    ``slowdown``. See the module docstring for the definitions.
+
+    Raises:
+        ValueError: ``ideal_s`` is given but lacks completed sessions (the message lists some ids).
+        KeyError: the frame lacks the ``kind``/``t_wall``/``session_id`` columns.
+    """
+    starts = _of_kind(stream, "session_start")
+    table = pd.DataFrame({"arrival_s": _seconds(starts["t_wall"]).to_numpy()},
+                         index=pd.Index(starts["session_id"].to_numpy(), name="session_id"))
+    table = table.groupby(level=0).min()
+    finished = _of_kind(stream, "finished").assign(t_s=lambda f: _seconds(f["t_wall"]))
+    table["end_s"] = finished.groupby("session_id")["t_s"].max()
+    table["e2e_s"] = table["end_s"] - table["arrival_s"]
+    ends = _of_kind(stream, "session_end").groupby("session_id")["status"].last()
+    table["status"] = ends.reindex(table.index).astype(object).where(lambda s: s.notna(), None)
+    table["is_complete"] = (table["status"] == "ok") & table["end_s"].notna()
+    table["num_turns"] = finished.groupby("session_id")["turn"].nunique().reindex(table.index).fillna(0).astype(int)
+    table["tool_s"] = _per_session_sum(stream, "tool_end", "duration_s").reindex(table.index).fillna(0.0)
+    table["tool_queue_wait_s"] = (
+        _per_session_sum(stream, "tool_start", "queue_wait_s").reindex(table.index).fillna(0.0))
+    table["num_preemptions"] = (
+        _of_kind(stream, "preempted").groupby("session_id").size().reindex(table.index).fillna(0).astype(int))
+    if ideal_s is not None:
+        ideal = pd.Series(ideal_s, dtype="float64")
+        missing = [s for s in table.index[table["is_complete"]] if s not in ideal.index]
+        if missing:
+            raise ValueError(f"ideal_s has no ideal time for {len(missing)} completed session(s), "
+                             f"e.g. {missing[:5]}; compute ideals for every session of the workload")
+        table["ideal_s"] = ideal.reindex(table.index)
+        table["slowdown"] = table["e2e_s"] / table["ideal_s"]
+    return table
+
+
+def ttft_table(stream: pd.DataFrame) -> pd.DataFrame:
+    """TTFT per turn: columns ``session_id``, ``turn``, ``request_id``, ``ttft_s``. Pure.
+
+    One row per ``first_token`` event; requests without a session keep ``session_id`` ``None``.
+    """
+    rows = _of_kind(stream, "first_token")
+    return rows[["session_id", "turn", "request_id", "ttft_s"]].reset_index(drop=True)
+
+
+def _makespan_s(table: pd.DataFrame) -> float:
+    done = table.loc[table["is_complete"]]
+    if done.empty:
+        return float("nan")
+    return float(done["end_s"].max() - table["arrival_s"].min())
+
+
+def goodput_per_s(table: pd.DataFrame, alpha: float, makespan_s: float | None = None) -> float:
+    """Completed sessions with ``e2e_s <= alpha * ideal_s``, per second of makespan. Pure.
+
+    Args:
+        table: :func:`session_table` output with ``ideal_s``.
+        alpha: SLO factor (> 0).
+        makespan_s: override the makespan (default: from ``table``).
+
+    Raises:
+        ValueError: ``alpha <= 0`` or ``table`` has no ``ideal_s`` column.
+    """
+    if alpha <= 0:
+        raise ValueError(f"goodput alpha must be > 0, got {alpha}")
+    if "ideal_s" not in table.columns:
+        raise ValueError("goodput needs ideal times: pass ideal_s to session_table()")
+    makespan_s = _makespan_s(table) if makespan_s is None else makespan_s
+    done = table.loc[table["is_complete"]]
+    num_good = int((done["e2e_s"] <= alpha * done["ideal_s"]).sum())
+    return num_good / makespan_s if makespan_s and makespan_s > 0 else float("nan")
+
+
+class KvRetentionStats(BaseModel):
+    """KV retention outcomes from ``kv_retained`` / ``kv_released`` events (see module docstring)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    num_retained: int
+    """``kv_retained`` events (extensions included)."""
+    num_released: int
+    """``kv_released`` events except reason ``"shutdown"`` (resolved retentions)."""
+    num_hits: int
+    """``kv_released`` with reason ``"resumed"``."""
+    hit_ratio: float | None
+    """num_hits / num_released; ``None`` when nothing was released."""
+    hit_block_ratio: float | None
+    """Blocks released by ``"resumed"`` / blocks of all resolved releases."""
+    released_by_reason: dict[str, int]
+
+
+def kv_retention_stats(stream: pd.DataFrame) -> KvRetentionStats:
+    """Count retentions, releases and hits (see the module docstring). Pure."""
+    released = _of_kind(stream, "kv_released")
+    resolved = released.loc[released["reason"] != NOT_A_RESOLUTION]
+    hits = resolved.loc[resolved["reason"] == "resumed"]
+    blocks = float(resolved["num_blocks"].sum())
+    return KvRetentionStats(
+        num_retained=int((stream["kind"] == "kv_retained").sum()),
+        num_released=len(resolved),
+        num_hits=len(hits),
+        hit_ratio=len(hits) / len(resolved) if len(resolved) else None,
+        hit_block_ratio=float(hits["num_blocks"].sum()) / blocks if blocks > 0 else None,
+        released_by_reason={str(k): int(v) for k, v in released["reason"].value_counts().items()},
+    )
+
+
+class RunMetrics(BaseModel):
+    """Everything design.md §7 asks of one run (times in seconds, rates per second)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    num_sessions: int
+    """Sessions with a ``session_start``."""
+    num_completed: int
+    makespan_s: float
+    throughput_sessions_per_s: float
+    e2e_s: Summary
+    ttft_s: Summary
+    slowdown: Summary | None
+    """E2E / ideal over completed sessions; ``None`` without ideal times."""
+    goodput_per_s: dict[float, float] | None
+    """alpha → goodput (sessions/s); ``None`` without ideal times."""
+    tool_wait_share: float
+    tool_queue_wait_share: float
+    num_preemptions: int
+    preemptions_per_request: float
+    """``preempted`` events / ``finished`` events (NaN when nothing finished)."""
+    kv_retention: KvRetentionStats
+
+
+def compute_metrics(stream: pd.DataFrame, ideal_s: Mapping[str, float] | pd.Series | None = None,
+                    alphas: Sequence[float] = DEFAULT_ALPHAS) -> RunMetrics:
+    """Compute :class:`RunMetrics` of a recorded run. Pure.
+
+    Args:
+        stream: the run's stream frame (``read_stream(path)``).
+        ideal_s: session_id → ideal E2E seconds; enables slowdown and goodput.
+        alphas: goodput SLO factors to report.
+
+    Raises:
+        ValueError: ``ideal_s`` misses completed sessions, or an alpha <= 0.
+    """
+    table = session_table(stream, ideal_s)
+    done = table.loc[table["is_complete"]]
+    makespan_s = _makespan_s(table)
+    e2e_total_s = float(done["e2e_s"].sum())
+    num_finished = int((stream["kind"] == "finished").sum())
+    num_preemptions = int((stream["kind"] == "preempted").sum())
+    has_ideal = ideal_s is not None
+    return RunMetrics(
+        num_sessions=len(table),
+        num_completed=len(done),
+        makespan_s=makespan_s,
+        throughput_sessions_per_s=len(done) / makespan_s if makespan_s > 0 else float("nan"),
+        e2e_s=summarize(done["e2e_s"]),
+        ttft_s=summarize(ttft_table(stream)["ttft_s"]),
+        slowdown=summarize(done["slowdown"]) if has_ideal else None,
+        goodput_per_s={float(a): goodput_per_s(table, a, makespan_s) for a in alphas} if has_ideal else None,
+        tool_wait_share=_share(done["tool_s"].sum() + done["tool_queue_wait_s"].sum(), e2e_total_s),
+        tool_queue_wait_share=_share(done["tool_queue_wait_s"].sum(), e2e_total_s),
+        num_preemptions=num_preemptions,
+        preemptions_per_request=num_preemptions / num_finished if num_finished else float("nan"),
+        kv_retention=kv_retention_stats(stream),
+    )
+
+
+def _share(part: float, whole: float) -> float:
+    return float(part) / whole if whole > 0 else float("nan")

@@ -1,0 +1,172 @@
+"""``mars-openhands workload ...``: build, synthesize and inspect workload files.
+
+Wiring (in ``mars_openhands/cli.py``)::
+
+    from eval.workloads.cli import add_workload_subcommand
+    add_workload_subcommand(subparsers)        # subparsers = parser.add_subparsers(...)
+    args = parser.parse_args(argv)
+    return args.func(args)                     # every subcommand sets func(args) -> exit code
+
+Subcommands::
+
+    workload from-traces DIR -o out.json [--skip-malformed] [arrival/caps/scale options]
+    workload synth --kind swebench --sessions N --seed S -o out.json [arrival/caps options]
+    workload stats FILE [--top N]
+
+Errors in input files print one line naming the file and field and exit with status 2; nothing is
+written unless the whole workload was built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from eval.workloads.arrivals import BurstArrivals, FixedRateArrivals, PoissonArrivals, with_arrivals
+from eval.workloads.format import Workload, WorkloadFormatError, load_workload, save_workload
+from eval.workloads.stats import Distribution, WorkloadStats, workload_stats
+from eval.workloads.synth import SYNTH_KINDS, WorkloadCaps, synthesize
+from eval.workloads.traces import load_trace_dir
+from eval.workloads.transform import scale_workload, trim_workload
+
+__all__ = ["add_workload_subcommand"]
+
+EXIT_BAD_INPUT = 2
+
+
+def _add_shaping_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("arrivals (default: every session at t = 0)")
+    group.add_argument("--arrival", choices=["fixed", "poisson", "burst"], default=None,
+                       help="arrival process (design.md §8)")
+    group.add_argument("--rate", type=float, default=None, help="sessions/s for fixed and poisson")
+    group.add_argument("--burst-size", type=int, default=None, help="sessions per burst")
+    group.add_argument("--burst-interval-s", type=float, default=None, help="seconds between bursts")
+    group.add_argument("--seed", type=int, default=0, help="seed of the generator and arrivals")
+    caps = parser.add_argument_group("caps (fit small engines)")
+    caps.add_argument("--max-turns", type=int, default=None, help="at most this many turns/session")
+    caps.add_argument("--max-context-tokens", type=int, default=None,
+                      help="end sessions before prompt + output exceeds this many tokens")
+
+
+def add_workload_subcommand(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``workload`` (``from-traces``, ``synth``, ``stats``) to an argparse subparsers object.
+
+    Mutates: ``subparsers``. Each leaf parser sets ``func(args) -> int`` (exit status).
+
+    Returns:
+        The ``workload`` parser.
+    """
+    workload = subparsers.add_parser("workload", help="build, synthesize and inspect workloads")
+    commands = workload.add_subparsers(dest="workload_command", required=True)
+
+    traces = commands.add_parser("from-traces", help="convert mini-swe-agent trajectories")
+    traces.add_argument("directory", help="folder of *.traj.json[.gz] files (searched recursively)")
+    traces.add_argument("-o", "--output", required=True, help="workload file (.json/.jsonl[.gz])")
+    traces.add_argument("--skip-malformed", action="store_true",
+                        help="skip malformed trajectories (noted in meta.notes) instead of failing")
+    traces.add_argument("--sessions", type=int, default=None, help="keep the first N sessions")
+    traces.add_argument("--tool-time-factor", type=float, default=1.0,
+                        help="multiply tool durations (e.g. 0.1 for a fast smoke run)")
+    _add_shaping_options(traces)
+    traces.set_defaults(func=_guarded(_from_traces))
+
+    synth = commands.add_parser("synth", help="generate a calibrated synthetic workload")
+    synth.add_argument("--kind", choices=sorted(SYNTH_KINDS), required=True)
+    synth.add_argument("--sessions", type=int, required=True, help="number of sessions")
+    synth.add_argument("-o", "--output", required=True, help="workload file (.json/.jsonl[.gz])")
+    _add_shaping_options(synth)
+    synth.set_defaults(func=_guarded(_synth))
+
+    stats = commands.add_parser("stats", help="print a workload's distributions")
+    stats.add_argument("file", help="workload file")
+    stats.add_argument("--top", type=int, default=12, help="tools to list")
+    stats.set_defaults(func=_guarded(_stats))
+    return workload
+
+
+def _guarded(handler: Any) -> Any:
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return handler(args)
+        except (WorkloadFormatError, ValueError, FileNotFoundError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+    return run
+
+
+def _arrival(args: argparse.Namespace) -> FixedRateArrivals | PoissonArrivals | BurstArrivals | None:
+    if args.arrival is None:
+        return None
+    if args.arrival in ("fixed", "poisson"):
+        if args.rate is None:
+            raise ValueError(f"--arrival {args.arrival} needs --rate (sessions per second)")
+        cls = FixedRateArrivals if args.arrival == "fixed" else PoissonArrivals
+        return cls(rate_per_s=args.rate)
+    if args.burst_size is None or args.burst_interval_s is None:
+        raise ValueError("--arrival burst needs --burst-size and --burst-interval-s")
+    return BurstArrivals(burst_size=args.burst_size, burst_interval_s=args.burst_interval_s)
+
+
+def _from_traces(args: argparse.Namespace) -> int:
+    workload = load_trace_dir(args.directory, on_error="skip" if args.skip_malformed else "raise")
+    if any(v is not None for v in (args.sessions, args.max_turns, args.max_context_tokens)):
+        workload = trim_workload(workload, num_sessions=args.sessions, max_turns=args.max_turns,
+                                 max_context_tokens=args.max_context_tokens)
+    if args.tool_time_factor != 1.0:
+        workload = scale_workload(workload, tool_time_factor=args.tool_time_factor)
+    arrival = _arrival(args)
+    if arrival is not None:
+        workload = with_arrivals(workload, arrival, args.seed)
+    return _save(workload, args.output)
+
+
+def _synth(args: argparse.Namespace) -> int:
+    caps = WorkloadCaps(max_turns=args.max_turns, max_context_tokens=args.max_context_tokens)
+    workload = synthesize(args.kind, args.sessions, args.seed, caps=caps, arrival=_arrival(args))
+    return _save(workload, args.output)
+
+
+def _save(workload: Workload, output: str) -> int:
+    path = save_workload(workload, output)
+    print(f"wrote {path}: {len(workload.sessions)} sessions, {workload.num_turns} turns")
+    return 0
+
+
+def _stats(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    stats = workload_stats(load_workload(args.file))
+    console = Console()
+    for table in _tables(args.file, stats, args.top):
+        console.print(table)
+    return 0
+
+
+def _tables(title: str, stats: WorkloadStats, top: int) -> list[Any]:
+    from rich.table import Table
+
+    table = Table(title=f"{title}: {stats.num_sessions} sessions, {stats.num_turns} turns, "
+                        f"arrivals over {stats.arrival_span_s:.1f} s")
+    for column in ("quantity", "count", "mean", "p50", "p90", "p99", "max"):
+        table.add_column(column, justify="left" if column == "quantity" else "right")
+    rows: dict[str, Distribution] = {
+        "turns / session": stats.turns_per_session,
+        "first prompt (tokens)": stats.first_prompt_tokens,
+        "prompt / turn (tokens)": stats.prompt_tokens,
+        "appended / turn (tokens)": stats.appended_tokens,
+        "context growth / turn (tokens)": stats.context_growth_tokens,
+        "output / turn (tokens)": stats.output_tokens,
+        "peak context / session (tokens)": stats.max_context_tokens,
+        "tool duration (s)": stats.tool_duration_s,
+    }
+    for name, d in rows.items():
+        table.add_row(name, str(d.count), *(f"{v:,.2f}" for v in (d.mean, d.p50, d.p90, d.p99, d.max)))
+    tools = Table(title=f"tools (> 10 s: {stats.tool_over_10s_fraction:.2%} of calls, "
+                        f"{stats.tool_over_10s_time_share:.1%} of time; > 60 s: "
+                        f"{stats.tool_over_60s_fraction:.2%}, {stats.tool_over_60s_time_share:.1%})")
+    for column in ("tool", "calls", "p50 (s)", "total (s)"):
+        tools.add_column(column, justify="left" if column == "tool" else "right")
+    for t in stats.tools[:top]:
+        tools.add_row(t.tool_name, str(t.num_calls), f"{t.p50_s:.2f}", f"{t.total_s:,.1f}")
+    return [table, tools]

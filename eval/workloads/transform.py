@@ -1,0 +1,107 @@
+"""Trim and rescale workloads, e.g. for smoke runs or engines with little KV (design.md §8).
+
+Every function is pure (returns a new :class:`Workload`) and appends what it did to ``meta.notes``,
+so a result file says how it differs from its source.
+"""
+
+from __future__ import annotations
+
+from eval.workloads.format import Session, Turn, Workload
+
+__all__ = ["cap_session", "scale_workload", "trim_workload"]
+
+
+def _as_final(turn: Turn) -> Turn:
+    return turn.model_copy(update={"tool_name": None, "tool_duration_s": 0.0})
+
+
+def cap_session(session: Session, *, max_turns: int | None = None,
+                max_context_tokens: int | None = None) -> Session:
+    """Cut ``session`` to at most ``max_turns`` turns whose KV fits ``max_context_tokens``. Pure.
+
+    A turn k fits when ``num_prompt_tokens(k) + output_tokens(k) <= max_context_tokens``; the session
+    ends at the last fitting turn, which becomes final (its tool is dropped). If even turn 0 does not
+    fit, its output is cut to at most half the cap and its prompt to the rest, so every session keeps
+    at least one turn.
+
+    Raises:
+        ValueError: ``max_turns < 1`` or ``max_context_tokens < 2``.
+    """
+    if max_turns is not None and max_turns < 1:
+        raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+    if max_context_tokens is not None and max_context_tokens < 2:
+        raise ValueError(f"max_context_tokens must be >= 2 (1 prompt + 1 output token), "
+                         f"got {max_context_tokens}")
+    turns = list(session.turns[: max_turns or len(session.turns)])
+    if max_context_tokens is not None:
+        kept, context_tokens = [], 0
+        for turn in turns:
+            context_tokens += turn.prompt_tokens_appended
+            if context_tokens + turn.output_tokens > max_context_tokens:
+                break
+            kept.append(turn)
+            context_tokens += turn.output_tokens
+        if not kept:
+            output_tokens = min(turns[0].output_tokens, max_context_tokens // 2)
+            kept = [turns[0].model_copy(update={
+                "output_tokens": output_tokens,
+                "prompt_tokens_appended": max_context_tokens - output_tokens})]
+        turns = kept
+    if len(turns) == len(session.turns) and turns == list(session.turns):
+        return session
+    turns[-1] = _as_final(turns[-1])
+    return session.model_copy(update={"turns": tuple(turns)})
+
+
+def trim_workload(workload: Workload, *, num_sessions: int | None = None, max_turns: int | None = None,
+                  max_context_tokens: int | None = None) -> Workload:
+    """Keep the first ``num_sessions`` sessions, each capped with :func:`cap_session`. Pure.
+
+    Raises:
+        ValueError: ``num_sessions < 1`` or an invalid cap (see :func:`cap_session`).
+    """
+    if num_sessions is not None and num_sessions < 1:
+        raise ValueError(f"num_sessions must be >= 1, got {num_sessions}")
+    sessions = tuple(
+        cap_session(s, max_turns=max_turns, max_context_tokens=max_context_tokens)
+        for s in workload.sessions[: num_sessions or len(workload.sessions)]
+    )
+    note = (f"trimmed: num_sessions={num_sessions} max_turns={max_turns} "
+            f"max_context_tokens={max_context_tokens}")
+    meta = workload.meta.model_copy(update={"notes": (*workload.meta.notes, note)})
+    return workload.model_copy(update={"sessions": sessions, "meta": meta})
+
+
+def scale_workload(workload: Workload, *, token_factor: float = 1.0, tool_time_factor: float = 1.0,
+                   arrival_factor: float = 1.0) -> Workload:
+    """Multiply token counts, tool durations and arrival times by constant factors. Pure.
+
+    Token counts are rounded to the nearest integer (half to even, Python's ``round``), with at
+    least 1 output token and at least 1 prompt token on turn 0. Use ``token_factor < 1`` to fit long traces into a small engine, and
+    ``tool_time_factor < 1`` to shorten wall time of a smoke run.
+
+    Raises:
+        ValueError: a factor is not > 0 (``arrival_factor`` may be 0: everything at ``t = 0``).
+    """
+    if token_factor <= 0 or tool_time_factor <= 0 or arrival_factor < 0:
+        raise ValueError(f"factors must be > 0 (arrival_factor >= 0), got token_factor={token_factor} "
+                         f"tool_time_factor={tool_time_factor} arrival_factor={arrival_factor}")
+
+    def scale_turn(k: int, turn: Turn) -> Turn:
+        return Turn(
+            prompt_tokens_appended=max(int(round(turn.prompt_tokens_appended * token_factor)),
+                                       1 if k == 0 else 0),
+            output_tokens=max(int(round(turn.output_tokens * token_factor)), 1),
+            tool_name=turn.tool_name,
+            tool_duration_s=turn.tool_duration_s * tool_time_factor,
+        )
+
+    sessions = tuple(
+        s.model_copy(update={"arrival_s": s.arrival_s * arrival_factor,
+                             "turns": tuple(scale_turn(k, t) for k, t in enumerate(s.turns))})
+        for s in workload.sessions
+    )
+    note = (f"scaled: token_factor={token_factor} tool_time_factor={tool_time_factor} "
+            f"arrival_factor={arrival_factor}")
+    meta = workload.meta.model_copy(update={"notes": (*workload.meta.notes, note)})
+    return workload.model_copy(update={"sessions": sessions, "meta": meta})

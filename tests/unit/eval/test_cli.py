@@ -1,0 +1,65 @@
+"""``workload`` subcommand through argparse, as the top-level CLI will wire it."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+import pytest
+
+from eval.workloads.cli import add_workload_subcommand
+from eval.workloads.format import load_workload
+
+FIXTURES = Path(__file__).parents[2] / "fixtures" / "traces"
+
+
+def _run(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="mars-openhands")
+    add_workload_subcommand(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["workload", *argv])
+    return args.func(args)
+
+
+def test_from_traces_with_arrivals(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "w.json"
+    assert _run("from-traces", str(FIXTURES / "good"), "-o", str(out), "--arrival", "fixed",
+                "--rate", "0.5", "--tool-time-factor", "0.1") == 0
+    workload = load_workload(out)
+    assert [s.arrival_s for s in workload.sessions] == [0.0, 2.0]
+    assert workload.sessions[0].turns[0].tool_duration_s == pytest.approx(0.25)
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_malformed_traces_exit_2_and_write_nothing(tmp_path: Path, capsys) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(FIXTURES / "good" / "demo__repo-1.traj.json", src)
+    shutil.copy(FIXTURES / "malformed" / "missing_usage.traj.json", src)
+    out = tmp_path / "w.jsonl"
+    assert _run("from-traces", str(src), "-o", str(out)) == 2
+    err = capsys.readouterr().err
+    assert "missing_usage.traj.json" in err and "extra.response.usage" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    assert _run("from-traces", str(src), "-o", str(out), "--skip-malformed") == 0
+    assert len(load_workload(out).sessions) == 1
+
+
+def test_synth_and_stats(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "w.jsonl.gz"
+    assert _run("synth", "--kind", "swebench", "--sessions", "4", "--seed", "2", "-o", str(out),
+                "--max-turns", "5", "--arrival", "poisson", "--rate", "1") == 0
+    workload = load_workload(out)
+    assert len(workload.sessions) == 4 and all(s.num_turns <= 5 for s in workload.sessions)
+    capsys.readouterr()
+    assert _run("stats", str(out)) == 0
+    printed = capsys.readouterr().out
+    assert "4 sessions" in printed and "tool" in printed
+
+
+def test_bad_arguments_exit_2(tmp_path: Path, capsys) -> None:
+    assert _run("synth", "--kind", "swebench", "--sessions", "2", "-o", str(tmp_path / "w.json"),
+                "--arrival", "poisson") == 2
+    assert "needs --rate" in capsys.readouterr().err
+    assert _run("stats", str(tmp_path / "missing.json")) == 2
+    assert not (tmp_path / "w.json").exists()
