@@ -2,6 +2,8 @@
 PY      := .venv/bin/python
 PY_OH   := .venv-openhands/bin/python
 PYTEST  := -m pytest -q -p no:cacheprovider
+# LiteLLM (pulled in by the OpenHands SDK) otherwise tries to fetch a model cost map at import.
+export LITELLM_LOCAL_MODEL_COST_MAP := True
 
 .PHONY: setup test unit integration openhands-test lint
 
@@ -21,4 +23,4 @@ integration:
 	$(PY) $(PYTEST) -m "integration and not openhands"
 
 openhands-test:
-	$(PY_OH) $(PYTEST) -m openhands
+	$(PY_OH) $(PYTEST) -m openhands tests/openhands

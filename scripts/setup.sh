@@ -70,7 +70,7 @@ setup_openhands() {
   echo "[setup] openhands env: $venv (python: $py)"
   [[ -x "$venv/bin/python" ]] || "$py" -m venv "$venv"
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[openhands,eval,control,dev]"
-  "$venv/bin/python" -c 'import openhands.sdk, mars_openhands; print("[setup] openhands-sdk ok")'
+  LITELLM_LOCAL_MODEL_COST_MAP=True "$venv/bin/python" -c 'import openhands.sdk, mars_openhands; print("[setup] openhands-sdk ok")'
   echo "$STAMP" > "$venv/.mars-setup-stamp"
 }
 
