@@ -17,6 +17,7 @@ from mars_openhands import __version__
 # (module, function) pairs; a subcommand is listed here only once it works end to end.
 SUBCOMMANDS: tuple[tuple[str, str], ...] = (
     ("eval.workloads.cli", "add_workload_subcommand"),
+    ("eval.replay", "add_replay_subcommand"),
 )
 
 

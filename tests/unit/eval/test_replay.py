@@ -1,0 +1,516 @@
+"""Replay driver against a fake in-process OpenAI-compatible endpoint (:class:`FakeEndpoint`).
+
+The fake's output ids depend on the whole prompt it received, so any prefix drift would change
+later outputs too; the prefix test rebuilds each expected prompt independently from the workload,
+:func:`observation_token_ids` and the outputs the fake actually sent back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from eval.replay import (
+    ReplayConfig,
+    ReplayResult,
+    add_replay_subcommand,
+    check_fits,
+    observation_token_ids,
+    replay,
+    run_replay,
+)
+from eval.workloads.format import Session, Turn, Workload, WorkloadMeta, save_workload
+from mars_openhands.stream.reader import read_stream
+from mars_openhands.stream.transport import ListSink
+
+MODEL = "fake-model"
+
+
+# ----------------------------------------------------------------------------- the fake endpoint
+# It runs in-process behind httpx.MockTransport: it records every request (path, headers, JSON
+# body), answers /v1/models with a max_model_len, /v1/completions whole or as SSE chunks (vLLM 0.32
+# shapes: one token per chunk, prompt_token_ids in the first, usage last) with max_tokens output
+# ids derived from the whole prompt, and /mars/v1/events like the gateway. Failures are injected
+# per (session_id, mars_turn).
+@dataclass
+class FakeEndpoint:
+    """State of one fake server. ``fail`` maps (session_id, turn) → HTTP status or "hang"."""
+
+    max_model_len: int | None = 100_000
+    model: str = "fake-model"
+    delay_s: float = 0.0
+    fail: dict[tuple[str, int], int | str] = field(default_factory=dict)
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    posted_events: list[dict[str, Any]] = field(default_factory=list)
+
+    def transport(self) -> httpx.MockTransport:
+        return httpx.MockTransport(self.handle)
+
+    def completions(self) -> list[dict[str, Any]]:
+        """Recorded ``/v1/completions`` requests: {"body", "headers", "output_ids"}."""
+        return [r for r in self.requests if r["path"] == "/v1/completions"]
+
+    def by_session(self) -> dict[str, list[dict[str, Any]]]:
+        out: dict[str, list[dict[str, Any]]] = {}
+        for r in self.completions():
+            out.setdefault(r["body"]["session_id"], []).append(r)
+        for rows in out.values():
+            rows.sort(key=lambda r: r["body"]["vllm_xargs"]["mars_turn"])
+        return out
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path == "/v1/models":
+            card = {"id": self.model, "object": "model", "max_model_len": self.max_model_len}
+            return httpx.Response(200, json={"object": "list", "data": [card]})
+        if path == "/mars/v1/events":
+            self.posted_events.extend(json.loads(request.content)["events"])
+            return httpx.Response(200, json={"accepted": len(json.loads(request.content)["events"])})
+        if path != "/v1/completions":
+            return httpx.Response(404, json={"error": f"no route {path}"})
+        body = json.loads(request.content)
+        record = {"path": path, "headers": dict(request.headers), "body": body}
+        self.requests.append(record)
+        failure = self.fail.get((body["session_id"], body["vllm_xargs"]["mars_turn"]))
+        if failure == "hang":
+            await asyncio.sleep(3600)
+        if isinstance(failure, int):
+            return httpx.Response(failure, json={"error": {"message": "injected failure"}})
+        await asyncio.sleep(self.delay_s)
+        record["output_ids"] = output_ids = fake_output_ids(body["prompt"], body["max_tokens"])
+        if body.get("stream"):
+            return httpx.Response(200, content=_sse(body, output_ids),
+                                  headers={"content-type": "text/event-stream"})
+        choice = {"index": 0, "text": "x" * len(output_ids), "finish_reason": "length",
+                  "token_ids": output_ids, "prompt_token_ids": body["prompt"]}
+        return httpx.Response(200, json={"id": "cmpl-1", "object": "text_completion",
+                                         "model": body["model"], "choices": [choice],
+                                         "usage": _usage(body, output_ids)})
+
+
+def fake_output_ids(prompt: list[int], num_tokens: int) -> list[int]:
+    """Output ids that depend on the whole prompt (so a wrong prefix shows up downstream)."""
+    seed = hashlib.sha256(json.dumps(prompt).encode()).digest()
+    return [seed[i % len(seed)] ^ (i % 7) for i in range(num_tokens)]
+
+
+def _usage(body: dict[str, Any], output_ids: list[int]) -> dict[str, Any]:
+    n = len(body["prompt"])
+    return {"prompt_tokens": n, "completion_tokens": len(output_ids),
+            "total_tokens": n + len(output_ids)}
+
+
+def _sse(body: dict[str, Any], output_ids: list[int]) -> bytes:
+    lines = []
+    for i, token_id in enumerate(output_ids):
+        choice: dict[str, Any] = {"index": 0, "text": "x", "token_ids": [token_id],
+                                  "finish_reason": "length" if i == len(output_ids) - 1 else None}
+        if i == 0:
+            choice["prompt_token_ids"] = body["prompt"]
+        lines.append({"id": "cmpl-1", "object": "text_completion", "choices": [choice]})
+    lines.append({"id": "cmpl-1", "object": "text_completion", "choices": [],
+                  "usage": _usage(body, output_ids)})
+    return b"".join(f"data: {json.dumps(x)}\n\n".encode() for x in lines) + b"data: [DONE]\n\n"
+
+
+
+def _session(session_id: str, arrival_s: float, turns: list[tuple[int, int, str | None, float]]
+             ) -> Session:
+    return Session(session_id=session_id, arrival_s=arrival_s, turns=tuple(
+        Turn(prompt_tokens_appended=a, output_tokens=o, tool_name=t, tool_duration_s=d)
+        for a, o, t, d in turns))
+
+
+def _workload(*sessions: Session) -> Workload:
+    return Workload(meta=WorkloadMeta(source="test"), sessions=sessions)
+
+
+WORKLOAD = _workload(
+    _session("A", 0.0, [(40, 5, "bash", 0.05), (7, 3, "pytest", 0.1), (0, 4, "edit", 0.0),
+                        (12, 2, None, 0.0)]),
+    _session("B", 0.02, [(25, 6, "grep", 0.02), (30, 1, None, 0.0)]),
+    _session("C", 0.05, [(9, 8, None, 0.0)]),
+)
+
+
+def _config(**overrides: object) -> ReplayConfig:
+    fields: dict[str, object] = {"endpoint_url": "http://fake:8000", "model": MODEL,
+                                 "show_progress": False, "request_timeout_s": 5.0}
+    fields.update(overrides)
+    return ReplayConfig(**fields)  # type: ignore[arg-type]
+
+
+def _replay(workload: Workload, fake: FakeEndpoint, **overrides: object
+            ) -> tuple[ReplayResult, ListSink]:
+    sink = ListSink()
+    result = asyncio.run(replay(workload, _config(**overrides), sink=sink,
+                                transport=fake.transport()))
+    return result, sink
+
+
+# ----------------------------------------------------------------------------- prompts
+@pytest.mark.parametrize("stream", [True, False])
+def test_each_turn_prompt_is_previous_prompt_plus_output_plus_observation(stream: bool) -> None:
+    fake = FakeEndpoint(model=MODEL)
+    result, _ = _replay(WORKLOAD, fake, stream=stream, seed=7)
+    assert [s.status for s in result.sessions] == ["ok", "ok", "ok"]
+    received = fake.by_session()
+    for session in WORKLOAD.sessions:
+        requests = received[session.session_id]
+        assert len(requests) == session.num_turns
+        expected: list[int] = []
+        for k, (turn, request) in enumerate(zip(session.turns, requests, strict=True)):
+            observation = observation_token_ids(7, session.session_id, k,
+                                                turn.prompt_tokens_appended)
+            assert len(observation) == turn.prompt_tokens_appended
+            expected = expected + observation
+            prompt = request["body"]["prompt"]
+            assert prompt == expected, f"{session.session_id} turn {k}"
+            assert len(prompt) == session.num_prompt_tokens(k)
+            if k > 0:  # extends the previous prompt by exactly its output + the observation
+                previous = requests[k - 1]
+                assert prompt[: len(previous["body"]["prompt"])] == previous["body"]["prompt"]
+                assert prompt[len(previous["body"]["prompt"]):] == (
+                    previous["output_ids"] + observation)
+            assert len(request["output_ids"]) == turn.output_tokens
+            expected = expected + request["output_ids"]
+        records = result.sessions[[s.session_id for s in WORKLOAD.sessions].index(
+            session.session_id)].turns
+        assert [t.num_prompt_tokens for t in records] == [
+            session.num_prompt_tokens(k) for k in range(session.num_turns)]
+        assert [t.num_output_tokens for t in records] == [t.output_tokens for t in session.turns]
+
+
+def test_observation_ids_are_deterministic_in_range_and_depend_on_seed_session_turn() -> None:
+    ids = observation_token_ids(1, "s", 2, 500, 10, 20)
+    assert ids == observation_token_ids(1, "s", 2, 500, 10, 20)
+    assert all(10 <= t < 20 for t in ids) and len(set(ids)) == 10
+    assert ids != observation_token_ids(2, "s", 2, 500, 10, 20)
+    assert ids != observation_token_ids(1, "t", 2, 500, 10, 20)
+    assert ids != observation_token_ids(1, "s", 3, 500, 10, 20)
+    assert observation_token_ids(1, "s", 2, 0) == []
+
+
+def test_two_runs_send_identical_prompts() -> None:
+    first, second = FakeEndpoint(model=MODEL), FakeEndpoint(model=MODEL)
+    _replay(WORKLOAD, first)
+    _replay(WORKLOAD, second)
+    prompts = [[r["body"]["prompt"] for r in rows] for rows in first.by_session().values()]
+    assert prompts == [[r["body"]["prompt"] for r in rows]
+                       for rows in second.by_session().values()]
+
+
+def test_token_id_range_is_used_and_validated() -> None:
+    fake = FakeEndpoint(model=MODEL)
+    _replay(_workload(_session("A", 0.0, [(300, 1, None, 0.0)])), fake,
+            token_id_low=100, token_id_high=104)
+    assert set(fake.completions()[0]["body"]["prompt"]) == {100, 101, 102, 103}
+    with pytest.raises(ValueError, match="token_id_high"):
+        _config(token_id_low=5, token_id_high=5)
+    with pytest.raises(ValueError, match="endpoint_url must be an http"):
+        _config(endpoint_url="127.0.0.1:8000")
+    with pytest.raises(ValueError, match="extra"):
+        _config(num_tool_worker=3)  # a typo is an error, never silently dropped
+
+
+# ----------------------------------------------------------------------------- request fields
+def test_requests_force_length_and_carry_session_id_and_vllm_xargs() -> None:
+    fake = FakeEndpoint(model=MODEL)
+    result, _ = _replay(WORKLOAD, fake, temperature=0.5)
+    a_requests = fake.by_session()["A"]
+    a_record = result.sessions[0]
+    for k, request in enumerate(a_requests):
+        body = request["body"]
+        assert body["model"] == MODEL and body["session_id"] == "A"
+        assert body["max_tokens"] == WORKLOAD.sessions[0].turns[k].output_tokens
+        assert body["ignore_eos"] is True and body["return_token_ids"] is True
+        assert body["temperature"] == 0.5
+        xargs = body["vllm_xargs"]
+        assert xargs["mars_turn"] == k
+        assert xargs["mars_last_step"] == (1 if k == 3 else 0)
+        if k == 0:
+            assert "mars_prev_tool" not in xargs and "mars_prev_tool_s" not in xargs
+        else:
+            previous = a_record.turns[k - 1]
+            assert xargs["mars_prev_tool"] == WORKLOAD.sessions[0].turns[k - 1].tool_name
+            assert xargs["mars_prev_tool_s"] == pytest.approx(previous.tool_duration_s, abs=1e-5)
+            assert xargs["mars_prev_tool_s"] >= WORKLOAD.sessions[0].turns[k - 1].tool_duration_s
+        assert all(isinstance(v, (str, int, float)) for v in xargs.values())
+        assert "x-mars-session" not in request["headers"]  # engine mode: no gateway header
+    assert fake.posted_events == []
+
+
+def test_gateway_mode_adds_header_and_posts_every_cpu_event_in_order() -> None:
+    fake = FakeEndpoint(model=MODEL)
+    result, sink = _replay(WORKLOAD, fake, endpoint_kind="gateway", event_batch_size=3)
+    assert all(r["headers"]["x-mars-session"] == r["body"]["session_id"]
+               for r in fake.completions())
+    local = [json.loads(e.model_dump_json()) for e in sink.events]
+    assert fake.posted_events == local
+    assert result.num_events_posted == len(local) == result.num_events
+    assert result.num_events_post_failed == 0
+
+
+def test_a_batch_rejected_for_one_unknown_session_is_reposted_per_session() -> None:
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/mars/v1/events":
+            events = json.loads(request.content)["events"]
+            if any(e["session_id"] == "B" for e in events):  # as if B had expired in the gateway
+                return httpx.Response(404, json={"error": "unknown session 'B'"})
+        return await fake.handle(request)
+
+    fake = FakeEndpoint(model=MODEL)
+    sink = ListSink()
+    result = asyncio.run(replay(WORKLOAD, _config(endpoint_kind="gateway", event_batch_size=1000,
+                                                  event_flush_interval_s=1.0),
+                                sink=sink, transport=httpx.MockTransport(handler)))
+    not_b = [json.loads(e.model_dump_json()) for e in sink.events if e.session_id != "B"]
+    for session_id in ("A", "C"):  # each session's events arrive, in their order
+        assert [e for e in fake.posted_events if e["session_id"] == session_id] == [
+            e for e in not_b if e["session_id"] == session_id]
+    assert len(fake.posted_events) == len(not_b)
+    num_b = sum(1 for e in sink.events if e.session_id == "B")
+    assert result.num_events_posted == len(not_b) and result.num_events_post_failed == num_b
+
+
+def test_gateway_event_post_failures_are_counted_not_fatal() -> None:
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/mars/v1/events":
+            return httpx.Response(404, json={"error": "unknown session"})
+        return await fake.handle(request)
+
+    fake = FakeEndpoint(model=MODEL)
+    sink = ListSink()
+    result = asyncio.run(replay(WORKLOAD, _config(endpoint_kind="gateway"), sink=sink,
+                                transport=httpx.MockTransport(handler)))
+    assert [s.status for s in result.sessions] == ["ok", "ok", "ok"]
+    assert result.num_events_posted == 0
+    assert result.num_events_post_failed == len(sink.events) > 0
+
+
+# ----------------------------------------------------------------------------- events
+def _kinds(sink: ListSink, session_id: str) -> list[tuple[str, int | None]]:
+    return [(e.kind, e.turn) for e in sink.events if e.session_id == session_id]
+
+
+def test_events_per_session_come_in_lifecycle_order() -> None:
+    fake = FakeEndpoint(model=MODEL)
+    result, sink = _replay(WORKLOAD, fake)
+    assert _kinds(sink, "A") == [
+        ("session_start", 0),
+        ("tool_enqueued", 0), ("tool_start", 0), ("tool_end", 0),
+        ("tool_enqueued", 1), ("tool_start", 1), ("tool_end", 1),
+        ("tool_enqueued", 2), ("tool_start", 2), ("tool_end", 2),
+        ("session_end", 3),
+    ]
+    assert _kinds(sink, "C") == [("session_start", 0), ("session_end", 0)]
+    ends = [e for e in sink.events if e.kind == "session_end"]
+    assert {e.session_id: e.status for e in ends} == {"A": "ok", "B": "ok", "C": "ok"}
+    assert all(e.source == "replay" for e in sink.events)
+    tool_ends = [e for e in sink.events if e.kind == "tool_end" and e.session_id == "A"]
+    assert [e.tool_name for e in tool_ends] == ["bash", "pytest", "edit"]
+    assert tool_ends[1].duration_s >= 0.1
+    assert result.num_events == len(sink.events)
+
+
+def test_session_start_is_emitted_at_arrival_before_the_admission_wait() -> None:
+    workload = _workload(_session("first", 0.0, [(10, 2, "sleep", 0.4), (1, 1, None, 0.0)]),
+                         _session("second", 0.05, [(10, 2, None, 0.0)]))
+    result, sink = _replay(workload, FakeEndpoint(model=MODEL), max_active_sessions=1)
+    first, second = result.sessions
+    start_second = next(e for e in sink.events
+                        if e.kind == "session_start" and e.session_id == "second")
+    end_first = next(e for e in sink.events if e.kind == "session_end" and e.session_id == "first")
+    assert start_second.t_mono_ns < end_first.t_mono_ns  # started on arrival, not on admission
+    assert second.start_s == pytest.approx(0.05, abs=0.05)
+    assert second.admitted_s >= first.end_s - 0.01  # waited for the only slot
+    assert second.turns[0].send_s >= first.turns[-1].finish_s
+    assert second.e2e_s is not None and second.e2e_s > 0.4 - 0.05  # includes the slot wait
+
+
+def test_arrivals_are_respected_and_times_are_recorded() -> None:
+    fake = FakeEndpoint(model=MODEL, delay_s=0.01)
+    result, _ = _replay(WORKLOAD, fake)
+    for session, record in zip(WORKLOAD.sessions, result.sessions, strict=True):
+        assert record.start_s >= session.arrival_s - 1e-3
+        assert record.start_s == pytest.approx(session.arrival_s, abs=0.05)
+        for turn in record.turns:
+            assert turn.send_s <= turn.first_token_s <= turn.finish_s
+            assert turn.finish_s - turn.send_s >= 0.01
+        assert record.end_s >= record.turns[-1].finish_s
+    assert result.duration_s >= max(r.end_s for r in result.sessions) - 1e-3
+
+
+# ----------------------------------------------------------------------------- failures
+def test_http_500_ends_that_session_with_error_and_the_run_finishes() -> None:
+    fake = FakeEndpoint(model=MODEL, fail={("A", 1): 500})
+    result, sink = _replay(WORKLOAD, fake)
+    statuses = {s.session_id: s.status for s in result.sessions}
+    assert statuses == {"A": "error", "B": "ok", "C": "ok"}
+    a = result.sessions[0]
+    assert "HTTP 500" in a.error and "turn 1" in a.error
+    assert _kinds(sink, "A")[-1] == ("session_end", 1)
+    assert [e.status for e in sink.events if e.kind == "session_end" and e.session_id == "A"] == [
+        "error"]
+    assert len(fake.by_session()["A"]) == 2  # no turn after the failure
+    assert result.num_with_status("ok") == 2 and a.e2e_s is None
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_request_timeout_and_connection_errors_end_the_session(stream: bool) -> None:
+    fake = FakeEndpoint(model=MODEL, fail={("B", 0): "hang"})
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if (request.url.path == "/v1/completions"
+                and json.loads(request.content)["session_id"] == "C"):
+            raise httpx.ConnectError("connection refused")
+        return await fake.handle(request)
+
+    sink = ListSink()
+    result = asyncio.run(replay(WORKLOAD, _config(request_timeout_s=0.3, stream=stream),
+                                sink=sink, transport=httpx.MockTransport(handler)))
+    a, b, c = result.sessions
+    assert (a.status, b.status, c.status) == ("ok", "error", "error")
+    assert "request_timeout_s" in b.error and "ConnectError" in c.error
+    assert result.duration_s < 3.0
+
+
+def test_missing_token_ids_is_an_error_naming_the_fix() -> None:
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(404)
+        choice = {"index": 0, "text": "hi", "finish_reason": "length"}
+        return httpx.Response(200, json={"choices": [choice], "usage": {}})
+
+    result = asyncio.run(replay(WORKLOAD, _config(stream=False),
+                                transport=httpx.MockTransport(handler)))
+    assert all(s.status == "error" for s in result.sessions)
+    assert "return_token_ids" in result.sessions[0].error
+    assert result.max_model_len_tokens is None  # /v1/models unavailable: unchecked
+
+
+def test_run_timeout_stops_sessions_and_emits_their_end() -> None:
+    workload = _workload(_session("slow", 0.0, [(5, 1, "sleep", 30.0), (1, 1, None, 0.0)]),
+                         _session("late", 30.0, [(5, 1, None, 0.0)]))
+    result, sink = _replay(workload, FakeEndpoint(model=MODEL), run_timeout_s=0.3)
+    slow, late = result.sessions
+    assert result.is_timed_out and result.duration_s < 3.0
+    assert slow.status == "timeout" and late.status == "not_started"
+    assert _kinds(sink, "slow")[-1] == ("session_end", 0)
+    assert [e.status for e in sink.events if e.kind == "session_end"] == ["timeout"]
+    assert _kinds(sink, "late") == []
+
+
+def test_cancellation_ends_started_sessions_then_propagates() -> None:
+    sink = ListSink()
+    workload = _workload(_session("s", 0.0, [(5, 1, "sleep", 30.0), (1, 1, None, 0.0)]))
+
+    async def scenario() -> None:
+        task = asyncio.create_task(replay(workload, _config(), sink=sink,
+                                          transport=FakeEndpoint(model=MODEL).transport()))
+        await asyncio.sleep(0.3)
+        task.cancel()
+        await task
+
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(scenario())
+    assert [(e.kind, getattr(e, "status", None)) for e in sink.events][-1] == (
+        "session_end", "cancelled")
+
+
+# ----------------------------------------------------------------------------- length limits
+def test_sessions_longer_than_max_model_len_are_refused_up_front() -> None:
+    fake = FakeEndpoint(model=MODEL, max_model_len=50)
+    with pytest.raises(ValueError, match=r"2 of 3 sessions .* max_model_len = 50.*trim_workload"):
+        _replay(WORKLOAD, fake)
+    assert fake.completions() == []
+    check_fits(WORKLOAD, 100)  # A needs 40+5+7+3+0+4+12+2 = 73 tokens
+
+
+def test_overflow_end_session_plays_turns_that_fit() -> None:
+    fake = FakeEndpoint(model=MODEL)
+    result, sink = _replay(WORKLOAD, fake, overflow="end_session", max_model_len_tokens=60)
+    a, b, c = result.sessions
+    # A: turn 2 needs 40+5+7+3+0 = 55 prompt + 4 output = 59 <= 60; turn 3 needs 59+12+2 = 73.
+    assert a.status == "truncated" and len(a.turns) == 3 and "turn 3" in a.error
+    # B: turn 1 needs 25+6+30 = 61 prompt + 1 = 62 > 60.
+    assert b.status == "truncated" and len(b.turns) == 1
+    assert c.status == "ok"
+    ends = {e.session_id: e.status for e in sink.events if e.kind == "session_end"}
+    assert ends == {"A": "truncated", "B": "truncated", "C": "ok"}
+
+
+# ----------------------------------------------------------------------------- sync wrapper
+def test_run_replay_writes_a_closed_readable_stream(tmp_path: Path) -> None:
+    fake = FakeEndpoint(model=MODEL)
+    path = tmp_path / "run" / "stream.jsonl"
+    result = run_replay(WORKLOAD, _config(), stream_path=path, transport=fake.transport())
+    assert result.num_with_status("ok") == 3
+    frame = read_stream(path)
+    assert len(frame) == result.num_events
+    assert set(frame["kind"]) == {"session_start", "session_end", "tool_enqueued", "tool_start",
+                                  "tool_end"}
+    assert path.with_suffix(".parquet").exists()  # written on close
+    rows = result.turn_rows()
+    assert len(rows) == WORKLOAD.num_turns and rows[0]["session_id"] == "A"
+    extra = ListSink()  # a recorder and another sink together: both get every event
+    result = run_replay(WORKLOAD, _config(), stream_path=tmp_path / "second.jsonl", sink=extra,
+                        transport=fake.transport())
+    assert len(extra.events) == result.num_events == len(read_stream(tmp_path / "second.jsonl"))
+
+
+# ----------------------------------------------------------------------------- CLI
+def _cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    add_replay_subcommand(parser.add_subparsers())
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_cli_flags_come_from_the_config_model() -> None:
+    parser = argparse.ArgumentParser()
+    add_replay_subcommand(parser.add_subparsers())
+    args = parser.parse_args(["replay", "w.json", "-o", "s.jsonl", "--endpoint-url", "http://e",
+                              "--model", "m", "--num-tool-workers", "3", "--tool-mode", "cpu",
+                              "--no-stream", "--run-timeout-s", "9.5"])
+    fields = {k: v for k, v in vars(args).items() if k in ReplayConfig.model_fields}
+    assert fields == {"endpoint_url": "http://e", "model": "m", "num_tool_workers": 3,
+                      "tool_mode": "cpu", "stream": False, "run_timeout_s": 9.5}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["replay", "w.json", "-o", "s.jsonl", "--endpoint-url", "http://e",
+                           "--model", "m", "--tool-mode", "gpu"])
+
+
+def test_cli_against_an_unreachable_endpoint_records_errors_and_exits_1(tmp_path: Path) -> None:
+    workload_path = tmp_path / "w.json"
+    save_workload(WORKLOAD, workload_path)
+    stream_path = tmp_path / "run" / "stream.jsonl"
+    code = _cli(["replay", str(workload_path), "-o", str(stream_path), "--endpoint-url",
+                 "http://127.0.0.1:9", "--model", "m", "--no-show-progress",
+                 "--max-model-len-tokens", "1000", "--request-timeout-s", "5"])
+    assert code == 1
+    frame = read_stream(stream_path)
+    ends = frame[frame["kind"] == "session_end"]
+    assert sorted(ends["session_id"]) == ["A", "B", "C"] and set(ends["status"]) == {"error"}
+    records = json.loads(stream_path.with_suffix(".result.json").read_text())
+    assert [s["status"] for s in records["sessions"]] == ["error", "error", "error"]
+    assert "ConnectError" in records["sessions"][0]["error"]
+
+
+def test_cli_bad_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _cli(["replay", str(tmp_path / "missing.json"), "-o", str(tmp_path / "s.jsonl"),
+                 "--endpoint-url", "http://e", "--model", "m"]) == 2
+    assert "missing.json" in capsys.readouterr().err
+    workload_path = tmp_path / "w.json"
+    save_workload(WORKLOAD, workload_path)
+    assert _cli(["replay", str(workload_path), "-o", str(tmp_path / "s2.jsonl"),
+                 "--endpoint-url", "http://e", "--model", "m", "--token-id-high", "0"]) == 2
+    assert "token_id_high" in capsys.readouterr().err
