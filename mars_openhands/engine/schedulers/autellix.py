@@ -1,0 +1,200 @@
+"""``AutellixScheduler``: Autellix PLAS on stock vLLM (arXiv 2502.13965 §4; design.md §5).
+
+Program-level least-attained-service with MLFQ levels, as MARS ran it (policy:
+:mod:`mars_openhands.policy.plas`, whose docstring has the formulas and parameters). Each hook
+calls one policy function:
+
+=========================  ==================================================================
+hook                       policy
+=========================  ==================================================================
+``add_request``            :func:`plas.new_call` (arrival level from the program's service)
+``schedule`` (before)      :func:`plas.should_promote` / :func:`plas.promote` (anti-starvation)
+``waiting_key``            ``(level, FIFO order)``: one FIFO per level, preempted at the front
+``running_key``            :func:`plas.running_order_key` ``(level, arrival)``
+``chunk_tokens``           :func:`plas.step_token_cap` (a prefill chunk is capped by the quantum)
+``on_scheduled``           :func:`plas.on_scheduled` (charge tokens, demote on a used quantum)
+``schedule`` (after)       :func:`plas.accrue_wait` (tokens scheduled for others)
+``victim_key``             :func:`plas.victim_key` ``(level, KV blocks held, arrival)``
+finish / abort             :func:`plas.on_call_finished` (fold into the program's service)
+=========================  ==================================================================
+
+A program is a session (``Request.session_id``); a request without one is a one-call program.
+A program's state is dropped after its last call (``mars_last_step=1``), at ``session_end``, or
+when the base class forgets the idle session.
+
+Difference from the MARS preview: the preview computed "work left" from tokens already known
+(prompt and sampled tokens) only, so with synchronous scheduling a decoding call was never demoted
+(its quantum was just refilled). Autellix charges decode service too (§4: attained service
+includes decode), so here a decoding call with output still to generate is demoted once its
+decode tokens use up the quantum.
+
+``--additional-config '{"mars": {"autellix": {...}}}'`` (see docs/schedulers.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.v1.request import Request, RequestStatus
+
+from mars_openhands.engine import seams
+from mars_openhands.engine.schedulers.base import MarsBaseScheduler
+from mars_openhands.policy import plas
+from mars_openhands.policy.plas import PlasCall, PlasParams, PlasProgram
+
+__all__ = ["AutellixScheduler", "finished_request_ids"]
+
+_NO_PROGRAM = PlasProgram()
+
+
+def finished_request_ids(engine_outputs: dict[int, Any]) -> list[str]:
+    """Request ids that finished in one ``update_from_output`` result (vLLM's public outputs)."""
+    return [o.request_id for eco in engine_outputs.values() for o in eco.outputs
+            if o.finish_reason is not None]
+
+
+@dataclass(slots=True)
+class _Call:
+    program_id: str
+    is_last_step: bool
+    plas: PlasCall
+
+
+class AutellixScheduler(MarsBaseScheduler):
+    """Autellix PLAS (program-level attained service, MLFQ, anti-starvation) on stock vLLM."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.plas_params: PlasParams = self.params.autellix
+        self._budget_tokens = seams.max_num_scheduled_tokens(self)
+        self._calls: dict[str, _Call] = {}
+        self._programs: dict[str, PlasProgram] = {}
+
+    # ------------------------------------------------------------------ read access
+    def plas_call(self, request_id: str) -> PlasCall | None:
+        """PLAS state of a call still in the engine, else None. Pure."""
+        entry = self._calls.get(request_id)
+        return entry.plas if entry else None
+
+    def plas_program(self, program_id: str) -> PlasProgram | None:
+        """Attained service / wait of a program between its calls, else None. Pure."""
+        return self._programs.get(program_id)
+
+    # ------------------------------------------------------------------ request lifecycle
+    def add_request(self, request: Request) -> None:
+        """vLLM: a new call arrives at the level of its program's attained service."""
+        is_new = request.request_id not in self.requests
+        super().add_request(request)
+        if not is_new:
+            return
+        state = self.req_state.get(request.request_id)
+        program_id = request.session_id or request.request_id
+        program = self._programs.get(program_id, _NO_PROGRAM)
+        self._calls[request.request_id] = _Call(
+            program_id, bool(state and state.meta.is_last_step),
+            plas.new_call(program, self.plas_params, self._budget_tokens),
+        )
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM: promote starving calls, schedule (base + hooks), then charge waiting."""
+        self._promote_starving()
+        out = super().schedule(*args, **kwargs)
+        total = out.total_num_scheduled_tokens
+        if total > 0:
+            scheduled = out.num_scheduled_tokens
+            for rid, entry in self._calls.items():
+                if rid not in scheduled:
+                    entry.plas = plas.accrue_wait(entry.plas, total)
+        if len(self._programs) > 2 * len(self.sessions) + 64:
+            self._forget_idle_programs()
+        return out
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        """vLLM: apply outputs; fold finished calls into their programs."""
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        self._finish_calls(finished_request_ids(outputs))
+        return outputs
+
+    def finish_requests(self, request_ids: Any, finished_status: RequestStatus) -> list[Request]:
+        """vLLM: abort; aborted calls count their service like finished ones (preview)."""
+        aborted = super().finish_requests(request_ids, finished_status)
+        self._finish_calls(r.request_id for r in aborted)
+        return aborted
+
+    def on_stream_event(self, event: Any, now_s: float | None = None) -> None:
+        """Base event handling; ``session_end`` also drops the program's PLAS state."""
+        super().on_stream_event(event, now_s)
+        if event.kind == "session_end" and event.session_id is not None:
+            self._programs.pop(event.session_id, None)
+
+    # ------------------------------------------------------------------ hooks
+    def waiting_key(self, request: Request, now_s: float) -> Any:
+        """``(level, FIFO order)``; vLLM-prepended (preempted) requests lead their level."""
+        entry = self._calls.get(request.request_id)
+        return (entry.plas.level if entry else 0, self.waiting.order_of(request))
+
+    def running_key(self, request: Request, now_s: float) -> Any:
+        """``(level, arrival)`` (:func:`plas.running_order_key`)."""
+        entry = self._calls.get(request.request_id)
+        if entry is None:
+            return (0, request.arrival_time)
+        return plas.running_order_key(entry.plas, request.arrival_time)
+
+    def victim_key(self, request: Request, now_s: float) -> Any:
+        """``(level, KV blocks held, arrival)``; the largest is preempted."""
+        entry = self._calls.get(request.request_id)
+        level_call = entry.plas if entry else PlasCall(level=0, quantum_left_tokens=0)
+        num_blocks = seams.num_request_blocks(self, request.request_id)
+        return plas.victim_key(level_call, num_blocks, request.arrival_time)
+
+    def chunk_tokens(self, request: Request, num_new_tokens: int, num_computed_tokens: int) -> int:
+        """Cap a prefill chunk at the call's remaining quantum."""
+        entry = self._calls.get(request.request_id)
+        if entry is None:
+            return num_new_tokens
+        return min(num_new_tokens,
+                   plas.step_token_cap(entry.plas, self.plas_params, self._budget_tokens))
+
+    def on_preempted(self, request: Request) -> None:
+        """A preempted call re-enters the waiting queue at the head of its level, not of all."""
+        self.waiting.is_dirty = True
+
+    def on_scheduled(self, request: Request, num_tokens: int, was_running: bool, now_s: float) -> None:
+        """Charge the step's tokens; demote if the quantum is used up with work left."""
+        entry = self._calls.get(request.request_id)
+        if entry is None:
+            return
+        # vLLM has already advanced num_computed_tokens by num_tokens.
+        prompt_left = max(0, request.num_tokens - request.num_computed_tokens)
+        samples_now = 1 if request.num_computed_tokens >= request.num_tokens else 0
+        output_left = max(0, request.max_tokens - request.num_output_tokens - samples_now)
+        entry.plas = plas.on_scheduled(entry.plas, num_tokens, prompt_left + output_left,
+                                       self.plas_params, self._budget_tokens)
+
+    # ------------------------------------------------------------------ internals
+    def _promote_starving(self) -> None:
+        for entry in self._calls.values():
+            program = self._programs.get(entry.program_id, _NO_PROGRAM)
+            if plas.should_promote(entry.plas, program, self.plas_params):
+                entry.plas = plas.promote(entry.plas, self.plas_params, self._budget_tokens)
+                self.waiting.is_dirty = True  # a waiting key changed: re-sort this step
+
+    def _finish_calls(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            entry = self._calls.pop(rid, None)
+            if entry is None:
+                continue
+            program = plas.on_call_finished(
+                self._programs.get(entry.program_id, _NO_PROGRAM), entry.plas
+            )
+            if entry.is_last_step or entry.program_id == rid:
+                self._programs.pop(entry.program_id, None)
+            else:
+                self._programs[entry.program_id] = program
+
+    def _forget_idle_programs(self) -> None:
+        live = {e.program_id for e in self._calls.values()}
+        for pid in [p for p in self._programs if p not in self.sessions and p not in live]:
+            del self._programs[pid]

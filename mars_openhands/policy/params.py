@@ -1,0 +1,193 @@
+"""Typed parameters of the internal scheduler plugins (design.md §4, §5; style.md "Config").
+
+vLLM hands the plugin one dict, ``vllm_config.additional_config["mars"]`` (from
+``--additional-config '{"mars": {...}}'``). It is parsed exactly once, at the plugin boundary, by
+:func:`parse_scheduler_params` into the frozen :class:`SchedulerParams`; nothing past that point
+sees a dict. Every constant of every policy lives here with its documented default and source.
+
+Example:
+    >>> p = parse_scheduler_params({"levels": {"aging_interval_s": 10.0}})
+    >>> p.levels.aging_interval_s, p.levels.quanta_tokens
+    (10.0, (2048, 1024, 512, 256))
+    >>> parse_scheduler_params({"levels": {"agng": 1}})
+    Traceback (most recent call last):
+    ...
+    ValueError: invalid --additional-config mars: mars.levels.agng: Extra inputs are not permitted (got 1)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from mars_openhands.policy.continuum import ContinuumParams
+from mars_openhands.policy.infercept import InferceptParams
+from mars_openhands.policy.plas import PlasParams
+
+__all__ = [
+    "LevelParams",
+    "MarsLevelParams",
+    "RetentionParams",
+    "SchedulerParams",
+    "TelemetryParams",
+    "WindowParams",
+    "parse_scheduler_params",
+]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=False)
+
+
+class LevelParams(_Frozen):
+    """MLFQ levels shared by the preview port and our policy (MARS preview, design.md §4)."""
+
+    prompt_thresholds_tokens: tuple[int, ...] = (2048, 8192, 32768)
+    """Bucket upper bounds: tokens <= t[0] -> level 0, <= t[1] -> 1, ...; above all -> last level."""
+    quanta_tokens: tuple[int, ...] = (2048, 1024, 512, 256)
+    """Prefill token quantum per level (capped at max_num_batched_tokens). One more than thresholds."""
+    aging_interval_s: float = Field(30.0, ge=0.0)
+    """Promote one level per this many seconds since last scheduled (0 disables aging)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> LevelParams:
+        t, q = self.prompt_thresholds_tokens, self.quanta_tokens
+        if len(q) != len(t) + 1:
+            raise ValueError(
+                f"quanta_tokens needs len(prompt_thresholds_tokens) + 1 = {len(t) + 1} entries, "
+                f"got {len(q)}"
+            )
+        if any(b <= a for a, b in zip(t, t[1:], strict=False)) or any(x <= 0 for x in t):
+            raise ValueError(f"prompt_thresholds_tokens must be positive, increasing, got {t}")
+        if any(x <= 0 for x in q):
+            raise ValueError(f"quanta_tokens must be positive, got {q}")
+        return self
+
+    @property
+    def num_levels(self) -> int:
+        """Number of MLFQ levels (len(quanta_tokens))."""
+        return len(self.quanta_tokens)
+
+
+class MarsLevelParams(_Frozen):
+    """Our MLFQ extension: uncached remainder + session service + bounded promotion (§4)."""
+
+    session_service_thresholds_tokens: tuple[int, ...] = (262144, 1048576, 4194304)
+    """Session attained-service buckets (scheduled tokens); same shape as prompt thresholds.
+    Large defaults: only very heavy sessions are demoted (Autellix-style PLAS as a tiebreaker)."""
+    max_promotion_levels: int = Field(3, ge=0)
+    """Bound on aging promotion: at most this many levels above the base level."""
+    use_session_service: bool = True
+    """Include the session's attained service in the base level."""
+
+
+class RetentionParams(_Frozen):
+    """KV retention value model (design.md §4 last paragraph).
+
+    Retain a finished, non-final turn's KV for TTL tau when
+    ``P(tool returns within tau) * (reload_s + queue_delay_s) > tau * blocks * shadow_price``.
+    """
+
+    enabled: bool = True
+    """Master switch of KV retention for schedulers that use it."""
+    reload_linear_s_per_token: float = Field(0.0002, ge=0.0)
+    """Prefill reload time per retained token (Continuum's default PrefillReload, design §5)."""
+    reload_quad_s_per_token2: float = Field(0.0, ge=0.0)
+    """Quadratic term of the reload model (attention cost), s/token^2."""
+    default_queue_delay_s: float = Field(0.5, ge=0.0)
+    """Expected queueing delay before any is measured, seconds."""
+    queue_delay_ema_alpha: float = Field(0.2, gt=0.0, le=1.0)
+    """EMA weight of measured queueing delays (arrival -> first scheduled)."""
+    price_free_usage: float = Field(0.5, ge=0.0, lt=1.0)
+    """KV usage below which a retained block costs nothing (no pressure)."""
+    price_max_s_per_block_s: float = Field(0.0032, ge=0.0)
+    """Shadow price of one block for one second at full usage: 16 tokens x 0.0002 s reload,
+    i.e. holding a block for a second costs as much as reloading one block."""
+    max_ttl_s: float = Field(60.0, gt=0.0)
+    """Never retain longer than this, seconds."""
+    cold_start_ttl_s: float = Field(2.0, ge=0.0)
+    """TTL candidate used while too few durations are known (Continuum's 2.0 s)."""
+    min_tool_samples: int = Field(100, ge=1)
+    """Per-tool duration samples needed before its own CDF is used (else all tools; Continuum K)."""
+    max_samples_per_tool: int = Field(2048, ge=16)
+    """Sliding window of durations kept per tool."""
+    imminent_grace_s: float = Field(5.0, ge=0.0)
+    """After tool_end, keep retained KV at least this long for the imminent next turn."""
+
+
+class WindowParams(_Frozen):
+    """In-engine admission window with an FCFS overflow queue (MARS preview: 30)."""
+
+    enabled: bool | None = None
+    """None: the scheduler class's default (preview: on; others: off)."""
+    size: int = Field(30, ge=1)
+    """Maximum running + waiting requests inside the engine."""
+
+
+class TelemetryParams(_Frozen):
+    """GPU-plane telemetry (design.md §3)."""
+
+    addr: str | None = None
+    """ZeroMQ address of a stream collector (ipc://... or tcp://127.0.0.1:port); None: off."""
+    engine_step_interval_ms: float = Field(100.0, ge=0.0)
+    """Emit at most one engine_step snapshot per this many milliseconds."""
+    source: str = "engine:0"
+    """The ``source`` field of emitted events."""
+
+
+class SchedulerParams(_Frozen):
+    """All parameters of the scheduler plugins (``--additional-config '{"mars": {...}}'``)."""
+
+    levels: LevelParams = LevelParams()
+    mars: MarsLevelParams = MarsLevelParams()
+    retention: RetentionParams = RetentionParams()
+    window: WindowParams = WindowParams()
+    telemetry: TelemetryParams = TelemetryParams()
+    inbox_addr: str | None = None
+    """ZeroMQ PULL address (bound by the engine) for CPU-plane events; None: in-process only."""
+    max_inbox_events_per_step: int = Field(1024, ge=1)
+    """Bound on CPU-plane events consumed per step (the rest wait for the next step)."""
+    reorder_interval_s: float = Field(1.0, ge=0.0)
+    """Re-sort an unchanged waiting queue at most this often (keys age in 30 s steps), seconds."""
+    session_idle_timeout_s: float = Field(1800.0, gt=0.0)
+    """Forget a session's state after this long without a request or event."""
+    chunk_shrinking: bool | None = None
+    """Halve a prefill chunk (down to block_size) when KV would not fit; None: class default."""
+    autellix: PlasParams = PlasParams()
+    """Autellix PLAS baseline (AutellixScheduler; docs/schedulers.md)."""
+    continuum: ContinuumParams = ContinuumParams()
+    """Continuum / Continuum-dy baseline (ContinuumScheduler; docs/schedulers.md)."""
+    infercept: InferceptParams = InferceptParams()
+    """InferCept baseline, MARS port (InferceptScheduler; docs/schedulers.md)."""
+
+
+def parse_scheduler_params(raw: dict[str, Any] | SchedulerParams | None) -> SchedulerParams:
+    """Parse ``additional_config["mars"]`` into :class:`SchedulerParams`.
+
+    Args:
+        raw: the dict vLLM passes (or None / an already-built params object).
+
+    Returns:
+        The frozen params.
+
+    Raises:
+        ValueError: unknown key or bad value; the message names each key as ``mars.a.b``, the
+            offending value, and the flag (``--additional-config``) to fix.
+    """
+    if raw is None:
+        return SchedulerParams()
+    if isinstance(raw, SchedulerParams):
+        return raw
+    if not isinstance(raw, dict):
+        raise ValueError(
+            f"--additional-config mars must be a JSON object, got {type(raw).__name__}: {raw!r}"
+        )
+    try:
+        return SchedulerParams.model_validate(raw)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"mars.{'.'.join(str(p) for p in err['loc'])}: {err['msg']} (got {err.get('input')!r})"
+            for err in e.errors()
+        )
+        raise ValueError(f"invalid --additional-config mars: {problems}") from None

@@ -1,0 +1,69 @@
+"""Per-session state the engine keeps between turns (MARS §4.3; Continuum's gap inference).
+
+Mental model: a session is a sequence of LLM calls (turns) separated by tool runs. The engine sees
+turn k finish, then (maybe) ``tool_start``/``tool_end`` events, then turn k+1 arrive. Between turns
+the only thing worth keeping is what makes the next turn cheaper or fairer: its attained service
+(Autellix PLAS, for levels) and the moment its last turn finished (to infer the tool duration from
+the gap when no event reports it).
+
+Timeline of one gap (seconds on the engine's monotonic clock)::
+
+    turn k finished ──── tool_start ────────── tool_end ──── turn k+1 arrives
+    |<-------------- inferred gap = arrival - finished ------------------->|
+                      |<-- duration_s (event, preferred) -->|
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["SessionState", "inferred_tool_duration_s"]
+
+
+@dataclass(slots=True)
+class SessionState:
+    """Mutable per-session record. Owned by one scheduler instance.
+
+    Attributes:
+        session_id: vLLM's ``Request.session_id``.
+        attained_service_tokens: tokens scheduled for this session so far (prefill + decode).
+        num_turns_finished: turns that finished in this engine.
+        last_turn: the ``mars_turn`` of the latest request, if sent.
+        last_finish_s: monotonic time the latest turn finished; None while a turn is in flight.
+        last_activity_s: monotonic time of the latest request, finish or event (idle eviction).
+        pending_tool: tool named by the latest ``tool_start``, cleared at the next arrival.
+        tool_started_s: monotonic time of that ``tool_start``.
+        tool_ended: a ``tool_end`` arrived since the last finish (next turn imminent).
+        active_request_ids: requests of this session inside the engine.
+    """
+
+    session_id: str
+    attained_service_tokens: int = 0
+    num_turns_finished: int = 0
+    last_turn: int | None = None
+    last_finish_s: float | None = None
+    last_activity_s: float = 0.0
+    pending_tool: str | None = None
+    tool_started_s: float | None = None
+    tool_ended: bool = False
+    active_request_ids: set[str] = field(default_factory=set)
+
+
+def inferred_tool_duration_s(
+    last_finish_s: float | None, arrival_s: float, reported_s: float | None
+) -> float | None:
+    """Duration of the tool run between two turns. Pure.
+
+    Args:
+        last_finish_s: when the previous turn finished (monotonic s), None if unknown.
+        arrival_s: when the next turn arrived (same clock).
+        reported_s: ``mars_prev_tool_s`` sent by the client, preferred when present.
+
+    Returns:
+        Seconds, or None when neither a report nor a previous finish exists.
+    """
+    if reported_s is not None:
+        return reported_s
+    if last_finish_s is None:
+        return None
+    return max(0.0, arrival_s - last_finish_s)

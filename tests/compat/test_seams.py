@@ -1,0 +1,144 @@
+"""Every vLLM private in mars_openhands/engine/seams.py, exercised on the pinned vLLM (0.32.0).
+
+vLLM only logs plugin import failures, so these tests also load our scheduler classes the way vLLM
+does (by qualname) and build them.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+from vllm.config import SchedulerConfig  # noqa: E402
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+from mars_openhands.engine import seams  # noqa: E402
+from mars_openhands.engine.schedulers.base import MarsBaseScheduler  # noqa: E402
+from tests.unit.engine.harness import Harness  # noqa: E402
+
+CLASSES = ["MarsScheduler", "MarsPreviewScheduler", "MarsBaseScheduler"]
+
+
+def test_pinned_version_and_names() -> None:
+    assert vllm.__version__.startswith(seams.PINNED_VLLM_VERSION)
+    seams.check_compat()
+
+
+@pytest.mark.parametrize("name", CLASSES)
+def test_scheduler_cls_resolves_by_qualname_and_builds(name: str) -> None:
+    cls = SchedulerConfig(scheduler_cls=f"mars_openhands.engine.{name}",
+                          max_model_len=4096, is_encoder_decoder=False).get_scheduler_cls()
+    assert issubclass(cls, AsyncScheduler) and cls.__name__ == name
+    h = Harness(cls, num_blocks=32)
+    assert h.scheduler.params.levels.quanta_tokens == (2048, 1024, 512, 256)
+    h.assert_no_leaks()
+
+
+def test_engine_package_import_is_lazy() -> None:
+    code = ("import sys, mars_openhands.engine as e; assert 'vllm' not in sys.modules, 'eager'; "
+            "e.MarsScheduler; assert 'vllm' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_pin_and_free_adjust_ref_counts() -> None:
+    h = Harness(Scheduler, num_blocks=32)
+    r = h.add(h.make_request(None, h.tokens(40), max_tokens=2))
+    h.step()
+    blocks = seams.request_blocks(h.scheduler, r.request_id)
+    assert len(blocks) == 3 and seams.num_request_blocks(h.scheduler, r.request_id) == 3
+    cached = [b for b in blocks if seams.is_cached_block(b)]
+    assert len(cached) == 2  # 40 tokens: two full (hashed) blocks + a partial one
+    before = [b.ref_cnt for b in cached]
+    seams.pin_blocks(h.scheduler, cached)
+    assert [b.ref_cnt for b in cached] == [x + 1 for x in before]
+    refs = seams.referenced_block_counts(h.scheduler)
+    assert all(refs[b.block_id] == 1 for b in blocks)
+    seams.free_pinned(h.scheduler, cached)
+    assert [b.ref_cnt for b in cached] == before
+    h.run_until_done()
+    assert seams.num_free_blocks(h.scheduler) == seams.num_gpu_blocks(h.scheduler) - 1
+
+
+def test_prefix_hit_tokens_sees_cached_prefix() -> None:
+    h = Harness(Scheduler, num_blocks=32)
+    prompt = h.tokens(64)
+    h.add(h.make_request(None, prompt, max_tokens=1))
+    h.run_until_done()
+    probe = h.make_request(None, prompt + h.tokens(5), max_tokens=1)
+    assert seams.prefix_hit_tokens(h.scheduler, probe) == 64
+    h.assert_no_leaks()
+
+
+def test_victim_ranks_drive_vllm_preemption() -> None:
+    # 9 usable blocks; three 48-token prompts (3 blocks each) fill them; decoding needs a 4th block
+    # for each, so vLLM must preempt; the victim must be the one we rank first.
+    h = Harness(Scheduler, num_blocks=10, max_num_batched_tokens=256)
+    seams.enable_victim_ranks(h.scheduler)
+    reqs = [h.add(h.make_request(None, h.tokens(48), max_tokens=8)) for _ in range(3)]
+    h.step()
+    seams.set_victim_ranks([reqs[1], reqs[2], reqs[0]])  # evict reqs[1] first
+    res = h.step()
+    assert res.preempted_ids and reqs[1].request_id in res.preempted_ids
+    assert reqs[0].status == RequestStatus.RUNNING
+    h.run_until_done()
+    h.assert_no_leaks()
+
+
+def test_chunk_hook_called_on_running_and_waiting_paths() -> None:
+    calls: list[tuple[str, int, int]] = []
+
+    class Hooked(MarsBaseScheduler):
+        def chunk_tokens(self, request, num_new_tokens, num_computed_tokens):  # type: ignore[override]
+            calls.append((request.request_id, num_new_tokens, num_computed_tokens))
+            return min(num_new_tokens, 32)
+
+    h = Harness(Hooked, num_blocks=64, max_num_batched_tokens=256)
+    r = h.add(h.make_request(None, h.tokens(100), max_tokens=1))
+    assert h.step().num_scheduled_tokens == {r.request_id: 32}  # waiting path
+    assert h.step().num_scheduled_tokens == {r.request_id: 32}  # running path
+    assert [c[2] for c in calls[:2]] == [0, 32]
+    h.run_until_done()
+    h.assert_no_leaks()
+
+
+def test_allocate_slots_wrapper_retries_after_release() -> None:
+    h = Harness(Scheduler, num_blocks=6)
+    held = h.scheduler.kv_cache_manager.block_pool.get_new_blocks(5)  # nothing left
+    released: list[str] = []
+
+    def on_failure(request) -> bool:
+        if released:
+            return False
+        released.append(request.request_id)
+        h.scheduler.kv_cache_manager.block_pool.free_blocks(held)
+        return True
+
+    seams.wrap_allocate_slots(h.scheduler, on_failure)
+    r = h.add(h.make_request(None, h.tokens(20), max_tokens=1))
+    assert h.step().num_scheduled_tokens == {r.request_id: 20}
+    assert released == [r.request_id]
+    h.run_until_done()
+    h.assert_no_leaks()
+
+
+def test_finish_with_error_next_step() -> None:
+    h = Harness(Scheduler, num_blocks=16)
+    r = h.add(h.make_request(None, h.tokens(20), max_tokens=50))
+    h.step()
+    seams.finish_with_error_next_step(h.scheduler, r.request_id)
+    res = h.step()
+    assert r.request_id in res.finished_ids and r.status == RequestStatus.FINISHED_ERROR
+    h.assert_no_leaks()
+
+
+def test_plugin_register_is_idempotent() -> None:
+    from mars_openhands.engine.plugin import register
+
+    register()
+    register()

@@ -1,0 +1,47 @@
+"""PolicyRequestQueue: vLLM's RequestQueue contract plus stable per-step re-sorting."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+
+from mars_openhands.engine.queues import PolicyRequestQueue  # noqa: E402
+
+
+def _req(rid: str, n: int = 4) -> Request:
+    return Request(rid, list(range(n)), SamplingParams(max_tokens=1), None)
+
+
+def test_fcfs_contract_and_order_numbers() -> None:
+    q = PolicyRequestQueue()
+    a, b, c, d = (_req(x) for x in "abcd")
+    for r in (a, b, c):
+        q.add_request(r)
+    assert q.is_dirty and len(q) == 3 and bool(q) and q.peek_request() is a
+    q.prepend_requests([d])
+    assert [r.request_id for r in q] == ["d", "a", "b", "c"]
+    assert q.order_of(d) < 0 < q.order_of(a) < q.order_of(b)
+    q.remove_requests([b, _req("absent")])
+    q.remove_request(c)
+    assert q.pop_request() is d and q.pop_request() is a and not q
+    with pytest.raises(IndexError):
+        q.peek_request()
+    with pytest.raises(IndexError):
+        q.pop_request()
+
+
+def test_reorder_is_stable_and_clears_dirty() -> None:
+    q = PolicyRequestQueue()
+    reqs = [_req(f"r{i}", n) for i, n in enumerate([30, 10, 30, 10])]
+    for r in reqs:
+        q.add_request(r)
+    q.reorder(lambda r: r.num_prompt_tokens)
+    assert [r.request_id for r in q] == ["r1", "r3", "r0", "r2"] and not q.is_dirty
+    popped = q.pop_request()
+    q.add_request(reqs[1].__class__("late", [1], SamplingParams(max_tokens=1), None))
+    q.prepend_request(popped)  # vLLM re-queues a skipped request at the front
+    assert q.peek_request() is popped and q.is_dirty

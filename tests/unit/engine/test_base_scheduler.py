@@ -1,0 +1,161 @@
+"""MarsBaseScheduler: params, metadata, telemetry, inbox, integrity (real vLLM scheduler)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+from mars_openhands.engine import MarsBaseScheduler, MarsScheduler  # noqa: E402
+from mars_openhands.stream.events import SessionEnd, now_stamps  # noqa: E402
+from mars_openhands.stream.transport import ListSink, ZmqEventPublisher  # noqa: E402
+from tests.unit.engine.harness import Harness  # noqa: E402
+
+
+def test_bad_params_fail_at_init_naming_the_key() -> None:
+    with pytest.raises(ValueError, match=r"mars\.retention\.max_ttl_s"):
+        Harness(MarsBaseScheduler, num_blocks=16, mars={"retention": {"max_ttl_s": -1}})
+    with pytest.raises(ValueError, match=r"mars\.nope"):
+        Harness(MarsBaseScheduler, num_blocks=16, mars={"nope": 1})
+
+
+def test_base_keeps_stock_fcfs_behaviour() -> None:
+    """Without overridden hooks the base schedules exactly like stock vLLM."""
+    traces = []
+    for cls in (Scheduler, MarsBaseScheduler):
+        h = Harness(cls, num_blocks=24, max_num_batched_tokens=96, seed=3)
+        for i in range(6):
+            h.add(h.make_request(None, h.tokens(40 + 13 * i), 5 + i))
+        traces.append([(sorted(r.num_scheduled_tokens.items()), sorted(r.preempted_ids))
+                       for r in h.run_until_done()])
+        h.assert_no_leaks()
+    assert traces[0] == traces[1]
+
+
+@pytest.mark.parametrize("extra", [{"mars_turn": -1}, {"mars_turn": "x"}, {"mars_last_step": 2},
+                                   {"mars_prev_tool_s": -3}, {"mars_tunr": 1}])
+def test_invalid_extras_finish_the_request_with_error(extra, caplog) -> None:
+    h = Harness(MarsBaseScheduler, num_blocks=32)
+    good = h.add(h.make_request("s1", h.tokens(20), 3, {"mars_turn": 0}))
+    bad = h.add(h.make_request("s2", h.tokens(20), 3, extra))
+    res = h.step()
+    assert bad.request_id not in res.num_scheduled_tokens
+    assert bad.request_id in res.finished_ids and bad.status == RequestStatus.FINISHED_ERROR
+    assert "mars_" in caplog.text
+    h.run_until_done()
+    assert good.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    h.assert_no_leaks()
+
+
+def test_session_service_and_turns_are_tracked() -> None:
+    h = Harness(MarsBaseScheduler, num_blocks=64)
+    r0 = h.add(h.make_request("s1", h.tokens(50), 4, {"mars_turn": 0}))
+    h.run_until_finished(r0.request_id)
+    s = h.scheduler.sessions["s1"]
+    assert s.attained_service_tokens == 50 + 3  # prompt + 3 decode steps (first token from prefill)
+    assert s.num_turns_finished == 1 and s.last_finish_s == h.clock() and not s.active_request_ids
+    r1 = h.add(h.next_turn(r0, 10, 2, {"mars_turn": 1}))
+    assert s.active_request_ids == {r1.request_id} and s.last_turn == 1 and s.last_finish_s is None
+    h.run_until_done()
+    h.assert_no_leaks()
+
+
+def test_telemetry_events_of_one_request() -> None:
+    h = Harness(MarsScheduler, num_blocks=64)
+    sink = ListSink()
+    h.scheduler.set_telemetry_sink(sink)
+    r = h.add(h.make_request("s1", h.tokens(40), 3, {"mars_turn": 0}))
+    h.run_until_done()
+    kinds = [e.kind for e in sink.events if e.kind != "engine_step"]
+    assert kinds == ["queued", "first_scheduled", "first_token", "kv_retained", "finished"]
+    finished = sink.events[-1]
+    assert finished.request_id == r.request_id and finished.num_blocks_retained == 2
+    assert finished.num_blocks_freed == 1 and finished.session_id == "s1" and finished.turn == 0
+    assert any(e.kind == "engine_step" for e in sink.events)
+    h.assert_no_leaks()
+
+
+def test_telemetry_preempted_event() -> None:
+    h = Harness(MarsScheduler, num_blocks=14, max_num_batched_tokens=128,
+                long_prefill_token_threshold=32)
+    sink = ListSink()
+    h.scheduler.set_telemetry_sink(sink)
+    h.add(h.make_request(None, h.tokens(160), 4, request_id="P"))
+    for i in range(2):
+        h.add(h.make_request(None, h.tokens(32), 40, request_id=f"D{i}"))
+    h.run_until_done()
+    pre = [e for e in sink.events if e.kind == "preempted"]
+    assert pre and all(e.request_id == "P" and e.num_blocks_freed > 0 for e in pre)
+    h.assert_no_leaks()
+
+
+def test_zmq_inbox_consumes_cpu_plane_events(tmp_path) -> None:
+    addr = f"ipc://{tmp_path}/inbox"
+    h = Harness(MarsScheduler, num_blocks=40, mars={"inbox_addr": addr})
+    r = h.add(h.make_request("s1", h.tokens(100), 2, {"mars_turn": 0}))
+    h.run_until_finished(r.request_id)
+    assert "s1" in h.scheduler.retained
+    with ZmqEventPublisher(addr, flush_interval_s=0.01) as pub:
+        deadline = time.monotonic() + 30
+        while "s1" in h.scheduler.retained and time.monotonic() < deadline:
+            # The publisher drops batches until its connection is up (IMMEDIATE), so resend;
+            # session_end is idempotent.
+            pub.emit(SessionEnd(**now_stamps(), session_id="s1", source="gateway"))
+            time.sleep(0.05)
+            h.step()
+    assert "s1" not in h.scheduler.retained
+    h.scheduler.shutdown()
+    h.assert_no_leaks()
+
+
+def test_idle_sessions_are_forgotten() -> None:
+    h = Harness(MarsBaseScheduler, num_blocks=32, mars={"session_idle_timeout_s": 60})
+    r = h.add(h.make_request("s1", h.tokens(20), 2, {"mars_turn": 0}))
+    h.run_until_finished(r.request_id)
+    h.clock.advance(30)
+    h.step()
+    assert "s1" in h.scheduler.sessions
+    h.clock.advance(61)
+    h.step()
+    assert "s1" not in h.scheduler.sessions
+    h.assert_no_leaks()
+
+
+def test_abort_releases_nothing_retained_and_leaks_nothing() -> None:
+    h = Harness(MarsScheduler, num_blocks=40)
+    r = h.add(h.make_request("s1", h.tokens(100), 50, {"mars_turn": 0}))
+    h.step()
+    h.step()
+    h.scheduler.finish_requests(r.request_id, RequestStatus.FINISHED_ABORTED)
+    assert not h.scheduler.retained  # an aborted turn is not worth keeping
+    h.assert_no_leaks()
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_multi_turn_sessions_with_async_pipelining(depth: int) -> None:
+    """Our classes work with async scheduling on (depth 2) as well as off (CPU, depth 1)."""
+    h = Harness(MarsScheduler, num_blocks=120, max_num_batched_tokens=256, pipeline_depth=depth)
+    sessions = {f"s{i}": h.add(h.make_request(f"s{i}", h.tokens(150 + 40 * i), 6,
+                                              {"mars_turn": 0})) for i in range(4)}
+    hits = []
+    for turn in range(1, 4):
+        while any(not r.is_finished() for r in sessions.values()):
+            h.step(0.01)
+        h.assert_no_leaks()
+        h.clock.advance(0.3)
+        for sid, prev in list(sessions.items()):
+            last = int(turn == 3)
+            sessions[sid] = h.add(h.next_turn(prev, 30, 6, {"mars_turn": turn,
+                                                            "mars_last_step": last}))
+        res = h.step(0.01)
+        hits += [sessions[sid].num_computed_tokens - n for sid in sessions
+                 for rid, n in res.num_scheduled_tokens.items() if rid == sessions[sid].request_id]
+    h.run_until_done()
+    assert hits and min(hits) > 100  # every resumed turn hit its retained prefix
+    assert not h.scheduler.retained  # final turns are not retained
+    h.assert_no_leaks()

@@ -1,0 +1,155 @@
+"""Ordering, victims, promotion and chunk shrinking of the MARS schedulers on real vLLM objects."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+from mars_openhands.engine import MarsPreviewScheduler, MarsScheduler  # noqa: E402
+from tests.unit.engine.harness import Harness  # noqa: E402
+
+
+def _first_admitted(h: Harness) -> str:
+    res = h.step(0.01)
+    assert len(res.num_scheduled_tokens) == 1, res.num_scheduled_tokens
+    return next(iter(res.num_scheduled_tokens))
+
+
+@pytest.mark.parametrize(("cls", "first"), [(Scheduler, "long"), (MarsPreviewScheduler, "short"),
+                                            (MarsScheduler, "short")])
+def test_waiting_order_short_prompt_first(cls, first: str) -> None:
+    h = Harness(cls, num_blocks=512, max_num_seqs=1)
+    h.add(h.make_request(None, h.tokens(3000), 2, request_id="long"))  # level 1
+    h.add(h.make_request(None, h.tokens(100), 2, request_id="short"))  # level 0
+    assert _first_admitted(h) == first
+    h.run_until_done()
+    h.assert_no_leaks()
+
+
+@pytest.mark.parametrize(("cls", "first"), [(MarsPreviewScheduler, "fresh"), (MarsScheduler, "s1")])
+def test_cached_continuation_ranks_by_uncached_remainder(cls, first: str) -> None:
+    """The preview buckets the full prompt; ours the uncached remainder (design.md §4)."""
+    h = Harness(cls, num_blocks=1024, max_num_seqs=1)
+    r0 = h.add(h.make_request("s1", h.tokens(3000), 4, {"mars_turn": 0}))
+    h.run_until_finished(r0.request_id)
+    h.add(h.make_request(None, h.tokens(3000), 2, request_id="fresh"))
+    r1 = h.add(h.next_turn(r0, 20, 2, {"mars_turn": 1}))
+    admitted = _first_admitted(h)
+    assert admitted == (r1.request_id if first == "s1" else "fresh")
+    h.run_until_done()
+    h.assert_no_leaks()
+
+
+@pytest.mark.parametrize(("cls", "decode_preempted"), [(Scheduler, True), (MarsPreviewScheduler, False),
+                                                       (MarsScheduler, False)])
+def test_victim_is_the_prefill_not_the_decodes(cls, decode_preempted: bool) -> None:
+    h = Harness(cls, num_blocks=14, max_num_batched_tokens=128, long_prefill_token_threshold=32)
+    h.add(h.make_request(None, h.tokens(160), 4, request_id="P"))
+    h.add(h.make_request(None, h.tokens(32), 40, request_id="D1"))
+    h.add(h.make_request(None, h.tokens(32), 40, request_id="D2"))
+    preempted: set[str] = set()
+    for res in h.run_until_done(max_steps=500):
+        preempted |= res.preempted_ids
+        h.assert_no_leaks()
+    assert preempted, "the scenario must run out of KV"
+    assert bool(preempted & {"D1", "D2"}) == decode_preempted
+    if not decode_preempted:
+        assert preempted == {"P"}
+
+
+def test_bounded_promotion_levels() -> None:
+    mars = {"levels": {"aging_interval_s": 30.0}, "mars": {"max_promotion_levels": 1}}
+    h = Harness(MarsScheduler, num_blocks=4096, max_num_seqs=1, mars=mars)
+    big = h.add(h.make_request(None, h.tokens(40000), 2))
+    now = h.clock()
+    assert h.scheduler.level(big, now) == 3
+    assert h.scheduler.level(big, now + 29.0) == 3
+    assert h.scheduler.level(big, now + 31.0) == 2
+    assert h.scheduler.level(big, now + 1000.0) == 2  # bounded: at most one level of promotion
+    h.run_until_done()
+    h.assert_no_leaks()
+
+
+def test_no_starvation_under_a_stream_of_short_requests() -> None:
+    """A level-3 request waits at most ~3 aging intervals behind an endless short stream."""
+    h = Harness(MarsScheduler, num_blocks=4096, max_num_seqs=1, max_num_batched_tokens=8192)
+    big = h.add(h.make_request(None, h.tokens(40000), 1, request_id="big"))
+    arrival = h.clock()
+    admitted_at = None
+    for _ in range(400):
+        h.add(h.make_request(None, h.tokens(64), 1))  # a new short request every second
+        res = h.step(1.0)
+        if "big" in res.num_scheduled_tokens:
+            admitted_at = h.clock()
+            break
+    assert admitted_at is not None, "the long request starved"
+    assert 85.0 <= admitted_at - arrival <= 95.0  # 3 levels x 30 s, then FIFO at level 0
+    assert big.status == RequestStatus.RUNNING
+    h.run_until_done()
+    h.assert_no_leaks()
+
+
+def _steal_all_but(h: Harness, num_free_blocks: int) -> list:
+    pool = h.scheduler.kv_cache_manager.block_pool
+    return pool.get_new_blocks(pool.get_num_free_blocks() - num_free_blocks)
+
+
+@pytest.mark.parametrize(("cls", "shrinks"), [(Scheduler, False), (MarsScheduler, True),
+                                              (MarsPreviewScheduler, True)])
+def test_chunk_shrinking_progresses_where_stock_preempts(cls, shrinks: bool) -> None:
+    h = Harness(cls, num_blocks=80, max_num_batched_tokens=256)
+    p = h.add(h.make_request(None, h.tokens(800), 2, request_id="P"))
+    assert h.step().num_scheduled_tokens == {"P": 256}
+    stolen = _steal_all_but(h, 8)  # someone else took the memory: 8 blocks = 128 tokens left
+    res = h.step()
+    if shrinks:
+        assert res.num_scheduled_tokens == {"P": 128} and not res.preempted_ids
+        assert p.num_computed_tokens == 384
+    else:
+        assert res.preempted_ids == {"P"} and p.status == RequestStatus.PREEMPTED
+    h.scheduler.kv_cache_manager.block_pool.free_blocks(stolen)
+    h.run_until_done()
+    assert p.is_finished()
+    h.assert_no_leaks()
+
+
+@pytest.mark.parametrize("cls", [MarsScheduler, MarsPreviewScheduler])
+def test_no_raise_under_kv_exhaustion_with_one_running_request(cls) -> None:
+    h = Harness(cls, num_blocks=80, max_num_batched_tokens=256)
+    p = h.add(h.make_request(None, h.tokens(600), 40, request_id="P"))
+    h.step()
+    stolen = _steal_all_but(h, 0)
+    for _ in range(20):
+        res = h.step(0.01)  # must neither raise nor leak, whatever vLLM decides
+        assert not res.num_scheduled_tokens  # nothing fits
+        assert h.num_free_blocks() + len(stolen) + 1 == 80  # everything else was given back
+    assert p.status == RequestStatus.PREEMPTED  # it gave up its own blocks, then waits
+    h.scheduler.kv_cache_manager.block_pool.free_blocks(stolen)
+    h.run_until_done()
+    assert p.is_finished()
+    h.assert_no_leaks()
+
+
+def test_preview_window_overflow_is_fcfs_and_counted() -> None:
+    h = Harness(MarsPreviewScheduler, num_blocks=512, mars={"window": {"size": 2}})
+    reqs = [h.add(h.make_request(None, h.tokens(50), 3, request_id=f"r{i}")) for i in range(4)]
+    assert [r.request_id for r in h.scheduler.overflow] == ["r2", "r3"]
+    assert h.scheduler.get_request_counts() == (0, 4)
+    h.scheduler.finish_requests("r3", RequestStatus.FINISHED_ABORTED)
+    assert [r.request_id for r in h.scheduler.overflow] == ["r2"]
+    h.run_until_done()
+    assert all(r.is_finished() for r in reqs)
+    h.assert_no_leaks()
+
+
+def test_mars_has_no_window_by_default() -> None:
+    h = Harness(MarsScheduler, num_blocks=512)
+    for _ in range(40):
+        h.add(h.make_request(None, h.tokens(20), 1))
+    assert h.scheduler.window_size is None and not h.scheduler.overflow
+    h.run_until_done()
+    h.assert_no_leaks()

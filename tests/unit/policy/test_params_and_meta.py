@@ -1,0 +1,67 @@
+"""SchedulerParams parsing and the MARS vllm_xargs metadata (policy/params.py, policy/types.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mars_openhands.policy.params import SchedulerParams, parse_scheduler_params
+from mars_openhands.policy.session import inferred_tool_duration_s
+from mars_openhands.policy.types import TurnMeta, parse_turn_meta
+
+
+def test_defaults_match_design() -> None:
+    p = parse_scheduler_params(None)
+    assert p.levels.prompt_thresholds_tokens == (2048, 8192, 32768)
+    assert p.levels.quanta_tokens == (2048, 1024, 512, 256)
+    assert p.levels.aging_interval_s == 30.0 and p.window.size == 30
+    assert p.retention.reload_linear_s_per_token == 0.0002 and p.retention.min_tool_samples == 100
+    assert parse_scheduler_params({}) == p and parse_scheduler_params(p) is p
+
+
+@pytest.mark.parametrize(("raw", "match"), [
+    ({"levels": {"quanta_tokens": [1, 2]}}, r"mars\.levels.*quanta_tokens needs"),
+    ({"retention": {"price_free_usage": 1.5}}, r"mars\.retention\.price_free_usage"),
+    ({"window": {"size": 0}}, r"mars\.window\.size"),
+    ({"bogus": True}, r"mars\.bogus: Extra inputs"),
+    ("nope", r"must be a JSON object"),
+])
+def test_errors_name_the_key(raw, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        parse_scheduler_params(raw)
+
+
+def test_params_are_frozen() -> None:
+    p = SchedulerParams()
+    with pytest.raises(ValueError):
+        p.levels.aging_interval_s = 1.0  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(("extra", "meta"), [
+    (None, TurnMeta()),
+    ({"kv_transfer_params": None}, TurnMeta()),
+    ({"mars_turn": 2}, TurnMeta(turn=2)),
+    ({"mars_turn": "2", "mars_last_step": "1"}, TurnMeta(turn=2, is_last_step=True)),
+    ({"mars_turn": 2.0, "mars_last_step": 0}, TurnMeta(turn=2, is_last_step=False)),
+    ({"mars_prev_tool": "bash", "mars_prev_tool_s": "1.5"},
+     TurnMeta(prev_tool="bash", prev_tool_s=1.5)),
+])
+def test_turn_meta_valid(extra, meta: TurnMeta) -> None:
+    assert parse_turn_meta(extra) == meta
+
+
+@pytest.mark.parametrize(("extra", "key"), [
+    ({"mars_turn": -1}, "mars_turn"), ({"mars_turn": 1.5}, "mars_turn"),
+    ({"mars_last_step": 2}, "mars_last_step"), ({"mars_prev_tool": ""}, "mars_prev_tool"),
+    ({"mars_prev_tool_s": "nan"}, "mars_prev_tool_s"), ({"mars_prev_tool_s": -1}, "mars_prev_tool_s"),
+    ({"mars_sesion": "x"}, "mars_sesion"),
+])
+def test_turn_meta_invalid_names_the_key(extra, key: str) -> None:
+    with pytest.raises(ValueError, match=key):
+        parse_turn_meta(extra)
+
+
+@pytest.mark.parametrize(("last", "arrival", "reported", "out"), [
+    (None, 5.0, None, None), (2.0, 5.0, None, 3.0), (2.0, 5.0, 1.0, 1.0), (6.0, 5.0, None, 0.0),
+])
+def test_inferred_tool_duration(last, arrival, reported, out) -> None:
+    assert inferred_tool_duration_s(last, arrival, reported) == out
