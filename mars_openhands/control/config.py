@@ -1,0 +1,140 @@
+"""`GatewayConfig`: every parameter of the gateway service, in one frozen typed model (design.md §6).
+
+The CLI flags (:mod:`mars_openhands.control.cli`) are generated from these fields and their
+docstrings; nested models (``admission``, ``reorder``) become ``--admission-<field>`` flags.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Self
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from mars_openhands.policy.admission import AdmissionParams
+from mars_openhands.policy.reorder import ReorderParams
+
+__all__ = ["GatewayConfig", "ReplicaConfig", "parse_replica"]
+
+
+def _check_http_url(value: str) -> str:
+    if not value.startswith(("http://", "https://")):
+        raise ValueError(
+            f"replica url must start with http:// or https://, got {value!r}; "
+            "e.g. --replica http://127.0.0.1:8001"
+        )
+    return value.rstrip("/")
+
+
+class ReplicaConfig(BaseModel):
+    """One vLLM replica behind the gateway. Frozen; unknown keys are an error."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    url: str
+    """Base URL of the replica's OpenAI server, without ``/v1`` (e.g. ``http://127.0.0.1:8001``)."""
+    name: str | None = None
+    """Name in metrics and logs; default ``r<index>``."""
+    events_address: str | None = None
+    """ZeroMQ address the replica's scheduler plugin binds a PULL socket on (``ipc://…`` or
+    ``tcp://127.0.0.1:<port>``); the gateway PUSHes the CPU-plane events of the replica's sessions
+    there (docs/gateway.md, "Engine contract"). ``None``: events are not forwarded."""
+    engine_source: str | None = None
+    """``source`` of this replica's GPU-plane events (``engine_step``); default ``engine:<index>``."""
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        return _check_http_url(value)
+
+
+def parse_replica(spec: str) -> ReplicaConfig:
+    """Parse ``URL[,events=ADDR][,name=NAME][,source=SRC]`` (the ``--replica`` flag).
+
+    Raises:
+        ValueError: an unknown key or a bad URL; the message shows the accepted form.
+    """
+    url, *options = spec.split(",")
+    fields: dict[str, str] = {"url": url}
+    keys = {"events": "events_address", "name": "name", "source": "engine_source"}
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep or key not in keys:
+            raise ValueError(
+                f"bad --replica option {option!r} in {spec!r}; expected "
+                "URL[,events=ADDR][,name=NAME][,source=SRC]"
+            )
+        fields[keys[key]] = value
+    return ReplicaConfig(**fields)
+
+
+class GatewayConfig(BaseModel):
+    """Configuration of the MARS gateway. Frozen; unknown keys are an error."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    replicas: tuple[ReplicaConfig, ...] = Field(min_length=1)
+    """vLLM replicas (``--replica URL[,events=ADDR][,name=NAME][,source=SRC]``, repeatable)."""
+    host: str = "127.0.0.1"
+    """Address the gateway listens on (loopback by default)."""
+    port: int = Field(8000, ge=0, le=65535)
+    """TCP port the gateway listens on (0 = any free port)."""
+    is_admission_enabled: bool = True
+    """Run the AIMD session window; off = admit every session at once (baselines without MARS
+    admission, design.md §5 fairness)."""
+    admission: AdmissionParams = AdmissionParams()
+    """AIMD window and pressure thresholds (design.md §6)."""
+    reorder: ReorderParams = ReorderParams()
+    """Order of the waiting sessions."""
+    num_tool_workers: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1)
+    """N_tool: tool workers of the agents (rho = in-flight tool calls / N_tool); default: CPU count."""
+    tool_wait_idle_decay: bool = True
+    """Feed a 0 s queue-wait sample to the EMA at each tick with no tool call queued, so a stale
+    sample cannot hold the window shut after the queue drains (ours; the preview only updates on
+    tool starts)."""
+    session_idle_timeout_s: float = Field(300.0, gt=0.0)
+    """Seconds without a request in flight, a tool call or any event after which a session releases
+    its slot (its next request queues again)."""
+    admission_wait_timeout_s: float = Field(600.0, gt=0.0)
+    """Seconds a request may wait for admission before HTTP 503."""
+    upstream_connect_timeout_s: float = Field(5.0, gt=0.0)
+    """Seconds to connect to a replica before it counts as failed."""
+    upstream_read_timeout_s: float = Field(600.0, gt=0.0)
+    """Seconds between bytes from a replica before the request fails (HTTP 504)."""
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    """Largest request body accepted, bytes (larger: HTTP 413)."""
+    max_events_per_post: int = Field(1024, ge=1)
+    """Largest batch of events per ``POST /mars/v1/events``."""
+    bytes_per_token: float = Field(4.0, gt=0.0)
+    """Prompt bytes per token for the gateway's prefill estimate (no tokenizer in the gateway)."""
+    block_size_tokens: int = Field(16, ge=1)
+    """KV block size used for projections when the engine does not report it (vLLM default 16)."""
+    poll_interval_s: float = Field(0.5, gt=0.0)
+    """Seconds between polls of each replica's ``/metrics`` (KV usage, health)."""
+    replica_failure_threshold: int = Field(2, ge=1)
+    """Consecutive failed polls (or one failed request) after which a replica is marked down."""
+    engine_step_max_age_s: float = Field(2.0, gt=0.0)
+    """``engine_step`` events younger than this override the polled KV usage."""
+    engine_events_address: str | None = None
+    """ZeroMQ address the gateway binds a PULL socket on for GPU-plane events from the engines
+    (``tcp://127.0.0.1:*`` picks a port); ``None``: no GPU-plane events (KV from polling only)."""
+    stream_path: str | None = None
+    """JSONL file recording the run's unified stream (every event through the gateway); ``None``:
+    nothing is recorded."""
+    stream_write_parquet: bool = False
+    """Also write ``<stream>.parquet`` on shutdown (needs pandas and pyarrow)."""
+
+    @model_validator(mode="after")
+    def _unique_replicas(self) -> Self:
+        urls = [r.url for r in self.replicas]
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"replica URLs must be distinct, got {urls}")
+        return self
+
+    def replica_name(self, index: int) -> str:
+        """Name of replica ``index`` (its ``name`` or ``r<index>``)."""
+        return self.replicas[index].name or f"r{index}"
+
+    def replica_source(self, index: int) -> str:
+        """``source`` of replica ``index``'s GPU-plane events (``engine:<index>`` by default)."""
+        return self.replicas[index].engine_source or f"engine:{index}"

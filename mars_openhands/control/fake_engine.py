@@ -1,0 +1,233 @@
+"""A fake vLLM OpenAI server: the gateway's failure tests and its benchmark's noise-free baseline.
+
+It answers ``/v1/chat/completions`` and ``/v1/completions`` (whole or SSE-streamed), ``/v1/models``,
+``/health`` and ``/metrics`` (``vllm:kv_cache_usage_perc``, ``vllm:cache_config_info``,
+``process_start_time_seconds``) like vLLM 0.32, records what it received (``session_id``,
+``vllm_xargs``) and, like vLLM's ``with_cancellation``, aborts a request whose client disconnects
+(counted in ``num_aborted``). Behaviour is set at run time with ``POST /fake/config``; what it saw is
+read with ``GET /fake/requests``. :class:`FakeEngineProcess` runs it in a subprocess so that tests can
+SIGKILL it like a crashed replica.
+
+Never used in production; it imports nothing from vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from types import TracebackType
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+__all__ = ["FakeEngineProcess", "build_fake_engine_app", "main"]
+
+
+def build_fake_engine_app(name: str = "fake") -> FastAPI:
+    """The fake engine's FastAPI app (state lives in the app, none at module level)."""
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    cfg: dict[str, Any] = {"kv_usage": 0.0, "delay_s": 0.0, "num_chunks": 3, "chunk_delay_s": 0.0,
+                           "num_gpu_blocks": 1000, "block_size": 16}
+    seen: dict[str, Any] = {"requests": [], "num_aborted": 0, "num_active": 0}
+    started_s = time.time()
+
+    def completion(body: dict[str, Any], chat: bool) -> dict[str, Any]:
+        text = "ok"
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text},
+                   "finish_reason": "stop"} if chat else
+                  {"index": 0, "text": text, "finish_reason": "stop"})
+        return {"id": "cmpl-fake", "object": "chat.completion" if chat else "text_completion",
+                "model": body.get("model", name), "choices": [choice],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+
+    async def until_disconnect(request: Request) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    async def handle(request: Request, chat: bool) -> Response:
+        body = json.loads(await request.body())
+        seen["requests"].append({"session_id": body.get("session_id"),
+                                 "vllm_xargs": body.get("vllm_xargs"),
+                                 "stream": bool(body.get("stream")), "body": body})
+        seen["num_active"] += 1
+        if body.get("stream"):
+            return StreamingResponse(stream(request, body, chat), media_type="text/event-stream")
+        try:
+            if cfg["delay_s"] > 0:
+                waiter = asyncio.ensure_future(until_disconnect(request))
+                done, _ = await asyncio.wait({waiter}, timeout=cfg["delay_s"])
+                if done:
+                    seen["num_aborted"] += 1
+                    return Response(status_code=499)
+                waiter.cancel()
+            return JSONResponse(completion(body, chat))
+        finally:
+            seen["num_active"] -= 1
+
+    async def stream(request: Request, body: dict[str, Any], chat: bool) -> AsyncIterator[bytes]:
+        finished = False
+        try:
+            if cfg["delay_s"] > 0:
+                await asyncio.sleep(cfg["delay_s"])
+            for i in range(cfg["num_chunks"]):
+                delta = ({"choices": [{"index": 0, "delta": {"content": f"t{i}"}}]} if chat else
+                         {"choices": [{"index": 0, "text": f"t{i}"}]})
+                yield f"data: {json.dumps(delta)}\n\n".encode()
+                if cfg["chunk_delay_s"] > 0:
+                    await asyncio.sleep(cfg["chunk_delay_s"])
+            yield b"data: [DONE]\n\n"
+            finished = True
+        finally:
+            seen["num_active"] -= 1
+            if not finished:
+                seen["num_aborted"] += 1
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await handle(request, True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handle(request, False)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": name, "object": "model"}]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        text = (
+            f'vllm:kv_cache_usage_perc{{engine="0",model_name="{name}"}} {cfg["kv_usage"]}\n'
+            f'vllm:num_requests_running{{engine="0"}} {seen["num_active"]}\n'
+            f'vllm:num_requests_waiting{{engine="0"}} 0\n'
+            f'vllm:cache_config_info{{block_size="{cfg["block_size"]}",'
+            f'num_gpu_blocks="{cfg["num_gpu_blocks"]}"}} 1.0\n'
+            f"process_start_time_seconds {started_s}\n"
+        )
+        return Response(text, media_type="text/plain")
+
+    @app.post("/fake/config")
+    async def set_config(request: Request) -> dict[str, Any]:
+        update = json.loads(await request.body())
+        unknown = set(update) - set(cfg)
+        if unknown:
+            return JSONResponse({"error": f"unknown fake config keys {sorted(unknown)}"}, 400)
+        cfg.update(update)
+        return cfg
+
+    @app.get("/fake/requests")
+    async def requests() -> dict[str, Any]:
+        return {"requests": seen["requests"], "num_aborted": seen["num_aborted"],
+                "num_active": seen["num_active"]}
+
+    return app
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class FakeEngineProcess:
+    """The fake engine in a subprocess on ``127.0.0.1:<port>``; :meth:`kill` is a SIGKILL.
+
+    Args:
+        port: fixed port (so a restart reuses it); default a free one.
+        name: served model name.
+        startup_timeout_s: wait for ``/health``.
+    """
+
+    def __init__(self, port: int | None = None, name: str = "fake", startup_timeout_s: float = 30.0):
+        self.port = port or _free_port()
+        self.name = name
+        self.startup_timeout_s = startup_timeout_s
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """``http://127.0.0.1:<port>``."""
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> FakeEngineProcess:
+        """Start the subprocess and wait until ``/health`` answers.
+
+        Raises:
+            RuntimeError: it exited or did not answer within ``startup_timeout_s``.
+        """
+        import httpx
+
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mars_openhands.control.fake_engine", "--port", str(self.port),
+             "--name", self.name],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"fake engine exited with {self.proc.returncode} on {self.url}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        self.kill()
+        raise RuntimeError(f"fake engine did not answer on {self.url} in {self.startup_timeout_s} s")
+
+    def configure(self, **values: Any) -> dict[str, Any]:
+        """``POST /fake/config`` (kv_usage, delay_s, num_chunks, chunk_delay_s, ...)."""
+        import httpx
+
+        resp = httpx.post(f"{self.url}/fake/config", json=values, timeout=5.0)
+        resp.raise_for_status()
+        return resp.json()
+
+    def seen(self) -> dict[str, Any]:
+        """``GET /fake/requests``: received requests, ``num_aborted``, ``num_active``."""
+        import httpx
+
+        return httpx.get(f"{self.url}/fake/requests", timeout=5.0).json()
+
+    def kill(self) -> None:
+        """SIGKILL the process (a crashed replica) and reap it. Idempotent."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait(timeout=10)
+
+    def __enter__(self) -> FakeEngineProcess:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.kill()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m mars_openhands.control.fake_engine --port N``."""
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--name", default="fake")
+    args = parser.parse_args(argv)
+    uvicorn.run(build_fake_engine_app(args.name), host="127.0.0.1", port=args.port,
+                log_level="warning", access_log=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""Session metadata: from the agent's request to the engine's ``session_id`` and ``vllm_xargs`` (design.md §2).
+
+Agents need no engine knowledge: the gateway finds the session in what they already send and
+rewrites the body for vLLM 0.32, which has a native per-conversation ``session_id`` field (it reaches
+the engine as ``Request.session_id``) and passes ``vllm_xargs`` (str/int/float values) through as
+``request.sampling_params.extra_args``.
+
+Where the session id comes from, first match wins:
+
+==========================  ======  ==========================================================
+``X-Mars-Session``          header  ours, explicit
+``mars_session``            body    ours, explicit (removed before forwarding)
+``session_id``              body    vLLM's native field, already set by the client
+``x-litellm-session-id``    header  OpenHands 1.58 (LiteLLM) sends the conversation id here
+``prompt_cache_key``        body    OpenHands 1.58 also sends the conversation id here
+==========================  ======  ==========================================================
+
+A request with none of them is a one-turn session. Extras sent to the engine in ``vllm_xargs``:
+``mars_turn`` (0-based turn), ``mars_last_step`` (0/1, when the agent says so via body
+``mars_last_step`` or header ``X-Mars-Last-Step``), and ``mars_prev_tool`` / ``mars_prev_tool_s`` (name and
+measured duration of the tool that ended since the previous turn, from the agent's ``tool_end``).
+All functions here are pure and raise :class:`BadRequestError` (HTTP 400) naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = [
+    "BadRequestError",
+    "MAX_SESSION_ID_CHARS",
+    "SESSION_SOURCES",
+    "build_engine_body",
+    "estimate_prompt_tokens",
+    "extract_last_step",
+    "extract_session_id",
+    "validate_session_id",
+]
+
+MAX_SESSION_ID_CHARS = 256
+"""Longest accepted session id, characters."""
+
+SESSION_SOURCES: tuple[tuple[str, str], ...] = (
+    ("header", "x-mars-session"),
+    ("body", "mars_session"),
+    ("body", "session_id"),
+    ("header", "x-litellm-session-id"),
+    ("body", "prompt_cache_key"),
+)
+"""(where, name) of each session id source, in priority order."""
+
+_GATEWAY_BODY_FIELDS = ("mars_session", "mars_last_step")
+
+
+class BadRequestError(ValueError):
+    """The agent's request is malformed; ``str(error)`` names the field, the value and the fix.
+
+    Attributes:
+        status_code: the HTTP status to answer with (400 unless stated).
+    """
+
+    def __init__(self, message: str, status_code: int = 400) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
+def validate_session_id(value: Any, field: str) -> str:
+    """Return ``value`` if it is a usable session id, else raise.
+
+    Raises:
+        BadRequestError: not a string, empty, longer than 256 characters or with control characters.
+    """
+    if not isinstance(value, str):
+        raise BadRequestError(
+            f"{field} must be a string session id, got {type(value).__name__} {value!r}"
+        )
+    if not value or len(value) > MAX_SESSION_ID_CHARS:
+        raise BadRequestError(
+            f"{field} must be 1..{MAX_SESSION_ID_CHARS} characters, got {len(value)}"
+        )
+    if not value.isprintable():
+        raise BadRequestError(f"{field} must be printable text, got {value!r}")
+    return value
+
+
+def extract_session_id(headers: Mapping[str, str], body: Mapping[str, Any]) -> tuple[str | None, str | None]:
+    """Find the session id of a request (sources in :data:`SESSION_SOURCES` order). Pure.
+
+    Args:
+        headers: request headers, with lower-case names (or a case-insensitive mapping).
+        body: the parsed JSON body.
+
+    Returns:
+        ``(session_id, field)``, e.g. ``("conv-1", "header x-litellm-session-id")``, or
+        ``(None, None)`` for a one-turn request.
+
+    Raises:
+        BadRequestError: the first present source holds a bad value.
+    """
+    for where, name in SESSION_SOURCES:
+        value = headers.get(name) if where == "header" else body.get(name)
+        if value is None:
+            continue
+        field = f"{where} {name}"
+        return validate_session_id(value, field), field
+    return None, None
+
+
+def extract_last_step(headers: Mapping[str, str], body: Mapping[str, Any]) -> int | None:
+    """Return ``mars_last_step`` (0 or 1) from the body or the ``X-Mars-Last-Step`` header, if given.
+
+    Raises:
+        BadRequestError: a value other than true/false/0/1.
+    """
+    value: Any = body.get("mars_last_step")
+    field = "body mars_last_step"
+    if value is None:
+        value, field = headers.get("x-mars-last-step"), "header x-mars-last-step"
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return int(value)
+    if value in (0, 1, "0", "1", "true", "false"):
+        return 1 if value in (1, "1", "true") else 0
+    raise BadRequestError(f"{field} must be 0/1 or true/false, got {value!r}")
+
+
+def _check_xargs(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise BadRequestError(f"body vllm_xargs must be an object, got {type(value).__name__}")
+    for key, item in value.items():
+        if not isinstance(item, (str, int, float, list)) or isinstance(item, bool):
+            raise BadRequestError(
+                f"body vllm_xargs.{key} must be a string, integer, float or list, got {item!r}"
+            )
+    return value
+
+
+def build_engine_body(
+    body: Mapping[str, Any],
+    session_id: str | None,
+    turn: int,
+    last_step: int | None = None,
+    prev_tool: tuple[str, float] | None = None,
+) -> dict[str, Any]:
+    """Return the body to send to vLLM: native ``session_id`` plus the MARS ``vllm_xargs``. Pure.
+
+    Args:
+        body: the agent's parsed body (not mutated).
+        session_id: the session, or ``None`` for a one-turn request (no ``session_id`` is set).
+        turn: 0-based turn of this request within the session.
+        last_step: 0/1 when the agent said whether this is the session's last LLM call.
+        prev_tool: ``(tool_name, duration_s)`` of the tool that ended since the previous turn.
+
+    Raises:
+        BadRequestError: the agent's own ``vllm_xargs`` is not an object of str/int/float/list values.
+    """
+    out = {k: v for k, v in body.items() if k not in _GATEWAY_BODY_FIELDS}
+    xargs: dict[str, Any] = dict(_check_xargs(body["vllm_xargs"])) if "vllm_xargs" in body else {}
+    xargs["mars_turn"] = turn
+    if last_step is not None:
+        xargs["mars_last_step"] = last_step
+    if prev_tool is not None:
+        xargs["mars_prev_tool"] = prev_tool[0]
+        xargs["mars_prev_tool_s"] = float(prev_tool[1])
+    if session_id is not None:
+        out["session_id"] = session_id
+    out["vllm_xargs"] = xargs
+    return out
+
+
+def estimate_prompt_tokens(body: Mapping[str, Any], num_body_bytes: int, bytes_per_token: float) -> int:
+    """Estimate a request's prompt tokens without a tokenizer: its text bytes / ``bytes_per_token``.
+
+    Uses the ``messages`` (chat) or ``prompt`` (completions) part of the body when present, else the
+    whole body size. Pure.
+    """
+    part = body.get("messages", body.get("prompt"))
+    if part is None:
+        size = num_body_bytes
+    elif isinstance(part, str):
+        size = len(part.encode())
+    else:
+        size = len(json.dumps(part, separators=(",", ":")).encode())
+    return max(1, int(size / bytes_per_token))

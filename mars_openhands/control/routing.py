@@ -1,0 +1,141 @@
+"""Routing of sessions across vLLM replicas: KV affinity first, then the least loaded (design.md §6).
+
+Mental model: a session's KV (prefix cache or retained blocks) lives on the replica that served its
+previous turn, so every turn of a session goes there while it is healthy. A new session, or one whose
+replica went down, goes to the healthy replica with the fewest live sessions, ties broken by KV
+usage, then in-flight requests, then index. A replica is marked down after
+``replica_failure_threshold`` consecutive failed polls, or at once when a request cannot connect; it
+is marked up again by the next successful poll. Marking a replica down detaches its sessions (they
+are re-routed on their next request) and fails its in-flight requests (see
+:class:`mars_openhands.control.app.Gateway`), so nothing waits on a dead engine.
+
+Single-threaded: the gateway's event loop.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from mars_openhands.control.config import GatewayConfig
+from mars_openhands.control.sessions import Session
+
+__all__ = ["NoReplicaError", "ReplicaState", "Router"]
+
+
+class NoReplicaError(RuntimeError):
+    """No healthy replica can take the request (HTTP 503)."""
+
+
+@dataclass
+class ReplicaState:
+    """What the gateway knows about one replica. Mutable; owned by :class:`Router`."""
+
+    index: int
+    name: str
+    url: str
+    is_healthy: bool = True
+    num_consecutive_failures: int = 0
+    last_error: str | None = None
+    num_sessions: int = 0
+    """Live sessions routed here (affinity)."""
+    num_in_flight: int = 0
+    """Requests being proxied to it now."""
+    kv_usage_polled: float | None = None
+    """``vllm:kv_cache_usage_perc`` from the last poll (0..1; excludes evictable prefix-cache blocks,
+    since vLLM counts them as free)."""
+    kv_usage_step: float | None = None
+    """Usage from the last ``engine_step`` event (used / total blocks)."""
+    kv_usage_step_mono_s: float = 0.0
+    num_gpu_blocks: int | None = None
+    block_size_tokens: int | None = None
+    num_running: int | None = None
+    num_waiting: int | None = None
+    process_start_s: float | None = None
+    """``process_start_time_seconds`` of the replica; a change means it restarted."""
+    num_restarts: int = 0
+    num_failures_total: int = 0
+    in_flight: set = field(default_factory=set)
+    """Handles of in-flight requests (see ``app._InFlight``), failed when the replica goes down."""
+
+    def kv_usage(self, now_mono_s: float, max_step_age_s: float) -> float | None:
+        """KV usage 0..1: a fresh ``engine_step`` wins over the poll; ``None`` if unknown."""
+        if self.kv_usage_step is not None and now_mono_s - self.kv_usage_step_mono_s <= max_step_age_s:
+            return self.kv_usage_step
+        return self.kv_usage_polled
+
+
+class Router:
+    """Replica table and the affinity / least-loaded choice."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.replicas = [
+            ReplicaState(i, config.replica_name(i), r.url) for i, r in enumerate(config.replicas)
+        ]
+        self._by_source = {config.replica_source(i): i for i in range(len(config.replicas))}
+
+    def index_of_source(self, source: str) -> int | None:
+        """Replica index whose GPU-plane events carry ``source``, if any."""
+        return self._by_source.get(source)
+
+    def healthy(self) -> list[ReplicaState]:
+        """Replicas currently marked up."""
+        return [r for r in self.replicas if r.is_healthy]
+
+    def _load_key(self, r: ReplicaState) -> tuple[int, float, int, int]:
+        usage = r.kv_usage(time.monotonic(), self.config.engine_step_max_age_s)
+        return (r.num_sessions, usage if usage is not None else 0.0, r.num_in_flight, r.index)
+
+    def route(self, session: Session) -> ReplicaState:
+        """Return the replica for the session's next request, binding the session to it. Mutates.
+
+        Raises:
+            NoReplicaError: every replica is down (the message lists them with their last error).
+        """
+        if session.replica is not None:
+            current = self.replicas[session.replica]
+            if current.is_healthy:
+                return current
+            self.detach(session)
+        candidates = self.healthy()
+        if not candidates:
+            states = ", ".join(f"{r.name} ({r.url}): {r.last_error}" for r in self.replicas)
+            raise NoReplicaError(f"no healthy vLLM replica; all are down: {states}")
+        best = min(candidates, key=self._load_key)
+        session.replica = best.index
+        best.num_sessions += 1
+        return best
+
+    def detach(self, session: Session) -> None:
+        """Unbind the session from its replica (session ended or replica down). Mutates."""
+        if session.replica is not None:
+            self.replicas[session.replica].num_sessions -= 1
+            session.replica = None
+
+    def record_success(self, index: int) -> bool:
+        """A poll or request succeeded. Returns True if the replica came back up. Mutates."""
+        r = self.replicas[index]
+        came_back = not r.is_healthy
+        r.is_healthy = True
+        r.num_consecutive_failures = 0
+        r.last_error = None
+        return came_back
+
+    def record_failure(self, index: int, error: str, immediate: bool = False) -> bool:
+        """A poll or request failed. Returns True if the replica just went down. Mutates.
+
+        Args:
+            index: replica index.
+            error: what failed, for messages.
+            immediate: mark down now (a request could not connect) instead of after the threshold.
+        """
+        r = self.replicas[index]
+        r.num_consecutive_failures += 1
+        r.num_failures_total += 1
+        r.last_error = error
+        threshold = 1 if immediate else self.config.replica_failure_threshold
+        if r.is_healthy and r.num_consecutive_failures >= threshold:
+            r.is_healthy = False
+            return True
+        return False

@@ -1,0 +1,139 @@
+"""Session registry and tool-plane signals of the gateway (design.md §2, §6).
+
+A :class:`Session` is one agent task as the gateway sees it: its turns (LLM requests), the replica
+holding its KV, its admission slot and its tool calls. :class:`ToolTracker` turns CPU-plane events
+into the two CPU pressure signals of the admission window: the backlog ratio
+``rho = in-flight tool calls / tool workers`` and the EMA of tool queue wait.
+
+Mutates only its own objects; single-threaded (the gateway's event loop).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from mars_openhands.policy.admission import ema
+
+__all__ = ["Session", "SessionRegistry", "ToolTracker"]
+
+
+@dataclass
+class Session:
+    """Gateway-side state of one session. Mutable; owned by :class:`SessionRegistry`."""
+
+    session_id: str
+    created_s: float
+    """Monotonic seconds when the gateway first saw it."""
+    is_one_turn: bool = False
+    """A request without a session id: the session ends with its only request."""
+    num_turns: int = 0
+    """LLM requests started so far (the next request's 0-based turn)."""
+    replica: int | None = None
+    """Index of the replica holding its KV (affinity), once routed."""
+    is_admitted: bool = False
+    num_in_flight: int = 0
+    """LLM requests of this session currently being served."""
+    last_activity_s: float = 0.0
+    """Monotonic seconds of the last request end, event or admission."""
+    tools_in_flight: dict[str, bool] = field(default_factory=dict)
+    """tool_call_id → has it started, for enqueued or running tool calls."""
+    prev_tool: tuple[str, float] | None = None
+    """(tool_name, duration_s) of the last tool that ended since the previous turn."""
+    has_ended: bool = False
+
+
+class SessionRegistry:
+    """All live sessions by id. Single-threaded."""
+
+    def __init__(self) -> None:
+        self._sessions: dict[str, Session] = {}
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __iter__(self) -> Iterator[Session]:
+        return iter(list(self._sessions.values()))
+
+    def get(self, session_id: str) -> Session | None:
+        """Return the session or ``None``."""
+        return self._sessions.get(session_id)
+
+    def get_or_create(self, session_id: str, now_s: float, is_one_turn: bool = False) -> Session:
+        """Return the session, creating it (not admitted, no replica) if new. Mutates the registry."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            session = Session(session_id, now_s, is_one_turn=is_one_turn, last_activity_s=now_s)
+            self._sessions[session_id] = session
+        return session
+
+    def remove(self, session_id: str) -> Session | None:
+        """Forget the session; return it (or ``None``). Mutates the registry."""
+        return self._sessions.pop(session_id, None)
+
+    def idle(self, now_s: float, timeout_s: float) -> list[Session]:
+        """Admitted sessions with nothing in flight and no activity for ``timeout_s`` seconds."""
+        return [
+            s for s in self._sessions.values()
+            if s.num_in_flight == 0 and not s.tools_in_flight
+            and now_s - s.last_activity_s >= timeout_s
+        ]
+
+
+class ToolTracker:
+    """In-flight tool calls and the EMA of their queue wait (the CPU plane of design.md §6).
+
+    Args:
+        num_tool_workers: N_tool.
+        alpha: EMA weight of the newest queue-wait sample (design default 0.2).
+    """
+
+    def __init__(self, num_tool_workers: int, alpha: float) -> None:
+        self.num_tool_workers = num_tool_workers
+        self.alpha = alpha
+        self.num_queued = 0
+        """Tool calls enqueued and not yet started."""
+        self.num_in_flight = 0
+        """Tool calls enqueued or running, not yet ended."""
+        self.wait_ema_s: float | None = None
+
+    @property
+    def backlog_ratio(self) -> float:
+        """rho = in-flight tool calls / tool workers."""
+        return self.num_in_flight / self.num_tool_workers
+
+    def on_enqueued(self, session: Session, tool_call_id: str, tool_name: str) -> None:
+        """A tool call entered the tool queue. Mutates ``session`` and the counts."""
+        if tool_call_id not in session.tools_in_flight:
+            session.tools_in_flight[tool_call_id] = False
+            self.num_in_flight += 1
+            self.num_queued += 1
+
+    def on_start(self, session: Session, tool_call_id: str, tool_name: str, queue_wait_s: float) -> None:
+        """A tool call started (with or without a prior ``tool_enqueued``). Mutates the counts."""
+        started = session.tools_in_flight.get(tool_call_id)
+        if started is None:
+            self.num_in_flight += 1
+        elif not started:
+            self.num_queued -= 1
+        session.tools_in_flight[tool_call_id] = True
+        self.wait_ema_s = ema(self.wait_ema_s, queue_wait_s, self.alpha)
+
+    def on_end(self, session: Session, tool_call_id: str, tool_name: str, duration_s: float) -> None:
+        """A tool call ended; it becomes the session's ``prev_tool``. Mutates the counts."""
+        started = session.tools_in_flight.pop(tool_call_id, None)
+        if started is not None:
+            self.num_in_flight -= 1
+            self.num_queued -= 0 if started else 1
+        session.prev_tool = (tool_name, duration_s)
+
+    def forget(self, session: Session) -> None:
+        """Drop the session's in-flight tool calls (session ended or timed out)."""
+        self.num_in_flight -= len(session.tools_in_flight)
+        self.num_queued -= sum(1 for started in session.tools_in_flight.values() if not started)
+        session.tools_in_flight.clear()
+
+    def decay_if_idle(self) -> None:
+        """Feed a 0 s sample when no tool call is queued (``tool_wait_idle_decay``)."""
+        if self.num_queued == 0 and self.wait_ema_s is not None:
+            self.wait_ema_s = ema(self.wait_ema_s, 0.0, self.alpha)

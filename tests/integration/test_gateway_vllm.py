@@ -1,0 +1,155 @@
+"""The gateway in front of two real vLLM CPU replicas (tiny model, dummy weights).
+
+One test function (each vLLM start costs minutes on this machine), in phases:
+stickiness and metadata, streaming, window under injected tool backlog and under real KV pressure
+(hysteresis visible in the recorded stream), a killed client, a killed replica.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from mars_openhands.control.config import GatewayConfig, ReplicaConfig
+from mars_openhands.control.metrics import parse_vllm_metrics
+from mars_openhands.control.server import GatewayServer
+from mars_openhands.stream.transport import ListSink
+
+pytestmark = pytest.mark.integration
+
+# 65 blocks x 32 tokens: one 2k-token request fills the KV cache past the 0.90 set threshold.
+SERVER_OPTIONS: dict[str, Any] = {"max_model_len": 2048, "num_gpu_blocks_override": 65,
+                                  "block_size": 32}
+
+
+def wait_until(predicate, timeout_s: float = 30.0, what: str = "") -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.05)
+    pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def event(kind: str, session: str, **extra: Any) -> dict[str, Any]:
+    return {"kind": kind, "t_mono_ns": time.monotonic_ns(), "t_wall": "2026-01-01T00:00:00Z",
+            "source": "agent", "session_id": session, **extra}
+
+
+def running(url: str) -> int:
+    return parse_vllm_metrics(httpx.get(f"{url}/metrics", timeout=5).text).num_running or 0
+
+
+def start_pair(factory) -> list:
+    servers: list = [None, None]
+
+    def start(i: int) -> None:
+        servers[i] = factory(**SERVER_OPTIONS)
+
+    threads = [threading.Thread(target=start, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(servers), "a vLLM replica failed to start (see its log)"
+    return servers
+
+
+def test_gateway_with_two_vllm_replicas(vllm_server_factory) -> None:
+    engines = start_pair(vllm_server_factory)
+    model = engines[0].model
+    sink = ListSink()
+    config = GatewayConfig(
+        port=0, replicas=[ReplicaConfig(url=e.url) for e in engines], num_tool_workers=4,
+        poll_interval_s=0.1, replica_failure_threshold=1,
+        admission={"window_max": 8, "window_init": 8, "window_min": 2, "update_interval_s": 0.05},
+    )
+
+    def chat(session: str, content: str = "hello", **extra: Any) -> dict[str, Any]:
+        return {"model": model, "messages": [{"role": "user", "content": content}],
+                "max_tokens": 4, "mars_session": session, **extra}
+
+    with GatewayServer(config, sink) as gw, httpx.Client(base_url=gw.url, timeout=120) as client:
+        def state() -> dict[str, Any]:
+            return client.get("/mars/v1/state").json()
+
+        # 1. Multi-turn sessions stick to one replica; new sessions spread over both.
+        placement: dict[str, set[str]] = {}
+        for turn in range(3):
+            for sid in ("s1", "s2", "s3", "s4"):
+                r = client.post("/v1/chat/completions", json=chat(sid, f"turn {turn}"))
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["message"]["content"] is not None
+                assert r.headers["x-mars-turn"] == str(turn)
+                placement.setdefault(sid, set()).add(r.headers["x-mars-replica"])
+        assert all(len(v) == 1 for v in placement.values()), placement
+        assert set().union(*placement.values()) == {"r0", "r1"}
+
+        # 2. Streaming through the gateway.
+        with client.stream("POST", "/v1/chat/completions",
+                           json=chat("s1", stream=True)) as r:
+            assert r.status_code == 200
+            body = b"".join(r.iter_raw())
+        assert body.rstrip().endswith(b"data: [DONE]")
+
+        # 3. Injected tool backlog: rho = 16 / 4 >= 4 shrinks the window; 8 / 4 = 2 holds it
+        #    (hysteresis); 0 grows it back.
+        def tools(kind: str, ids: range, **extra: Any) -> None:
+            resp = client.post("/mars/v1/events", json=[
+                event(kind, "s1", tool_name="bash", tool_call_id=f"t{i}", **extra) for i in ids])
+            assert resp.status_code == 200, resp.text
+
+        tools("tool_enqueued", range(16))
+        wait_until(lambda: state()["window"] == 2, what="window at W_min (tool backlog)")
+        tools("tool_end", range(8), duration_s=0.1)
+        time.sleep(0.5)
+        assert state()["is_cpu_overloaded"] and state()["window"] == 2
+        tools("tool_end", range(8, 16), duration_s=0.1)
+        wait_until(lambda: state()["window"] == 8, what="window back at W_max (tool backlog)")
+
+        # 4. Real KV pressure: one ~2k-token request on a 2k-token KV cache.
+        mark = len(sink.events)
+        long_prompt = "x" * 1850
+        r = client.post("/v1/chat/completions", json=chat(
+            "kv-heavy", long_prompt, max_tokens=150, ignore_eos=True, stream=True))
+        assert r.status_code == 200
+        wait_until(lambda: state()["window"] == 8, what="window back after the KV request")
+        kv_updates = [e for e in sink.events[mark:] if e.kind == "admission_update"]
+        assert any(u.kv_overloaded for u in kv_updates), max(u.kv_usage for u in kv_updates)
+        assert min(u.window for u in kv_updates) < 8
+
+        # 5. A killed client: vLLM aborts the request, the gateway frees the slot.
+        with client.stream("POST", "/v1/chat/completions", json=chat(
+                "killed-client", "go", max_tokens=1500, ignore_eos=True, stream=True)) as r:
+            replica = r.headers["x-mars-replica"]
+            next(r.iter_raw())
+        target = engines[0] if replica == "r0" else engines[1]
+        wait_until(lambda: running(target.url) == 0, what="vLLM aborted the killed client's request")
+        wait_until(lambda: state()["sessions"]["killed-client"]["in_flight"] == 0, what="slot freed")
+
+        # 6. A killed replica: the in-flight request fails fast, the session moves on.
+        victim_session = next(s for s, r in placement.items() if r == {"r0"})
+        results: dict[str, httpx.Response] = {}
+        t = threading.Thread(target=lambda: results.setdefault("r", client.post(
+            "/v1/chat/completions",
+            json=chat(victim_session, "long", max_tokens=600, ignore_eos=True))))
+        t.start()
+        wait_until(lambda: running(engines[0].url) == 1, what="request running on r0")
+        os.killpg(engines[0].pid, signal.SIGKILL)
+        t.join(timeout=300)  # it re-runs in full (600 tokens) on r1
+        assert not t.is_alive(), "request hung after its replica was killed"
+        # Re-run on the surviving replica (nothing had reached the agent yet).
+        assert results["r"].status_code == 200, results["r"].text
+        assert results["r"].headers["x-mars-replica"] == "r1"
+        r = client.post("/v1/chat/completions", json=chat(victim_session))
+        assert r.status_code == 200 and r.headers["x-mars-replica"] == "r1"
+        st = state()
+        assert not st["replicas"][0]["healthy"]
+        assert all(s["in_flight"] == 0 for s in st["sessions"].values())
+        assert [x["in_flight"] for x in st["replicas"]] == [0, 0]

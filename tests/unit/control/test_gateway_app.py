@@ -1,0 +1,198 @@
+"""The gateway end to end against fake vLLM replicas (subprocesses): proxying, metadata, failures.
+
+Real HTTP on loopback, real uvicorn for the gateway, fake engines that behave like vLLM's OpenAI
+server (including aborting a request whose client disconnects).
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from gateway_helpers import chat, event, state, wait_until
+
+
+def test_sessions_stick_to_a_replica_and_carry_metadata(clean_fakes, gateway_factory) -> None:
+    server, _ = gateway_factory([f.url for f in clean_fakes])
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        replica_of: dict[str, set[str]] = {}
+        for turn in range(3):
+            for sid in ("stick-a", "stick-b", "stick-c"):
+                r = client.post("/v1/chat/completions", json=chat(sid))
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["message"]["content"] == "ok"
+                assert r.headers["x-mars-turn"] == str(turn)
+                replica_of.setdefault(sid, set()).add(r.headers["x-mars-replica"])
+        assert all(len(v) == 1 for v in replica_of.values()), replica_of
+        assert len(set().union(*replica_of.values())) == 2  # new sessions spread over both
+        # The other session sources: OpenHands' header and prompt_cache_key.
+        r = client.post("/v1/completions", json={"model": "fake", "prompt": "x"},
+                        headers={"x-litellm-session-id": "stick-litellm"})
+        assert r.status_code == 200 and r.headers["x-mars-session"] == "stick-litellm"
+        r = client.post("/v1/chat/completions", json={**chat(), "prompt_cache_key": "stick-pck"})
+        assert r.headers["x-mars-session"] == "stick-pck"
+        # A tool that ended since the previous turn travels with the next turn.
+        client.post("/mars/v1/events", json=[
+            event("tool_start", "stick-a", tool_name="pytest", tool_call_id="t1"),
+            event("tool_end", "stick-a", tool_name="pytest", tool_call_id="t1", duration_s=2.5)])
+        client.post("/v1/chat/completions", json=chat("stick-a", mars_last_step=True))
+        one_turn = client.post("/v1/chat/completions", json=chat())
+        assert one_turn.headers["x-mars-session"].startswith("one-turn-")
+    seen = [r for f in clean_fakes for r in f.seen()["requests"]]
+    a_turns = [r["vllm_xargs"] for r in seen if r["session_id"] == "stick-a"]
+    assert [x["mars_turn"] for x in a_turns] == [0, 1, 2, 3]
+    assert a_turns[-1] == {"mars_turn": 3, "mars_last_step": 1, "mars_prev_tool": "pytest",
+                           "mars_prev_tool_s": 2.5}
+    assert all("mars_session" not in r["body"] for r in seen)
+    assert seen[-1]["session_id"] is None and seen[-1]["vllm_xargs"] == {"mars_turn": 0}
+    assert state(server)["num_admitted"] == 5  # one-turn sessions released their slots
+
+
+def test_streaming_is_relayed_chunk_for_chunk(clean_fakes, gateway_factory) -> None:
+    server, _ = gateway_factory([clean_fakes[0].url])
+    clean_fakes[0].configure(num_chunks=5)
+    direct = httpx.post(f"{clean_fakes[0].url}/v1/chat/completions", json=chat("x", stream=True))
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        with client.stream("POST", "/v1/chat/completions", json=chat("stream-1", stream=True)) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            body = b"".join(r.iter_raw())
+    assert body == direct.content and body.endswith(b"data: [DONE]\n\n")
+    assert state(server)["sessions"]["stream-1"]["in_flight"] == 0
+
+
+@pytest.mark.parametrize(
+    "content, headers, status, needle",
+    [
+        (b"{not json", {}, 400, "not valid JSON"),
+        (b"[1, 2]", {}, 400, "must be a JSON object"),
+        (json.dumps(chat(session=None, mars_session=7)).encode(), {}, 400, "body mars_session"),
+        (json.dumps(chat()).encode(), {"x-mars-session": ""}, 400, "header x-mars-session"),
+        (json.dumps(chat("bad-x", vllm_xargs=[1])).encode(), {}, 400, "vllm_xargs"),
+        (json.dumps(chat("bad-l", mars_last_step="perhaps")).encode(), {}, 400, "mars_last_step"),
+        (b"x" * 5000, {}, 413, "max_body_bytes=4096"),
+    ],
+)
+def test_bad_requests_get_4xx_naming_the_problem(clean_fakes, gateway_factory, content, headers,
+                                                 status, needle) -> None:
+    server, _ = gateway_factory([clean_fakes[0].url], max_body_bytes=4096)
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=content,
+                   headers={"content-type": "application/json", **headers})
+    assert r.status_code == status
+    assert needle in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "payload, status, needle",
+    [
+        (b"{oops", 400, "not valid JSON"),
+        (json.dumps(event("teleport", "s")).encode(), 400, "unknown event kind 'teleport'"),
+        (json.dumps(event("tool_end", "s", tool_name="x")).encode(), 400, "tool_call_id"),
+        (json.dumps(event("session_end", "nobody")).encode(), 404, "unknown session 'nobody'"),
+        (json.dumps({"events": [event("session_start", "s")] * 3}).encode(), 413, "max_events"),
+        (b"[" + b" " * 5000 + b"]", 413, "max_body_bytes"),
+    ],
+)
+def test_bad_events_get_4xx_naming_the_problem(clean_fakes, gateway_factory, payload, status,
+                                               needle) -> None:
+    server, _ = gateway_factory([clean_fakes[0].url], max_events_per_post=2, max_body_bytes=4096)
+    r = httpx.post(f"{server.url}/mars/v1/events", content=payload)
+    assert r.status_code == status, r.text
+    assert needle in r.json()["error"]["message"]
+
+
+def test_events_are_recorded_and_session_end_frees_the_slot(clean_fakes, gateway_factory) -> None:
+    server, sink = gateway_factory([clean_fakes[0].url])
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        assert client.post("/v1/chat/completions", json=chat("ev-1")).status_code == 200
+        assert state(server)["num_admitted"] == 1
+        r = client.post("/mars/v1/events", json={"events": [
+            event("tool_enqueued", "ev-1", tool_name="bash", tool_call_id="c"),
+            event("tool_start", "ev-1", tool_name="bash", tool_call_id="c", queue_wait_s=0.2),
+            event("tool_end", "ev-1", tool_name="bash", tool_call_id="c", duration_s=0.1),
+            event("session_end", "ev-1")]})
+        assert r.json() == {"accepted": 4}
+        st = state(server)
+        assert st["num_admitted"] == 0 and "ev-1" not in st["sessions"]
+        # The session is gone: more events for it are a 404.
+        r = client.post("/mars/v1/events", json=event("tool_start", "ev-1", tool_name="b",
+                                                      tool_call_id="d"))
+        assert r.status_code == 404
+    kinds = [e.kind for e in sink.events if e.session_id == "ev-1"]
+    assert kinds == ["tool_enqueued", "tool_start", "tool_end", "session_end"]
+
+
+def test_client_disconnect_aborts_upstream_and_frees_the_slot(clean_fakes, gateway_factory) -> None:
+    fake = clean_fakes[0]
+    server, _ = gateway_factory([fake.url])
+    fake.configure(delay_s=30.0)
+    aborted_before = fake.seen()["num_aborted"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/chat/completions", json=chat(), timeout=0.5)
+    wait_until(lambda: fake.seen()["num_aborted"] == aborted_before + 1, what="upstream abort")
+    wait_until(lambda: state(server)["num_admitted"] == 0, what="one-turn slot freed")
+    assert fake.seen()["num_active"] == 0
+    # Streaming: read one chunk, hang up.
+    fake.configure(delay_s=0.0, num_chunks=50, chunk_delay_s=0.2)
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        with client.stream("POST", "/v1/chat/completions", json=chat("dc-s", stream=True)) as r:
+            next(r.iter_raw())
+    wait_until(lambda: fake.seen()["num_aborted"] == aborted_before + 2, what="stream abort")
+    wait_until(lambda: state(server)["sessions"]["dc-s"]["in_flight"] == 0, what="in-flight 0")
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert "mars_client_disconnects_total 2" in metrics
+
+
+def test_admission_window_queues_sessions_and_can_be_switched_off(clean_fakes, gateway_factory) -> None:
+    fake = clean_fakes[0]
+    one = {"window_max": 1, "window_init": 1, "window_min": 1}
+    server, _ = gateway_factory([fake.url], admission=one)
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        assert client.post("/v1/chat/completions", json=chat("q-a")).status_code == 200
+        with httpx.Client(base_url=server.url, timeout=0.5) as impatient:
+            with pytest.raises(httpx.ReadTimeout):  # q-b waits: q-a holds the only slot
+                impatient.post("/v1/chat/completions", json=chat("q-b"))
+        wait_until(lambda: state(server)["num_waiting"] == 0, what="waiter dropped on disconnect")
+        client.post("/mars/v1/events", json=event("session_end", "q-a"))
+        r = client.post("/v1/chat/completions", json=chat("q-b"))
+        assert r.status_code == 200
+    server_off, _ = gateway_factory([fake.url], admission=one, is_admission_enabled=False)
+    with httpx.Client(base_url=server_off.url, timeout=5) as client:
+        for sid in ("off-a", "off-b", "off-c"):
+            assert client.post("/v1/chat/completions", json=chat(sid)).status_code == 200
+        assert state(server_off)["num_admitted"] == 3
+
+
+def test_admission_wait_timeout_is_503(clean_fakes, gateway_factory) -> None:
+    one = {"window_max": 1, "window_init": 1, "window_min": 1}
+    server, _ = gateway_factory([clean_fakes[0].url], admission=one, admission_wait_timeout_s=0.3)
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        client.post("/v1/chat/completions", json=chat("to-a"))
+        r = client.post("/v1/chat/completions", json=chat("to-b"))
+        assert r.status_code == 503 and "admission slot" in r.json()["error"]["message"]
+
+
+def test_idle_session_releases_its_slot(clean_fakes, gateway_factory) -> None:
+    server, _ = gateway_factory([clean_fakes[0].url], session_idle_timeout_s=0.3)
+    httpx.post(f"{server.url}/v1/chat/completions", json=chat("idle-1"))
+    assert state(server)["num_admitted"] == 1
+    wait_until(lambda: state(server)["num_admitted"] == 0, what="idle release")
+    assert "idle-1" not in state(server)["sessions"]
+    assert "mars_idle_releases_total 1" in httpx.get(f"{server.url}/metrics").text
+
+
+def test_metrics_and_healthz(clean_fakes, gateway_factory) -> None:
+    clean_fakes[1].configure(kv_usage=0.42)
+    server, _ = gateway_factory([f.url for f in clean_fakes])
+    wait_until(lambda: 'mars_replica_kv_usage{replica="r1"} 0.42'
+               in httpx.get(f"{server.url}/metrics").text, what="polled KV usage")
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in ("mars_admission_window", "mars_sessions_admitted", "mars_sessions_waiting",
+                 "mars_tool_backlog_ratio", "mars_tool_wait_ema_seconds", "mars_kv_usage",
+                 'mars_replica_healthy{replica="r0"} 1.0'):
+        assert name in text
+    r = httpx.get(f"{server.url}/healthz")
+    assert r.status_code == 200 and r.json()["healthy_replicas"] == ["r0", "r1"]
+    models = httpx.get(f"{server.url}/v1/models")
+    assert models.status_code == 200 and models.json()["data"][0]["id"] == "fake"

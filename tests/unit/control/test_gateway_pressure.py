@@ -1,0 +1,152 @@
+"""Admission under injected pressure, and replica failures, against fake replicas.
+
+The window must shrink when the tool backlog or KV usage crosses its set threshold, hold while the
+signal sits between the thresholds (hysteresis), and grow back once it clears; the recorded stream
+(``admission_update`` events) must show it. A killed replica must leave no hung request and no
+leaked slot.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+from gateway_helpers import chat, event, state, wait_until
+
+from mars_openhands.control.fake_engine import FakeEngineProcess
+
+WINDOW = {"window_max": 8, "window_init": 8, "window_min": 2}
+
+
+def updates(sink) -> list:
+    return [e for e in sink.events if e.kind == "admission_update"]
+
+
+def test_tool_backlog_shrinks_window_with_hysteresis(clean_fakes, gateway_factory) -> None:
+    server, sink = gateway_factory([clean_fakes[0].url], admission=WINDOW, num_tool_workers=4)
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        client.post("/v1/chat/completions", json=chat("cpu-a"))
+        # rho = 16 in-flight tool calls / 4 workers >= 4: overload (C_cpu = ceil(4 * 2.5) = 10).
+        client.post("/mars/v1/events", json=[
+            event("tool_enqueued", "cpu-a", tool_name="bash", tool_call_id=f"c{i}")
+            for i in range(16)])
+        wait_until(lambda: state(server)["window"] == 2, what="window at W_min")
+        assert state(server)["is_cpu_overloaded"]
+        # rho = 2: between clear (1) and set (4): stays overloaded, window stays at W_min.
+        client.post("/mars/v1/events", json=[
+            event("tool_end", "cpu-a", tool_name="bash", tool_call_id=f"c{i}", duration_s=0.1)
+            for i in range(8)])
+        mark = len(updates(sink))
+        wait_until(lambda: len(updates(sink)) >= mark + 5, what="ticks in the band")
+        band = updates(sink)[mark:]
+        assert all(u.cpu_overloaded and u.window == 2 and u.tool_backlog_ratio == 2.0 for u in band)
+        # rho = 0: cleared; the window grows back one per tick to W_max.
+        client.post("/mars/v1/events", json=[
+            event("tool_end", "cpu-a", tool_name="bash", tool_call_id=f"c{i}", duration_s=0.1)
+            for i in range(8, 16)])
+        wait_until(lambda: state(server)["window"] == 8, what="window back at W_max")
+    windows = [u.window for u in updates(sink)]
+    first_min = windows.index(2)
+    assert windows[:first_min + 1] == sorted(windows[:first_min + 1], reverse=True)
+    shrink = [w for i, w in enumerate(windows[:first_min + 1]) if i == 0 or windows[i - 1] != w]
+    assert shrink == [8, 5, 3, 2]  # x0.7 per tick: floor(5.6), floor(3.5), max(W_min, 2)
+    regrow = windows[windows.index(2, first_min):]
+    steps = [b - a for a, b in zip(regrow, regrow[1:], strict=False) if b != a]
+    assert steps and all(s == 1 for s in steps)  # additive increase, +1 per tick
+
+
+def test_tool_wait_ema_sets_cpu_overload(clean_fakes, gateway_factory) -> None:
+    server, _ = gateway_factory([clean_fakes[0].url], admission=WINDOW, num_tool_workers=100,
+                                tool_wait_idle_decay=False)
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        client.post("/v1/chat/completions", json=chat("wait-a"))
+        client.post("/mars/v1/events", json=[
+            event("tool_start", "wait-a", tool_name="bash", tool_call_id="w", queue_wait_s=9.0),
+            event("tool_end", "wait-a", tool_name="bash", tool_call_id="w", duration_s=0.1)])
+        wait_until(lambda: state(server)["is_cpu_overloaded"], what="overload from queue wait")
+        assert state(server)["tool_wait_ema_s"] == 9.0
+
+
+def test_kv_usage_shrinks_window_with_hysteresis(clean_fakes, gateway_factory) -> None:
+    fake = clean_fakes[0]
+    server, sink = gateway_factory([fake.url], admission=WINDOW)
+    fake.configure(kv_usage=0.95)
+    wait_until(lambda: state(server)["window"] == 2, what="window at W_min under KV pressure")
+    assert state(server)["is_kv_overloaded"]
+    fake.configure(kv_usage=0.87)  # between 0.85 and 0.90: stays overloaded
+    wait_until(lambda: any(u.kv_usage == 0.87 for u in updates(sink)), what="0.87 observed")
+    mark = len(updates(sink))
+    wait_until(lambda: len(updates(sink)) >= mark + 5, what="ticks in the band")
+    band = [u for u in updates(sink)[mark:] if u.kv_usage == 0.87]
+    assert band and all(u.kv_overloaded and u.window == 2 for u in band)
+    fake.configure(kv_usage=0.5)
+    wait_until(lambda: state(server)["window"] == 8, what="window back at W_max")
+    assert not state(server)["is_kv_overloaded"]
+    assert 'mars_replica_kv_usage{replica="r0"} 0.5' in httpx.get(f"{server.url}/metrics").text
+
+
+def test_killed_replica_reroutes_sessions_and_their_in_flight_requests(gateway_factory) -> None:
+    with FakeEngineProcess() as a, FakeEngineProcess() as b:
+        server, _ = gateway_factory([a.url, b.url], replica_failure_threshold=1)
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            placed = {sid: client.post("/v1/chat/completions", json=chat(sid)).headers[
+                "x-mars-replica"] for sid in ("kill-1", "kill-2")}
+            victim_sid = next(s for s, r in placed.items() if r == "r0")
+            a.configure(delay_s=60.0)
+            results: dict[str, httpx.Response] = {}
+            t = threading.Thread(target=lambda: results.setdefault(
+                "r", client.post("/v1/chat/completions", json=chat(victim_sid))))
+            t.start()
+            wait_until(lambda: a.seen()["num_active"] == 1, what="request in flight on r0")
+            a.kill()
+            t.join(timeout=10)
+            assert not t.is_alive(), "request hung after its replica was killed"
+            r = results["r"]  # re-run on the surviving replica: nothing had reached the agent
+            assert r.status_code == 200, r.text
+            assert r.headers["x-mars-replica"] == "r1" and r.headers["x-mars-turn"] == "1"
+            # The session continues on the surviving replica with its next turn.
+            r = client.post("/v1/chat/completions", json=chat(victim_sid))
+            assert r.status_code == 200 and r.headers["x-mars-replica"] == "r1"
+            assert r.headers["x-mars-turn"] == "2"
+            st = state(server)
+            assert not st["replicas"][0]["healthy"]
+            assert all(s["in_flight"] == 0 for s in st["sessions"].values())
+            assert st["replicas"][0]["in_flight"] == 0 and st["replicas"][1]["in_flight"] == 0
+            b.kill()
+            r = client.post("/v1/chat/completions", json=chat("kill-3"))
+            assert r.status_code == 503 and "no healthy vLLM replica" in r.json()["error"]["message"]
+            assert httpx.get(f"{server.url}/healthz").status_code == 503
+            assert state(server)["num_admitted"] == 3  # kill-3 keeps its slot until idle/end
+            assert state(server)["sessions"]["kill-3"]["in_flight"] == 0
+
+
+def test_killed_replica_mid_stream_ends_with_sse_error(gateway_factory) -> None:
+    with FakeEngineProcess() as a:
+        server, _ = gateway_factory([a.url], replica_failure_threshold=1)
+        a.configure(num_chunks=100, chunk_delay_s=0.1)
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            with client.stream("POST", "/v1/chat/completions",
+                               json=chat("kill-s", stream=True)) as r:
+                chunks = r.iter_raw()
+                first = next(chunks)
+                assert first.startswith(b"data: ")
+                a.kill()
+                rest = b"".join(chunks)
+        assert b'"upstream_error"' in rest and b"r0" in rest
+        wait_until(lambda: state(server)["sessions"]["kill-s"]["in_flight"] == 0, what="cleanup")
+
+
+def test_restarted_replica_comes_back(gateway_factory) -> None:
+    a = FakeEngineProcess().start()
+    try:
+        server, _ = gateway_factory([a.url])
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            assert client.post("/v1/chat/completions", json=chat("rs-1")).status_code == 200
+            a.kill()
+            wait_until(lambda: not state(server)["replicas"][0]["healthy"], what="marked down")
+            a = FakeEngineProcess(port=a.port).start()
+            wait_until(lambda: state(server)["replicas"][0]["healthy"], what="back up")
+            r = client.post("/v1/chat/completions", json=chat("rs-1"))
+            assert r.status_code == 200 and r.headers["x-mars-turn"] == "1"
+    finally:
+        a.kill()

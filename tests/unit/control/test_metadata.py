@@ -1,0 +1,83 @@
+"""Session metadata extraction and the engine body (control/metadata.py; design.md §2)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mars_openhands.control.metadata import (
+    BadRequestError,
+    build_engine_body,
+    estimate_prompt_tokens,
+    extract_last_step,
+    extract_session_id,
+)
+
+
+@pytest.mark.parametrize(
+    "headers, body, expected",
+    [
+        ({"x-mars-session": "h"}, {"mars_session": "m", "prompt_cache_key": "p"}, ("h", "header x-mars-session")),
+        ({}, {"mars_session": "m", "session_id": "s"}, ("m", "body mars_session")),
+        ({"x-litellm-session-id": "l"}, {"session_id": "s"}, ("s", "body session_id")),
+        ({"x-litellm-session-id": "l"}, {"prompt_cache_key": "p"}, ("l", "header x-litellm-session-id")),
+        ({}, {"prompt_cache_key": "p"}, ("p", "body prompt_cache_key")),
+        ({}, {"model": "x"}, (None, None)),
+    ],
+)
+def test_session_sources_in_priority_order(headers, body, expected) -> None:
+    assert extract_session_id(headers, body) == expected
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [({"mars_session": 5}, "body mars_session"), ({"session_id": ""}, "body session_id"),
+     ({"prompt_cache_key": "x" * 300}, "body prompt_cache_key"),
+     ({"mars_session": "a\nb"}, "body mars_session")],
+)
+def test_bad_session_ids_name_the_field(body, field) -> None:
+    with pytest.raises(BadRequestError, match=field) as info:
+        extract_session_id({}, body)
+    assert info.value.status_code == 400
+
+
+@pytest.mark.parametrize(
+    "headers, body, expected",
+    [({}, {}, None), ({}, {"mars_last_step": True}, 1), ({}, {"mars_last_step": 0}, 0),
+     ({"x-mars-last-step": "1"}, {}, 1), ({"x-mars-last-step": "false"}, {}, 0)],
+)
+def test_last_step(headers, body, expected) -> None:
+    assert extract_last_step(headers, body) == expected
+
+
+def test_bad_last_step() -> None:
+    with pytest.raises(BadRequestError, match="header x-mars-last-step"):
+        extract_last_step({"x-mars-last-step": "maybe"}, {})
+
+
+def test_engine_body_sets_native_session_and_xargs_without_mutating() -> None:
+    body = {"model": "m", "messages": [], "mars_session": "s", "mars_last_step": 1,
+            "vllm_xargs": {"user_key": "v", "mars_turn": 99}}
+    out = build_engine_body(body, "s", 3, last_step=1, prev_tool=("bash", 1.5))
+    assert out["session_id"] == "s"
+    assert out["vllm_xargs"] == {"user_key": "v", "mars_turn": 3, "mars_last_step": 1,
+                                 "mars_prev_tool": "bash", "mars_prev_tool_s": 1.5}
+    assert "mars_session" not in out and "mars_last_step" not in out
+    assert body["vllm_xargs"]["mars_turn"] == 99  # input untouched
+
+
+def test_one_turn_body_has_no_session_id() -> None:
+    out = build_engine_body({"model": "m"}, None, 0)
+    assert "session_id" not in out and out["vllm_xargs"] == {"mars_turn": 0}
+
+
+@pytest.mark.parametrize("xargs", [[1, 2], {"k": {"nested": 1}}, {"k": True}])
+def test_bad_vllm_xargs(xargs) -> None:
+    with pytest.raises(BadRequestError, match="vllm_xargs"):
+        build_engine_body({"vllm_xargs": xargs}, "s", 0)
+
+
+def test_estimate_prompt_tokens() -> None:
+    assert estimate_prompt_tokens({"prompt": "x" * 400}, 10_000, 4.0) == 100
+    chat = {"messages": [{"role": "user", "content": "y" * 800}]}
+    assert 200 <= estimate_prompt_tokens(chat, 10_000, 4.0) <= 215
+    assert estimate_prompt_tokens({}, 4000, 4.0) == 1000

@@ -1,0 +1,131 @@
+"""Routing, the event hub's validation/forwarding, and the config/CLI (control/)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from mars_openhands.control.cli import add_gateway_subcommand, config_from_args
+from mars_openhands.control.config import GatewayConfig, ReplicaConfig, parse_replica
+from mars_openhands.control.hub import EventHub, parse_cpu_batch, validate_cpu_batch
+from mars_openhands.control.metadata import BadRequestError
+from mars_openhands.control.routing import NoReplicaError, Router
+from mars_openhands.control.sessions import SessionRegistry
+from mars_openhands.stream.events import ToolStart, now_stamps
+from mars_openhands.stream.transport import ListSink
+
+CFG = GatewayConfig(replicas=[ReplicaConfig(url="http://127.0.0.1:1"),
+                              ReplicaConfig(url="http://127.0.0.1:2", events_address="ipc:///x")])
+
+
+def ev(kind: str, sid: str | None = "s", **extra) -> dict:
+    base = {"kind": kind, "t_mono_ns": 1, "t_wall": "2026-01-01T00:00:00Z", "source": "agent",
+            "session_id": sid}
+    return {**base, **extra}
+
+
+def test_affinity_and_least_loaded() -> None:
+    router, reg = Router(CFG), SessionRegistry()
+    a, b, c = (reg.get_or_create(x, 0.0) for x in "abc")
+    assert router.route(a).index == 0
+    assert router.route(b).index == 1  # fewer sessions
+    assert router.route(a).index == 0  # sticks
+    router.replicas[1].kv_usage_polled = 0.9
+    assert router.route(c).index == 0  # tie on sessions (1 vs 1)? 0 has a, 1 has b -> kv breaks it
+    assert [r.num_sessions for r in router.replicas] == [2, 1]
+
+
+def test_failure_threshold_and_reroute() -> None:
+    router, reg = Router(CFG), SessionRegistry()
+    s = reg.get_or_create("s", 0.0)
+    assert router.route(s).index == 0
+    assert router.record_failure(0, "boom") is False  # threshold 2
+    assert router.record_failure(0, "boom") is True
+    assert router.route(s).index == 1 and router.replicas[0].num_sessions == 0
+    assert router.record_failure(1, "dead", immediate=True) is True
+    with pytest.raises(NoReplicaError, match="dead"):
+        router.route(s)
+    assert router.record_success(0) is True and router.route(s).index == 0
+
+
+@pytest.mark.parametrize(
+    "body, match, status",
+    [(b"{nope", "not valid JSON", 400),
+     (json.dumps(ev("bogus")).encode(), "unknown event kind 'bogus'", 400),
+     (json.dumps(ev("engine_step")).encode(), r"event \[0\]", 400),
+     (json.dumps([ev("session_start"), ev("tool_start", tool_name="x")]).encode(),
+      r"event \[1\].*tool_call_id", 400),
+     (json.dumps(ev("session_start", sid=None)).encode(), "session_id is required", 400),
+     (json.dumps({"events": [ev("session_end")] * 5}).encode(), "max_events_per_post=4", 413)],
+)
+def test_parse_cpu_batch_errors(body: bytes, match: str, status: int) -> None:
+    with pytest.raises(BadRequestError, match=match) as info:
+        parse_cpu_batch(body, max_events=4)
+    assert info.value.status_code == status
+
+
+def test_gpu_kind_rejected_from_agents() -> None:
+    body = json.dumps(ev("kv_released", num_blocks=1, reason="expired")).encode()
+    with pytest.raises(BadRequestError, match="cannot be posted by agents"):
+        parse_cpu_batch(body, 10)
+
+
+def test_unknown_session_is_404_but_start_in_same_batch_is_fine() -> None:
+    events = parse_cpu_batch(json.dumps([ev("session_start", "n"), ev("session_end", "n")]).encode(), 10)
+    validate_cpu_batch(events, lambda sid: False)
+    events = parse_cpu_batch(json.dumps([ev("session_end", "ghost")]).encode(), 10)
+    with pytest.raises(BadRequestError, match="unknown session 'ghost'") as info:
+        validate_cpu_batch(events, lambda sid: False)
+    assert info.value.status_code == 404
+
+
+def test_hub_records_and_forwards_per_replica() -> None:
+    sinks: dict[str, ListSink] = {}
+
+    def factory(address: str) -> ListSink:
+        sinks[address] = ListSink()
+        return sinks[address]
+
+    record = ListSink()
+    hub = EventHub(CFG, record, publisher_factory=factory)
+    e = ToolStart(**now_stamps(), source="agent", session_id="s", tool_name="t", tool_call_id="1")
+    hub.record(e)
+    assert hub.forward(1, e) and not hub.forward(0, e) and not hub.forward(None, e)
+    assert record.events == [e] and sinks["ipc:///x"].events == [e]
+
+
+def test_parse_replica_and_bad_configs() -> None:
+    r = parse_replica("http://127.0.0.1:9/,events=tcp://127.0.0.1:5,name=a,source=engine:7")
+    assert (r.url, r.events_address, r.name, r.engine_source) == (
+        "http://127.0.0.1:9", "tcp://127.0.0.1:5", "a", "engine:7")
+    with pytest.raises(ValueError, match="bad --replica option"):
+        parse_replica("http://x,color=red")
+    with pytest.raises(ValidationError, match="http:// or https://"):
+        ReplicaConfig(url="127.0.0.1:8000")
+    with pytest.raises(ValidationError, match="distinct"):
+        GatewayConfig(replicas=[ReplicaConfig(url="http://a"), ReplicaConfig(url="http://a")])
+    with pytest.raises(ValidationError, match="Extra inputs"):
+        GatewayConfig(replicas=[ReplicaConfig(url="http://a")], colour="red")
+
+
+def test_cli_flags_come_from_the_model(tmp_path) -> None:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command")
+    gw = add_gateway_subcommand(sub)
+    help_text = gw.format_help()
+    for flag in ("--admission-window-max", "--reorder-starvation-s", "--num-tool-workers",
+                 "--no-is-admission-enabled", "--session-idle-timeout-s"):
+        assert flag in help_text
+    assert "W_max" in help_text  # field docstrings are the help
+    cfg_file = tmp_path / "gw.toml"
+    cfg_file.write_text('port = 9100\n[admission]\nwindow_max = 8\nwindow_init = 8\nwindow_min = 2\n')
+    args = parser.parse_args(["gateway", "--config", str(cfg_file), "--replica", "http://127.0.0.1:1",
+                              "--admission-window-init", "5", "--reorder-starvation-s", "none"])
+    cfg = config_from_args(args)
+    assert (cfg.port, cfg.admission.window_max, cfg.admission.window_init) == (9100, 8, 5)
+    assert cfg.reorder.starvation_s is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["gateway", "--admission-window-max", "lots"])
