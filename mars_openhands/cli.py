@@ -16,8 +16,10 @@ from mars_openhands import __version__
 
 # (module, function) pairs; a subcommand is listed here only once it works end to end.
 SUBCOMMANDS: tuple[tuple[str, str], ...] = (
+    ("mars_openhands.control.cli", "add_gateway_subcommand"),
     ("eval.workloads.cli", "add_workload_subcommand"),
     ("eval.replay", "add_replay_subcommand"),
+    ("mars_openhands.openhands.cli", "add_openhands_subcommand"),
 )
 
 

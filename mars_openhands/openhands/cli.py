@@ -1,0 +1,148 @@
+"""``mars-openhands openhands run``: OpenHands agents on tasks with ``--backend mars|vllm|url``.
+
+Also ``python -m mars_openhands.openhands.cli run-one --task T.json --config C.json`` (one task in
+this process; what :func:`runner.run_tasks` starts per task) and ``... playback`` (the playback
+engine, see ``playback.py``).
+
+Tasks come from ``--tasks FILE`` (JSONL of :class:`TaskSpec`: ``task_id``, ``problem_statement``,
+``repo`` or ``workspace``, optional ``base_commit``) or from one ``--problem`` plus ``--repo`` /
+``--workspace``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_openhands_subcommand", "main"]
+
+if importlib.util.find_spec("openhands") is None:  # the top-level CLI lists it as unavailable
+    raise ImportError("the OpenHands SDK is not installed here (needs Python >= 3.12 and the "
+                      "'openhands' extra; use .venv-openhands)", name="openhands")
+
+
+def _add_run_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", choices=("mars", "vllm", "url"), default="mars",
+                        help="mars: through the MARS gateway (events posted to it); vllm: a vLLM "
+                             "server directly (session_id + vllm_xargs in the body); url: any "
+                             "OpenAI-compatible endpoint (session header only)")
+    parser.add_argument("--url", required=True,
+                        help="endpoint root, e.g. http://127.0.0.1:8000 (/v1 is added if missing)")
+    parser.add_argument("--model", required=True, help="served model name")
+    parser.add_argument("--api-key", default=os.environ.get("MARS_API_KEY", "EMPTY"),
+                        help="API key (default $MARS_API_KEY or EMPTY)")
+    parser.add_argument("--temperature", type=float, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--max-output-tokens", type=int, default=None, help="tokens per completion")
+    parser.add_argument("--events-url", default=None,
+                        help="CPU-plane events endpoint (default for mars: <url>/mars/v1/events)")
+    parser.add_argument("--tasks", type=Path, default=None, help="JSONL of tasks")
+    parser.add_argument("--problem", default=None, help="problem statement of a single task")
+    parser.add_argument("--problem-file", type=Path, default=None, help="... read from a file")
+    parser.add_argument("--repo", default=None, help="git repo to copy into the task's workspace")
+    parser.add_argument("--base-commit", default=None)
+    parser.add_argument("--workspace", default=None, help="existing directory to work in")
+    parser.add_argument("--out", type=Path, required=True, help="output directory")
+    parser.add_argument("--rps", type=float, default=1.0, help="task arrivals per second")
+    parser.add_argument("--max-iterations", type=int, default=100, help="agent steps per task")
+    parser.add_argument("--no-policy", action="store_true", help="disable the pre-tool policy check")
+    parser.add_argument("--task-timeout-s", type=float, default=3600.0)
+
+
+def _config_from(args: argparse.Namespace) -> Any:
+    from mars_openhands.openhands.llm import LLMSettings
+    from mars_openhands.openhands.runner import RunConfig
+
+    url = args.url.rstrip("/")
+    base_url = url if url.endswith("/v1") else url + "/v1"
+    llm = LLMSettings(backend=args.backend, base_url=base_url, model=args.model,
+                      api_key=args.api_key, temperature=args.temperature, top_p=args.top_p,
+                      max_output_tokens=args.max_output_tokens)
+    return RunConfig(llm=llm, events_url=args.events_url, out_dir=str(args.out),
+                     max_iterations=args.max_iterations, policy=not args.no_policy,
+                     task_timeout_s=args.task_timeout_s)
+
+
+def _tasks_from(args: argparse.Namespace) -> list[Any]:
+    from mars_openhands.openhands.runner import TaskSpec
+
+    if args.tasks is not None:
+        return [TaskSpec.model_validate_json(line) for line in args.tasks.read_text().splitlines()
+                if line.strip()]
+    problem = args.problem_file.read_text() if args.problem_file else args.problem
+    if not problem:
+        raise SystemExit("give --tasks FILE, or --problem/--problem-file with --repo or --workspace")
+    return [TaskSpec(task_id="task-0", problem_statement=problem, repo=args.repo,
+                     base_commit=args.base_commit, workspace=args.workspace)]
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """``openhands run``: run the tasks, print one JSON summary line per task; exit 1 if any errored."""
+    from mars_openhands.openhands.runner import run_tasks
+
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    results = run_tasks(_tasks_from(args), _config_from(args), rps=args.rps)
+    for r in results:
+        print(json.dumps({"task_id": r.task_id, "status": r.status, "wall_s": round(r.wall_s, 3),
+                          "tool_s": round(r.tool_s, 3), "llm_calls": r.num_llm_calls,
+                          "tool_calls": r.num_tool_calls, "denied": r.num_denied,
+                          "files_changed": r.files_changed, "error": r.error}))
+    return 1 if any(r.status == "error" for r in results) else 0
+
+
+def run_one_from_args(args: argparse.Namespace) -> int:
+    """``run-one``: one task in this process (the per-task process of ``run_tasks``)."""
+    from mars_openhands.openhands.runner import RunConfig, TaskSpec, run_task
+
+    task = TaskSpec.model_validate_json(args.task.read_text())
+    config = RunConfig.model_validate_json(args.config.read_text())
+    result = run_task(task, config)
+    return 0 if result.status != "error" else 3
+
+
+def add_openhands_subcommand(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``openhands`` (with ``run`` and ``playback``) on the top-level CLI's subparsers."""
+    parser = subparsers.add_parser("openhands", help="run OpenHands agents with the MARS backend flag")
+    sub = parser.add_subparsers(dest="openhands_command", metavar="<openhands-command>")
+    run = sub.add_parser("run", help="run tasks at --rps, each in its own process and workspace")
+    _add_run_flags(run)
+    run.set_defaults(func=run_from_args)
+    playback = sub.add_parser("playback", help="serve recorded assistant turns (no model needed)",
+                              add_help=False)
+    playback.set_defaults(func=lambda a: _playback(a.rest))
+    playback.add_argument("rest", nargs=argparse.REMAINDER)
+    return parser
+
+
+def _playback(argv: Sequence[str]) -> int:
+    from mars_openhands.openhands.playback import main as playback_main
+
+    return playback_main(list(argv))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m mars_openhands.openhands.cli {run,run-one,playback} ...``."""
+    parser = argparse.ArgumentParser(prog="mars-openhands-openhands")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run")
+    _add_run_flags(run)
+    run.set_defaults(func=run_from_args)
+    one = sub.add_parser("run-one")
+    one.add_argument("--task", type=Path, required=True)
+    one.add_argument("--config", type=Path, required=True)
+    one.set_defaults(func=run_one_from_args)
+    playback = sub.add_parser("playback", add_help=False)
+    playback.add_argument("rest", nargs=argparse.REMAINDER)
+    playback.set_defaults(func=lambda a: _playback(a.rest))
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,417 @@
+"""Tool executor wrapper: exact ``tool_enqueued`` / ``tool_start`` / ``tool_end`` events (design.md §3, §10).
+
+OpenHands runs every tool call through ``ToolExecutor.__call__(action, conversation)`` (same interface
+in SDK 1.14 and 1.58). :class:`EventedExecutor` wraps a tool's executor and takes its timestamps
+immediately around the inner call, so ``tool_start`` / ``tool_end`` carry the executor's own timing;
+conversation callbacks and hooks see tool results later and in batches, which is fine for audit but
+not for timing. Before starting, it runs the pre-tool policy check (``policy_check.py``): a denied
+action is not executed, the agent gets an error observation naming the rule, and the stream gets
+``tool_end`` with ``status="denied"``.
+
+Only public SDK APIs are used: a ``ToolDefinition`` subclass whose ``create()`` builds the original
+tool (``TerminalTool.create(...)``) and swaps in the wrapper with ``ToolDefinition.set_executor``,
+registered with ``register_tool``. The LLM-visible tool names and schemas are unchanged.
+
+Two ways in:
+
+* the runner (``runner.py``) registers ``mars_terminal``, ``mars_file_editor``, ``mars_task_tracker``
+  and passes per-session parameters in the tool specs (``mars_events_url``, ``mars_session_id``, ...);
+* the OpenHands app / agent-server: importing :mod:`mars_openhands.openhands.agent_server_tools`
+  (or calling :func:`register_evented_tools` with ``override_defaults=True``) re-registers the
+  default names ``terminal``, ``file_editor``, ``task_tracker`` with wrapped versions configured from
+  ``MARS_EVENTS_URL`` / ``MARS_EVENTS_PATH`` / ``MARS_POLICY``; existing agent specs then emit events
+  unchanged. The session id is then the conversation id (what SDK 1.58 also sends the LLM as
+  ``x-litellm-session-id``).
+
+Transport: :class:`EventSender` posts batches to the gateway's ``POST /mars/v1/events`` from a
+background thread (the tool never waits on the network) and appends each event to a JSONL file when
+asked. Timestamps are taken when the event happens, never when it is sent.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+from openhands.sdk.tool import ToolDefinition, ToolExecutor, register_tool
+
+from mars_openhands.openhands.policy_check import PolicyConfig, check_action
+from mars_openhands.stream.events import Event, ToolEnd, ToolEnqueued, ToolStart, now_stamps
+
+__all__ = [
+    "ENV_EVENTS_PATH",
+    "ENV_EVENTS_URL",
+    "ENV_POLICY",
+    "EVENTED_TOOL_NAMES",
+    "EventSender",
+    "EventedExecutor",
+    "register_evented_tools",
+]
+
+logger = logging.getLogger(__name__)
+
+ENV_EVENTS_URL = "MARS_EVENTS_URL"
+"""Gateway events endpoint (``http://host:port/mars/v1/events``) for tools configured from the env."""
+ENV_EVENTS_PATH = "MARS_EVENTS_PATH"
+"""JSONL file that tools configured from the env append their events to."""
+ENV_POLICY = "MARS_POLICY"
+"""``on`` (default) or ``off``: whether env-configured tools run the pre-tool policy check."""
+
+EVENTED_TOOL_NAMES: tuple[str, ...] = ("terminal", "file_editor", "task_tracker")
+"""OpenHands tools wrapped by default (the issue's tool set)."""
+
+_MARS_PARAMS = ("mars_events_url", "mars_events_path", "mars_session_id", "mars_source",
+                "mars_policy", "mars_workspace")
+
+
+class EventSender:
+    """Posts events to the gateway in batches from a background thread; optionally logs them.
+
+    Args:
+        events_url: ``POST`` target (the gateway's ``/mars/v1/events``); ``None``: no posting.
+        events_path: JSONL file each event is appended to (one ``model_dump_json`` per line); ``None``:
+            no file.
+        timeout_s: HTTP timeout per post, seconds.
+        max_batch: most events per post.
+
+    ``emit`` never blocks on I/O. Post failures are logged and counted (``num_post_errors``), never
+    raised into the agent: the stream is telemetry, the task must go on.
+    """
+
+    def __init__(self, events_url: str | None, events_path: str | Path | None = None,
+                 timeout_s: float = 5.0, max_batch: int = 256) -> None:
+        self.events_url = events_url
+        self.events_path = Path(events_path) if events_path else None
+        self.timeout_s = timeout_s
+        self.max_batch = max_batch
+        self.num_sent = 0
+        self.num_post_errors = 0
+        self._queue: queue.Queue[Event | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._is_closed = False
+
+    def emit(self, event: Event) -> None:
+        """Queue ``event`` for sending (and write it to the JSONL file now). Thread-safe, non-blocking."""
+        if self.events_path is not None:
+            line = event.model_dump_json() + "\n"
+            with self._lock, self.events_path.open("a") as f:
+                f.write(line)
+        if self.events_url is None:
+            return
+        with self._lock:
+            if self._is_closed:
+                raise RuntimeError("EventSender.emit after close(); create a new sender")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="mars-events", daemon=True)
+                self._thread.start()
+        self._queue.put(event)
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every queued event was posted (or failed). Returns ``False`` on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return not self._queue.unfinished_tasks
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Flush, then stop the thread. Idempotent."""
+        with self._lock:
+            if self._is_closed:
+                return
+            self._is_closed = True
+            thread = self._thread
+        if thread is not None:
+            self._queue.put(None)
+            thread.join(timeout_s)
+
+    def _run(self) -> None:
+        import httpx
+
+        with httpx.Client(timeout=self.timeout_s) as client:
+            while True:
+                first = self._queue.get()
+                batch = [first]
+                while len(batch) < self.max_batch:
+                    try:
+                        batch.append(self._queue.get_nowait())
+                    except queue.Empty:
+                        break
+                events = [e for e in batch if e is not None]
+                if events:
+                    self._post(client, events)
+                for _ in batch:
+                    self._queue.task_done()
+                if len(events) < len(batch):
+                    return
+
+    def _post(self, client: Any, events: list[Event]) -> None:
+        body = "[" + ",".join(e.model_dump_json() for e in events) + "]"
+        try:
+            response = client.post(self.events_url, content=body,
+                                   headers={"content-type": "application/json"})
+            if response.status_code >= 400:
+                raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
+            self.num_sent += len(events)
+        except Exception as e:  # telemetry must not break the agent
+            self.num_post_errors += 1
+            logger.warning("posting %d events to %s failed: %s", len(events), self.events_url, e)
+
+
+def _find_action_event(action: Any, conversation: Any) -> tuple[str | None, int | None]:
+    """``(tool_call_id, turn)`` of the ``ActionEvent`` holding ``action``, searched from the newest
+    event; ``turn`` = 0-based index of its LLM response among the conversation's LLM responses.
+    ``(None, None)`` when there is no conversation or no match.
+
+    The match is by identity (SDK 1.58 keeps events in memory), else by equality (SDK 1.14 hands
+    out deserialized copies); newest first, so the call being executed wins over older equal ones.
+    """
+    if conversation is None:
+        return None, None
+    try:
+        events = conversation.state.events
+        for i in range(len(events) - 1, -1, -1):
+            event = events[i]
+            candidate = getattr(event, "action", None)
+            if candidate is action or (candidate is not None and candidate == action):
+                response_ids = {getattr(e, "llm_response_id", None) for e in events[: i + 1]}
+                response_ids.discard(None)
+                return str(event.tool_call_id), max(0, len(response_ids) - 1)
+    except Exception as e:  # older/newer event stores: timing matters more than the id
+        logger.debug("could not find the ActionEvent of %r: %s", type(action).__name__, e)
+    return None, None
+
+
+def _denied_observation(observation_type: Any, action: Any, reason: str) -> Any:
+    """An error observation of the tool's own type carrying ``reason`` (fields it requires and the
+    action has, such as ``command``, are copied from the action)."""
+    text = f"[MARS policy] {reason}. The command was NOT executed."
+    extra = {}
+    for name, field in getattr(observation_type, "model_fields", {}).items():
+        if field.is_required() and name not in ("content",) and hasattr(action, name):
+            extra[name] = getattr(action, name)
+    return observation_type.from_text(text=text, is_error=True, **extra)
+
+
+class EventedExecutor(ToolExecutor):
+    """Wraps a tool's executor: policy check, then ``tool_enqueued`` / ``tool_start`` / ``tool_end``.
+
+    Args:
+        inner: the tool's original executor.
+        tool_name: the tool's LLM-visible name (``"terminal"``).
+        observation_type: the tool's observation class (denials are returned as one, ``is_error``).
+        session_id: session of every event (the conversation / gateway session).
+        sender: where events go.
+        workspace: root for the policy's path rules.
+        policy: rules to apply; ``None`` disables the check.
+        source: events' ``source``.
+        timings_path: JSONL file each entry of ``timings`` is appended to (``None``: none); lets a
+            parent process compare the stream with the executor's own record.
+
+    Attributes:
+        timings: ``(tool_call_id, tool_name, start_mono_ns, end_mono_ns, status)`` per call, taken
+            by this wrapper (for tests and results; the events carry the same instants).
+
+    Timing contract: ``tool_start.t_mono_ns`` is taken immediately before ``inner(action, conv)`` and
+    ``tool_end.t_mono_ns`` immediately after it returns or raises; ``duration_s`` is their difference.
+    ``tool_enqueued`` is taken at entry, before the policy check; ``queue_wait_s`` is
+    start − enqueued (policy check time; the SDK runs the call at once when it reaches the executor).
+    """
+
+    def __init__(self, inner: ToolExecutor, tool_name: str, observation_type: Any, session_id: str,
+                 sender: EventSender, workspace: Path, policy: PolicyConfig | None,
+                 source: str = "agent", timings_path: Path | None = None) -> None:
+        self.inner = inner
+        self.tool_name = tool_name
+        self.observation_type = observation_type
+        self.session_id = session_id
+        self.sender = sender
+        self.workspace = workspace
+        self.policy = policy
+        self.source = source
+        self.timings_path = timings_path
+        self.timings: list[tuple[str, str, int, int, str]] = []
+
+    def __call__(self, action: Any, conversation: Any = None) -> Any:
+        tool_call_id, turn = _find_action_event(action, conversation)
+        tool_call_id = tool_call_id or f"mars-{uuid.uuid4().hex[:12]}"
+        common = {"session_id": self.session_id, "turn": turn, "source": self.source,
+                  "tool_name": self.tool_name, "tool_call_id": tool_call_id}
+        enqueued = now_stamps()
+        self.sender.emit(ToolEnqueued(**enqueued, **common))
+        if self.policy is not None:
+            decision = check_action(self.tool_name, _action_fields(action), self.workspace, self.policy)
+            if not decision.is_allowed:
+                end = now_stamps()
+                self._record(tool_call_id, end["t_mono_ns"], end["t_mono_ns"], "denied")
+                self.sender.emit(ToolEnd(**end, **common, duration_s=0.0, status="denied"))
+                return _denied_observation(self.observation_type, action, decision.reason)
+        start = now_stamps()
+        start_ns = start["t_mono_ns"]
+        wait_s = (start_ns - enqueued["t_mono_ns"]) / 1e9
+        self.sender.emit(ToolStart(**start, **common, queue_wait_s=max(0.0, wait_s)))
+        status = "error"
+        try:
+            observation = self.inner(action, conversation)
+            status = "error" if getattr(observation, "is_error", False) else "ok"
+            if getattr(observation, "timeout", False) is True:
+                status = "timeout"
+            return observation
+        finally:
+            end = now_stamps()
+            self._record(tool_call_id, start_ns, end["t_mono_ns"], status)
+            self.sender.emit(ToolEnd(**end, **common, status=status,
+                                     duration_s=(end["t_mono_ns"] - start_ns) / 1e9))
+
+    def _record(self, tool_call_id: str, start_ns: int, end_ns: int, status: str) -> None:
+        entry = (tool_call_id, self.tool_name, start_ns, end_ns, status)
+        self.timings.append(entry)
+        if self.timings_path is not None:
+            keys = ("tool_call_id", "tool_name", "start_mono_ns", "end_mono_ns", "status")
+            with self.timings_path.open("a") as f:
+                f.write(json.dumps(dict(zip(keys, entry, strict=True))) + "\n")
+
+    def close(self) -> None:
+        """Close the inner executor, then flush and stop the sender."""
+        try:
+            self.inner.close()
+        finally:
+            self.sender.close()
+
+    def interrupt(self) -> None:
+        """Forward an interrupt to the inner executor (SDK versions that have it)."""
+        interrupt = getattr(self.inner, "interrupt", None)
+        if interrupt is not None:
+            interrupt()
+
+
+def _action_fields(action: Any) -> Mapping[str, Any]:
+    try:
+        return action.model_dump()
+    except Exception:
+        return {}
+
+
+def _inner_tool_class(name: str) -> type[ToolDefinition]:
+    """The original OpenHands tool class for ``name`` (``terminal``, ``file_editor``, ``task_tracker``).
+
+    Raises:
+        ValueError: another name (the message lists the supported ones).
+    """
+    if name == "terminal":
+        from openhands.tools.terminal import TerminalTool
+
+        return TerminalTool
+    if name == "file_editor":
+        from openhands.tools.file_editor import FileEditorTool
+
+        return FileEditorTool
+    if name == "task_tracker":
+        from openhands.tools.task_tracker import TaskTrackerTool
+
+        return TaskTrackerTool
+    raise ValueError(f"cannot wrap tool {name!r}; supported: {list(EVENTED_TOOL_NAMES)}")
+
+
+def _policy_from(value: Any) -> PolicyConfig | None:
+    if value is None:
+        value = os.environ.get(ENV_POLICY, "on")
+    if value in (False, "off", "0", "false"):
+        return None
+    if value in (True, "on", "1", "true"):
+        return PolicyConfig()
+    if isinstance(value, Mapping):
+        return PolicyConfig(**value)
+    raise ValueError(f"mars_policy must be on/off or a PolicyConfig dict, got {value!r} "
+                     f"(or set {ENV_POLICY}=on|off)")
+
+
+class _EventedToolBase(ToolDefinition):
+    """Builds the inner tool and swaps in :class:`EventedExecutor` (subclasses set ``inner_name``).
+
+    Spec params ``mars_events_url``, ``mars_events_path``, ``mars_session_id`` (default: the
+    conversation id), ``mars_source`` (default ``"agent"``), ``mars_policy`` (``on``/``off`` or a
+    :class:`PolicyConfig` dict) and ``mars_workspace`` (default: the conversation's working dir) are
+    consumed here, with ``MARS_EVENTS_URL`` / ``MARS_EVENTS_PATH`` / ``MARS_POLICY`` as fallbacks;
+    every other param goes to the inner tool's ``create``.
+    """
+
+    inner_name: ClassVar[str] = ""
+
+    @classmethod
+    def create(cls, conv_state: Any = None, **params: Any) -> Sequence[ToolDefinition]:
+        mars = {k: params.pop(k) for k in _MARS_PARAMS if k in params}
+        inner_cls = _inner_tool_class(cls.inner_name)
+        tools = inner_cls.create(conv_state=conv_state, **params)
+        session_id = str(mars.get("mars_session_id") or conv_state.id)
+        workspace = Path(mars.get("mars_workspace") or conv_state.workspace.working_dir)
+        sender = EventSender(mars.get("mars_events_url") or os.environ.get(ENV_EVENTS_URL),
+                             mars.get("mars_events_path") or os.environ.get(ENV_EVENTS_PATH))
+        policy = _policy_from(mars.get("mars_policy"))
+        timings_path = (Path(sender.events_path).with_name("tool_timings.jsonl")
+                        if sender.events_path else None)
+        return [
+            tool.set_executor(EventedExecutor(
+                tool.executor, tool.name, tool.observation_type, session_id, sender, workspace,
+                policy, str(mars.get("mars_source") or "agent"), timings_path))
+            for tool in tools
+        ]
+
+
+class MarsTerminalTool(_EventedToolBase):
+    """``terminal`` with MARS tool events and the policy check."""
+
+    inner_name: ClassVar[str] = "terminal"
+
+
+class MarsFileEditorTool(_EventedToolBase):
+    """``file_editor`` with MARS tool events and the policy check."""
+
+    inner_name: ClassVar[str] = "file_editor"
+
+
+class MarsTaskTrackerTool(_EventedToolBase):
+    """``task_tracker`` with MARS tool events."""
+
+    inner_name: ClassVar[str] = "task_tracker"
+
+
+_EVENTED_CLASSES: dict[str, type[_EventedToolBase]] = {
+    "terminal": MarsTerminalTool, "file_editor": MarsFileEditorTool,
+    "task_tracker": MarsTaskTrackerTool,
+}
+
+
+def register_evented_tools(override_defaults: bool = False) -> dict[str, str]:
+    """Register the wrapped tools with the SDK's tool registry (idempotent).
+
+    Args:
+        override_defaults: also register them under the default names (``terminal``, ...), so that
+            agent specs written for stock OpenHands (app, agent-server) get events and the policy
+            check without changes. The runner leaves this off and uses the ``mars_*`` names.
+
+    Returns:
+        spec name → LLM-visible tool name, e.g. ``{"mars_terminal": "terminal", ...}``.
+    """
+    names = {}
+    for tool_name, cls in _EVENTED_CLASSES.items():
+        register_tool(f"mars_{tool_name}", cls)
+        names[f"mars_{tool_name}"] = tool_name
+        if override_defaults:
+            register_tool(tool_name, cls)
+            names[tool_name] = tool_name
+    return names
+
+
+# Like the SDK's own tool modules, importing this module registers its tools (under the ``mars_*``
+# names only; stock names are untouched). This is what lets an agent-server import it by qualname
+# (``tool_module_qualnames`` sent by a RemoteConversation, or ``--import-modules``).
+register_evented_tools()

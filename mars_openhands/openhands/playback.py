@@ -1,0 +1,386 @@
+"""Playback engine: an OpenAI-compatible server that answers with recorded assistant turns.
+
+Where no real model can run (this CPU machine), the agent path must still be exercised for real. The
+playback server stands in for the model's *choices* only: each chat completion is answered with the
+next recorded assistant turn (text plus tool calls) of a script, so OpenHands parses real tool calls
+and executes them with its real tools (terminal, file editor, task tracker) in a real workspace.
+
+What is played back and what is real:
+
+* **played back**: the assistant's message text and tool calls (from a script or a mini-swe-agent
+  trace in ``shared/data/traces/mini-swe-agent``; its single ``bash`` tool maps to OpenHands'
+  ``terminal`` tool, ``/testbed`` to the workspace).
+* **real**: OpenHands' agent loop, prompt building, tool parsing and execution, the workspace's files,
+  the tool wrapper's events and timings, the gateway, and (with ``upstream_url``) the engine: every
+  turn is forwarded to a real vLLM server with the real prompt (truncated to ``max_prompt_chars``),
+  the session's ``session_id`` / ``vllm_xargs`` and ``max_tokens`` = the recorded completion length
+  (``ignore_eos``), so the engine's scheduler, prefix cache and KV do the work of that turn; its
+  generated tokens are discarded and the recorded turn is returned with the engine's token usage.
+
+Which turn: the number of assistant messages already in the request (turn ``k`` answers with recorded
+turn ``k``; past the end, a ``finish`` call). Which script: per session (``X-Mars-Session``,
+``x-litellm-session-id``, ``session_id`` or ``prompt_cache_key``), scripts assigned round-robin in
+order of first appearance. Stateless per request otherwise, so retries replay the same turn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "PlaybackConfig",
+    "RecordedToolCall",
+    "RecordedTurn",
+    "Script",
+    "build_playback_app",
+    "load_script",
+    "load_trace_script",
+    "main",
+]
+
+_SESSION_HEADERS = ("x-mars-session", "x-litellm-session-id")
+_SESSION_BODY_FIELDS = ("mars_session", "session_id", "prompt_cache_key")
+
+
+class RecordedToolCall(BaseModel):
+    """One tool call of a recorded assistant turn (OpenHands tool name and JSON arguments)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    """OpenHands tool name, e.g. ``"terminal"``, ``"file_editor"``, ``"task_tracker"``, ``"finish"``."""
+    arguments: dict[str, Any]
+
+
+class RecordedTurn(BaseModel):
+    """One recorded assistant turn."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    content: str = ""
+    tool_calls: tuple[RecordedToolCall, ...] = ()
+    num_completion_tokens: int = Field(16, ge=1)
+    """Recorded completion length, tokens (what the engine is asked to generate with ``upstream_url``)."""
+
+
+class Script(BaseModel):
+    """A session's recorded turns; played in order, then ``finish``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    turns: tuple[RecordedTurn, ...]
+    session_id: str | None = None
+    """Play this script for exactly this session; ``None``: assigned round-robin to new sessions."""
+
+
+class PlaybackConfig(BaseModel):
+    """Playback server settings."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    served_model_name: str = "playback"
+    """Model name reported by ``/v1/models`` (clients use ``openai/<name>``)."""
+    upstream_url: str | None = None
+    """Base URL of a real engine (``http://127.0.0.1:8001``) that does each turn's work; ``None``:
+    answer at once with no engine."""
+    upstream_model: str | None = None
+    """Model name to send upstream (default: the engine's first ``/v1/models`` entry)."""
+    max_prompt_chars: int = Field(1500, ge=1)
+    """Upstream prompt is the rendered conversation cut to its first this many characters (a tiny
+    model's context is small; the prefix is kept so prefix caching still sees shared prefixes)."""
+    max_completion_tokens: int = Field(64, ge=1)
+    """Cap on the upstream ``max_tokens`` per turn, tokens."""
+    upstream_timeout_s: float = Field(120.0, gt=0)
+
+
+def _clean_command(command: str, workspace_alias: str) -> str:
+    """Map a mini-swe-agent command to the OpenHands workspace (its ``/testbed`` is the repo)."""
+    return command.replace("/testbed", workspace_alias)
+
+
+def load_trace_script(
+    path: Path,
+    max_turns: int | None = None,
+    is_allowed: Callable[[str], bool] | None = None,
+    workspace_alias: str = ".",
+) -> Script:
+    """Read a mini-swe-agent trajectory (``*.traj.json[.gz]``) as a playback script.
+
+    Each assistant message with ``bash`` tool calls becomes one turn of ``terminal`` calls; turns
+    without tool calls are skipped (OpenHands would end the conversation on them).
+
+    Args:
+        path: the trajectory file (gzip or plain JSON).
+        max_turns: keep at most this many turns (``None``: all).
+        is_allowed: ``command -> bool``; turns with a command it rejects are dropped (keeps
+            dangerous recorded commands out of playback; the policy check would deny them).
+        workspace_alias: what ``/testbed`` becomes in commands (the terminal starts in the workspace).
+
+    Raises:
+        ValueError: the file is not a mini-swe-agent trajectory (no ``messages``).
+    """
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    if not isinstance(data, dict) or "messages" not in data:
+        raise ValueError(f"{path} is not a mini-swe-agent trajectory: no 'messages' field")
+    turns: list[RecordedTurn] = []
+    for message in data["messages"]:
+        if message.get("role") != "assistant" or not message.get("tool_calls"):
+            continue
+        commands = [
+            _clean_command(json.loads(c["function"]["arguments"]).get("command", ""), workspace_alias)
+            for c in message["tool_calls"]
+            if c.get("function", {}).get("name") == "bash"
+        ]
+        if not commands or (is_allowed and not all(is_allowed(c) for c in commands)):
+            continue
+        usage = (message.get("extra") or {}).get("response", {}).get("usage") or {}
+        turns.append(RecordedTurn(
+            content=str(message.get("content") or ""),
+            tool_calls=tuple(RecordedToolCall(name="terminal", arguments={"command": c})
+                             for c in commands),
+            num_completion_tokens=max(1, int(usage.get("completion_tokens") or 16)),
+        ))
+        if max_turns is not None and len(turns) >= max_turns:
+            break
+    return Script(name=str(data.get("instance_id", path.stem)), turns=tuple(turns))
+
+
+def load_script(path: Path) -> Script:
+    """Read a script: JSON ``{"name": ..., "turns": [{"content", "tool_calls": [{"name", "arguments"}]}]}``
+    or a mini-swe-agent trajectory (``*.traj.json[.gz]``).
+
+    Raises:
+        ValueError: neither format (the message names the file).
+    """
+    if path.name.endswith((".traj.json", ".traj.json.gz")):
+        return load_trace_script(path)
+    try:
+        return Script.model_validate_json(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path} is not a playback script: {e}") from None
+
+
+class _Sessions:
+    """Assigns scripts to sessions round-robin, in order of first appearance. Thread-safe."""
+
+    def __init__(self, scripts: Sequence[Script]) -> None:
+        if not scripts:
+            raise ValueError("playback needs at least one script (--script FILE)")
+        self._bound = {s.session_id: s for s in scripts if s.session_id is not None}
+        self._free = tuple(s for s in scripts if s.session_id is None) or tuple(scripts)
+        self._by_session: dict[str, Script] = {}
+        self._lock = threading.Lock()
+
+    def script_for(self, session_id: str) -> Script:
+        if session_id in self._bound:
+            return self._bound[session_id]
+        with self._lock:
+            if session_id not in self._by_session:
+                self._by_session[session_id] = self._free[len(self._by_session) % len(self._free)]
+            return self._by_session[session_id]
+
+
+def session_of(headers: Any, body: dict[str, Any]) -> str:
+    """The request's session id (headers first, then body fields); ``"default"`` when none. Pure."""
+    for name in _SESSION_HEADERS:
+        if headers.get(name):
+            return str(headers[name])
+    for name in _SESSION_BODY_FIELDS:
+        if body.get(name):
+            return str(body[name])
+    return "default"
+
+
+def _turn_message(turn: RecordedTurn, turn_index: int) -> dict[str, Any]:
+    calls = [
+        {"id": f"call_{turn_index}_{i}_{uuid.uuid4().hex[:8]}", "type": "function",
+         "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+        for i, c in enumerate(turn.tool_calls)
+    ]
+    message: dict[str, Any] = {"role": "assistant", "content": turn.content or None}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _finish_turn(script: Script) -> RecordedTurn:
+    return RecordedTurn(content="", tool_calls=(RecordedToolCall(
+        name="finish", arguments={"message": f"playback of {script.name} complete"}),))
+
+
+def _render_prompt(messages: list[dict[str, Any]], max_chars: int) -> str:
+    parts = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+        parts.append(f"<{m.get('role')}>{content or ''}{json.dumps(m.get('tool_calls') or '')}")
+    return "".join(parts)[:max_chars]
+
+
+class _Upstream:
+    """Forwards a turn's work to a real engine; ``None`` URL: no engine (answer at once)."""
+
+    def __init__(self, config: PlaybackConfig) -> None:
+        import httpx
+
+        self.config = config
+        self.client = (httpx.AsyncClient(base_url=config.upstream_url, timeout=config.upstream_timeout_s)
+                       if config.upstream_url else None)
+        self._model = config.upstream_model
+
+    async def model(self) -> str:
+        assert self.client is not None
+        if self._model is None:
+            response = await self.client.get("/v1/models")
+            response.raise_for_status()
+            self._model = str(response.json()["data"][0]["id"])
+        return self._model
+
+    async def run_turn(self, body: dict[str, Any], turn: RecordedTurn) -> dict[str, int] | None:
+        """Make the engine prefill the prompt and decode the recorded length; return its usage."""
+        if self.client is None:
+            return None
+        request: dict[str, Any] = {
+            "model": await self.model(),
+            "prompt": _render_prompt(body.get("messages") or [], self.config.max_prompt_chars),
+            "max_tokens": min(turn.num_completion_tokens, self.config.max_completion_tokens),
+            "ignore_eos": True,
+            "temperature": 0.0,
+        }
+        for name in ("session_id", "vllm_xargs"):  # set by the gateway (design.md §2)
+            if name in body:
+                request[name] = body[name]
+        response = await self.client.post("/v1/completions", json=request)
+        if response.status_code != 200:
+            raise RuntimeError(f"upstream engine answered {response.status_code}: {response.text[:500]}")
+        usage = response.json().get("usage") or {}
+        return {k: int(usage.get(k, 0)) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+
+
+async def _answer(body: dict[str, Any], headers: Any, sessions: _Sessions, upstream: _Upstream,
+                  config: PlaybackConfig, seen: list[dict[str, Any]]) -> dict[str, Any]:
+    """One chat completion: the session's next recorded turn, after the engine did its work.
+
+    Mutates: ``seen`` (appends what was asked).
+
+    Raises:
+        RuntimeError: the upstream engine failed.
+    """
+    session_id = session_of(headers, body)
+    script = sessions.script_for(session_id)
+    turn_index = sum(1 for m in body.get("messages") or [] if m.get("role") == "assistant")
+    turn = script.turns[turn_index] if turn_index < len(script.turns) else _finish_turn(script)
+    try:
+        usage = await upstream.run_turn(body, turn)
+    except Exception as e:
+        raise RuntimeError(str(e) or type(e).__name__) from e
+    seen.append({"session_id": session_id, "turn": turn_index, "script": script.name,
+                 "tool_calls": [c.name for c in turn.tool_calls],
+                 "header_session": headers.get("x-mars-session"),
+                 "body_session_id": body.get("session_id"), "vllm_xargs": body.get("vllm_xargs"),
+                 "temperature": body.get("temperature"), "top_p": body.get("top_p"),
+                 "has_reasoning_effort": "reasoning_effort" in body,
+                 "num_tools": len(body.get("tools") or []), "engine_usage": usage})
+    usage = usage or {"prompt_tokens": 1, "completion_tokens": turn.num_completion_tokens,
+                      "total_tokens": 1 + turn.num_completion_tokens}
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+            "created": int(time.time()), "model": body.get("model", config.served_model_name),
+            "choices": [{"index": 0, "message": _turn_message(turn, turn_index),
+                         "finish_reason": "tool_calls" if turn.tool_calls else "stop"}],
+            "usage": usage}
+
+
+def build_playback_app(scripts: Sequence[Script], config: PlaybackConfig | None = None) -> Any:
+    """Return the FastAPI app of the playback server.
+
+    Routes: ``POST /v1/chat/completions`` (non-streaming), ``GET /v1/models``, ``GET /health``,
+    ``GET /metrics`` (the upstream engine's, else empty), ``GET /playback/requests`` (what was
+    asked: session, turn, tool calls; for tests).
+
+    Raises:
+        ValueError: no scripts.
+    """
+    config = config or PlaybackConfig()
+    sessions = _Sessions(scripts)
+    upstream = _Upstream(config)
+    seen: list[dict[str, Any]] = []
+    app = FastAPI(title="mars-openhands playback")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        body = await request.json()
+        if body.get("stream"):
+            return JSONResponse({"error": {"message": "playback supports stream=false only; "
+                                           "set the client's streaming off"}}, status_code=400)
+        try:
+            return await _answer(body, request.headers, sessions, upstream, config, seen)
+        except RuntimeError as e:  # the engine's error, as a gateway-visible 502
+            return JSONResponse({"error": {"message": f"playback upstream failed: {e}"}},
+                                status_code=502)
+
+    @app.get("/v1/models")
+    async def models() -> Any:
+        return {"object": "list", "data": [{"id": config.served_model_name, "object": "model"}]}
+
+    @app.get("/health")
+    async def health() -> Any:
+        return PlainTextResponse("ok")
+
+    @app.get("/metrics")
+    async def metrics() -> Any:
+        if upstream.client is None:
+            return PlainTextResponse("")
+        response = await upstream.client.get("/metrics")
+        return PlainTextResponse(response.text, status_code=response.status_code)
+
+    @app.get("/playback/requests")
+    async def requests() -> Any:
+        return {"requests": seen}
+
+    return app
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m mars_openhands.openhands.playback --script F [--script F ...] --port P``."""
+    import uvicorn
+
+    parser = argparse.ArgumentParser(prog="mars-openhands-playback", description=__doc__.split("\n")[0])
+    parser.add_argument("--script", action="append", type=Path, required=True,
+                        help="playback script JSON or mini-swe-agent *.traj.json(.gz); repeatable")
+    parser.add_argument("--max-turns", type=int, default=None, help="turns per trace script")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8100)
+    for name, field in PlaybackConfig.model_fields.items():
+        parser.add_argument("--" + name.replace("_", "-"), default=field.default,
+                            type=type(field.default) if field.default is not None else str,
+                            help=(field.description or "").replace("%", "%%"))
+    args = parser.parse_args(argv)
+    from mars_openhands.openhands.policy_check import is_safe_to_replay
+
+    scripts = [load_trace_script(p, args.max_turns, is_safe_to_replay)
+               if p.name.endswith((".traj.json", ".traj.json.gz")) else load_script(p)
+               for p in args.script]
+    config = PlaybackConfig(**{k: getattr(args, k) for k in PlaybackConfig.model_fields})
+    uvicorn.run(build_playback_app(scripts, config), host=args.host, port=args.port,
+                log_level="warning", access_log=False)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

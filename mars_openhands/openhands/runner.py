@@ -1,0 +1,324 @@
+"""Run OpenHands agents on tasks against a MARS gateway, a vLLM server or any OpenAI-compatible URL.
+
+One task = a problem statement plus a repository (copied into a fresh workspace) or an existing
+workspace directory. :func:`run_task` runs one OpenHands conversation in this process (terminal, file
+editor and task tracker tools, wrapped for events and the policy check) and returns a
+:class:`TaskResult`: status, patch (``git diff`` against the starting commit) or changed files, the
+task's CPU-plane event stream, timings. :func:`run_tasks` starts many tasks at a fixed arrival rate,
+each in its own process and workspace.
+
+Session lifecycle on the stream: ``session_start`` before the first LLM call, then per tool call
+``tool_enqueued`` / ``tool_start`` / ``tool_end`` (from the tool wrapper), then ``session_end``
+(with the task's status) after the tools are closed and their events flushed, so the gateway sees
+the end last and can release the session's KV and admission slot at once.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from mars_openhands.openhands.executor import EventSender, register_evented_tools
+from mars_openhands.openhands.llm import LLMSettings, TurnTracker, build_session_llm
+from mars_openhands.stream.events import SessionEnd, SessionStart, now_stamps
+
+__all__ = ["RunConfig", "TaskResult", "TaskSpec", "events_url_for", "run_task", "run_tasks"]
+
+TaskStatus = Literal["finished", "error", "stuck", "max_iterations", "timeout"]
+
+
+class TaskSpec(BaseModel):
+    """One agent task. Exactly one of ``repo`` / ``workspace`` must be set."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    task_id: str
+    problem_statement: str
+    repo: str | None = None
+    """A git repository (local path or URL) copied/cloned into a fresh workspace; the patch is the
+    ``git diff`` against its checked-out commit (``base_commit`` if given)."""
+    base_commit: str | None = None
+    workspace: str | None = None
+    """An existing directory the agent works in directly (its changes are listed, not diffed)."""
+    session_id: str | None = None
+    """UUID to use as the conversation and session id (default: a new one)."""
+
+    @field_validator("session_id")
+    @classmethod
+    def _session_id_is_uuid(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                uuid.UUID(value)
+            except ValueError:
+                raise ValueError(f"session_id must be a UUID (it is the OpenHands conversation "
+                                 f"id), got {value!r}; omit it to get a new one") from None
+        return value
+
+
+class RunConfig(BaseModel):
+    """How tasks run. Frozen; unknown keys are an error."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    llm: LLMSettings
+    events_url: str | None = None
+    """Where CPU-plane events go (default for ``mars``: ``<gateway>/mars/v1/events``; otherwise none)."""
+    out_dir: str
+    """Per-task directories (workspace, events.jsonl, result.json) are created under it."""
+    max_iterations: int = Field(100, ge=1)
+    """Agent steps per task before it is stopped (status ``max_iterations``)."""
+    policy: bool = True
+    """Run the pre-tool policy check (deny dangerous commands)."""
+    terminal_type: Literal["tmux", "subprocess"] | None = "subprocess"
+    """OpenHands terminal backend; ``subprocess`` keeps the shell a child of the task process (so the
+    policy's pid rule recognises the session's own processes). ``None``: the SDK picks."""
+    task_timeout_s: float = Field(3600.0, gt=0)
+    """Wall-clock limit per task process in :func:`run_tasks`, seconds."""
+
+
+class TaskResult(BaseModel):
+    """What one task produced."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    task_id: str
+    session_id: str
+    status: TaskStatus
+    error: str | None = None
+    workspace: str
+    patch: str | None = None
+    """``git diff`` of the workspace against the starting commit (repo tasks)."""
+    files_changed: list[str] = Field(default_factory=list)
+    num_llm_calls: int = 0
+    num_tool_calls: int = 0
+    num_denied: int = 0
+    wall_s: float = 0.0
+    """Task time: conversation start to end, seconds."""
+    tool_s: float = 0.0
+    """Sum of tool execution time (tool_start → tool_end), seconds."""
+    events_path: str
+    """JSONL of this task's CPU-plane events (as sent to the gateway)."""
+    events: list[dict[str, Any]] = Field(default_factory=list)
+
+
+def events_url_for(settings: LLMSettings) -> str | None:
+    """The gateway events endpoint for ``mars`` (``<base without /v1>/mars/v1/events``), else ``None``."""
+    if settings.backend != "mars":
+        return None
+    root = settings.base_url.rstrip("/")
+    return (root[: -len("/v1")] if root.endswith("/v1") else root) + "/mars/v1/events"
+
+
+def _git(workspace: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=workspace, check=True, capture_output=True,
+                          text=True).stdout
+
+
+def prepare_workspace(task: TaskSpec, task_dir: Path) -> tuple[Path, str | None]:
+    """Return ``(workspace, base_commit)``; copies ``task.repo`` into ``task_dir/workspace``.
+
+    Raises:
+        ValueError: neither or both of ``repo`` / ``workspace`` are set, or ``workspace`` is missing.
+        subprocess.CalledProcessError: ``git clone`` / ``checkout`` failed.
+    """
+    if (task.repo is None) == (task.workspace is None):
+        raise ValueError(f"task {task.task_id!r}: set exactly one of repo / workspace")
+    if task.workspace is not None:
+        workspace = Path(task.workspace).resolve()
+        if not workspace.is_dir():
+            raise ValueError(f"task {task.task_id!r}: workspace {workspace} is not a directory")
+        return workspace, None
+    workspace = task_dir / "workspace"
+    subprocess.run(["git", "clone", "--quiet", task.repo, str(workspace)], check=True,
+                   capture_output=True, text=True)
+    if task.base_commit:
+        _git(workspace, "checkout", "--quiet", task.base_commit)
+    return workspace.resolve(), _git(workspace, "rev-parse", "HEAD").strip()
+
+
+def _snapshot(workspace: Path) -> dict[str, float]:
+    return {str(p.relative_to(workspace)): p.stat().st_mtime for p in workspace.rglob("*")
+            if p.is_file() and ".git" not in p.parts}
+
+
+def _changes(workspace: Path, base_commit: str | None, before: dict[str, float]) -> tuple[str | None, list[str]]:
+    if base_commit is not None:
+        _git(workspace, "add", "-A")
+        patch = _git(workspace, "diff", "--cached", base_commit)
+        names = _git(workspace, "diff", "--cached", "--name-only", base_commit).split()
+        _git(workspace, "reset", "--quiet")
+        return patch, names
+    after = _snapshot(workspace)
+    return None, sorted(k for k in after.keys() | before.keys() if before.get(k) != after.get(k))
+
+
+def _build_conversation(config: RunConfig, workspace: Path, session_id: str,
+                        events_path: Path) -> tuple[Any, TurnTracker]:
+    """The OpenHands conversation for one task (wrapped tools, per-session LLM) and its turn tracker."""
+    from openhands.sdk import Agent, Conversation, Tool
+
+    register_evented_tools()
+    llm = build_session_llm(config.llm, session_id)
+    tool_params: dict[str, Any] = {
+        "mars_events_url": config.events_url or events_url_for(config.llm),
+        "mars_events_path": str(events_path), "mars_session_id": session_id,
+        "mars_policy": "on" if config.policy else "off", "mars_workspace": str(workspace),
+    }
+    terminal_params = dict(tool_params)
+    if config.terminal_type is not None:
+        terminal_params["terminal_type"] = config.terminal_type
+    tools = [Tool(name="mars_terminal", params=terminal_params),
+             Tool(name="mars_file_editor", params=tool_params),
+             Tool(name="mars_task_tracker", params=tool_params)]
+    agent = Agent(llm=llm, tools=tools)
+    kwargs: dict[str, Any] = {"agent": agent, "workspace": str(workspace),
+                              "conversation_id": uuid.UUID(session_id),
+                              "callbacks": [TurnTracker(llm)],
+                              "max_iteration_per_run": config.max_iterations}
+    accepted = inspect.signature(Conversation.__new__).parameters
+    if "visualizer" in accepted or "visualize" not in accepted:
+        kwargs["visualizer"] = None
+    else:
+        kwargs["visualize"] = False
+    return Conversation(**kwargs), kwargs["callbacks"][0]
+
+
+def _status_of(conversation: Any) -> TaskStatus:
+    status = str(getattr(conversation.state, "execution_status",
+                         getattr(conversation.state, "agent_status", "error")))
+    status = status.rsplit(".", 1)[-1].lower()
+    if status in ("finished", "error", "stuck"):
+        return status  # type: ignore[return-value]
+    return "max_iterations"  # the run returned without finishing: the iteration cap stopped it
+
+
+def run_task(task: TaskSpec, config: RunConfig) -> TaskResult:
+    """Run one task in this process and return its result (also written to ``result.json``).
+
+    Raises:
+        ValueError: bad task (see :func:`prepare_workspace`).
+    """
+    session_id = task.session_id or str(uuid.uuid4())
+    task_dir = Path(config.out_dir) / task.task_id
+    task_dir.mkdir(parents=True, exist_ok=True)
+    events_path = task_dir / "events.jsonl"
+    events_path.unlink(missing_ok=True)
+    (task_dir / "tool_timings.jsonl").unlink(missing_ok=True)
+    workspace, base_commit = prepare_workspace(task, task_dir)
+    before = _snapshot(workspace) if base_commit is None else {}
+    lifecycle = EventSender(config.events_url or events_url_for(config.llm), events_path)
+    lifecycle.emit(SessionStart(**now_stamps(), session_id=session_id, source="agent"))
+    lifecycle.flush()  # the gateway must know the session before tool events arrive
+    t0 = time.monotonic()
+    status: TaskStatus = "error"
+    error = None
+    conversation = None
+    tracker = None
+    try:
+        conversation, tracker = _build_conversation(config, workspace, session_id, events_path)
+        conversation.send_message(task.problem_statement)
+        conversation.run()
+        status = _status_of(conversation)
+    except Exception as e:  # the task failed; report it, never lose the result
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        if conversation is not None:
+            conversation.close()  # closes the tool wrappers, which flush their events
+        wall_s = time.monotonic() - t0
+        lifecycle.emit(SessionEnd(**now_stamps(), session_id=session_id, source="agent",
+                                  status="ok" if status == "finished" else status))
+        lifecycle.close()
+    return _collect(task, session_id, status, error, workspace, base_commit, before, wall_s,
+                    events_path, task_dir, tracker.num_responses if tracker else 0)
+
+
+def _collect(task: TaskSpec, session_id: str, status: TaskStatus, error: str | None,
+             workspace: Path, base_commit: str | None, before: dict[str, float], wall_s: float,
+             events_path: Path, task_dir: Path, num_llm_calls: int) -> TaskResult:
+    events = [json.loads(line) for line in events_path.read_text().splitlines() if line.strip()]
+    patch, files = _changes(workspace, base_commit, before)
+    ends = [e for e in events if e["kind"] == "tool_end"]
+    result = TaskResult(
+        task_id=task.task_id, session_id=session_id, status=status, error=error,
+        workspace=str(workspace), patch=patch, files_changed=files,
+        num_llm_calls=num_llm_calls, num_tool_calls=len(ends),
+        num_denied=sum(1 for e in ends if e["status"] == "denied"),
+        wall_s=wall_s, tool_s=sum(e["duration_s"] for e in ends),
+        events_path=str(events_path), events=events,
+    )
+    (task_dir / "result.json").write_text(result.model_dump_json(indent=1))
+    return result
+
+
+def run_tasks(tasks: Sequence[TaskSpec], config: RunConfig, rps: float,
+              python: str | None = None) -> list[TaskResult]:
+    """Run tasks concurrently, each in its own process, started at a fixed rate of ``rps`` per second.
+
+    Task ``i`` starts at ``i / rps`` seconds. Each process runs
+    ``python -m mars_openhands.openhands.cli run-one`` with the task and config as JSON files.
+
+    Args:
+        tasks: the tasks (distinct ``task_id``).
+        config: shared run config.
+        rps: arrival rate, tasks per second (> 0).
+        python: interpreter for the task processes (default: this one).
+
+    Returns:
+        Results in task order; a process that died or timed out yields status ``error`` / ``timeout``.
+
+    Raises:
+        ValueError: ``rps`` <= 0 or duplicate task ids.
+    """
+    if rps <= 0:
+        raise ValueError(f"rps must be > 0 tasks per second, got {rps} (--rps)")
+    if len({t.task_id for t in tasks}) != len(tasks):
+        raise ValueError("task_id values must be distinct (each task gets out_dir/<task_id>)")
+    out = Path(config.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "run_config.json").write_text(config.model_dump_json(indent=1))
+    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "OPENHANDS_SUPPRESS_BANNER": "1"}
+    procs: list[tuple[TaskSpec, subprocess.Popen[bytes], float]] = []
+    t0 = time.monotonic()
+    for i, task in enumerate(tasks):
+        time.sleep(max(0.0, t0 + i / rps - time.monotonic()))
+        (out / task.task_id).mkdir(parents=True, exist_ok=True)
+        task_file = out / task.task_id / "task.json"
+        task_file.write_text(task.model_dump_json())
+        log = (out / task.task_id / "process.log").open("wb")
+        proc = subprocess.Popen(
+            [python or sys.executable, "-m", "mars_openhands.openhands.cli", "run-one",
+             "--task", str(task_file), "--config", str(out / "run_config.json")],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        procs.append((task, proc, time.monotonic()))
+    return [_wait(task, proc, started, config, out) for task, proc, started in procs]
+
+
+def _wait(task: TaskSpec, proc: subprocess.Popen[bytes], started_s: float, config: RunConfig,
+          out: Path) -> TaskResult:
+    try:
+        proc.wait(timeout=max(1.0, started_s + config.task_timeout_s - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+        return _failed(task, out, "timeout", f"task exceeded task_timeout_s={config.task_timeout_s}")
+    result_path = out / task.task_id / "result.json"
+    if proc.returncode != 0 or not result_path.exists():
+        return _failed(task, out, "error", f"task process exited {proc.returncode}; see "
+                       f"{out / task.task_id / 'process.log'}")
+    return TaskResult.model_validate_json(result_path.read_text())
+
+
+def _failed(task: TaskSpec, out: Path, status: TaskStatus, error: str) -> TaskResult:
+    return TaskResult(task_id=task.task_id, session_id=task.session_id or "", status=status,
+                      error=error, workspace=task.workspace or str(out / task.task_id / "workspace"),
+                      events_path=str(out / task.task_id / "events.jsonl"))
