@@ -1,0 +1,807 @@
+"""Virtual-time simulator over the REAL vLLM schedulers (design.md §6-§9; MARS arXiv 2604.26963 §6).
+
+One discrete-event loop replays a workload (:mod:`eval.workloads`) against one in-process engine
+(:class:`~mars_openhands.engine.inproc.InprocEngine`: stock vLLM or our scheduler plugins with
+their real KV cache manager), a gateway admission controller (the gateway's own
+:class:`~mars_openhands.control.admission.AdmissionController` and
+:class:`~mars_openhands.control.sessions.ToolTracker`, so the AIMD window and the reorder make the
+same decisions as in live runs) and a pool of ``num_tool_workers`` tool workers with a FIFO queue.
+Time is virtual: an engine step lasts what the step-time model says (H4's
+:class:`~mars_openhands.engine.executor.timing.StepTimeModel` or any :class:`StepTimer`), and when
+the engine has nothing to run the clock jumps to the next event.
+
+Mental model of one session (times on the virtual clock)::
+
+    arrival ─ admission wait ─ turn 0 ──────────────── tool 0 (queue, run) ─ turn 1 ─ ... ─ end
+              (window full)    queued→scheduled→tokens  enqueued→start→end     prompt = turn 0's
+                                                                               prompt + output +
+                                                                               observation
+
+Engine timing follows vLLM's engine-core loop: ``schedule()`` at the step start, the model runs for
+the modelled step time, ``update_from_output()`` at the step end, then requests that arrived during
+the step are added (with their true arrival times) before the next ``schedule()``. CPU-plane events
+(``tool_enqueued``, ``tool_start``, ``tool_end``, ``session_end``) reach our schedulers through
+``post_event`` the moment they happen, which they drain at the next step, as the gateway forwards
+them (its ≤ 50 ms batching delay is not modelled).
+
+Speed: runs of pure-decode steps between two events are coalesced into one real scheduler call
+through vLLM's draft-token path (:meth:`InprocEngine.max_decode_run`); ``coalesce_max_steps=1``
+turns it off. A coalesced run never crosses an arrival or a tool completion; admission ticks fall
+inside it only when no session waits for admission (then a tick cannot change the engine's input).
+Coalescing needs an empty waiting queue: when requests wait for KV (FCFS past its knee, where the
+prefix cache thrashes) every step goes through ``schedule()``, and vLLM's own per-step work (the
+prefix lookup of the blocked head, O(context blocks)) bounds the speed to ~10-30x real time.
+Below the knee the speed is ~100-400x per CPU second (see ``benchmarks/bench_sim.py``).
+
+Events: every event carries ``t_mono_ns`` = virtual nanoseconds since the run start and ``t_wall``
+= ``wall_origin`` + the virtual offset. GPU-plane events come from our schedulers' own telemetry
+(re-stamped with the virtual time); for stock vLLM, which has none, the simulator emits the same
+kinds from what it observes. ``engine_step`` snapshots are emitted by the simulator every
+``engine_step_interval_s`` of virtual time for every policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import math
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from eval.workloads.format import Session, Workload
+from mars_openhands.control.admission import AdmissionController
+from mars_openhands.control.sessions import Session as GatewaySession
+from mars_openhands.control.sessions import ToolTracker
+from mars_openhands.engine.inproc import (
+    EngineStepRecord,
+    InprocEngine,
+    InprocEngineParams,
+    SessionTokenStream,
+    decode_run_step_time_s,
+)
+from mars_openhands.policy.admission import AdmissionParams, PressureSnapshot
+from mars_openhands.policy.reorder import ReorderParams
+from mars_openhands.stream import events as ev
+from mars_openhands.stream.transport import EventSink
+
+__all__ = [
+    "LinearStepTimeModel",
+    "SessionRecord",
+    "SimConfig",
+    "SimResult",
+    "Simulator",
+    "StepTimer",
+    "TurnRecord",
+    "ideal_times_s",
+    "simulate",
+]
+
+_NO_TIMEOUT_S = 1e9
+"""Admission wait timeout passed to the gateway controller (the simulator never gives up)."""
+_QUIET_TICKS = 64
+"""Admission ticks still run while the system is empty (0.8**64 ~ 1e-6: the tool-wait EMA has
+decayed and the window has regrown to its cap) before idle time is skipped."""
+
+
+class StepTimer(Protocol):
+    """Step-time model: seconds of one engine step (H4's ``StepTimeModel`` satisfies it)."""
+
+    def step_time_s(
+        self, prefill: Sequence[tuple[int, int]] = (), decode_context_tokens: Sequence[int] = ()
+    ) -> float:
+        """Seconds for one step with these prefill ``(new, cached)`` chunks and decode contexts."""
+        ...
+
+
+@dataclass(frozen=True)
+class LinearStepTimeModel:
+    """A simple affine step-time model (tests, and a stand-in when aiconfigurator is absent).
+
+    ``t = overhead_s + Σ new·prefill_token_s + Σ cached·prefill_cached_token_s
+    + D·decode_request_s + Σ context·decode_context_token_s``; 0 for an empty step.
+    """
+
+    overhead_s: float = 0.005
+    prefill_token_s: float = 2e-5
+    prefill_cached_token_s: float = 1e-8
+    decode_request_s: float = 2e-4
+    decode_context_token_s: float = 5e-9
+
+    def step_time_s(
+        self, prefill: Sequence[tuple[int, int]] = (), decode_context_tokens: Sequence[int] = ()
+    ) -> float:
+        """Seconds of one step (see the class docstring). Pure."""
+        if not prefill and not decode_context_tokens:
+            return 0.0
+        new = sum(p[0] for p in prefill)
+        cached = sum(p[1] for p in prefill)
+        return (self.overhead_s + new * self.prefill_token_s + cached * self.prefill_cached_token_s
+                + len(decode_context_tokens) * self.decode_request_s
+                + sum(decode_context_tokens) * self.decode_context_token_s)
+
+
+class SimConfig(BaseModel):
+    """Everything one simulated run needs besides the workload and the step-time model.
+
+    Frozen; unknown keys are an error.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    policy: str = "fcfs"
+    """Scheduler: ``fcfs`` (stock vLLM AsyncScheduler), ``fcfs-sync`` (stock Scheduler), a class
+    exported by ``mars_openhands.engine`` (e.g. ``MarsScheduler``) or ``module:Class``."""
+    engine: InprocEngineParams
+    """Engine shape (KV blocks, token budget, ``additional_config`` for our schedulers)."""
+    num_tool_workers: int = Field(16, ge=1)
+    """N_tool: tool calls that run at once; the rest wait in a FIFO queue."""
+    is_admission_enabled: bool = False
+    """Run the gateway's AIMD session window (design.md §5: report baselines with and without)."""
+    admission: AdmissionParams = AdmissionParams()
+    """The gateway's window parameters (same model as ``GatewayConfig.admission``)."""
+    reorder: ReorderParams = ReorderParams()
+    """The gateway's waiting-session order (same model as ``GatewayConfig.reorder``)."""
+    tool_wait_idle_decay: bool = True
+    """As ``GatewayConfig.tool_wait_idle_decay``."""
+    send_last_step: bool = True
+    """Send ``mars_last_step`` (1 on a session's final turn, else 0) with each request, as a replay
+    driver that knows the trace does; off: the engine must guess."""
+    coalesce_max_steps: int = Field(64, ge=1)
+    """Most pure-decode steps merged into one scheduler call (1 = every step is simulated)."""
+    engine_step_interval_s: float = Field(0.1, gt=0.0)
+    """Virtual seconds between ``engine_step`` snapshots (telemetry's default 100 ms)."""
+    seed: int = 0
+    """Seeds the synthetic token ids."""
+    engine_source: str = "engine:0"
+    """``source`` of GPU-plane events."""
+    agent_source: str = "sim"
+    """``source`` of CPU-plane events (the agents / replay driver)."""
+    gateway_source: str = "gateway"
+    """``source`` of ``admission_update`` events."""
+    stall_timeout_s: float = Field(600.0, gt=0.0)
+    """Virtual seconds the engine may hold work yet schedule nothing before the run fails."""
+    max_virtual_s: float | None = Field(None, gt=0.0)
+    """Stop (raise) once the virtual clock passes this many seconds; ``None``: no limit."""
+
+
+@dataclass
+class TurnRecord:
+    """One turn (LLM call + the tool after it); times in virtual seconds since the run start."""
+
+    turn: int
+    request_id: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    submit_s: float
+    first_scheduled_s: float | None = None
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    num_cached_tokens: int | None = None
+    """Prompt tokens served by the prefix cache (or retained KV) at the first schedule."""
+    num_preemptions: int = 0
+    tool_name: str | None = None
+    tool_duration_s: float = 0.0
+    tool_enqueue_s: float | None = None
+    tool_start_s: float | None = None
+    tool_end_s: float | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Seconds from submission to the first token."""
+        return None if self.first_token_s is None else self.first_token_s - self.submit_s
+
+    @property
+    def tool_queue_wait_s(self) -> float | None:
+        """Seconds the tool call waited for a worker."""
+        if self.tool_start_s is None or self.tool_enqueue_s is None:
+            return None
+        return self.tool_start_s - self.tool_enqueue_s
+
+
+@dataclass
+class SessionRecord:
+    """One session; times in virtual seconds since the run start."""
+
+    session_id: str
+    arrival_s: float
+    admitted_s: float | None = None
+    end_s: float | None = None
+    turns: list[TurnRecord] = field(default_factory=list)
+
+    @property
+    def e2e_s(self) -> float | None:
+        """Last token of the final turn − arrival (includes admission wait; design.md §7)."""
+        return None if self.end_s is None else self.end_s - self.arrival_s
+
+
+@dataclass
+class SimResult:
+    """Outcome of one simulated run.
+
+    Attributes:
+        sessions: session id -> record, in workload order.
+        makespan_s: virtual seconds from the run start to the last session end.
+        wall_s: wall-clock seconds the run took (excluding engine construction).
+        num_schedule_calls: real ``schedule()`` calls.
+        num_engine_steps: engine steps represented (a coalesced call of ``k`` tokens counts ``k``).
+        num_preemptions: requests preempted by vLLM.
+        max_admitted_sessions: most sessions holding an admission slot at once.
+        num_admissions_over_window: admissions that left more admitted sessions than the window
+            (must be 0).
+        kv_blocks_at_end: ``(free, retained, used)`` after the engine's shutdown.
+        num_events: events emitted to the sink.
+    """
+
+    sessions: dict[str, SessionRecord]
+    makespan_s: float
+    wall_s: float
+    num_schedule_calls: int
+    num_engine_steps: int
+    num_preemptions: int
+    max_admitted_sessions: int
+    num_admissions_over_window: int
+    kv_blocks_at_end: tuple[int, int, int]
+    num_events: int
+
+    @property
+    def speedup(self) -> float:
+        """Simulated seconds per wall second."""
+        return self.makespan_s / self.wall_s if self.wall_s > 0 else math.inf
+
+    def e2e_s(self) -> list[float]:
+        """E2E latency of every completed session, seconds."""
+        return [s.e2e_s for s in self.sessions.values() if s.e2e_s is not None]
+
+
+# ----------------------------------------------------------------------------- helpers
+class _RecordingAdmission(AdmissionController):
+    """The gateway's controller, unchanged, plus a log of the sessions each call admitted."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.just_admitted: list[str] = []
+
+    def admit_waiting(self, now_s: float, kv_budget_blocks: int | None = None) -> list[str]:
+        """As the gateway's; also appends the admitted ids to :attr:`just_admitted`."""
+        chosen = super().admit_waiting(now_s, kv_budget_blocks)
+        self.just_admitted.extend(chosen)
+        return chosen
+
+
+class _VirtualStampSink:
+    """Re-stamps our schedulers' telemetry with the virtual clock; drops their ``engine_step``
+    (the simulator emits snapshots on the virtual clock for every policy)."""
+
+    def __init__(self, sim: Simulator) -> None:
+        self._sim = sim
+
+    def emit(self, event: ev.Event) -> None:
+        if event.kind != "engine_step":
+            self._sim._emit_event(event.model_copy(update=self._sim._stamps()))
+
+    def close(self) -> None:
+        """Nothing to release (the simulator owns the real sink)."""
+
+
+@dataclass
+class _SessionRun:
+    """Mutable state of one session during the run."""
+
+    spec: Session
+    record: SessionRecord
+    gateway: GatewaySession
+    stream: SessionTokenStream | None = None
+    turn: int = 0
+    prev_tool: tuple[str, float] | None = None
+
+
+class _ToolPool:
+    """``num_workers`` tool workers and a FIFO queue of ``(session, turn, enqueue_s)``."""
+
+    def __init__(self, num_workers: int) -> None:
+        self.num_workers = num_workers
+        self.num_busy = 0
+        self.queue: deque[tuple[_SessionRun, int, float]] = deque()
+
+
+# ----------------------------------------------------------------------------- simulator
+class Simulator:
+    """One run: a workload through the gateway's admission, one engine and the tool pool.
+
+    Args:
+        workload: sessions with arrival times (apply an arrival process first).
+        config: the run's configuration.
+        step_timer: the step-time model.
+        sink: where events go (``None``: no stream, faster).
+        wall_origin: ``t_wall`` of virtual time 0 (default: now, UTC).
+
+    Raises:
+        ValueError: unknown policy or an invalid ``additional_config`` for it.
+    """
+
+    def __init__(
+        self, workload: Workload, config: SimConfig, step_timer: StepTimer,
+        sink: EventSink | None = None, wall_origin: datetime | None = None,
+    ) -> None:
+        self.config = config
+        self.workload = workload
+        self.timer = step_timer
+        self.sink = sink
+        self.wall_origin = wall_origin if wall_origin is not None else datetime.now(UTC)
+        self.now_s = 0.0
+        self.engine = InprocEngine(config.policy, config.engine, seed=config.seed,
+                                   clock=lambda: self.now_s)
+        if self.engine.is_plugin:
+            self.engine.scheduler.set_telemetry_sink(
+                _VirtualStampSink(self) if sink is not None else None)
+        self.admission = _RecordingAdmission(config.admission, config.reorder,
+                                             enabled=config.is_admission_enabled)
+        self.tools = ToolTracker(config.num_tool_workers, config.admission.tool_wait_ema_alpha)
+        self.pool = _ToolPool(config.num_tool_workers)
+        self._loop = asyncio.new_event_loop()
+        self._heap: list[tuple[float, int, str, Any]] = []
+        self._seq = 0
+        self._runs: dict[str, _SessionRun] = {}
+        self._by_request: dict[str, tuple[_SessionRun, TurnRecord]] = {}
+        self._deferred: list[tuple[_SessionRun, float]] = []
+        self._in_step = False
+        self._num_open = 0
+        self._next_tick_s = 0.0
+        self._quiet_ticks = 0
+        self._last_snapshot_s: float | None = None
+        self._last_step_s = 0.0
+        self.num_events = 0
+        self.num_preemptions = 0
+        self.max_admitted = 0
+        self.num_over_window = 0
+
+    # ------------------------------------------------------------------ events out
+    def _stamps(self) -> dict[str, Any]:
+        return {"t_mono_ns": int(round(self.now_s * 1e9)),
+                "t_wall": self.wall_origin + timedelta(seconds=self.now_s)}
+
+    def _emit_event(self, event: ev.Event) -> None:
+        self.num_events += 1
+        if self.sink is not None:
+            self.sink.emit(event)
+
+    def _emit(self, cls: type[Any], source: str, session_id: str | None, turn: int | None,
+              **fields: Any) -> None:
+        if self.sink is not None:
+            self._emit_event(cls(**self._stamps(), source=source, session_id=session_id,
+                                 turn=turn, **fields))
+
+    def _cpu_event(self, cls: type[Any], run: _SessionRun, turn: int | None, **fields: Any) -> None:
+        """Emit a CPU-plane event and forward it to our scheduler (as the gateway does)."""
+        if self.sink is None and not self.engine.is_plugin:
+            return
+        event = cls(**self._stamps(), source=self.config.agent_source,
+                    session_id=run.spec.session_id, turn=turn, **fields)
+        self._emit_event(event)
+        if self.engine.is_plugin and event.kind != "session_start":
+            self.engine.scheduler.post_event(event)
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> SimResult:
+        """Run to completion. Mutates the engine.
+
+        Raises:
+            RuntimeError: the engine stalls (a request that can never be scheduled) or the
+                virtual clock passes ``max_virtual_s``.
+        """
+        wall_start = time.perf_counter()
+        for run in self._make_runs():
+            self._push(run.spec.arrival_s, "arrival", run)
+        self._num_open = len(self._runs)
+        last_progress_s = 0.0
+        while self._num_open > 0:
+            self._handle_due_events()
+            if not self.engine.has_work():
+                self._advance_to_next_event()
+            elif self._engine_step():
+                last_progress_s = self.now_s
+            else:
+                self._idle_until_next_event(last_progress_s)
+        wall_s = time.perf_counter() - wall_start
+        return self._finish(wall_s)
+
+    def _make_runs(self) -> list[_SessionRun]:
+        runs = []
+        for spec in self.workload.sessions:
+            record = SessionRecord(spec.session_id, spec.arrival_s)
+            run = _SessionRun(spec, record, GatewaySession(spec.session_id, spec.arrival_s))
+            self._runs[spec.session_id] = run
+            runs.append(run)
+        return runs
+
+    def _push(self, t_s: float, kind: str, payload: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t_s, self._seq, kind, payload))
+
+    def _next_event_s(self) -> float:
+        """Time of the next event (arrival, tool end or admission tick)."""
+        t = self._heap[0][0] if self._heap else math.inf
+        return min(t, self._next_tick_s)
+
+    def _next_hard_event_s(self) -> float:
+        """Next event that can change the engine's input (a coalesced run must stop before it)."""
+        t = self._heap[0][0] if self._heap else math.inf
+        if self.admission.num_waiting > 0:
+            t = min(t, self._next_tick_s)
+        return t
+
+    def _handle_due_events(self) -> None:
+        """Handle every event at or before ``now_s``, in time order."""
+        while self._next_event_s() <= self.now_s:
+            self._handle_next_event()
+
+    def _handle_next_event(self) -> None:
+        if self._next_tick_s <= (self._heap[0][0] if self._heap else math.inf):
+            self.now_s = max(self.now_s, self._next_tick_s)
+            self._tick()
+            self._next_tick_s += self.config.admission.update_interval_s
+            return
+        t_s, _, kind, payload = heapq.heappop(self._heap)
+        self.now_s = max(self.now_s, t_s)
+        if kind == "arrival":
+            self._on_arrival(payload)
+        else:
+            self._on_tool_end(*payload)
+
+    def _advance_to_next_event(self) -> None:
+        """Jump the clock to the next event (the engine is idle or blocked)."""
+        if (not self._heap and self.admission.num_waiting == 0 and self.pool.num_busy == 0
+                and not self.engine.has_work()):
+            raise RuntimeError(f"simulator has {self._num_open} open session(s) but no pending "
+                               "event, tool or admission; this is a bug")
+        self._skip_quiet_ticks()
+        self._check_limit(self._next_event_s())
+        self._handle_next_event()
+
+    def _skip_quiet_ticks(self) -> None:
+        """Idle skipping: with no session in the system, ticks past the first ``_QUIET_TICKS``
+        (by then the window and the EMA have converged) are skipped up to the next arrival."""
+        if (not self._heap or self._quiet_ticks < _QUIET_TICKS or self.admission.admitted
+                or self.admission.num_waiting or self.pool.num_busy or self.engine.has_work()):
+            return
+        interval = self.config.admission.update_interval_s
+        gap = self._heap[0][0] - self._next_tick_s
+        if gap > interval:
+            self._next_tick_s += math.floor(gap / interval) * interval
+
+    def _idle_until_next_event(self, last_progress_s: float) -> None:
+        """The engine holds work but scheduled nothing: wait for the next event."""
+        if self.now_s - last_progress_s > self.config.stall_timeout_s:
+            running, waiting = self.engine.scheduler.get_request_counts()
+            raise RuntimeError(
+                f"engine stalled at t={self.now_s:.3f} s: {running} running, {waiting} waiting "
+                "and nothing schedulable (a prompt larger than the KV cache? raise "
+                "engine.num_gpu_blocks or max_model_len)")
+        self._advance_to_next_event()
+
+    def _check_limit(self, t_s: float) -> None:
+        limit = self.config.max_virtual_s
+        if limit is not None and t_s > limit:
+            raise RuntimeError(f"virtual time {t_s:.1f} s passed max_virtual_s={limit} with "
+                               f"{self._num_open} session(s) still open")
+
+    # ------------------------------------------------------------------ engine steps
+    def _engine_step(self) -> bool:
+        """One (possibly coalesced) engine step. Returns False if nothing was scheduled."""
+        t_start = self.now_s
+        k, planned_dt_s = self._coalesce_factor()
+        record = self.engine.schedule(k)
+        if record.is_empty:
+            self.engine.update(record)
+            return False
+        if planned_dt_s is None or record.prefill or any(
+                n != k for n in record.num_scheduled_tokens.values()):
+            planned_dt_s = self._step_time_s(record)  # the scheduler did not run the plan as is
+        dt_s = planned_dt_s
+        self._on_scheduled(record, t_start)
+        t_end = t_start + dt_s
+        self._check_limit(t_end)
+        self._in_step = True
+        while self._next_event_s() < t_end:
+            self._handle_next_event()
+        self._in_step = False
+        self.now_s = t_end
+        self.engine.update(record)
+        self._on_outputs(record)
+        for run, arrival_s in self._deferred:
+            self._add_request(run, arrival_s)
+        self._deferred.clear()
+        self._last_step_s = dt_s / max(1, record.num_decode_tokens)
+        self._maybe_snapshot()
+        return True
+
+    def _coalesce_factor(self) -> tuple[int, float | None]:
+        """``(k, its step time or None)``: decode tokens for the next step, bounded by the next
+        event that matters (a steady decode run is fully determined, so its time is known before
+        ``schedule()``)."""
+        k = self.engine.max_decode_run(self.config.coalesce_max_steps)
+        if k <= 1:
+            return 1, None
+        gap_s = self._next_hard_event_s() - self.now_s
+        contexts = [r.num_computed_tokens + 1 for r in self.engine.scheduler.running]
+        dt_s = decode_run_step_time_s(self.timer.step_time_s, contexts, k)
+        if dt_s > gap_s:
+            k = max(1, min(k - 1, int(gap_s / (dt_s / k))))
+            dt_s = decode_run_step_time_s(self.timer.step_time_s, contexts, k)
+        return k, (dt_s if k > 1 else None)
+
+    def _step_time_s(self, record: EngineStepRecord) -> float:
+        """Modelled seconds of the step; a coalesced step of ``k`` tokens counts ``k`` steps."""
+        k = record.num_decode_tokens
+        contexts = record.decode_context_tokens
+        if k > 1 and not record.prefill:
+            return decode_run_step_time_s(self.timer.step_time_s, contexts, k)
+        first = self.timer.step_time_s(record.prefill, contexts)
+        if k == 1:
+            return first
+        # A plugin admitted a prefill into a planned decode run (not expected with an empty
+        # waiting queue): the first step carries the prefill, the other k - 1 are pure decode.
+        return first + decode_run_step_time_s(self.timer.step_time_s, [c + 1 for c in contexts],
+                                              k - 1)
+
+    def _on_scheduled(self, record: EngineStepRecord, t_start: float) -> None:
+        """First schedules and preemptions (stamped at the step start)."""
+        stock = not self.engine.is_plugin
+        for rid in record.preempted_ids:
+            run, turn = self._by_request[rid]
+            turn.num_preemptions += 1
+            self.num_preemptions += 1
+            if stock:
+                self._emit(ev.RequestPreempted, self.config.engine_source, run.spec.session_id,
+                           turn.turn, request_id=rid, num_blocks_freed=0)
+        for rid, num_cached in record.new_request_cached_tokens.items():
+            run, turn = self._by_request[rid]
+            if turn.first_scheduled_s is not None:
+                continue
+            turn.first_scheduled_s = t_start
+            turn.num_cached_tokens = num_cached
+            if stock:
+                self._emit(ev.RequestFirstScheduled, self.config.engine_source,
+                           run.spec.session_id, turn.turn, request_id=rid,
+                           prefill_start_delay_s=t_start - turn.submit_s,
+                           num_cached_tokens=num_cached)
+
+    def _on_outputs(self, record: EngineStepRecord) -> None:
+        stock = not self.engine.is_plugin
+        for rid, num_new, reason in record.outputs:
+            run, turn = self._by_request[rid]
+            if turn.first_token_s is None and num_new > 0:
+                turn.first_token_s = self.now_s
+                if stock:
+                    self._emit(ev.RequestFirstToken, self.config.engine_source,
+                               run.spec.session_id, turn.turn, request_id=rid,
+                               ttft_s=self.now_s - turn.submit_s)
+            if reason is not None:
+                del self._by_request[rid]
+                turn.finish_s = self.now_s
+                if stock:
+                    self._emit(ev.RequestFinished, self.config.engine_source, run.spec.session_id,
+                               turn.turn, request_id=rid,
+                               num_prompt_tokens=turn.num_prompt_tokens,
+                               num_output_tokens=turn.num_output_tokens,
+                               num_blocks_freed=-(-(turn.num_prompt_tokens + turn.num_output_tokens)
+                                                  // self.config.engine.block_size),
+                               finish_reason=reason.lower(), e2e_s=self.now_s - turn.submit_s)
+                self._on_turn_finished(run, turn)
+
+    def _maybe_snapshot(self) -> None:
+        last = self._last_snapshot_s
+        if self.sink is None or (last is not None
+                                 and self.now_s - last < self.config.engine_step_interval_s):
+            return
+        self._last_snapshot_s = self.now_s
+        free, retained, used = self.engine.kv_block_counts()
+        running, waiting = self.engine.scheduler.get_request_counts()
+        self._emit(ev.EngineStep, self.config.engine_source, None, None,
+                   num_gpu_blocks=self.engine.num_gpu_blocks(), num_used_blocks=used,
+                   num_free_blocks=free, num_retained_blocks=retained, num_running=running,
+                   num_waiting=waiting, step_time_s=self._last_step_s)
+
+    # ------------------------------------------------------------------ sessions
+    def _on_arrival(self, run: _SessionRun) -> None:
+        self._cpu_event(ev.SessionStart, run, None)
+        first = run.spec.turns[0]
+        tokens = first.prompt_tokens_appended
+        blocks = -(-tokens // self.config.engine.block_size)
+        if self._acquire(run.spec.session_id, tokens, blocks):
+            self._on_admitted(run)
+
+    def _acquire(self, session_id: str, num_prompt_tokens: int, num_blocks: int) -> bool:
+        """The gateway's ``acquire``: True if admitted now, else the session waits for a slot."""
+        ctrl = self.admission
+        if ctrl.is_admitted(session_id) or ctrl.can_admit_now():
+            self._loop.run_until_complete(ctrl.acquire(session_id, self.now_s, 0, None, 0.0))
+            return True
+        self._loop.create_task(ctrl.acquire(session_id, self.now_s, num_prompt_tokens, num_blocks,
+                                            _NO_TIMEOUT_S))
+        self._loop.run_until_complete(asyncio.sleep(0))  # registers the waiter
+        return False
+
+    def _admit_chosen(self) -> None:
+        """Start the sessions the controller just admitted (in its order)."""
+        chosen, self.admission.just_admitted = self.admission.just_admitted, []
+        for session_id in chosen:
+            self._on_admitted(self._runs[session_id])
+        if chosen:
+            self._loop.run_until_complete(asyncio.sleep(0))  # let the acquire tasks return
+
+    def _on_admitted(self, run: _SessionRun) -> None:
+        ctrl = self.admission
+        num_admitted = len(ctrl.admitted)
+        self.max_admitted = max(self.max_admitted, num_admitted)
+        if ctrl.enabled and num_admitted > ctrl.window:
+            self.num_over_window += 1
+        run.record.admitted_s = self.now_s
+        run.gateway.is_admitted = True
+        run.stream = self.engine.stream(run.spec.session_id)
+        self._submit_turn(run)
+
+    def _submit_turn(self, run: _SessionRun) -> None:
+        """Turn ``run.turn`` is sent now (added to the engine now, or after the running step)."""
+        spec = run.spec.turns[run.turn]
+        stream = run.stream
+        assert stream is not None, "session must be admitted before its turns"
+        stream.append(spec.prompt_tokens_appended)
+        num_prompt = len(stream)
+        stream.append(spec.output_tokens)
+        rid = f"{run.spec.session_id}#{run.turn}"
+        turn = TurnRecord(run.turn, rid, num_prompt, spec.output_tokens, self.now_s,
+                          tool_name=spec.tool_name, tool_duration_s=spec.tool_duration_s)
+        run.record.turns.append(turn)
+        self._by_request[rid] = (run, turn)
+        run.gateway.num_turns += 1
+        run.gateway.num_in_flight += 1
+        if self._in_step:
+            self._deferred.append((run, self.now_s))
+        else:
+            self._add_request(run, self.now_s)
+
+    def _add_request(self, run: _SessionRun, arrival_s: float) -> None:
+        turn = run.record.turns[-1]
+        extra: dict[str, Any] = {"mars_turn": turn.turn}
+        if self.config.send_last_step:
+            extra["mars_last_step"] = int(turn.turn == run.spec.num_turns - 1)
+        if run.prev_tool is not None:
+            extra["mars_prev_tool"], extra["mars_prev_tool_s"] = run.prev_tool
+        assert run.stream is not None
+        self.engine.add_request(turn.request_id, run.stream, turn.num_prompt_tokens,
+                                turn.num_output_tokens, arrival_time_s=arrival_s,
+                                session_id=run.spec.session_id, extra_args=extra)
+        if not self.engine.is_plugin:
+            self._emit(ev.RequestQueued, self.config.engine_source, run.spec.session_id, turn.turn,
+                       request_id=turn.request_id, num_prompt_tokens=turn.num_prompt_tokens,
+                       num_projected_blocks=-(-turn.num_prompt_tokens
+                                              // self.config.engine.block_size))
+
+    def _on_turn_finished(self, run: _SessionRun, turn: TurnRecord) -> None:
+        run.gateway.num_in_flight -= 1
+        if turn.turn == run.spec.num_turns - 1:
+            self._end_session(run)
+            return
+        self._enqueue_tool(run, turn)
+
+    def _end_session(self, run: _SessionRun) -> None:
+        run.record.end_s = self.now_s
+        self._num_open -= 1
+        self._cpu_event(ev.SessionEnd, run, None, status="ok")
+        self.tools.forget(run.gateway)
+        self.admission.release(run.spec.session_id, self.now_s, self._kv_budget_blocks())
+        self._admit_chosen()
+
+    # ------------------------------------------------------------------ tools
+    def _enqueue_tool(self, run: _SessionRun, turn: TurnRecord) -> None:
+        assert turn.tool_name is not None, "a non-final turn has a tool"
+        call_id = turn.request_id
+        turn.tool_enqueue_s = self.now_s
+        self.tools.on_enqueued(run.gateway, call_id, turn.tool_name)
+        self._cpu_event(ev.ToolEnqueued, run, turn.turn, tool_name=turn.tool_name,
+                        tool_call_id=call_id)
+        self.pool.queue.append((run, turn.turn, self.now_s))
+        self._start_tools()
+
+    def _start_tools(self) -> None:
+        pool = self.pool
+        while pool.queue and pool.num_busy < pool.num_workers:
+            run, k, enqueue_s = pool.queue.popleft()
+            turn = run.record.turns[k]
+            pool.num_busy += 1
+            turn.tool_start_s = self.now_s
+            wait_s = self.now_s - enqueue_s
+            self.tools.on_start(run.gateway, turn.request_id, turn.tool_name or "", wait_s)
+            self._cpu_event(ev.ToolStart, run, k, tool_name=turn.tool_name,
+                            tool_call_id=turn.request_id, queue_wait_s=wait_s)
+            self._push(self.now_s + turn.tool_duration_s, "tool_end", (run, k))
+
+    def _on_tool_end(self, run: _SessionRun, k: int) -> None:
+        turn = run.record.turns[k]
+        turn.tool_end_s = self.now_s
+        self.pool.num_busy -= 1
+        self.tools.on_end(run.gateway, turn.request_id, turn.tool_name or "", turn.tool_duration_s)
+        self._cpu_event(ev.ToolEnd, run, k, tool_name=turn.tool_name,
+                        tool_call_id=turn.request_id, duration_s=turn.tool_duration_s)
+        run.prev_tool = (turn.tool_name or "", turn.tool_duration_s)
+        self._start_tools()
+        run.turn = k + 1
+        self._submit_turn(run)
+
+    # ------------------------------------------------------------------ admission ticks
+    def _kv_budget_blocks(self) -> int | None:
+        """As the gateway: blocks a new session may commit before the KV set threshold."""
+        usage = self.engine.kv_usage()
+        budget = int((self.config.admission.kv_set_usage - usage) * self.engine.num_gpu_blocks())
+        return max(0, budget)
+
+    def _tick(self) -> None:
+        """The gateway's tick: decay, AIMD update, admissions, ``admission_update``."""
+        is_quiet = not (self.admission.admitted or self.admission.num_waiting or self.pool.num_busy)
+        self._quiet_ticks = self._quiet_ticks + 1 if is_quiet else 0
+        if self.config.tool_wait_idle_decay:
+            self.tools.decay_if_idle()
+        snap = PressureSnapshot(
+            tool_backlog_ratio=self.tools.backlog_ratio, tool_wait_ema_s=self.tools.wait_ema_s,
+            kv_usage=self.engine.kv_usage(), num_tool_workers=self.config.num_tool_workers,
+        )
+        decision = self.admission.tick(snap, self.now_s, self._kv_budget_blocks())
+        self._emit(ev.AdmissionUpdate, self.config.gateway_source, None, None,
+                   window=decision.state.window, num_admitted=len(self.admission.admitted),
+                   num_waiting=self.admission.num_waiting,
+                   cpu_overloaded=decision.state.is_cpu_overloaded,
+                   kv_overloaded=decision.state.is_kv_overloaded,
+                   tool_backlog_ratio=snap.tool_backlog_ratio,
+                   tool_wait_ema_s=snap.tool_wait_ema_s or 0.0, kv_usage=snap.kv_usage or 0.0)
+        self._admit_chosen()
+
+    # ------------------------------------------------------------------ end
+    def _finish(self, wall_s: float) -> SimResult:
+        self.engine.shutdown()
+        for task in asyncio.all_tasks(self._loop):
+            task.cancel()
+        self._loop.run_until_complete(asyncio.sleep(0))
+        self._loop.close()
+        makespan = max((r.record.end_s or 0.0) for r in self._runs.values()) if self._runs else 0.0
+        return SimResult(
+            sessions={sid: r.record for sid, r in self._runs.items()}, makespan_s=makespan,
+            wall_s=wall_s, num_schedule_calls=self.engine.num_steps,
+            num_engine_steps=self.engine.num_decode_substeps,
+            num_preemptions=self.num_preemptions, max_admitted_sessions=self.max_admitted,
+            num_admissions_over_window=self.num_over_window,
+            kv_blocks_at_end=self.engine.kv_block_counts(), num_events=self.num_events,
+        )
+
+
+def simulate(
+    workload: Workload, config: SimConfig, step_timer: StepTimer, sink: EventSink | None = None,
+    wall_origin: datetime | None = None,
+) -> SimResult:
+    """Build a :class:`Simulator` and run it (see there)."""
+    return Simulator(workload, config, step_timer, sink, wall_origin).run()
+
+
+def ideal_times_s(workload: Workload, config: SimConfig, step_timer: StepTimer) -> dict[str, float]:
+    """Each session's E2E when run alone on an idle system: the slowdown denominator (design.md §7).
+
+    Same engine, step-time model and tool times as ``config``; the session arrives at 0 s, admission
+    is off and it has the tool pool to itself. One fresh engine per session.
+
+    Returns:
+        session id -> ideal E2E seconds (pass to :func:`eval.metrics.compute_metrics`).
+    """
+    alone = config.model_copy(update={"is_admission_enabled": False})
+    ideal: dict[str, float] = {}
+    for session in workload.sessions:
+        solo = Workload(meta=workload.meta, sessions=(session.model_copy(update={"arrival_s": 0.0}),))
+        e2e = simulate(solo, alone, step_timer).sessions[session.session_id].e2e_s
+        assert e2e is not None, f"session {session.session_id!r} did not finish alone"
+        ideal[session.session_id] = e2e
+    return ideal

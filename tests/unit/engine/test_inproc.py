@@ -1,0 +1,153 @@
+"""In-process real vLLM scheduler: building, token streams, prefix hits, coalesced decode."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+
+from mars_openhands.engine.inproc import (  # noqa: E402
+    InprocEngine,
+    InprocEngineParams,
+    SessionTokenStream,
+    resolve_scheduler_cls,
+)
+
+BS = 16
+
+
+def _engine(policy: str = "fcfs", num_gpu_blocks: int = 512, **kw: object) -> InprocEngine:
+    return InprocEngine(policy, InprocEngineParams(num_gpu_blocks=num_gpu_blocks,
+                                                   max_model_len=8192, **kw))
+
+
+def _add_turn(engine: InprocEngine, stream: SessionTokenStream, rid: str, appended: int,
+              output: int, t_s: float = 0.0) -> int:
+    stream.append(appended)
+    prompt = len(stream)
+    stream.append(output)
+    engine.add_request(rid, stream, prompt, output, arrival_time_s=t_s)
+    return prompt
+
+
+def _drain(engine: InprocEngine, coalesce: int = 1) -> list:
+    records = []
+    for _ in range(10_000):
+        if not engine.has_work():
+            return records
+        records.append(engine.step(engine.max_decode_run(coalesce)))
+    raise AssertionError("engine did not drain")
+
+
+def test_resolve_scheduler_cls_names() -> None:
+    assert resolve_scheduler_cls("fcfs") is AsyncScheduler
+    assert resolve_scheduler_cls("fcfs-sync") is Scheduler
+    assert resolve_scheduler_cls("vllm.v1.core.sched.scheduler:Scheduler") is Scheduler
+    with pytest.raises(ValueError, match="unknown scheduler policy 'nope'.*fcfs"):
+        resolve_scheduler_cls("nope")
+    with pytest.raises(ValueError, match="not a vLLM Scheduler"):
+        resolve_scheduler_cls("collections:OrderedDict")
+
+
+def test_stream_ids_are_deterministic_and_distinct_per_session() -> None:
+    a1, a2, b = SessionTokenStream("a", 0), SessionTokenStream("a", 0), SessionTokenStream("b", 0)
+    for s in (a1, a2, b):
+        assert s.append(40) == (0, 40)
+    assert a1.ids(0, 40) == a2.ids(0, 40)
+    assert a1.ids(0, BS) != b.ids(0, BS), "first blocks of two sessions must differ"
+    other_seed = SessionTokenStream("a", 1)
+    other_seed.append(40)
+    assert other_seed.ids(0, BS) != a1.ids(0, BS)
+    assert a1.append(5) == (40, 45) and len(a1) == 45
+    with pytest.raises(ValueError, match="outside the 45 ids"):
+        a1.ids(0, 46)
+
+
+def test_prefix_cache_hits_on_next_turn_and_memo_matches_vllm_hashes() -> None:
+    engine = _engine()
+    stream = engine.stream("s")
+    p0 = _add_turn(engine, stream, "s#0", 1000, 50)
+    first = engine.step()
+    assert first.new_request_cached_tokens == {"s#0": 0}
+    assert first.prefill == [(1000, 0)]
+    _drain(engine)
+    p1 = _add_turn(engine, stream, "s#1", 300, 20, t_s=1.0)
+    req = engine.request("s#1")
+    fresh = Request("x", stream.ids(0, p1), SamplingParams(max_tokens=1), None,
+                    block_hasher=engine.hasher._inner)
+    assert req.block_hashes == fresh.block_hashes
+    rec = engine.step()
+    cached = rec.new_request_cached_tokens["s#1"]
+    assert cached == (p0 + 50) // BS * BS > 0, "turn 2 must hit the prefix cache of turn 1"
+    assert rec.prefill == [(p1 - cached, cached)]
+    _drain(engine)
+    assert engine.assert_no_leaks()["used"] == 0
+    assert engine.kv_block_counts() == (511, 0, 0)
+
+
+def test_coalesced_decode_equals_single_steps() -> None:
+    results = []
+    for coalesce in (1, 32):
+        engine = _engine()
+        streams = [engine.stream(f"s{i}") for i in range(3)]
+        for i, st in enumerate(streams):
+            _add_turn(engine, st, f"s{i}#0", 100 + 37 * i, 40 + 9 * i)
+        records = _drain(engine, coalesce)
+        tokens = {}
+        for r in records:
+            for rid, n, _ in r.outputs:
+                tokens[rid] = tokens.get(rid, 0) + n
+        results.append((engine.num_steps, engine.num_decode_substeps, tokens,
+                        engine.kv_block_counts(), [len(s.block_hashes) for s in streams]))
+    (calls1, steps1, tok1, kv1, h1), (calls32, steps32, tok32, kv32, h32) = results
+    assert tok1 == tok32 == {"s0#0": 40, "s1#0": 49, "s2#0": 58}
+    assert steps1 == steps32 == calls1, "a coalesced call stands for exactly k engine steps"
+    assert calls32 < calls1 / 4
+    assert kv1 == kv32 and h1 == h32
+
+
+def test_max_decode_run_requires_steady_decode_and_bounds_k() -> None:
+    engine = _engine(num_gpu_blocks=64)
+    st = engine.stream("s")
+    _add_turn(engine, st, "s#0", 100, 30)
+    assert engine.max_decode_run(32) == 1, "a waiting request is not a steady decode"
+    engine.step()  # prefill + first token
+    assert engine.max_decode_run(32) == 29, "bounded by the 29 tokens left"
+    assert engine.max_decode_run(8) == 8
+    other = engine.stream("t")
+    _add_turn(engine, other, "t#0", 50, 5)
+    assert engine.max_decode_run(32) == 1
+    with pytest.raises(ValueError, match="at most 1 coalesced"):
+        engine.step(4)
+
+
+def test_max_decode_run_respects_free_blocks() -> None:
+    engine = _engine(num_gpu_blocks=10)  # 9 usable blocks = 144 tokens
+    st = engine.stream("s")
+    _add_turn(engine, st, "s#0", 120, 100)
+    engine.step()
+    k = engine.max_decode_run(64)
+    assert 1 <= k < 64
+    free, _, used = engine.kv_block_counts()
+    assert -(-(121 + k) // BS) - -(-121 // BS) <= free
+
+
+def test_plugin_scheduler_gets_the_clock() -> None:
+    from mars_openhands import engine as engine_pkg
+
+    name = "FcfsScheduler" if "FcfsScheduler" in getattr(engine_pkg, "_LAZY", {}) else "MarsScheduler"
+    now = [123.0]
+    eng = InprocEngine(name, InprocEngineParams(num_gpu_blocks=256, max_model_len=8192),
+                       clock=lambda: now[0])
+    assert eng.is_plugin and eng.scheduler.clock() == 123.0
+    st = eng.stream("s")
+    _add_turn(eng, st, "s#0", 64, 4, t_s=123.0)
+    _drain(eng, 8)
+    eng.shutdown()
+    eng.assert_no_leaks()
+    assert eng.kv_block_counts()[1:] == (0, 0)
