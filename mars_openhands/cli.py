@@ -19,6 +19,7 @@ SUBCOMMANDS: tuple[tuple[str, str], ...] = (
     ("mars_openhands.control.cli", "add_gateway_subcommand"),
     ("eval.workloads.cli", "add_workload_subcommand"),
     ("eval.replay", "add_replay_subcommand"),
+    ("eval.compare", "add_compare_subcommand"),
     ("mars_openhands.openhands.cli", "add_openhands_subcommand"),
 )
 

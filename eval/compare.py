@@ -1,0 +1,586 @@
+"""``mars-openhands compare``: several policies, one workload, one backend, a load sweep (design.md §7).
+
+One command runs every chosen policy (with and/or without the gateway's admission window) on the
+same workload at each load point and writes a results directory:
+
+* ``<label>__load<x>.parquet``: per-session metrics of one run (:func:`eval.metrics.session_table`
+  with ideal times: ``e2e_s``, ``slowdown``, tool time, preemptions, ...), written as it completes;
+* ``results.parquet`` and ``summary.md`` (:mod:`eval.report`), rewritten after every run, so a
+  crash or Ctrl-C keeps everything finished so far; a run that raises is recorded as failed and
+  the others continue;
+* ``e2e_vs_load.png``, ``e2e_cdf.png``, ``goodput_vs_alpha.png``.
+
+Load points (design.md §7): multipliers of a *base rate* = FCFS's largest stable Poisson arrival
+rate on the same workload and GPU profile (the knee). :func:`find_base_rate` searches it with a
+bounded number of FCFS runs: start near one session at a time (``1 / mean ideal E2E``), double
+while the run is stable, then bisect between the last stable and first unstable rate. *Stable*:
+every session completes and the mean slowdown (E2E / ideal) is at most ``--knee-slowdown``
+(default 2). ``--base-rate`` skips the search; ``--absolute-rates`` reads ``--loads`` as
+sessions/s.
+
+Backends: only ``sim`` (:mod:`eval.sim`: the real vLLM schedulers in virtual time with the
+emulated-GPU step-time model of ``--gpu``/``--model``) is implemented so far.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import pandas as pd
+from pydantic import BaseModel, ConfigDict, Field
+
+from eval.metrics import DEFAULT_ALPHAS, compute_metrics, session_table
+from eval.report import RESULT_COLUMNS, goodput_column, write_plots, write_summary
+from eval.workloads import (
+    PoissonArrivals,
+    Workload,
+    load_trace_dir,
+    load_workload,
+    trim_workload,
+    with_arrivals,
+)
+from eval.workloads.transform import scale_workload
+
+__all__ = [
+    "BACKENDS",
+    "DEFAULT_TRACES",
+    "POLICIES",
+    "BaseRateSearch",
+    "CompareOptions",
+    "PolicySpec",
+    "add_compare_subcommand",
+    "find_base_rate",
+    "kv_scale_for_trim",
+    "parse_policies",
+    "run_compare",
+]
+
+DEFAULT_TRACES = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "mini-swe-agent"
+                     / "deepseek_chat_test_1-100")
+"""Default workload: the bundled SWE-bench Lite traces of one mini-swe-agent run (``../shared`` of the
+repo; 74 usable sessions)."""
+BACKENDS: tuple[str, ...] = ("sim",)
+"""Backends this command can run; ``emulated``, ``cpu`` and URLs are planned."""
+PLANNED_BACKENDS: tuple[str, ...] = ("emulated", "cpu", "<URL>")
+_METRIC_KINDS = frozenset({"session_start", "session_end", "finished", "first_token", "preempted",
+                           "tool_start", "tool_end", "kv_released", "kv_retained"})
+"""Event kinds the metrics read (``engine_step``/``admission_update`` are dropped before framing)."""
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """How one ``--policies`` name maps onto the simulator.
+
+    Attributes:
+        scheduler: ``SimConfig.policy`` (``"fcfs"`` or a class exported by ``mars_openhands.engine``).
+        additional_config: vLLM ``--additional-config`` (see docs/schedulers.md).
+        is_baseline: counts as a baseline for the "best baseline" ratios.
+    """
+
+    scheduler: str
+    additional_config: Mapping[str, Any] = field(default_factory=dict)
+    is_baseline: bool = True
+
+
+POLICIES: Mapping[str, PolicySpec] = {
+    "fcfs": PolicySpec("fcfs"),
+    "autellix": PolicySpec("AutellixScheduler"),
+    "infercept": PolicySpec("InferceptScheduler"),
+    "continuum": PolicySpec("ContinuumScheduler", {"mars": {"continuum": {"mode": "continuum"}}}),
+    "continuum-dy": PolicySpec("ContinuumScheduler", {"mars": {"continuum": {"mode": "continuum-dy"}}}),
+    "mars-preview": PolicySpec("MarsPreviewScheduler", is_baseline=False),
+    "mars": PolicySpec("MarsScheduler", is_baseline=False),
+}
+"""Supported ``--policies`` names (design.md §5), in the default order."""
+
+
+def parse_policies(text: str | Sequence[str]) -> tuple[str, ...]:
+    """Split a comma-separated policy list (``"all"`` = every one) and check the names.
+
+    Raises:
+        ValueError: an unknown name (the message lists the supported ones) or an empty list.
+    """
+    names = [n.strip() for n in (text.split(",") if isinstance(text, str) else text) if n.strip()]
+    if names == ["all"]:
+        return tuple(POLICIES)
+    unknown = [n for n in names if n not in POLICIES]
+    if unknown or not names:
+        problem = f"unknown policy {unknown[0]!r}" if unknown else "no policy given"
+        raise ValueError(f"{problem}; supported: {', '.join(POLICIES)} (or 'all')")
+    return tuple(dict.fromkeys(names))
+
+
+class CompareOptions(BaseModel):
+    """Everything one comparison needs besides the workload and the step-time model. Frozen."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    policies: tuple[str, ...] = tuple(POLICIES)
+    """Policy names (keys of :data:`POLICIES`)."""
+    loads: tuple[float, ...] = (0.5, 0.8, 1.0, 1.2)
+    """Multipliers of the base rate, or sessions/s with ``is_absolute_rates``."""
+    is_absolute_rates: bool = False
+    admission: Literal["off", "on", "both"] = "off"
+    """Gateway admission window for every policy: off, on, or one run of each."""
+    num_gpu_blocks: int = Field(ge=2)
+    """KV blocks of the simulated GPU."""
+    num_tool_workers: int = Field(16, ge=1)
+    seed: int = 0
+    """Seeds the Poisson arrivals and the simulator."""
+    base_rate_per_s: float | None = Field(None, gt=0.0)
+    """Skip the knee search and use this base rate."""
+    knee_slowdown: float = Field(2.0, gt=1.0)
+    """Stable = every session completes and mean slowdown <= this."""
+    search_max_runs: int = Field(6, ge=1)
+    """FCFS runs the knee search may spend."""
+    alphas: tuple[float, ...] = DEFAULT_ALPHAS
+    max_virtual_s: float | None = Field(None, gt=0.0)
+    """Abort a run whose virtual clock passes this (a guard against runaway overload)."""
+
+
+# ----------------------------------------------------------------------------- base rate
+@dataclass(frozen=True)
+class BaseRateSearch:
+    """Result of :func:`find_base_rate`.
+
+    Attributes:
+        rate_per_s: the largest stable rate probed (sessions/s).
+        probes: ``(rate_per_s, mean slowdown or inf, is_stable)`` in probe order.
+        how: one sentence on how the rate was found (for ``summary.md``).
+    """
+
+    rate_per_s: float
+    probes: tuple[tuple[float, float, bool], ...]
+    how: str
+
+
+def find_base_rate(mean_slowdown_at: Callable[[float], float], start_rate_per_s: float,
+                   bound: float, max_runs: int) -> BaseRateSearch:
+    """Largest stable arrival rate by doubling then geometric bisection (design.md §7 "knee").
+
+    Args:
+        mean_slowdown_at: rate (sessions/s) -> FCFS mean slowdown (``inf`` if sessions failed).
+        start_rate_per_s: first probe (> 0).
+        bound: stable iff mean slowdown <= bound.
+        max_runs: most calls of ``mean_slowdown_at`` (>= 1).
+
+    Returns:
+        The largest stable rate seen; if no probe was stable, the smallest rate probed (the
+        ``how`` text says so), if none was unstable, the largest probed.
+
+    Raises:
+        ValueError: ``start_rate_per_s <= 0`` or ``max_runs < 1``.
+    """
+    if start_rate_per_s <= 0 or max_runs < 1:
+        raise ValueError(f"need start_rate_per_s > 0 and max_runs >= 1, got {start_rate_per_s}, {max_runs}")
+    probes: list[tuple[float, float, bool]] = []
+
+    def probe(rate: float) -> bool:
+        slowdown = mean_slowdown_at(rate)
+        stable = math.isfinite(slowdown) and slowdown <= bound
+        probes.append((rate, slowdown, stable))
+        return stable
+
+    stable_rates: list[float] = []
+    unstable_rates: list[float] = []
+    rate = start_rate_per_s
+    while len(probes) < max_runs and not (stable_rates and unstable_rates):
+        (stable_rates if probe(rate) else unstable_rates).append(rate)
+        rate = rate * 2 if not unstable_rates else rate / 2
+    while len(probes) < max_runs and stable_rates and unstable_rates:
+        lo, hi = max(stable_rates), min(unstable_rates)
+        if hi / lo < 1.05:
+            break
+        mid = math.sqrt(lo * hi)
+        (stable_rates if probe(mid) else unstable_rates).append(mid)
+    if stable_rates:
+        best = max(stable_rates)
+        bracket = (f"; first unstable rate {min(unstable_rates):.4g}/s" if unstable_rates
+                   else "; no unstable rate found within the budget (the knee may be higher)")
+        how = (f"FCFS knee search: {len(probes)} runs (doubling from {start_rate_per_s:.4g}/s, then "
+               f"bisection), stable = all sessions complete and mean slowdown <= {bound:g}; "
+               f"largest stable rate {best:.4g}/s{bracket}")
+        return BaseRateSearch(best, tuple(probes), how)
+    best = min(unstable_rates)
+    how = (f"FCFS knee search: no stable rate within {len(probes)} runs (lowest probed {best:.4g}/s "
+           f"had mean slowdown {probes[-1][1]:.3g} > {bound:g}); using it as the base")
+    return BaseRateSearch(best, tuple(probes), how)
+
+
+# ----------------------------------------------------------------------------- runs
+@dataclass(frozen=True)
+class _Run:
+    policy: str
+    is_admission_enabled: bool
+    load_x: float
+    rate_per_s: float
+
+    @property
+    def label(self) -> str:
+        return f"{self.policy}+adm" if self.is_admission_enabled else self.policy
+
+    @property
+    def run_id(self) -> str:
+        return f"{self.label}__load{self.load_x:g}"
+
+
+def _sim_config(options: CompareOptions, policy: str, is_admission_enabled: bool) -> Any:
+    from eval.sim import SimConfig
+    from mars_openhands.engine.inproc import InprocEngineParams
+
+    spec = POLICIES[policy]
+    engine = InprocEngineParams(num_gpu_blocks=options.num_gpu_blocks,
+                                additional_config=dict(spec.additional_config))
+    return SimConfig(policy=spec.scheduler, engine=engine, num_tool_workers=options.num_tool_workers,
+                     is_admission_enabled=is_admission_enabled, seed=options.seed,
+                     max_virtual_s=options.max_virtual_s)
+
+
+def _stream_frame(events: Sequence[Any]) -> pd.DataFrame:
+    from mars_openhands.stream.reader import events_to_frame
+
+    return events_to_frame(e for e in events if e.kind in _METRIC_KINDS)
+
+
+def _metrics_row(run: _Run, stream: pd.DataFrame, ideal_s: Mapping[str, float],
+                 alphas: Sequence[float]) -> tuple[dict[str, Any], pd.DataFrame]:
+    metrics = compute_metrics(stream, ideal_s, alphas=sorted({*alphas, 3.0}))
+    table = session_table(stream, ideal_s)
+    row: dict[str, Any] = {
+        "num_sessions": metrics.num_sessions, "num_completed": metrics.num_completed,
+        "makespan_s": metrics.makespan_s, "throughput_per_s": metrics.throughput_sessions_per_s,
+        "e2e_mean_s": metrics.e2e_s.mean, "e2e_p50_s": metrics.e2e_s.p50,
+        "e2e_p90_s": metrics.e2e_s.p90, "e2e_p95_s": metrics.e2e_s.p95, "e2e_p99_s": metrics.e2e_s.p99,
+        "slowdown_mean": metrics.slowdown.mean if metrics.slowdown else math.nan,
+        "num_preemptions": metrics.num_preemptions,
+        "kv_hit_ratio": (metrics.kv_retention.hit_ratio
+                         if metrics.kv_retention.hit_ratio is not None else math.nan),
+    }
+    for alpha, value in (metrics.goodput_per_s or {}).items():
+        row[goodput_column(alpha)] = value
+    return row, table
+
+
+def _mean_slowdown(workload: Workload, options: CompareOptions, step_timer: Any,
+                   ideal_s: Mapping[str, float], rate_per_s: float, simulate_fn: Callable[..., Any]) -> float:
+    """FCFS (no admission) mean slowdown at ``rate_per_s``; ``inf`` if a session did not finish."""
+    arrived = with_arrivals(workload, PoissonArrivals(rate_per_s=rate_per_s), seed=options.seed)
+    try:
+        result = simulate_fn(arrived, _sim_config(options, "fcfs", False), step_timer)
+    except Exception:  # noqa: BLE001 - a run past max_virtual_s is unstable, not an error
+        return math.inf
+    e2e = {sid: rec.e2e_s for sid, rec in result.sessions.items()}
+    if any(v is None for v in e2e.values()):
+        return math.inf
+    return sum(v / ideal_s[sid] for sid, v in e2e.items()) / len(e2e)
+
+
+def _plan(options: CompareOptions, base_rate_per_s: float | None) -> list[_Run]:
+    admissions = {"off": (False,), "on": (True,), "both": (False, True)}[options.admission]
+    runs = []
+    for load in options.loads:
+        rate = load if options.is_absolute_rates else load * (base_rate_per_s or math.nan)
+        runs += [_Run(p, adm, load, rate) for p in options.policies for adm in admissions]
+    return runs
+
+
+def run_compare(workload: Workload, options: CompareOptions, step_timer: Any, out_dir: str | Path, *,
+                ideal_s: Mapping[str, float] | None = None, meta: Mapping[str, Any] | None = None,
+                simulate_fn: Callable[..., Any] | None = None, progress: Any = None) -> pd.DataFrame:
+    """Run the sweep on the ``sim`` backend and write the results directory (see the module docstring).
+
+    Args:
+        workload: sessions (their arrival times are replaced by Poisson arrivals per load).
+        options: policies, loads, admission, engine shape, search parameters.
+        step_timer: seconds per engine step (``StepTimeModel`` or ``LinearStepTimeModel``).
+        out_dir: results directory (created).
+        ideal_s: session id -> ideal E2E s (default: :func:`eval.sim.ideal_times_s` under FCFS).
+        meta: extra facts for ``summary.md`` (workload, profile, ...), printed first.
+        simulate_fn: ``eval.sim.simulate`` (tests inject failures here).
+        progress: a ``rich.progress.Progress`` to report on, or ``None``.
+
+    Returns:
+        The results table (:data:`eval.report.RESULT_COLUMNS`), one row per run.
+
+    Raises:
+        ValueError: an unknown policy name (the message lists the supported ones).
+    """
+    from eval import sim
+
+    parse_policies(options.policies)
+    simulate_fn = simulate_fn or sim.simulate
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fcfs_config = _sim_config(options, "fcfs", False)
+    t0 = time.monotonic()
+    ideal_s = dict(ideal_s) if ideal_s is not None else sim.ideal_times_s(workload, fcfs_config, step_timer)
+    info: dict[str, Any] = {**(meta or {}), "sessions": len(workload.sessions),
+                            "turns": workload.num_turns, "KV blocks": options.num_gpu_blocks,
+                            "mean ideal E2E (s)": f"{sum(ideal_s.values()) / len(ideal_s):.1f}",
+                            "is_absolute_rates": options.is_absolute_rates}
+    base = _base_rate(workload, options, step_timer, ideal_s, simulate_fn, progress, info)
+    runs = _plan(options, base)
+    task = progress.add_task("runs", total=len(runs)) if progress is not None else None
+    rows: list[dict[str, Any]] = []
+    e2e_by_run: dict[str, list[float]] = {}
+    for run in runs:
+        if progress is not None:
+            progress.update(task, description=f"{run.label} @ {run.rate_per_s:.3g}/s")
+        row = {"run_id": run.run_id, "label": run.label, "policy": run.policy,
+               "is_admission_enabled": run.is_admission_enabled,
+               "is_baseline": POLICIES[run.policy].is_baseline, "load_x": run.load_x,
+               "rate_per_s": run.rate_per_s, "status": "ok", "error": ""}
+        row.update(_one_run(run, workload, options, step_timer, ideal_s, simulate_fn, out_dir, e2e_by_run))
+        rows.append(row)
+        info["elapsed wall (s)"] = f"{time.monotonic() - t0:.0f}"
+        results = _results_frame(rows, options.alphas)
+        write_summary(out_dir, results, info)
+        if progress is not None:
+            progress.advance(task)
+    results = _results_frame(rows, options.alphas)
+    write_plots(out_dir, results, e2e_by_run, options.is_absolute_rates)
+    return results
+
+
+def _base_rate(workload: Workload, options: CompareOptions, step_timer: Any, ideal_s: Mapping[str, float],
+               simulate_fn: Callable[..., Any], progress: Any, info: dict[str, Any]) -> float | None:
+    if options.is_absolute_rates:
+        info["loads"] = "absolute rates (sessions/s) as given; no base rate"
+        return None
+    if options.base_rate_per_s is not None:
+        info["base rate"] = f"{options.base_rate_per_s:.4g} sessions/s (given with --base-rate)"
+        return options.base_rate_per_s
+    task = (progress.add_task("FCFS knee search", total=options.search_max_runs)
+            if progress is not None else None)
+
+    def at(rate: float) -> float:
+        value = _mean_slowdown(workload, options, step_timer, ideal_s, rate, simulate_fn)
+        if progress is not None:
+            progress.advance(task)
+        return value
+
+    start = 1.0 / (sum(ideal_s.values()) / len(ideal_s))
+    search = find_base_rate(at, start, options.knee_slowdown, options.search_max_runs)
+    if progress is not None:
+        progress.update(task, completed=options.search_max_runs)
+    info["base rate"] = f"{search.rate_per_s:.4g} sessions/s"
+    info["base rate search"] = search.how + " (probes: " + ", ".join(
+        f"{r:.4g}/s→{s:.3g}" for r, s, _ in search.probes) + ")"
+    return search.rate_per_s
+
+
+def _one_run(run: _Run, workload: Workload, options: CompareOptions, step_timer: Any,
+             ideal_s: Mapping[str, float], simulate_fn: Callable[..., Any], out_dir: Path,
+             e2e_by_run: dict[str, list[float]]) -> dict[str, Any]:
+    """Simulate one run, write its per-session Parquet; a raised error becomes a failed row."""
+    from mars_openhands.stream.transport import ListSink
+
+    t0 = time.monotonic()
+    try:
+        arrived = with_arrivals(workload, PoissonArrivals(rate_per_s=run.rate_per_s), seed=options.seed)
+        sink = ListSink()
+        simulate_fn(arrived, _sim_config(options, run.policy, run.is_admission_enabled), step_timer, sink)
+        row, table = _metrics_row(run, _stream_frame(sink.events), ideal_s, options.alphas)
+        table.reset_index().to_parquet(out_dir / f"{run.run_id}.parquet", index=False)
+        e2e_by_run[run.run_id] = table.loc[table["is_complete"], "e2e_s"].tolist()
+        row["wall_s"] = time.monotonic() - t0
+        return row
+    except Exception as e:  # noqa: BLE001 - record and continue with the other runs
+        error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
+        return {"status": "failed", "error": error, "wall_s": time.monotonic() - t0}
+
+
+def _results_frame(rows: list[dict[str, Any]], alphas: Sequence[float]) -> pd.DataFrame:
+    columns = list(RESULT_COLUMNS) + [goodput_column(a) for a in sorted(set(alphas)) if
+                                      goodput_column(a) not in RESULT_COLUMNS]
+    return pd.DataFrame(rows).reindex(columns=columns)
+
+
+# ----------------------------------------------------------------------------- CLI
+_EPILOG = """\
+examples:
+  mars-openhands compare --out runs/compare                    # the main job (defaults below)
+  mars-openhands compare --policies fcfs,mars --loads 0.5,1.2 --admission both --out runs/quick
+  mars-openhands compare --base-rate 0.05 --out runs/fixed     # skip the FCFS knee search
+  mars-openhands compare --absolute-rates --loads 0.02,0.05 --out runs/abs
+
+The results directory holds one Parquet per run (per-session metrics), results.parquet,
+summary.md (absolute values; ratios vs FCFS and vs the best baseline per load; the base rate and
+how it was found) and PNG plots (E2E vs load, E2E CDF and goodput vs alpha at the heaviest load).
+"""
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return values
+
+
+def add_compare_subcommand(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``compare`` to an argparse subparsers object; ``func`` runs it and returns an exit code."""
+    p = subparsers.add_parser(
+        "compare", help="run several policies on one workload across a load sweep",
+        description="\n\n".join(__doc__.split("\n\n")[i] for i in (0, 3, 4)),
+        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", default="sim",
+                   help=f"engine backend; supported: {', '.join(BACKENDS)} "
+                        f"(planned: {', '.join(PLANNED_BACKENDS)}) (default: sim)")
+    p.add_argument("--policies", default="all",
+                   help=f"comma-separated, or 'all' = {','.join(POLICIES)} (default: all)")
+    p.add_argument("--loads", type=_floats, default=(0.5, 0.8, 1.0, 1.2),
+                   help="comma-separated multipliers of the FCFS base rate (default: 0.5,0.8,1.0,1.2)")
+    p.add_argument("--absolute-rates", action="store_true",
+                   help="read --loads as Poisson arrival rates in sessions/s (no base-rate search)")
+    p.add_argument("--base-rate", type=float, default=None,
+                   help="base rate in sessions/s; skips the FCFS knee search")
+    p.add_argument("--knee-slowdown", type=float, default=2.0,
+                   help="knee search: stable iff all sessions complete and mean slowdown <= this (default 2)")
+    p.add_argument("--search-runs", type=int, default=6, help="knee search: at most this many FCFS runs (default 6)")
+    p.add_argument("--admission", choices=("off", "on", "both"), default="off",
+                   help="gateway AIMD admission window for every policy (default: off)")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--traces", default=DEFAULT_TRACES,
+                        help=f"mini-swe-agent trajectory folder (default: {DEFAULT_TRACES})")
+    source.add_argument("--workload", default=None, help="workload file (.json/.jsonl[.gz]) instead of traces")
+    p.add_argument("--sessions", type=int, default=16, help="keep the first N sessions (default 16; 0 = all)")
+    p.add_argument("--max-turns", type=int, default=20, help="cap turns per session (default 20; 0 = no cap)")
+    p.add_argument("--max-context-tokens", type=int, default=32768,
+                   help="cut a session at the turn whose context would exceed this (default 32768; 0 = no cap)")
+    p.add_argument("--tool-time-factor", type=float, default=1.0, help="multiply tool durations (default 1)")
+    p.add_argument("--gpu", default="h100_sxm", help="GPU profile key (default h100_sxm)")
+    p.add_argument("--model", default="qwen3-coder-30b-a3b-instruct",
+                   help="model profile key (default qwen3-coder-30b-a3b-instruct)")
+    p.add_argument("--kv-scale", type=_kv_scale, default="auto",
+                   help="fraction of the profile's KV capacity to simulate; 'auto' (default) = the "
+                        "sessions' kept context / their full context, so trimmed sessions meet the "
+                        "KV pressure full traces meet on the whole GPU; 1 = the whole GPU")
+    p.add_argument("--kv-blocks", type=int, default=None,
+                   help="KV capacity in blocks of 16 tokens (overrides --kv-scale)")
+    p.add_argument("--tool-workers", type=int, default=16, help="concurrent tool calls (default 16)")
+    p.add_argument("--seed", type=int, default=0, help="arrivals and simulator seed (default 0)")
+    p.add_argument("--out", default="runs/compare", help="results directory (default runs/compare)")
+    p.set_defaults(func=_main)
+    return p
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r} is not yet supported; supported: {', '.join(BACKENDS)} "
+                         f"(planned: {', '.join(PLANNED_BACKENDS)})")
+
+
+def _context_tokens(session: Any) -> int:
+    return sum(t.prompt_tokens_appended + t.output_tokens for t in session.turns)
+
+
+def kv_scale_for_trim(full: Workload, trimmed: Workload) -> float:
+    """Mean final context of ``trimmed``'s sessions / that of the same sessions in ``full``. Pure.
+
+    Scaling the GPU's KV by this keeps as many trimmed sessions fitting in KV at once as full
+    sessions would on the whole GPU, so a short run keeps the KV pressure of the real traces
+    (design.md §7: the cliff that retention and admission exist to remove).
+
+    Raises:
+        ValueError: a session of ``trimmed`` is missing from ``full``, or ``trimmed`` is empty.
+    """
+    by_id = {s.session_id: s for s in full.sessions}
+    missing = [s.session_id for s in trimmed.sessions if s.session_id not in by_id]
+    if missing or not trimmed.sessions:
+        raise ValueError(f"cannot scale KV: sessions {missing[:3]} are not in the full workload"
+                         if missing else "cannot scale KV for an empty workload")
+    kept = sum(_context_tokens(s) for s in trimmed.sessions)
+    return kept / sum(_context_tokens(by_id[s.session_id]) for s in trimmed.sessions)
+
+
+def _workload_from_args(args: argparse.Namespace) -> tuple[Workload, float]:
+    """The trimmed workload and its :func:`kv_scale_for_trim` against the untrimmed sessions."""
+    full = load_workload(args.workload) if args.workload else load_trace_dir(args.traces, on_error="skip")
+    full = trim_workload(full, num_sessions=args.sessions or None)
+    workload = trim_workload(full, max_turns=args.max_turns or None,
+                             max_context_tokens=args.max_context_tokens or None)
+    if args.tool_time_factor != 1.0:
+        workload = scale_workload(workload, tool_time_factor=args.tool_time_factor)
+    return workload, kv_scale_for_trim(full, workload)
+
+
+def _kv_scale(text: str) -> str:
+    if text != "auto":
+        try:
+            if not 0 < float(text) <= 1:
+                raise ValueError
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected 'auto' or a number in (0, 1], got {text!r}") from None
+    return text
+
+
+def _timer_and_blocks(args: argparse.Namespace, workload: Workload, auto_scale: float) -> tuple[Any, int, str]:
+    """Step-time model, KV blocks (profile × scale, at least the longest session) and a description."""
+    from mars_openhands.engine.executor.profiles import GpuProfile, estimate_kv_capacity
+    from mars_openhands.engine.executor.timing import StepTimeModel
+
+    profile = GpuProfile(gpu=args.gpu, model=args.model)
+    timing = f"{args.gpu} × {args.model} (aiconfigurator step times)"
+    if args.kv_blocks:
+        return StepTimeModel(profile), args.kv_blocks, f"{timing}; KV {args.kv_blocks} blocks (--kv-blocks)"
+    full_blocks = estimate_kv_capacity(profile).num_gpu_blocks
+    scale = auto_scale if args.kv_scale == "auto" else float(args.kv_scale)
+    longest_blocks = max(_context_tokens(s) for s in workload.sessions) // profile.block_size + 2
+    blocks = max(round(full_blocks * scale), longest_blocks)
+    return StepTimeModel(profile), blocks, (
+        f"{timing}; KV {blocks} blocks = {full_blocks} of the profile × {scale:.3f} "
+        f"(--kv-scale {args.kv_scale}: kept context / full context of these sessions)")
+
+
+def _main(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    logging.getLogger("vllm").setLevel(logging.ERROR)  # per-engine warnings would break the bars
+    try:
+        _check_backend(args.backend)
+        policies = parse_policies(args.policies)
+        t0 = time.monotonic()
+        with console.status("loading workload and GPU profile"):
+            workload, auto_scale = _workload_from_args(args)
+            timer, blocks, timing = _timer_and_blocks(args, workload, auto_scale)
+        options = CompareOptions(
+            policies=policies, loads=args.loads, is_absolute_rates=args.absolute_rates,
+            admission=args.admission, num_gpu_blocks=blocks, num_tool_workers=args.tool_workers,
+            seed=args.seed, base_rate_per_s=args.base_rate, knee_slowdown=args.knee_slowdown,
+            search_max_runs=args.search_runs)
+    except (ValueError, OSError, ImportError) as e:
+        console.print(f"[red]error:[/red] {e}")
+        return 2
+    meta = {"backend": args.backend, "workload": args.workload or args.traces,
+            "trim": f"sessions={args.sessions} max_turns={args.max_turns} "
+                    f"max_context_tokens={args.max_context_tokens} tool_time_factor={args.tool_time_factor}",
+            "timing": timing, "tool workers": args.tool_workers, "seed": args.seed,
+            "admission": args.admission}
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        results = run_compare(workload, options, timer, args.out, meta=meta, progress=progress)
+    print((Path(args.out) / "summary.md").read_text(encoding="utf-8"))
+    console.print(f"wrote {args.out} in {time.monotonic() - t0:.0f} s "
+                  f"({int((results['status'] == 'ok').sum())}/{len(results)} runs ok)")
+    return 0 if (results["status"] == "ok").all() else 1
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m eval.compare")
+    add_compare_subcommand(parser.add_subparsers(dest="command"))
+    parsed = parser.parse_args(["compare", *sys.argv[1:]])
+    sys.exit(parsed.func(parsed))

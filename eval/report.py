@@ -1,0 +1,285 @@
+"""Results directory of ``mars-openhands compare``: ``summary.md`` tables and PNG plots (design.md §7).
+
+Input is a *results table*: one row per run (policy × admission × load), with the columns of
+:data:`RESULT_COLUMNS` (metric columns NaN for a failed run), and for the plots each run's
+per-session table (``e2e_s`` column). Everything here is pure except the ``write_*`` functions,
+which only write files under the directory they are given.
+
+Ratios (``ratio_table``) are ``run value / reference value`` at the same load: below 1 is better for
+latency-like metrics (E2E, slowdown, preemptions), above 1 is better for throughput, goodput and
+the KV retention hit ratio. References: FCFS (policy ``fcfs`` without admission if it ran, else
+with it) and, per metric, the best baseline at that load (the lowest or highest value among the
+baseline runs, whichever is better for that metric).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+__all__ = [
+    "METRICS",
+    "RESULT_COLUMNS",
+    "Metric",
+    "goodput_column",
+    "ratio_table",
+    "render_summary",
+    "write_plots",
+    "write_summary",
+]
+
+
+def goodput_column(alpha: float) -> str:
+    """Results-table column holding goodput (sessions/s) at SLO factor ``alpha``."""
+    return f"goodput_a{alpha:g}_per_s"
+
+
+class Metric:
+    """One summary column: results-table ``column``, table ``label``, and its better direction."""
+
+    __slots__ = ("column", "is_higher_better", "label")
+
+    def __init__(self, column: str, label: str, is_higher_better: bool) -> None:
+        self.column, self.label, self.is_higher_better = column, label, is_higher_better
+
+
+METRICS: tuple[Metric, ...] = (
+    Metric("e2e_mean_s", "mean E2E (s)", False),
+    Metric("e2e_p50_s", "P50 E2E (s)", False),
+    Metric("e2e_p90_s", "P90 E2E (s)", False),
+    Metric("e2e_p95_s", "P95 E2E (s)", False),
+    Metric("e2e_p99_s", "P99 E2E (s)", False),
+    Metric("throughput_per_s", "throughput (sess/s)", True),
+    Metric(goodput_column(3.0), "goodput α=3 (sess/s)", True),
+    Metric("slowdown_mean", "mean slowdown", False),
+    Metric("num_preemptions", "preemptions", False),
+    Metric("kv_hit_ratio", "KV retention hit ratio", True),
+)
+"""Metrics of the summary tables, in column order."""
+
+RESULT_COLUMNS: tuple[str, ...] = (
+    "run_id", "label", "policy", "is_admission_enabled", "is_baseline", "load_x", "rate_per_s",
+    "status", "error", "wall_s", "num_sessions", "num_completed", "makespan_s",
+    *(m.column for m in METRICS),
+)
+"""Columns every results table has (plus ``goodput_a<α>_per_s`` for each α of the sweep)."""
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    if isinstance(value, (int, np.integer)):
+        return str(int(value))
+    v = float(value)
+    if abs(v) >= 1e4:
+        return f"{v:,.0f}"
+    if v != 0 and abs(v) < 1e-3:
+        return f"{v:.{digits}g}"
+    if abs(v) < 1 - 0.5 * 10 ** -digits:  # would not round up to 1
+        return f"{v:.{digits}g}"
+    return f"{v:,.{max(digits - int(math.log10(abs(v))) - 1, 0)}f}"
+
+
+def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _fcfs_rows(ok: pd.DataFrame) -> pd.DataFrame:
+    """FCFS reference row per load: without admission if present, else with it."""
+    fcfs = ok.loc[ok["policy"] == "fcfs"].sort_values("is_admission_enabled")
+    return fcfs.drop_duplicates("load_x", keep="first").set_index("load_x")
+
+
+def ratio_table(results: pd.DataFrame, reference: str) -> pd.DataFrame:
+    """``value / reference value`` for every successful run and metric, at the run's load. Pure.
+
+    Args:
+        results: results table (:data:`RESULT_COLUMNS`).
+        reference: ``"fcfs"`` (FCFS at that load, see the module docstring) or ``"best_baseline"``
+            (per metric, the best ``is_baseline`` run at that load).
+
+    Returns:
+        One row per successful run: ``label``, ``load_x`` and one column per metric of
+        :data:`METRICS` (NaN where the reference is missing, zero or NaN).
+
+    Raises:
+        ValueError: unknown ``reference``.
+    """
+    if reference not in ("fcfs", "best_baseline"):
+        raise ValueError(f"unknown ratio reference {reference!r}; expected 'fcfs' or 'best_baseline'")
+    ok = results.loc[results["status"] == "ok"]
+    out = ok[["label", "load_x"]].copy()
+    fcfs = _fcfs_rows(ok)
+    baselines = ok.loc[ok["is_baseline"].astype(bool)]
+    for metric in METRICS:
+        if reference == "fcfs":
+            ref = ok["load_x"].map(fcfs[metric.column]) if not fcfs.empty else np.nan
+        else:
+            grouped = baselines.groupby("load_x")[metric.column]
+            best = grouped.max() if metric.is_higher_better else grouped.min()
+            ref = ok["load_x"].map(best)
+        ref = pd.Series(ref, index=ok.index, dtype="float64").replace(0.0, np.nan)
+        out[metric.column] = ok[metric.column].astype("float64") / ref
+    return out.reset_index(drop=True)
+
+
+def _load_header(load_x: float, rate_per_s: float, is_absolute: bool) -> str:
+    if is_absolute:
+        return f"### rate {rate_per_s:.4g} sessions/s"
+    return f"### load {load_x:g}× base ({rate_per_s:.4g} sessions/s)"
+
+
+def _absolute_section(results: pd.DataFrame, is_absolute: bool) -> list[str]:
+    parts = ["## Absolute values", ""]
+    header = ["run", *(m.label for m in METRICS), "completed", "wall (s)"]
+    for load_x, group in results.groupby("load_x", sort=True):
+        parts += [_load_header(load_x, float(group["rate_per_s"].iloc[0]), is_absolute), ""]
+        rows = []
+        for _, r in group.iterrows():
+            if r["status"] != "ok":
+                rows.append([r["label"], *(["FAILED"] + ["–"] * (len(METRICS) - 1)), "–",
+                             _fmt(r["wall_s"])])
+                continue
+            rows.append([r["label"], *(_fmt(r[m.column]) for m in METRICS),
+                         f"{int(r['num_completed'])}/{int(r['num_sessions'])}", _fmt(r["wall_s"])])
+        parts += [_md_table(header, rows), ""]
+    return parts
+
+
+def _ratio_section(results: pd.DataFrame, reference: str, title: str) -> list[str]:
+    ratios = ratio_table(results, reference)
+    parts = [f"## {title}", "",
+             "value / reference at the same load: < 1 is better for E2E, slowdown and preemptions; "
+             "> 1 is better for throughput, goodput and the hit ratio.", ""]
+    header = ["run", *(m.label for m in METRICS)]
+    for load_x, group in ratios.groupby("load_x", sort=True):
+        parts += [f"### load {load_x:g}", ""]
+        rows = [[r["label"], *(_fmt(r[m.column]) for m in METRICS)] for _, r in group.iterrows()]
+        parts += [_md_table(header, rows), ""]
+    return parts
+
+
+def _failures_section(results: pd.DataFrame) -> list[str]:
+    failed = results.loc[results["status"] != "ok"]
+    if failed.empty:
+        return []
+    parts = ["## Failed runs", ""]
+    for _, r in failed.iterrows():
+        parts.append(f"- `{r['run_id']}`: {str(r['error']).strip().splitlines()[-1] if r['error'] else '?'}")
+    return [*parts, ""]
+
+
+def render_summary(results: pd.DataFrame, meta: Mapping[str, Any]) -> str:
+    """The ``summary.md`` text. Pure.
+
+    Args:
+        results: results table (:data:`RESULT_COLUMNS`); failed runs appear as ``FAILED`` rows
+            and in a "Failed runs" list with their error's last line.
+        meta: ordered ``name -> value`` facts printed first as a bullet list (workload, profile,
+            base rate and how it was found, ...); ``is_absolute_rates`` (bool) switches the load
+            headers from multipliers to rates.
+    """
+    is_absolute = bool(meta.get("is_absolute_rates", False))
+    parts = ["# mars-openhands compare", ""]
+    parts += [f"- **{k}**: {v}" for k, v in meta.items() if k != "is_absolute_rates"]
+    parts += [""]
+    parts += _absolute_section(results, is_absolute)
+    if (results["status"] == "ok").any():
+        parts += _ratio_section(results, "fcfs", "Ratio vs FCFS")
+        parts += _ratio_section(results, "best_baseline", "Ratio vs the best baseline (per metric)")
+    parts += _failures_section(results)
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def write_summary(out_dir: str | Path, results: pd.DataFrame, meta: Mapping[str, Any]) -> Path:
+    """Write ``summary.md`` and ``results.parquet`` (the results table) atomically; return the .md path."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / "results.parquet.tmp"
+    results.to_parquet(tmp, index=False)
+    tmp.replace(out_dir / "results.parquet")
+    path = out_dir / "summary.md"
+    tmp_md = out_dir / "summary.md.tmp"
+    tmp_md.write_text(render_summary(results, meta), encoding="utf-8")
+    tmp_md.replace(path)
+    return path
+
+
+def _alphas(results: pd.DataFrame) -> list[float]:
+    cols = [c for c in results.columns if c.startswith("goodput_a") and c.endswith("_per_s")]
+    return sorted(float(c[len("goodput_a"):-len("_per_s")]) for c in cols)
+
+
+def write_plots(out_dir: str | Path, results: pd.DataFrame, e2e_by_run: Mapping[str, Sequence[float]],
+                is_absolute_rates: bool = False) -> list[Path]:
+    """Write the PNG plots (matplotlib, Agg backend) and return their paths.
+
+    * ``e2e_vs_load.png``: mean and P95 E2E (s) against load, one line per run label.
+    * ``e2e_cdf.png``: CDF of session E2E (s) at the heaviest load, one line per run.
+    * ``goodput_vs_alpha.png``: goodput (sessions/s) against α at the heaviest load.
+
+    Args:
+        out_dir: where to write.
+        results: results table; only successful runs are drawn.
+        e2e_by_run: ``run_id ->`` E2E seconds of its completed sessions (for the CDF).
+        is_absolute_rates: ``load_x`` holds sessions/s rather than multipliers of a base rate.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ok = results.loc[results["status"] == "ok"]
+    paths: list[Path] = []
+    if ok.empty:
+        return paths
+    heaviest = ok.loc[ok["load_x"] == ok["load_x"].max()]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for label, group in ok.groupby("label", sort=False):
+        group = group.sort_values("load_x")
+        axes[0].plot(group["load_x"], group["e2e_mean_s"], marker="o", label=label)
+        axes[1].plot(group["load_x"], group["e2e_p95_s"], marker="o", label=label)
+    for ax, name in zip(axes, ("mean E2E (s)", "P95 E2E (s)"), strict=True):
+        ax.set_xlabel("arrival rate (sessions/s)" if is_absolute_rates else "load (× base rate)")
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7)
+    paths.append(_save(fig, out_dir / "e2e_vs_load.png", plt))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for _, r in heaviest.iterrows():
+        e2e = np.sort(np.asarray(e2e_by_run.get(r["run_id"], []), dtype=float))
+        if e2e.size:
+            ax.step(e2e, np.arange(1, e2e.size + 1) / e2e.size, where="post", label=r["label"])
+    ax.set_xlabel("session E2E (s)")
+    ax.set_ylabel("CDF")
+    ax.set_title(f"load {heaviest['load_x'].iloc[0]:g}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    paths.append(_save(fig, out_dir / "e2e_cdf.png", plt))
+    alphas = _alphas(ok)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for _, r in heaviest.iterrows():
+        ax.plot(alphas, [r[goodput_column(a)] for a in alphas], marker="o", label=r["label"])
+    ax.set_xlabel("α (SLO = α × ideal E2E)")
+    ax.set_ylabel("goodput (sessions/s)")
+    ax.set_title(f"load {heaviest['load_x'].iloc[0]:g}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    paths.append(_save(fig, out_dir / "goodput_vs_alpha.png", plt))
+    return paths
+
+
+def _save(fig: Any, path: Path, plt: Any) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,106 @@
+"""Summary tables, ratios and plots of the compare results directory (eval/report.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+
+from eval.report import (
+    METRICS,
+    goodput_column,
+    ratio_table,
+    render_summary,
+    write_plots,
+    write_summary,
+)
+
+
+def _row(label: str, policy: str, load_x: float, e2e: float, goodput: float, *, adm: bool = False,
+         baseline: bool = True, status: str = "ok") -> dict:
+    row = {"run_id": f"{label}__load{load_x:g}", "label": label, "policy": policy,
+           "is_admission_enabled": adm, "is_baseline": baseline, "load_x": load_x,
+           "rate_per_s": 0.1 * load_x, "status": status, "error": "" if status == "ok" else "RuntimeError: boom",
+           "wall_s": 1.0, "num_sessions": 4, "num_completed": 4, "makespan_s": 10.0}
+    for m in METRICS:
+        row[m.column] = e2e if not m.is_higher_better else goodput
+    row[goodput_column(1.0)] = goodput / 2
+    if status != "ok":
+        for m in METRICS:
+            row[m.column] = math.nan
+    return row
+
+
+@pytest.fixture
+def results() -> pd.DataFrame:
+    return pd.DataFrame([
+        _row("fcfs", "fcfs", 0.5, 10.0, 1.0),
+        _row("fcfs+adm", "fcfs", 0.5, 20.0, 0.5, adm=True),
+        _row("autellix", "autellix", 0.5, 8.0, 2.0),
+        _row("mars", "mars", 0.5, 4.0, 4.0, baseline=False),
+        _row("fcfs", "fcfs", 1.0, 40.0, 0.25),
+        _row("autellix", "autellix", 1.0, 50.0, 0.5),
+        _row("mars", "mars", 1.0, 10.0, 1.0, baseline=False),
+        _row("continuum", "continuum", 1.0, 0.0, 0.0, status="failed"),
+    ])
+
+
+def test_ratio_vs_fcfs_uses_fcfs_without_admission_at_the_same_load(results: pd.DataFrame) -> None:
+    ratios = ratio_table(results, "fcfs").set_index(["label", "load_x"])
+    assert ratios.loc[("mars", 0.5), "e2e_mean_s"] == pytest.approx(0.4)
+    assert ratios.loc[("mars", 1.0), "e2e_mean_s"] == pytest.approx(0.25)
+    assert ratios.loc[("fcfs+adm", 0.5), "e2e_p95_s"] == pytest.approx(2.0)
+    assert ratios.loc[("mars", 0.5), goodput_column(3.0)] == pytest.approx(4.0)
+    assert ("continuum", 1.0) not in ratios.index  # failed runs have no ratio
+
+
+def test_ratio_vs_best_baseline_picks_the_best_per_metric_direction(results: pd.DataFrame) -> None:
+    ratios = ratio_table(results, "best_baseline").set_index(["label", "load_x"])
+    # load 0.5: best baseline E2E = autellix 8 (lowest), best goodput = autellix 2 (highest)
+    assert ratios.loc[("mars", 0.5), "e2e_mean_s"] == pytest.approx(4.0 / 8.0)
+    assert ratios.loc[("mars", 0.5), goodput_column(3.0)] == pytest.approx(4.0 / 2.0)
+    # load 1.0: fcfs (40) beats autellix (50) on E2E; autellix (0.5) beats fcfs on goodput
+    assert ratios.loc[("mars", 1.0), "e2e_mean_s"] == pytest.approx(10.0 / 40.0)
+    assert ratios.loc[("mars", 1.0), goodput_column(3.0)] == pytest.approx(1.0 / 0.5)
+    assert ratios.loc[("fcfs", 1.0), "e2e_mean_s"] == pytest.approx(1.0)
+
+
+def test_unknown_reference_is_an_error(results: pd.DataFrame) -> None:
+    with pytest.raises(ValueError, match="best_baseline"):
+        ratio_table(results, "best")
+
+
+def test_summary_has_a_row_per_run_and_lists_failures(results: pd.DataFrame) -> None:
+    text = render_summary(results, {"base rate": "0.1 sessions/s (given)"})
+    assert "- **base rate**: 0.1 sessions/s (given)" in text
+    absolute = text.split("## Ratio vs FCFS")[0]
+    for _, r in results.iterrows():
+        header = f"### load {r['load_x']:g}× base"
+        section = absolute.split(header)[1].split("###")[0]
+        assert f"| {r['label']} |" in section
+    assert "| continuum | FAILED |" in absolute
+    assert "## Failed runs" in text and "`continuum__load1`: RuntimeError: boom" in text
+    assert "## Ratio vs the best baseline" in text
+    # 3 successful runs at load 1 in each ratio table (the failed one is absent)
+    best = text.split("## Ratio vs the best baseline")[1].split("### load 1")[1]
+    assert best.count("\n| ") == 4  # header + 3 rows
+    assert "| mars | 0.25 |" in best
+
+
+def test_write_summary_and_plots(tmp_path, results: pd.DataFrame) -> None:
+    md = write_summary(tmp_path, results, {})
+    assert md.read_text().startswith("# mars-openhands compare")
+    assert len(pd.read_parquet(tmp_path / "results.parquet")) == len(results)
+    e2e = {r: [1.0, 2.0, 3.0] for r in results["run_id"]}
+    paths = write_plots(tmp_path, results, e2e)
+    assert sorted(p.name for p in paths) == ["e2e_cdf.png", "e2e_vs_load.png", "goodput_vs_alpha.png"]
+    for p in paths:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+
+
+def test_no_successful_run_writes_no_plot_but_a_summary(tmp_path, results: pd.DataFrame) -> None:
+    failed = results.assign(status="failed", error="ValueError: x")
+    assert write_plots(tmp_path, failed, {}) == []
+    text = render_summary(failed, {})
+    assert "Ratio vs FCFS" not in text and text.count("FAILED") == len(failed)
