@@ -804,6 +804,10 @@ def _replay_command(args: argparse.Namespace) -> int:
     from eval.workloads.format import WorkloadFormatError, load_workload
 
     fields = {k: v for k, v in vars(args).items() if k in ReplayConfig.model_fields}
+    if not str(args.output).endswith((".jsonl", ".parquet")):  # check before replaying anything
+        print(f"error: --output {args.output!r}: expected a .jsonl or .parquet stream file, "
+              "e.g. runs/x/stream.jsonl", file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         config = ReplayConfig(**fields)
         workload = load_workload(args.workload)

@@ -227,10 +227,11 @@ def save_workload(workload: Workload, path: str | os.PathLike[str]) -> Path:
 
     Raises:
         WorkloadFormatError: unsupported suffix (nothing is written).
-        OSError: the folder does not exist or is not writable (nothing is left behind).
+        OSError: the folder cannot be created or is not writable (nothing is left behind).
     """
     path = Path(path)
     as_jsonl = _is_jsonl(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp = Path(tmp_name)

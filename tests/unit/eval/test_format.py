@@ -138,3 +138,8 @@ def test_models_are_frozen() -> None:
     session = _session()
     with pytest.raises(ValueError):
         session.arrival_s = 3.0  # type: ignore[misc]
+
+
+def test_save_creates_missing_parent_folders(tmp_path: Path) -> None:
+    path = save_workload(_workload(2), tmp_path / "runs" / "new" / "w.json")
+    assert path.exists() and load_workload(path) == _workload(2)

@@ -514,3 +514,15 @@ def test_cli_bad_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert _cli(["replay", str(workload_path), "-o", str(tmp_path / "s2.jsonl"),
                  "--endpoint-url", "http://e", "--model", "m", "--token-id-high", "0"]) == 2
     assert "token_id_high" in capsys.readouterr().err
+
+
+def test_cli_rejects_a_bad_stream_suffix_before_replaying(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    workload_path = tmp_path / "w.json"
+    save_workload(WORKLOAD, workload_path)
+    out = tmp_path / "out.txt"
+    assert _cli(["replay", str(workload_path), "-o", str(out), "--endpoint-url",
+                 "http://127.0.0.1:9", "--model", "m", "--no-show-progress"]) == 2
+    assert ".jsonl or .parquet" in capsys.readouterr().err
+    assert not out.exists()  # nothing was replayed or written
