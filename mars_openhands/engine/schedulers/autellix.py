@@ -37,22 +37,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.v1.request import Request, RequestStatus
+from vllm.v1.request import Request
 
 from mars_openhands.engine import seams
 from mars_openhands.engine.schedulers.base import MarsBaseScheduler
 from mars_openhands.policy import plas
 from mars_openhands.policy.plas import PlasCall, PlasParams, PlasProgram
 
-__all__ = ["AutellixScheduler", "finished_request_ids"]
+__all__ = ["AutellixScheduler"]
 
 _NO_PROGRAM = PlasProgram()
-
-
-def finished_request_ids(engine_outputs: dict[int, Any]) -> list[str]:
-    """Request ids that finished in one ``update_from_output`` result (vLLM's public outputs)."""
-    return [o.request_id for eco in engine_outputs.values() for o in eco.outputs
-            if o.finish_reason is not None]
 
 
 @dataclass(slots=True)
@@ -111,17 +105,9 @@ class AutellixScheduler(MarsBaseScheduler):
             self._forget_idle_programs()
         return out
 
-    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
-        """vLLM: apply outputs; fold finished calls into their programs."""
-        outputs = super().update_from_output(scheduler_output, model_runner_output)
-        self._finish_calls(finished_request_ids(outputs))
-        return outputs
-
-    def finish_requests(self, request_ids: Any, finished_status: RequestStatus) -> list[Request]:
-        """vLLM: abort; aborted calls count their service like finished ones (preview)."""
-        aborted = super().finish_requests(request_ids, finished_status)
-        self._finish_calls(r.request_id for r in aborted)
-        return aborted
+    def on_requests_finished(self, request_ids: list[str]) -> None:
+        """Base hook: finished or aborted calls end their bookkeeping (aborted ones count too)."""
+        self._finish_calls(request_ids)
 
     def on_stream_event(self, event: Any, now_s: float | None = None) -> None:
         """Base event handling; ``session_end`` also drops the program's PLAS state."""

@@ -120,6 +120,12 @@ class RetainedKv:
         return len(self.blocks)
 
 
+
+def finished_request_ids(engine_outputs: dict[int, Any]) -> list[str]:
+    """Request ids that finished in one ``update_from_output`` result (vLLM's public outputs)."""
+    return [o.request_id for eco in engine_outputs.values() for o in eco.outputs
+            if o.finish_reason is not None]
+
 class MarsBaseScheduler(AsyncScheduler):
     """Stock vLLM ``AsyncScheduler`` with policy hooks, KV retention and telemetry.
 
@@ -334,11 +340,21 @@ class MarsBaseScheduler(AsyncScheduler):
         return out
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
-        """vLLM: apply one step's output (wrapped for first-token telemetry)."""
+        """vLLM: apply one step's output (wrapped for first-token telemetry and finish hooks)."""
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if self.telemetry.enabled:
             self._first_tokens(outputs)
+        finished = finished_request_ids(outputs)
+        if finished:
+            self.on_requests_finished(finished)
         return outputs
+
+    def on_requests_finished(self, request_ids: list[str]) -> None:
+        """Hook: requests that finished in this step's output or were aborted. Default: nothing.
+
+        Called after vLLM has applied the output (or the abort); subclasses fold per-call
+        bookkeeping into their programs here (Autellix, Continuum).
+        """
 
     def finish_requests(self, request_ids: Any, finished_status: RequestStatus) -> list[Request]:
         """vLLM: finish requests from outside (abort); also drops them from the overflow queue."""
@@ -348,7 +364,10 @@ class MarsBaseScheduler(AsyncScheduler):
             ids = {request_ids} if isinstance(request_ids, str) else (
                 None if request_ids is None else set(request_ids))
             self.overflow = deque(r for r in self.overflow if ids is not None and r.request_id not in ids)
-        return super().finish_requests(request_ids, finished_status)
+        aborted = super().finish_requests(request_ids, finished_status)
+        if aborted:
+            self.on_requests_finished([r.request_id for r in aborted])
+        return aborted
 
     def get_request_counts(self) -> tuple[int, int]:
         """vLLM: (running, waiting); waiting includes the overflow window queue."""

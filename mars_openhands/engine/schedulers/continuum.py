@@ -35,7 +35,6 @@ from typing import Any
 
 from vllm.v1.request import Request, RequestStatus
 
-from mars_openhands.engine.schedulers.autellix import finished_request_ids
 from mars_openhands.engine.schedulers.base import MarsBaseScheduler, RetainedKv
 from mars_openhands.policy.continuum import (
     ContinuumParams,
@@ -87,17 +86,9 @@ class ContinuumScheduler(MarsBaseScheduler):
         if session is not None:
             self._program_ks.setdefault(sid, []).append(session.num_turns_finished)
 
-    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
-        """vLLM: apply outputs; a program's last call ends the program."""
-        outputs = super().update_from_output(scheduler_output, model_runner_output)
-        self._finish_calls(finished_request_ids(outputs))
-        return outputs
-
-    def finish_requests(self, request_ids: Any, finished_status: RequestStatus) -> list[Request]:
-        """vLLM: abort requests (and forget their bookkeeping)."""
-        aborted = super().finish_requests(request_ids, finished_status)
-        self._finish_calls(r.request_id for r in aborted)
-        return aborted
+    def on_requests_finished(self, request_ids: list[str]) -> None:
+        """Base hook: finished or aborted calls end their bookkeeping (aborted ones count too)."""
+        self._finish_calls(request_ids)
 
     def on_stream_event(self, event: Any, now_s: float | None = None) -> None:
         """Base event handling; ``session_end`` also ends the program (eta sample)."""
