@@ -63,6 +63,7 @@ from mars_openhands.engine import seams
 from mars_openhands.engine.queues import PolicyRequestQueue
 from mars_openhands.engine.telemetry import EngineTelemetry, make_telemetry
 from mars_openhands.policy.estimators import Ema, ToolDurationEstimator
+from mars_openhands.policy.levels import quantum_tokens
 from mars_openhands.policy.params import SchedulerParams, parse_scheduler_params
 from mars_openhands.policy.retention import RetentionDecision, reclaim_order_key
 from mars_openhands.policy.session import SessionState, inferred_tool_duration_s
@@ -348,6 +349,18 @@ class MarsBaseScheduler(AsyncScheduler):
         if finished:
             self.on_requests_finished(finished)
         return outputs
+
+    def cap_chunk_at_quantum(self, request: Request, level: int, num_new_tokens: int) -> int:
+        """Cap a prefill chunk at `level`'s MLFQ token quantum and remember the quantum.
+
+        Shared by the MLFQ policies (MARS, MARS-preview); returns tokens, <= `num_new_tokens`.
+        Mutates: ``self.req_state[request_id].quantum_tokens``.
+        """
+        quantum = quantum_tokens(level, self.params.levels, self.max_num_scheduled_tokens)
+        state = self.req_state.get(request.request_id)
+        if state is not None:
+            state.quantum_tokens = quantum
+        return min(num_new_tokens, quantum)
 
     def on_requests_finished(self, request_ids: list[str]) -> None:
         """Hook: requests that finished in this step's output or were aborted. Default: nothing.

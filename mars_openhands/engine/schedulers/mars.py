@@ -28,7 +28,7 @@ from vllm.v1.request import Request, RequestStatus
 from mars_openhands.engine import seams
 from mars_openhands.engine.schedulers.base import MarsBaseScheduler, RetainedKv
 from mars_openhands.engine.schedulers.mars_preview import update_mlfq_feedback
-from mars_openhands.policy.levels import effective_level, mars_base_level, quantum_tokens
+from mars_openhands.policy.levels import effective_level, mars_base_level
 from mars_openhands.policy.retention import (
     RetentionDecision,
     choose_ttl,
@@ -88,12 +88,7 @@ class MarsScheduler(MarsBaseScheduler):
 
     def chunk_tokens(self, request: Request, num_new_tokens: int, num_computed_tokens: int) -> int:
         """Cap a prefill chunk at its level's quantum (shrink-to-fit follows in the base)."""
-        level = self.level(request, self.clock(), num_computed_tokens)
-        quantum = quantum_tokens(level, self.params.levels, self.max_num_scheduled_tokens)
-        state = self.req_state.get(request.request_id)
-        if state is not None:
-            state.quantum_tokens = quantum
-        return min(num_new_tokens, quantum)
+        return self.cap_chunk_at_quantum(request, self.level(request, self.clock(), num_computed_tokens), num_new_tokens)
 
     def on_prefill_scheduled(
         self, request: Request, num_tokens: int, was_running: bool, now_s: float

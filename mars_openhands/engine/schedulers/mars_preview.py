@@ -30,7 +30,6 @@ from mars_openhands.policy.levels import (
     feedback_after_step,
     preview_effective_level,
     preview_remaining_level,
-    quantum_tokens,
 )
 from mars_openhands.policy.params import LevelParams
 from mars_openhands.policy.victim import victim_key
@@ -103,12 +102,7 @@ class MarsPreviewScheduler(MarsBaseScheduler):
 
     def chunk_tokens(self, request: Request, num_new_tokens: int, num_computed_tokens: int) -> int:
         """Cap a prefill chunk at the quantum of the request's effective level."""
-        level = self._effective_level(request, self.clock(), num_computed_tokens)
-        quantum = quantum_tokens(level, self.params.levels, self.max_num_scheduled_tokens)
-        state = self.req_state.get(request.request_id)
-        if state is not None:
-            state.quantum_tokens = quantum
-        return min(num_new_tokens, quantum)
+        return self.cap_chunk_at_quantum(request, self._effective_level(request, self.clock(), num_computed_tokens), num_new_tokens)
 
     def on_scheduled(self, request: Request, num_tokens: int, was_running: bool, now_s: float) -> None:
         """Preview: only running-path steps update the MLFQ feedback."""
