@@ -55,13 +55,19 @@ def bucket_level(num_tokens: int, thresholds_tokens: tuple[int, ...]) -> int:
     return bisect.bisect_left(thresholds_tokens, num_tokens)
 
 
-def quantum_tokens(level: int, params: LevelParams, max_num_scheduled_tokens: int) -> int:
+def quantum_tokens(level: int, params: LevelParams, max_num_scheduled_tokens: int,
+                   quanta_tokens: tuple[int, ...] | None = None) -> int:
     """Prefill token quantum of ``level`` (clamped to the level range), capped at the step budget.
+
+    ``quanta_tokens`` overrides ``params.quanta_tokens`` (same length).
 
     >>> quantum_tokens(1, LevelParams(), 8192), quantum_tokens(9, LevelParams(), 100)
     (1024, 100)
+    >>> quantum_tokens(0, LevelParams(), 8192, (8192, 2048, 1024, 512))
+    8192
     """
-    q = params.quanta_tokens[max(0, min(level, params.num_levels - 1))]
+    quanta = params.quanta_tokens if quanta_tokens is None else quanta_tokens
+    q = quanta[max(0, min(level, params.num_levels - 1))]
     return min(q, max_num_scheduled_tokens)
 
 

@@ -80,6 +80,27 @@ class MarsLevelParams(_Frozen):
     """Bound on aging promotion: at most this many levels above the base level."""
     use_session_service: bool = True
     """Include the session's attained service in the base level."""
+    quanta_tokens: tuple[int, ...] | None = (8192, 2048, 1024, 512)
+    """Our prefill quantum per level (None: ``levels.quanta_tokens``, the preview's 2048..256).
+    Level 0 gets the whole step budget: on a MoE model any prefill chunk reads every expert's
+    weights (~20 ms a step for Qwen3-30B-A3B on H100 SXM, aiconfigurator), so a 256-token chunk
+    prefills at about a fifth of an 8k chunk's rate and the preview's small quanta mostly add
+    steps. Must have ``levels.num_levels`` entries."""
+    level_from_new_work: bool = True
+    """Bucket only the prefill work the turn adds (prompt beyond the session's previous context)
+    instead of the whole uncached remainder: re-prefilling a context the cache lost is the
+    engine's cost, not the session's demand, so it neither demotes the session nor uses up MLFQ
+    quanta (an evicted long session otherwise starves behind new ones)."""
+    session_fifo: bool = True
+    """Within a level, serve (and protect from eviction) the oldest *session* first instead of
+    the oldest request (program-level FIFO, as Continuum and Autellix order programs)."""
+
+
+    @model_validator(mode="after")
+    def _check_quanta(self) -> MarsLevelParams:
+        if self.quanta_tokens is not None and any(q <= 0 for q in self.quanta_tokens):
+            raise ValueError(f"quanta_tokens must be positive, got {self.quanta_tokens}")
+        return self
 
 
 class RetentionParams(_Frozen):
@@ -160,6 +181,14 @@ class SchedulerParams(_Frozen):
     """Continuum / Continuum-dy baseline (ContinuumScheduler; docs/schedulers.md)."""
     infercept: InferceptParams = InferceptParams()
     """InferCept baseline, MARS port (InferceptScheduler; docs/schedulers.md)."""
+
+    @model_validator(mode="after")
+    def _check_mars_quanta(self) -> SchedulerParams:
+        q = self.mars.quanta_tokens
+        if q is not None and len(q) != self.levels.num_levels:
+            raise ValueError(f"mars.quanta_tokens needs levels.num_levels = {self.levels.num_levels} "
+                             f"entries, got {len(q)}")
+        return self
 
 
 def parse_scheduler_params(raw: dict[str, Any] | SchedulerParams | None) -> SchedulerParams:

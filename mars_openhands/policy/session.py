@@ -35,6 +35,10 @@ class SessionState:
         tool_started_s: monotonic time of that ``tool_start``.
         tool_ended: a ``tool_end`` arrived since the last finish (next turn imminent).
         active_request_ids: requests of this session inside the engine.
+        last_context_tokens: prompt + output tokens of the session's latest finished turn (the
+            context its next turn extends).
+        first_arrival_s: monotonic time the session's first request reached this engine (its
+            program-level arrival, for session-level FIFO order).
     """
 
     session_id: str
@@ -47,6 +51,8 @@ class SessionState:
     tool_started_s: float | None = None
     tool_ended: bool = False
     active_request_ids: set[str] = field(default_factory=set)
+    first_arrival_s: float = 0.0
+    last_context_tokens: int = 0
 
 
 def inferred_tool_duration_s(

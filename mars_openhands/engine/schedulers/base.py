@@ -97,6 +97,9 @@ class RequestState:
     """Prefix-cache hit length when the request arrived (only measured if a policy asks)."""
     quantum_tokens: int | None = None
     """Quantum applied by the chunk hook in the current step (MLFQ feedback)."""
+    session_context_tokens: int = 0
+    """Context of the session's previous turn (prompt + output tokens) when this request
+    arrived: the part of the prompt the session already had, as opposed to new work."""
 
 
 @dataclass(slots=True)
@@ -284,6 +287,8 @@ class MarsBaseScheduler(AsyncScheduler):
         self.req_state[request.request_id] = RequestState(
             sid, meta, now, user_priority=request.priority,
             cached_at_arrival_tokens=self._cached_at_arrival(request),
+            session_context_tokens=min(request.num_prompt_tokens, self.sessions[sid].last_context_tokens)
+            if sid is not None and sid in self.sessions else 0,
         )
         if sid is not None:
             self._on_session_request(sid, request.request_id, meta, now)
@@ -304,7 +309,7 @@ class MarsBaseScheduler(AsyncScheduler):
     def _on_session_request(self, sid: str, request_id: str, meta: TurnMeta, now: float) -> None:
         session = self.sessions.get(sid)
         if session is None:
-            session = self.sessions[sid] = SessionState(sid)
+            session = self.sessions[sid] = SessionState(sid, first_arrival_s=now)
         if session.num_turns_finished and not session.tool_ended:
             duration = inferred_tool_duration_s(session.last_finish_s, now, meta.prev_tool_s)
             if duration is not None:
@@ -350,13 +355,15 @@ class MarsBaseScheduler(AsyncScheduler):
             self.on_requests_finished(finished)
         return outputs
 
-    def cap_chunk_at_quantum(self, request: Request, level: int, num_new_tokens: int) -> int:
+    def cap_chunk_at_quantum(self, request: Request, level: int, num_new_tokens: int,
+                             quanta_tokens: tuple[int, ...] | None = None) -> int:
         """Cap a prefill chunk at `level`'s MLFQ token quantum and remember the quantum.
 
         Shared by the MLFQ policies (MARS, MARS-preview); returns tokens, <= `num_new_tokens`.
+        ``quanta_tokens`` overrides ``params.levels.quanta_tokens``.
         Mutates: ``self.req_state[request_id].quantum_tokens``.
         """
-        quantum = quantum_tokens(level, self.params.levels, self.max_num_scheduled_tokens)
+        quantum = quantum_tokens(level, self.params.levels, self.max_num_scheduled_tokens, quanta_tokens)
         state = self.req_state.get(request.request_id)
         if state is not None:
             state.quantum_tokens = quantum
@@ -416,6 +423,7 @@ class MarsBaseScheduler(AsyncScheduler):
             if request.status in _RETAINABLE:
                 session.num_turns_finished += 1
                 session.last_finish_s = now
+                session.last_context_tokens = request.num_tokens
                 if not state.meta.is_last_step:
                     retained = self._maybe_retain(request, state, session, now)
         super()._free_blocks(request)
@@ -693,14 +701,19 @@ class MarsBaseScheduler(AsyncScheduler):
 
     def _reclaim_for(self, request: Request) -> bool:
         """Allocation for ``request`` failed: release the lowest-value retained entry of another
-        session. Returns True if something was released (vLLM then retries the allocation)."""
+        session. Returns True if something was released (vLLM then retries the allocation).
+
+        Progress guarantee: with nothing running, every other session's entry is reclaimable
+        whatever ``can_reclaim_for`` says (otherwise waiting turns whose sessions all hold
+        retained KV, kept because those turns wait, would deadlock the engine)."""
         if not self.retained:
             return False
         own = self.req_state.get(request.request_id)
         own_sid = own.session_id if own else None
         now = self.clock()
+        is_stuck = not self.running
         candidates = [e for sid, e in self.retained.items()
-                      if sid != own_sid and self.can_reclaim_for(e, request, now)]
+                      if sid != own_sid and (is_stuck or self.can_reclaim_for(e, request, now))]
         if not candidates:
             return False
         victim = min(candidates, key=lambda e: (reclaim_order_key(e.value_s, e.num_blocks), -e.retained_s))

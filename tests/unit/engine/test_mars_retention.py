@@ -177,6 +177,8 @@ def test_admission_reclaims_only_entries_not_worth_their_ttl() -> None:
     _finish_turn0(h, "a", 200)  # 12 blocks pinned, 27 free
     entry = h.scheduler.retained["a"]
     entry.value_s = 100.0  # worth far more than holding 12 blocks for 2 s at any price
+    busy = h.add(h.make_request("c", h.tokens(40), 60))  # keeps the engine running (not stuck)
+    h.step(0.01)
     big = h.add(h.make_request(None, h.tokens(440), 2))  # 28 blocks: does not fit next to "a"
     for _ in range(3):
         assert big.request_id not in h.step(0.01).num_scheduled_tokens
@@ -184,5 +186,44 @@ def test_admission_reclaims_only_entries_not_worth_their_ttl() -> None:
     entry.value_s = 1e-6  # now cheaper than its remaining TTL at full-pressure price
     assert big.request_id in h.step(0.01).num_scheduled_tokens
     assert "a" not in h.scheduler.retained
+    h.run_until_finished(busy.request_id)
+    h.run_until_done()
+    h.assert_no_leaks()
+
+
+def test_idle_engine_reclaims_any_entry_rather_than_stall() -> None:
+    """Nothing running and a waiting turn that does not fit: keeping a valuable entry would leave
+    the GPU idle (and deadlock when every waiting turn's session holds retained KV)."""
+    h = Harness(MarsScheduler, num_blocks=40)
+    _finish_turn0(h, "a", 200)  # 12 blocks pinned, 27 free
+    h.scheduler.retained["a"].value_s = 100.0
+    big = h.add(h.make_request(None, h.tokens(440), 2))  # 28 blocks
+    assert big.request_id in h.step(0.01).num_scheduled_tokens
+    assert "a" not in h.scheduler.retained
+    h.run_until_done()
+    h.assert_no_leaks()
+
+
+@pytest.mark.parametrize(("older_requester", "reclaimed"), [(True, True), (False, False)])
+def test_reclaim_follows_session_age(older_requester: bool, reclaimed: bool) -> None:
+    """session_fifo: a retained entry is taken only for an *older* session's turn; a younger
+    session's turn waits (here: while another request keeps the engine busy)."""
+    h = Harness(MarsScheduler, num_blocks=40)
+    if older_requester:
+        old = h.add(h.make_request("old", h.tokens(20), 2, {"mars_turn": 0}))
+        h.run_until_finished(old.request_id)
+        h.clock.advance(0.5)
+    _finish_turn0(h, "a", 200)  # 12 blocks pinned
+    h.scheduler.retained["a"].value_s = 100.0
+    busy = h.add(h.make_request("c", h.tokens(40), 60))
+    h.step(0.01)
+    prompt = h.tokens(440)  # 28 blocks: does not fit next to "a"
+    if older_requester:
+        turn = h.add(h.make_request("old", prompt, 2, {"mars_turn": 1}))
+    else:
+        turn = h.add(h.make_request("young", prompt, 2, {"mars_turn": 0}))
+    assert (turn.request_id in h.step(0.01).num_scheduled_tokens) == reclaimed
+    assert ("a" in h.scheduler.retained) != reclaimed
+    h.run_until_finished(busy.request_id)
     h.run_until_done()
     h.assert_no_leaks()

@@ -153,3 +153,57 @@ def test_mars_has_no_window_by_default() -> None:
     assert h.scheduler.window_size is None and not h.scheduler.overflow
     h.run_until_done()
     h.assert_no_leaks()
+
+
+@pytest.mark.parametrize(("from_new_work", "first"), [(True, "s1"), (False, "fresh")])
+def test_lost_context_does_not_demote_a_continuation(from_new_work: bool, first: str) -> None:
+    """Without a prefix cache the continuation re-prefills 3k tokens; its *new* work is 20 tokens,
+    so (level_from_new_work) it ranks at level 0 ahead of a 2.5k-token fresh prompt, and the reload
+    chunk does not demote it."""
+    mars = {"mars": {"level_from_new_work": from_new_work, "session_fifo": False},
+            "retention": {"enabled": False}}
+    h = Harness(MarsScheduler, num_blocks=1024, max_num_seqs=1, max_num_batched_tokens=4096,
+                enable_prefix_caching=False, mars=mars)
+    r0 = h.add(h.make_request("s1", h.tokens(3000), 4, {"mars_turn": 0}))
+    h.run_until_finished(r0.request_id)
+    h.add(h.make_request(None, h.tokens(2500), 2, request_id="fresh"))
+    h.clock.advance(0.01)
+    r1 = h.add(h.next_turn(r0, 20, 2, {"mars_turn": 1}))
+    assert _first_admitted(h) == (r1.request_id if first == "s1" else "fresh")
+    if from_new_work:
+        assert h.scheduler.req_state[r1.request_id].feedback_level == 0
+        assert h.scheduler.level(r1, h.clock()) == 0
+    h.run_until_done()
+    h.assert_no_leaks()
+
+
+@pytest.mark.parametrize(("session_fifo", "first"), [(True, "A"), (False, "B")])
+def test_session_fifo_serves_the_older_session_first(session_fifo: bool, first: str) -> None:
+    """Two continuations at the same level: program-level FIFO picks the session that arrived
+    first even though its turn arrived last."""
+    h = Harness(MarsScheduler, num_blocks=1024, max_num_seqs=1,
+                mars={"mars": {"session_fifo": session_fifo}, "retention": {"enabled": False}})
+    a0 = h.add(h.make_request("A", h.tokens(100), 2, {"mars_turn": 0}))
+    h.run_until_finished(a0.request_id)
+    h.clock.advance(1.0)
+    b0 = h.add(h.make_request("B", h.tokens(100), 2, {"mars_turn": 0}))
+    h.run_until_finished(b0.request_id)
+    h.clock.advance(1.0)
+    b1 = h.add(h.next_turn(b0, 30, 2, {"mars_turn": 1}))
+    h.clock.advance(0.01)
+    a1 = h.add(h.next_turn(a0, 30, 2, {"mars_turn": 1}))
+    assert _first_admitted(h) == {"A": a1.request_id, "B": b1.request_id}[first]
+    h.run_until_done()
+    h.assert_no_leaks()
+
+
+@pytest.mark.parametrize(("cls", "first_chunk"), [(MarsScheduler, 3000), (MarsPreviewScheduler, 2048)])
+def test_level0_quantum_is_the_step_budget_for_mars(cls, first_chunk: int) -> None:
+    """A level-0 prompt (bucket <= 4096 here): our level-0 quantum is 8192 (capped at the 4096
+    budget), the preview's 2048."""
+    h = Harness(cls, num_blocks=1024, max_num_batched_tokens=4096,
+                mars={"levels": {"prompt_thresholds_tokens": [4096, 8192, 32768]}})
+    r = h.add(h.make_request(None, h.tokens(3000), 2))
+    assert h.step(0.01).num_scheduled_tokens[r.request_id] == first_chunk
+    h.run_until_done()
+    h.assert_no_leaks()
