@@ -24,9 +24,11 @@ import pandas as pd
 
 __all__ = [
     "METRICS",
+    "PAPER_GAINS",
     "RESULT_COLUMNS",
     "Metric",
     "goodput_column",
+    "paper_comparison",
     "ratio_table",
     "render_summary",
     "write_plots",
@@ -176,6 +178,62 @@ def _failures_section(results: pd.DataFrame) -> list[str]:
     return [*parts, ""]
 
 
+PAPER_GAINS: tuple[tuple[str, str, bool, str], ...] = (
+    ("mean E2E", "e2e_mean_s", False, "1.44–5.94×"),
+    ("P90 E2E", "e2e_p90_s", False, "1.29–3.37×"),
+    ("P95 E2E", "e2e_p95_s", False, "1.29–3.37×"),
+    ("goodput α=3", "goodput_a3_per_s", True, "2–7.56×"),
+)
+"""(label, results column, higher is better, the MARS paper's reported gain over its baselines);
+design.md §7 (MARS, arXiv 2604.26963, H100/H200, Qwen3-Coder-30B-A3B-Instruct and GPT-OSS-120B)."""
+
+
+def paper_comparison(results: pd.DataFrame, policy: str = "mars") -> pd.DataFrame:
+    """Gain of ``policy``'s runs over the best and the worst baseline at the heaviest load. Pure.
+
+    Gain = baseline / ours for lower-is-better metrics and ours / baseline otherwise, so > 1 means
+    ``policy`` is better, as the paper reports its ``1.44–5.94×``.
+
+    Returns:
+        One row per metric of :data:`PAPER_GAINS` and run of ``policy`` (``label``, ``metric``,
+        ``vs_best``, ``vs_worst``, ``best_baseline``, ``paper``); empty when ``policy`` or the
+        baselines have no successful run at the heaviest load.
+    """
+    ok = results.loc[results["status"] == "ok"]
+    if ok.empty:
+        return pd.DataFrame()
+    heavy = ok.loc[ok["load_x"] == ok["load_x"].max()]
+    ours = heavy.loc[heavy["policy"] == policy]
+    base = heavy.loc[heavy["is_baseline"].astype(bool)]
+    rows = []
+    for _, run in ours.iterrows():
+        for label, column, is_higher_better, paper in PAPER_GAINS:
+            if column not in base or base[column].isna().all() or not run[column]:
+                continue
+            values = base.set_index("label")[column].astype("float64").dropna()
+            best, worst = (values.idxmax(), values.idxmin()) if is_higher_better else (
+                values.idxmin(), values.idxmax())
+            ours_v = float(run[column])
+            gains = [(ours_v / v if is_higher_better else v / ours_v) if v else math.nan
+                     for v in (values[best], values[worst])]
+            rows.append({"label": run["label"], "metric": label, "vs_best": gains[0],
+                         "vs_worst": gains[1], "best_baseline": best, "paper": paper})
+    return pd.DataFrame(rows)
+
+
+def _paper_section(results: pd.DataFrame) -> list[str]:
+    table = paper_comparison(results)
+    if table.empty:
+        return []
+    parts = ["## Against the paper (heaviest load)", "",
+             "Gain of `mars` over the baselines (> 1: mars is better; baseline / mars for latency, "
+             "mars / baseline for goodput), next to the gains the MARS paper reports (design.md §7).", ""]
+    rows = [[r["label"], r["metric"], f"{_fmt(r['vs_best'])}× (vs {r['best_baseline']})",
+             f"{_fmt(r['vs_worst'])}×", r["paper"]] for _, r in table.iterrows()]
+    parts += [_md_table(["run", "metric", "vs best baseline", "vs worst baseline", "paper"], rows), ""]
+    return parts
+
+
 def render_summary(results: pd.DataFrame, meta: Mapping[str, Any]) -> str:
     """The ``summary.md`` text. Pure.
 
@@ -194,6 +252,7 @@ def render_summary(results: pd.DataFrame, meta: Mapping[str, Any]) -> str:
     if (results["status"] == "ok").any():
         parts += _ratio_section(results, "fcfs", "Ratio vs FCFS")
         parts += _ratio_section(results, "best_baseline", "Ratio vs the best baseline (per metric)")
+        parts += _paper_section(results)
     parts += _failures_section(results)
     return "\n".join(parts).rstrip() + "\n"
 

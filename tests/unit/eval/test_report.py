@@ -10,6 +10,7 @@ import pytest
 from eval.report import (
     METRICS,
     goodput_column,
+    paper_comparison,
     ratio_table,
     render_summary,
     write_plots,
@@ -83,7 +84,7 @@ def test_summary_has_a_row_per_run_and_lists_failures(results: pd.DataFrame) -> 
     assert "## Failed runs" in text and "`continuum__load1`: RuntimeError: boom" in text
     assert "## Ratio vs the best baseline" in text
     # 3 successful runs at load 1 in each ratio table (the failed one is absent)
-    best = text.split("## Ratio vs the best baseline")[1].split("### load 1")[1]
+    best = text.split("## Ratio vs the best baseline")[1].split("### load 1")[1].split("## Against")[0]
     assert best.count("\n| ") == 4  # header + 3 rows
     assert "| mars | 0.25 |" in best
 
@@ -104,3 +105,19 @@ def test_no_successful_run_writes_no_plot_but_a_summary(tmp_path, results: pd.Da
     assert write_plots(tmp_path, failed, {}) == []
     text = render_summary(failed, {})
     assert "Ratio vs FCFS" not in text and text.count("FAILED") == len(failed)
+
+
+def test_paper_comparison_gains_at_the_heaviest_load(results: pd.DataFrame) -> None:
+    """Load 1.0 (heaviest): baselines fcfs (E2E 40, goodput 0.25) and autellix (50, 0.5); the
+    failed continuum run is ignored. mars: E2E 10, goodput 1."""
+    table = paper_comparison(results).set_index("metric")
+    assert table.loc["mean E2E", "vs_best"] == pytest.approx(4.0)  # fcfs 40 / mars 10
+    assert table.loc["mean E2E", "best_baseline"] == "fcfs"
+    assert table.loc["mean E2E", "vs_worst"] == pytest.approx(5.0)  # autellix 50 / 10
+    assert table.loc["goodput α=3", "vs_best"] == pytest.approx(2.0)  # mars 1 / autellix 0.5
+    assert table.loc["goodput α=3", "paper"] == "2–7.56×"
+    assert "Against the paper" in render_summary(results, {})
+
+
+def test_paper_comparison_is_empty_without_mars(results: pd.DataFrame) -> None:
+    assert paper_comparison(results.loc[results["policy"] != "mars"]).empty
