@@ -11,8 +11,12 @@ Default load: 0.015 sessions/s on an H200 SXM profile (Qwen3-30B-A3B, ~718k KV t
 at once, no preemption, below FCFS's knee. On ``--gpu h100_sxm`` (~118k KV tokens, ~3 median
 contexts) FCFS is past its knee on these traces: requests wait for KV, decode steps cannot be
 coalesced and the speed drops to ~10-30x. Measured 2026-11-30 on the 2-core dev box under other
-jobs (load ~4): full traces, 153 sessions / 12,216 turns, 10,896 simulated s in 161 s wall
-(131 s CPU): 68x wall, 83x per CPU second.
+jobs: full traces, 153 sessions / 12,216 turns, 10,896 simulated s. Before the speed work
+(coalesce 64, load ~4): 161 s wall, 131 s CPU, 68x wall, 83x per CPU second. After (coalesce 1024,
+no prefill stats, memoized KV counts, GC freeze; load 3.7): 170 s wall, 123 s CPU, 64x wall, 88x
+per CPU second: below the 100x target. cProfile: ~50% of the CPU is vLLM's per-turn walk over the
+prompt's ~1,300 KV blocks (prefix lookup, touch, free), ~25% its per-token output handling, ~12%
+the simulator; the first 30 sessions alone (shorter prompts) run at ~110x per CPU second.
 
 Prints one line (simulated s, wall s, CPU s, speed = simulated s / wall s, and per CPU s) and
 appends a row to ``benchmarks/results/bench_sim.parquet`` (git sha, vLLM version, machine,
@@ -53,7 +57,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-sessions", type=int, default=None, help="first N sessions only")
     p.add_argument("--max-turns", type=int, default=None, help="cap turns per session")
     p.add_argument("--tool-workers", type=int, default=16, help="tool workers")
-    p.add_argument("--coalesce", type=int, default=64, help="coalesce_max_steps (1 = off)")
+    p.add_argument("--coalesce", type=int, default=1024, help="coalesce_max_steps (1 = off)")
     p.add_argument("--no-events", action="store_true", help="run without an event sink")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="tiny size for CI")
@@ -145,7 +149,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "preemptions": result.num_preemptions, "num_events": result.num_events,
         "mean_concurrent_sessions": sum(result.e2e_s()) / max(result.makespan_s, 1e-9),
     }
-    print(f"bench_sim policy={args.policy} timing={timing} sessions={row['num_sessions']} "
+    print(f"bench_sim workload={args.traces} rate={args.rate}/s policy={args.policy} "
+          f"timing={timing} blocks={num_blocks} coalesce={args.coalesce} "
+          f"events={'off' if args.no_events else 'on'} sessions={row['num_sessions']} "
           f"turns={row['num_turns']} simulated={result.makespan_s:.1f}s wall={result.wall_s:.2f}s "
           f"cpu={cpu_s:.2f}s speed={result.speedup:.1f}x (per cpu s {row['speed_per_cpu_x']:.1f}x) "
           f"steps={result.num_engine_steps} calls={result.num_schedule_calls} "

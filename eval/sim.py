@@ -26,8 +26,10 @@ them (its ≤ 50 ms batching delay is not modelled).
 
 Speed: runs of pure-decode steps between two events are coalesced into one real scheduler call
 through vLLM's draft-token path (:meth:`InprocEngine.max_decode_run`); ``coalesce_max_steps=1``
-turns it off. A coalesced run never crosses an arrival or a tool completion; admission ticks fall
-inside it only when no session waits for admission (then a tick cannot change the engine's input).
+turns it off (``tests/integration/test_sim_vs_emulated.py`` checks both give the emulated
+server's per-request schedule). A coalesced run never crosses an arrival or a tool completion;
+admission ticks fall inside it only when no session waits for admission (then a tick cannot change
+the engine's input).
 Coalescing needs an empty waiting queue: when requests wait for KV (FCFS past its knee, where the
 prefix cache thrashes) every step goes through ``schedule()``, and vLLM's own per-step work (the
 prefix lookup of the blocked head, O(context blocks)) bounds the speed to ~10-30x real time.
@@ -43,6 +45,7 @@ kinds from what it observes. ``engine_step`` snapshots are emitted by the simula
 from __future__ import annotations
 
 import asyncio
+import gc
 import heapq
 import math
 import time
@@ -152,8 +155,10 @@ class SimConfig(BaseModel):
     send_last_step: bool = True
     """Send ``mars_last_step`` (1 on a session's final turn, else 0) with each request, as a replay
     driver that knows the trace does; off: the engine must guess."""
-    coalesce_max_steps: int = Field(64, ge=1)
-    """Most pure-decode steps merged into one scheduler call (1 = every step is simulated)."""
+    coalesce_max_steps: int = Field(1024, ge=1)
+    """Most pure-decode steps merged into one scheduler call (1 = every step is simulated). Runs
+    end anyway at the next arrival, tool end or finishing request; 1024 instead of 64 saved ~16%
+    CPU on the bundled traces (the run's time uses the mean context, exact for a linear model)."""
     engine_step_interval_s: float = Field(0.1, gt=0.0)
     """Virtual seconds between ``engine_step`` snapshots (telemetry's default 100 ms)."""
     seed: int = 0
@@ -374,15 +379,16 @@ class Simulator:
     def _emit(self, cls: type[Any], source: str, session_id: str | None, turn: int | None,
               **fields: Any) -> None:
         if self.sink is not None:
-            self._emit_event(cls(**self._stamps(), source=source, session_id=session_id,
-                                 turn=turn, **fields))
+            # Trusted fields: skip pydantic validation (~10 us per event on the hot path).
+            self._emit_event(cls.model_construct(**self._stamps(), source=source,
+                                                 session_id=session_id, turn=turn, **fields))
 
     def _cpu_event(self, cls: type[Any], run: _SessionRun, turn: int | None, **fields: Any) -> None:
         """Emit a CPU-plane event and forward it to our scheduler (as the gateway does)."""
         if self.sink is None and not self.engine.is_plugin:
             return
-        event = cls(**self._stamps(), source=self.config.agent_source,
-                    session_id=run.spec.session_id, turn=turn, **fields)
+        event = cls.model_construct(**self._stamps(), source=self.config.agent_source,
+                                    session_id=run.spec.session_id, turn=turn, **fields)
         self._emit_event(event)
         if self.engine.is_plugin and event.kind != "session_start":
             self.engine.scheduler.post_event(event)
@@ -400,14 +406,20 @@ class Simulator:
             self._push(run.spec.arrival_s, "arrival", run)
         self._num_open = len(self._runs)
         last_progress_s = 0.0
-        while self._num_open > 0:
-            self._handle_due_events()
-            if not self.engine.has_work():
-                self._advance_to_next_event()
-            elif self._engine_step():
-                last_progress_s = self.now_s
-            else:
-                self._idle_until_next_event(last_progress_s)
+        # As vLLM's engine core does after start-up: the KV block pool and the engine's other
+        # long-lived objects leave the cyclic GC's scans (a few % of the run's CPU time).
+        gc.freeze()
+        try:
+            while self._num_open > 0:
+                self._handle_due_events()
+                if not self.engine.has_work():
+                    self._advance_to_next_event()
+                elif self._engine_step():
+                    last_progress_s = self.now_s
+                else:
+                    self._idle_until_next_event(last_progress_s)
+        finally:
+            gc.unfreeze()
         wall_s = time.perf_counter() - wall_start
         return self._finish(wall_s)
 

@@ -387,6 +387,8 @@ class InprocEngine:
         self.hasher = StreamBlockHasher(params.block_size, params.prefix_caching_hash_algo)
         self._planned: dict[str, list[int]] = {}
         self._requests: dict[str, Request] = {}
+        self._kv_counts: tuple[int, int, int] | None = None
+        """Memo of :meth:`kv_block_counts`; cleared by every call that can change the KV state."""
         self.num_steps = 0
         """``schedule()`` calls so far."""
         self.num_decode_substeps = 0
@@ -440,8 +442,12 @@ class InprocEngine:
         request = Request(request_id, stream.ids(0, prompt_end), sampling, None,
                           arrival_time=arrival_time_s, block_hasher=self.hasher,
                           session_id=session_id if session_id is not None else stream.session_id)
+        # Per-request prefill stats feed only the API's usage/metrics output, which nothing reads
+        # here; vLLM computes them at the first output with an O(context blocks) walk.
+        request.prefill_stats = None
         self._requests[request_id] = request
         self.scheduler.add_request(request)
+        self._kv_counts = None
         return request
 
     def has_work(self) -> bool:
@@ -478,6 +484,7 @@ class InprocEngine:
         if num_decode_tokens > 1:
             self._propose_drafts(num_decode_tokens)
         out = self.scheduler.schedule()
+        self._kv_counts = None
         self.num_steps += 1
         record = EngineStepRecord(out, dict(out.num_scheduled_tokens),
                                   num_decode_tokens=num_decode_tokens,
@@ -505,6 +512,7 @@ class InprocEngine:
             sampled_token_ids=record.sampled_token_ids,
         )
         engine_outputs = self.scheduler.update_from_output(record.scheduler_output, runner_output)
+        self._kv_counts = None
         for outputs in engine_outputs.values():
             for o in outputs.outputs:
                 reason = None if o.finish_reason is None else str(o.finish_reason)
@@ -552,7 +560,8 @@ class InprocEngine:
         """Largest ``k <= limit`` for which a coalesced step equals ``k`` single steps. Pure.
 
         Requires a steady decode state: nothing waiting, every running request decoding with
-        exactly its last sampled token pending, none finishing before its ``k``-th token, and
+        exactly its last sampled token pending, none finishing before its ``k``-th token (with
+        the sync ``Scheduler``: none finishing within the run, see the code comment), and
         enough free KV blocks and token budget for ``k`` more tokens each (so vLLM neither
         preempts nor splits). Returns 1 when not steady.
 
@@ -569,12 +578,17 @@ class InprocEngine:
         k = min(limit, self.params.max_num_batched_tokens // len(running))
         if self.params.long_prefill_token_threshold > 0:
             k = min(k, self.params.long_prefill_token_threshold)
+        # The sync Scheduler caches a request's full blocks at its next allocate_slots(), so a
+        # run must not end a request: its last token takes a single step, after which vLLM
+        # caches the blocks the drafts filled (AsyncScheduler caches them at update time).
+        keep_last = 0 if isinstance(s, AsyncScheduler) else 1
         for r in running:
             c = r.num_computed_tokens
             if (c != r.num_tokens - 1 or c < r.num_prompt_tokens or r.num_output_placeholders
                     or r.request_id not in self._planned):
                 return 1
-            k = min(k, r.max_tokens - r.num_output_tokens, self.params.max_model_len - c - 1)
+            k = min(k, r.max_tokens - r.num_output_tokens - keep_last,
+                    self.params.max_model_len - c - 1)
         while k > 1:
             need = sum(-(-(r.num_computed_tokens + k) // bs) - -(-r.num_computed_tokens // bs)
                        for r in running)
@@ -586,12 +600,19 @@ class InprocEngine:
     # ------------------------------------------------------------------ KV state
     def kv_block_counts(self) -> tuple[int, int, int]:
         """``(free, retained, used)`` blocks, null block excluded (free includes evictable
-        prefix-cache blocks; retained = pinned by our schedulers and referenced by no request)."""
-        s = self.scheduler
-        if hasattr(s, "kv_block_counts"):
-            return s.kv_block_counts()
-        free = seams.num_free_blocks(s)
-        return free, 0, seams.num_gpu_blocks(s) - 1 - free
+        prefix-cache blocks; retained = pinned by our schedulers and referenced by no request).
+
+        Memoized between calls that change the KV state (``add_request``, ``schedule``,
+        ``update``, ``shutdown``): our schedulers count by walking every request's blocks, and
+        the simulator asks several times per step (admission ticks, snapshots)."""
+        if self._kv_counts is None:
+            s = self.scheduler
+            if hasattr(s, "kv_block_counts"):
+                self._kv_counts = s.kv_block_counts()
+            else:
+                free = seams.num_free_blocks(s)
+                self._kv_counts = (free, 0, seams.num_gpu_blocks(s) - 1 - free)
+        return self._kv_counts
 
     def kv_usage(self) -> float:
         """Used fraction of the KV pool, 0..1 (evictable prefix-cache and retained blocks count as
@@ -607,6 +628,7 @@ class InprocEngine:
         """Release what the scheduler still holds (our schedulers: retained KV). Mutates."""
         if hasattr(self.scheduler, "shutdown"):
             self.scheduler.shutdown()
+        self._kv_counts = None
 
     def assert_no_leaks(self) -> dict[str, int]:
         """Integrity check: block ref counts match request references (+ our pins).

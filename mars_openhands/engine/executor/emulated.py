@@ -90,7 +90,9 @@ class EmulatedGpuConfig(GpuProfile):
     filler_token_id: int | None = Field(default=None, ge=0)
     """Token emitted when there is no script; ``None`` picks the tokenizer's id for "x"."""
     step_trace_path: str | None = None
-    """Append one JSON line per step (modelled and measured times) to this file."""
+    """Append one JSON line per step to this file: modelled and measured times, the step's shape,
+    ``scheduled`` (``[req_id, num_scheduled_tokens, num_computed_tokens before]`` per request) and
+    ``new_requests`` (``req_id -> [prompt_len, vllm_xargs mars_turn]`` of first schedules)."""
     fallback_on_missing_data: bool = True
     """When the kernel data cannot answer a step, log once and time its prefill and decode
     parts separately, each split in halves until answerable and scaled back linearly, instead
@@ -118,6 +120,8 @@ class _RequestState:
 
     prompt_len: int
     script: list[int] | None
+    turn: Any = None
+    """The request's ``vllm_xargs`` ``mars_turn`` (step trace only), ``None`` if absent."""
 
 
 @dataclass
@@ -132,6 +136,10 @@ class _Step:
     deadline_s: float
     req_ids: list[str]
     sampled: list[list[int]]
+    scheduled: list[tuple[str, int, int]]
+    """``(req_id, num_scheduled_tokens, num_computed_tokens before the step)`` per request."""
+    new_requests: dict[str, tuple[int, Any]]
+    """First-scheduled requests: req_id -> ``(prompt_len, vllm_xargs "mars_turn" or None)``."""
 
 
 class _DeadlineOutput(AsyncModelRunnerOutput):
@@ -288,7 +296,7 @@ class EmulatedWorker:
         extra = getattr(new.sampling_params, "extra_args", None) or {}
         text = extra.get(EMULATED_OUTPUT_XARG)
         script = self._encode(str(text)) if text is not None else self._default_script
-        self._requests[new.req_id] = _RequestState(prompt_len, script)
+        self._requests[new.req_id] = _RequestState(prompt_len, script, extra.get("mars_turn"))
 
     def _plan_step(self, so: Any, now_s: float) -> _Step:
         """Classify each scheduled request, model the step, pick the tokens (pure but clock)."""
@@ -296,6 +304,7 @@ class EmulatedWorker:
         contexts: list[int] = []
         req_ids: list[str] = []
         sampled: list[list[int]] = []
+        scheduled: list[tuple[str, int, int]] = []
         rows = [(n.req_id, n.num_computed_tokens, self._known_tokens(n.req_id, 0, n))
                 for n in so.scheduled_new_reqs]
         cached = so.scheduled_cached_reqs
@@ -311,12 +320,17 @@ class EmulatedWorker:
                 prefill.append((num_scheduled, num_computed))
             req_ids.append(req_id)
             sampled.append([self._token(req_id, output_index)] if samples else [])
+            scheduled.append((req_id, num_scheduled, num_computed))
         shape = StepShape.from_requests(prefill, contexts)
         model_s = self._model_time_s(shape)
         start_s = max(now_s, self._gpu_free_at_s)
         self._num_steps += 1
+        new_requests = {} if self._trace is None else {
+            n.req_id: (self._requests[n.req_id].prompt_len, self._requests[n.req_id].turn)
+            for n in so.scheduled_new_reqs}
         return _Step(self._num_steps, shape, model_s, now_s, start_s,
-                     start_s + model_s * self.config.time_scale, req_ids, sampled)
+                     start_s + model_s * self.config.time_scale, req_ids, sampled, scheduled,
+                     new_requests)
 
     def _known_tokens(self, req_id: str, num_output_tokens: int, new: Any) -> tuple[int, int]:
         """``(prompt_len + outputs so far, index of the next output)`` for one request."""
@@ -371,6 +385,7 @@ class EmulatedWorker:
             "prefill_cached_tokens": s.prefill_cached_tokens,
             "num_decode": s.num_decode_requests, "decode_context_tokens": s.decode_context_tokens,
             "num_sampled": sum(1 for t in step.sampled if t),
+            "scheduled": step.scheduled, "new_requests": step.new_requests,
         }) + "\n")
 
 
