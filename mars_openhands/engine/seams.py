@@ -175,6 +175,11 @@ def referenced_block_counts(sched: Scheduler) -> dict[int, int]:
     return counts
 
 
+def block_ref_count(block: KVCacheBlock) -> int:
+    """References held on ``block`` (requests + our pins). Pure."""
+    return int(block.ref_cnt)
+
+
 def all_blocks(sched: Scheduler) -> list[KVCacheBlock]:
     """Every block of the pool (index = block_id)."""
     return block_pool(sched).blocks

@@ -813,11 +813,22 @@ class MarsBaseScheduler(AsyncScheduler):
         """(free, retained-only, used) blocks; used = referenced by at least one request.
 
         Excludes vLLM's null block, so ``free + retained + used == num_gpu_blocks - 1``.
+        O(pinned blocks): a pinned block is retained-only when its ref count is just our pins;
+        every other block with a reference is used. :meth:`assert_no_leaks` checks this against
+        a full walk of the requests' blocks.
         """
-        refs = seams.referenced_block_counts(self)
-        pinned = {b.block_id for e in self.retained.values() for b in e.blocks}
-        retained_only = sum(1 for bid in pinned if bid not in refs)
-        return seams.num_free_blocks(self), retained_only, len(refs)
+        free = seams.num_free_blocks(self)
+        retained_only = self._retained_only_blocks()
+        return free, retained_only, seams.num_gpu_blocks(self) - 1 - free - retained_only
+
+    def _retained_only_blocks(self) -> int:
+        pins: dict[int, int] = {}
+        by_id: dict[int, Any] = {}
+        for entry in self.retained.values():
+            for b in entry.blocks:
+                pins[b.block_id] = pins.get(b.block_id, 0) + 1
+                by_id[b.block_id] = b
+        return sum(1 for bid, n in pins.items() if seams.block_ref_count(by_id[bid]) == n)
 
     def assert_no_leaks(self) -> dict[str, int]:
         """Integrity check: every block's ref count equals request refs + our pins, and
@@ -841,12 +852,15 @@ class MarsBaseScheduler(AsyncScheduler):
                 bad.append((b.block_id, b.ref_cnt, expected))
             num_zero += b.ref_cnt == 0
         free, retained_only, used = self.kv_block_counts()
+        pinned = {b.block_id for e in self.retained.values() for b in e.blocks}
+        exact = (num_zero, sum(1 for bid in pinned if bid not in refs), len(refs))
         total = seams.num_gpu_blocks(self)
         counts = {"free": free, "retained": retained_only, "used": used, "null": 1,
                   "num_gpu_blocks": total}
-        assert not bad and free == num_zero and free + retained_only + used + 1 == total, (
+        assert not bad and (free, retained_only, used) == exact and free + retained_only + used + 1 == total, (
             f"KV block leak: free {free} + retained {retained_only} + used {used} + null 1 "
             f"!= num_gpu_blocks {total} (blocks with ref 0: {num_zero}); "
-            f"(block_id, ref_cnt, expected) mismatches: {bad[:10]}"
+            f"(block_id, ref_cnt, expected) mismatches: {bad[:10]}; "
+            f"fast (free, retained, used) {(free, retained_only, used)} vs full walk {exact}"
         )
         return counts
