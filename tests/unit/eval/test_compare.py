@@ -1,12 +1,18 @@
-"""``mars-openhands compare`` on the sim backend (eval/compare.py)."""
+"""``mars-openhands compare`` (eval/compare.py) on the sim backend, and the live-backend plumbing (eval/backends.py)."""
 
 from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
 import pandas as pd
 import pytest
+
+try:  # module level: FastAPI resolves the fake server's string annotation here
+    from fastapi import Request
+except ImportError:  # pragma: no cover - the URL-backend test skips then
+    Request = None  # type: ignore[assignment,misc]
 
 from eval.compare import (
     POLICIES,
@@ -61,11 +67,11 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def test_cli_rejects_unsupported_backend_and_unknown_policy(tmp_path, capsys) -> None:
-    args = _parser().parse_args(["compare", "--backend", "emulated", "--out", str(tmp_path)])
+def test_cli_rejects_unknown_backend_and_unknown_policy(tmp_path, capsys) -> None:
+    args = _parser().parse_args(["compare", "--backend", "gpu", "--out", str(tmp_path)])
     assert args.func(args) == 2
     err = capsys.readouterr().err
-    assert "not yet supported" in err and "sim" in err
+    assert "unknown backend 'gpu'" in err and "emulated" in err and "http" in err
     args = _parser().parse_args(["compare", "--policies", "fcfs,nope", "--out", str(tmp_path)])
     assert args.func(args) == 2
     assert "nope" in capsys.readouterr().err
@@ -149,3 +155,309 @@ def test_kv_scale_for_trim_is_the_kept_context_share() -> None:
     assert kv_scale_for_trim(full, full) == 1.0
     with pytest.raises(ValueError, match="not in the full workload"):
         kv_scale_for_trim(trim_workload(full, num_sessions=1), full)
+
+
+# ----------------------------------------------------------------------------- live backends (plumbing)
+def test_parse_backend_names_and_urls() -> None:
+    from eval.backends import parse_backend
+
+    assert [parse_backend(k).kind for k in ("sim", "emulated", " cpu ")] == ["sim", "emulated", "cpu"]
+    assert not parse_backend("sim").is_live and parse_backend("cpu").is_live
+    spec = parse_backend("http://127.0.0.1:8000/v1/")
+    assert (spec.kind, spec.url, spec.label) == ("url", "http://127.0.0.1:8000", "http://127.0.0.1:8000")
+    assert parse_backend("https://example.org/").url == "https://example.org"
+    for bad, fragment in (("gpu", "unknown backend 'gpu'"), ("ftp://x", "unknown backend"),
+                          ("http://", "has no host"), ("http://h:port", "bad port")):
+        with pytest.raises(ValueError, match=fragment):
+            parse_backend(bad)
+
+
+@pytest.mark.parametrize(("backend", "policies", "admission", "scale", "has_base", "fragment"), [
+    ("http://h:1", ("fcfs", "mars"), "off", 1.0, True, "exactly that one"),
+    ("http://h:1", (), "off", 1.0, True, "got none"),
+    ("http://h:1", ("mars",), "both", 1.0, True, "cannot switch the admission"),
+    ("cpu", ("fcfs",), "off", 0.5, True, "needs --backend emulated"),
+    ("sim", ("fcfs",), "off", 0.5, True, "needs --backend emulated"),
+    ("cpu", ("fcfs",), "off", 1.0, False, "needs --absolute-rates or --base-rate"),
+    ("http://h:1", ("fcfs",), "off", 1.0, False, "needs --absolute-rates or --base-rate"),
+    ("emulated", ("fcfs",), "off", 0.0, True, "positive"),
+    ("emulated", ("fcfs",), "off", float("nan"), True, "positive"),
+])
+def test_check_live_options_rejects_with_the_fix(backend, policies, admission, scale, has_base,
+                                                 fragment) -> None:
+    from eval.backends import check_live_options, parse_backend
+
+    with pytest.raises(ValueError, match=fragment):
+        check_live_options(parse_backend(backend), policies, admission, scale, has_base)
+
+
+def test_check_live_options_accepts_what_can_run() -> None:
+    from eval.backends import check_live_options, parse_backend
+
+    check_live_options(parse_backend("emulated"), ("fcfs", "mars"), "both", 0.25, False)  # sim knee
+    check_live_options(parse_backend("cpu"), ("fcfs", "mars"), "both", 1.0, True)
+    check_live_options(parse_backend("http://h:1"), ("mars",), "on", 1.0, True)
+    check_live_options(parse_backend("sim"), ("fcfs",), "both", 1.0, False)
+
+
+@pytest.mark.parametrize(("argv", "fragment"), [
+    (["--backend", "http://127.0.0.1:9", "--policies", "fcfs,mars", "--base-rate", "1"], "exactly"),
+    (["--backend", "cpu", "--time-scale", "0.5", "--base-rate", "1"], "needs --backend emulated"),
+    (["--backend", "cpu", "--policies", "fcfs"], "needs --absolute-rates or --base-rate"),
+    (["--backend", "emulated", "--time-scale", "-1"], "--time-scale must be a positive"),
+])
+def test_cli_rejects_bad_live_combinations_before_any_work(tmp_path, capsys, argv, fragment) -> None:
+    args = _parser().parse_args(["compare", *argv, "--out", str(tmp_path / "out")])
+    assert args.func(args) == 2
+    assert fragment in capsys.readouterr().err.replace("\n", " ")
+    assert not (tmp_path / "out").exists()
+
+
+def test_live_runs_are_grouped_by_policy_for_one_server_each() -> None:
+    from eval.backends import order_for_servers
+    from eval.compare import _plan
+
+    options = CompareOptions(policies=("fcfs", "mars"), loads=(0.5, 1.0), num_gpu_blocks=64,
+                             admission="both", base_rate_per_s=2.0)
+    sim_order = _plan(options, 2.0)
+    assert [r.policy for r in sim_order] == ["fcfs", "fcfs", "mars", "mars"] * 2  # by load (sim)
+    live_order = order_for_servers(sim_order, options.policies)
+    assert [r.run_id for r in live_order] == [
+        "fcfs__load0.5", "fcfs+adm__load0.5", "fcfs__load1", "fcfs+adm__load1",
+        "mars__load0.5", "mars+adm__load0.5", "mars__load1", "mars+adm__load1"]
+    assert sorted(r.run_id for r in live_order) == sorted(r.run_id for r in sim_order)
+
+
+def test_live_scheduler_names() -> None:
+    from eval.backends import live_scheduler
+
+    assert live_scheduler("fcfs") == "mars_openhands.engine.FcfsScheduler"  # stock + telemetry
+    assert live_scheduler(POLICIES["mars"].scheduler) == "mars_openhands.engine.MarsScheduler"
+    assert live_scheduler("pkg.mod.Cls") == "pkg.mod.Cls"
+
+
+def test_server_options_per_backend(tmp_path) -> None:
+    from eval.backends import EMULATED_EXECUTOR, LiveBackend, LiveOptions, parse_backend
+
+    config = {name: (p.scheduler, p.additional_config) for name, p in POLICIES.items()}
+    options = LiveOptions(num_gpu_blocks=900, max_model_len_tokens=4096, time_scale=0.25)
+    with LiveBackend(parse_backend("emulated"), options, config) as backend:
+        emulated = backend.server_options("continuum-dy", tmp_path)
+        socket_dir = Path(emulated.additional_config["mars"]["inbox_addr"].removeprefix("ipc://")).parent
+        assert socket_dir.is_dir() and len(str(socket_dir)) < 60  # ipc paths must stay short
+    assert not socket_dir.exists()  # close() removed the temporary folder
+    assert emulated.executor_backend == EMULATED_EXECUTOR
+    assert emulated.scheduler_cls == "mars_openhands.engine.ContinuumScheduler"
+    assert emulated.num_gpu_blocks_override == 900 and emulated.max_model_len == 4096
+    assert (emulated.max_num_seqs, emulated.max_num_batched_tokens) == (256, 8192)  # the sim's shape
+    extra = emulated.additional_config
+    assert extra["mars"]["continuum"]["mode"] == "continuum-dy"  # the policy's own config kept
+    assert extra["mars"]["telemetry"]["addr"].startswith("ipc://")
+    assert extra["mars"]["inbox_addr"].startswith("ipc://")
+    assert extra["emulated_gpu"]["time_scale"] == 0.25
+    with LiveBackend(parse_backend("cpu"), options, config) as backend:
+        cpu = backend.server_options("fcfs", tmp_path)
+    assert cpu.executor_backend is None and cpu.block_size == 32
+    assert "emulated_gpu" not in cpu.additional_config
+    assert cpu.scheduler_cls == "mars_openhands.engine.FcfsScheduler"
+    with pytest.raises(ValueError, match="sim"):
+        LiveBackend(parse_backend("sim"), options, config)
+
+
+def test_time_scaling_round_trip() -> None:
+    from datetime import UTC, datetime, timedelta
+
+    from eval.backends import scale_workload_time, unscale_events
+    from mars_openhands.stream import events as ev
+
+    w = _workload(n=2, turns=3)
+    w = w.model_copy(update={"sessions": tuple(s.model_copy(update={"arrival_s": 2.0 * i})
+                                               for i, s in enumerate(w.sessions))})
+    scaled = scale_workload_time(w, 0.1)
+    assert [s.arrival_s for s in scaled.sessions] == pytest.approx([0.0, 0.2])
+    assert scaled.sessions[0].turns[0].tool_duration_s == pytest.approx(0.1 * w.sessions[0].turns[0].tool_duration_s)
+    assert scaled.sessions[0].turns[-1].tool_duration_s == 0.0
+    assert scaled.sessions[0].turns[0].output_tokens == w.sessions[0].turns[0].output_tokens
+    assert scale_workload_time(w, 1.0) is w
+    with pytest.raises(ValueError):
+        scale_workload_time(w, 0.0)
+
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+    events = [
+        ev.SessionStart(t_wall=t0, t_mono_ns=10**9, session_id="s0", turn=0, source="replay"),
+        ev.ToolEnd(t_wall=t0 + timedelta(seconds=0.3), t_mono_ns=10**9 + 3 * 10**8, session_id="s0",
+                   turn=0, source="replay", tool_name="bash", tool_call_id="c", duration_s=0.2),
+        ev.RequestFirstToken(t_wall=t0 + timedelta(seconds=0.5), t_mono_ns=10**9 + 5 * 10**8,
+                             session_id="s0", turn=1, source="engine:0", request_id="r", ttft_s=0.05),
+    ]
+    back = unscale_events(events, t0, 10**9, 0.1)
+    assert [(e.t_wall - t0).total_seconds() for e in back] == pytest.approx([0.0, 3.0, 5.0])
+    assert [e.t_mono_ns for e in back] == [10**9, 4 * 10**9, 6 * 10**9]
+    assert back[1].duration_s == pytest.approx(2.0) and back[2].ttft_s == pytest.approx(0.5)
+    assert back[1].tool_name == "bash" and back[2].request_id == "r"
+    assert unscale_events(events, t0, 10**9, 1.0) == events
+
+
+def test_client_side_gpu_events_follow_the_turn_records() -> None:
+    from datetime import UTC, datetime
+
+    from eval.backends import client_side_gpu_events
+    from eval.replay import ReplayResult, SessionRecord, TurnRecord
+
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+    record = SessionRecord("s0", 0.0, status="ok", turns=[
+        TurnRecord(turn=0, num_prompt_tokens=10, send_s=0.1, num_output_tokens=3, first_token_s=0.3,
+                   finish_s=0.5),
+        TurnRecord(turn=1, num_prompt_tokens=20, send_s=1.0, num_output_tokens=2, finish_s=1.4),
+        TurnRecord(turn=2, num_prompt_tokens=30, send_s=2.0)])  # never finished
+    events = client_side_gpu_events(ReplayResult(started_at=t0, sessions=[record]))
+    assert [(e.kind, e.turn) for e in events] == [("first_token", 0), ("finished", 0), ("finished", 1)]
+    assert events[0].ttft_s == pytest.approx(0.2)
+    assert (events[2].t_wall - t0).total_seconds() == pytest.approx(1.4)
+    assert events[2].num_prompt_tokens == 20 and events[2].num_output_tokens == 2
+
+
+def _fake_openai_app(token_delay_s: float, seen: list[dict]):
+    """A minimal OpenAI-compatible engine: ``/v1/models`` and streamed ``/v1/completions`` with ids."""
+    import asyncio
+    import json
+
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"data": [{"id": "fake-model", "max_model_len": 4096}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):  # noqa: ANN202
+        body = await request.json()
+        seen.append(body)
+
+        async def chunks():
+            for i in range(body["max_tokens"]):
+                await asyncio.sleep(token_delay_s)
+                yield f"data: {json.dumps({'choices': [{'index': 0, 'token_ids': [i % 7]}]})}\n\n"
+            usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": body["max_tokens"]}
+            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n"
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    return app
+
+
+@pytest.fixture
+def fake_url():
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    if Request is None:
+        pytest.skip("the fake OpenAI server needs fastapi and uvicorn")
+    seen: list[dict] = []
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(_fake_openai_app(0.002, seen), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.started, "fake server did not start"
+    yield f"http://127.0.0.1:{port}", seen
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_url_backend_runs_the_replay_and_labels_the_one_policy(tmp_path, sim, fake_url) -> None:
+    from eval.backends import LiveBackend, LiveOptions, parse_backend
+    from eval.compare import run_compare
+
+    url, seen = fake_url
+    workload = _workload(n=3, turns=2)
+    live = LiveBackend(parse_backend(url + "/v1"), LiveOptions(num_gpu_blocks=64, max_model_len_tokens=4096,
+                                                               num_tool_workers=4),
+                       {name: (p.scheduler, p.additional_config) for name, p in POLICIES.items()})
+    options = CompareOptions(policies=("mars",), loads=(5.0,), is_absolute_rates=True, num_gpu_blocks=64,
+                             admission="off")
+    results = run_compare(workload, options, None, tmp_path, live=live)
+    assert list(results["label"]) == ["mars"] and (results["status"] == "ok").all(), results["error"].tolist()
+    row = results.iloc[0]
+    assert row["num_completed"] == 3 and row["e2e_mean_s"] > 0.2  # tools alone take >= 0.2 s
+    assert 0.5 < row["slowdown_mean"] < 5
+    # One unrecorded warm-up session (2 turns), 3 isolated replays for the ideal (2 turns each),
+    # then the run (3 sessions x 2 turns).
+    warm_up = [b for b in seen if b["session_id"].startswith("warm-up-")]
+    assert len(warm_up) == 2 and seen[:2] == warm_up
+    assert len(seen) == 2 + 3 * 2 + 3 * 2
+    assert {b["model"] for b in seen} == {"fake-model"}
+    assert all(b["session_id"] in {"s0", "s1", "s2"} and b["ignore_eos"] for b in seen[2:])
+    table = pd.read_parquet(tmp_path / "mars__load5.parquet")
+    assert table["is_complete"].all() and (table["e2e_s"] >= table["tool_s"]).all()
+    text = (tmp_path / "summary.md").read_text()
+    assert f"measured on {url}" in text
+
+
+def test_cli_url_backend_with_nothing_listening_fails_early(tmp_path, capsys) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    workload = tmp_path / "w.json"
+    from eval.workloads.format import save_workload
+
+    save_workload(_workload(n=2, turns=2), workload)
+    args = _parser().parse_args(["compare", "--backend", f"http://127.0.0.1:{port}", "--policies", "mars",
+                                 "--workload", str(workload), "--absolute-rates", "--loads", "1",
+                                 "--out", str(tmp_path / "out")])
+    assert args.func(args) == 2
+    err = capsys.readouterr().err.replace("\n", " ")
+    assert f"cannot list models at http://127.0.0.1:{port}/v1/models" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_scale_time_fields_scales_durations_only() -> None:
+    from eval.backends import LiveBackend, LiveOptions, parse_backend, scale_time_fields
+    from mars_openhands.policy.admission import AdmissionParams
+    from mars_openhands.policy.params import SchedulerParams
+
+    base = SchedulerParams()
+    scaled = scale_time_fields(base, 3.0)
+    assert scaled["retention"]["max_ttl_s"] == pytest.approx(3 * base.retention.max_ttl_s)
+    assert scaled["retention"]["reload_linear_s_per_token"] == pytest.approx(
+        3 * base.retention.reload_linear_s_per_token)
+    assert scaled["retention"]["price_max_s_per_block_s"] == base.retention.price_max_s_per_block_s
+    assert scaled["levels"]["aging_interval_s"] == pytest.approx(3 * base.levels.aging_interval_s)
+    assert scaled["levels"]["prompt_thresholds_tokens"] == list(base.levels.prompt_thresholds_tokens)
+    assert scaled["reorder_interval_s"] == pytest.approx(3 * base.reorder_interval_s)
+    assert SchedulerParams.model_validate(scaled).retention.cold_start_ttl_s == pytest.approx(
+        3 * base.retention.cold_start_ttl_s)
+    admission = scale_time_fields(AdmissionParams(), 2.0)
+    assert admission["update_interval_s"] == pytest.approx(2 * AdmissionParams().update_interval_s)
+    assert admission["window_max"] == AdmissionParams().window_max
+
+    config = {name: (p.scheduler, p.additional_config) for name, p in POLICIES.items()}
+    with LiveBackend(parse_backend("emulated"), LiveOptions(num_gpu_blocks=64, max_model_len_tokens=1024,
+                                                            time_scale=2.0), config) as backend:
+        mars = backend.server_options("continuum-dy", Path("/nonexistent")).additional_config["mars"]
+        plain = backend.server_options("fcfs", Path("/nonexistent")).additional_config["mars"]
+    assert mars["continuum"]["mode"] == "continuum-dy"  # the policy's own setting survives scaling
+    assert mars["retention"]["max_ttl_s"] == pytest.approx(2 * base.retention.max_ttl_s)
+    assert plain["reorder_interval_s"] == pytest.approx(2 * base.reorder_interval_s)
+    assert mars["telemetry"]["addr"].startswith("ipc://")
+
+
+def test_auto_admission_gives_the_window_to_the_mars_policies_only() -> None:
+    from eval.compare import admission_modes
+
+    assert [admission_modes("auto", p) for p in ("fcfs", "continuum", "mars-preview", "mars")] == [
+        (False,), (False,), (True,), (True,)]
+    assert admission_modes("off", "mars") == (False,) and admission_modes("on", "fcfs") == (True,)
+    assert admission_modes("both", "mars") == (False, True)
