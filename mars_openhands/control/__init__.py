@@ -1,8 +1,8 @@
 """The MARS gateway: OpenAI-compatible proxy running the external control plane (docs/gateway.md).
 
-Public names are loaded lazily so that importing the package costs nothing (FastAPI, uvicorn and
-aiohttp load on first use): ``GatewayConfig``, ``ReplicaConfig``, ``Gateway``, ``GatewayServer``,
-``run_gateway``.
+Public names are loaded lazily so that importing the package costs nothing (FastAPI, uvicorn,
+msgspec and aiohttp load on first use): ``GatewayConfig``, ``ReplicaConfig``, ``Gateway``,
+``GatewayServer``, ``run_gateway``.
 """
 
 from __future__ import annotations

@@ -87,6 +87,16 @@ class AdmissionController:
         """Query: would a new session be admitted without waiting?"""
         return not self.enabled or (not self._waiting and len(self.admitted) < self.state.window)
 
+    def try_admit(self, session_id: str) -> bool:
+        """Admit the session now if it holds a slot or one is free with nobody waiting (the proxy's
+        synchronous fast path, no await). Returns True if it holds a slot now."""
+        if session_id in self.admitted:
+            return True
+        if self.can_admit_now():
+            self._admit(session_id)
+            return True
+        return False
+
     def _admit(self, session_id: str) -> None:
         self.admitted.add(session_id)
         self.num_admitted_total += 1

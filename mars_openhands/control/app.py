@@ -1,11 +1,12 @@
 """The MARS gateway: an OpenAI-compatible proxy running the external control plane (design.md §2, §3, §6).
 
-Life of a request (``POST /v1/chat/completions`` or ``/v1/completions``)::
+Life of a request (``POST /v1/chat/completions`` or ``/v1/completions``; the hot path is
+:mod:`mars_openhands.control.proxy`, raw ASGI)::
 
-    agent ──▶ size/JSON checks (413/400) ──▶ session id (metadata.py) ──▶ admission slot
-          (admission.py; waits here while the window is full) ──▶ replica (routing.py: affinity,
-          else least loaded) ──▶ body += session_id, vllm_xargs{mars_turn, ...} ──▶ vLLM
-          ◀── response (streamed chunk by chunk, or whole) ◀──
+    agent ──▶ size/JSON checks (413/400) ──▶ session id, vllm_xargs check (metadata.py; 400)
+          ──▶ admission slot (admission.py; waits here while the window is full) ──▶ replica
+          (routing.py: affinity, else least loaded) ──▶ body += session_id, vllm_xargs{mars_turn,
+          ...} ──▶ vLLM ◀── response (streamed chunk by chunk, or whole) ◀──
 
 Background tasks: the AIMD tick (every ``update_interval_s``: idle sessions release their slots, the
 window moves, waiting sessions are admitted, an ``admission_update`` is recorded), and one poller per
@@ -34,28 +35,22 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, NamedTuple
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from mars_openhands.control import metadata
-from mars_openhands.control.admission import AdmissionController, AdmissionTimeoutError
+from mars_openhands.control.admission import AdmissionController
 from mars_openhands.control.config import GatewayConfig
 from mars_openhands.control.hub import EventHub, parse_cpu_batch, validate_cpu_batch
 from mars_openhands.control.metadata import BadRequestError
 from mars_openhands.control.metrics import parse_vllm_metrics, render_prometheus
-from mars_openhands.control.routing import NoReplicaError, ReplicaState, Router
+from mars_openhands.control.proxy import PROXY_PATHS, ProxyHandler
+from mars_openhands.control.routing import ReplicaState, Router
 from mars_openhands.control.sessions import Session, SessionRegistry, ToolTracker
-from mars_openhands.control.upstream import (
-    UpstreamBrokenError,
-    UpstreamClient,
-    UpstreamError,
-    UpstreamResponse,
-    UpstreamTimeoutError,
-    UpstreamUnreachableError,
-)
+from mars_openhands.control.upstream import UpstreamBrokenError, UpstreamClient, UpstreamError
 from mars_openhands.policy.admission import PressureSnapshot
 from mars_openhands.stream.events import AdmissionUpdate, Event, now_stamps
 from mars_openhands.stream.transport import EventSink
@@ -64,40 +59,37 @@ __all__ = ["Gateway", "build_app"]
 
 logger = logging.getLogger(__name__)
 
-_FORWARD_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
-
-
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
     """An OpenAI-style error body."""
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status)
 
 
-class _ClientGoneError(Exception):
-    """The agent closed its connection."""
+class _UpdateKey(NamedTuple):
+    """The fields of an ``admission_update`` (stream/events.py), compared tick to tick."""
 
+    window: int
+    num_admitted: int
+    num_waiting: int
+    cpu_overloaded: bool
+    kv_overloaded: bool
+    tool_backlog_ratio: float
+    tool_wait_ema_s: float
+    kv_usage: float
 
-class _UpstreamFailedError(Exception):
-    """The replica failed (or was marked down) while serving the request."""
+    def differs_from(self, last: _UpdateKey) -> bool:
+        """True if worth recording: a state field changed, or a pressure signal moved a step.
 
-    def __init__(self, message: str, status: int = 502, can_retry: bool = False) -> None:
-        super().__init__(message)
-        self.status = status
-        self.can_retry = can_retry
-
-
-class _InFlight:
-    """One proxied request, so the replica poller can fail it when its replica goes down."""
-
-    __slots__ = ("task", "fail_reason")
-
-    def __init__(self) -> None:
-        self.task: asyncio.Task[Any] | None = None
-        self.fail_reason: str | None = None
-
-    def fail(self, reason: str) -> None:
-        self.fail_reason = reason
-        if self.task is not None:
-            self.task.cancel()
+        Steps: any change of the tool backlog ratio (it moves in 1/N_tool steps), 0.01 of KV usage,
+        and 10 % (at least 10 ms) of the tool-wait EMA, so that a signal sitting between its
+        thresholds while the overload flag holds (hysteresis) is recorded once it settles, and an
+        idle gateway records nothing but heartbeats.
+        """
+        return (
+            self[:5] != last[:5] or self.tool_backlog_ratio != last.tool_backlog_ratio
+            or abs(self.kv_usage - last.kv_usage) >= 0.01
+            or abs(self.tool_wait_ema_s - last.tool_wait_ema_s)
+            >= max(0.01, 0.1 * last.tool_wait_ema_s)
+        )
 
 
 class Gateway:
@@ -137,11 +129,23 @@ class Gateway:
         self.num_client_disconnects = 0
         self.num_upstream_errors = 0
         self.num_idle_releases = 0
+        self._last_update: _UpdateKey | None = None
+        self._last_update_mono_s = 0.0
         self.fastapi_app = build_app(self)
         self.app = _ProxyFastPath(self, self.fastapi_app)
         """The ASGI app to serve: the two proxy routes on a fast path, the rest through FastAPI."""
 
     # ------------------------------------------------------------------ lifecycle
+    def startup_line(self, url: str) -> str:
+        """The one line printed when the gateway serves: listen URL, replicas, admission, stream."""
+        replicas = ", ".join(f"{r.name}={r.url}" for r in self.router.replicas)
+        p = self.config.admission
+        admission = (f"on (window {p.window_min}..{p.window_max}, starts at {p.window_init})"
+                     if self.config.is_admission_enabled else "off (window computed, not enforced)")
+        stream = self.config.stream_path or "not recorded (--stream-path)"
+        return (f"MARS gateway listening on {url} (OpenAI base {url}/v1); replicas: {replicas}; "
+                f"admission: {admission}; stream: {stream}")
+
     async def start(self) -> None:
         """Open the upstream client, the event channels and the background tasks."""
         self.client = UpstreamClient(self.config.upstream_connect_timeout_s,
@@ -221,15 +225,21 @@ class Gateway:
             self.end_session(session)
         snap = self.snapshot()
         decision = self.admission.tick(snap, now, self.kv_budget_blocks())
-        if self.hub is not None:
-            self.hub.record(AdmissionUpdate(
-                **now_stamps(), source="gateway", window=decision.state.window,
-                num_admitted=len(self.admission.admitted), num_waiting=self.admission.num_waiting,
-                cpu_overloaded=decision.state.is_cpu_overloaded,
-                kv_overloaded=decision.state.is_kv_overloaded,
-                tool_backlog_ratio=snap.tool_backlog_ratio,
-                tool_wait_ema_s=snap.tool_wait_ema_s or 0.0, kv_usage=snap.kv_usage or 0.0,
-            ))
+        if self.hub is None:
+            return
+        st = decision.state
+        update = _UpdateKey(
+            window=st.window, num_admitted=len(self.admission.admitted),
+            num_waiting=self.admission.num_waiting, cpu_overloaded=st.is_cpu_overloaded,
+            kv_overloaded=st.is_kv_overloaded, tool_backlog_ratio=snap.tool_backlog_ratio,
+            tool_wait_ema_s=snap.tool_wait_ema_s or 0.0, kv_usage=snap.kv_usage or 0.0,
+        )
+        last = self._last_update
+        if (last is not None and not update.differs_from(last)
+                and now - self._last_update_mono_s < self.config.admission_update_heartbeat_s):
+            return
+        self._last_update, self._last_update_mono_s = update, now
+        self.hub.record(AdmissionUpdate(**now_stamps(), source="gateway", **update._asdict()))
 
     async def _tick_loop(self) -> None:
         while True:
@@ -263,6 +273,7 @@ class Gateway:
                 logger.warning("replica %s restarted; its sessions' KV is gone", replica.name)
             replica.process_start_s = m.process_start_s
         replica.kv_usage_polled = m.kv_usage
+        replica.kv_usage_polled_mono_s = time.monotonic()
         replica.num_running, replica.num_waiting = m.num_running, m.num_waiting
         replica.num_gpu_blocks = m.num_gpu_blocks or replica.num_gpu_blocks
         replica.block_size_tokens = m.block_size_tokens or replica.block_size_tokens
@@ -336,88 +347,7 @@ class Gateway:
         return len(events)
 
     # ------------------------------------------------------------------ proxy
-    async def _race(self, request: Request, task: asyncio.Task[Any]) -> Any:
-        """Await ``task`` unless the client disconnects first (then cancel it, raise)."""
-        watcher = asyncio.ensure_future(request.receive())
-        try:
-            await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not watcher.done():
-                watcher.cancel()
-        if task.done():
-            return task.result()
-        task.cancel()
-        with contextlib.suppress(BaseException):
-            await task
-        raise _ClientGoneError()
-
-    async def _admit(self, request: Request, session: Session, body: dict[str, Any], size: int) -> None:
-        """Wait for the session's admission slot (fast path: no await)."""
-        now = time.monotonic()
-        if self.admission.is_admitted(session.session_id) or self.admission.can_admit_now():
-            await self.admission.acquire(session.session_id, now, 0, None, 0.0)
-            return
-        tokens = metadata.estimate_prompt_tokens(body, size, self.config.bytes_per_token)
-        block_size = next(
-            (r.block_size_tokens for r in self.router.replicas if r.block_size_tokens),
-            self.config.block_size_tokens,
-        )
-        task = asyncio.create_task(self.admission.acquire(
-            session.session_id, now, tokens, math.ceil(tokens / block_size),
-            self.config.admission_wait_timeout_s,
-        ))
-        await self._race(request, task)
-
-    async def _fetch(self, url: str, content: bytes, headers: dict[str, str],
-                     stream: bool) -> tuple[UpstreamResponse, bytes | None]:
-        """POST; for a non-streaming request also read the whole body (then close)."""
-        assert self.client is not None, "Gateway.start() must run first"
-        resp = await self.client.post(url, content, headers)
-        if stream and resp.status_code == 200:
-            return resp, None
-        try:
-            return resp, await resp.read()
-        finally:
-            resp.close()
-
-    async def _send(
-        self, request: Request, replica: ReplicaState, path: str, content: bytes,
-        headers: dict[str, str], stream: bool,
-    ) -> tuple[UpstreamResponse, bytes | None]:
-        """Send to one replica, cancellable by client disconnect and by the replica going down."""
-        handle = _InFlight()
-        handle.task = asyncio.create_task(
-            self._fetch(f"{replica.url}{path}", content, headers, stream))
-        replica.in_flight.add(handle)
-        try:
-            return await self._race(request, handle.task)
-        except asyncio.CancelledError:
-            if handle.fail_reason is None:
-                raise
-            raise _UpstreamFailedError(handle.fail_reason, 503, can_retry=True) from None
-        except UpstreamBrokenError as e:
-            if not await self._is_alive(replica):  # died under us: nothing to lose by re-running
-                raise _UpstreamFailedError(
-                    f"replica {replica.name} ({replica.url}) died mid-request: {e}", 503,
-                    can_retry=True,
-                ) from None
-            raise _UpstreamFailedError(
-                f"replica {replica.name} ({replica.url}) broke the connection mid-request: {e}"
-            ) from None
-        except UpstreamUnreachableError as e:
-            raise _UpstreamFailedError(
-                f"replica {replica.name} ({replica.url}) unreachable: {e}", 503, can_retry=True
-            ) from None
-        except UpstreamTimeoutError as e:
-            raise _UpstreamFailedError(
-                f"replica {replica.name} ({replica.url}) sent nothing for "
-                f"{self.config.upstream_read_timeout_s} s ({e}); raise --upstream-read-timeout-s "
-                "if it is just slow", 504,
-            ) from None
-        finally:
-            replica.in_flight.discard(handle)
-
-    async def _is_alive(self, replica: ReplicaState) -> bool:
+    async def is_alive(self, replica: ReplicaState) -> bool:
         """Probe ``/health`` once (connect timeout): tells a dead replica from a broken connection."""
         assert self.client is not None, "Gateway.start() must run first"
         try:
@@ -427,29 +357,45 @@ class Gateway:
             return False
         return status == 200
 
-    async def _send_with_failover(
-        self, request: Request, session: Session, path: str, content_for: Any,
-        headers: dict[str, str], stream: bool,
-    ) -> tuple[ReplicaState, tuple[UpstreamResponse, bytes | None]]:
-        """Route and send; when the replica is dead or unreachable, mark it down and try the next.
+    async def wait_for_admission(self, session: Session, raw: bytes) -> None:
+        """Wait for the session's slot (the slow path: the window is full or others wait).
 
-        Nothing has reached the agent yet at this point (streams start after it), so re-running the
-        request elsewhere is invisible to it apart from the latency. Bounded: each retry marks a
-        replica down, and :meth:`Router.route` raises once none is left.
+        Raises:
+            AdmissionTimeoutError: no slot within ``admission_wait_timeout_s``.
+            asyncio.CancelledError: the client went away (the waiter is dropped).
         """
-        while True:
-            replica = self.router.route(session)  # raises NoReplicaError when none is left
-            try:
-                resp = await self._send(request, replica, path, content_for(), headers, stream)
-            except _UpstreamFailedError as e:
-                if not e.can_retry:
-                    raise
-                if self.router.record_failure(replica.index, str(e), immediate=True):
-                    self.on_replica_down(replica, str(e))
-                self.router.detach(session)
-                continue
-            self.router.record_success(replica.index)
-            return replica, resp
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = {}
+        tokens = metadata.estimate_prompt_tokens(body, len(raw), self.config.bytes_per_token)
+        block_size = next(
+            (r.block_size_tokens for r in self.router.replicas if r.block_size_tokens),
+            self.config.block_size_tokens,
+        )
+        await self.admission.acquire(
+            session.session_id, time.monotonic(), tokens, math.ceil(tokens / block_size),
+            self.config.admission_wait_timeout_s,
+        )
+
+    def session_for(self, headers: Mapping[str, str],
+                    fields: Mapping[str, Any]) -> tuple[Session, int | None]:
+        """Find or create the request's session; also its ``mars_last_step``.
+
+        Args:
+            headers: request headers with lower-case names.
+            fields: the body's gateway fields (``proxy.probe_body``) or the whole body.
+
+        Raises:
+            BadRequestError: a bad session id or ``mars_last_step``, naming the field.
+        """
+        session_id, _ = metadata.extract_session_id(headers, fields)
+        last_step = metadata.extract_last_step(headers, fields)
+        now = time.monotonic()
+        if session_id is None:
+            session_id = f"one-turn-{self.num_requests}-{now:.6f}"
+            return self.sessions.get_or_create(session_id, now, is_one_turn=True), last_step
+        return self.sessions.get_or_create(session_id, now), last_step
 
     def _finish(self, session: Session, replica: ReplicaState | None) -> None:
         """Bookkeeping when a request ends, exactly once: in-flight counts, one-turn release."""
@@ -459,97 +405,6 @@ class Gateway:
             replica.num_in_flight -= 1
         if session.is_one_turn and not session.has_ended:
             self.end_session(session)
-
-    async def proxy(self, request: Request, path: str) -> Response:
-        """Handle one completions request end to end (see the module docstring)."""
-        self.num_requests += 1
-        try:
-            raw, body = await self._read_json(request)
-            session, last_step = self._session_for(request, body)
-        except BadRequestError as e:
-            return _error(e.status_code, str(e))
-        session.num_in_flight += 1
-        replica: ReplicaState | None = None
-        streaming = False
-        try:
-            await self._admit(request, session, body, len(raw))
-            turn, prev_tool = session.num_turns, session.prev_tool
-            session.num_turns += 1
-            session.prev_tool = None
-            engine_body = metadata.build_engine_body(
-                body, None if session.is_one_turn else session.session_id, turn, last_step, prev_tool
-            )
-            content = json.dumps(engine_body).encode()
-            headers = {k: v for k in _FORWARD_HEADERS if (v := request.headers.get(k)) is not None}
-            stream = bool(body.get("stream"))
-            replica, (resp, whole) = await self._send_with_failover(
-                request, session, path, lambda: content, headers, stream
-            )
-            replica.num_in_flight += 1
-            extra = {"x-mars-replica": replica.name, "x-mars-session": session.session_id,
-                     "x-mars-turn": str(turn)}
-            if whole is not None:
-                return Response(whole, resp.status_code, headers=extra,
-                                media_type=resp.content_type)
-            streaming = True
-            return self._relay_response(resp, session, replica, extra)
-        except BadRequestError as e:
-            return _error(e.status_code, str(e))
-        except _ClientGoneError:
-            self.num_client_disconnects += 1
-            return Response(status_code=499)
-        except AdmissionTimeoutError as e:
-            return _error(503, str(e), "admission_timeout")
-        except NoReplicaError as e:
-            self.num_upstream_errors += 1
-            return _error(503, str(e), "no_replica")
-        except _UpstreamFailedError as e:
-            self.num_upstream_errors += 1
-            return _error(e.status, str(e), "upstream_error")
-        finally:
-            if not streaming:
-                self._finish(session, replica)
-
-    def _relay_response(
-        self, resp: UpstreamResponse, session: Session, replica: ReplicaState,
-        headers: dict[str, str],
-    ) -> Response:
-        """A streaming response relaying ``resp``; cleanup runs exactly once however it ends."""
-        relay = _Relay(self, resp, session, replica)
-        return _RelayResponse(relay, resp.status_code, headers=headers,
-                              media_type=resp.content_type or "text/event-stream")
-
-    async def _read_json(self, request: Request) -> tuple[bytes, dict[str, Any]]:
-        """Read and parse the body. Raises BadRequestError (400 / 413)."""
-        limit = self.config.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise BadRequestError(
-                f"request body is {declared} bytes, more than max_body_bytes={limit}; raise "
-                "--max-body-bytes", 413,
-            )
-        raw = await request.body()
-        if len(raw) > limit:
-            raise BadRequestError(
-                f"request body is {len(raw)} bytes, more than max_body_bytes={limit}", 413
-            )
-        try:
-            body = json.loads(raw)
-        except ValueError as e:
-            raise BadRequestError(f"request body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise BadRequestError(f"request body must be a JSON object, got {type(body).__name__}")
-        return raw, body
-
-    def _session_for(self, request: Request, body: dict[str, Any]) -> tuple[Session, int | None]:
-        """Find or create the request's session. Raises BadRequestError naming the field."""
-        session_id, _ = metadata.extract_session_id(request.headers, body)
-        last_step = metadata.extract_last_step(request.headers, body)
-        now = time.monotonic()
-        if session_id is None:
-            session_id = f"one-turn-{self.num_requests}-{now:.6f}"
-            return self.sessions.get_or_create(session_id, now, is_one_turn=True), last_step
-        return self.sessions.get_or_create(session_id, now), last_step
 
     async def models(self) -> Response:
         """``GET /v1/models`` from the first healthy replica."""
@@ -650,124 +505,20 @@ class Gateway:
         return render_prometheus(rows)
 
 
-class _Relay:
-    """Relays one upstream SSE stream to the agent.
-
-    Mental model: a *pump* task reads upstream chunks into a queue and a *watcher* task waits for
-    the agent's disconnect; the response iterates the queue. The replica poller fails the stream
-    by cancelling the pump (our own task, never Starlette's), which turns into an SSE ``error``
-    chunk naming the replica; a disconnect stops the pump, which closes the upstream connection so
-    vLLM aborts the request. :meth:`close` is idempotent and always runs (from
-    ``_RelayResponse.__call__``), even when Starlette never starts the iterator.
-    """
-
-    def __init__(self, gateway: Gateway, resp: UpstreamResponse, session: Session,
-                 replica: ReplicaState) -> None:
-        self.gateway = gateway
-        self.resp = resp
-        self.session = session
-        self.replica = replica
-        self.handle = _InFlight()
-        self.queue: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue()
-        self.watcher: asyncio.Task[None] | None = None
-        self.closed = False
-        replica.in_flight.add(self.handle)
-
-    async def _pump(self) -> None:
-        try:
-            async for chunk in self.resp.iter_chunks():
-                self.queue.put_nowait(chunk)
-            self.queue.put_nowait(None)
-        except asyncio.CancelledError:
-            self.queue.put_nowait(_UpstreamFailedError(self.handle.fail_reason or "cancelled"))
-            raise
-        except Exception as e:
-            self.queue.put_nowait(e)
-
-    async def _watch(self, receive: Any) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        self.gateway.num_client_disconnects += 1
-        self.queue.put_nowait(_ClientGoneError())
-        if self.handle.task is not None:
-            self.handle.task.cancel()
-
-    async def iterate(self, receive: Any) -> AsyncIterator[bytes]:
-        """Yield upstream chunks until the end, a replica failure (SSE error) or a disconnect."""
-        self.handle.task = asyncio.create_task(self._pump())
-        self.watcher = asyncio.create_task(self._watch(receive))
-        while (item := await self.queue.get()) is not None:
-            if isinstance(item, _ClientGoneError):
-                return
-            if isinstance(item, BaseException):
-                self.gateway.num_upstream_errors += 1
-                message = str(item) if isinstance(item, _UpstreamFailedError) else (
-                    f"replica {self.replica.name} ({self.replica.url}) failed mid-stream: {item!r}")
-                payload = {"error": {"message": message, "type": "upstream_error", "code": 502}}
-                yield f"data: {json.dumps(payload)}\n\n".encode()
-                return
-            yield item
-
-    async def close(self) -> None:
-        """Stop the pump and watcher, close upstream, do the request's bookkeeping. Idempotent."""
-        if self.closed:
-            return
-        self.closed = True
-        self.replica.in_flight.discard(self.handle)
-        for task in (self.handle.task, self.watcher):
-            if task is not None and not task.done():
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
-        self.resp.close()
-        self.gateway._finish(self.session, self.replica)
-
-
-class _RelayResponse(StreamingResponse):
-    """``StreamingResponse`` over a :class:`_Relay` that always closes it."""
-
-    def __init__(self, relay: _Relay, status_code: int, headers: dict[str, str],
-                 media_type: str) -> None:
-        self.relay = relay
-        super().__init__(self._empty(), status_code, headers=headers, media_type=media_type)
-
-    @staticmethod
-    async def _empty() -> AsyncIterator[bytes]:
-        return
-        yield b""
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        # Not StreamingResponse.__call__: the relay's watcher already listens for the disconnect,
-        # so the extra task group Starlette creates per response is pure overhead here.
-        try:
-            await send({"type": "http.response.start", "status": self.status_code,
-                        "headers": self.raw_headers})
-            async for chunk in self.relay.iterate(receive):
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except OSError:  # the client went away (ASGI 2.4 servers raise on send)
-            pass
-        finally:
-            await asyncio.shield(self.relay.close())
-
-
 class _ProxyFastPath:
     """ASGI wrapper sending ``POST /v1/chat/completions`` and ``/v1/completions`` straight to
-    :meth:`Gateway.proxy`, skipping FastAPI's middleware stack, routing and dependency solving on
-    the hot path (every other path and the lifespan go through FastAPI). ``proxy`` turns every
-    expected failure into a response; anything else propagates to the server, as in FastAPI.
+    :class:`~mars_openhands.control.proxy.ProxyHandler` (raw ASGI), skipping FastAPI's middleware
+    stack, routing, request/response objects and dependency solving on the hot path; every other
+    path and the lifespan go through FastAPI.
     """
 
-    _PATHS = frozenset(("/v1/chat/completions", "/v1/completions"))
-
     def __init__(self, gateway: Gateway, app: FastAPI) -> None:
-        self.gateway = gateway
+        self.handler = ProxyHandler(gateway)
         self.app = app
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in self._PATHS:
-            response = await self.gateway.proxy(Request(scope, receive), scope["path"])
-            await response(scope, receive, send)
+        if scope["type"] == "http" and scope["path"] in PROXY_PATHS and scope["method"] == "POST":
+            await self.handler(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
@@ -785,14 +536,6 @@ def build_app(gateway: Gateway) -> FastAPI:
 
     app = FastAPI(title="MARS gateway", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await gateway.proxy(request, "/v1/chat/completions")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await gateway.proxy(request, "/v1/completions")
 
     @app.get("/v1/models")
     async def models() -> Response:

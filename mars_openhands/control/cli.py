@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tomllib
 import types
 import typing
@@ -21,7 +22,14 @@ from pydantic import BaseModel, ValidationError
 
 from mars_openhands.control.config import GatewayConfig, parse_replica
 
-__all__ = ["add_gateway_subcommand", "config_from_args", "run_from_args"]
+__all__ = [
+    "ConfigError",
+    "add_gateway_subcommand",
+    "check_runtime",
+    "config_from_args",
+    "format_validation_error",
+    "run_from_args",
+]
 
 _NESTED = ("admission", "reorder")
 
@@ -89,39 +97,119 @@ def add_gateway_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
+class ConfigError(ValueError):
+    """A bad ``gateway`` configuration; ``str()`` is one line per problem, each naming the value
+    and the fix."""
+
+
 def _read_file(path: Path) -> dict[str, Any]:
-    text = path.read_text()
-    return tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    """Read a ``--config`` file (TOML or JSON). Raises ConfigError naming the file and the fix."""
+    if path.suffix not in (".toml", ".json"):
+        raise ConfigError(
+            f"--config {path}: unsupported file type {path.suffix or '(none)'!r}; write the "
+            "GatewayConfig keys as TOML (.toml) or JSON (.json)"
+        )
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(
+            f"--config {path}: cannot read it ({e.strerror or e}); check the path or drop --config"
+        ) from None
+    try:
+        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"--config {path}: not valid {path.suffix[1:].upper()}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: must hold an object of GatewayConfig keys, "
+                          f"got {type(data).__name__}")
+    return data
+
+
+def _flag_of(loc: tuple[int | str, ...]) -> str:
+    """The flag (or file key) a pydantic error location refers to, e.g. ``--admission-window-max``."""
+    if loc and loc[0] == "replicas":
+        index = f"[{loc[1]}]" if len(loc) > 1 and isinstance(loc[1], int) else ""
+        rest = ".".join(str(p) for p in loc[2:] if not isinstance(p, int))
+        return f"--replica{index}" + (f" {rest}" if rest else "")
+    return "--" + "-".join(str(p) for p in loc).replace("_", "-")
+
+
+def format_validation_error(error: ValidationError) -> str:
+    """One line per problem: ``--flag: message (got value)``. Pure."""
+    lines = []
+    items = error.errors()
+    has_replica_item = any(len(i["loc"]) > 1 and i["loc"][0] == "replicas" for i in items)
+    for item in items:
+        if has_replica_item and tuple(item["loc"]) == ("replicas",):
+            continue  # pydantic's follow-up "tuple too short" after a bad replica
+        message = str(item["msg"]).removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            message = "unknown key; see `mars-openhands gateway --help` for the accepted ones"
+        got = item.get("input")
+        flag = _flag_of(tuple(item["loc"]))
+        if item["type"] == "missing":
+            example = " http://127.0.0.1:8001" if flag == "--replica" else " VALUE"
+            lines.append(f"{flag}: required; pass {flag}{example}")
+            continue
+        shown = "" if isinstance(got, dict) or "got " in message else f" (got {got!r})"
+        lines.append(f"{flag}: {message}{shown}")
+    return "\n".join(lines)
+
+
+def check_runtime(config: GatewayConfig) -> None:
+    """Checks of the environment the config needs, done before anything starts.
+
+    Raises:
+        ConfigError: ``stream_path`` exists (one run, one stream) or is a directory.
+    """
+    if config.stream_path is not None:
+        path = Path(config.stream_path)
+        if path.is_dir():
+            raise ConfigError(f"--stream-path {path} is a directory; pass a file path such as "
+                              f"{path / 'stream.jsonl'}")
+        if path.exists():
+            raise ConfigError(f"--stream-path {path} already exists (one run records one stream); "
+                              "pass a new path or move the old stream away")
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     """Build the config from ``--config`` and the flags (flags win).
 
     Raises:
-        pydantic.ValidationError: a bad value (the message names the field).
-        ValueError: a bad ``--replica`` spec.
+        ConfigError: an unreadable ``--config`` file, a bad ``--replica`` spec or a bad value;
+            one line per problem naming the flag, the value and the fix.
     """
     values = vars(args).copy()
     values.pop("func", None)
     values.pop("command", None)
     data: dict[str, Any] = _read_file(values.pop("config")) if "config" in values else {}
     if "replicas" in values:
-        data["replicas"] = [parse_replica(spec) for spec in values.pop("replicas")]
+        try:
+            data["replicas"] = [parse_replica(spec) for spec in values.pop("replicas")]
+        except ValidationError as e:
+            raise ConfigError(format_validation_error(e).replace("--url", "--replica")) from None
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     for nested in _NESTED:
         prefix = nested + "__"
         sub = {k[len(prefix):]: values.pop(k) for k in list(values) if k.startswith(prefix)}
         if sub:
             data[nested] = {**data.get(nested, {}), **sub}
     data.update(values)
-    return GatewayConfig.model_validate(data)
+    try:
+        return GatewayConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e)) from None
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     """Run the gateway until interrupted; returns the exit code (2 for a bad configuration)."""
     try:
         config = config_from_args(args)
-    except (ValidationError, ValueError) as e:
-        print(f"mars-openhands gateway: bad configuration:\n{e}")
+        check_runtime(config)
+    except ConfigError as e:
+        for line in str(e).splitlines():
+            print(f"mars-openhands gateway: {line}", file=sys.stderr)
         return 2
     from mars_openhands.control.server import run_gateway
 

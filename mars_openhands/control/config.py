@@ -121,6 +121,10 @@ class GatewayConfig(BaseModel):
     stream_path: str | None = None
     """JSONL file recording the run's unified stream (every event through the gateway); ``None``:
     nothing is recorded."""
+    admission_update_heartbeat_s: float = Field(10.0, gt=0.0)
+    """An ``admission_update`` is recorded at a tick only when something changed (window, overload
+    flags, admitted/waiting counts, a pressure signal beyond a small step) or at least this often,
+    seconds (an idle gateway then writes ~100 bytes per heartbeat instead of one event per tick)."""
     stream_write_parquet: bool = False
     """Also write ``<stream>.parquet`` on shutdown (needs pandas and pyarrow)."""
 

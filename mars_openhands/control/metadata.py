@@ -28,11 +28,14 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from mars_openhands.policy.types import MARS_EXTRA_KEYS, parse_turn_meta
+
 __all__ = [
     "BadRequestError",
     "MAX_SESSION_ID_CHARS",
     "SESSION_SOURCES",
     "build_engine_body",
+    "check_xargs",
     "estimate_prompt_tokens",
     "extract_last_step",
     "extract_session_id",
@@ -127,7 +130,18 @@ def extract_last_step(headers: Mapping[str, str], body: Mapping[str, Any]) -> in
     raise BadRequestError(f"{field} must be 0/1 or true/false, got {value!r}")
 
 
-def _check_xargs(value: Any) -> dict[str, Any]:
+def check_xargs(value: Any) -> dict[str, Any]:
+    """Return the agent's own ``vllm_xargs`` if the engine will accept it, else raise. Pure.
+
+    vLLM passes ``vllm_xargs`` through as ``sampling_params.extra_args`` (str/int/float/list values);
+    the scheduler plugin then parses the ``mars_*`` keys with
+    :func:`mars_openhands.policy.types.parse_turn_meta` and fails the request (HTTP 500 from vLLM)
+    on a bad one. Checking here turns that into a 400 before anything is forwarded.
+
+    Raises:
+        BadRequestError: not an object, a value of another type, an unknown ``mars_*`` key, or a
+            ``mars_*`` value of the wrong type or range; the message names ``body vllm_xargs.<key>``.
+    """
     if not isinstance(value, dict):
         raise BadRequestError(f"body vllm_xargs must be an object, got {type(value).__name__}")
     for key, item in value.items():
@@ -135,6 +149,16 @@ def _check_xargs(value: Any) -> dict[str, Any]:
             raise BadRequestError(
                 f"body vllm_xargs.{key} must be a string, integer, float or list, got {item!r}"
             )
+        if key.startswith("mars_"):
+            if key not in MARS_EXTRA_KEYS:
+                raise BadRequestError(
+                    f"body vllm_xargs.{key} is not a MARS key; supported: {list(MARS_EXTRA_KEYS)} "
+                    "(mars_turn is set by the gateway)"
+                )
+            try:
+                parse_turn_meta({key: item})
+            except ValueError as e:
+                raise BadRequestError(f"body vllm_xargs.{key}: {e}") from None
     return value
 
 
@@ -155,10 +179,11 @@ def build_engine_body(
         prev_tool: ``(tool_name, duration_s)`` of the tool that ended since the previous turn.
 
     Raises:
-        BadRequestError: the agent's own ``vllm_xargs`` is not an object of str/int/float/list values.
+        BadRequestError: the agent's own ``vllm_xargs`` is not an object of str/int/float/list
+            values, or has a bad ``mars_*`` key or value (:func:`check_xargs`).
     """
     out = {k: v for k, v in body.items() if k not in _GATEWAY_BODY_FIELDS}
-    xargs: dict[str, Any] = dict(_check_xargs(body["vllm_xargs"])) if "vllm_xargs" in body else {}
+    xargs: dict[str, Any] = dict(check_xargs(body["vllm_xargs"])) if "vllm_xargs" in body else {}
     xargs["mars_turn"] = turn
     if last_step is not None:
         xargs["mars_last_step"] = last_step

@@ -44,6 +44,8 @@ class ReplicaState:
     kv_usage_polled: float | None = None
     """``vllm:kv_cache_usage_perc`` from the last poll (0..1; excludes evictable prefix-cache blocks,
     since vLLM counts them as free)."""
+    kv_usage_polled_mono_s: float = 0.0
+    """Monotonic seconds when ``kv_usage_polled`` arrived."""
     kv_usage_step: float | None = None
     """Usage from the last ``engine_step`` event (used / total blocks)."""
     kv_usage_step_mono_s: float = 0.0
@@ -56,12 +58,21 @@ class ReplicaState:
     num_restarts: int = 0
     num_failures_total: int = 0
     in_flight: set = field(default_factory=set)
-    """Handles of in-flight requests (see ``app._InFlight``), failed when the replica goes down."""
+    """In-flight requests (``proxy._Call``), failed when the replica goes down."""
 
     def kv_usage(self, now_mono_s: float, max_step_age_s: float) -> float | None:
-        """KV usage 0..1: a fresh ``engine_step`` wins over the poll; ``None`` if unknown."""
-        if self.kv_usage_step is not None and now_mono_s - self.kv_usage_step_mono_s <= max_step_age_s:
-            return self.kv_usage_step
+        """KV usage 0..1: the newer of the last ``engine_step`` (if younger than ``max_step_age_s``)
+        and the last poll; ``None`` if unknown.
+
+        The newer one wins because an engine that goes idle runs no further step: its last
+        ``engine_step`` still counts the blocks of the request that just finished, while vLLM's
+        own gauge (the poll) is computed after finished requests are freed.
+        """
+        step = self.kv_usage_step
+        if (step is not None and now_mono_s - self.kv_usage_step_mono_s <= max_step_age_s
+                and (self.kv_usage_polled is None
+                     or self.kv_usage_step_mono_s >= self.kv_usage_polled_mono_s)):
+            return step
         return self.kv_usage_polled
 
 

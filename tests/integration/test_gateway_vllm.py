@@ -3,6 +3,12 @@
 One test function (each vLLM start costs minutes on this machine), in phases:
 stickiness and metadata, streaming, window under injected tool backlog and under real KV pressure
 (hysteresis visible in the recorded stream), a killed client, a killed replica.
+
+The replicas run the FCFS scheduler plugin (stock vLLM scheduling plus MARS telemetry), which
+publishes one ``engine_step`` (used/free KV blocks) per scheduler step to the gateway's collector
+(``engine_events_address``). The gateway's KV signal therefore follows every step of the KV-heavy
+request instead of /metrics samples 0.1 s apart, which a short decode on a fast machine could fall
+between.
 """
 
 from __future__ import annotations
@@ -19,13 +25,15 @@ import pytest
 from mars_openhands.control.config import GatewayConfig, ReplicaConfig
 from mars_openhands.control.metrics import parse_vllm_metrics
 from mars_openhands.control.server import GatewayServer
+from mars_openhands.engine.launch import find_free_port
 from mars_openhands.stream.transport import ListSink
 
 pytestmark = pytest.mark.integration
 
 # 65 blocks x 32 tokens: one 2k-token request fills the KV cache past the 0.90 set threshold.
 SERVER_OPTIONS: dict[str, Any] = {"max_model_len": 2048, "num_gpu_blocks_override": 65,
-                                  "block_size": 32}
+                                  "block_size": 32,
+                                  "scheduler_cls": "mars_openhands.engine.schedulers.fcfs.FcfsScheduler"}
 
 
 def wait_until(predicate, timeout_s: float = 30.0, what: str = "") -> Any:
@@ -46,11 +54,12 @@ def running(url: str) -> int:
     return parse_vllm_metrics(httpx.get(f"{url}/metrics", timeout=5).text).num_running or 0
 
 
-def start_pair(factory) -> list:
+def start_pair(factory, events_address: str) -> list:
     servers: list = [None, None]
 
     def start(i: int) -> None:
-        servers[i] = factory(**SERVER_OPTIONS)
+        telemetry = {"addr": events_address, "source": f"engine:{i}", "engine_step_interval_ms": 0.0}
+        servers[i] = factory(**SERVER_OPTIONS, additional_config={"mars": {"telemetry": telemetry}})
 
     threads = [threading.Thread(target=start, args=(i,)) for i in range(2)]
     for t in threads:
@@ -62,12 +71,13 @@ def start_pair(factory) -> list:
 
 
 def test_gateway_with_two_vllm_replicas(vllm_server_factory) -> None:
-    engines = start_pair(vllm_server_factory)
+    events_address = f"tcp://127.0.0.1:{find_free_port()}"  # the engines connect, the gateway binds
+    engines = start_pair(vllm_server_factory, events_address)
     model = engines[0].model
     sink = ListSink()
     config = GatewayConfig(
         port=0, replicas=[ReplicaConfig(url=e.url) for e in engines], num_tool_workers=4,
-        poll_interval_s=0.1, replica_failure_threshold=1,
+        poll_interval_s=0.1, replica_failure_threshold=1, engine_events_address=events_address,
         admission={"window_max": 8, "window_init": 8, "window_min": 2, "update_interval_s": 0.05},
     )
 
@@ -113,21 +123,25 @@ def test_gateway_with_two_vllm_replicas(vllm_server_factory) -> None:
         tools("tool_end", range(8, 16), duration_s=0.1)
         wait_until(lambda: state()["window"] == 8, what="window back at W_max (tool backlog)")
 
-        # 4. Real KV pressure: one ~2k-token request on a 2k-token KV cache. The gateway samples
-        #    KV usage by polling /metrics, so on a fast machine a single request can finish between
-        #    two polls: send it up to five times until a poll has seen it.
+        # 4. Real KV pressure: one ~2k-token request on a 2k-token KV cache. The engines report
+        #    KV blocks at every scheduler step (engine_step), so the gateway sees the pressure for
+        #    the whole prefill + 150-token decode, however fast the machine.
+        wait_until(lambda: any(e.kind == "engine_step" for e in sink.events),
+                   what="engine_step telemetry from the replicas")
         mark = len(sink.events)
-        long_prompt = "x" * 1850
-        for attempt in range(5):
-            r = client.post("/v1/chat/completions", json=chat(
-                f"kv-heavy-{attempt}", long_prompt, max_tokens=150, ignore_eos=True, stream=True))
-            assert r.status_code == 200
-            wait_until(lambda: state()["window"] == 8, what="window back after the KV request")
-            kv_updates = [e for e in sink.events[mark:] if e.kind == "admission_update"]
-            if any(u.kv_overloaded for u in kv_updates):
-                break
+        r = client.post("/v1/chat/completions", json=chat(
+            "kv-heavy", "x" * 1850, max_tokens=150, ignore_eos=True, stream=True))
+        assert r.status_code == 200
+        wait_until(lambda: state()["window"] == 8 and not state()["is_kv_overloaded"],
+                   what="window back after the KV request")
+        events = sink.events[mark:]
+        heavy_steps = [e for e in events if e.kind == "engine_step"
+                       and e.num_used_blocks / e.num_gpu_blocks >= 0.90]
+        assert heavy_steps, "no engine_step saw the KV-heavy request"
+        kv_updates = [e for e in events if e.kind == "admission_update"]
         assert any(u.kv_overloaded for u in kv_updates), max(u.kv_usage for u in kv_updates)
         assert min(u.window for u in kv_updates) < 8
+        assert not kv_updates[-1].kv_overloaded and kv_updates[-1].window == 8
 
         # 5. A killed client: vLLM aborts the request, the gateway frees the slot.
         with client.stream("POST", "/v1/chat/completions", json=chat(

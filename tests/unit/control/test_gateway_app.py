@@ -53,13 +53,20 @@ def test_streaming_is_relayed_chunk_for_chunk(clean_fakes, gateway_factory) -> N
     server, _ = gateway_factory([clean_fakes[0].url])
     clean_fakes[0].configure(num_chunks=5)
     direct = httpx.post(f"{clean_fakes[0].url}/v1/chat/completions", json=chat("x", stream=True))
+    aborted_before = clean_fakes[0].seen()["num_aborted"]
     with httpx.Client(base_url=server.url, timeout=10) as client:
-        with client.stream("POST", "/v1/chat/completions", json=chat("stream-1", stream=True)) as r:
-            assert r.status_code == 200
-            assert r.headers["content-type"].startswith("text/event-stream")
-            body = b"".join(r.iter_raw())
-    assert body == direct.content and body.endswith(b"data: [DONE]\n\n")
-    assert state(server)["sessions"]["stream-1"]["in_flight"] == 0
+        for _ in range(3):
+            with client.stream("POST", "/v1/chat/completions",
+                               json=chat("stream-1", stream=True)) as r:
+                assert r.status_code == 200
+                assert r.headers["content-type"].startswith("text/event-stream")
+                body = b"".join(r.iter_raw())
+            assert body == direct.content and body.endswith(b"data: [DONE]\n\n")
+    wait_until(lambda: state(server)["sessions"]["stream-1"]["in_flight"] == 0, what="in-flight 0")
+    # A stream that simply finished is not a client disconnect, and nothing was aborted upstream.
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert "mars_client_disconnects_total 0" in metrics
+    assert clean_fakes[0].seen()["num_aborted"] == aborted_before
 
 
 @pytest.mark.parametrize(
@@ -71,16 +78,33 @@ def test_streaming_is_relayed_chunk_for_chunk(clean_fakes, gateway_factory) -> N
         (json.dumps(chat()).encode(), {"x-mars-session": ""}, 400, "header x-mars-session"),
         (json.dumps(chat("bad-x", vllm_xargs=[1])).encode(), {}, 400, "vllm_xargs"),
         (json.dumps(chat("bad-l", mars_last_step="perhaps")).encode(), {}, 400, "mars_last_step"),
+        (json.dumps(chat("bad-x2", vllm_xargs={"mars_last_step": 5})).encode(), {}, 400,
+         "vllm_xargs.mars_last_step"),
+        (json.dumps(chat("bad-x3", vllm_xargs={"mars_prev_tool_s": -1.0})).encode(), {}, 400,
+         "vllm_xargs.mars_prev_tool_s"),
+        (json.dumps(chat("bad-x4", vllm_xargs={"mars_prev_tool": 3})).encode(), {}, 400,
+         "vllm_xargs.mars_prev_tool"),
+        (json.dumps(chat("bad-x5", vllm_xargs={"mars_trun": 1})).encode(), {}, 400,
+         "vllm_xargs.mars_trun is not a MARS key"),
+        (json.dumps(chat("bad-x6", vllm_xargs={"mars_turn": "first"})).encode(), {}, 400,
+         "vllm_xargs.mars_turn"),
+        (json.dumps(chat(None, vllm_xargs={"mars_last_step": "2"})).encode(), {}, 400,
+         "vllm_xargs.mars_last_step"),
+        (json.dumps(chat()).encode(), {"x-mars-last-step": "2"}, 400, "header x-mars-last-step"),
         (b"x" * 5000, {}, 413, "max_body_bytes=4096"),
     ],
 )
 def test_bad_requests_get_4xx_naming_the_problem(clean_fakes, gateway_factory, content, headers,
                                                  status, needle) -> None:
     server, _ = gateway_factory([clean_fakes[0].url], max_body_bytes=4096)
+    num_seen = len(clean_fakes[0].seen()["requests"])
     r = httpx.post(f"{server.url}/v1/chat/completions", content=content,
                    headers={"content-type": "application/json", **headers})
     assert r.status_code == status
     assert needle in r.json()["error"]["message"]
+    assert len(clean_fakes[0].seen()["requests"]) == num_seen  # nothing was forwarded
+    st = state(server)
+    assert st["num_admitted"] == 0 and not st["sessions"]  # and no slot was taken
 
 
 @pytest.mark.parametrize(

@@ -53,9 +53,10 @@ def test_cpu_events_are_forwarded_to_the_replica_holding_the_session(clean_fakes
 
 def test_engine_step_events_drive_kv_usage_and_are_recorded(clean_fakes) -> None:
     sink = ListSink()
+    # One /metrics poll at start (KV 0.0), then none for 30 s: the steps are the newer samples.
     config = fast_config([clean_fakes[0].url], engine_events_address="tcp://127.0.0.1:*",
                          admission={"window_max": 8, "window_init": 8, "window_min": 2},
-                         engine_step_max_age_s=30.0)
+                         engine_step_max_age_s=30.0, poll_interval_s=30.0)
     with GatewayServer(config, sink) as server:
         address = server.gateway.engine_events_address
         assert address is not None and not address.endswith("*")

@@ -38,6 +38,20 @@ def test_affinity_and_least_loaded() -> None:
     assert [r.num_sessions for r in router.replicas] == [2, 1]
 
 
+def test_kv_usage_takes_the_newer_of_step_and_poll() -> None:
+    r = Router(CFG).replicas[0]
+    assert r.kv_usage(10.0, 2.0) is None
+    r.kv_usage_polled, r.kv_usage_polled_mono_s = 0.2, 9.0
+    r.kv_usage_step, r.kv_usage_step_mono_s = 0.95, 9.5  # a step after the poll: it wins
+    assert r.kv_usage(10.0, 2.0) == 0.95
+    # The engine went idle after that step (no more steps); the next poll sees the freed blocks.
+    r.kv_usage_polled, r.kv_usage_polled_mono_s = 0.1, 9.8
+    assert r.kv_usage(10.0, 2.0) == 0.1
+    r.kv_usage_step, r.kv_usage_step_mono_s = 0.5, 9.9
+    assert r.kv_usage(10.0, 2.0) == 0.5
+    assert r.kv_usage(12.5, 2.0) == 0.1  # a stale step never wins
+
+
 def test_failure_threshold_and_reroute() -> None:
     router, reg = Router(CFG), SessionRegistry()
     s = reg.get_or_create("s", 0.0)

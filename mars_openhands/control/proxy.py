@@ -1,0 +1,417 @@
+"""The proxy hot path: ``POST /v1/chat/completions`` and ``/v1/completions`` as raw ASGI.
+
+Life of a request (:meth:`ProxyHandler.__call__`)::
+
+    agent ──▶ size check (413) ──▶ probe parse (400; only the six fields the gateway reads are
+          built as Python objects, ``messages`` is skipped) ──▶ session id, vllm_xargs check (400)
+          ──▶ admission slot (sync fast path; else waits) ──▶ replica (affinity, else least loaded)
+          ──▶ body += session_id, vllm_xargs (spliced into the agent's bytes when it has neither)
+          ──▶ vLLM ──▶ response (whole, or relayed chunk by chunk)
+
+Per request the gateway creates one task (the disconnect watcher) and no pydantic model; JSON is
+read with msgspec and, in the common case, never re-serialized. Cancellation is the one mechanism
+that interrupts a request: a client disconnect (watcher) or the replica poller marking the replica
+down (:meth:`_Call.fail`) cancels the request's own task and says why; the handler turns that
+into an abort of the upstream request (its connection is closed, so vLLM aborts), a re-run on the
+next replica (nothing sent to the agent yet) or an SSE ``error`` chunk (a stream under way).
+A response that simply finished is never counted as a disconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from mars_openhands.control import metadata
+from mars_openhands.control.admission import AdmissionTimeoutError
+from mars_openhands.control.metadata import BadRequestError
+from mars_openhands.control.routing import NoReplicaError, ReplicaState
+from mars_openhands.control.sessions import Session
+from mars_openhands.control.upstream import (
+    UpstreamBrokenError,
+    UpstreamError,
+    UpstreamResponse,
+    UpstreamTimeoutError,
+    UpstreamUnreachableError,
+)
+
+if TYPE_CHECKING:
+    from mars_openhands.control.app import Gateway
+
+__all__ = ["PROXY_PATHS", "ProxyHandler"]
+
+PROXY_PATHS = frozenset(("/v1/chat/completions", "/v1/completions"))
+"""Paths served by :class:`ProxyHandler`."""
+
+_HEADERS_READ = {name.encode(): name for name in (
+    "x-mars-session", "x-litellm-session-id", "x-mars-last-step", "content-length",
+    "authorization", "content-type", "accept", "x-request-id")}
+_FORWARD_HEADERS = ("authorization", "accept", "x-request-id")
+_NEEDS_REWRITE = frozenset(("mars_session", "mars_last_step", "session_id", "vllm_xargs"))
+
+
+class _Probe(msgspec.Struct):
+    """The body fields the gateway reads; everything else is skipped by the decoder."""
+
+    mars_session: Any = msgspec.UNSET
+    session_id: Any = msgspec.UNSET
+    prompt_cache_key: Any = msgspec.UNSET
+    mars_last_step: Any = msgspec.UNSET
+    vllm_xargs: Any = msgspec.UNSET
+    stream: Any = msgspec.UNSET
+
+
+_PROBE = msgspec.json.Decoder(_Probe)
+_ENCODE = msgspec.json.Encoder().encode
+
+
+def probe_body(raw: bytes) -> dict[str, Any]:
+    """The gateway's fields of a JSON request body, as a dict of the present ones. Pure.
+
+    Raises:
+        BadRequestError: not JSON, or not a JSON object.
+    """
+    try:
+        probe = _PROBE.decode(raw)
+    except msgspec.ValidationError as e:
+        raise BadRequestError(f"request body must be a JSON object ({e})") from None
+    except msgspec.DecodeError as e:
+        raise BadRequestError(f"request body is not valid JSON: {e}") from None
+    return {f: v for f in _Probe.__struct_fields__
+            if (v := getattr(probe, f)) is not msgspec.UNSET}
+
+
+def engine_content(raw: bytes, fields: dict[str, Any], session_id: str | None, turn: int,
+                   last_step: int | None, prev_tool: tuple[str, float] | None) -> bytes:
+    """The body to send to vLLM (see :func:`metadata.build_engine_body`), as bytes. Pure.
+
+    When the agent's body has none of ``mars_session``, ``mars_last_step``, ``session_id`` and
+    ``vllm_xargs``, the two fields are spliced in before the closing brace of the agent's bytes
+    (no parse of ``messages``, no re-serialization); otherwise the body is decoded, rewritten by
+    :func:`metadata.build_engine_body` and encoded.
+
+    Raises:
+        BadRequestError: from :func:`metadata.build_engine_body`.
+    """
+    if _NEEDS_REWRITE.isdisjoint(fields):
+        xargs: dict[str, Any] = {"mars_turn": turn}
+        if last_step is not None:
+            xargs["mars_last_step"] = last_step
+        if prev_tool is not None:
+            xargs["mars_prev_tool"] = prev_tool[0]
+            xargs["mars_prev_tool_s"] = float(prev_tool[1])
+        end = raw.rindex(b"}")
+        head = raw[:end]
+        parts = [head]
+        if session_id is not None:
+            parts += [b',"session_id":', _ENCODE(session_id)]
+        parts += [b',"vllm_xargs":', _ENCODE(xargs), b"}"]
+        if head.rstrip().endswith(b"{"):  # empty object: no leading comma
+            parts[1] = parts[1][1:]
+        return b"".join(parts)
+    body = msgspec.json.decode(raw)
+    return _ENCODE(metadata.build_engine_body(body, session_id, turn, last_step, prev_tool))
+
+
+class _ClientGoneError(Exception):
+    """The agent closed its connection."""
+
+
+class _UpstreamFailedError(Exception):
+    """The replica failed (or was marked down) while serving the request."""
+
+    def __init__(self, message: str, status: int = 502, can_retry: bool = False) -> None:
+        super().__init__(message)
+        self.status = status
+        self.can_retry = can_retry
+
+
+class _Call:
+    """One proxied request: its task, and why it was interrupted (client gone, replica down)."""
+
+    __slots__ = ("task", "is_gone", "fail_reason", "is_done")
+
+    def __init__(self, task: asyncio.Task[Any] | None) -> None:
+        self.task = task
+        self.is_gone = False
+        self.fail_reason: str | None = None
+        self.is_done = False
+
+    def fail(self, reason: str) -> None:
+        """The replica went down (poller): interrupt the request."""
+        if not self.is_done and self.task is not None:
+            self.fail_reason = reason
+            self.task.cancel()
+
+    def on_receive(self, fut: asyncio.Future[Any]) -> None:
+        """Watcher callback: a disconnect before the response finished interrupts the request."""
+        if fut.cancelled() or fut.exception() is not None or self.is_done:
+            return
+        if fut.result().get("type") == "http.disconnect" and self.task is not None:
+            self.is_gone = True
+            self.task.cancel()
+
+    def interrupted(self, task: asyncio.Task[Any] | None) -> str:
+        """After catching CancelledError: ``"gone"``, ``"failed"``, or ``""`` (a real cancel)."""
+        why = "gone" if self.is_gone else "failed" if self.fail_reason is not None else ""
+        if why and task is not None:
+            task.uncancel()
+        return why
+
+
+def _json_error(status: int, message: str, kind: str) -> tuple[int, bytes]:
+    return status, _ENCODE({"error": {"message": message, "type": kind, "code": status}})
+
+
+async def _send_whole(send: Any, status: int, body: bytes, content_type: str | None,
+                      extra: Sequence[tuple[bytes, bytes]] = ()) -> None:
+    """Send a whole response (status, content type, length, ``extra`` headers, body)."""
+    headers = [(b"content-type", (content_type or "application/json").encode("latin-1")),
+               (b"content-length", str(len(body)).encode()), *extra]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class ProxyHandler:
+    """Serves the two completions paths for ``gateway`` (raw ASGI; everything else is FastAPI)."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    async def _read_body(self, receive: Any, headers: dict[str, str]) -> bytes:
+        """The request body. Raises BadRequestError (413) past ``max_body_bytes``."""
+        limit = self.gateway.config.max_body_bytes
+        declared = headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise BadRequestError(
+                f"request body is {declared} bytes, more than max_body_bytes={limit}; raise "
+                "--max-body-bytes", 413,
+            )
+        message = await receive()
+        body: bytes = message.get("body", b"")
+        if not message.get("more_body", False):
+            return body
+        parts = [body]
+        size = len(body)
+        while message.get("more_body", False):
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _ClientGoneError()
+            parts.append(chunk := message.get("body", b""))
+            size += len(chunk)
+            if size > limit:
+                raise BadRequestError(
+                    f"request body is more than max_body_bytes={limit} bytes; raise "
+                    "--max-body-bytes", 413,
+                )
+        return b"".join(parts)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        """Handle one completions request end to end (see the module docstring)."""
+        gateway = self.gateway
+        gateway.num_requests += 1
+        headers = {_HEADERS_READ[n]: v.decode("latin-1") for n, v in scope["headers"]
+                   if n in _HEADERS_READ}
+        try:
+            raw = await self._read_body(receive, headers)
+            fields = probe_body(raw)
+            if "vllm_xargs" in fields:
+                metadata.check_xargs(fields["vllm_xargs"])
+            session, last_step = gateway.session_for(headers, fields)
+        except BadRequestError as e:
+            await _send_whole(send, *_json_error(e.status_code, str(e), "invalid_request_error"),
+                              None)
+            return
+        except _ClientGoneError:
+            gateway.num_client_disconnects += 1
+            return
+        task = asyncio.current_task()
+        call = _Call(task)
+        watcher = asyncio.ensure_future(receive())
+        watcher.add_done_callback(call.on_receive)
+        session.num_in_flight += 1
+        replica: list[ReplicaState] = []
+        try:
+            await self._serve(scope["path"], raw, fields, headers, session, last_step, call,
+                              replica, send)
+        finally:
+            call.is_done = True
+            watcher.cancel()
+            gateway._finish(session, replica[0] if replica else None)
+
+    async def _serve(self, path: str, raw: bytes, fields: dict[str, Any], headers: dict[str, str],
+                     session: Session, last_step: int | None, call: _Call,
+                     replica_out: list[ReplicaState], send: Any) -> None:
+        """Admission, routing, forwarding and the response; every expected failure answered."""
+        gateway = self.gateway
+        status_body: tuple[int, bytes] | None = None
+        try:
+            if not gateway.admission.try_admit(session.session_id):
+                await gateway.wait_for_admission(session, raw)
+            turn, prev_tool = session.num_turns, session.prev_tool
+            session.num_turns += 1
+            session.prev_tool = None
+            content = engine_content(raw, fields, None if session.is_one_turn else session.session_id,
+                                     turn, last_step, prev_tool)
+            forward = {k: v for k in _FORWARD_HEADERS if (v := headers.get(k)) is not None}
+            forward["content-type"] = "application/json"
+            stream = bool(fields.get("stream"))
+            replica, resp, whole = await self._send_with_failover(session, path, content, forward,
+                                                                  stream, call)
+            replica_out.append(replica)
+            replica.num_in_flight += 1
+            extra = [(b"x-mars-replica", replica.name.encode()),
+                     (b"x-mars-session", session.session_id.encode()),
+                     (b"x-mars-turn", str(turn).encode())]
+            if whole is not None:
+                call.is_done = True
+                await _send_whole(send, resp.status_code, whole, resp.content_type, extra)
+                return
+            await self._relay(resp, replica, call, extra, send)
+            return
+        except asyncio.CancelledError:
+            why = call.interrupted(call.task)
+            if not why:
+                raise
+            if why == "gone":
+                gateway.num_client_disconnects += 1
+                return
+            gateway.num_upstream_errors += 1  # marked down just as the response was being sent
+            status_body = _json_error(503, call.fail_reason or "replica down", "upstream_error")
+        except BadRequestError as e:
+            status_body = _json_error(e.status_code, str(e), "invalid_request_error")
+        except AdmissionTimeoutError as e:
+            status_body = _json_error(503, str(e), "admission_timeout")
+        except NoReplicaError as e:
+            gateway.num_upstream_errors += 1
+            status_body = _json_error(503, str(e), "no_replica")
+        except _UpstreamFailedError as e:
+            gateway.num_upstream_errors += 1
+            status_body = _json_error(e.status, str(e), "upstream_error")
+        call.is_done = True
+        await _send_whole(send, *status_body, None)
+
+    async def _send_with_failover(
+        self, session: Session, path: str, content: bytes, headers: dict[str, str], stream: bool,
+        call: _Call,
+    ) -> tuple[ReplicaState, UpstreamResponse, bytes | None]:
+        """Route and send; when the replica is dead or unreachable, mark it down and try the next.
+
+        Nothing has reached the agent yet at this point (streams start after it), so re-running the
+        request elsewhere is invisible to it apart from the latency. Bounded: each retry marks a
+        replica down, and :meth:`Router.route` raises once none is left.
+        """
+        gateway = self.gateway
+        while True:
+            replica = gateway.router.route(session)  # raises NoReplicaError when none is left
+            try:
+                resp, whole = await self._attempt(replica, path, content, headers, stream, call)
+            except _UpstreamFailedError as e:
+                if not e.can_retry:
+                    raise
+                if gateway.router.record_failure(replica.index, str(e), immediate=True):
+                    gateway.on_replica_down(replica, str(e))
+                gateway.router.detach(session)
+                continue
+            gateway.router.record_success(replica.index)
+            return replica, resp, whole
+
+    async def _attempt(self, replica: ReplicaState, path: str, content: bytes,
+                       headers: dict[str, str], stream: bool,
+                       call: _Call) -> tuple[UpstreamResponse, bytes | None]:
+        """One replica: POST, and read the whole body unless it is a 200 stream.
+
+        Raises:
+            _UpstreamFailedError: the replica failed (``can_retry`` when it is dead, unreachable
+                or was marked down meanwhile).
+            asyncio.CancelledError: the client went away (or a real cancel).
+        """
+        gateway = self.gateway
+        client = gateway.client
+        assert client is not None, "Gateway.start() must run first"
+        call.fail_reason = None
+        replica.in_flight.add(call)
+        try:
+            resp = await client.post(f"{replica.url}{path}", content, headers)
+            if stream and resp.status_code == 200:
+                return resp, None
+            try:
+                return resp, await resp.read()
+            finally:
+                resp.close()
+        except asyncio.CancelledError:
+            raise _retry_after_cancel(call) from None
+        except UpstreamBrokenError as e:
+            try:
+                is_alive = await gateway.is_alive(replica)
+            except asyncio.CancelledError:  # the poller marked it down meanwhile and cancelled us
+                raise _retry_after_cancel(call) from None
+            if not is_alive:  # died under us: nothing to lose by re-running
+                raise _UpstreamFailedError(
+                    f"replica {replica.name} ({replica.url}) died mid-request: {e}", 503,
+                    can_retry=True,
+                ) from None
+            raise _UpstreamFailedError(
+                f"replica {replica.name} ({replica.url}) broke the connection mid-request: {e}"
+            ) from None
+        except UpstreamUnreachableError as e:
+            raise _UpstreamFailedError(
+                f"replica {replica.name} ({replica.url}) unreachable: {e}", 503, can_retry=True
+            ) from None
+        except UpstreamTimeoutError as e:
+            raise _UpstreamFailedError(
+                f"replica {replica.name} ({replica.url}) sent nothing for "
+                f"{gateway.config.upstream_read_timeout_s} s ({e}); raise "
+                "--upstream-read-timeout-s if it is just slow", 504,
+            ) from None
+        finally:
+            replica.in_flight.discard(call)
+
+    async def _relay(self, resp: UpstreamResponse, replica: ReplicaState, call: _Call,
+                     extra: list[tuple[bytes, bytes]], send: Any) -> None:
+        """Relay an upstream SSE stream chunk for chunk; a replica failure ends it with an SSE
+        ``error`` chunk naming the replica; a disconnect closes upstream (vLLM aborts).
+
+        Raises:
+            asyncio.CancelledError: the client went away (handled by the caller) or a real cancel.
+        """
+        gateway = self.gateway
+        content_type = (resp.content_type or "text/event-stream").encode("latin-1")
+        error: str | None = None
+        replica.in_flight.add(call)
+        try:
+            await send({"type": "http.response.start", "status": resp.status_code,
+                        "headers": [(b"content-type", content_type), *extra]})
+            async for chunk in resp.iter_chunks():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except asyncio.CancelledError:
+            if call.is_gone or call.fail_reason is None:
+                raise
+            call.interrupted(call.task)
+            error = call.fail_reason
+        except UpstreamError as e:
+            error = f"replica {replica.name} ({replica.url}) failed mid-stream: {e!r}"
+        finally:
+            replica.in_flight.discard(call)
+            resp.close()
+        call.is_done = True
+        if error is not None:
+            gateway.num_upstream_errors += 1
+            payload = {"error": {"message": error, "type": "upstream_error", "code": 502}}
+            await send({"type": "http.response.body", "body": b"data: " + _ENCODE(payload) + b"\n\n",
+                        "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _retry_after_cancel(call: Any) -> BaseException:
+    """What a cancelled upstream call raises: the cancel itself when the client went away (or it
+    was a real cancel), else a retryable 503 naming why the gateway cancelled it (its replica
+    failed). Marks the call interrupted in that case."""
+    reason = call.fail_reason
+    if call.is_gone or reason is None:
+        return asyncio.CancelledError()
+    call.interrupted(call.task)
+    return _UpstreamFailedError(reason, 503, can_retry=True)

@@ -1,0 +1,109 @@
+"""The gateway CLI's error lines and start-up line, and the proxy's body handling (pure parts)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mars_openhands.control.cli import ConfigError, format_validation_error
+from mars_openhands.control.config import GatewayConfig
+from mars_openhands.control.metadata import BadRequestError, build_engine_body
+from mars_openhands.control.proxy import engine_content, probe_body
+
+
+def run_cli(*args: str, cwd=None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "mars_openhands.control", *args],
+                          capture_output=True, text=True, timeout=60, cwd=cwd)
+
+
+@pytest.mark.parametrize(
+    "args, num_lines, needles",
+    [
+        (["--config", "missing.yaml"], 1,
+         ["--config missing.yaml", "TOML (.toml) or JSON (.json)"]),
+        (["--config", "missing.toml", "--replica", "http://127.0.0.1:1"], 1,
+         ["--config missing.toml: cannot read it", "check the path"]),
+        (["--replica", "http://127.0.0.1:1", "--stream-path", "exists.jsonl"], 1,
+         ["--stream-path exists.jsonl already exists", "pass a new path"]),
+        ([], 1, ["--replica: required; pass --replica http://127.0.0.1:8001"]),
+        (["--replica", "127.0.0.1:1"], 1, ["--replica: replica url must start with http://"]),
+        (["--replica", "http://a", "--admission-window-max", "0", "--port", "70000"], 2,
+         ["--admission-window-max: Input should be greater than or equal to 1 (got 0)",
+          "--port: Input should be less than or equal to 65535 (got 70000)"]),
+        (["--config", "bad.json"], 2, ["--replica[0] url: replica url must start with http://",
+                                       "--colour: unknown key"]),
+    ],
+)
+def test_bad_cli_input_is_one_line_per_problem_and_exit_2(tmp_path, args, num_lines,
+                                                          needles) -> None:
+    (tmp_path / "exists.jsonl").write_text("")
+    (tmp_path / "bad.json").write_text(json.dumps({"replicas": [{"url": "x"}], "colour": 1}))
+    proc = run_cli(*args, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == num_lines, lines
+    for needle in needles:
+        assert any(needle in line for line in lines), (needle, lines)
+    assert all(line.startswith("mars-openhands gateway: ") for line in lines)
+
+
+def test_validation_error_lines_name_nested_flags() -> None:
+    with pytest.raises(Exception) as info:
+        GatewayConfig.model_validate({"replicas": [{"url": "http://a"}],
+                                      "admission": {"kv_set_usage": 2.0}})
+    assert format_validation_error(info.value).startswith("--admission-kv-set-usage: ")
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_start_up_line_names_url_replicas_admission_and_stream(tmp_path) -> None:
+    stream = tmp_path / "run" / "stream.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mars_openhands.control", "--port", "0", "--replica",
+         "http://127.0.0.1:9/,name=alpha", "--no-is-admission-enabled", "--stream-path", str(stream)],
+        stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        line = ""
+        while time.monotonic() < deadline and "listening" not in line:
+            line = proc.stderr.readline()
+            if not line and proc.poll() is not None:
+                break
+        assert line.startswith("MARS gateway listening on http://127.0.0.1:"), line
+        port = line.split("http://127.0.0.1:")[1].split(" ")[0]
+        assert port.isdigit() and port != "0"
+        assert "replicas: alpha=http://127.0.0.1:9" in line
+        assert "admission: off" in line and f"stream: {stream}" in line
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": "m", "messages": [{"role": "user", "content": "hé \"q\" }"}], "stream": True},
+        {"model": "m", "prompt": "x", "mars_session": "s", "mars_last_step": 1},
+        {"model": "m", "vllm_xargs": {"k": 1}, "session_id": "native"},
+        {},
+    ],
+)
+def test_engine_content_matches_build_engine_body(body) -> None:
+    raw = json.dumps(body, indent=1).encode() + b"\n "
+    fields = probe_body(raw)
+    assert fields == {k: v for k, v in body.items() if k in (
+        "mars_session", "session_id", "prompt_cache_key", "mars_last_step", "vllm_xargs", "stream")}
+    for session_id, last_step, prev_tool in (("s-1", 1, ("bash", 2.5)), (None, None, None)):
+        out = json.loads(engine_content(raw, fields, session_id, 3, last_step, prev_tool))
+        assert out == build_engine_body(body, session_id, 3, last_step, prev_tool)
+
+
+@pytest.mark.parametrize("raw, needle", [(b"{nope", "not valid JSON"), (b"[1]", "JSON object"),
+                                         (b"", "not valid JSON")])
+def test_probe_rejects_non_objects(raw, needle) -> None:
+    with pytest.raises(BadRequestError, match=needle):
+        probe_body(raw)
