@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     timer, blocks, timing = _timer_and_blocks(cargs, workload, auto_scale)
     policies = parse_policies(args.policies)
     base = CompareOptions(policies=policies, loads=(1.0,), is_absolute_rates=True, num_gpu_blocks=blocks,
-                          num_tool_workers=args.tool_workers, seed=args.seed)
+                          num_tool_workers=args.tool_workers, seed=args.seed, admission="off")
     ideal = sim.ideal_times_s(workload, _sim_config(base, "fcfs", False), timer)
     mean_ideal_s = sum(ideal.values()) / len(ideal)
     rate = args.load / mean_ideal_s

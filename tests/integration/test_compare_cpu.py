@@ -47,7 +47,7 @@ def test_compare_two_policies_on_the_cpu_engine(tmp_path: Path, capsys: pytest.C
     assert code == 0, capsys.readouterr()
 
     results = pd.read_parquet(out / "results.parquet")
-    assert list(results["label"]) == ["fcfs", "mars"]
+    assert list(results["label"]) == ["fcfs", "mars+adm"]  # --admission auto: mars with its window
     assert (results["status"] == "ok").all(), results["error"].tolist()
     assert (results["num_completed"] == 3).all()
     assert (results["e2e_mean_s"] > 0.6).all()  # two tool calls of >= 0.3 s each
@@ -58,13 +58,13 @@ def test_compare_two_policies_on_the_cpu_engine(tmp_path: Path, capsys: pytest.C
     # mars's KV retention may beat FCFS's isolated run a little), and never several times slower.
     assert results["slowdown_mean"].between(0.75, 4.0).all(), results["slowdown_mean"].tolist()
     assert results["slowdown_mean"].max() >= 0.95, results["slowdown_mean"].tolist()
-    for label in ("fcfs", "mars"):
+    for label in ("fcfs", "mars+adm"):
         table = pd.read_parquet(out / f"{label}__load2.parquet")
         assert len(table) == 3 and table["is_complete"].all()
         assert (table["num_turns"] == 3).all()  # every turn's engine 'finished' event was recorded
         assert (table["e2e_s"] > table["tool_s"]).all() and (table["ideal_s"] > 0).all()
     text = (out / "summary.md").read_text()
-    assert "| fcfs |" in text and "| mars |" in text
+    assert "| fcfs |" in text and "| mars+adm |" in text
     assert "**backend**: cpu" in text and "measured on cpu" in text
     for name in ("e2e_vs_load.png", "e2e_cdf.png", "goodput_vs_alpha.png"):
         assert (out / name).stat().st_size > 1000
