@@ -41,7 +41,9 @@ from tests.openhands._helpers import free_port, serve_app  # noqa: E402
 
 pytestmark = [pytest.mark.openhands, pytest.mark.integration, pytest.mark.timeout(1800)]
 
-ENGINE_PYTHON = Path(os.environ.get("MARS_ENGINE_PYTHON", "/work/main/.venv/bin/python"))
+# The engine env of this checkout (scripts/setup.sh makes it), wherever the checkout lives.
+ENGINE_PYTHON = Path(os.environ.get("MARS_ENGINE_PYTHON",
+                                    Path(__file__).resolve().parents[2] / ".venv" / "bin" / "python"))
 TOLERANCE_NS = 10_000_000
 NUM_TASKS = 3
 _GATEWAY_LAUNCHER = (
