@@ -158,8 +158,13 @@ def test_gateway_with_two_vllm_replicas(vllm_server_factory) -> None:
         t = threading.Thread(target=lambda: results.setdefault("r", client.post(
             "/v1/chat/completions",
             json=chat(victim_session, "long", max_tokens=600, ignore_eos=True))))
+        # Freeze r0 first (its kernel still accepts the connection): a tiny model decodes 600
+        # tokens faster than any poll, so the request must not be able to finish before the kill.
+        os.killpg(engines[0].pid, signal.SIGSTOP)
         t.start()
-        wait_until(lambda: running(engines[0].url) == 1, what="request running on r0")
+        wait_until(lambda: state()["sessions"][victim_session]["in_flight"] == 1,
+                   what="the victim's request in flight (sent to frozen r0)")
+        time.sleep(0.2)  # let the gateway forward it
         os.killpg(engines[0].pid, signal.SIGKILL)
         t.join(timeout=300)  # it re-runs in full (600 tokens) on r1
         assert not t.is_alive(), "request hung after its replica was killed"
