@@ -582,9 +582,9 @@ class _Replay:
 
 def _json_object(text: str, where: str) -> dict[str, Any]:
     try:
-        data = json.loads(text)
-    except ValueError:
-        raise _TurnError(f"{where}: response is not JSON: {text[:300]!r}") from None
+        data = json.loads(text, strict=False)  # generated text may carry raw control characters
+    except ValueError as e:
+        raise _TurnError(f"{where}: response is not JSON ({e}): {text[:300]!r}") from None
     if not isinstance(data, dict):
         raise _TurnError(f"{where}: response is not a JSON object: {text[:300]!r}")
     return data

@@ -526,3 +526,11 @@ def test_cli_rejects_a_bad_stream_suffix_before_replaying(
                  "http://127.0.0.1:9", "--model", "m", "--no-show-progress"]) == 2
     assert ".jsonl or .parquet" in capsys.readouterr().err
     assert not out.exists()  # nothing was replayed or written
+
+
+def test_response_json_may_carry_raw_control_characters() -> None:
+    """A dummy-weight model generates arbitrary bytes; a raw control character inside the text
+    must not fail the turn (json.loads is strict by default)."""
+    from eval.replay import _json_object
+
+    assert _json_object('{"choices": [{"text": "a\x01b\x1fc"}]}', "t")["choices"][0]["text"] == "a\x01b\x1fc"
