@@ -32,7 +32,7 @@ from vllm.v1.request import Request, RequestStatus
 from mars_openhands.engine import seams
 from mars_openhands.engine.schedulers.base import MarsBaseScheduler, RetainedKv
 from mars_openhands.engine.schedulers.mars_preview import update_mlfq_feedback
-from mars_openhands.policy.levels import effective_level, mars_base_level
+from mars_openhands.policy.levels import DECODE_VICTIM_LEVEL, effective_level, mars_base_level
 from mars_openhands.policy.retention import (
     RetentionDecision,
     choose_ttl,
@@ -102,7 +102,7 @@ class MarsScheduler(MarsBaseScheduler):
         is_decode = request.num_computed_tokens >= request.num_prompt_tokens
         level = self.level(request, now_s)
         if self.params.mars.session_fifo:
-            return ((-1 if is_decode else level), self._session_arrival_s(state),
+            return ((DECODE_VICTIM_LEVEL if is_decode else level), self._session_arrival_s(state),
                     state.arrival_s if state else 0.0)
         return victim_key(level, is_decode, seams.num_request_blocks(self, request.request_id),
                           state.arrival_s if state else 0.0)
