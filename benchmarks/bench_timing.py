@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import httpx_sse
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
@@ -92,12 +93,12 @@ async def _one_request(client: httpx.AsyncClient, url: str, model: str, prompt: 
     start = time.perf_counter()
     ttft = None
     num_tokens = 0
-    async with client.stream("POST", url, json=body) as resp:
-        resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+    async with httpx_sse.aconnect_sse(client, "POST", url, json=body) as source:
+        source.response.raise_for_status()
+        async for sse in source.aiter_sse():  # SSE lines end at CR/LF only, not at U+2028 etc.
+            if not sse.data or sse.data == "[DONE]":
                 continue
-            chunk = json.loads(line[6:])
+            chunk = json.loads(sse.data, strict=False)
             if chunk.get("choices") and ttft is None:
                 ttft = time.perf_counter() - start
             if chunk.get("usage"):

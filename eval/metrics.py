@@ -102,8 +102,8 @@ def _per_session_sum(stream: pd.DataFrame, kind: str, column: str) -> pd.Series:
 def session_table(stream: pd.DataFrame, ideal_s: Mapping[str, float] | pd.Series | None = None) -> pd.DataFrame:
     """One row per session that has a ``session_start``, indexed by ``session_id``. Pure.
 
-    Columns: ``arrival_s``, ``end_s`` (epoch seconds), ``e2e_s``, ``status`` (of ``session_end``,
-    ``None`` if absent), ``is_complete``, ``num_turns`` (distinct turns with a ``finished`` event),
+    Columns: ``arrival_s``, ``end_s`` (epoch seconds), ``e2e_s``, ``status`` and ``error`` (of
+    ``session_end``, ``None`` if absent), ``is_complete``, ``num_turns`` (distinct turns with a ``finished`` event),
     ``tool_s``, ``tool_queue_wait_s``, ``num_preemptions``, and with ``ideal_s`` also ``ideal_s`` and
     ``slowdown``. See the module docstring for the definitions.
 
@@ -121,6 +121,11 @@ def session_table(stream: pd.DataFrame, ideal_s: Mapping[str, float] | pd.Series
     ends = _of_kind(stream, "session_end").groupby("session_id")["status"].last()
     table["status"] = ends.reindex(table.index).astype(object).where(lambda s: s.notna(), None)
     table["is_complete"] = (table["status"] == "ok") & table["end_s"].notna()
+    if "error" in stream.columns:
+        errors = _of_kind(stream, "session_end").groupby("session_id")["error"].last()
+        table["error"] = errors.reindex(table.index).astype(object).where(lambda s: s.notna(), None)
+    else:  # a stream written before session_end carried its error
+        table["error"] = None
     table["num_turns"] = finished.groupby("session_id")["turn"].nunique().reindex(table.index).fillna(0).astype(int)
     table["tool_s"] = _per_session_sum(stream, "tool_end", "duration_s").reindex(table.index).fillna(0.0)
     table["tool_queue_wait_s"] = (

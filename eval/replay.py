@@ -75,6 +75,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import httpx
+import httpx_sse
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -470,7 +471,8 @@ class _Replay:
         finally:
             record.end_s = self.now_s()
             last_turn = record.turns[-1].turn if record.turns else 0
-            self._emit_session(SessionEnd, session.session_id, last_turn, status=record.status)
+            self._emit_session(SessionEnd, session.session_id, last_turn, status=record.status,
+                               error=record.error)
             self.on_session_done()
 
     async def _play(self, session: Session, record: SessionRecord) -> None:
@@ -558,25 +560,33 @@ class _Replay:
                       record: TurnRecord, where: str) -> tuple[list[int], dict[str, Any]]:
         output_ids: list[int] = []
         usage: dict[str, Any] = {}
-        async with self.client.stream("POST", url, json=body, headers=headers) as response:
+        # httpx-sse splits lines only on CR/LF as the SSE spec says; httpx's aiter_lines() also
+        # splits on U+0085/U+2028/U+2029, which generated text carries raw inside JSON strings.
+        async with httpx_sse.aconnect_sse(self.client, "POST", url, json=body,
+                                          headers=headers) as source:
+            response = source.response
             if response.status_code >= 400:
                 text = (await response.aread()).decode(errors="replace")
                 raise _TurnError(f"{where}: HTTP {response.status_code}: {text[:500]}")
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                payload = line[len("data:"):].strip()
-                if payload == "[DONE]":
-                    break
-                chunk = _json_object(payload, where)
-                if "error" in chunk:
-                    raise _TurnError(f"{where}: error in stream: {str(chunk['error'])[:500]}")
-                usage = chunk.get("usage") or usage
-                for choice in chunk.get("choices") or ():
-                    ids = _token_ids(choice, where)
-                    if ids and record.first_token_s is None:
-                        record.first_token_s = self.now_s()
-                    output_ids.extend(ids)
+            try:
+                async for sse in source.aiter_sse():
+                    payload = sse.data.strip()
+                    if not payload:
+                        continue
+                    if payload == "[DONE]":
+                        break
+                    chunk = _json_object(payload, where)
+                    if "error" in chunk:
+                        raise _TurnError(
+                            f"{where}: error in stream: {str(chunk['error'])[:500]}")
+                    usage = chunk.get("usage") or usage
+                    for choice in chunk.get("choices") or ():
+                        ids = _token_ids(choice, where)
+                        if ids and record.first_token_s is None:
+                            record.first_token_s = self.now_s()
+                        output_ids.extend(ids)
+            except httpx_sse.SSEError as e:  # the response is not text/event-stream
+                raise _TurnError(f"{where}: not an event stream: {e}") from None
         return output_ids, usage
 
 

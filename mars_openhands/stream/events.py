@@ -196,6 +196,9 @@ class SessionEnd(_EventBase):
 
     kind: Literal["session_end"] = "session_end"
     status: str = "ok"
+    error: str | None = None
+    """Why the session ended early (``status`` other than ``"ok"``), e.g. the failing turn's HTTP
+    error; ``None`` when it finished."""
 
 
 class ToolEnqueued(_EventBase):

@@ -53,7 +53,7 @@ def test_synth_and_stats(tmp_path: Path, capsys) -> None:
     assert len(workload.sessions) == 4 and all(s.num_turns <= 5 for s in workload.sessions)
     capsys.readouterr()
     assert _run("stats", str(out)) == 0
-    printed = capsys.readouterr().out
+    printed = " ".join(capsys.readouterr().out.split())  # rich wraps at the terminal width
     assert "4 sessions" in printed and "tool" in printed
 
 

@@ -47,6 +47,8 @@ class FakeEndpoint:
     max_model_len: int | None = 100_000
     model: str = "fake-model"
     delay_s: float = 0.0
+    text: str = "x"
+    """Each token's text; written raw (``ensure_ascii=False``), as vLLM does."""
     fail: dict[tuple[str, int], int | str] = field(default_factory=dict)
     requests: list[dict[str, Any]] = field(default_factory=list)
     posted_events: list[dict[str, Any]] = field(default_factory=list)
@@ -87,7 +89,7 @@ class FakeEndpoint:
         await asyncio.sleep(self.delay_s)
         record["output_ids"] = output_ids = fake_output_ids(body["prompt"], body["max_tokens"])
         if body.get("stream"):
-            return httpx.Response(200, content=_sse(body, output_ids),
+            return httpx.Response(200, content=_sse(body, output_ids, self.text),
                                   headers={"content-type": "text/event-stream"})
         choice = {"index": 0, "text": "x" * len(output_ids), "finish_reason": "length",
                   "token_ids": output_ids, "prompt_token_ids": body["prompt"]}
@@ -108,17 +110,18 @@ def _usage(body: dict[str, Any], output_ids: list[int]) -> dict[str, Any]:
             "total_tokens": n + len(output_ids)}
 
 
-def _sse(body: dict[str, Any], output_ids: list[int]) -> bytes:
+def _sse(body: dict[str, Any], output_ids: list[int], text: str = "x") -> bytes:
     lines = []
     for i, token_id in enumerate(output_ids):
-        choice: dict[str, Any] = {"index": 0, "text": "x", "token_ids": [token_id],
+        choice: dict[str, Any] = {"index": 0, "text": text, "token_ids": [token_id],
                                   "finish_reason": "length" if i == len(output_ids) - 1 else None}
         if i == 0:
             choice["prompt_token_ids"] = body["prompt"]
         lines.append({"id": "cmpl-1", "object": "text_completion", "choices": [choice]})
     lines.append({"id": "cmpl-1", "object": "text_completion", "choices": [],
                   "usage": _usage(body, output_ids)})
-    return b"".join(f"data: {json.dumps(x)}\n\n".encode() for x in lines) + b"data: [DONE]\n\n"
+    return (b"".join(f"data: {json.dumps(x, ensure_ascii=False)}\n\n".encode() for x in lines)
+            + b"data: [DONE]\n\n")
 
 
 
@@ -534,3 +537,27 @@ def test_response_json_may_carry_raw_control_characters() -> None:
     from eval.replay import _json_object
 
     assert _json_object('{"choices": [{"text": "a\x01b\x1fc"}]}', "t")["choices"][0]["text"] == "a\x01b\x1fc"
+
+
+@pytest.mark.parametrize("separator", ["\u2028", "\u2029", "\x85"])
+def test_streamed_text_with_unicode_line_separators_is_one_event(separator: str) -> None:
+    """JSON leaves U+2028/U+2029/U+0085 unescaped; str.splitlines() (httpx's aiter_lines) breaks
+    a ``data:`` line at them, which failed 1 in 16 emulated-backend sessions ("not JSON"). SSE
+    lines end only at CR/LF (WHATWG HTML, server-sent events §9.2.5)."""
+    fake = FakeEndpoint(model=MODEL, text=f"a{separator}b")
+    result, _ = _replay(WORKLOAD, fake, stream=True, seed=3)
+    assert [(s.status, s.error) for s in result.sessions] == [("ok", None)] * 3
+    for session, record in zip(WORKLOAD.sessions, result.sessions, strict=True):
+        assert [t.num_output_tokens for t in record.turns] == [t.output_tokens for t in session.turns]
+
+
+def test_a_failed_sessions_error_text_reaches_the_stream_and_session_table() -> None:
+    from eval.metrics import session_table
+    from mars_openhands.stream.reader import events_to_frame
+
+    fake = FakeEndpoint(model=MODEL, fail={("A", 1): 503})
+    result, sink = _replay(WORKLOAD, fake)
+    table = session_table(events_to_frame(sink.events))
+    assert [s.status for s in result.sessions] == ["error", "ok", "ok"]
+    assert "HTTP 503" in table.loc["A", "error"] and "injected failure" in table.loc["A", "error"]
+    assert table.loc["B", "error"] is None and table.loc["C", "error"] is None
