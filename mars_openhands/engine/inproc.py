@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import logging
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -170,6 +171,7 @@ def build_vllm_config(params: InprocEngineParams, model_dir: Path | None = None)
         model_dir: a folder with a ``config.json``; ``None`` writes a tiny one under the temp dir.
     """
     folder = model_dir if model_dir is not None else _model_dir(params, None)
+    _quiet_cpu_block_size_warning()
     model = ModelConfig(model=str(folder), skip_tokenizer_init=True,
                         max_model_len=params.max_model_len, dtype="float32")
     sched = SchedulerConfig(
@@ -184,6 +186,22 @@ def build_vllm_config(params: InprocEngineParams, model_dir: Path | None = None)
                         additional_config=dict(params.additional_config))
     config.cache_config.num_gpu_blocks = params.num_gpu_blocks
     return config
+
+
+def _drop_block_size_advice(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("CPU backend prefers block_size")
+
+
+def _quiet_cpu_block_size_warning() -> None:
+    """Drop vLLM's "CPU backend prefers block_size is multiples of 32" warning in this process.
+
+    It is kernel-performance advice, and no kernel runs here; the simulator uses the emulated
+    GPU's block size (16) on purpose, and the warning repeats once per engine built (18 lines in a
+    two-policy fidelity run).
+    """
+    cpu_logger = logging.getLogger("vllm.platforms.cpu")
+    if _drop_block_size_advice not in cpu_logger.filters:
+        cpu_logger.addFilter(_drop_block_size_advice)
 
 
 def build_kv_cache_config(params: InprocEngineParams) -> KVCacheConfig:
