@@ -84,6 +84,9 @@ class Cell:
     gateway_p99_ms: float
     paired_median_added_ms: float
     """Median over pairs of (gateway - direct) latency."""
+    reference_p50_ms: float
+    """The logic-free reference proxy (``reference_proxy.py``): the cost of any Python hop."""
+    reference_p99_ms: float
     gateway_cpu_ms_per_request: float
     """Gateway process CPU time (user + system) / gateway requests, net of its idle rate (tick,
     polls) measured just before; /proc resolution is 10 ms, so small cells are coarse."""
@@ -98,6 +101,15 @@ class Cell:
     def added_p99_ms(self) -> float:
         return self.gateway_p99_ms - self.direct_p99_ms
 
+    @property
+    def hop_p50_ms(self) -> float:
+        """Added by the reference proxy (the hop alone), p50."""
+        return self.reference_p50_ms - self.direct_p50_ms
+
+    @property
+    def hop_p99_ms(self) -> float:
+        return self.reference_p99_ms - self.direct_p99_ms
+
 
 def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile (q in 0..100) of ``values``."""
@@ -106,16 +118,20 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
-async def run_pairs(direct_url: str, gateway_url: str, model: str, concurrency: int, turns: int,
-                    stream: bool, tag: str, think_ms: float, seed: int) -> list[tuple[float, float]]:
-    """``concurrency`` sessions x ``turns`` pairs; returns (direct_ms, gateway_ms) per pair.
+async def run_pairs(direct_url: str, gateway_url: str, reference_url: str, model: str,
+                    concurrency: int, turns: int, stream: bool, tag: str, think_ms: float,
+                    seed: int) -> list[tuple[float, float, float]]:
+    """``concurrency`` sessions x ``turns`` turns; returns (direct, gateway, reference) ms per turn.
+
+    Each turn sends the same request on the three paths in a random order, each followed by the
+    think time, so the three see the same machine load.
 
     Raises:
         RuntimeError: a request did not answer 200.
     """
     rng = random.Random(seed)
     client = UpstreamClient(5.0, 120.0)
-    pairs: list[tuple[float, float]] = []
+    rows: list[tuple[float, float, float]] = []
 
     async def one(url: str, body: bytes, headers: dict[str, str]) -> float:
         t0 = time.perf_counter_ns()
@@ -131,20 +147,20 @@ async def run_pairs(direct_url: str, gateway_url: str, model: str, concurrency: 
         for turn in range(turns):
             body = json.dumps({"model": model, "max_tokens": 1, "stream": stream, "messages": [
                 {"role": "user", "content": f"turn {turn} of session {i}"}]}).encode()
-            gateway_first = rng.random() < 0.5
-            latency: dict[bool, float] = {}
-            for via_gateway in (gateway_first, not gateway_first):
-                latency[via_gateway] = await one(gateway_url if via_gateway else direct_url, body,
-                                                 headers)
+            order = [direct_url, gateway_url, reference_url]
+            rng.shuffle(order)
+            latency: dict[str, float] = {}
+            for url in order:
+                latency[url] = await one(url, body, headers)
                 if think_ms > 0:
                     await asyncio.sleep(rng.expovariate(1000.0 / think_ms))
-            pairs.append((latency[False], latency[True]))
+            rows.append((latency[direct_url], latency[gateway_url], latency[reference_url]))
 
     try:
         await asyncio.gather(*(session(i) for i in range(concurrency)))
     finally:
         await client.close()
-    return pairs
+    return rows
 
 
 def process_cpu_s(pid: int) -> float:
@@ -153,28 +169,31 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measure(direct_url: str, gateway: GatewayProcess, model: str, upstream: str, stream: bool,
-            concurrency: int, turns: int, think_ms: float, engine_delay_ms: float) -> Cell:
+def measure(direct_url: str, gateway: GatewayProcess, reference: GatewayProcess, model: str,
+            upstream: str, stream: bool, concurrency: int, turns: int, think_ms: float,
+            engine_delay_ms: float) -> Cell:
     """Warm up, then one paired run of the cell."""
     import uvloop
 
-    uvloop.run(run_pairs(direct_url, gateway.url, model, min(concurrency, 8), 3, stream, "warm",
-                         0.0, 0))
+    uvloop.run(run_pairs(direct_url, gateway.url, reference.url, model, min(concurrency, 8), 3,
+                         stream, "warm", 0.0, 0))
     idle_cpu_s = process_cpu_s(gateway.proc.pid)
     time.sleep(IDLE_WINDOW_S)
     idle_rate = (process_cpu_s(gateway.proc.pid) - idle_cpu_s) / IDLE_WINDOW_S
     load_before = os.getloadavg()[0]
     cpu_before = process_cpu_s(gateway.proc.pid)
     t0 = time.monotonic()
-    pairs = uvloop.run(run_pairs(direct_url, gateway.url, model, concurrency, turns, stream,
-                                 f"c{concurrency}", think_ms, seed=concurrency))
+    rows = uvloop.run(run_pairs(direct_url, gateway.url, reference.url, model, concurrency, turns,
+                                stream, f"c{concurrency}", think_ms, seed=concurrency))
     cpu_s = process_cpu_s(gateway.proc.pid) - cpu_before - idle_rate * (time.monotonic() - t0)
-    direct = [d for d, _ in pairs]
-    via = [g for _, g in pairs]
-    return Cell(upstream, stream, concurrency, think_ms, engine_delay_ms, len(pairs),
+    direct = [d for d, _, _ in rows]
+    via = [g for _, g, _ in rows]
+    ref = [r for _, _, r in rows]
+    return Cell(upstream, stream, concurrency, think_ms, engine_delay_ms, len(rows),
                 statistics.median(direct), percentile(direct, 99), statistics.median(via),
-                percentile(via, 99), statistics.median(g - d for d, g in pairs),
-                1000 * cpu_s / len(pairs), load_before, os.getloadavg()[0])
+                percentile(via, 99), statistics.median(g - d for d, g, _ in rows),
+                statistics.median(ref), percentile(ref, 99),
+                1000 * cpu_s / len(rows), load_before, os.getloadavg()[0])
 
 
 def free_port() -> int:
@@ -184,17 +203,25 @@ def free_port() -> int:
 
 
 class GatewayProcess:
-    """The gateway in a subprocess (its own interpreter and GIL, like production)."""
+    """The gateway (or the reference proxy) in a subprocess (its own interpreter and GIL)."""
 
-    def __init__(self, upstream_url: str, nice: int = 0) -> None:
+    def __init__(self, upstream_url: str, nice: int = 0, reference: bool = False) -> None:
+        """Start the MARS gateway, or with ``reference`` the logic-free reference proxy."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        if reference:
+            command = [sys.executable, "-m", "uvicorn", "reference_proxy:app", "--port",
+                       str(self.port), "--loop", "uvloop", "--http", "httptools",
+                       "--log-level", "warning", "--no-access-log"]
+        else:
+            command = [sys.executable, "-m", "mars_openhands.control", "--port", str(self.port),
+                       "--replica", upstream_url, "--num-tool-workers", "64",
+                       "--admission-window-max", "128", "--admission-window-init", "128",
+                       "--poll-interval-s", "0.5"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mars_openhands.control", "--port", str(self.port),
-             "--replica", upstream_url, "--num-tool-workers", "64",
-             "--admission-window-max", "128", "--admission-window-init", "128",
-             "--poll-interval-s", "0.5"],
-            cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            command, cwd=REPO_ROOT / "benchmarks" if reference else REPO_ROOT,
+            env={**os.environ, "UPSTREAM_URL": upstream_url},
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         )
         if nice:
             os.setpriority(os.PRIO_PROCESS, self.proc.pid, nice)  # negative values need root
@@ -253,6 +280,7 @@ def append_parquet(cells: list[Cell], args: argparse.Namespace) -> None:
     except Exception:
         vllm_version = ""
     rows = [{**asdict(c), "added_p50_ms": c.added_p50_ms, "added_p99_ms": c.added_p99_ms,
+             "hop_p50_ms": c.hop_p50_ms, "hop_p99_ms": c.hop_p99_ms,
              "git_sha": sha, "vllm_version": vllm_version, "machine": platform.node(),
              "cpus": os.cpu_count(), "smoke": args.smoke, "time": time.time()} for c in cells]
     frame = pd.DataFrame(rows)
@@ -272,6 +300,7 @@ def report(cell: Cell) -> str:
             f"gateway p50/p99={cell.gateway_p50_ms:6.2f}/{cell.gateway_p99_ms:6.2f} ms  "
             f"added p50/p99={cell.added_p50_ms:+5.2f}/{cell.added_p99_ms:+5.2f} ms  "
             f"paired median {cell.paired_median_added_ms:+5.2f} ms  "
+            f"reference-proxy added p50/p99={cell.hop_p50_ms:+5.2f}/{cell.hop_p99_ms:+5.2f} ms  "
             f"ratio p50={cell.gateway_p50_ms / cell.direct_p50_ms:4.2f}x  "
             f"gateway CPU {cpu} ms/req  "
             f"load {cell.load_before:.2f}->{cell.load_after:.2f}")
@@ -303,14 +332,16 @@ def main() -> None:
             url, model, fake = start_upstream(kind, stack)
             gateway = GatewayProcess(url, args.gateway_nice)
             stack.append(gateway.stop)
+            reference = GatewayProcess(url, reference=True)
+            stack.append(reference.stop)
             for stream in (False, True):
                 if fake is not None:
                     fake.configure(delay_s=args.engine_delay_ms / 1000, num_chunks=8 if stream else 1,
                                    chunk_delay_s=0.002 if stream else 0.0)
                 for c in levels:
                     turns = max(10, args.requests // c)
-                    cell = measure(url, gateway, model, kind, stream, c, turns, args.think_ms,
-                                   args.engine_delay_ms if fake else 0.0)
+                    cell = measure(url, gateway, reference, model, kind, stream, c, turns,
+                                   args.think_ms, args.engine_delay_ms if fake else 0.0)
                     cells.append(cell)
                     print(report(cell), flush=True)
         finally:
@@ -321,7 +352,8 @@ def main() -> None:
             ok = cell.added_p50_ms <= 1.0 and cell.added_p99_ms <= 5.0
             print(f"target @16 sessions ({cell.upstream}, {'stream' if cell.stream else 'whole'}): "
                   f"added p50 {cell.added_p50_ms:+.2f} ms (<= 1), p99 {cell.added_p99_ms:+.2f} ms "
-                  f"(<= 5): {'MET' if ok else 'MISSED'}")
+                  f"(<= 5): {'MET' if ok else 'MISSED'}; a logic-free Python proxy adds "
+                  f"{cell.hop_p50_ms:+.2f} / {cell.hop_p99_ms:+.2f} ms in the same run")
     append_parquet(cells, args)
 
 

@@ -12,6 +12,8 @@ import httpx
 import pytest
 from gateway_helpers import chat, event, state, wait_until
 
+from mars_openhands.control.proxy import DISCONNECT_WATCH_DELAY_S
+
 
 def test_sessions_stick_to_a_replica_and_carry_metadata(clean_fakes, gateway_factory) -> None:
     server, _ = gateway_factory([f.url for f in clean_fakes])
@@ -157,6 +159,14 @@ def test_client_disconnect_aborts_upstream_and_frees_the_slot(clean_fakes, gatew
     wait_until(lambda: fake.seen()["num_aborted"] == aborted_before + 1, what="upstream abort")
     wait_until(lambda: state(server)["num_admitted"] == 0, what="one-turn slot freed")
     assert fake.seen()["num_active"] == 0
+    # Hang up before the disconnect watcher starts (it is deferred): still noticed, then aborted.
+    wait_until(lambda: fake.seen()["num_active"] == 0, what="idle engine")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/chat/completions", json=chat(),
+                   timeout=httpx.Timeout(5.0, read=DISCONNECT_WATCH_DELAY_S / 5))
+    wait_until(lambda: fake.seen()["num_aborted"] == aborted_before + 2, what="early abort")
+    wait_until(lambda: state(server)["num_admitted"] == 0, what="slot freed after early abort")
+    aborted_before += 1
     # Streaming: read one chunk, hang up.
     fake.configure(delay_s=0.0, num_chunks=50, chunk_delay_s=0.2)
     with httpx.Client(base_url=server.url, timeout=10) as client:
@@ -165,7 +175,7 @@ def test_client_disconnect_aborts_upstream_and_frees_the_slot(clean_fakes, gatew
     wait_until(lambda: fake.seen()["num_aborted"] == aborted_before + 2, what="stream abort")
     wait_until(lambda: state(server)["sessions"]["dc-s"]["in_flight"] == 0, what="in-flight 0")
     metrics = httpx.get(f"{server.url}/metrics").text
-    assert "mars_client_disconnects_total 2" in metrics
+    assert "mars_client_disconnects_total 3" in metrics
 
 
 def test_admission_window_queues_sessions_and_can_be_switched_off(clean_fakes, gateway_factory) -> None:
