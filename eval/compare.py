@@ -59,6 +59,10 @@ __all__ = [
     "BACKENDS",
     "DEFAULT_TRACES",
     "POLICIES",
+    "TRACES_ENV",
+    "CompareInterrupted",
+    "clear_previous_results",
+    "default_traces_dir",
     "admission_modes",
     "BaseRateSearch",
     "CompareOptions",
@@ -70,10 +74,14 @@ __all__ = [
     "run_compare",
 ]
 
-DEFAULT_TRACES = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "mini-swe-agent"
-                     / "deepseek_chat_test_1-100")
-"""Default workload: the bundled SWE-bench Lite traces of one mini-swe-agent run (``../shared`` of the
-repo; 74 usable sessions)."""
+DEFAULT_TRACES = Path("..") / "shared" / "data" / "traces" / "mini-swe-agent" / "deepseek_chat_test_1-100"
+"""Default workload, relative to the repository root (then to the current directory): the bundled
+SWE-bench Lite traces of one mini-swe-agent run (74 usable sessions). ``$MARS_TRACES_DIR`` overrides it."""
+TRACES_ENV = "MARS_TRACES_DIR"
+"""Environment variable naming the default ``--traces`` folder."""
+_REPO_ROOT = Path(__file__).resolve().parents[1]
+_RESULT_PNGS = ("e2e_vs_load.png", "e2e_cdf.png", "goodput_vs_alpha.png")
+"""The plots :func:`eval.report.write_plots` writes."""
 BACKENDS: tuple[str, ...] = ("sim", "emulated", "cpu", "<URL>")
 """Backends this command can run (``<URL>``: an ``http(s)://`` server root)."""
 _METRIC_KINDS = frozenset({"session_start", "session_end", "finished", "first_token", "preempted",
