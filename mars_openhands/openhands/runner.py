@@ -245,7 +245,8 @@ def run_task(task: TaskSpec, config: RunConfig) -> TaskResult:
 def _collect(task: TaskSpec, session_id: str, status: TaskStatus, error: str | None,
              workspace: Path, base_commit: str | None, before: dict[str, float], wall_s: float,
              events_path: Path, task_dir: Path, num_llm_calls: int) -> TaskResult:
-    events = [json.loads(line) for line in events_path.read_text().splitlines() if line.strip()]
+    # JSONL lines end at "\n" only; str.splitlines() would also split at a raw U+2028 in a string.
+    events = [json.loads(line) for line in events_path.read_text().split("\n") if line.strip()]
     patch, files = _changes(workspace, base_commit, before)
     ends = [e for e in events if e["kind"] == "tool_end"]
     result = TaskResult(
