@@ -60,10 +60,12 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
 import os
+import re
 import sys
 import time
 import types
@@ -77,7 +79,7 @@ from typing import Annotated, Any, Literal
 import httpx
 import httpx_sse
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from eval.tools import BurnClock, ToolMode, ToolPool
 from eval.workloads.format import Session, Workload
@@ -764,6 +766,10 @@ EXIT_SESSIONS_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
 
+# ReplayConfig fields whose flag is not ``--`` + the field name with dashes (none so far); the
+# rest of the field → flag map comes from the parser's dest names.
+_FLAG_RENAMES: types.MappingProxyType[str, str] = types.MappingProxyType({})
+
 
 def _flag_type(annotation: Any) -> tuple[Any, list[Any] | None]:
     """(scalar type, choices) of a config field annotation (Annotated/Optional/Literal unwrapped)."""
@@ -804,13 +810,44 @@ def add_replay_subcommand(subparsers: Any) -> argparse.ArgumentParser:
             parser.add_argument(flag, dest=name, type=kind, choices=choices,
                                 required=info.is_required(), default=argparse.SUPPRESS,
                                 help=help_text)
-    parser.set_defaults(func=_replay_command)
+    flags = {action.dest: next(o for o in action.option_strings if o.startswith("--"))
+             for action in parser._actions if action.option_strings and action.dest != "help"}
+    parser.set_defaults(func=functools.partial(_replay_command, flags={**flags, **_FLAG_RENAMES}))
     return parser
 
 
-def _replay_command(args: argparse.Namespace) -> int:
-    from pydantic import ValidationError
+def format_config_error(error: ValidationError, flags: dict[str, str]) -> list[str]:
+    """One ``error: --flag: <msg> (got <value>)`` line per problem in a :class:`ReplayConfig`.
 
+    Args:
+        error: from ``ReplayConfig(**fields)``.
+        flags: field name → flag, e.g. ``{"num_tool_workers": "--num-tool-workers"}``; errors of
+            the model-level check (no field location) are assigned to the first field their
+            message names.
+
+    Returns:
+        The lines, without pydantic's input dump and documentation URL.
+    """
+    lines = []
+    for item in error.errors():
+        message = str(item["msg"]).removeprefix("Value error, ")
+        loc, got = tuple(item["loc"]), item.get("input")
+        if not loc and isinstance(got, dict):  # the model validator: find the field it names
+            named = [w for w in re.findall(r"[a-z][a-z0-9_]*", message) if w in flags]
+            loc, got = ((named[0],), got.get(named[0])) if named else ((), got)
+        flag = flags.get(str(loc[0]), "--" + str(loc[0]).replace("_", "-")) if loc else "config"
+        message = message.removesuffix(f" ({flag})")
+        if item["type"] == "missing":
+            lines.append(f"error: {flag}: required; pass {flag} VALUE")
+        elif "got " in message or isinstance(got, dict):
+            lines.append(f"error: {flag}: {message}")
+        else:
+            lines.append(f"error: {flag}: {message} (got {got!r})")
+    return lines
+
+
+def _replay_command(args: argparse.Namespace, flags: dict[str, str] | None = None) -> int:
+    """Run ``replay`` from parsed flags; ``flags`` maps field names to flags for error lines."""
     from eval.workloads.format import WorkloadFormatError, load_workload
 
     fields = {k: v for k, v in vars(args).items() if k in ReplayConfig.model_fields}
@@ -820,10 +857,14 @@ def _replay_command(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     try:
         config = ReplayConfig(**fields)
+    except ValidationError as e:
+        for line in format_config_error(e, flags or {}):
+            print(line, file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
         workload = load_workload(args.workload)
         result = run_replay(workload, config, stream_path=args.output)
-    except (ValidationError, WorkloadFormatError, ValueError, FileNotFoundError,
-            FileExistsError) as e:
+    except (WorkloadFormatError, ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:

@@ -2,7 +2,9 @@
 
 Each subcommand lives with its component and registers itself through an ``add_*_subcommand``
 function that adds an argparse sub-parser and sets ``func`` (``args -> exit code``). Components are
-imported lazily so that ``mars-openhands --help`` is fast and works in every environment.
+imported lazily so that ``mars-openhands --help`` is fast and works in every environment. A
+component that cannot be imported here (e.g. ``openhands`` without the OpenHands SDK) is still
+listed; running it, with any arguments, prints one line saying where it works and exits 2.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from types import MappingProxyType
 
 from mars_openhands import __version__
 
@@ -23,9 +26,45 @@ SUBCOMMANDS: tuple[tuple[str, str], ...] = (
     ("mars_openhands.openhands.cli", "add_openhands_subcommand"),
 )
 
+# What to do when a subcommand's module cannot be imported in this environment.
+UNAVAILABLE_HINTS = MappingProxyType({
+    "mars_openhands.openhands.cli": (
+        "the OpenHands SDK needs Python >= 3.12 and is not installed in this environment "
+        f"(Python {sys.version_info.major}.{sys.version_info.minor}); use "
+        ".venv-openhands/bin/mars-openhands (created by scripts/setup.sh)"
+    ),
+})
+
+EXIT_UNAVAILABLE = 2
+
+
+def _unavailable_message(module: str, error: ImportError) -> str:
+    """The one line printed for a subcommand whose ``module`` failed to import with ``error``."""
+    return UNAVAILABLE_HINTS.get(module) or (
+        f"unavailable in this environment: {error.name or error} is not installed "
+        "(see scripts/setup.sh for the environments)"
+    )
+
+
+def _add_unavailable(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str,
+                     message: str) -> None:
+    """Register ``name`` as a sub-parser that accepts any arguments and only prints ``message``."""
+    parser = sub.add_parser(name, add_help=False, help=f"(unavailable here: {message})")
+    parser.add_argument("ignored_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+
+    def run(_args: argparse.Namespace) -> int:
+        print(f"mars-openhands {name}: {message}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+
+    parser.set_defaults(func=run, accepts_any_args=True)
+
 
 def build_parser() -> argparse.ArgumentParser:
-    """Return the top-level parser with every available subcommand registered."""
+    """Return the top-level parser with every available subcommand registered.
+
+    A subcommand whose module raises ImportError here is registered by :func:`_add_unavailable`
+    under its name (``add_<name>_subcommand``).
+    """
     parser = argparse.ArgumentParser(
         prog="mars-openhands",
         description="MARS co-scheduling for agentic LLM workloads on stock vLLM and OpenHands.",
@@ -36,16 +75,24 @@ def build_parser() -> argparse.ArgumentParser:
         try:
             adder = getattr(importlib.import_module(module), func)
         except ImportError as e:  # a component whose extra is not installed in this environment
-            sub.add_parser(module.rsplit(".", 2)[-2], help=f"(unavailable here: {e.name} missing)")
+            name = func.removeprefix("add_").removesuffix("_subcommand")
+            _add_unavailable(sub, name, _unavailable_message(module, e))
             continue
         adder(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse `argv` (default: sys.argv[1:]) and run the chosen subcommand; return its exit code."""
+    """Parse `argv` (default: sys.argv[1:]) and run the chosen subcommand; return its exit code.
+
+    Raises:
+        SystemExit: bad arguments (status 2, argparse's message), ``--help``, ``--version``.
+    """
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # parse_known_args so that an unavailable subcommand sees all its arguments (even --help)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "accepts_any_args", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2 if args.command is None else 1

@@ -46,7 +46,10 @@ def _add_shaping_options(parser: argparse.ArgumentParser) -> None:
     caps = parser.add_argument_group("caps (fit small engines)")
     caps.add_argument("--max-turns", type=int, default=None, help="at most this many turns/session")
     caps.add_argument("--max-context-tokens", type=int, default=None,
-                      help="end sessions before prompt + output exceeds this many tokens")
+                      help="end each session at its last turn whose prompt + output fits in this "
+                           "many tokens (that turn becomes final); a first turn that does not fit "
+                           "is shrunk to it (output at most half, prompt the rest), so every "
+                           "session keeps one turn")
 
 
 def add_workload_subcommand(subparsers: Any) -> argparse.ArgumentParser:
@@ -80,9 +83,21 @@ def add_workload_subcommand(subparsers: Any) -> argparse.ArgumentParser:
 
     stats = commands.add_parser("stats", help="print a workload's distributions")
     stats.add_argument("file", help="workload file")
-    stats.add_argument("--top", type=int, default=12, help="tools to list")
+    stats.add_argument("--top", type=_positive_int, default=12, metavar="N",
+                       help="list the N most-called tools (N >= 1; default: %(default)s)")
     stats.set_defaults(func=_guarded(_stats))
     return workload
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (argparse turns the error into exit status 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def _guarded(handler: Any) -> Any:

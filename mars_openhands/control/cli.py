@@ -3,8 +3,9 @@
 Every field becomes a flag (``num_tool_workers`` → ``--num-tool-workers``; nested admission and
 reorder parameters → ``--admission-window-max``, ``--reorder-starvation-s``); booleans get
 ``--x/--no-x``; optional values accept ``none``. ``--replica URL[,events=ADDR][,name=N][,source=S]``
-is repeatable. ``--config FILE`` (TOML or JSON, same keys as the model) is read first and flags
-override it. Unknown keys in the file are an error (``extra="forbid"``).
+is repeatable. ``--config FILE`` (TOML or JSON, keys nested like the model:
+``{"admission": {"window_min": 10}}``, not ``admission_window_min``) is read first and flags override
+it. Unknown keys in the file are an error (``extra="forbid"``) that names the nested spelling.
 """
 
 from __future__ import annotations
@@ -63,8 +64,7 @@ def _add_model_flags(parser: argparse.ArgumentParser, model: type[BaseModel], pr
             continue
         flag = "--" + (prefix + name).replace("_", "-")
         dest = f"{prefix.replace('-', '__')}{name}"
-        default = None if field.default_factory is not None else field.default
-        help_text = f"{(field.description or '').strip()} (default: {default})".replace("%", "%%")
+        help_text = _help_text(field).replace("%", "%%")
         base, optional = _scalar_type(field.annotation)
         if base is bool:
             parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
@@ -75,14 +75,32 @@ def _add_model_flags(parser: argparse.ArgumentParser, model: type[BaseModel], pr
                                 help=help_text)
 
 
+def _help_text(field: Any) -> str:
+    """A field's docstring plus ``(default: X)``, unless a factory's default is already described.
+
+    A ``default_factory`` default (e.g. ``num_tool_workers``: the CPU count) is computed on this
+    machine; when the docstring already says what the default is, no value is appended.
+    """
+    description = (field.description or "").strip()
+    if field.default_factory is None:
+        return f"{description} (default: {field.default})"
+    if "default" in description.lower():
+        return description
+    return f"{description} (default here: {field.get_default(call_default_factory=True)})"
+
+
 def add_gateway_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``gateway`` on an argparse sub-parsers object; sets ``func`` (args → exit code)."""
     parser = subparsers.add_parser(
         "gateway", help="OpenAI-compatible gateway running the MARS external control plane",
         description=GatewayConfig.__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--config", type=Path, default=argparse.SUPPRESS,
-                        help="TOML or JSON file with GatewayConfig keys; flags override it")
+    parser.add_argument("--config", type=Path, default=argparse.SUPPRESS, metavar="FILE",
+                        help="TOML (.toml) or JSON (.json) file of GatewayConfig keys, nested like "
+                             "the config: field names with underscores, admission and reorder "
+                             "parameters in their own tables, e.g. {\"num_tool_workers\": 8, "
+                             "\"admission\": {\"window_min\": 10}, \"replicas\": [{\"url\": "
+                             "\"http://127.0.0.1:8001\"}]}; flags override it")
     parser.add_argument(
         "--replica", dest="replicas", action="append", default=argparse.SUPPRESS,
         metavar="URL[,events=ADDR][,name=N][,source=S]",
@@ -91,7 +109,7 @@ def add_gateway_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     )
     _add_model_flags(parser, GatewayConfig, "")
     for nested in _NESTED:
-        model = GatewayConfig.model_fields[nested].annotation
+        model = typing.cast(type[BaseModel], GatewayConfig.model_fields[nested].annotation)
         _add_model_flags(parser, model, nested + "-")
     parser.set_defaults(func=run_from_args)
     return parser
@@ -134,19 +152,62 @@ def _flag_of(loc: tuple[int | str, ...]) -> str:
     return "--" + "-".join(str(p) for p in loc).replace("_", "-")
 
 
-def format_validation_error(error: ValidationError) -> str:
-    """One line per problem: ``--flag: message (got value)``. Pure."""
+def _nested_example(path: Path | None, section: str, key: str) -> str:
+    """How ``key`` under ``section`` is spelled in a TOML or JSON ``--config`` file."""
+    if path is not None and path.suffix == ".toml":
+        return f"[{section}] {key} = ..."
+    return f'{{"{section}": {{"{key}": ...}}}}'
+
+
+def _section_fields(section: str) -> tuple[str, ...]:
+    """Field names of a nested GatewayConfig section (``admission``, ``reorder``, ``replicas``)."""
+    annotation = GatewayConfig.model_fields[section].annotation
+    model = typing.get_args(annotation)[0] if section == "replicas" else annotation
+    return tuple(getattr(model, "model_fields", {}))
+
+
+def _unknown_key_hint(loc: tuple[int | str, ...], path: Path | None) -> str:
+    """What to write instead of the unknown file key at ``loc`` (a nested or underscore spelling)."""
+    key = str(loc[-1])
+    if len(loc) > 1 and loc[0] in (*_NESTED, "replicas"):
+        return f"'{loc[0]}' takes: {', '.join(_section_fields(str(loc[0])))}"
+    if len(loc) == 1:
+        spelled = key.replace("-", "_")
+        if spelled != key and spelled in GatewayConfig.model_fields:
+            return f"write it as '{spelled}' (file keys use underscores)"
+        for section in _NESTED:
+            rest = spelled.removeprefix(section + "_")
+            if rest != spelled and rest in _section_fields(section):
+                return ("file keys are nested like the config: "
+                        + _nested_example(path, section, rest))
+    return ("file keys are nested like the config, e.g. "
+            + _nested_example(path, "admission", "window_min")
+            + "; see `mars-openhands gateway --help` for the fields")
+
+
+def format_validation_error(error: ValidationError, config_file: Path | None = None) -> str:
+    """One line per problem: ``--flag: message (got value)``. Pure.
+
+    Args:
+        error: from validating :class:`GatewayConfig`.
+        config_file: the ``--config`` file, if any; unknown keys can only come from it and are
+            reported as ``--config FILE: unknown key 'k'; <the spelling to use>``.
+    """
     lines = []
     items = error.errors()
     has_replica_item = any(len(i["loc"]) > 1 and i["loc"][0] == "replicas" for i in items)
     for item in items:
-        if has_replica_item and tuple(item["loc"]) == ("replicas",):
+        loc = tuple(item["loc"])
+        if has_replica_item and loc == ("replicas",):
             continue  # pydantic's follow-up "tuple too short" after a bad replica
-        message = str(item["msg"]).removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
-            message = "unknown key; see `mars-openhands gateway --help` for the accepted ones"
+            key = ".".join(str(p) for p in loc)
+            where = f"--config {config_file}" if config_file is not None else "config"
+            lines.append(f"{where}: unknown key '{key}'; {_unknown_key_hint(loc, config_file)}")
+            continue
+        message = str(item["msg"]).removeprefix("Value error, ")
         got = item.get("input")
-        flag = _flag_of(tuple(item["loc"]))
+        flag = _flag_of(loc)
         if item["type"] == "missing":
             example = " http://127.0.0.1:8001" if flag == "--replica" else " VALUE"
             lines.append(f"{flag}: required; pass {flag}{example}")
@@ -182,7 +243,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     values = vars(args).copy()
     values.pop("func", None)
     values.pop("command", None)
-    data: dict[str, Any] = _read_file(values.pop("config")) if "config" in values else {}
+    config_file: Path | None = values.pop("config", None)
+    data: dict[str, Any] = _read_file(config_file) if config_file is not None else {}
     if "replicas" in values:
         try:
             data["replicas"] = [parse_replica(spec) for spec in values.pop("replicas")]
@@ -199,11 +261,17 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     try:
         return GatewayConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(format_validation_error(e)) from None
+        raise ConfigError(format_validation_error(e, config_file)) from None
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    """Run the gateway until interrupted; returns the exit code (2 for a bad configuration)."""
+    """Run the gateway until interrupted; returns the exit code.
+
+    Returns:
+        2 for a bad configuration (one line per problem on stderr); 0 when the gateway stops,
+        including on Ctrl-C (SIGINT), which shuts it down gracefully (stream flushed and closed)
+        and prints one line, as uvicorn does.
+    """
     try:
         config = config_from_args(args)
         check_runtime(config)
@@ -213,5 +281,10 @@ def run_from_args(args: argparse.Namespace) -> int:
         return 2
     from mars_openhands.control.server import run_gateway
 
-    run_gateway(config)
+    try:
+        run_gateway(config)
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn has shut down gracefully (stream closed), then
+        # re-raised the signal; exit 0 quietly as uvicorn's own CLI does
+        stream = f"; stream: {config.stream_path}" if config.stream_path is not None else ""
+        print(f"mars-openhands gateway: gateway stopped{stream}", file=sys.stderr)
     return 0

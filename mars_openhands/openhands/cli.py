@@ -22,7 +22,15 @@ from typing import Any
 
 __all__ = ["add_openhands_subcommand", "main"]
 
-if importlib.util.find_spec("openhands") is None:  # the top-level CLI lists it as unavailable
+def _has_openhands_sdk() -> bool:
+    # "openhands.sdk", not "openhands": with tests/ on sys.path, tests/openhands/ is an "openhands".
+    try:
+        return importlib.util.find_spec("openhands.sdk") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+if not _has_openhands_sdk():  # the top-level CLI lists it as unavailable
     raise ImportError("the OpenHands SDK is not installed here (needs Python >= 3.12 and the "
                       "'openhands' extra; use .venv-openhands)", name="openhands")
 

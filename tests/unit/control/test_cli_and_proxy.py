@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import signal
 import subprocess
 import sys
 import time
 
+import pandas as pd
 import pytest
 
-from mars_openhands.control.cli import ConfigError, format_validation_error
+from mars_openhands.control.cli import ConfigError, add_gateway_subcommand, format_validation_error
 from mars_openhands.control.config import GatewayConfig
 from mars_openhands.control.metadata import BadRequestError, build_engine_body
 from mars_openhands.control.proxy import engine_content, probe_body
@@ -35,13 +38,28 @@ def run_cli(*args: str, cwd=None) -> subprocess.CompletedProcess[str]:
          ["--admission-window-max: Input should be greater than or equal to 1 (got 0)",
           "--port: Input should be less than or equal to 65535 (got 70000)"]),
         (["--config", "bad.json"], 2, ["--replica[0] url: replica url must start with http://",
-                                       "--colour: unknown key"]),
+                                       "--config bad.json: unknown key 'colour'"]),
+        (["--config", "flat.json"], 2,
+         ["--config flat.json: unknown key 'admission_window_min'; file keys are nested like the "
+          'config: {"admission": {"window_min": ...}}',
+          "--config flat.json: unknown key 'num-tool-workers'; write it as 'num_tool_workers'"]),
+        (["--config", "flat.toml"], 1,
+         ["--config flat.toml: unknown key 'reorder_starvation_s'; file keys are nested like the "
+          "config: [reorder] starvation_s = ..."]),
+        (["--config", "nested.json"], 1,
+         ["--config nested.json: unknown key 'admission.colour'; 'admission' takes: window_max"]),
     ],
 )
 def test_bad_cli_input_is_one_line_per_problem_and_exit_2(tmp_path, args, num_lines,
                                                           needles) -> None:
     (tmp_path / "exists.jsonl").write_text("")
     (tmp_path / "bad.json").write_text(json.dumps({"replicas": [{"url": "x"}], "colour": 1}))
+    replica = {"replicas": [{"url": "http://127.0.0.1:1"}]}
+    (tmp_path / "flat.json").write_text(json.dumps(
+        {**replica, "admission_window_min": 10, "num-tool-workers": 3}))
+    (tmp_path / "flat.toml").write_text(
+        'reorder_starvation_s = 3\n[[replicas]]\nurl = "http://127.0.0.1:1"\n')
+    (tmp_path / "nested.json").write_text(json.dumps({**replica, "admission": {"colour": 1}}))
     proc = run_cli(*args, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
@@ -58,6 +76,53 @@ def test_validation_error_lines_name_nested_flags() -> None:
                                       "admission": {"kv_set_usage": 2.0}})
     assert format_validation_error(info.value).startswith("--admission-kv-set-usage: ")
     assert issubclass(ConfigError, ValueError)
+
+
+def test_config_help_states_the_nested_file_format_and_no_contradictory_default() -> None:
+    parser = argparse.ArgumentParser()
+    gateway = add_gateway_subcommand(parser.add_subparsers())
+    helps = {a.option_strings[0]: a.help for a in gateway._actions if a.option_strings}
+    assert 'nested like the config' in helps["--config"]
+    assert '"admission": {"window_min": 10}' in helps["--config"]
+    assert "CPU count" in helps["--num-tool-workers"]
+    assert "None" not in helps["--num-tool-workers"]  # the field's default_factory, not None
+    assert helps["--port"].endswith("(default: 8000)")  # plain defaults are still shown
+
+
+def _start_gateway(*args: str) -> tuple[subprocess.Popen[str], str]:
+    """Start the gateway CLI with SIGINT at its default (as from a terminal); return it and its
+    start-up line."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mars_openhands.control", "--port", "0", *args],
+        stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 60
+    line = ""
+    while time.monotonic() < deadline and "listening" not in line:
+        line = proc.stderr.readline()
+        if not line and proc.poll() is not None:
+            break
+    return proc, line
+
+
+def test_ctrl_c_stops_the_gateway_quietly_and_closes_the_stream(tmp_path) -> None:
+    stream = tmp_path / "stream.jsonl"
+    proc, line = _start_gateway("--replica", "http://127.0.0.1:9/", "--stream-path", str(stream),
+                                "--stream-write-parquet")
+    try:
+        assert "listening" in line, line
+        time.sleep(0.5)  # let the control loop record at least one event
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert err.strip().splitlines()[-1] == f"mars-openhands gateway: gateway stopped; stream: {stream}"
+    lines = stream.read_text().splitlines()
+    assert lines and all(json.loads(x)["source"] == "gateway" for x in lines)  # no torn last line
+    assert len(pd.read_parquet(stream.with_suffix(".parquet"))) == len(lines)  # closed on shutdown
 
 
 def test_start_up_line_names_url_replicas_admission_and_stream(tmp_path) -> None:

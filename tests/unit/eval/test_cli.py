@@ -63,3 +63,34 @@ def test_bad_arguments_exit_2(tmp_path: Path, capsys) -> None:
     assert "needs --rate" in capsys.readouterr().err
     assert _run("stats", str(tmp_path / "missing.json")) == 2
     assert not (tmp_path / "w.json").exists()
+
+
+@pytest.mark.parametrize("top", ["-1", "0", "two"])
+def test_stats_top_below_1_is_rejected_with_exit_2(tmp_path: Path, capsys, top: str) -> None:
+    out = tmp_path / "w.json"
+    assert _run("synth", "--kind", "swebench", "--sessions", "2", "-o", str(out)) == 0
+    with pytest.raises(SystemExit) as info:
+        _run("stats", str(out), "--top", top)
+    assert info.value.code == 2
+    assert "argument --top: " in capsys.readouterr().err
+
+
+def _help(command: str) -> str:
+    parser = argparse.ArgumentParser(prog="mars-openhands")
+    workload = add_workload_subcommand(parser.add_subparsers(dest="command", required=True))
+    leaf = next(a for a in workload._actions if isinstance(a, argparse._SubParsersAction))
+    return " ".join(leaf.choices[command].format_help().split())
+
+
+def test_max_context_tokens_help_describes_what_the_cap_does(tmp_path: Path) -> None:
+    text = _help("from-traces")
+    assert "last turn whose prompt + output fits" in text and "shrunk" in text
+    assert "--top N" in _help("stats") and "N >= 1" in _help("stats")
+    # ... and that is what happens: a first turn over the cap is shrunk to it, output <= half
+    out = tmp_path / "w.json"
+    assert _run("from-traces", str(FIXTURES / "good"), "-o", str(out),
+                "--max-context-tokens", "10") == 0
+    for session in load_workload(out).sessions:
+        (turn,) = session.turns
+        assert turn.prompt_tokens_appended + turn.output_tokens == 10
+        assert turn.output_tokens <= 5 and turn.tool_name is None
