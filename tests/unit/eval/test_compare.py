@@ -14,6 +14,8 @@ try:  # module level: FastAPI resolves the fake server's string annotation here
 except ImportError:  # pragma: no cover - the URL-backend test skips then
     Request = None  # type: ignore[assignment,misc]
 
+from compare_helpers import small_workload
+
 from eval.compare import (
     POLICIES,
     CompareOptions,
@@ -21,7 +23,6 @@ from eval.compare import (
     find_base_rate,
     parse_policies,
 )
-from eval.workloads.format import Session, Turn, Workload, WorkloadMeta
 
 
 def test_parse_policies_all_and_dedup() -> None:
@@ -83,21 +84,6 @@ def test_cli_rejects_bad_loads() -> None:
 
 
 # ----------------------------------------------------------------------------- end to end (sim)
-def _workload(n: int = 4, turns: int = 3) -> Workload:
-    sessions = []
-    for i in range(n):
-        spec = [Turn(prompt_tokens_appended=200 + 30 * i + 5 * k, output_tokens=12 + i + k,
-                     tool_name="bash", tool_duration_s=0.2 + 0.1 * ((i + k) % 3)) for k in range(turns - 1)]
-        spec.append(Turn(prompt_tokens_appended=40, output_tokens=8))
-        sessions.append(Session(session_id=f"s{i}", arrival_s=0.0, turns=tuple(spec)))
-    return Workload(meta=WorkloadMeta(source="test"), sessions=tuple(sessions))
-
-
-@pytest.fixture(scope="module")
-def sim():
-    return pytest.importorskip("eval.sim", reason="the sim backend needs vllm")
-
-
 def test_run_compare_writes_everything_and_survives_a_failing_policy(tmp_path, sim) -> None:
     from eval.compare import run_compare
 
@@ -108,7 +94,7 @@ def test_run_compare_writes_everything_and_survives_a_failing_policy(tmp_path, s
 
     options = CompareOptions(policies=("fcfs", "mars", "continuum-dy"), loads=(0.5, 2.0),
                              num_gpu_blocks=512, base_rate_per_s=1.0, admission="off")
-    results = run_compare(_workload(), options, sim.LinearStepTimeModel(), tmp_path, simulate_fn=flaky)
+    results = run_compare(small_workload(), options, sim.LinearStepTimeModel(), tmp_path, simulate_fn=flaky)
     assert len(results) == 6
     assert set(zip(results["label"], results["load_x"], strict=True)) == {
         (p, x) for p in ("fcfs", "mars", "continuum-dy") for x in (0.5, 2.0)}
@@ -134,7 +120,7 @@ def test_run_compare_searches_the_base_rate_and_runs_admission_both(tmp_path, si
 
     options = CompareOptions(policies=("fcfs",), loads=(1.0,), num_gpu_blocks=512, admission="both",
                              search_max_runs=3, knee_slowdown=1.5)
-    results = run_compare(_workload(), options, sim.LinearStepTimeModel(), tmp_path)
+    results = run_compare(small_workload(), options, sim.LinearStepTimeModel(), tmp_path)
     assert list(results["label"]) == ["fcfs", "fcfs+adm"]
     assert (results["status"] == "ok").all()
     text = (tmp_path / "summary.md").read_text()
@@ -147,7 +133,7 @@ def test_kv_scale_for_trim_is_the_kept_context_share() -> None:
     from eval.compare import kv_scale_for_trim
     from eval.workloads import trim_workload
 
-    full = _workload(n=2, turns=3)
+    full = small_workload(n=2, turns=3)
     trimmed = trim_workload(full, max_turns=1)
     kept = sum(s.turns[0].prompt_tokens_appended + s.turns[0].output_tokens for s in full.sessions)
     total = sum(t.prompt_tokens_appended + t.output_tokens for s in full.sessions for t in s.turns)
@@ -270,7 +256,7 @@ def test_time_scaling_round_trip() -> None:
     from eval.backends import scale_workload_time, unscale_events
     from mars_openhands.stream import events as ev
 
-    w = _workload(n=2, turns=3)
+    w = small_workload(n=2, turns=3)
     w = w.model_copy(update={"sessions": tuple(s.model_copy(update={"arrival_s": 2.0 * i})
                                                for i, s in enumerate(w.sessions))})
     scaled = scale_workload_time(w, 0.1)
@@ -380,7 +366,7 @@ def test_url_backend_runs_the_replay_and_labels_the_one_policy(tmp_path, sim, fa
     from eval.compare import run_compare
 
     url, seen = fake_url
-    workload = _workload(n=3, turns=2)
+    workload = small_workload(n=3, turns=2)
     live = LiveBackend(parse_backend(url + "/v1"), LiveOptions(num_gpu_blocks=64, max_model_len_tokens=4096,
                                                                num_tool_workers=4),
                        {name: (p.scheduler, p.additional_config) for name, p in POLICIES.items()})
@@ -413,7 +399,7 @@ def test_cli_url_backend_with_nothing_listening_fails_early(tmp_path, capsys) ->
     workload = tmp_path / "w.json"
     from eval.workloads.format import save_workload
 
-    save_workload(_workload(n=2, turns=2), workload)
+    save_workload(small_workload(n=2, turns=2), workload)
     args = _parser().parse_args(["compare", "--backend", f"http://127.0.0.1:{port}", "--policies", "mars",
                                  "--workload", str(workload), "--absolute-rates", "--loads", "1",
                                  "--out", str(tmp_path / "out")])

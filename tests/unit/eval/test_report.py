@@ -121,3 +121,43 @@ def test_paper_comparison_gains_at_the_heaviest_load(results: pd.DataFrame) -> N
 
 def test_paper_comparison_is_empty_without_mars(results: pd.DataFrame) -> None:
     assert paper_comparison(results.loc[results["policy"] != "mars"]).empty
+
+
+def test_ratio_tables_label_ratios_not_units(results: pd.DataFrame) -> None:
+    text = render_summary(results, {})
+    absolute, ratios = text.split("## Ratio vs FCFS")
+    assert "| mean E2E (s) |" in absolute and "| goodput α=3 (sess/s) |" in absolute
+    assert "mean E2E (ratio)" in ratios and "goodput α=3 (ratio)" in ratios
+    assert "(s)" not in ratios and "(sess/s)" not in ratios
+
+
+def test_paper_section_says_which_runs_had_the_admission_window(results: pd.DataFrame) -> None:
+    with_window = results.assign(is_admission_enabled=results["policy"] == "mars")
+    text = render_summary(with_window, {"admission": "auto"})
+    paper = text.split("## Against the paper")[1]
+    assert "Gateway admission window under `--admission auto`" in paper
+    assert "on for mars; off for fcfs, autellix." in paper
+    assert text.count("design.md §") == 1 and "design.md §7 (../shared/docs/design.md)" in text
+    off = render_summary(results, {"admission": "off"}).split("## Against the paper")[1]
+    assert "`--admission off`" in off and "on for no run; off for fcfs, autellix, mars." in off
+
+
+def test_plot_titles_name_the_load_and_the_base_rate(tmp_path, results: pd.DataFrame, monkeypatch) -> None:
+    import eval.report as report
+
+    titles: dict[str, list[str]] = {}
+
+    def capture(fig, path, plt):
+        suptitle = fig._suptitle.get_text() if fig._suptitle is not None else ""
+        titles[path.name] = [suptitle, *(ax.get_title() for ax in fig.axes)]
+        plt.close(fig)
+        return path
+
+    monkeypatch.setattr(report, "_save", capture)
+    write_plots(tmp_path, results, {r: [1.0, 2.0] for r in results["run_id"]})
+    assert titles["e2e_cdf.png"][1] == "load 1× base (0.1 sessions/s)"
+    assert titles["goodput_vs_alpha.png"][1] == "load 1× base (0.1 sessions/s)"
+    assert "base rate 0.1 sessions/s" in titles["e2e_vs_load.png"][0]
+    write_plots(tmp_path, results, {r: [1.0, 2.0] for r in results["run_id"]}, is_absolute_rates=True)
+    assert titles["e2e_cdf.png"][1] == "rate 0.1 sessions/s"
+    assert "absolute" in titles["e2e_vs_load.png"][0]
