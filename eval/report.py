@@ -296,6 +296,18 @@ def _alphas(results: pd.DataFrame) -> list[float]:
     return sorted(float(c[len("goodput_a"):-len("_per_s")]) for c in cols)
 
 
+_LINE_STYLES = (("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("P", "--"), ("X", "-."))
+
+
+def _line_style(index: int) -> dict[str, Any]:
+    """Marker, dash pattern and width of the ``index``-th run label: tied policies (e.g. infercept
+    and fcfs) draw on top of each other, so each later line is dashed differently and thinner,
+    and the ones below stay visible."""
+    marker, linestyle = _LINE_STYLES[index % len(_LINE_STYLES)]
+    return {"marker": marker, "linestyle": linestyle, "linewidth": max(0.8, 2.4 - 0.25 * index),
+            "markersize": max(3.0, 7.0 - 0.6 * index)}
+
+
 def write_plots(out_dir: str | Path, results: pd.DataFrame, e2e_by_run: Mapping[str, Sequence[float]],
                 is_absolute_rates: bool = False) -> list[Path]:
     """Write the PNG plots (matplotlib, Agg backend) and return their paths.
@@ -324,11 +336,12 @@ def write_plots(out_dir: str | Path, results: pd.DataFrame, e2e_by_run: Mapping[
     if ok.empty:
         return paths
     heaviest = ok.loc[ok["load_x"] == ok["load_x"].max()]
+    style = {label: _line_style(i) for i, label in enumerate(ok["label"].unique())}
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for label, group in ok.groupby("label", sort=False):
         group = group.sort_values("load_x")
-        axes[0].plot(group["load_x"], group["e2e_mean_s"], marker="o", label=label)
-        axes[1].plot(group["load_x"], group["e2e_p95_s"], marker="o", label=label)
+        axes[0].plot(group["load_x"], group["e2e_mean_s"], label=label, **style[label])
+        axes[1].plot(group["load_x"], group["e2e_p95_s"], label=label, **style[label])
     for ax, name in zip(axes, ("mean E2E (s)", "P95 E2E (s)"), strict=True):
         ax.set_xlabel("arrival rate (sessions/s)" if is_absolute_rates else "load (× base rate)")
         ax.set_ylabel(name)
@@ -340,7 +353,8 @@ def write_plots(out_dir: str | Path, results: pd.DataFrame, e2e_by_run: Mapping[
     for _, r in heaviest.iterrows():
         e2e = np.sort(np.asarray(e2e_by_run.get(r["run_id"], []), dtype=float))
         if e2e.size:
-            ax.step(e2e, np.arange(1, e2e.size + 1) / e2e.size, where="post", label=r["label"])
+            ax.step(e2e, np.arange(1, e2e.size + 1) / e2e.size, where="post", label=r["label"],
+                    linestyle=style[r["label"]]["linestyle"], linewidth=style[r["label"]]["linewidth"])
     ax.set_xlabel("session E2E (s)")
     ax.set_ylabel("CDF")
     ax.set_title(_load_title(heaviest, is_absolute_rates))
@@ -350,7 +364,7 @@ def write_plots(out_dir: str | Path, results: pd.DataFrame, e2e_by_run: Mapping[
     alphas = _alphas(ok)
     fig, ax = plt.subplots(figsize=(6, 4))
     for _, r in heaviest.iterrows():
-        ax.plot(alphas, [r[goodput_column(a)] for a in alphas], marker="o", label=r["label"])
+        ax.plot(alphas, [r[goodput_column(a)] for a in alphas], label=r["label"], **style[r["label"]])
     ax.set_xlabel("α (SLO = α × ideal E2E)")
     ax.set_ylabel("goodput (sessions/s)")
     ax.set_title(_load_title(heaviest, is_absolute_rates))
