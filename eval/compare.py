@@ -187,6 +187,11 @@ class BaseRateSearch:
     probes: tuple[tuple[float, float, bool], ...]
     how: str
 
+    @property
+    def is_bracketed(self) -> bool:
+        """Whether a stable and an unstable rate were both probed (the knee lies between them)."""
+        return len({stable for _, _, stable in self.probes}) == 2
+
 
 def find_base_rate(mean_slowdown_at: Callable[[float], float], start_rate_per_s: float,
                    bound: float, max_runs: int) -> BaseRateSearch:
@@ -487,6 +492,10 @@ def _base_rate(workload: Workload, options: CompareOptions, step_timer: Any, ide
     if progress is not None:
         progress.update(task, completed=options.search_max_runs)
     info["base rate"] = f"{search.rate_per_s:.4g} sessions/s"
+    if not search.is_bracketed:
+        print(f"warning: the FCFS knee search did not bracket the knee in {len(search.probes)} runs; "
+              f"loads are multiples of {search.rate_per_s:.4g} sessions/s (raise --search-runs or "
+              "give --base-rate)", file=sys.stderr)
     info["base rate search"] = search.how + " (probes: " + ", ".join(
         f"{r:.4g}/s→{s:.3g}" for r, s, _ in search.probes) + ")"
     return search.rate_per_s

@@ -145,8 +145,10 @@ def _load_header(load_x: float, rate_per_s: float, is_absolute: bool) -> str:
 
 
 def _absolute_section(results: pd.DataFrame, is_absolute: bool) -> list[str]:
-    parts = ["## Absolute values", ""]
-    header = ["run", *(m.label for m in METRICS), "completed", "wall (s)"]
+    parts = ["## Absolute values", "",
+             "E2E and throughput in the backend's time (virtual for `sim`); *run wall (s)* is this "
+             "machine's wall-clock time for the run (live backends: including the server start).", ""]
+    header = ["run", *(m.label for m in METRICS), "completed", "run wall (s)"]
     for load_x, group in results.groupby("load_x", sort=True):
         parts += [_load_header(load_x, float(group["rate_per_s"].iloc[0]), is_absolute), ""]
         rows = []

@@ -51,15 +51,17 @@ def test_knee_search_brackets_the_threshold() -> None:
     assert knee / 1.05 <= search.rate_per_s <= knee
     assert len(calls) == len(search.probes) <= 12
     assert all(stable == (r <= knee) for r, _, stable in search.probes)
-    assert "largest stable rate" in search.how
+    assert "largest stable rate" in search.how and search.is_bracketed
 
 
 def test_knee_search_respects_budget_and_goes_down_when_start_is_unstable() -> None:
     search = find_base_rate(lambda r: math.inf if r > 0.1 else 1.0, 1.0, bound=2.0, max_runs=3)
     assert [p[0] for p in search.probes] == [1.0, 0.5, 0.25]
     assert search.rate_per_s == 0.25 and "no stable rate" in search.how
+    assert not search.is_bracketed
     search = find_base_rate(lambda r: 1.0, 1.0, bound=2.0, max_runs=3)
     assert search.rate_per_s == 4.0 and "no unstable rate" in search.how
+    assert not search.is_bracketed
 
 
 def _parser() -> argparse.ArgumentParser:
