@@ -861,19 +861,21 @@ def _replay_command(args: argparse.Namespace, flags: dict[str, str] | None = Non
         for line in format_config_error(e, flags or {}):
             print(line, file=sys.stderr)
         return EXIT_BAD_INPUT
+    # The recorder writes JSONL live and its Parquet copy on close: "-o x.parquet" records x.jsonl.
+    stream_path = Path(args.output).with_suffix(".jsonl")
     try:
         workload = load_workload(args.workload)
-        result = run_replay(workload, config, stream_path=args.output)
+        result = run_replay(workload, config, stream_path=stream_path)
     except (WorkloadFormatError, ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
-        print(f"interrupted; the stream so far is in {args.output}", file=sys.stderr)
+        print(f"interrupted; the stream so far is in {stream_path}", file=sys.stderr)
         return EXIT_INTERRUPTED
     result_path = Path(args.output).with_suffix(".result.json")
     result_path.write_text(json.dumps(dataclasses.asdict(result), default=str, indent=1))
     counts = {s: result.num_with_status(s) for s in typing.get_args(SessionStatus)}
     print(f"replayed {len(result.sessions)} sessions in {result.duration_s:.1f} s: "
           + ", ".join(f"{n} {s}" for s, n in counts.items() if n)
-          + f"; stream {args.output}, records {result_path}")
+          + f"; stream {stream_path} (+ .parquet), records {result_path}")
     return 0 if counts["ok"] == len(result.sessions) else EXIT_SESSIONS_FAILED

@@ -128,6 +128,14 @@ class GatewayConfig(BaseModel):
     stream_write_parquet: bool = False
     """Also write ``<stream>.parquet`` on shutdown (needs pandas and pyarrow)."""
 
+    @field_validator("stream_path")
+    @classmethod
+    def _jsonl_stream(cls, value: str | None) -> str | None:
+        if value is not None and value.endswith(".parquet"):
+            raise ValueError(f"the stream is recorded as JSONL: give a .jsonl path, not {value!r} "
+                             "(--stream-write-parquet adds the .parquet copy next to it)")
+        return value
+
     @model_validator(mode="after")
     def _unique_replicas(self) -> Self:
         urls = [r.url for r in self.replicas]

@@ -64,7 +64,8 @@ class StreamRecorder:
 
     Raises:
         FileExistsError: ``path`` exists and ``append`` is false.
-        ValueError: ``batch_size_events`` < 1 or ``flush_interval_s`` < 0.
+        ValueError: ``batch_size_events`` < 1, ``flush_interval_s`` < 0, or the Parquet copy
+            would overwrite ``path`` (``path`` ends in ``.parquet``).
     """
 
     def __init__(
@@ -87,6 +88,12 @@ class StreamRecorder:
         self.parquet_path = (
             Path(parquet_path) if parquet_path is not None else self.path.with_suffix(".parquet")
         )
+        if write_parquet and self.parquet_path == self.path:
+            raise ValueError(
+                f"stream path {str(self.path)!r} is also its Parquet copy's path; give the JSONL "
+                f"path ({str(self.path.with_suffix('.jsonl'))!r}) and the .parquet is written next "
+                "to it on close"
+            )
         self.write_parquet = write_parquet
         self.batch_size_events = batch_size_events
         self._lock = threading.Lock()
@@ -112,7 +119,8 @@ class StreamRecorder:
             except FileExistsError:
                 raise FileExistsError(
                     f"stream file {self.path} already exists; one run yields one stream: choose a "
-                    "new run directory, or pass append=True to continue it"
+                    "new path or run directory (in Python, StreamRecorder(..., append=True) "
+                    "continues it)"
                 ) from None
         if self.path.exists():
             with open(self.path, "rb+") as f:

@@ -123,6 +123,8 @@ def test_parse_replica_and_bad_configs() -> None:
         GatewayConfig(replicas=[ReplicaConfig(url="http://a"), ReplicaConfig(url="http://a")])
     with pytest.raises(ValidationError, match="Extra inputs"):
         GatewayConfig(replicas=[ReplicaConfig(url="http://a")], colour="red")
+    with pytest.raises(ValidationError, match="give a .jsonl path"):  # the stream is JSONL
+        GatewayConfig(replicas=[ReplicaConfig(url="http://a")], stream_path="runs/x/s.parquet")
 
 
 def test_cli_flags_come_from_the_model(tmp_path) -> None:

@@ -508,6 +508,20 @@ def test_cli_against_an_unreachable_endpoint_records_errors_and_exits_1(tmp_path
     assert "ConnectError" in records["sessions"][0]["error"]
 
 
+def test_cli_output_parquet_records_jsonl_next_to_it_and_keeps_both(tmp_path: Path) -> None:
+    """-o x.parquet used to record JSONL *into* x.parquet and fail converting it at the very end."""
+    workload_path = tmp_path / "w.json"
+    save_workload(WORKLOAD, workload_path)
+    out = tmp_path / "run" / "s.parquet"
+    code = _cli(["replay", str(workload_path), "-o", str(out), "--endpoint-url",
+                 "http://127.0.0.1:9", "--model", "m", "--no-show-progress",
+                 "--max-model-len-tokens", "1000", "--request-timeout-s", "5"])
+    assert code == 1  # nothing listens: every session ends with an error, recorded
+    parquet, jsonl = read_stream(out), read_stream(out.with_suffix(".jsonl"))
+    assert len(parquet) == len(jsonl) > 0
+    assert out.with_suffix(".result.json").is_file()
+
+
 def test_cli_bad_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert _cli(["replay", str(tmp_path / "missing.json"), "-o", str(tmp_path / "s.jsonl"),
                  "--endpoint-url", "http://e", "--model", "m"]) == 2

@@ -152,3 +152,14 @@ def test_concurrent_recording_from_threads(tmp_path: Path) -> None:
     for t in range(num_threads):  # each thread's events stay in its own order
         mine = frame[frame["tool_call_id"].str.startswith(f"{t}:")]
         assert [int(c.split(":")[1]) for c in mine["tool_call_id"]] == list(range(per_thread))
+
+
+def test_a_parquet_stream_path_is_refused_before_anything_is_written(tmp_path) -> None:
+    """The Parquet copy goes to ``path.with_suffix('.parquet')``: for a .parquet path that is the
+    JSONL file itself, and the conversion would fail only at close, after the whole run."""
+    path = tmp_path / "stream.parquet"
+    with pytest.raises(ValueError, match=r"stream\.jsonl"):
+        StreamRecorder(path)
+    assert not path.exists()
+    with StreamRecorder(path, write_parquet=False) as recorder:  # JSONL only: any name is fine
+        assert recorder.path == path
