@@ -26,6 +26,13 @@ def _check_http_url(value: str) -> str:
     return value.rstrip("/")
 
 
+def _check_zmq_address(value: str | None) -> str | None:
+    if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
+        raise ValueError(f"a ZeroMQ address starts with tcp://, ipc:// or inproc://, got {value!r}; "
+                         "e.g. ipc:///tmp/mars-r0.sock or tcp://127.0.0.1:5600")
+    return value
+
+
 class ReplicaConfig(BaseModel):
     """One vLLM replica behind the gateway. Frozen; unknown keys are an error."""
 
@@ -46,6 +53,11 @@ class ReplicaConfig(BaseModel):
     @classmethod
     def _url(cls, value: str) -> str:
         return _check_http_url(value)
+
+    @field_validator("events_address")
+    @classmethod
+    def _events_address(cls, value: str | None) -> str | None:
+        return _check_zmq_address(value)
 
 
 def parse_replica(spec: str) -> ReplicaConfig:
@@ -127,6 +139,11 @@ class GatewayConfig(BaseModel):
     seconds (an idle gateway then writes ~100 bytes per heartbeat instead of one event per tick)."""
     stream_write_parquet: bool = False
     """Also write ``<stream>.parquet`` on shutdown (needs pandas and pyarrow)."""
+
+    @field_validator("engine_events_address")
+    @classmethod
+    def _engine_events_address(cls, value: str | None) -> str | None:
+        return _check_zmq_address(value)
 
     @field_validator("stream_path")
     @classmethod

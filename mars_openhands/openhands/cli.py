@@ -90,12 +90,46 @@ def _tasks_from(args: argparse.Namespace) -> list[Any]:
                      base_commit=args.base_commit, workspace=args.workspace)]
 
 
+def _checked_inputs(args: argparse.Namespace) -> tuple[list[Any], Any]:
+    """The tasks and run config, checked before any task process starts.
+
+    Raises:
+        ValueError: ``--rps`` <= 0, an unreadable or invalid ``--tasks`` line (the message names the
+            file, line and field), or a task's ``workspace`` that is not a directory.
+    """
+    from pydantic import ValidationError
+
+    if not args.rps > 0:
+        raise ValueError(f"--rps: must be > 0 (got {args.rps})")
+    try:
+        tasks = _tasks_from(args)
+    except OSError as e:
+        raise ValueError(f"--tasks: cannot read {args.tasks} ({e.strerror or e})") from None
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'task'}: {err['msg']}"
+                             for err in e.errors())
+        raise ValueError(f"--tasks {args.tasks}: a task is invalid: {problems}") from None
+    for task in tasks:
+        if task.workspace is not None and not Path(task.workspace).is_dir():
+            raise ValueError(f"task {task.task_id}: workspace {task.workspace} is not a directory "
+                             "(create it first, or give --repo to start from a copy)")
+    return tasks, _config_from(args)
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     """``openhands run``: run the tasks, print one JSON summary line per task; exit 1 if any errored."""
+    # Before the SDK import: litellm otherwise fetches its cost map from GitHub at import (and
+    # retries for ~12 s without network).
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
     from mars_openhands.openhands.runner import run_tasks
 
-    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-    results = run_tasks(_tasks_from(args), _config_from(args), rps=args.rps)
+    try:
+        tasks, config = _checked_inputs(args)
+    except ValueError as e:  # pydantic's ValidationError too
+        for line in str(e).splitlines():
+            print(f"mars-openhands openhands run: {line}", file=sys.stderr)
+        return 2
+    results = run_tasks(tasks, config, rps=args.rps)
     for r in results:
         print(json.dumps({"task_id": r.task_id, "status": r.status, "wall_s": round(r.wall_s, 3),
                           "tool_s": round(r.tool_s, 3), "llm_calls": r.num_llm_calls,

@@ -107,6 +107,26 @@ def test_cli_builds_config_and_tasks(tmp_path: Path) -> None:
     assert vllm.llm.base_url == "http://e:1/v1" and events_url_for(vllm.llm) is None
 
 
+def test_cli_run_input_errors_are_one_line_and_exit_2(tmp_path: Path, capsys) -> None:
+    from mars_openhands.openhands.cli import run_from_args
+
+    base = ["openhands", "run", "--url", "http://127.0.0.1:9", "--model", "m",
+            "--out", str(tmp_path / "o")]
+    bad_task = tmp_path / "tasks.jsonl"
+    bad_task.write_text('{"task_id": "t"}\n')
+    cases = [
+        (["--tasks", str(tmp_path / "nope.jsonl")], "--tasks: cannot read"),
+        (["--tasks", str(bad_task)], "problem_statement: Field required"),
+        (["--problem", "p", "--workspace", str(tmp_path), "--rps", "-1"], "--rps: must be > 0"),
+        (["--problem", "p", "--workspace", str(tmp_path / "missing")], "is not a directory"),
+    ]
+    for extra, expected in cases:
+        assert run_from_args(_parse(base + extra)) == 2
+        err = capsys.readouterr().err
+        assert expected in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()  # nothing started
+
+
 def test_run_tasks_rejects_bad_input(tmp_path: Path) -> None:
     config = RunConfig.model_validate({"llm": {"base_url": "http://x/v1", "model": "m"},
                                        "out_dir": str(tmp_path)})

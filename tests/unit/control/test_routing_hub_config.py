@@ -123,6 +123,10 @@ def test_parse_replica_and_bad_configs() -> None:
         GatewayConfig(replicas=[ReplicaConfig(url="http://a"), ReplicaConfig(url="http://a")])
     with pytest.raises(ValidationError, match="Extra inputs"):
         GatewayConfig(replicas=[ReplicaConfig(url="http://a")], colour="red")
+    with pytest.raises(ValidationError, match="ZeroMQ address starts with"):
+        parse_replica("http://127.0.0.1:9,events=bogus://x")
+    with pytest.raises(ValidationError, match="ZeroMQ address starts with"):
+        GatewayConfig(replicas=[ReplicaConfig(url="http://a")], engine_events_address="127.0.0.1:5")
     with pytest.raises(ValidationError, match="give a .jsonl path"):  # the stream is JSONL
         GatewayConfig(replicas=[ReplicaConfig(url="http://a")], stream_path="runs/x/s.parquet")
 
