@@ -127,17 +127,9 @@ def test_ctrl_c_stops_the_gateway_quietly_and_closes_the_stream(tmp_path) -> Non
 
 def test_start_up_line_names_url_replicas_admission_and_stream(tmp_path) -> None:
     stream = tmp_path / "run" / "stream.jsonl"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mars_openhands.control", "--port", "0", "--replica",
-         "http://127.0.0.1:9/,name=alpha", "--no-is-admission-enabled", "--stream-path", str(stream)],
-        stderr=subprocess.PIPE, text=True)
+    proc, line = _start_gateway("--replica", "http://127.0.0.1:9/,name=alpha",
+                                "--no-is-admission-enabled", "--stream-path", str(stream))
     try:
-        deadline = time.monotonic() + 60
-        line = ""
-        while time.monotonic() < deadline and "listening" not in line:
-            line = proc.stderr.readline()
-            if not line and proc.poll() is not None:
-                break
         assert line.startswith("MARS gateway listening on http://127.0.0.1:"), line
         port = line.split("http://127.0.0.1:")[1].split(" ")[0]
         assert port.isdigit() and port != "0"

@@ -492,14 +492,18 @@ def test_cli_flags_come_from_the_config_model() -> None:
                            "--model", "m", "--tool-mode", "gpu"])
 
 
-def test_cli_against_an_unreachable_endpoint_records_errors_and_exits_1(tmp_path: Path) -> None:
+def _replay_against_nothing(tmp_path: Path, output: Path) -> int:
+    """``replay -o output`` of WORKLOAD against a port where nothing listens; the exit code."""
     workload_path = tmp_path / "w.json"
     save_workload(WORKLOAD, workload_path)
-    stream_path = tmp_path / "run" / "stream.jsonl"
-    code = _cli(["replay", str(workload_path), "-o", str(stream_path), "--endpoint-url",
+    return _cli(["replay", str(workload_path), "-o", str(output), "--endpoint-url",
                  "http://127.0.0.1:9", "--model", "m", "--no-show-progress",
                  "--max-model-len-tokens", "1000", "--request-timeout-s", "5"])
-    assert code == 1
+
+
+def test_cli_against_an_unreachable_endpoint_records_errors_and_exits_1(tmp_path: Path) -> None:
+    stream_path = tmp_path / "run" / "stream.jsonl"
+    assert _replay_against_nothing(tmp_path, stream_path) == 1
     frame = read_stream(stream_path)
     ends = frame[frame["kind"] == "session_end"]
     assert sorted(ends["session_id"]) == ["A", "B", "C"] and set(ends["status"]) == {"error"}
@@ -510,13 +514,8 @@ def test_cli_against_an_unreachable_endpoint_records_errors_and_exits_1(tmp_path
 
 def test_cli_output_parquet_records_jsonl_next_to_it_and_keeps_both(tmp_path: Path) -> None:
     """-o x.parquet used to record JSONL *into* x.parquet and fail converting it at the very end."""
-    workload_path = tmp_path / "w.json"
-    save_workload(WORKLOAD, workload_path)
     out = tmp_path / "run" / "s.parquet"
-    code = _cli(["replay", str(workload_path), "-o", str(out), "--endpoint-url",
-                 "http://127.0.0.1:9", "--model", "m", "--no-show-progress",
-                 "--max-model-len-tokens", "1000", "--request-timeout-s", "5"])
-    assert code == 1  # nothing listens: every session ends with an error, recorded
+    assert _replay_against_nothing(tmp_path, out) == 1  # every session errors, recorded
     parquet, jsonl = read_stream(out), read_stream(out.with_suffix(".jsonl"))
     assert len(parquet) == len(jsonl) > 0
     assert out.with_suffix(".result.json").is_file()
