@@ -1,16 +1,21 @@
-"""argparse ``type=`` callables shared by the eval CLIs (compare, workload, replay).
+"""Command-line helpers shared by the eval CLIs (compare, workload, replay).
 
-Each returns the parsed value or raises :class:`argparse.ArgumentTypeError`, which argparse turns
-into one ``error: argument --flag: <message>`` line and exit status 2. Range checks that belong to
-a config model stay in the model (its errors are reported per flag by the CLI).
+The ``type=`` callables return the parsed value or raise :class:`argparse.ArgumentTypeError`, which
+argparse turns into one ``error: argument --flag: <message>`` line and exit status 2. Range checks
+that belong to a config model stay in the model; :func:`config_error_lines` reports its
+``ValidationError`` per flag, using :func:`long_flags` of the parser.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import re
+from collections.abc import Mapping
+from typing import Any
 
-__all__ = ["count_or_zero", "finite_float", "positive_float", "positive_floats", "positive_int"]
+__all__ = ["config_error_lines", "count_or_zero", "finite_float", "long_flags", "positive_float",
+           "positive_floats", "positive_int"]
 
 
 def finite_float(text: str) -> float:
@@ -64,3 +69,40 @@ def count_or_zero(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0 (0 = no limit), got {text!r}")
     return value
+
+
+def long_flags(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """``dest -> long option`` of every optional flag of ``parser`` (``--help`` left out)."""
+    return {action.dest: next(o for o in action.option_strings if o.startswith("--"))
+            for action in parser._actions
+            if action.dest != "help" and any(o.startswith("--") for o in action.option_strings)}
+
+
+def config_error_lines(error: Any, flags: Mapping[str, str]) -> list[str]:
+    """One ``--flag: <msg> (got <value>)`` line per problem of a config built from flags. Pure.
+
+    Args:
+        error: a pydantic ``ValidationError``.
+        flags: field name → flag, e.g. ``{"num_tool_workers": "--num-tool-workers"}``; a field not
+            in it prints as ``--<field with dashes>``. Errors of a model-level check (no field
+            location) are assigned to the first field their message names.
+
+    Returns:
+        The lines, without pydantic's input dump and documentation URL (no ``error:`` prefix).
+    """
+    lines = []
+    for item in error.errors(include_url=False):
+        message = str(item["msg"]).removeprefix("Value error, ")
+        loc, got = tuple(item["loc"]), item.get("input")
+        if not loc and isinstance(got, dict):  # the model validator: find the field it names
+            named = [w for w in re.findall(r"[a-z][a-z0-9_]*", message) if w in flags]
+            loc, got = ((named[0],), got.get(named[0])) if named else ((), got)
+        flag = flags.get(str(loc[0]), "--" + str(loc[0]).replace("_", "-")) if loc else "config"
+        message = message.removesuffix(f" ({flag})")
+        if item["type"] == "missing":
+            lines.append(f"{flag}: required; pass {flag} VALUE")
+        elif "got " in message or isinstance(got, dict):
+            lines.append(f"{flag}: {message}")
+        else:
+            lines.append(f"{flag}: {message} (got {got!r})")
+    return lines

@@ -47,7 +47,14 @@ from typing import Any, Literal
 import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from eval.argtypes import count_or_zero, finite_float, positive_float, positive_floats
+from eval.argtypes import (
+    config_error_lines,
+    count_or_zero,
+    finite_float,
+    long_flags,
+    positive_float,
+    positive_floats,
+)
 from eval.metrics import DEFAULT_ALPHAS, compute_metrics, session_table
 from eval.report import RESULT_COLUMNS, goodput_column, write_plots, write_summary
 from eval.workloads import (
@@ -78,7 +85,6 @@ __all__ = [
     "parse_policies",
     "run_compare",
     "skipped_traces_note",
-    "validation_messages",
 ]
 
 DEFAULT_TRACES = Path("..") / "shared" / "data" / "traces" / "mini-swe-agent" / "deepseek_chat_test_1-100"
@@ -651,8 +657,7 @@ def add_compare_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--tool-workers", type=int, default=16, help="concurrent tool calls (default 16)")
     p.add_argument("--seed", type=int, default=0, help="arrivals and simulator seed (default 0)")
     p.add_argument("--out", default="runs/compare", help="results directory (default runs/compare)")
-    flags = {a.dest: a.option_strings[0] for a in p._actions if a.option_strings}
-    p.set_defaults(func=functools.partial(_main, flags=flags))
+    p.set_defaults(func=functools.partial(_main, flags={**long_flags(p), **_FLAG_OF_FIELD}))
     return p
 
 
@@ -795,26 +800,6 @@ _WRITTEN_FILES = frozenset({"results.parquet", "results.parquet.tmp", "summary.m
 """Fixed-name files compare writes into ``--out`` (besides the run Parquets and ``server-logs/``)."""
 
 
-def validation_messages(error: ValidationError, flags: Mapping[str, str]) -> list[str]:
-    """One ``"--flag: <pydantic msg> (got <value>)"`` per error of ``error``. Pure.
-
-    Args:
-        error: raised by a config built from the command-line flags.
-        flags: argparse ``dest -> option string`` (e.g. ``"tool_workers" -> "--tool-workers"``);
-            field names not in it go through :data:`_FLAG_OF_FIELD`, else print as ``--<field>``.
-    """
-    lines = []
-    for e in error.errors(include_url=False):
-        msg = str(e["msg"]).removeprefix("Value error, ")
-        if not e["loc"]:
-            lines.append(msg)
-            continue
-        name = str(e["loc"][0])
-        flag = _FLAG_OF_FIELD.get(name) or flags.get(name) or "--" + name.replace("_", "-")
-        lines.append(f"{flag}: {msg} (got {e.get('input')!r})")
-    return lines
-
-
 def clear_previous_results(out_dir: str | Path) -> bool:
     """Delete what an earlier compare wrote into ``out_dir`` if it holds a ``results.parquet``.
 
@@ -863,7 +848,7 @@ def _options_from_args(args: argparse.Namespace, policies: tuple[str, ...]) -> C
     """:class:`CompareOptions` of the flags; KV blocks are a placeholder until the profile is known.
 
     Raises:
-        ValidationError: a flag out of range (see :func:`validation_messages`).
+        ValidationError: a flag out of range (see :func:`eval.argtypes.config_error_lines`).
     """
     return CompareOptions(
         policies=policies, loads=args.loads, is_absolute_rates=args.absolute_rates,
@@ -895,7 +880,7 @@ def _main(args: argparse.Namespace, flags: Mapping[str, str] | None = None) -> i
         if not args.workload and not args.traces:
             args.traces = str(default_traces_dir(os.environ, Path.cwd()))
     except ValidationError as e:
-        return max(_error(line) for line in validation_messages(e, flags or {}))
+        return max(_error(line) for line in config_error_lines(e, flags or {}))
     except (ValueError, OSError, ImportError) as e:
         return _error(str(e))
     num_runs = len(_plan(options, 1.0))
@@ -921,7 +906,7 @@ def _load_and_run(args: argparse.Namespace, spec: Any, options: CompareOptions, 
             live, blocks, timing = _live_setup(args, spec, workload, blocks, timing)
         options = options.model_copy(update={"num_gpu_blocks": blocks})
     except ValidationError as e:
-        return max(_error(line) for line in validation_messages(e, flags))
+        return max(_error(line) for line in config_error_lines(e, flags))
     except (ValueError, OSError, ImportError) as e:
         return _error(str(e))
     meta = {"backend": spec.label, "workload": args.workload or args.traces,

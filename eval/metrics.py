@@ -118,14 +118,11 @@ def session_table(stream: pd.DataFrame, ideal_s: Mapping[str, float] | pd.Series
     finished = _of_kind(stream, "finished").assign(t_s=lambda f: _seconds(f["t_wall"]))
     table["end_s"] = finished.groupby("session_id")["t_s"].max()
     table["e2e_s"] = table["end_s"] - table["arrival_s"]
-    ends = _of_kind(stream, "session_end").groupby("session_id")["status"].last()
-    table["status"] = ends.reindex(table.index).astype(object).where(lambda s: s.notna(), None)
+    ends = _of_kind(stream, "session_end").groupby("session_id")
+    for column in ("status", "error"):  # "error": absent from streams written before it existed
+        last = ends[column].last() if column in stream.columns else pd.Series(dtype=object)
+        table[column] = last.reindex(table.index).astype(object).where(lambda s: s.notna(), None)
     table["is_complete"] = (table["status"] == "ok") & table["end_s"].notna()
-    if "error" in stream.columns:
-        errors = _of_kind(stream, "session_end").groupby("session_id")["error"].last()
-        table["error"] = errors.reindex(table.index).astype(object).where(lambda s: s.notna(), None)
-    else:  # a stream written before session_end carried its error
-        table["error"] = None
     table["num_turns"] = finished.groupby("session_id")["turn"].nunique().reindex(table.index).fillna(0).astype(int)
     table["tool_s"] = _per_session_sum(stream, "tool_end", "duration_s").reindex(table.index).fillna(0.0)
     table["tool_queue_wait_s"] = (

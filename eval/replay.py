@@ -65,7 +65,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import sys
 import time
 import types
@@ -81,6 +80,7 @@ import httpx_sse
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from eval.argtypes import config_error_lines, long_flags
 from eval.tools import BurnClock, ToolMode, ToolPool
 from eval.workloads.format import Session, Workload
 from mars_openhands.stream.events import Event, SessionEnd, SessionStart, now_stamps
@@ -810,40 +810,9 @@ def add_replay_subcommand(subparsers: Any) -> argparse.ArgumentParser:
             parser.add_argument(flag, dest=name, type=kind, choices=choices,
                                 required=info.is_required(), default=argparse.SUPPRESS,
                                 help=help_text)
-    flags = {action.dest: next(o for o in action.option_strings if o.startswith("--"))
-             for action in parser._actions if action.option_strings and action.dest != "help"}
-    parser.set_defaults(func=functools.partial(_replay_command, flags={**flags, **_FLAG_RENAMES}))
+    parser.set_defaults(func=functools.partial(
+        _replay_command, flags={**long_flags(parser), **_FLAG_RENAMES}))
     return parser
-
-
-def format_config_error(error: ValidationError, flags: dict[str, str]) -> list[str]:
-    """One ``error: --flag: <msg> (got <value>)`` line per problem in a :class:`ReplayConfig`.
-
-    Args:
-        error: from ``ReplayConfig(**fields)``.
-        flags: field name → flag, e.g. ``{"num_tool_workers": "--num-tool-workers"}``; errors of
-            the model-level check (no field location) are assigned to the first field their
-            message names.
-
-    Returns:
-        The lines, without pydantic's input dump and documentation URL.
-    """
-    lines = []
-    for item in error.errors():
-        message = str(item["msg"]).removeprefix("Value error, ")
-        loc, got = tuple(item["loc"]), item.get("input")
-        if not loc and isinstance(got, dict):  # the model validator: find the field it names
-            named = [w for w in re.findall(r"[a-z][a-z0-9_]*", message) if w in flags]
-            loc, got = ((named[0],), got.get(named[0])) if named else ((), got)
-        flag = flags.get(str(loc[0]), "--" + str(loc[0]).replace("_", "-")) if loc else "config"
-        message = message.removesuffix(f" ({flag})")
-        if item["type"] == "missing":
-            lines.append(f"error: {flag}: required; pass {flag} VALUE")
-        elif "got " in message or isinstance(got, dict):
-            lines.append(f"error: {flag}: {message}")
-        else:
-            lines.append(f"error: {flag}: {message} (got {got!r})")
-    return lines
 
 
 def _replay_command(args: argparse.Namespace, flags: dict[str, str] | None = None) -> int:
@@ -858,8 +827,8 @@ def _replay_command(args: argparse.Namespace, flags: dict[str, str] | None = Non
     try:
         config = ReplayConfig(**fields)
     except ValidationError as e:
-        for line in format_config_error(e, flags or {}):
-            print(line, file=sys.stderr)
+        for line in config_error_lines(e, flags or {}):
+            print(f"error: {line}", file=sys.stderr)
         return EXIT_BAD_INPUT
     # The recorder writes JSONL live and its Parquet copy on close: "-o x.parquet" records x.jsonl.
     stream_path = Path(args.output).with_suffix(".jsonl")
