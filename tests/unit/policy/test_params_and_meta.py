@@ -65,3 +65,19 @@ def test_turn_meta_invalid_names_the_key(extra, key: str) -> None:
 ])
 def test_inferred_tool_duration(last, arrival, reported, out) -> None:
     assert inferred_tool_duration_s(last, arrival, reported) == out
+
+
+def test_every_shared_scheduler_key_is_documented() -> None:
+    """docs/schedulers.md lists each key of SchedulerParams that is not a policy's own sub-table."""
+    from pathlib import Path
+
+    from mars_openhands.policy.params import SchedulerParams, TelemetryParams, WindowParams
+
+    text = (Path(__file__).parents[3] / "docs" / "schedulers.md").read_text()
+    own = {"levels", "mars", "autellix", "continuum", "infercept"}  # documented per policy below it
+    keys = [k for k in SchedulerParams.model_fields if k not in own]
+    keys = [*(k for k in keys if k not in ("telemetry", "window")),
+            *(f"telemetry.{k}" for k in TelemetryParams.model_fields),
+            *(f"window.{k}" for k in WindowParams.model_fields)]
+    missing = [k for k in keys if f"`{k}`" not in text and f"`{k.split('.')[0]}.*`" not in text]
+    assert not missing, f"undocumented in docs/schedulers.md: {missing}"
