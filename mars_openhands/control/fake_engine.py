@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import os
 import signal
@@ -74,7 +75,13 @@ def build_fake_engine_app(name: str = "fake") -> FastAPI:
             seen["num_active"] -= 1
 
     async def stream(request: Request, body: dict[str, Any], chat: bool) -> AsyncIterator[bytes]:
+        # Chunks are due at fixed times from the request's arrival (delay + i x chunk delay), as
+        # tokens from an engine that decodes independently of the API server: the cost of
+        # writing a chunk does not push the next one back (with sleep-after-write pacing it did,
+        # and a path that writes elsewhere, e.g. a relay, looked faster than direct).
+        # (time.monotonic(), not loop.time(): uvloop caches the latter per loop iteration.)
         finished = False
+        due_s = time.monotonic() + cfg["delay_s"]
         try:
             if cfg["delay_s"] > 0:
                 await asyncio.sleep(cfg["delay_s"])
@@ -83,7 +90,8 @@ def build_fake_engine_app(name: str = "fake") -> FastAPI:
                          {"choices": [{"index": 0, "text": f"t{i}"}]})
                 yield f"data: {json.dumps(delta)}\n\n".encode()
                 if cfg["chunk_delay_s"] > 0:
-                    await asyncio.sleep(cfg["chunk_delay_s"])
+                    due_s += cfg["chunk_delay_s"]
+                    await asyncio.sleep(max(0.0, due_s - time.monotonic()))
             yield b"data: [DONE]\n\n"
             finished = True
         finally:
@@ -91,11 +99,15 @@ def build_fake_engine_app(name: str = "fake") -> FastAPI:
             if not finished:
                 seen["num_aborted"] += 1
 
+    # /raw/...: the same handlers under a path a gateway middleware does not intercept, so a
+    # benchmark can reach the engine directly in the very process that runs the in-process gateway.
     @app.post("/v1/chat/completions")
+    @app.post("/raw/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await handle(request, True)
 
     @app.post("/v1/completions")
+    @app.post("/raw/v1/completions")
     async def completions(request: Request) -> Response:
         return await handle(request, False)
 
@@ -149,12 +161,18 @@ class FakeEngineProcess:
         port: fixed port (so a restart reuses it); default a free one.
         name: served model name.
         startup_timeout_s: wait for ``/health``.
+        middleware: dotted ASGI middleware classes added like vLLM's ``--middleware`` does (e.g.
+            the in-process gateway, :class:`~mars_openhands.control.inprocess.MarsGatewayMiddleware`).
+        env: extra environment of the process (e.g. ``MARS_GATEWAY_CONFIG``).
     """
 
-    def __init__(self, port: int | None = None, name: str = "fake", startup_timeout_s: float = 30.0):
+    def __init__(self, port: int | None = None, name: str = "fake", startup_timeout_s: float = 30.0,
+                 middleware: tuple[str, ...] = (), env: dict[str, str] | None = None):
         self.port = port or _free_port()
         self.name = name
         self.startup_timeout_s = startup_timeout_s
+        self.middleware = middleware
+        self.env = env
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -170,11 +188,12 @@ class FakeEngineProcess:
         """
         import httpx
 
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mars_openhands.control.fake_engine", "--port", str(self.port),
-             "--name", self.name],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
+        command = [sys.executable, "-m", "mars_openhands.control.fake_engine", "--port", str(self.port),
+                   "--name", self.name]
+        for dotted in self.middleware:
+            command += ["--middleware", dotted]
+        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     env={**os.environ, **(self.env or {})})
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -224,9 +243,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--name", default="fake")
+    parser.add_argument("--middleware", action="append", default=[],
+                        help="dotted ASGI middleware class, added like vLLM's --middleware (repeatable)")
     args = parser.parse_args(argv)
-    uvicorn.run(build_fake_engine_app(args.name), host="127.0.0.1", port=args.port,
-                log_level="warning", access_log=False)
+    app = build_fake_engine_app(args.name)
+    for dotted in args.middleware:
+        module, _, name = dotted.rpartition(".")
+        app.add_middleware(getattr(importlib.import_module(module), name))
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
 
 
 if __name__ == "__main__":

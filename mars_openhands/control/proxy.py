@@ -354,7 +354,7 @@ class ProxyHandler:
         call.fail_reason = None
         replica.in_flight.add(call)
         try:
-            resp = await client.post(f"{replica.url}{path}", content, headers)
+            resp = await client.post(f"{replica.url}{path}", content, headers, stream=stream)
             if stream and resp.status_code == 200:
                 return resp, None
             try:

@@ -161,8 +161,12 @@ class UpstreamClient:
                     f"bad replica URL {url!r} ({e}); give an http:// or https:// URL") from None
         return parsed
 
-    async def post(self, url: str, content: bytes, headers: Mapping[str, str]) -> UpstreamResponse:
+    async def post(self, url: str, content: bytes, headers: Mapping[str, str],
+                   stream: bool = True) -> UpstreamResponse:
         """Send a POST and return once the status line and headers arrived. Raises UpstreamError.
+
+        ``stream`` (whether the agent asked for a streamed response) is a hint other clients use;
+        this one reads every response the same way.
 
         A pooled keep-alive connection can be closed by the server just as it is reused (the
         request never reached the application); such a failure before any response is retried

@@ -1,0 +1,379 @@
+"""The gateway inside vLLM's API server: the same control plane without the extra HTTP hop.
+
+A standalone gateway (``mars-openhands gateway``) is one more HTTP hop in front of vLLM; on a busy
+2-core machine that hop alone costs ~2 ms per request whatever it does (benchmarks/
+bench_gateway.py measures a logic-free reference proxy beside it). For a single replica the same
+:class:`~mars_openhands.control.app.Gateway` can instead run as ASGI middleware in vLLM's own API
+server process, loaded through vLLM's ``--middleware`` plugin point::
+
+    MARS_GATEWAY_CONFIG='{"replica": {"events_address": "ipc:///tmp/mars-inbox.sock"},
+                          "engine_events_address": "ipc:///tmp/mars-gpu.sock"}' \\
+    python -m vllm.entrypoints.openai.api_server --model <dir> \\
+        --scheduler-cls mars_openhands.engine.schedulers.mars.MarsScheduler \\
+        --additional-config '{"mars": {"telemetry": {"addr": "ipc:///tmp/mars-gpu.sock"},
+                                        "inbox_addr": "ipc:///tmp/mars-inbox.sock"}}' \\
+        --middleware mars_openhands.control.inprocess.MarsGatewayMiddleware
+
+What changes against the standalone gateway:
+
+* ``POST /v1/chat/completions`` and ``/v1/completions`` go through the unchanged
+  :class:`~mars_openhands.control.proxy.ProxyHandler` (session id, admission window, ``vllm_xargs``,
+  turn counting, disconnects), whose replica client is :class:`InProcessClient`: it calls the rest
+  of vLLM's ASGI stack directly (no socket, no HTTP parsing, no copy of the body).
+* The gateway's own endpoints live under ``/mars/v1/`` (``events``, ``state``, ``metrics``,
+  ``healthz``); ``/metrics``, ``/health`` and ``/v1/models`` stay vLLM's.
+* One replica: the local engine (routing and fail-over have nothing to do).
+
+Configuration: the environment variable ``MARS_GATEWAY_CONFIG`` holds a JSON object of
+:class:`~mars_openhands.control.config.GatewayConfig` fields, or ``@path`` to a JSON file; the local
+replica's options (``events_address``, ``name``, ``engine_source``) go under ``"replica"``;
+``replicas``, ``host`` and ``port`` are refused (the server's own address is used). Unset or empty:
+every default (admission on, nothing recorded, no engine channels).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import os
+import sys
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from pydantic import ValidationError
+
+from mars_openhands.control.config import GatewayConfig, ReplicaConfig
+from mars_openhands.control.proxy import PROXY_PATHS, ProxyHandler
+from mars_openhands.control.upstream import UpstreamBrokenError, UpstreamTimeoutError
+
+__all__ = ["CONFIG_ENV", "IN_PROCESS_URL", "InProcessClient", "MarsGatewayMiddleware", "config_from_env"]
+
+CONFIG_ENV = "MARS_GATEWAY_CONFIG"
+"""Environment variable with the in-process gateway's configuration (JSON, or ``@path``)."""
+IN_PROCESS_URL = "http://in-process"
+"""The local replica's URL in the gateway's config, metrics and logs (never connected to)."""
+_REFUSED = ("replicas", "host", "port")
+
+
+def config_from_env(environ: Mapping[str, str] | None = None) -> GatewayConfig:
+    """The in-process gateway's config from ``MARS_GATEWAY_CONFIG`` (see the module docstring).
+
+    Raises:
+        ValueError: unreadable file, not a JSON object, a refused key, or an invalid field (the
+            message names the variable and the field).
+    """
+    text = (os.environ if environ is None else environ).get(CONFIG_ENV, "").strip()
+    where = CONFIG_ENV
+    if text.startswith("@"):
+        where = f"{CONFIG_ENV} file {text[1:]}"
+        try:
+            text = Path(text[1:]).read_text()
+        except OSError as e:
+            raise ValueError(f"cannot read {where}: {e}") from None
+    try:
+        data = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where} is not JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} must be a JSON object of gateway settings, got {type(data).__name__}")
+    refused = [k for k in _REFUSED if k in data]
+    if refused:
+        raise ValueError(f"{where}: {', '.join(refused)} cannot be set in-process (the gateway serves on "
+                         "vLLM's own address, in front of its own engine); put the local replica's "
+                         "options under \"replica\"")
+    replica = data.pop("replica", {})
+    if not isinstance(replica, dict):
+        raise ValueError(f"{where}: \"replica\" must be an object, e.g. "
+                         "{\"events_address\": \"ipc:///tmp/mars-inbox.sock\"}")
+    if "url" in replica:
+        raise ValueError(f"{where}: replica.url cannot be set in-process (the replica is this server)")
+    try:
+        local = ReplicaConfig(**{"name": "local", **replica, "url": IN_PROCESS_URL})
+    except ValidationError as e:
+        raise ValueError(f"{where}: {_fields(e, 'replica.')}") from None
+    try:
+        return GatewayConfig(**data, replicas=(local,))
+    except ValidationError as e:
+        raise ValueError(f"{where}: {_fields(e)}") from None
+
+
+def _fields(error: ValidationError, prefix: str = "") -> str:
+    return "; ".join(f"{prefix}{'.'.join(str(p) for p in err['loc']) or '(root)'}: {err['msg']}"
+                     for err in error.errors())
+
+
+class InProcessResponse:
+    """A response being produced by the in-process app (the ``UpstreamResponse`` interface).
+
+    Attributes:
+        status_code: HTTP status.
+        content_type: the ``content-type`` header, if any.
+    """
+
+    __slots__ = ("_call", "status_code", "content_type")
+
+    def __init__(self, call: _AppCall, status_code: int, content_type: str | None) -> None:
+        self._call = call
+        self.status_code = status_code
+        self.content_type = content_type
+
+    async def read(self) -> bytes:
+        """The whole body. Raises UpstreamError."""
+        return b"".join([chunk async for chunk in self.iter_chunks()])
+
+    async def iter_chunks(self) -> AsyncIterator[bytes]:
+        """Body bytes as the app sends them (one item per ``http.response.body``). Raises
+        UpstreamError."""
+        while True:
+            message = await self._call.next_message()
+            body = message.get("body", b"")
+            if body:
+                yield body
+            if not message.get("more_body", False):
+                self._call.is_finished = True
+                return
+
+    def close(self) -> None:
+        """Stop the app's request if it has not finished (it sees a disconnect; vLLM aborts)."""
+        self._call.hang_up()
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+class _AppCall:
+    """One request run through the app: its task, the messages it sent, the disconnect signal.
+
+    Messages wait in a deque; the reader parks on one future only when the deque is empty (a
+    queue with a timeout context per message cost ~20 us each, measured on the stream path).
+    """
+
+    __slots__ = ("task", "messages", "gone", "url", "read_timeout_s", "is_finished", "_body", "_waiter")
+
+    def __init__(self, body: bytes, url: str, read_timeout_s: float) -> None:
+        self.messages: collections.deque[Any] = collections.deque()
+        self.gone = asyncio.Event()
+        self.url = url
+        self.read_timeout_s = read_timeout_s
+        self.is_finished = False
+        self._body: bytes | None = body
+        self._waiter: asyncio.Future[None] | None = None
+        self.task: asyncio.Task[None] | None = None
+
+    async def receive(self) -> dict[str, Any]:
+        body, self._body = self._body, None
+        if body is not None:
+            return {"type": "http.request", "body": body, "more_body": False}
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
+
+    def _put(self, message: Any) -> None:
+        self.messages.append(message)
+        if self._waiter is not None:
+            _wake(self._waiter)
+
+    async def send(self, message: dict[str, Any]) -> None:
+        self._put(message)
+
+    async def run_whole(self, app: Any, scope: dict[str, Any]) -> None:
+        """Run the app to its end in the caller's task, bounded by the read timeout (a whole
+        response sends nothing before it is done anyway). Cancelling the caller cancels the app.
+
+        Raises:
+            UpstreamTimeoutError: the app took longer than the read timeout.
+        """
+        try:
+            async with asyncio.timeout(self.read_timeout_s):
+                await self.run(app, scope)
+        except TimeoutError:
+            raise UpstreamTimeoutError(f"no response from {self.url} within {self.read_timeout_s} s") from None
+        finally:
+            self.is_finished = True
+
+    async def run(self, app: Any, scope: dict[str, Any]) -> None:
+        try:
+            await app(scope, self.receive, self.send)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the app crashed: the request fails like a broken connection
+            self._put(UpstreamBrokenError(f"{self.url} raised {e!r}"))
+        self._put(UpstreamBrokenError(f"{self.url} ended without a complete response"))
+
+    async def next_message(self) -> dict[str, Any]:
+        """The app's next ``send`` message, within the read timeout. Raises UpstreamError."""
+        if not self.messages:
+            loop = asyncio.get_running_loop()
+            self._waiter = waiter = loop.create_future()
+            timer = loop.call_later(self.read_timeout_s, _wake, waiter)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
+            if not self.messages:
+                self.hang_up()
+                raise UpstreamTimeoutError(f"no bytes from {self.url} within {self.read_timeout_s} s")
+        message = self.messages.popleft()
+        if isinstance(message, Exception):
+            raise message
+        return message
+
+    def hang_up(self) -> None:
+        if not self.is_finished:
+            self.is_finished = True
+            self.gone.set()
+            if self.task is not None and not self.task.done():
+                self.task.cancel()
+
+
+class InProcessClient:
+    """The replica client of the in-process gateway: requests go to an ASGI app in this process.
+
+    Same interface as :class:`~mars_openhands.control.upstream.UpstreamClient` (``post``, ``get``,
+    ``close``), so the proxy's hot path, polling and health checks are unchanged. Each request runs
+    the app in its own task; :meth:`InProcessResponse.close` before the end (the agent went away)
+    delivers ``http.disconnect`` to the app and cancels it, which is how vLLM learns to abort.
+
+    Args:
+        app: the ASGI app below the middleware (the rest of vLLM's stack).
+        read_timeout_s: longest silence tolerated from the app, seconds (``UpstreamTimeoutError``).
+        base_scope: ``app`` and ``state`` of the server's scopes, copied into every request scope
+            (vLLM's handlers read ``request.app.state``).
+    """
+
+    def __init__(self, app: Any, read_timeout_s: float, base_scope: dict[str, Any]) -> None:
+        self.app = app
+        self.read_timeout_s = read_timeout_s
+        self.base_scope = base_scope  # filled by the middleware from the first scope it sees
+
+    def _scope(self, method: str, url: str, headers: Mapping[str, str], body_len: int) -> dict[str, Any]:
+        path = urlsplit(url).path or "/"
+        raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+        if method == "POST":
+            raw.append((b"content-length", str(body_len).encode()))
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+                 "method": method, "scheme": "http", "path": path, "raw_path": path.encode(),
+                 "query_string": b"", "root_path": "", "headers": raw, "client": ("127.0.0.1", 0),
+                 "server": ("127.0.0.1", 0), "extensions": {}}
+        scope.update(self.base_scope)
+        if "state" in self.base_scope:
+            scope["state"] = dict(self.base_scope["state"])
+        return scope
+
+    async def _start(self, method: str, url: str, content: bytes, headers: Mapping[str, str],
+                     read_timeout_s: float, stream: bool) -> InProcessResponse:
+        call = _AppCall(content, url, read_timeout_s)
+        scope = self._scope(method, url, headers, len(content))
+        if stream:  # the app runs beside the relay, which reads its messages as they come
+            call.task = asyncio.create_task(call.run(self.app, scope))
+        else:  # nothing to relay before the end: run it here (no task, no hand-offs)
+            await call.run_whole(self.app, scope)
+        try:
+            start = await call.next_message()
+        except BaseException:
+            call.hang_up()
+            raise
+        if start.get("type") != "http.response.start":
+            call.hang_up()
+            raise UpstreamBrokenError(f"{url} sent {start.get('type')!r} before its response start")
+        content_type = next((v.decode("latin-1") for k, v in start.get("headers", ())
+                             if k.lower() == b"content-type"), None)
+        return InProcessResponse(call, int(start["status"]), content_type)
+
+    async def post(self, url: str, content: bytes, headers: Mapping[str, str],
+                   stream: bool = True) -> InProcessResponse:
+        """Run a POST through the app; return once it sent its response start (``stream``), or
+        once it finished (not ``stream``: it ran in the calling task). Raises UpstreamError;
+        cancelling this call hangs up on the app."""
+        return await self._start("POST", url, content, headers, self.read_timeout_s, stream)
+
+    async def get(self, url: str, timeout_s: float | None = None) -> tuple[int, bytes, str | None]:
+        """GET a small resource through the app: (status, body, content type). Raises UpstreamError."""
+        resp = await self._start("GET", url, b"", {}, timeout_s or self.read_timeout_s, stream=False)
+        try:
+            return resp.status_code, await resp.read(), resp.content_type
+        finally:
+            resp.close()
+
+    async def close(self) -> None:
+        """Nothing to close (no connections)."""
+
+
+class MarsGatewayMiddleware:
+    """ASGI middleware running the MARS gateway inside vLLM's API server (``--middleware``).
+
+    vLLM instantiates it with the app below it; the config comes from ``MARS_GATEWAY_CONFIG`` (see
+    the module docstring). The gateway starts and stops with the server's lifespan.
+
+    Raises:
+        ValueError: a bad ``MARS_GATEWAY_CONFIG`` (at construction, so vLLM fails to start with
+            the message).
+    """
+
+    def __init__(self, app: Any) -> None:
+        from mars_openhands.control.app import Gateway
+
+        self.app = app
+        self.config = config_from_env()
+        self._base_scope: dict[str, Any] = {}
+        self.gateway = Gateway(self.config, client_factory=self._client)
+        self.handler = ProxyHandler(self.gateway)
+        self._start: asyncio.Future[None] | None = None
+
+    def _client(self, config: GatewayConfig) -> InProcessClient:
+        return InProcessClient(self.app, config.upstream_read_timeout_s, self._base_scope)
+
+    def _remember(self, scope: Mapping[str, Any]) -> None:
+        if not self._base_scope:
+            self._base_scope.update({k: scope[k] for k in ("app", "state") if k in scope})
+
+    async def _ensure_started(self) -> None:
+        """Start the gateway once (normally at lifespan start-up; else on the first request, with
+        concurrent first requests waiting for the same start)."""
+        if self._start is None:
+            self._start = asyncio.ensure_future(self._start_gateway())
+        if not self._start.done():
+            await asyncio.shield(self._start)
+        elif (error := self._start.exception()) is not None:
+            raise error
+
+    async def _start_gateway(self) -> None:
+        await self.gateway.start()
+        print(f"MARS gateway in-process (vLLM --middleware; OpenAI routes and /mars/v1/* on this "
+              f"server); {self.gateway.settings_line()}", file=sys.stderr, flush=True)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            path = scope["path"]
+            if path in PROXY_PATHS and scope["method"] == "POST":
+                self._remember(scope)
+                await self._ensure_started()
+                await self.handler(scope, receive, send)
+                return
+            if path.startswith("/mars/"):
+                self._remember(scope)
+                await self._ensure_started()
+                await self.gateway.fastapi_app(scope, receive, send)
+                return
+        elif kind == "lifespan":
+            self._remember(scope)
+            await self.app(scope, self._lifespan_receive(receive), send)
+            return
+        await self.app(scope, receive, send)
+
+    def _lifespan_receive(self, receive: Any) -> Any:
+        async def wrapped() -> Any:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await self._ensure_started()
+            elif message["type"] == "lifespan.shutdown" and self._start is not None:
+                await self.gateway.stop()
+            return message
+
+        return wrapped

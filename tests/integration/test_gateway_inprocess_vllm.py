@@ -1,0 +1,115 @@
+"""The gateway inside a real vLLM CPU server (``--middleware``, control/inprocess.py).
+
+One server (each start costs about a minute here): the MARS scheduler plugin with its telemetry
+and inbox channels wired to the in-process gateway, whose window is held at one session. Phases:
+turns carry the session's metadata to the engine and its events come back into the recorded
+stream; CPU-plane events are forwarded to the engine; a second session waits for the window
+until the first ends; a client that hangs up mid-stream gets its engine request aborted.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from mars_openhands.control.metrics import parse_vllm_metrics
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+MIDDLEWARE = "mars_openhands.control.inprocess.MarsGatewayMiddleware"
+
+
+def wait_until(predicate, timeout_s: float = 30.0, what: str = "") -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.05)
+    pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def event(kind: str, session: str, **extra: Any) -> dict[str, Any]:
+    return {"kind": kind, "t_mono_ns": time.monotonic_ns(), "t_wall": "2026-01-01T00:00:00Z",
+            "source": "agent", "session_id": session, **extra}
+
+
+def test_the_gateway_inside_vllm(vllm_server_factory, tmp_path: Path) -> None:
+    sockets = Path(tempfile.mkdtemp(prefix="mip-"))  # ipc paths must stay short
+    try:
+        _run(vllm_server_factory, tmp_path, f"ipc://{sockets}/gpu.sock", f"ipc://{sockets}/inbox.sock")
+    finally:
+        shutil.rmtree(sockets, ignore_errors=True)
+
+
+def _run(factory, tmp_path: Path, gpu: str, inbox: str) -> None:
+    stream_path = tmp_path / "stream.jsonl"
+    config = {"replica": {"events_address": inbox}, "engine_events_address": gpu,
+              "stream_path": str(stream_path), "poll_interval_s": 0.2, "num_tool_workers": 4,
+              "admission": {"window_min": 1, "window_max": 1, "window_init": 1, "update_interval_s": 0.05}}
+    server = factory(scheduler_cls="mars_openhands.engine.schedulers.mars.MarsScheduler",
+                     num_gpu_blocks_override=64, block_size=32, max_model_len=1024,
+                     additional_config={"mars": {"telemetry": {"addr": gpu, "engine_step_interval_ms": 0.0},
+                                                 "inbox_addr": inbox}},
+                     extra_args=("--middleware", MIDDLEWARE),
+                     extra_env={"MARS_GATEWAY_CONFIG": json.dumps(config)})
+    print(f"\n  vLLM with the in-process gateway ready in {server.startup_s:.1f} s")
+    client = httpx.Client(base_url=server.url, timeout=60)
+
+    def complete(session: str, stream: bool = False, **extra: Any) -> httpx.Response:
+        return client.post("/v1/completions", json={
+            "model": server.model, "prompt": [1, *range(40, 100)], "max_tokens": 4, "ignore_eos": True,
+            "mars_session": session, "stream": stream, **extra})
+
+    # Turns: metadata in, engine events (with the session id and turn) back into the stream.
+    first, second = complete("a"), complete("a", stream=True)
+    assert first.status_code == 200 and second.status_code == 200, (first.text, second.text)
+    assert [r.headers["x-mars-turn"] for r in (first, second)] == ["0", "1"]
+    assert first.headers["x-mars-replica"] == "local" and second.text.endswith("data: [DONE]\n\n")
+    assert client.post("/mars/v1/events", json={"events": [event(
+        "tool_start", "a", tool_name="bash", tool_call_id="t1")]}).json() == {"accepted": 1}
+
+    def finished() -> list[dict[str, Any]]:
+        rows = [json.loads(line) for line in stream_path.read_text().splitlines()]
+        return [r for r in rows if r["kind"] == "finished" and r["session_id"] == "a"]
+
+    rows = wait_until(lambda: len(finished()) == 2 and finished(), what="the engine's finished events")
+    assert sorted(r["turn"] for r in rows) == [0, 1] and all(r["source"] == "engine:0" for r in rows)
+    metrics = client.get("/mars/v1/metrics").text
+    assert "mars_events_forwarded_total 1" in metrics, metrics  # tool_start went to the engine inbox
+    assert "vllm:num_requests_running" in client.get("/metrics").text  # vLLM keeps /metrics
+
+    # Window of one: b waits until a ends.
+    results: list[httpx.Response] = []
+    waiter = threading.Thread(target=lambda: results.append(complete("b")))
+    waiter.start()
+    wait_until(lambda: client.get("/mars/v1/state").json()["num_waiting"] == 1, what="b to wait")
+    assert not results
+    ended = client.post("/mars/v1/events", json={"events": [
+        event("tool_end", "a", tool_name="bash", tool_call_id="t1", duration_s=0.1), event("session_end", "a")]})
+    assert ended.json() == {"accepted": 2}, ended.text
+    waiter.join(timeout=60)
+    assert results and results[0].status_code == 200, results
+    client.post("/mars/v1/events", json={"events": [event("session_end", "b")]})
+
+    # A client that hangs up mid-stream: vLLM aborts the request, the session has nothing in flight.
+    with httpx.Client(base_url=server.url, timeout=60) as hangup, hangup.stream(
+            "POST", "/v1/completions", json={"model": server.model, "prompt": [1, 40, 41], "max_tokens": 900,
+                                             "ignore_eos": True, "mars_session": "c", "stream": True}) as resp:
+        assert resp.status_code == 200
+        next(resp.iter_raw())  # the first chunk arrived: the request runs in the engine
+    wait_until(lambda: (parse_vllm_metrics(client.get("/metrics").text).num_running or 0) == 0,
+               what="vLLM to abort the hung-up request")
+    state = client.get("/mars/v1/state").json()
+    assert state["sessions"]["c"]["in_flight"] == 0 and state["sessions"]["c"]["turns"] == 1
+    wanted = {"admission_update", "queued", "first_token", "finished", "tool_start", "tool_end", "session_end"}
+    wait_until(lambda: wanted <= {json.loads(line)["kind"] for line in stream_path.read_text().splitlines()},
+               what=f"{sorted(wanted)} in the recorded stream (flushed every second)")
+    client.close()

@@ -1,0 +1,262 @@
+"""The in-process gateway (control/inprocess.py): vLLM's ``--middleware`` around the fake engine app.
+
+The fake engine (control/fake_engine.py) stands in for the rest of vLLM's ASGI stack; the
+middleware wraps it exactly as vLLM's ``app.add_middleware`` does, served by uvicorn in a thread
+(so lifespan and disconnects are real).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from gateway_helpers import chat, event, wait_until
+
+from mars_openhands.control.fake_engine import build_fake_engine_app
+from mars_openhands.control.inprocess import (
+    CONFIG_ENV,
+    IN_PROCESS_URL,
+    MarsGatewayMiddleware,
+    config_from_env,
+)
+
+
+def _serve(app: Any) -> tuple[uvicorn.Server, threading.Thread, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.started, "server did not start"
+    return server, thread, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+def in_process(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, MarsGatewayMiddleware]]:
+    """The fake engine app with the MARS middleware around it (as vLLM's --middleware adds it)."""
+
+    def start(config: dict[str, Any]) -> tuple[str, MarsGatewayMiddleware]:
+        monkeypatch.setenv(CONFIG_ENV, json.dumps({"poll_interval_s": 0.05, "num_tool_workers": 100,
+                                                   "admission": {"update_interval_s": 0.05}, **config}))
+        middleware = MarsGatewayMiddleware(build_fake_engine_app())
+        server, thread, url = _serve(middleware)
+        started.append((server, thread))
+        return url, middleware
+
+    started: list[tuple[uvicorn.Server, threading.Thread]] = []
+    yield start
+    for server, thread in started:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def test_turns_carry_session_metadata_and_the_engine_keeps_its_own_paths(in_process) -> None:
+    url, middleware = in_process({})
+    with httpx.Client(base_url=url, timeout=10) as client:
+        first = client.post("/v1/chat/completions", json=chat("s1"))
+        second = client.post("/v1/completions", json={"model": "fake", "prompt": "hi", "stream": True,
+                                                      "mars_session": "s1"})
+        assert first.status_code == 200 and first.json()["choices"][0]["message"]["content"] == "ok"
+        assert first.headers["x-mars-turn"] == "0" and second.headers["x-mars-turn"] == "1"
+        assert second.text.count("data: ") == 4 and second.text.endswith("data: [DONE]\n\n")
+        seen = client.get("/fake/requests").json()["requests"]  # not a MARS path: the engine's own
+        assert [r["session_id"] for r in seen] == ["s1", "s1"]
+        assert [r["vllm_xargs"]["mars_turn"] for r in seen] == [0, 1]
+        assert "mars_session" not in seen[0]["body"]
+        state = client.get("/mars/v1/state").json()
+        assert state["sessions"]["s1"]["turns"] == 2 and state["sessions"]["s1"]["in_flight"] == 0
+        assert "vllm:kv_cache_usage_perc" in client.get("/metrics").text  # vLLM keeps /metrics
+        assert "mars_admission_window" in client.get("/mars/v1/metrics").text
+        assert client.get("/mars/v1/healthz").json()["healthy_replicas"] == ["local"]
+    assert middleware.gateway.router.replicas[0].url == IN_PROCESS_URL
+    # The poller reads the engine's /metrics in-process (KV usage and block size from the fake).
+    client = httpx.Client(base_url=url, timeout=10)
+    client.post("/fake/config", json={"kv_usage": 0.4, "block_size": 32})
+    wait_until(lambda: middleware.gateway.router.replicas[0].kv_usage_polled == pytest.approx(0.4),
+               what="the in-process poll to read KV usage 0.4")
+
+
+def test_a_client_that_hangs_up_aborts_the_engine_request_and_frees_the_session(in_process) -> None:
+    url, middleware = in_process({})
+    httpx.post(f"{url}/fake/config", json={"delay_s": 0.5, "num_chunks": 50, "chunk_delay_s": 0.05})
+    with (pytest.raises(httpx.ReadTimeout), httpx.Client(timeout=0.3) as client,
+          client.stream("POST", f"{url}/v1/chat/completions", json=chat("s2", stream=True)) as resp):
+        for _ in resp.iter_raw():
+            pass
+    wait_until(lambda: httpx.get(f"{url}/fake/requests").json()["num_aborted"] == 1,
+               what="the engine to see the disconnect and abort")
+    wait_until(lambda: middleware.gateway.num_client_disconnects == 1, what="the gateway to count it")
+    session = middleware.gateway.sessions.get("s2")
+    assert session is not None and session.num_in_flight == 0
+    assert httpx.get(f"{url}/fake/requests").json()["num_active"] == 0
+
+
+def test_the_admission_window_holds_a_second_session_until_the_first_ends(in_process) -> None:
+    url, middleware = in_process({"admission": {"update_interval_s": 0.05, "window_min": 1,
+                                                "window_max": 1, "window_init": 1}})
+    with httpx.Client(base_url=url, timeout=10) as client:
+        assert client.post("/v1/chat/completions", json=chat("a")).status_code == 200
+        results: list[httpx.Response] = []
+        waiter = threading.Thread(target=lambda: results.append(
+            httpx.post(f"{url}/v1/chat/completions", json=chat("b"), timeout=10)))
+        waiter.start()
+        wait_until(lambda: client.get("/mars/v1/state").json()["num_waiting"] == 1,
+                   what="session b to wait for a slot")
+        assert not results
+        ended = client.post("/mars/v1/events", json={"events": [event("session_end", "a")]})
+        assert ended.status_code == 200, ended.text
+        waiter.join(timeout=10)
+        assert results and results[0].status_code == 200
+    assert [r["session_id"] for r in httpx.get(f"{url}/fake/requests").json()["requests"]] == ["a", "b"]
+
+
+def test_config_from_env() -> None:
+    config = config_from_env({CONFIG_ENV: json.dumps({"is_admission_enabled": False, "replica": {
+        "events_address": "ipc:///tmp/x.sock"}})})
+    assert not config.is_admission_enabled
+    assert [(r.url, r.name, r.events_address) for r in config.replicas] == [
+        (IN_PROCESS_URL, "local", "ipc:///tmp/x.sock")]
+    assert config_from_env({}).is_admission_enabled
+    for text, message in [
+        ("{", "MARS_GATEWAY_CONFIG is not JSON"),
+        ("[1]", "must be a JSON object"),
+        ('{"port": 1}', "port cannot be set in-process"),
+        ('{"replicas": []}', "replicas cannot be set in-process"),
+        ('{"replica": {"events_address": "tcp:/x"}}', "replica.events_address: Value error, a ZeroMQ address"),
+        ('{"admission": {"window_mn": 1}}', "admission.window_mn"),
+        ('{"replica": 3}', '"replica" must be an object'),
+        ('{"replica": {"url": "http://x"}}', "replica.url cannot be set in-process"),
+        ("@/nonexistent/mars.json", "cannot read MARS_GATEWAY_CONFIG file /nonexistent/mars.json"),
+    ]:
+        with pytest.raises(ValueError) as info:
+            config_from_env({CONFIG_ENV: text})
+        assert message in str(info.value), (text, str(info.value))
+
+
+def test_config_from_a_file(tmp_path) -> None:
+    path = tmp_path / "mars.json"
+    path.write_text(json.dumps({"session_idle_timeout_s": 12}))
+    assert config_from_env({CONFIG_ENV: f"@{path}"}).session_idle_timeout_s == 12
+
+
+def test_a_bad_config_fails_at_construction(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(CONFIG_ENV, '{"nope": 1}')
+    with pytest.raises(ValueError, match="MARS_GATEWAY_CONFIG: nope"):
+        MarsGatewayMiddleware(build_fake_engine_app())
+
+
+async def _slow_app(scope, receive, send) -> None:  # noqa: ANN001
+    import asyncio
+
+    await asyncio.sleep(5)
+
+
+async def _crashing_app(scope, receive, send) -> None:  # noqa: ANN001
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    raise RuntimeError("boom")
+
+
+async def _streaming_app(scope, receive, send) -> None:  # noqa: ANN001
+    import asyncio
+
+    await receive()
+    await send({"type": "http.response.start", "status": 201, "headers": [(b"content-type", b"text/x")]})
+    for i in range(3):
+        await send({"type": "http.response.body", "body": b"c%d" % i, "more_body": True})
+        await asyncio.sleep(0.01)
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def test_in_process_client_maps_timeouts_crashes_and_relays_streams() -> None:
+    import asyncio
+
+    from mars_openhands.control.inprocess import InProcessClient
+    from mars_openhands.control.upstream import UpstreamBrokenError, UpstreamTimeoutError
+
+    async def main() -> None:
+        slow = InProcessClient(_slow_app, 0.05, {})
+        for stream in (False, True):
+            with pytest.raises(UpstreamTimeoutError, match="within 0.05 s"):
+                await slow.post(f"{IN_PROCESS_URL}/v1/completions", b"{}", {}, stream=stream)
+        crash = InProcessClient(_crashing_app, 1.0, {})
+        resp = await crash.post(f"{IN_PROCESS_URL}/v1/completions", b"{}", {}, stream=False)
+        with pytest.raises(UpstreamBrokenError, match="raised RuntimeError"):
+            await resp.read()
+        ok = InProcessClient(_streaming_app, 1.0, {})
+        resp = await ok.post(f"{IN_PROCESS_URL}/v1/completions", b"{}", {}, stream=True)
+        assert (resp.status_code, resp.content_type) == (201, "text/x")
+        assert [c async for c in resp.iter_chunks()] == [b"c0", b"c1", b"c2"]
+        resp = await ok.post(f"{IN_PROCESS_URL}/v1/completions", b"{}", {}, stream=True)
+        task = resp._call.task
+        resp.close()  # the agent went away: the app is cancelled
+        await asyncio.sleep(0.02)
+        assert task.cancelled()
+
+    asyncio.run(main())
+
+
+def test_gateway_cli_prints_the_in_process_config(capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from mars_openhands.control.cli import add_gateway_subcommand
+
+    parser = argparse.ArgumentParser()
+    add_gateway_subcommand(parser.add_subparsers(dest="command"))
+
+    def run(*flags: str) -> tuple[int, str, str]:
+        args = parser.parse_args(["gateway", "--print-in-process-config", *flags])
+        code = args.func(args)
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    code, out, _ = run("--admission-window-max", "8", "--admission-window-init", "8",
+                       "--replica", "http://ignored:1,events=ipc:///tmp/in.sock", "--no-is-admission-enabled")
+    assert code == 0
+    line, comment, flag = out.splitlines()
+    assert line.startswith(f"{CONFIG_ENV}='") and flag.endswith("inprocess.MarsGatewayMiddleware")
+    config = config_from_env({CONFIG_ENV: line.split("=", 1)[1].strip("'")})
+    assert (config.admission.window_max, config.admission.window_init) == (8, 8)
+    assert not config.is_admission_enabled and config.replicas[0].events_address == "ipc:///tmp/in.sock"
+    assert config.replicas[0].url == IN_PROCESS_URL
+    code, out, err = run("--replica", "http://a:1", "--replica", "http://b:1")
+    assert code == 2 and not out and "serves one replica" in err
+    code, out, err = run("--port", "9000")
+    assert code == 2 and "--host/--port do not apply in-process" in err
+
+
+def test_without_a_lifespan_the_first_requests_start_the_gateway_once(monkeypatch) -> None:
+    import asyncio
+
+    monkeypatch.setenv(CONFIG_ENV, json.dumps({"poll_interval_s": 0.05}))
+    middleware = MarsGatewayMiddleware(build_fake_engine_app())
+    starts: list[None] = []
+    real_start = middleware.gateway.start
+
+    async def counted_start() -> None:
+        starts.append(None)
+        await asyncio.sleep(0.05)  # concurrent first requests arrive while it starts
+        await real_start()
+
+    middleware.gateway.start = counted_start  # type: ignore[method-assign]
+
+    async def main() -> list[int]:
+        transport = httpx.ASGITransport(app=middleware)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            responses = await asyncio.gather(*(client.post("/v1/chat/completions", json=chat(f"s{i}"))
+                                               for i in range(3)))
+        await middleware.gateway.stop()
+        return [r.status_code for r in responses]
+
+    assert asyncio.run(main()) == [200, 200, 200]
+    assert len(starts) == 1
