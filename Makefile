@@ -22,7 +22,7 @@ unit:
 # Two workers, one test file each at a time: the servers these tests start mostly wait, so two
 # files at once halve the wall time on a 2-core machine (CI must stay under 30 minutes).
 integration:
-	$(PY) $(PYTEST) -n 2 --dist loadfile -m "integration and not openhands"
+	$(PY) $(PYTEST) -n 2 --dist loadfile --durations=8 -m "integration and not openhands"
 
 openhands-test:
 	$(PY_OH) $(PYTEST) -m openhands tests/openhands

@@ -55,7 +55,7 @@ from mars_openhands.policy.admission import PressureSnapshot
 from mars_openhands.stream.events import AdmissionUpdate, Event, now_stamps
 from mars_openhands.stream.transport import EventSink
 
-__all__ = ["Gateway", "build_app"]
+__all__ = ["Gateway", "build_app", "settings_line"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +90,16 @@ class _UpdateKey(NamedTuple):
             or abs(self.tool_wait_ema_s - last.tool_wait_ema_s)
             >= max(0.01, 0.1 * last.tool_wait_ema_s)
         )
+
+
+def settings_line(config: GatewayConfig) -> str:
+    """``replicas: ...; admission: ...; stream: ...``: the settings of a gateway start-up line. Pure."""
+    replicas = ", ".join(f"{config.replica_name(i)}={r.url}" for i, r in enumerate(config.replicas))
+    p = config.admission
+    admission = (f"on (window {p.window_min}..{p.window_max}, starts at {p.window_init})"
+                 if config.is_admission_enabled else "off (window computed, not enforced)")
+    stream = config.stream_path or "not recorded (--stream-path)"
+    return f"replicas: {replicas}; admission: {admission}; stream: {stream}"
 
 
 class Gateway:
@@ -148,12 +158,7 @@ class Gateway:
 
     def settings_line(self) -> str:
         """``replicas: ...; admission: ...; stream: ...`` (the start-up line's settings)."""
-        replicas = ", ".join(f"{r.name}={r.url}" for r in self.router.replicas)
-        p = self.config.admission
-        admission = (f"on (window {p.window_min}..{p.window_max}, starts at {p.window_init})"
-                     if self.config.is_admission_enabled else "off (window computed, not enforced)")
-        stream = self.config.stream_path or "not recorded (--stream-path)"
-        return f"replicas: {replicas}; admission: {admission}; stream: {stream}"
+        return settings_line(self.config)
 
     async def start(self) -> None:
         """Open the upstream client, the event channels and the background tasks."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import tomllib
 import types
@@ -283,25 +284,48 @@ def in_process_config(args: argparse.Namespace) -> str:
     from mars_openhands.control.inprocess import CONFIG_ENV, IN_PROCESS_URL, config_from_env
 
     values = vars(args)
-    if len(values.get("replicas", ())) > 1:
-        raise ConfigError("--print-in-process-config: the in-process gateway serves one replica (its own "
-                          "vLLM server); give at most one --replica")
     if "host" in values or "port" in values:
         raise ConfigError("--print-in-process-config: --host/--port do not apply in-process (the gateway "
                           "serves on vLLM's own address)")
-    specs = values.get("replicas") or [IN_PROCESS_URL]
-    url, sep, rest = specs[0].partition(",")
-    values["replicas"] = [IN_PROCESS_URL + sep + rest]
-    config = config_from_args(args)
+    specs = values.get("replicas")
+    if specs is not None:
+        if len(specs) > 1:
+            raise ConfigError("--print-in-process-config: the in-process gateway serves one replica (its "
+                              "own vLLM server); give at most one --replica")
+        first, sep, rest = specs[0].partition(",")
+        options = specs[0] if "=" in first else rest  # "events=..." alone: no URL given
+        values["replicas"] = [f"{IN_PROCESS_URL},{options}" if options else IN_PROCESS_URL]
+    config = config_from_args(args) if specs is not None or _file_has_replicas(args) else \
+        _config_with_local_replica(args)
+    if len(config.replicas) > 1:
+        raise ConfigError("--print-in-process-config: the in-process gateway serves one replica (its own "
+                          f"vLLM server); the config has {len(config.replicas)}")
+    defaults = GatewayConfig.model_fields
+    if config.host != defaults["host"].default or config.port != defaults["port"].default:
+        raise ConfigError("--print-in-process-config: host/port (from --config) do not apply in-process "
+                          "(the gateway serves on vLLM's own address)")
     data = config.model_dump(mode="json", exclude_defaults=True, exclude={"replicas", "host", "port"})
     replica = config.replicas[0].model_dump(mode="json", exclude_none=True, exclude={"url"})
     if replica:
         data["replica"] = replica
     text = json.dumps(data, separators=(",", ":"))
     config_from_env({CONFIG_ENV: text})  # the value round-trips (raises on a bug, not on input)
-    return (f"{CONFIG_ENV}='{text}'\n"
+    return (f"{CONFIG_ENV}={shlex.quote(text)}\n"
             "# add to the vLLM server's command line (python -m vllm.entrypoints.openai.api_server ...):\n"
             "--middleware mars_openhands.control.inprocess.MarsGatewayMiddleware")
+
+
+def _file_has_replicas(args: argparse.Namespace) -> bool:
+    path = vars(args).get("config")
+    return path is not None and "replicas" in _read_file(path)
+
+
+def _config_with_local_replica(args: argparse.Namespace) -> GatewayConfig:
+    """The config of ``args`` with the in-process placeholder replica (none was given)."""
+    from mars_openhands.control.inprocess import IN_PROCESS_URL
+
+    vars(args)["replicas"] = [IN_PROCESS_URL]
+    return config_from_args(args)
 
 
 def run_from_args(args: argparse.Namespace) -> int:

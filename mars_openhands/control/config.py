@@ -40,7 +40,7 @@ class ReplicaConfig(BaseModel):
 
     url: str
     """Base URL of the replica's OpenAI server, without ``/v1`` (e.g. ``http://127.0.0.1:8001``)."""
-    name: str | None = None
+    name: str | None = Field(None, min_length=1)
     """Name in metrics and logs; default ``r<index>``."""
     events_address: str | None = None
     """ZeroMQ address the replica's scheduler plugin binds a PULL socket on (``ipc://…`` or

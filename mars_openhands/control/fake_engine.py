@@ -37,7 +37,7 @@ def build_fake_engine_app(name: str = "fake") -> FastAPI:
     """The fake engine's FastAPI app (state lives in the app, none at module level)."""
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
     cfg: dict[str, Any] = {"kv_usage": 0.0, "delay_s": 0.0, "num_chunks": 3, "chunk_delay_s": 0.0,
-                           "num_gpu_blocks": 1000, "block_size": 16}
+                           "num_gpu_blocks": 1000, "block_size": 16, "fail_status": 0}
     seen: dict[str, Any] = {"requests": [], "num_aborted": 0, "num_active": 0}
     started_s = time.time()
 
@@ -59,9 +59,15 @@ def build_fake_engine_app(name: str = "fake") -> FastAPI:
         seen["requests"].append({"session_id": body.get("session_id"),
                                  "vllm_xargs": body.get("vllm_xargs"),
                                  "stream": bool(body.get("stream")), "body": body})
+        if cfg["fail_status"]:  # e.g. 400 as vLLM answers an unknown model or too many tokens
+            return JSONResponse({"error": {"message": "fake refusal", "code": cfg["fail_status"]}},
+                                cfg["fail_status"])
+        # Like vLLM with --enable-request-id-headers: the request id comes back as a header.
+        echo = {"x-request-id": rid} if (rid := request.headers.get("x-request-id")) else None
         seen["num_active"] += 1
         if body.get("stream"):
-            return StreamingResponse(stream(request, body, chat), media_type="text/event-stream")
+            return StreamingResponse(stream(request, body, chat), media_type="text/event-stream",
+                                     headers=echo)
         try:
             if cfg["delay_s"] > 0:
                 waiter = asyncio.ensure_future(until_disconnect(request))
@@ -70,7 +76,7 @@ def build_fake_engine_app(name: str = "fake") -> FastAPI:
                     seen["num_aborted"] += 1
                     return Response(status_code=499)
                 waiter.cancel()
-            return JSONResponse(completion(body, chat))
+            return JSONResponse(completion(body, chat), headers=echo)
         finally:
             seen["num_active"] -= 1
 

@@ -61,6 +61,9 @@ def parse_cpu_batch(raw: bytes, max_events: int) -> list[CpuEvent]:
         raise BadRequestError(f"events body is not valid JSON: {e}") from None
     if isinstance(data, dict) and "events" in data and "kind" not in data:
         data = data["events"]
+        if not isinstance(data, list):
+            raise BadRequestError(f'"events" must be a list of event objects, got {type(data).__name__}; '
+                                  'e.g. {"events": [{"kind": "tool_start", ...}]}')
     items = data if isinstance(data, list) else [data]
     if len(items) > max_events:
         raise BadRequestError(

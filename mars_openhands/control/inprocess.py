@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
 import json
 import os
 import sys
@@ -43,11 +44,16 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from mars_openhands.control.config import GatewayConfig, ReplicaConfig
 from mars_openhands.control.proxy import PROXY_PATHS, ProxyHandler
-from mars_openhands.control.upstream import UpstreamBrokenError, UpstreamTimeoutError
+from mars_openhands.control.upstream import (
+    NOT_RELAYED_HEADERS,
+    UpstreamBrokenError,
+    UpstreamTimeoutError,
+)
 
 __all__ = ["CONFIG_ENV", "IN_PROCESS_URL", "InProcessClient", "MarsGatewayMiddleware", "config_from_env"]
 
@@ -56,6 +62,7 @@ CONFIG_ENV = "MARS_GATEWAY_CONFIG"
 IN_PROCESS_URL = "http://in-process"
 """The local replica's URL in the gateway's config, metrics and logs (never connected to)."""
 _REFUSED = ("replicas", "host", "port")
+_UNAUTHORIZED = JSONResponse({"error": "Unauthorized"}, status_code=401)  # vLLM's own answer
 
 
 def config_from_env(environ: Mapping[str, str] | None = None) -> GatewayConfig:
@@ -105,20 +112,29 @@ def _fields(error: ValidationError, prefix: str = "") -> str:
                      for err in error.errors())
 
 
+HANG_UP_GRACE_S = 1.0
+"""Seconds an in-process request gets to end by itself after it was told the client is gone
+(``http.disconnect`` on ``receive``, ``OSError`` on ``send``: how vLLM notices a disconnect under
+uvicorn) before its task is cancelled."""
+
+
 class InProcessResponse:
     """A response being produced by the in-process app (the ``UpstreamResponse`` interface).
 
     Attributes:
         status_code: HTTP status.
         content_type: the ``content-type`` header, if any.
+        headers: the app's other response headers, to relay (``x-request-id``, CORS, ...).
     """
 
-    __slots__ = ("_call", "status_code", "content_type")
+    __slots__ = ("_call", "status_code", "content_type", "headers")
 
-    def __init__(self, call: _AppCall, status_code: int, content_type: str | None) -> None:
+    def __init__(self, call: _AppCall, status_code: int, content_type: str | None,
+                 headers: list[tuple[bytes, bytes]]) -> None:
         self._call = call
         self.status_code = status_code
         self.content_type = content_type
+        self.headers = headers
 
     async def read(self) -> bytes:
         """The whole body. Raises UpstreamError."""
@@ -137,7 +153,7 @@ class InProcessResponse:
                 return
 
     def close(self) -> None:
-        """Stop the app's request if it has not finished (it sees a disconnect; vLLM aborts)."""
+        """Hang up on the app's request if it has not finished (vLLM aborts it)."""
         self._call.hang_up()
 
 
@@ -146,11 +162,19 @@ def _wake(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
+def _cancel_if_running(task: asyncio.Task[None]) -> None:
+    if not task.done():
+        task.cancel()
+
+
 class _AppCall:
-    """One request run through the app: its task, the messages it sent, the disconnect signal.
+    """One request run through the app in its own task: the messages it sent, the disconnect.
 
     Messages wait in a deque; the reader parks on one future only when the deque is empty (a
     queue with a timeout context per message cost ~20 us each, measured on the stream path).
+    The app's own task matters for hang-ups: vLLM's non-streaming handlers run in a task of their
+    own (``with_cancellation``) that only a ``http.disconnect`` from ``receive`` cancels; cancelling
+    the caller would orphan it and the engine would finish the request.
     """
 
     __slots__ = ("task", "messages", "gone", "url", "read_timeout_s", "is_finished", "_body", "_waiter")
@@ -178,22 +202,9 @@ class _AppCall:
             _wake(self._waiter)
 
     async def send(self, message: dict[str, Any]) -> None:
+        if self.gone.is_set():  # as uvicorn does once the client is gone (ASGI spec 2.4)
+            raise OSError("the client disconnected")
         self._put(message)
-
-    async def run_whole(self, app: Any, scope: dict[str, Any]) -> None:
-        """Run the app to its end in the caller's task, bounded by the read timeout (a whole
-        response sends nothing before it is done anyway). Cancelling the caller cancels the app.
-
-        Raises:
-            UpstreamTimeoutError: the app took longer than the read timeout.
-        """
-        try:
-            async with asyncio.timeout(self.read_timeout_s):
-                await self.run(app, scope)
-        except TimeoutError:
-            raise UpstreamTimeoutError(f"no response from {self.url} within {self.read_timeout_s} s") from None
-        finally:
-            self.is_finished = True
 
     async def run(self, app: Any, scope: dict[str, Any]) -> None:
         try:
@@ -224,11 +235,13 @@ class _AppCall:
         return message
 
     def hang_up(self) -> None:
+        """The client is gone: tell the app (disconnect on ``receive``, ``OSError`` on ``send``) and
+        cancel it if it has not ended :data:`HANG_UP_GRACE_S` later. Idempotent."""
         if not self.is_finished:
             self.is_finished = True
             self.gone.set()
             if self.task is not None and not self.task.done():
-                self.task.cancel()
+                asyncio.get_running_loop().call_later(HANG_UP_GRACE_S, _cancel_if_running, self.task)
 
 
 class InProcessClient:
@@ -236,8 +249,9 @@ class InProcessClient:
 
     Same interface as :class:`~mars_openhands.control.upstream.UpstreamClient` (``post``, ``get``,
     ``close``), so the proxy's hot path, polling and health checks are unchanged. Each request runs
-    the app in its own task; :meth:`InProcessResponse.close` before the end (the agent went away)
-    delivers ``http.disconnect`` to the app and cancels it, which is how vLLM learns to abort.
+    the app in its own task; a caller that is cancelled (the agent went away) or
+    :meth:`InProcessResponse.close` before the end hangs up: the app sees ``http.disconnect``, which
+    is how vLLM learns to abort the request, and is cancelled if it has not ended a second later.
 
     Args:
         app: the ASGI app below the middleware (the rest of vLLM's stack).
@@ -266,13 +280,9 @@ class InProcessClient:
         return scope
 
     async def _start(self, method: str, url: str, content: bytes, headers: Mapping[str, str],
-                     read_timeout_s: float, stream: bool) -> InProcessResponse:
+                     read_timeout_s: float) -> InProcessResponse:
         call = _AppCall(content, url, read_timeout_s)
-        scope = self._scope(method, url, headers, len(content))
-        if stream:  # the app runs beside the relay, which reads its messages as they come
-            call.task = asyncio.create_task(call.run(self.app, scope))
-        else:  # nothing to relay before the end: run it here (no task, no hand-offs)
-            await call.run_whole(self.app, scope)
+        call.task = asyncio.create_task(call.run(self.app, self._scope(method, url, headers, len(content))))
         try:
             start = await call.next_message()
         except BaseException:
@@ -281,20 +291,25 @@ class InProcessClient:
         if start.get("type") != "http.response.start":
             call.hang_up()
             raise UpstreamBrokenError(f"{url} sent {start.get('type')!r} before its response start")
-        content_type = next((v.decode("latin-1") for k, v in start.get("headers", ())
-                             if k.lower() == b"content-type"), None)
-        return InProcessResponse(call, int(start["status"]), content_type)
+        content_type: str | None = None
+        relayed: list[tuple[bytes, bytes]] = []
+        for name, value in start.get("headers", ()):
+            lower = name.lower()
+            if lower == b"content-type":
+                content_type = value.decode("latin-1")
+            elif lower not in NOT_RELAYED_HEADERS:
+                relayed.append((lower, value))
+        return InProcessResponse(call, int(start["status"]), content_type, relayed)
 
-    async def post(self, url: str, content: bytes, headers: Mapping[str, str],
-                   stream: bool = True) -> InProcessResponse:
-        """Run a POST through the app; return once it sent its response start (``stream``), or
-        once it finished (not ``stream``: it ran in the calling task). Raises UpstreamError;
-        cancelling this call hangs up on the app."""
-        return await self._start("POST", url, content, headers, self.read_timeout_s, stream)
+    async def post(self, url: str, content: bytes, headers: Mapping[str, str]) -> InProcessResponse:
+        """Run a POST through the app; return once it sent its response start. Raises
+        UpstreamError; cancelling this call hangs up on the app."""
+        return await self._start("POST", url, content, headers, self.read_timeout_s)
 
-    async def get(self, url: str, timeout_s: float | None = None) -> tuple[int, bytes, str | None]:
+    async def get(self, url: str, timeout_s: float | None = None,
+                  headers: Mapping[str, str] | None = None) -> tuple[int, bytes, str | None]:
         """GET a small resource through the app: (status, body, content type). Raises UpstreamError."""
-        resp = await self._start("GET", url, b"", {}, timeout_s or self.read_timeout_s, stream=False)
+        resp = await self._start("GET", url, b"", headers or {}, timeout_s or self.read_timeout_s)
         try:
             return resp.status_code, await resp.read(), resp.content_type
         finally:
@@ -311,19 +326,25 @@ class MarsGatewayMiddleware:
     the module docstring). The gateway starts and stops with the server's lifespan.
 
     Raises:
-        ValueError: a bad ``MARS_GATEWAY_CONFIG`` (at construction, so vLLM fails to start with
-            the message).
+        ValueError: a bad ``MARS_GATEWAY_CONFIG``, or its ``stream_path`` exists (at construction:
+            vLLM builds its middleware once its engine is up, then stops with the message).
     """
 
     def __init__(self, app: Any) -> None:
         from mars_openhands.control.app import Gateway
+        from mars_openhands.control.cli import check_runtime
 
         self.app = app
         self.config = config_from_env()
+        try:
+            check_runtime(self.config)  # e.g. the stream file exists (one run, one stream)
+        except ValueError as e:
+            raise ValueError(str(e).replace("--stream-path", f"{CONFIG_ENV} stream_path")) from None
         self._base_scope: dict[str, Any] = {}
         self.gateway = Gateway(self.config, client_factory=self._client)
         self.handler = ProxyHandler(self.gateway)
         self._start: asyncio.Future[None] | None = None
+        self._auth_cache: dict[bytes, bool] = {}
 
     def _client(self, config: GatewayConfig) -> InProcessClient:
         return InProcessClient(self.app, config.upstream_read_timeout_s, self._base_scope)
@@ -347,19 +368,41 @@ class MarsGatewayMiddleware:
         print(f"MARS gateway in-process (vLLM --middleware; OpenAI routes and /mars/v1/* on this "
               f"server); {self.gateway.settings_line()}", file=sys.stderr, flush=True)
 
+    async def _is_authorized(self, scope: Mapping[str, Any]) -> bool:
+        """Whether vLLM's own API-key check (``--api-key``, ``VLLM_API_KEY``) lets this request's
+        ``Authorization`` header through: asked once per distinct header value by a ``GET
+        /v1/models`` through the rest of the stack (401 = refused), then remembered (vLLM's keys are
+        fixed for the server's life). The gateway thereby refuses before admission and turn
+        counting, and guards its ``/mars/v1/*`` paths with the same keys."""
+        header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        key = hashlib.sha256(header).digest()
+        allowed = self._auth_cache.get(key)
+        if allowed is None:
+            client = self.gateway.client
+            assert client is not None, "the gateway starts before it serves"
+            headers = {"authorization": header.decode("latin-1")} if header else {}
+            status, _, _ = await client.get(f"{IN_PROCESS_URL}/v1/models", 10.0, headers)
+            allowed = status != 401
+            if len(self._auth_cache) >= 1024:  # bounded: a client cycling through bad keys
+                self._auth_cache.clear()
+            self._auth_cache[key] = allowed
+        return allowed
+
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         kind = scope["type"]
         if kind == "http":
             path = scope["path"]
-            if path in PROXY_PATHS and scope["method"] == "POST":
+            is_proxied = path in PROXY_PATHS and scope["method"] == "POST"
+            if is_proxied or path.startswith("/mars/"):
                 self._remember(scope)
                 await self._ensure_started()
-                await self.handler(scope, receive, send)
-                return
-            if path.startswith("/mars/"):
-                self._remember(scope)
-                await self._ensure_started()
-                await self.gateway.fastapi_app(scope, receive, send)
+                if not await self._is_authorized(scope):
+                    await _UNAUTHORIZED(scope, receive, send)
+                    return
+                if is_proxied:
+                    await self.handler(scope, receive, send)
+                else:
+                    await self.gateway.fastapi_app(scope, receive, send)
                 return
         elif kind == "lifespan":
             self._remember(scope)
@@ -377,3 +420,32 @@ class MarsGatewayMiddleware:
             return message
 
         return wrapped
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mars_openhands.control.inprocess``: check ``MARS_GATEWAY_CONFIG`` before starting
+    vLLM (which builds its middleware only after its engine is up, about a minute on a small
+    machine). Prints the settings and returns 0, or the problem and returns 2."""
+    import argparse
+
+    from mars_openhands.control.cli import check_runtime
+
+    argparse.ArgumentParser(
+        prog="python -m mars_openhands.control.inprocess",
+        description=f"Check {CONFIG_ENV} (JSON of gateway settings, or @file.json) for the in-process "
+                    "gateway; docs/gateway.md").parse_args(argv)
+    try:
+        config = config_from_env()
+        check_runtime(config)
+    except ValueError as e:
+        print(f"{CONFIG_ENV}: {str(e).removeprefix(CONFIG_ENV + ': ')}".replace(
+            "--stream-path", "stream_path"), file=sys.stderr)
+        return 2
+    from mars_openhands.control.app import settings_line
+
+    print(f"{CONFIG_ENV} ok: {settings_line(config)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -282,7 +282,11 @@ class ProxyHandler:
                                                                   stream, call)
             replica_out.append(replica)
             replica.num_in_flight += 1
-            extra = [(b"x-mars-replica", replica.name.encode()),
+            if resp.status_code >= 400 and session.num_turns == turn + 1:
+                # vLLM refused the turn (unknown model, too many tokens, ...): it did not run, so
+                # the agent's retry is the same turn.
+                session.num_turns, session.prev_tool = turn, prev_tool
+            extra = [*resp.headers, (b"x-mars-replica", replica.name.encode()),
                      (b"x-mars-session", session.session_id.encode()),
                      (b"x-mars-turn", str(turn).encode())]
             if whole is not None:
@@ -354,7 +358,7 @@ class ProxyHandler:
         call.fail_reason = None
         replica.in_flight.add(call)
         try:
-            resp = await client.post(f"{replica.url}{path}", content, headers, stream=stream)
+            resp = await client.post(f"{replica.url}{path}", content, headers)
             if stream and resp.status_code == 200:
                 return resp, None
             try:

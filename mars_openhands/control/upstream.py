@@ -36,6 +36,7 @@ __all__ = [
     "UpstreamResponse",
     "UpstreamTimeoutError",
     "UpstreamUnreachableError",
+    "NOT_RELAYED_HEADERS",
 ]
 
 
@@ -77,21 +78,30 @@ def _map(error: BaseException, url: str) -> UpstreamError:
     return UpstreamBrokenError(f"connection to {url} broke: {error!r}")
 
 
+NOT_RELAYED_HEADERS = frozenset((b"content-type", b"content-length", b"transfer-encoding", b"connection",
+                                 b"keep-alive", b"date", b"server"))
+"""Response headers the gateway sets itself (its server adds date/server/framing); the replica's
+other headers (``x-request-id``, CORS, ...) are relayed to the agent."""
+
+
 class UpstreamResponse:
     """A response whose body has not been read yet. Call :meth:`close` (idempotent) when done.
 
     Attributes:
         status_code: HTTP status.
         content_type: the ``content-type`` header, if any.
+        headers: the replica's other headers to relay, lower-case names (see
+            :data:`NOT_RELAYED_HEADERS`).
     """
 
-    __slots__ = ("_resp", "_url", "status_code", "content_type")
+    __slots__ = ("_resp", "_url", "status_code", "content_type", "headers")
 
     def __init__(self, resp: aiohttp.ClientResponse, url: str) -> None:
         self._resp = resp
         self._url = url
         self.status_code = resp.status
         self.content_type: str | None = resp.headers.get("content-type")
+        self.headers = [(k.lower(), v) for k, v in resp.raw_headers if k.lower() not in NOT_RELAYED_HEADERS]
 
     async def read(self) -> bytes:
         """The whole body; the connection goes back to the pool. Raises UpstreamError."""
@@ -161,12 +171,8 @@ class UpstreamClient:
                     f"bad replica URL {url!r} ({e}); give an http:// or https:// URL") from None
         return parsed
 
-    async def post(self, url: str, content: bytes, headers: Mapping[str, str],
-                   stream: bool = True) -> UpstreamResponse:
+    async def post(self, url: str, content: bytes, headers: Mapping[str, str]) -> UpstreamResponse:
         """Send a POST and return once the status line and headers arrived. Raises UpstreamError.
-
-        ``stream`` (whether the agent asked for a streamed response) is a hint other clients use;
-        this one reads every response the same way.
 
         A pooled keep-alive connection can be closed by the server just as it is reused (the
         request never reached the application); such a failure before any response is retried

@@ -109,6 +109,20 @@ def _run(factory, tmp_path: Path, gpu: str, inbox: str) -> None:
                what="vLLM to abort the hung-up request")
     state = client.get("/mars/v1/state").json()
     assert state["sessions"]["c"]["in_flight"] == 0 and state["sessions"]["c"]["turns"] == 1
+    # The same for a whole (non-streamed) response: vLLM runs it under with_cancellation, in a task
+    # of its own that only a disconnect on receive() stops.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", timeout=1.5, json={
+            "model": server.model, "prompt": [1, 40, 41], "max_tokens": 900, "ignore_eos": True,
+            "mars_session": "c"})
+    def of_c() -> list[dict[str, Any]]:
+        rows = [json.loads(line) for line in stream_path.read_text().splitlines()]
+        return [r for r in rows if r["kind"] == "finished" and r["session_id"] == "c"]
+
+    rows = wait_until(lambda: len(of_c()) == 2 and of_c(), what="both of c's requests to end in the engine")
+    print(f"  hung-up requests: {[(r['finish_reason'], r['num_output_tokens']) for r in rows]}")
+    assert [r["turn"] for r in rows] == [0, 1]
+    assert all(r["finish_reason"] == "abort" and r["num_output_tokens"] < 900 for r in rows), rows
     wanted = {"admission_update", "queued", "first_token", "finished", "tool_start", "tool_end", "session_end"}
     wait_until(lambda: wanted <= {json.loads(line)["kind"] for line in stream_path.read_text().splitlines()},
                what=f"{sorted(wanted)} in the recorded stream (flushed every second)")

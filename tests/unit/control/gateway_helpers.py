@@ -12,7 +12,7 @@ import pytest
 from mars_openhands.control.config import GatewayConfig, ReplicaConfig
 from mars_openhands.control.server import GatewayServer
 
-FAKE_DEFAULTS = {"kv_usage": 0.0, "delay_s": 0.0, "num_chunks": 3, "chunk_delay_s": 0.0}
+FAKE_DEFAULTS = {"kv_usage": 0.0, "delay_s": 0.0, "num_chunks": 3, "chunk_delay_s": 0.0, "fail_status": 0}
 
 
 def fast_config(urls: list[str], **overrides: Any) -> GatewayConfig:

@@ -51,6 +51,20 @@ def test_sessions_stick_to_a_replica_and_carry_metadata(clean_fakes, gateway_fac
     assert state(server)["num_admitted"] == 5  # one-turn sessions released their slots
 
 
+def test_replica_headers_are_relayed_and_a_refused_turn_is_not_counted(clean_fakes, gateway_factory) -> None:
+    server, _ = gateway_factory([clean_fakes[0].url])
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        ok = client.post("/v1/chat/completions", json=chat("hdr"), headers={"x-request-id": "req-7"})
+        assert ok.headers["x-request-id"] == "req-7" and ok.headers["x-mars-turn"] == "0"
+        assert ok.headers["content-type"] == "application/json"
+        assert len(ok.headers.get_list("date")) == 1 and len(ok.headers.get_list("server")) <= 1
+        clean_fakes[0].configure(fail_status=400)
+        refused = client.post("/v1/chat/completions", json=chat("hdr"))
+        assert refused.status_code == 400 and refused.headers["x-mars-turn"] == "1"
+        clean_fakes[0].configure(fail_status=0)
+        assert client.post("/v1/chat/completions", json=chat("hdr")).headers["x-mars-turn"] == "1"
+
+
 def test_streaming_is_relayed_chunk_for_chunk(clean_fakes, gateway_factory) -> None:
     server, _ = gateway_factory([clean_fakes[0].url])
     clean_fakes[0].configure(num_chunks=5)

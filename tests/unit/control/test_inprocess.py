@@ -150,9 +150,16 @@ def test_config_from_a_file(tmp_path) -> None:
     assert config_from_env({CONFIG_ENV: f"@{path}"}).session_idle_timeout_s == 12
 
 
-def test_a_bad_config_fails_at_construction(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_bad_config_fails_at_construction(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setenv(CONFIG_ENV, '{"nope": 1}')
     with pytest.raises(ValueError, match="MARS_GATEWAY_CONFIG: nope"):
+        MarsGatewayMiddleware(build_fake_engine_app())
+    (tmp_path / "old.jsonl").write_text("")
+    monkeypatch.setenv(CONFIG_ENV, json.dumps({"stream_path": str(tmp_path / "old.jsonl")}))
+    with pytest.raises(ValueError, match="MARS_GATEWAY_CONFIG stream_path .* already exists"):
+        MarsGatewayMiddleware(build_fake_engine_app())
+    monkeypatch.setenv(CONFIG_ENV, '{"replica": {"name": ""}}')
+    with pytest.raises(ValueError, match="replica.name"):
         MarsGatewayMiddleware(build_fake_engine_app())
 
 
@@ -186,28 +193,124 @@ def test_in_process_client_maps_timeouts_crashes_and_relays_streams() -> None:
 
     async def main() -> None:
         slow = InProcessClient(_slow_app, 0.05, {})
-        for stream in (False, True):
-            with pytest.raises(UpstreamTimeoutError, match="within 0.05 s"):
-                await slow.post(f"{IN_PROCESS_URL}/v1/completions", b"{}", {}, stream=stream)
+        with pytest.raises(UpstreamTimeoutError, match="within 0.05 s"):
+            await slow.post(f"{IN_PROCESS_URL}/v1/completions", b"{}", {})
         crash = InProcessClient(_crashing_app, 1.0, {})
-        resp = await crash.post(f"{IN_PROCESS_URL}/v1/completions", b"{}", {}, stream=False)
+        resp = await crash.post(f"{IN_PROCESS_URL}/v1/completions", b"{}", {})
         with pytest.raises(UpstreamBrokenError, match="raised RuntimeError"):
             await resp.read()
         ok = InProcessClient(_streaming_app, 1.0, {})
-        resp = await ok.post(f"{IN_PROCESS_URL}/v1/completions", b"{}", {}, stream=True)
+        resp = await ok.post(f"{IN_PROCESS_URL}/v1/completions", b"{}", {})
         assert (resp.status_code, resp.content_type) == (201, "text/x")
         assert [c async for c in resp.iter_chunks()] == [b"c0", b"c1", b"c2"]
-        resp = await ok.post(f"{IN_PROCESS_URL}/v1/completions", b"{}", {}, stream=True)
-        task = resp._call.task
-        resp.close()  # the agent went away: the app is cancelled
-        await asyncio.sleep(0.02)
-        assert task.cancelled()
 
     asyncio.run(main())
 
 
-def test_gateway_cli_prints_the_in_process_config(capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_hang_up_reaches_a_handler_that_runs_in_its_own_task() -> None:
+    """vLLM's non-streaming handlers run under ``with_cancellation``: a task of their own, cancelled
+    only when ``receive`` says ``http.disconnect``. Hanging up must get there (not orphan it)."""
+    import asyncio
+
+    from mars_openhands.control.inprocess import InProcessClient
+
+    handler_states: list[str] = []
+
+    async def app(scope, receive, send) -> None:  # noqa: ANN001
+        await receive()
+
+        async def handler() -> None:
+            try:
+                await asyncio.sleep(30)  # a long generation
+                handler_states.append("finished")
+            except asyncio.CancelledError:
+                handler_states.append("aborted")
+                raise
+
+        async def listen() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        work, listener = asyncio.create_task(handler()), asyncio.create_task(listen())
+        done, pending = await asyncio.wait([work, listener], return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+
+    async def main() -> None:
+        client = InProcessClient(app, 60.0, {})
+        call = asyncio.ensure_future(client.post(f"{IN_PROCESS_URL}/v1/completions", b"{}", {}))
+        await asyncio.sleep(0.05)
+        call.cancel()  # the agent went away (the proxy cancels its request)
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        for _ in range(50):
+            if handler_states:
+                break
+            await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+    assert handler_states == ["aborted"]
+
+
+class _ApiKey:
+    """Stands in for vLLM's AuthenticationMiddleware (inside ours, as vLLM orders them)."""
+
+    def __init__(self, app, key: str) -> None:  # noqa: ANN001
+        self.app, self.key = app, key
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
+        from fastapi.responses import JSONResponse
+
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            auth = dict(scope["headers"]).get(b"authorization", b"").decode()
+            if auth != f"Bearer {self.key}":
+                await JSONResponse({"error": "Unauthorized"}, 401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def test_vllms_api_key_guards_the_gateway_before_admission(monkeypatch) -> None:
+    monkeypatch.setenv(CONFIG_ENV, "{}")
+    middleware = MarsGatewayMiddleware(_ApiKey(build_fake_engine_app(), "secret"))
+    server, thread, url = _serve(middleware)
+    try:
+        with httpx.Client(base_url=url, timeout=10) as client:
+            refused = client.post("/v1/chat/completions", json=chat("intruder"))
+            assert refused.status_code == 401 and "x-mars-turn" not in refused.headers
+            assert middleware.gateway.sessions.get("intruder") is None  # never admitted or counted
+            assert client.get("/mars/v1/state").status_code == 401
+            assert client.post("/mars/v1/events", json={"events": [event("session_end", "x")]}).status_code == 401
+            key = {"authorization": "Bearer secret"}
+            ok = client.post("/v1/chat/completions", json=chat("agent"), headers=key)
+            assert ok.status_code == 200 and ok.headers["x-mars-turn"] == "0"
+            assert client.get("/mars/v1/state", headers=key).json()["sessions"]["agent"]["turns"] == 1
+            assert client.get("/health").status_code == 200  # not guarded by vLLM, nor by us
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def test_engine_headers_are_relayed_and_a_refused_turn_is_not_counted(in_process) -> None:
+    url, middleware = in_process({})
+    with httpx.Client(base_url=url, timeout=10) as client:
+        ok = client.post("/v1/chat/completions", json=chat("s"), headers={"x-request-id": "req-1"})
+        assert ok.headers["x-mars-turn"] == "0" and ok.headers["x-request-id"] == "req-1"
+        streamed = client.post("/v1/chat/completions", json=chat("s", stream=True),
+                               headers={"x-request-id": "req-2"})
+        assert streamed.headers["x-mars-turn"] == "1" and streamed.headers["x-request-id"] == "req-2"
+        client.post("/fake/config", json={"fail_status": 400})
+        refused = client.post("/v1/chat/completions", json=chat("s"))
+        assert refused.status_code == 400 and refused.headers["x-mars-turn"] == "2"
+        client.post("/fake/config", json={"fail_status": 0})
+        retried = client.post("/v1/chat/completions", json=chat("s"))
+        assert retried.headers["x-mars-turn"] == "2"  # the refused turn did not count
+        turns = [r["vllm_xargs"]["mars_turn"] for r in client.get("/fake/requests").json()["requests"]]
+        assert turns == [0, 1, 2, 2]
+
+
+def test_gateway_cli_prints_the_in_process_config(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
     import argparse
+    import shlex
 
     from mars_openhands.control.cli import add_gateway_subcommand
 
@@ -233,6 +336,19 @@ def test_gateway_cli_prints_the_in_process_config(capsys: pytest.CaptureFixture[
     assert code == 2 and not out and "serves one replica" in err
     code, out, err = run("--port", "9000")
     assert code == 2 and "--host/--port do not apply in-process" in err
+    # A --replica without URL, a quote in a value, and a --config file's replica and port.
+    code, out, _ = run("--replica", "events=ipc:///tmp/a.sock,name=x", "--stream-path", "/tmp/it's.jsonl")
+    value = shlex.split(out.splitlines()[0])[0].split("=", 1)[1]  # as the shell reads the line
+    config = config_from_env({CONFIG_ENV: value})
+    assert (config.replicas[0].events_address, config.replicas[0].name) == ("ipc:///tmp/a.sock", "x")
+    assert config.stream_path == "/tmp/it's.jsonl"
+    path = tmp_path / "gw.json"
+    path.write_text(json.dumps({"replicas": [{"url": "http://a:1", "events_address": "ipc:///f"}]}))
+    code, out, _ = run("--config", str(path))
+    assert code == 0 and '"events_address":"ipc:///f"' in out
+    path.write_text(json.dumps({"replicas": [{"url": "http://a:1"}], "port": 9000}))
+    code, out, err = run("--config", str(path))
+    assert code == 2 and "host/port (from --config) do not apply" in err
 
 
 def test_without_a_lifespan_the_first_requests_start_the_gateway_once(monkeypatch) -> None:
@@ -260,3 +376,20 @@ def test_without_a_lifespan_the_first_requests_start_the_gateway_once(monkeypatc
 
     assert asyncio.run(main()) == [200, 200, 200]
     assert len(starts) == 1
+
+
+def test_the_config_checker_reports_before_vllm_starts(monkeypatch, tmp_path, capsys) -> None:
+    from mars_openhands.control.inprocess import main
+
+    stream = tmp_path / "s.jsonl"
+    monkeypatch.setenv(CONFIG_ENV, json.dumps({"stream_path": str(stream), "is_admission_enabled": False}))
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{CONFIG_ENV} ok: replicas: local=http://in-process; admission: off")
+    assert not stream.exists()  # checking records nothing
+    stream.write_text("")
+    assert main([]) == 2
+    assert f"{CONFIG_ENV}: stream_path {stream} already exists" in capsys.readouterr().err
+    monkeypatch.setenv(CONFIG_ENV, '{"admission": {"window_mn": 2}}')
+    assert main([]) == 2
+    assert capsys.readouterr().err.strip() == f"{CONFIG_ENV}: admission.window_mn: Extra inputs are not permitted"

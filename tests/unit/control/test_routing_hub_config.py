@@ -73,7 +73,8 @@ def test_failure_threshold_and_reroute() -> None:
      (json.dumps([ev("session_start"), ev("tool_start", tool_name="x")]).encode(),
       r"event \[1\].*tool_call_id", 400),
      (json.dumps(ev("session_start", sid=None)).encode(), "session_id is required", 400),
-     (json.dumps({"events": [ev("session_end")] * 5}).encode(), "max_events_per_post=4", 413)],
+     (json.dumps({"events": [ev("session_end")] * 5}).encode(), "max_events_per_post=4", 413),
+     (json.dumps({"events": 5}).encode(), '"events" must be a list of event objects, got int', 400)],
 )
 def test_parse_cpu_batch_errors(body: bytes, match: str, status: int) -> None:
     with pytest.raises(BadRequestError, match=match) as info:
