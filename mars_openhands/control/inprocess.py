@@ -23,12 +23,17 @@ What changes against the standalone gateway:
 * The gateway's own endpoints live under ``/mars/v1/`` (``events``, ``state``, ``metrics``,
   ``healthz``); ``/metrics``, ``/health`` and ``/v1/models`` stay vLLM's.
 * One replica: the local engine (routing and fail-over have nothing to do).
+* vLLM adds ``--middleware`` outside its own ``--api-key`` check, so the middleware asks that check
+  (once per distinct ``Authorization`` value) before admission, and guards ``/mars/v1/*`` with it.
+* A client that hangs up is passed on as uvicorn would (``http.disconnect`` on ``receive``,
+  ``OSError`` on ``send``), then the request is cancelled after :data:`HANG_UP_GRACE_S`.
 
 Configuration: the environment variable ``MARS_GATEWAY_CONFIG`` holds a JSON object of
 :class:`~mars_openhands.control.config.GatewayConfig` fields, or ``@path`` to a JSON file; the local
 replica's options (``events_address``, ``name``, ``engine_source``) go under ``"replica"``;
 ``replicas``, ``host`` and ``port`` are refused (the server's own address is used). Unset or empty:
-every default (admission on, nothing recorded, no engine channels).
+every default (admission on, nothing recorded, no engine channels). vLLM builds middleware only
+after its engine is up, so check the value first: ``python -m mars_openhands.control.inprocess``.
 """
 
 from __future__ import annotations
