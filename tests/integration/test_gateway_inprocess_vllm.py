@@ -2,7 +2,7 @@
 
 One server (each start costs about a minute here): the MARS scheduler plugin with its telemetry
 and inbox channels wired to the in-process gateway, whose window is held at one session. Phases:
-turns carry the session's metadata to the engine and its events come back into the recorded
+vLLM's --api-key refuses a keyless request before admission; turns carry the session's metadata to the engine and its events come back into the recorded
 stream; CPU-plane events are forwarded to the engine; a second session waits for the window
 until the first ends; a client that hangs up mid-stream gets its engine request aborted.
 """
@@ -58,18 +58,28 @@ def _run(factory, tmp_path: Path, gpu: str, inbox: str) -> None:
                      num_gpu_blocks_override=64, block_size=32, max_model_len=1024,
                      additional_config={"mars": {"telemetry": {"addr": gpu, "engine_step_interval_ms": 0.0},
                                                  "inbox_addr": inbox}},
-                     extra_args=("--middleware", MIDDLEWARE),
-                     extra_env={"MARS_GATEWAY_CONFIG": json.dumps(config)})
+                     extra_args=("--middleware", MIDDLEWARE, "--enable-request-id-headers"),
+                     api_key="k-int", extra_env={"MARS_GATEWAY_CONFIG": json.dumps(config)})
     print(f"\n  vLLM with the in-process gateway ready in {server.startup_s:.1f} s")
-    client = httpx.Client(base_url=server.url, timeout=60)
+    key = {"authorization": "Bearer k-int"}
+    client = httpx.Client(base_url=server.url, timeout=60, headers=key)
 
-    def complete(session: str, stream: bool = False, **extra: Any) -> httpx.Response:
-        return client.post("/v1/completions", json={
+    # vLLM's --api-key holds in front of the gateway: refused before admission, /mars/v1 guarded.
+    refused = httpx.post(f"{server.url}/v1/completions", timeout=30, json={
+        "model": server.model, "prompt": [1, 40], "max_tokens": 1, "mars_session": "intruder"})
+    assert refused.status_code == 401 and "x-mars-turn" not in refused.headers
+    assert httpx.get(f"{server.url}/mars/v1/state", timeout=30).status_code == 401
+    assert "intruder" not in client.get("/mars/v1/state").json()["sessions"]
+
+    def complete(session: str, stream: bool = False, headers: dict[str, str] | None = None,
+                 **extra: Any) -> httpx.Response:
+        return client.post("/v1/completions", headers=headers, json={
             "model": server.model, "prompt": [1, *range(40, 100)], "max_tokens": 4, "ignore_eos": True,
             "mars_session": session, "stream": stream, **extra})
 
     # Turns: metadata in, engine events (with the session id and turn) back into the stream.
-    first, second = complete("a"), complete("a", stream=True)
+    first, second = complete("a", headers={"x-request-id": "rid-1"}), complete("a", stream=True)
+    assert first.headers["x-request-id"] == "rid-1"  # vLLM's own headers come through
     assert first.status_code == 200 and second.status_code == 200, (first.text, second.text)
     assert [r.headers["x-mars-turn"] for r in (first, second)] == ["0", "1"]
     assert first.headers["x-mars-replica"] == "local" and second.text.endswith("data: [DONE]\n\n")
@@ -100,7 +110,7 @@ def _run(factory, tmp_path: Path, gpu: str, inbox: str) -> None:
     client.post("/mars/v1/events", json={"events": [event("session_end", "b")]})
 
     # A client that hangs up mid-stream: vLLM aborts the request, the session has nothing in flight.
-    with httpx.Client(base_url=server.url, timeout=60) as hangup, hangup.stream(
+    with httpx.Client(base_url=server.url, timeout=60, headers=key) as hangup, hangup.stream(
             "POST", "/v1/completions", json={"model": server.model, "prompt": [1, 40, 41], "max_tokens": 900,
                                              "ignore_eos": True, "mars_session": "c", "stream": True}) as resp:
         assert resp.status_code == 200
@@ -112,7 +122,7 @@ def _run(factory, tmp_path: Path, gpu: str, inbox: str) -> None:
     # The same for a whole (non-streamed) response: vLLM runs it under with_cancellation, in a task
     # of its own that only a disconnect on receive() stops.
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/completions", timeout=1.5, json={
+        httpx.post(f"{server.url}/v1/completions", timeout=1.5, headers=key, json={
             "model": server.model, "prompt": [1, 40, 41], "max_tokens": 900, "ignore_eos": True,
             "mars_session": "c"})
     def of_c() -> list[dict[str, Any]]:

@@ -68,9 +68,11 @@ def test_every_option_maps_to_its_flag(tmp_path: Path) -> None:
         block_size=32,
         enable_prefix_caching=False,
         enforce_eager=False,
+        api_key="k1",
         extra_args=("--seed", "7"),
     )
     cmd = build_command(opts, 9000)
+    assert _flag_value(cmd, "--api-key") == "k1"
     assert _flag_value(cmd, "--served-model-name") == "m"
     assert _flag_value(cmd, "--scheduler-cls") == opts.scheduler_cls
     assert _flag_value(cmd, "--distributed-executor-backend") == opts.executor_backend
@@ -96,6 +98,7 @@ def test_every_option_maps_to_its_flag(tmp_path: Path) -> None:
         ({"scheduler_cls": "not a class"}, "dotted name"),
         ({"additional_config": {"x": object()}}, "JSON-serializable"),
         ({"extra_args": ("--port=1",)}, "repeats '--port'"),
+        ({"extra_args": ("--api-key", "k")}, "api_key="),
         ({"extra_args": ("--max-num-seqs", "4")}, "max_num_seqs="),
         ({"max_num_seq": 4}, "Extra inputs are not permitted"),
         (
