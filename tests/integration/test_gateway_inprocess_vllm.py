@@ -13,7 +13,6 @@ import json
 import shutil
 import tempfile
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,24 +20,11 @@ import httpx
 import pytest
 
 from mars_openhands.control.metrics import parse_vllm_metrics
+from tests.integration.test_gateway_vllm import event, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 MIDDLEWARE = "mars_openhands.control.inprocess.MarsGatewayMiddleware"
-
-
-def wait_until(predicate, timeout_s: float = 30.0, what: str = "") -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.05)
-    pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
-
-
-def event(kind: str, session: str, **extra: Any) -> dict[str, Any]:
-    return {"kind": kind, "t_mono_ns": time.monotonic_ns(), "t_wall": "2026-01-01T00:00:00Z",
-            "source": "agent", "session_id": session, **extra}
 
 
 def test_the_gateway_inside_vllm(vllm_server_factory, tmp_path: Path) -> None:
