@@ -9,12 +9,13 @@ is marked up again by the next successful poll. Marking a replica down detaches 
 are re-routed on their next request) and fails its in-flight requests (see
 :class:`mars_openhands.control.app.Gateway`), so nothing waits on a dead engine.
 
-Single-threaded: the gateway's event loop.
+Single-threaded; the clock is injected (the control plane's).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mars_openhands.control.config import GatewayConfig
@@ -77,10 +78,16 @@ class ReplicaState:
 
 
 class Router:
-    """Replica table and the affinity / least-loaded choice."""
+    """Replica table and the affinity / least-loaded choice.
 
-    def __init__(self, config: GatewayConfig) -> None:
+    Args:
+        config: the replicas, their failure threshold and the ``engine_step`` freshness.
+        clock: monotonic seconds (the control plane's clock; virtual in the simulator).
+    """
+
+    def __init__(self, config: GatewayConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self.clock = clock
         self.replicas = [
             ReplicaState(i, config.replica_name(i), r.url) for i, r in enumerate(config.replicas)
         ]
@@ -95,7 +102,7 @@ class Router:
         return [r for r in self.replicas if r.is_healthy]
 
     def _load_key(self, r: ReplicaState) -> tuple[int, float, int, int]:
-        usage = r.kv_usage(time.monotonic(), self.config.engine_step_max_age_s)
+        usage = r.kv_usage(self.clock(), self.config.engine_step_max_age_s)
         return (r.num_sessions, usage if usage is not None else 0.0, r.num_in_flight, r.index)
 
     def route(self, session: Session) -> ReplicaState:
