@@ -150,6 +150,10 @@ class AdmissionController:
         """Query: does the session hold a slot?"""
         return session_id in self.admitted
 
+    def waiting(self) -> list[WaitingSession]:
+        """The waiting sessions, in the order they started waiting."""
+        return list(self._waiting.values())
+
     def is_waiting(self, session_id: str) -> bool:
         """Query: is the session in the waiting set?"""
         return session_id in self._waiting
@@ -208,8 +212,7 @@ class AdmissionController:
         """Admit the waiting sessions the policy selects. Returns their ids, in admission order."""
         if not self._waiting:
             return []
-        chosen = self.policy.select(list(self._waiting.values()), len(self.admitted), now_s,
-                                    kv_budget_blocks)
+        chosen = self.policy.select(self.waiting(), len(self.admitted), now_s, kv_budget_blocks)
         for session_id in chosen:
             del self._waiting[session_id]
             self._admit(session_id)
