@@ -747,7 +747,8 @@ class Simulator:
         is_quiet = not (self.admission.admitted or self.admission.num_waiting or self.pool.num_busy)
         self._quiet_ticks = self._quiet_ticks + 1 if is_quiet else 0
         _, _, used = self.engine.kv_block_counts()
-        self.plane.observe_engine_step(self.config.engine_source, used, self.engine.num_gpu_blocks())
+        self.plane.router.observe_engine_step(self.config.engine_source, used,
+                                              self.engine.num_gpu_blocks())
         tick = self.plane.tick()
         self._emit(ev.AdmissionUpdate, self.config.gateway_source, None, None,
                    **tick.report._asdict())

@@ -273,7 +273,7 @@ class Gateway:
         except UpstreamError as e:
             self.replica_failed(replica, f"/metrics poll failed: {e}")
             return
-        self.plane.observe_metrics(replica.index, parse_vllm_metrics(body.decode(errors="replace")))
+        self.router.observe_metrics(replica.index, parse_vllm_metrics(body.decode(errors="replace")))
 
     async def _poll_loop(self, replica: ReplicaState) -> None:
         while True:
@@ -304,7 +304,7 @@ class Gateway:
             self.hub.num_gpu_events += 1
             self.hub.record(event)
         if event.kind == "engine_step":
-            self.plane.observe_engine_step(event.source, event.num_used_blocks, event.num_gpu_blocks)
+            self.router.observe_engine_step(event.source, event.num_used_blocks, event.num_gpu_blocks)
 
     # ------------------------------------------------------------------ sessions and events
     def ingest_events(self, raw: bytes) -> int:
@@ -389,7 +389,7 @@ class Gateway:
             "reorder_mode": policy.last_mode,
             "tool_backlog_ratio": plane.tools.backlog_ratio,
             "tool_wait_ema_s": plane.tools.wait_ema_s,
-            "kv_usage": plane.kv_usage(),
+            "kv_usage": self.router.kv_usage(),
             "sessions": {
                 s.session_id: {"replica": s.replica, "turns": s.num_turns,
                                "in_flight": s.num_in_flight,
@@ -430,7 +430,7 @@ class Gateway:
             ("mars_tool_calls_in_flight", g, "Tool calls enqueued or running",
              [({}, tools.num_in_flight)]),
             ("mars_kv_usage", g, "KV usage used by admission (max over healthy replicas)",
-             [({}, plane.kv_usage() or 0.0)]),
+             [({}, self.router.kv_usage() or 0.0)]),
             ("mars_replica_kv_usage", g, "KV usage per replica (0..1)",
              [({"replica": r.name}, r.kv_usage(now, self.config.engine_step_max_age_s) or 0.0)
               for r in replicas]),

@@ -44,7 +44,6 @@ from typing import NamedTuple
 
 from mars_openhands.control.admission import AdmissionController, AdmissionPolicy, AimdWindow
 from mars_openhands.control.config import GatewayConfig
-from mars_openhands.control.metrics import EngineMetrics
 from mars_openhands.control.routing import Router
 from mars_openhands.control.sessions import Session, SessionRegistry, ToolTracker
 from mars_openhands.policy.admission import AdmissionDecision, PressureSnapshot
@@ -148,7 +147,7 @@ class ControlPlane:
         Args:
             session: a session with a request in flight.
             num_prompt_tokens: estimated prompt tokens of that request; its projected KV blocks
-                are ``ceil(tokens / block size)`` (:meth:`block_size_tokens`).
+                are ``ceil(tokens / block size)`` (``Router.block_size_tokens``).
 
         Returns:
             True if it holds a slot now; False: it waits until a later call admits it.
@@ -157,7 +156,7 @@ class ControlPlane:
             return True
         view = WaitingSession(
             session_id=session.session_id, arrival_s=self.clock(), num_prompt_tokens=num_prompt_tokens,
-            num_projected_blocks=math.ceil(num_prompt_tokens / self.block_size_tokens()),
+            num_projected_blocks=math.ceil(num_prompt_tokens / self.router.block_size_tokens()),
         )
         return self.admission.request(view)
 
@@ -271,70 +270,17 @@ class ControlPlane:
         )
         return Tick(report, decision, admitted + more, [s.session_id for s in idle])
 
-    # ------------------------------------------------------------------ pressure signals
-    def kv_usage(self) -> float | None:
-        """KV usage u across healthy replicas (max), 0..1, or ``None`` if no replica reported."""
-        now = self.clock()
-        values = [
-            u for r in self.router.healthy()
-            if (u := r.kv_usage(now, self.config.engine_step_max_age_s)) is not None
-        ]
-        return max(values) if values else None
-
-    def kv_budget_blocks(self) -> int | None:
-        """Blocks a new session may still commit before the KV set threshold, on the best replica:
-        ``max(0, max over replicas of floor((kv_set_usage - u) * num_gpu_blocks))``."""
-        now = self.clock()
-        budgets = []
-        for r in self.router.healthy():
-            usage = r.kv_usage(now, self.config.engine_step_max_age_s)
-            if usage is not None and r.num_gpu_blocks:
-                budgets.append(int((self.config.admission.kv_set_usage - usage) * r.num_gpu_blocks))
-        return max(0, max(budgets)) if budgets else None
-
+    # ------------------------------------------------------------------ signals and replicas
     def snapshot(self) -> PressureSnapshot:
-        """The current pressure signals (design.md §6). Pure."""
+        """The current pressure signals (design.md §6): tool backlog and wait, KV usage."""
         return PressureSnapshot(
             tool_backlog_ratio=self.tools.backlog_ratio, tool_wait_ema_s=self.tools.wait_ema_s,
-            kv_usage=self.kv_usage(), num_tool_workers=self.config.num_tool_workers,
+            kv_usage=self.router.kv_usage(), num_tool_workers=self.config.num_tool_workers,
         )
 
-    def block_size_tokens(self) -> int:
-        """KV block size for projections: the first replica's reported one, else the config's."""
-        return next((r.block_size_tokens for r in self.router.replicas if r.block_size_tokens),
-                    self.config.block_size_tokens)
-
-    # ------------------------------------------------------------------ replicas (routing hooks)
-    def observe_engine_step(self, source: str, num_used_blocks: int, num_gpu_blocks: int) -> bool:
-        """An engine's ``engine_step`` KV snapshot: u = used / total blocks, stamped now.
-
-        Returns:
-            False if no replica has that ``source`` (or it reports no blocks). Mutates the replica.
-        """
-        index = self.router.index_of_source(source)
-        if index is None or num_gpu_blocks <= 0:
-            return False
-        replica = self.router.replicas[index]
-        replica.kv_usage_step = min(1.0, num_used_blocks / num_gpu_blocks)
-        replica.kv_usage_step_mono_s = self.clock()
-        replica.num_gpu_blocks = num_gpu_blocks
-        return True
-
-    def observe_metrics(self, index: int, m: EngineMetrics) -> None:
-        """A successful ``/metrics`` poll of replica ``index``: health, restarts, KV usage, queues."""
-        replica = self.router.replicas[index]
-        if self.router.record_success(index):
-            logger.warning("replica %s (%s) is back up", replica.name, replica.url)
-        if m.process_start_s is not None:
-            if replica.process_start_s is not None and m.process_start_s != replica.process_start_s:
-                replica.num_restarts += 1
-                logger.warning("replica %s restarted; its sessions' KV is gone", replica.name)
-            replica.process_start_s = m.process_start_s
-        replica.kv_usage_polled = m.kv_usage
-        replica.kv_usage_polled_mono_s = self.clock()
-        replica.num_running, replica.num_waiting = m.num_running, m.num_waiting
-        replica.num_gpu_blocks = m.num_gpu_blocks or replica.num_gpu_blocks
-        replica.block_size_tokens = m.block_size_tokens or replica.block_size_tokens
+    def kv_budget_blocks(self) -> int | None:
+        """Blocks a new session may still commit before the KV set threshold (``Router``)."""
+        return self.router.kv_budget_blocks(self.config.admission.kv_set_usage)
 
     def replica_failed(self, index: int, error: str, immediate: bool = False) -> bool:
         """A poll or request of replica ``index`` failed (see ``Router.record_failure``).

@@ -82,14 +82,13 @@ def test_one_turn_sessions_end_with_their_request() -> None:
 def test_kv_usage_and_budget_come_from_fresh_engine_steps() -> None:
     now = [0.0]
     cp = plane(now, engine_step_max_age_s=2.0)
-    assert cp.kv_usage() is None and cp.kv_budget_blocks() is None
-    assert cp.observe_engine_step("engine:1", num_used_blocks=50, num_gpu_blocks=100)
-    assert not cp.observe_engine_step("engine:7", 1, 100)  # no such replica
-    assert cp.kv_usage() == 0.5
-    assert cp.kv_budget_blocks() == 40  # floor((0.90 - 0.5) * 100)
+    assert cp.snapshot().kv_usage is None and cp.kv_budget_blocks() is None
+    assert cp.router.observe_engine_step("engine:1", num_used_blocks=50, num_gpu_blocks=100)
+    assert not cp.router.observe_engine_step("engine:7", 1, 100)  # no such replica
     assert cp.snapshot().kv_usage == 0.5
+    assert cp.kv_budget_blocks() == 40  # floor((0.90 - 0.5) * 100)
     now[0] = 2.5  # the step is stale and nothing was polled: unknown again
-    assert cp.kv_usage() is None and cp.kv_budget_blocks() is None
+    assert cp.snapshot().kv_usage is None and cp.kv_budget_blocks() is None
 
 
 def test_a_failed_replica_detaches_its_sessions_which_keep_their_slots() -> None:
