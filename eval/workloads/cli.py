@@ -11,6 +11,7 @@ Subcommands::
 
     workload from-traces DIR -o out.json [--skip-malformed] [arrival/caps/scale options]
     workload synth --kind swebench --sessions N --seed S -o out.json [arrival/caps options]
+    workload mix A.json B.json [...] -o out.json [--seed S]    # interleave (e.g. RepoBench among agents)
     workload stats FILE [--top N]
 
 Errors in input files print one line naming the file and field and exit with status 2; nothing is
@@ -29,7 +30,7 @@ from eval.workloads.format import Workload, WorkloadFormatError, load_workload, 
 from eval.workloads.stats import Distribution, WorkloadStats, workload_stats
 from eval.workloads.synth import SYNTH_KINDS, WorkloadCaps, synthesize
 from eval.workloads.traces import load_trace_dir
-from eval.workloads.transform import scale_workload, trim_workload
+from eval.workloads.transform import mix_workloads, scale_workload, trim_workload
 
 __all__ = ["add_workload_subcommand"]
 
@@ -54,7 +55,7 @@ def _add_shaping_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_workload_subcommand(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``workload`` (``from-traces``, ``synth``, ``stats``) to an argparse subparsers object.
+    """Add ``workload`` (``from-traces``, ``synth``, ``mix``, ``stats``) to an argparse subparsers object.
 
     Mutates: ``subparsers``. Each leaf parser sets ``func(args) -> int`` (exit status).
 
@@ -81,6 +82,12 @@ def add_workload_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     synth.add_argument("-o", "--output", required=True, help="workload file (.json/.jsonl[.gz])")
     _add_shaping_options(synth)
     synth.set_defaults(func=_guarded(_synth))
+
+    mix = commands.add_parser("mix", help="interleave several workloads (e.g. long prompts among agents)")
+    mix.add_argument("files", nargs="+", help="two or more workload files")
+    mix.add_argument("-o", "--output", required=True, help="workload file (.json/.jsonl[.gz])")
+    mix.add_argument("--seed", type=int, default=0, help="order of the interleaving (default: 0)")
+    mix.set_defaults(func=_guarded(_mix))
 
     stats = commands.add_parser("stats", help="print a workload's distributions")
     stats.add_argument("file", help="workload file")
@@ -130,6 +137,10 @@ def _synth(args: argparse.Namespace) -> int:
     caps = WorkloadCaps(max_turns=args.max_turns, max_context_tokens=args.max_context_tokens)
     workload = synthesize(args.kind, args.sessions, args.seed, caps=caps, arrival=_arrival(args))
     return _save(workload, args.output)
+
+
+def _mix(args: argparse.Namespace) -> int:
+    return _save(mix_workloads([load_workload(f) for f in args.files], args.seed), args.output)
 
 
 def _save(workload: Workload, output: str) -> int:

@@ -6,9 +6,11 @@ so a result file says how it differs from its source.
 
 from __future__ import annotations
 
+import numpy as np
+
 from eval.workloads.format import Session, Turn, Workload
 
-__all__ = ["cap_session", "scale_workload", "trim_workload"]
+__all__ = ["cap_session", "mix_workloads", "scale_workload", "trim_workload"]
 
 
 def _as_final(turn: Turn) -> Turn:
@@ -105,3 +107,33 @@ def scale_workload(workload: Workload, *, token_factor: float = 1.0, tool_time_f
             f"arrival_factor={arrival_factor}")
     meta = workload.meta.model_copy(update={"notes": (*workload.meta.notes, note)})
     return workload.model_copy(update={"sessions": sessions, "meta": meta})
+
+
+def mix_workloads(workloads: list[Workload], seed: int = 0) -> Workload:
+    """Interleave the sessions of several workloads in a seeded random order. Pure.
+
+    An arrival process applied afterwards (:func:`eval.workloads.with_arrivals`, in session order)
+    then spreads every workload's sessions over the whole run, e.g. RepoBench-like long prompts
+    arriving among agent sessions (MARS §6's long-prefill mix). Arrival times are kept as they
+    are until then.
+
+    Args:
+        workloads: two or more workloads; their session ids must be distinct.
+        seed: order of the interleaving (``numpy.random.default_rng([seed, 2])``).
+
+    Raises:
+        ValueError: fewer than two workloads, or a session id in more than one.
+    """
+    if len(workloads) < 2:
+        raise ValueError(f"mix needs at least two workloads, got {len(workloads)}")
+    sessions = [s for w in workloads for s in w.sessions]
+    ids = [s.session_id for s in sessions]
+    if len(set(ids)) != len(ids):
+        dup = sorted({i for i in ids if ids.count(i) > 1})[:3]
+        raise ValueError(f"session ids must be distinct across the mixed workloads, repeated: {dup}")
+    order = np.random.default_rng([seed, 2]).permutation(len(sessions))
+    sources = " + ".join(f"{w.meta.source} ({len(w.sessions)})" for w in workloads)
+    meta = workloads[0].meta.model_copy(update={
+        "source": f"mix: {sources}", "seed": seed,
+        "notes": (*workloads[0].meta.notes, f"mixed {sources} in a random order (seed {seed})")})
+    return Workload(meta=meta, sessions=tuple(sessions[i] for i in order))

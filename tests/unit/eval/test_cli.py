@@ -94,3 +94,16 @@ def test_max_context_tokens_help_describes_what_the_cap_does(tmp_path: Path) -> 
         (turn,) = session.turns
         assert turn.prompt_tokens_appended + turn.output_tokens == 10
         assert turn.output_tokens <= 5 and turn.tool_name is None
+
+
+def test_mix_interleaves_files_and_a_single_file_is_exit_2(tmp_path: Path, capsys) -> None:
+    agents, prompts, out = tmp_path / "a.json", tmp_path / "r.json", tmp_path / "mix.json"
+    assert _run("synth", "--kind", "swebench", "--sessions", "3", "--seed", "1", "-o", str(agents),
+                "--max-turns", "3") == 0
+    assert _run("synth", "--kind", "repobench", "--sessions", "3", "--seed", "1", "-o", str(prompts)) == 0
+    assert _run("mix", str(agents), str(prompts), "-o", str(out), "--seed", "1") == 0
+    kinds = sorted(s.session_id.split("-")[0] for s in load_workload(out).sessions)
+    assert kinds == ["repobench"] * 3 + ["swebench"] * 3
+    capsys.readouterr()
+    assert _run("mix", str(agents), "-o", str(tmp_path / "x.json")) == 2
+    assert "at least two" in capsys.readouterr().err and not (tmp_path / "x.json").exists()

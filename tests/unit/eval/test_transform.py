@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from eval.workloads.format import Session, Turn, Workload, WorkloadMeta
-from eval.workloads.transform import cap_session, scale_workload, trim_workload
+from eval.workloads.transform import cap_session, mix_workloads, scale_workload, trim_workload
 
 
 def _session(session_id: str = "s") -> Session:
@@ -88,3 +88,27 @@ def test_cap_session_properties() -> None:
             assert capped.turns[-1].prompt_tokens_appended == session.turns[n - 1].prompt_tokens_appended
 
     check()
+
+
+def _workload(prefix: str, n: int) -> Workload:
+    return Workload(meta=WorkloadMeta(source=prefix),
+                    sessions=tuple(_session(f"{prefix}{k}") for k in range(n)))
+
+
+def test_mix_interleaves_every_session_once_in_a_seeded_order() -> None:
+    a, b = _workload("a", 20), _workload("b", 20)
+    mixed = mix_workloads([a, b], seed=3)
+    ids = [s.session_id for s in mixed.sessions]
+    assert sorted(ids) == sorted(s.session_id for s in (*a.sessions, *b.sessions))
+    assert ids[:20] != [s.session_id for s in a.sessions]  # interleaved, not concatenated
+    assert sum(i.startswith("b") for i in ids[:20]) >= 5
+    assert [s.session_id for s in mix_workloads([a, b], seed=3).sessions] == ids
+    assert [s.session_id for s in mix_workloads([a, b], seed=4).sessions] != ids
+    assert "mixed" in mixed.meta.notes[-1]
+
+
+def test_mix_refuses_one_workload_and_repeated_session_ids() -> None:
+    with pytest.raises(ValueError, match="at least two"):
+        mix_workloads([_workload("a", 2)])
+    with pytest.raises(ValueError, match="distinct"):
+        mix_workloads([_workload("a", 2), _workload("a", 3)])
