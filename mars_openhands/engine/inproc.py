@@ -590,7 +590,7 @@ class InprocEngine:
         """
         s = self.scheduler
         running = s.running
-        if limit <= 1 or not running or s.get_request_counts()[1] > 0:
+        if limit <= 1 or not running or len(s.waiting) + len(getattr(s, "kv_holding_waiting", ())) > 0:
             return 1
         bs = self.params.block_size
         k = min(limit, self.params.max_num_batched_tokens // len(running))

@@ -38,6 +38,7 @@ class EmpiricalCdf:
         self._fifo: deque[float] = deque()
         self._sorted: list[float] = []
         self._sum = 0.0
+        self._tail_sums: list[float] | None = None
 
     @property
     def num_samples(self) -> int:
@@ -58,6 +59,7 @@ class EmpiricalCdf:
         if not (value_s >= 0.0) or value_s == float("inf"):
             raise ValueError(f"duration must be a finite number of seconds >= 0, got {value_s!r}")
         self._fifo.append(value_s)
+        self._tail_sums = None
         bisect.insort(self._sorted, value_s)
         self._sum += value_s
         if len(self._fifo) > self.max_samples:
@@ -80,6 +82,24 @@ class EmpiricalCdf:
             return 0.0
         done_by_x = bisect.bisect_right(self._sorted, x_s) - (n - alive)
         return done_by_x / alive
+
+    def mean_remaining_s(self, elapsed_s: float) -> float | None:
+        """E[D - elapsed | D > elapsed]: expected seconds left of a tool that has run
+        ``elapsed_s``; None when empty or no sample exceeds ``elapsed_s``. O(log n) after the
+        first call following an ``observe`` (prefix sums are rebuilt lazily, O(n)). Pure."""
+        n = len(self._sorted)
+        if not n:
+            return None
+        if self._tail_sums is None:
+            sums = [0.0] * (n + 1)
+            for i in range(n - 1, -1, -1):
+                sums[i] = sums[i + 1] + self._sorted[i]
+            self._tail_sums = sums
+        i = bisect.bisect_right(self._sorted, elapsed_s)
+        alive = n - i
+        if alive == 0:
+            return None
+        return self._tail_sums[i] / alive - elapsed_s
 
     def support(self, max_value_s: float | None = None) -> list[float]:
         """Distinct sample values (sorted), optionally only those <= ``max_value_s``. Pure."""

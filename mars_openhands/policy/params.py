@@ -28,6 +28,7 @@ from mars_openhands.policy.plas import PlasParams
 __all__ = [
     "LevelParams",
     "MarsLevelParams",
+    "ResidencyParams",
     "RetentionParams",
     "SchedulerParams",
     "TelemetryParams",
@@ -137,6 +138,22 @@ class RetentionParams(_Frozen):
     """After tool_end, keep retained KV at least this long for the imminent next turn."""
 
 
+class ResidencyParams(_Frozen):
+    """KV residency (working-set load control, policy/residency.py): which sessions keep KV."""
+
+    enabled: bool = True
+    """Hold the turns of sessions whose KV does not fit outside vLLM's queue; pin residents' KV
+    across tool calls. Off: the previous behaviour (retention by the value model alone)."""
+    budget_usage: float = Field(0.97, gt=0.0, le=1.0)
+    """Share of the KV pool the resident set's demand may use."""
+    output_reserve_tokens: int = Field(256, ge=0)
+    """Prior of the decode growth reserved per request beyond its current tokens, used until
+    output lengths have been seen (then: the expected remaining output given what the request
+    generated, from the engine's own finished turns)."""
+    max_pin_s: float = Field(3600.0, gt=0.0)
+    """Longest a resident's KV stays pinned in one tool call, seconds."""
+
+
 class WindowParams(_Frozen):
     """In-engine admission window with an FCFS overflow queue (MARS preview: 30)."""
 
@@ -163,6 +180,7 @@ class SchedulerParams(_Frozen):
     levels: LevelParams = LevelParams()
     mars: MarsLevelParams = MarsLevelParams()
     retention: RetentionParams = RetentionParams()
+    residency: ResidencyParams = ResidencyParams()
     window: WindowParams = WindowParams()
     telemetry: TelemetryParams = TelemetryParams()
     inbox_addr: str | None = None

@@ -162,7 +162,8 @@ class KvReleased(_EventBase):
 
     kind: Literal["kv_released"] = "kv_released"
     num_blocks: NonNegInt
-    reason: Literal["resumed", "expired", "reclaimed", "session_end", "tool_start:cut", "shutdown"]
+    reason: Literal["resumed", "expired", "reclaimed", "suspended", "session_end", "tool_start:cut",
+                    "shutdown"]
     held_s: NonNegFloat | None = None
     """Seconds the blocks were held."""
 

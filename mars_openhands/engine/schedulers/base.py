@@ -76,6 +76,8 @@ logger = logging.getLogger(__name__)
 
 _RETAINABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 _GC_INTERVAL_S = 10.0
+_MIN_PREFILL_SAMPLE_TOKENS = 512
+"""Steps with fewer prefill tokens say more about decode than about prefill speed."""
 
 
 @dataclass(slots=True)
@@ -175,6 +177,11 @@ class MarsBaseScheduler(AsyncScheduler):
         self._last_waiting_sort_s = float("-inf")
         self._next_expiry_s = float("inf")
         self._step_prefills: list[str] = []
+        self.prefill_s_per_token = Ema(0.2, rp.reload_linear_s_per_token)
+        """Measured seconds per prefill token (step time / prefill tokens of steps with at least
+        ``_MIN_PREFILL_SAMPLE_TOKENS``; includes the decodes batched with them, so an upper
+        bound). Prior: ``retention.reload_linear_s_per_token``."""
+        self._pending_prefill_steps: deque[tuple[float, int]] = deque()
         self.prefilling: set[str] = set()
         """Running requests still inside their prompt (kept up to date after each step)."""
         self.num_reclaimed_blocks = 0
@@ -270,6 +277,10 @@ class MarsBaseScheduler(AsyncScheduler):
     def on_preempted(self, request: Request) -> None:
         """Called when vLLM preempts ``request`` (after its blocks were freed)."""
 
+    def before_schedule(self, now_s: float) -> None:
+        """Called at each step after the inbox, expiry and overflow work, before the reorder
+        and ``super().schedule()``. Default: nothing."""
+
     # ------------------------------------------------------------------ vLLM entry points
     def add_request(self, request: Request) -> None:
         """vLLM: a new request. Parses MARS extras, tracks the session, applies the window."""
@@ -334,11 +345,13 @@ class MarsBaseScheduler(AsyncScheduler):
             self._reject_invalid()
         if self.overflow:
             self._admit_overflow()
+        self.before_schedule(now)
         self._reorder(now)
         was_running = {r.request_id for r in self.running} if self._has_on_scheduled else None
         self._step_prefills.clear()
         out = super().schedule(*args, **kwargs)
         self._after_schedule(out, now, was_running)
+        self._pending_prefill_steps.append((now, self._step_prefill_tokens(out)))
         if self.telemetry.enabled and self.telemetry.should_emit_step():
             self._emit_engine_step()
         if now - self._last_gc_s > _GC_INTERVAL_S:
@@ -348,12 +361,23 @@ class MarsBaseScheduler(AsyncScheduler):
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         """vLLM: apply one step's output (wrapped for first-token telemetry and finish hooks)."""
         outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if self._pending_prefill_steps:
+            t0, num_prefill = self._pending_prefill_steps.popleft()
+            if num_prefill >= _MIN_PREFILL_SAMPLE_TOKENS:
+                self.prefill_s_per_token.observe((self.clock() - t0) / num_prefill)
         if self.telemetry.enabled:
             self._first_tokens(outputs)
         finished = finished_request_ids(outputs)
         if finished:
             self.on_requests_finished(finished)
         return outputs
+
+    def _step_prefill_tokens(self, out: Any) -> int:
+        """Prefill tokens scheduled in this step (the chunks that passed the chunk hook)."""
+        if not self._step_prefills:
+            return 0
+        scheduled = out.num_scheduled_tokens
+        return sum(scheduled.get(rid, 0) for rid in self._step_prefills)
 
     def cap_chunk_at_quantum(self, request: Request, level: int, num_new_tokens: int,
                              quanta_tokens: tuple[int, ...] | None = None) -> int:

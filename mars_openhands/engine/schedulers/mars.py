@@ -25,6 +25,7 @@ No in-engine admission window by default (the gateway admits whole sessions); se
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any, ClassVar
 
 from vllm.v1.request import Request, RequestStatus
@@ -32,7 +33,9 @@ from vllm.v1.request import Request, RequestStatus
 from mars_openhands.engine import seams
 from mars_openhands.engine.schedulers.base import MarsBaseScheduler, RetainedKv
 from mars_openhands.engine.schedulers.mars_preview import update_mlfq_feedback
+from mars_openhands.policy.estimators import EmpiricalCdf
 from mars_openhands.policy.levels import DECODE_VICTIM_LEVEL, effective_level, mars_base_level
+from mars_openhands.policy.residency import SessionDemand, plan_residency
 from mars_openhands.policy.retention import (
     RetentionDecision,
     choose_ttl,
@@ -49,6 +52,162 @@ class MarsScheduler(MarsBaseScheduler):
 
     default_window_enabled: ClassVar[bool] = False
     default_chunk_shrinking: ClassVar[bool] = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.resident: set[str] = set()
+        """Sessions whose KV is resident (policy/residency.py)."""
+        self.held: dict[str, deque[Request]] = {}
+        """Requests of non-resident sessions, held outside vLLM's waiting queue."""
+        self.num_suspensions = 0
+        self.output_tokens = EmpiricalCdf(self.params.retention.max_samples_per_tool)
+        """Output lengths of finished turns: a request's decode reserve is its expected
+        remaining output given what it has generated."""
+
+    # ------------------------------------------------------------------ residency
+    @property
+    def _residency_on(self) -> bool:
+        return self.params.residency.enabled
+
+    def add_request(self, request: Request) -> None:
+        """vLLM: a new request; a non-resident session's request is held (see residency)."""
+        super().add_request(request)
+        sid = request.session_id
+        if (not self._residency_on or sid is None or sid in self.resident
+                or request.request_id in self._rejected or request.is_finished()):
+            return
+        self.waiting.remove_request(request)
+        self.held.setdefault(sid, deque()).append(request)
+
+    def _free_blocks(self, request: Request) -> None:
+        """vLLM seam (see the base): also records a finished turn's output length."""
+        if request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED):
+            self.output_tokens.observe(float(request.num_output_tokens))
+        super()._free_blocks(request)
+
+    def _blocks(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def _output_reserve_tokens(self, num_generated: int) -> int:
+        """Decode growth to reserve for a request that has generated ``num_generated`` tokens:
+        the expected remaining output given the output lengths seen so far (the prior
+        ``residency.output_reserve_tokens`` before any, or once past every length seen)."""
+        remaining = self.output_tokens.mean_remaining_s(num_generated)
+        if remaining is None:
+            return max(0, self.params.residency.output_reserve_tokens - num_generated)
+        return int(remaining)
+
+    def _demand(self, sid: str, session: SessionState | None) -> tuple[int, bool]:
+        """(demand blocks, is_busy) of one session. O(its requests)."""
+        held = self.held.get(sid)
+        if held:
+            first = held[0]
+            return self._blocks(first.num_tokens + self._output_reserve_tokens(0)), False
+        blocks = 0
+        busy = False
+        if session is not None:
+            for rid in session.active_request_ids:
+                r = self.requests.get(rid)
+                if r is None:
+                    continue
+                busy = True
+                blocks += self._blocks(r.num_tokens + self._output_reserve_tokens(r.num_output_tokens))
+            if not busy:
+                entry = self.retained.get(sid)
+                blocks = entry.num_blocks if entry is not None else self._blocks(session.last_context_tokens)
+        return blocks, busy
+
+    def before_schedule(self, now_s: float) -> None:
+        """Plan the resident set and apply it (suspend idle residents, activate held sessions)."""
+        if not self._residency_on or not (self.held or self.resident):
+            return
+        views = []
+        num_busy = 0
+        for sid in list(self.resident) + [h for h in self.held if h not in self.resident]:
+            session = self.sessions.get(sid)
+            if session is None and sid not in self.held:
+                self.resident.discard(sid)
+                continue
+            demand, busy = self._demand(sid, session)
+            num_busy += busy
+            views.append((sid, session, demand, busy))
+        views = [SessionDemand(
+            sid, (session.first_arrival_s if session else now_s,), demand,
+            is_resident=sid in self.resident, is_busy=busy, is_held=sid in self.held,
+            displace_value_s=self._displace_value_s(session, demand, num_busy, now_s)
+            if self.held and not busy and sid in self.resident else 0.0)
+            for sid, session, demand, busy in views]
+        budget = int((seams.num_gpu_blocks(self) - 1) * self.params.residency.budget_usage)
+        plan = plan_residency(views, budget)
+        for sid in plan.suspend:
+            self._suspend(sid, now_s)
+        for sid in plan.activate:
+            self.resident.add(sid)
+            for request in self.held.pop(sid, ()):
+                self.waiting.add_request(request)
+
+    def _displace_value_s(self, session: SessionState | None, demand_blocks: int, num_busy: int,
+                          now_s: float) -> float:
+        """Seconds a waiting session gains from an idle resident's blocks minus what it costs.
+
+        gain = expected remaining tool time (the tool's duration CDF given the time it has
+        already run, policy.estimators; a tool past every sample, or with none, is expected to
+        run as long again, so a session that silently went away is displaced soon); cost = re-prefilling the resident's KV at the measured
+        prefill rate, paid by it and by every busy session its prefill delays. A tool that has
+        ended (next turn imminent) gains nothing."""
+        if session is None or session.tool_ended or session.last_finish_s is None:
+            return 0.0
+        started = session.tool_started_s if session.tool_started_s is not None else session.last_finish_s
+        elapsed = max(0.0, now_s - started)
+        remaining = self.tool_durations.cdf_for(session.pending_tool).mean_remaining_s(elapsed)
+        if remaining is None:
+            remaining = elapsed  # longer than any tool seen: expect it to last as long again
+        reload_s = demand_blocks * self.block_size * self.prefill_s_per_token.value
+        return remaining - reload_s * (1 + num_busy)
+
+    def _suspend(self, sid: str, now_s: float) -> None:
+        if sid in self.resident:
+            self.resident.discard(sid)
+            self.num_suspensions += 1
+        self.release_retained(sid, "suspended", now_s)
+
+    def get_request_counts(self) -> tuple[int, int]:
+        """vLLM: (running, waiting); waiting includes held requests."""
+        num_running, num_waiting = super().get_request_counts()
+        return num_running, num_waiting + sum(len(q) for q in self.held.values())
+
+    def finish_requests(self, request_ids: Any, finished_status: RequestStatus) -> list[Request]:
+        """vLLM: abort; held requests go back to vLLM's queue first so its own path frees them."""
+        if self.held:
+            if request_ids is not None and not isinstance(request_ids, str):
+                request_ids = list(request_ids)
+            ids = None if request_ids is None else (
+                {request_ids} if isinstance(request_ids, str) else set(request_ids))
+            for sid in list(self.held):
+                keep = deque()
+                for r in self.held[sid]:
+                    if ids is None or r.request_id in ids:
+                        self.waiting.add_request(r)
+                    else:
+                        keep.append(r)
+                if keep:
+                    self.held[sid] = keep
+                else:
+                    del self.held[sid]
+        return super().finish_requests(request_ids, finished_status)
+
+    def release_retained(self, session_id: str, reason: str, now_s: float | None = None) -> int:
+        """As the base; a reclaimed resident is suspended (its KV is gone)."""
+        if reason == "reclaimed" and session_id in self.resident:
+            self.resident.discard(session_id)
+            self.num_suspensions += 1
+        return super().release_retained(session_id, reason, now_s)
+
+    def on_stream_event(self, event: Any, now_s: float | None = None) -> None:
+        """As the base; ``session_end`` also leaves the resident set."""
+        super().on_stream_event(event, now_s)
+        if event.kind == "session_end" and event.session_id is not None:
+            self.resident.discard(event.session_id)
 
     # ------------------------------------------------------------------ levels
     def _cached_at_arrival(self, request: Request) -> int:
@@ -126,10 +285,17 @@ class MarsScheduler(MarsBaseScheduler):
         update_mlfq_feedback(state, request, num_tokens, now_s, self.params.levels)
 
     def on_preempted(self, request: Request) -> None:
-        """A preempted request keeps its feedback level; its aging clock restarts now."""
+        """A preempted request keeps its feedback level; its aging clock restarts now. With
+        residency its session is suspended and the request held until it fits again."""
         state = self.req_state.get(request.request_id)
         if state is not None:
             state.mlfq_last_scheduled_s = self.clock()
+        sid = request.session_id
+        if self._residency_on and sid is not None and sid in self.resident:
+            self.resident.discard(sid)
+            self.num_suspensions += 1
+            self.waiting.remove_request(request)
+            self.held.setdefault(sid, deque()).appendleft(request)
 
     # ------------------------------------------------------------------ retention
     def _decide(self, tool_name: str | None, num_tokens: int, num_blocks: int) -> RetentionDecision | None:
@@ -143,6 +309,10 @@ class MarsScheduler(MarsBaseScheduler):
         self, request: Request, session: SessionState, now_s: float
     ) -> RetentionDecision | None:
         """Provisional decision at turn end from the pooled tool-duration CDF (next tool unknown)."""
+        if self._residency_on:
+            if session.session_id not in self.resident:
+                return None
+            return RetentionDecision(self.params.residency.max_pin_s, float("inf"), "resident")
         if not self.params.retention.enabled:
             return None
         num_blocks = request.num_computed_tokens // self.block_size
@@ -156,6 +326,11 @@ class MarsScheduler(MarsBaseScheduler):
         full-pressure shadow price (an allocation just failed, so KV is the binding constraint:
         usage counts as 1). Without it: always for running work, by that value test for a
         waiting request."""
+        if self._residency_on:
+            # Residency: only a younger session's pinned KV is taken (and it is suspended).
+            owner = self.sessions.get(entry.session_id)
+            requester_s = self._session_arrival_s(self.req_state.get(request.request_id))
+            return owner is None or owner.first_arrival_s > requester_s
         if self.params.mars.session_fifo:
             # Priority-aligned: a younger session's KV is always taken; an older session's only
             # when it no longer pays for its TTL (else vLLM preempts the youngest running one).
@@ -173,6 +348,8 @@ class MarsScheduler(MarsBaseScheduler):
         self, entry: RetainedKv, session: SessionState, tool_name: str, now_s: float
     ) -> RetentionDecision | None:
         """At ``tool_start``: re-decide with that tool's CDF; ttl 0 releases ("tool_start:cut")."""
+        if self._residency_on:
+            return None  # a resident keeps its KV; the residency plan decides
         decision = self._decide(tool_name, entry.num_tokens, entry.num_blocks)
         if decision is None:
             return RetentionDecision(0.0, 0.0, "tool_start:cut")

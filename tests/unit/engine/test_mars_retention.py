@@ -1,4 +1,8 @@
-"""KV retention of MarsScheduler on a real vLLM scheduler (design.md §4 last paragraph)."""
+"""KV retention by the value model (design.md §4 last paragraph) on a real vLLM scheduler.
+
+These run MarsScheduler with residency off (``mars.residency.enabled = False``): residency pins a
+resident session's KV itself (tests/unit/engine/test_mars_residency.py); the value model decides
+retention when residency is off, and is what InferCept/Continuum-style TTLs build on."""
 
 from __future__ import annotations
 
@@ -14,6 +18,14 @@ from mars_openhands.stream.transport import ListSink  # noqa: E402
 from tests.unit.engine.harness import Harness  # noqa: E402
 
 TURN0 = {"mars_turn": 0, "mars_last_step": 0}
+NO_RESIDENCY = {"residency": {"enabled": False}}
+
+
+def value_model_harness(cls=MarsScheduler, mars: dict | None = None, **kwargs) -> Harness:
+    """A harness whose MarsScheduler retains by the value model (residency off)."""
+    if cls is MarsScheduler:
+        mars = {**NO_RESIDENCY, **(mars or {})}
+    return Harness(cls, mars=mars, **kwargs)
 
 
 def _finish_turn0(h: Harness, sid: str = "s1", prompt_tokens: int = 200):
@@ -31,7 +43,7 @@ def _churn(h: Harness, num_tokens: int, times: int) -> None:
 
 @pytest.mark.parametrize(("cls", "expect_hit"), [(MarsScheduler, True), (Scheduler, False)])
 def test_retained_kv_is_reused_by_next_turn(cls, expect_hit: bool) -> None:
-    h = Harness(cls, num_blocks=40)
+    h = value_model_harness(cls, num_blocks=40)
     r0 = _finish_turn0(h)
     _churn(h, 400, times=2)  # 26 blocks each: LRU evicts s1's blocks unless pinned
     r1 = h.add(h.next_turn(r0, 20, 4, {"mars_turn": 1}))
@@ -47,7 +59,7 @@ def test_retained_kv_is_reused_by_next_turn(cls, expect_hit: bool) -> None:
 
 
 def test_released_on_expiry() -> None:
-    h = Harness(MarsScheduler, num_blocks=40)
+    h = value_model_harness(num_blocks=40)
     sink = ListSink()
     h.scheduler.set_telemetry_sink(sink)
     _finish_turn0(h)
@@ -64,7 +76,7 @@ def test_released_on_expiry() -> None:
 
 
 def test_not_expired_while_next_turn_waits() -> None:
-    h = Harness(MarsScheduler, num_blocks=40, max_num_seqs=1)
+    h = value_model_harness(num_blocks=40, max_num_seqs=1)
     r0 = _finish_turn0(h)
     blocker = h.add(h.make_request(None, h.tokens(30), 200))  # occupies the only running slot
     h.step()
@@ -78,7 +90,7 @@ def test_not_expired_while_next_turn_waits() -> None:
 
 
 def test_released_on_session_end_event() -> None:
-    h = Harness(MarsScheduler, num_blocks=40)
+    h = value_model_harness(num_blocks=40)
     _finish_turn0(h)
     h.scheduler.post_event(SessionEnd(**now_stamps(), session_id="s1", source="agent"))
     h.step()
@@ -91,7 +103,7 @@ def _tool_event(cls, sid: str, tool: str, **kw):
 
 
 def test_tool_start_extends_for_slow_tool_and_cuts_for_too_slow_tool() -> None:
-    h = Harness(MarsScheduler, num_blocks=64, mars={"retention": {"min_tool_samples": 10}})
+    h = value_model_harness(num_blocks=64, mars={"retention": {"min_tool_samples": 10}})
     est = h.scheduler.tool_durations
     for _ in range(50):
         est.observe("ls", 0.2)
@@ -119,7 +131,7 @@ def test_tool_start_extends_for_slow_tool_and_cuts_for_too_slow_tool() -> None:
 
 
 def test_reclaimed_before_any_running_request_is_preempted() -> None:
-    h = Harness(MarsScheduler, num_blocks=40, max_num_batched_tokens=512)
+    h = value_model_harness(num_blocks=40, max_num_batched_tokens=512)
     sink = ListSink()
     h.scheduler.set_telemetry_sink(sink)
     _finish_turn0(h, "a", 200)  # 12 blocks pinned
@@ -136,7 +148,7 @@ def test_reclaimed_before_any_running_request_is_preempted() -> None:
 
 
 def test_gap_inferred_tool_duration_without_events() -> None:
-    h = Harness(MarsScheduler, num_blocks=64)
+    h = value_model_harness(num_blocks=64)
     r0 = _finish_turn0(h)
     h.clock.advance(3.0)
     r1 = h.add(h.next_turn(r0, 10, 2, {"mars_turn": 1, "mars_prev_tool": "bash"}))
@@ -150,7 +162,7 @@ def test_gap_inferred_tool_duration_without_events() -> None:
 
 
 def test_last_step_is_not_retained() -> None:
-    h = Harness(MarsScheduler, num_blocks=40)
+    h = value_model_harness(num_blocks=40)
     r = h.add(h.make_request("s1", h.tokens(200), 4, {"mars_turn": 3, "mars_last_step": 1}))
     h.run_until_finished(r.request_id)
     assert not h.scheduler.retained
@@ -158,14 +170,14 @@ def test_last_step_is_not_retained() -> None:
 
 
 def test_retention_disabled_by_params() -> None:
-    h = Harness(MarsScheduler, num_blocks=40, mars={"retention": {"enabled": False}})
+    h = value_model_harness(num_blocks=40, mars={"retention": {"enabled": False}})
     _finish_turn0(h)
     assert not h.scheduler.retained
     h.assert_no_leaks()
 
 
 def test_shutdown_releases_everything() -> None:
-    h = Harness(MarsScheduler, num_blocks=40)
+    h = value_model_harness(num_blocks=40)
     _finish_turn0(h)
     h.scheduler.shutdown()
     assert not h.scheduler.retained
@@ -173,7 +185,7 @@ def test_shutdown_releases_everything() -> None:
 
 
 def test_admission_reclaims_only_entries_not_worth_their_ttl() -> None:
-    h = Harness(MarsScheduler, num_blocks=40)
+    h = value_model_harness(num_blocks=40)
     _finish_turn0(h, "a", 200)  # 12 blocks pinned, 27 free
     entry = h.scheduler.retained["a"]
     entry.value_s = 100.0  # worth far more than holding 12 blocks for 2 s at any price
@@ -194,7 +206,7 @@ def test_admission_reclaims_only_entries_not_worth_their_ttl() -> None:
 def test_idle_engine_reclaims_any_entry_rather_than_stall() -> None:
     """Nothing running and a waiting turn that does not fit: keeping a valuable entry would leave
     the GPU idle (and deadlock when every waiting turn's session holds retained KV)."""
-    h = Harness(MarsScheduler, num_blocks=40)
+    h = value_model_harness(num_blocks=40)
     _finish_turn0(h, "a", 200)  # 12 blocks pinned, 27 free
     h.scheduler.retained["a"].value_s = 100.0
     big = h.add(h.make_request(None, h.tokens(440), 2))  # 28 blocks
@@ -208,7 +220,7 @@ def test_idle_engine_reclaims_any_entry_rather_than_stall() -> None:
 def test_reclaim_follows_session_age(older_requester: bool, reclaimed: bool) -> None:
     """session_fifo: a retained entry is taken only for an *older* session's turn; a younger
     session's turn waits (here: while another request keeps the engine busy)."""
-    h = Harness(MarsScheduler, num_blocks=40)
+    h = value_model_harness(num_blocks=40)
     if older_requester:
         old = h.add(h.make_request("old", h.tokens(20), 2, {"mars_turn": 0}))
         h.run_until_finished(old.request_id)

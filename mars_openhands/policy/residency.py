@@ -1,0 +1,140 @@
+"""KV residency: which sessions keep their KV on the GPU (working-set load control).
+
+Source: Denning's working-set model (CACM 1968, "The working set model for program behavior"):
+a system thrashes when the working sets of its active programs exceed memory, and the cure is load
+control — deactivate programs until the working sets fit, instead of letting the pager evict
+pages that are about to be used. An agent session's working set is its KV context: on the bundled
+traces only ~3 sessions' final contexts fit an H100 SXM's KV, and once the active contexts overflow
+it an LRU prefix cache evicts exactly the session whose tool returns next (design.md §7).
+
+Mental model: sessions are ranked by priority (oldest session first: program-level FIFO). The
+*resident set* is the highest-priority sessions whose KV demand fits the budget. A resident
+session's KV stays pinned across its tool calls; a non-resident session's next turn is held
+outside vLLM's waiting queue until it becomes resident. Sessions with a request in the engine
+(busy) are never displaced by this plan — only vLLM's preemption can take their blocks — so a
+plan only *suspends idle residents* (in a tool call) and *activates held sessions*::
+
+    priority order:  s1(busy) s2(idle) s3(held) s4(idle) s5(held)
+    budget:          |========================|
+    kept:            s1 s2 .......... s4   -> s3 does not fit even with s4 suspended: s4 stays
+    or, if s3 fits once s4 goes:  s1 s2 s3 (activate), s4 suspended, s5 waits (strict order)
+
+Candidates are activated strictly in priority order (no bypass), which bounds every held
+session's wait: nothing younger can take the room it waits for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["ResidencyPlan", "SessionDemand", "plan_residency"]
+
+
+@dataclass(frozen=True, slots=True)
+class SessionDemand:
+    """One session as the residency plan sees it.
+
+    Attributes:
+        session_id: the session.
+        priority: sort key, smaller = more important (e.g. ``(first_arrival_s,)``).
+        demand_blocks: KV blocks the session needs to be resident now (its context, plus the
+            output reserve of its requests in the engine).
+        is_resident: currently resident.
+        is_busy: has a request inside vLLM (running or waiting): never suspended by a plan.
+        is_held: not resident and has a request held outside vLLM (a candidate).
+        can_suspend: an idle resident the plan may suspend (False pins it, e.g. its tool is
+            about to return); ignored for busy or held sessions.
+        displace_value_s: for an idle resident, seconds saved by giving its blocks to a waiting
+            session until it is back (its expected idle time) minus what suspending it costs
+            (re-prefilling its KV while the busy sessions wait); > 0 lets a held session of
+            *any* priority displace it.
+    """
+
+    session_id: str
+    priority: tuple[float, ...]
+    demand_blocks: int
+    is_resident: bool
+    is_busy: bool = False
+    is_held: bool = False
+    can_suspend: bool = True
+    displace_value_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ResidencyPlan:
+    """What to change: sessions to activate (in order) and idle residents to suspend."""
+
+    activate: tuple[str, ...] = ()
+    suspend: tuple[str, ...] = ()
+    used_blocks: int = 0
+    """Demand of the resident set after the plan, blocks."""
+    blocked: tuple[str, ...] = field(default=())
+    """Held sessions left waiting, in priority order."""
+
+
+def plan_residency(sessions: Sequence[SessionDemand], budget_blocks: int) -> ResidencyPlan:
+    """Choose the resident set for ``budget_blocks`` KV blocks. Pure.
+
+    1. Residents, in priority order: busy ones always stay; an idle one stays if it fits beside
+       every higher-priority resident (busy or kept), else it is suspended. A younger busy
+       session that then overflows the pool is vLLM's preemption victim (youngest first), not
+       an older idle session.
+    2. Held sessions, strictly in priority order: activated if they fit beside every resident;
+       if not, idle residents are suspended to make room — those whose blocks are worth more to a
+       waiting session (``displace_value_s > 0``, highest first), then residents younger than the
+       held session (youngest first) — but only if that makes it fit. The first held session
+       that cannot fit stops all later activations (no bypass). Progress: with no resident
+       left, the first held session is activated whatever its size.
+
+    Args:
+        sessions: every session the engine tracks that is resident or held.
+        budget_blocks: KV blocks the resident set may use.
+
+    Returns:
+        The plan; ``used_blocks`` is the resident set's demand after it (above the budget only
+        through busy sessions, idle ones that cannot be suspended, or the progress rule).
+    """
+    ranked = sorted(sessions, key=lambda s: s.priority)
+    used = 0
+    kept: list[SessionDemand] = []  # idle residents kept, in priority order
+    suspend: list[str] = []
+    for s in ranked:
+        if not s.is_resident:
+            continue
+        if s.is_busy or used + s.demand_blocks <= budget_blocks or not s.can_suspend:
+            used += s.demand_blocks
+            if not s.is_busy:
+                kept.append(s)
+        else:
+            suspend.append(s.session_id)
+    activate: list[str] = []
+    held = [s for s in ranked if s.is_held and not s.is_resident]
+    num_residents = sum(1 for s in ranked if s.is_resident) - len(suspend)
+    for i, h in enumerate(held):
+        if used + h.demand_blocks <= budget_blocks or (num_residents == 0 and not activate):
+            activate.append(h.session_id)
+            used += h.demand_blocks
+            continue
+        victims = _victims(kept, h)
+        if h.demand_blocks > budget_blocks - used + sum(v.demand_blocks for v in victims):
+            return ResidencyPlan(tuple(activate), tuple(suspend), used,
+                                 tuple(x.session_id for x in held[i:]))
+        for v in victims:
+            if budget_blocks - used >= h.demand_blocks:
+                break
+            suspend.append(v.session_id)
+            kept.remove(v)
+            used -= v.demand_blocks
+        activate.append(h.session_id)
+        used += h.demand_blocks
+    return ResidencyPlan(tuple(activate), tuple(suspend), used, ())
+
+
+def _victims(kept: list[SessionDemand], head: SessionDemand) -> list[SessionDemand]:
+    """Idle residents ``head`` may displace, in the order they go. Pure."""
+    by_value = sorted((k for k in kept if k.displace_value_s > 0 and k.can_suspend),
+                      key=lambda k: -k.displace_value_s)
+    younger = [k for k in reversed(kept) if k.priority > head.priority and k.can_suspend
+               and k.displace_value_s <= 0]
+    return by_value + younger

@@ -1,0 +1,158 @@
+"""KV residency of MarsScheduler (policy/residency.py) on a real vLLM scheduler."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+from mars_openhands.engine import MarsScheduler  # noqa: E402
+from mars_openhands.stream.events import SessionEnd, ToolStart, now_stamps  # noqa: E402
+from tests.unit.engine.harness import Harness  # noqa: E402
+
+BS = 16
+
+
+def turn(k: int, last: bool = False) -> dict:
+    return {"mars_turn": k, "mars_last_step": int(last)}
+
+
+def harness(num_blocks: int = 40, **mars) -> Harness:
+    """Reserve 0 so the demand is exactly the context (easy block arithmetic)."""
+    return Harness(MarsScheduler, num_blocks=num_blocks,
+                   mars={"residency": {"output_reserve_tokens": 0, "budget_usage": 1.0, **mars}})
+
+
+def waiting_ids(h: Harness) -> set[str]:
+    return {r.request_id for r in h.scheduler.waiting}
+
+
+def test_a_session_that_does_not_fit_is_held_until_a_resident_ends() -> None:
+    h = harness(num_blocks=40)  # 39 usable blocks
+    a0 = h.add(h.make_request("a", h.tokens(25 * BS), 4, turn(0)))
+    h.step(0.01)
+    b0 = h.add(h.make_request("b", h.tokens(20 * BS), 4, turn(0)))
+    h.step(0.01)
+    s = h.scheduler
+    assert "b" in s.held and b0.request_id not in waiting_ids(h)
+    assert s.get_request_counts()[1] == 1  # held work keeps the engine alive
+    h.run_until_finished(a0.request_id)
+    assert "a" in s.resident and "b" in s.held  # a's KV is pinned across its tool call
+    s.on_stream_event(SessionEnd(**now_stamps(), source="t", session_id="a", turn=None, status="ok"))
+    h.run_until_finished(b0.request_id)
+    assert "b" in s.resident and not s.held
+    h.run_until_done()
+    h.assert_no_leaks()
+
+
+def test_a_resident_keeps_its_kv_across_the_tool_call() -> None:
+    h = harness(num_blocks=60)
+    r0 = h.add(h.make_request("a", h.tokens(12 * BS), 4, turn(0)))
+    h.run_until_finished(r0.request_id)
+    assert "a" in h.scheduler.retained
+    for _ in range(2):  # churn that an LRU cache would lose a's blocks to
+        x = h.add(h.make_request(None, h.tokens(40 * BS), 2))
+        h.run_until_finished(x.request_id)
+    r1 = h.add(h.next_turn(r0, 20, 4, turn(1)))
+    res = h.step(0.01)
+    assert r1.num_computed_tokens - res.num_scheduled_tokens[r1.request_id] >= 12 * BS
+    h.run_until_done()
+    h.assert_no_leaks()
+
+
+def test_final_turn_kv_is_not_pinned() -> None:
+    h = harness()
+    r0 = h.add(h.make_request("a", h.tokens(5 * BS), 4, turn(0, last=True)))
+    h.run_until_finished(r0.request_id)
+    assert "a" not in h.scheduler.retained
+
+
+def test_an_older_held_session_displaces_a_younger_idle_resident() -> None:
+    h = harness(num_blocks=40)
+    old0 = h.add(h.make_request("old", h.tokens(10 * BS), 4, turn(0)))
+    h.run_until_finished(old0.request_id)
+    h.clock.advance(1.0)
+    y0 = h.add(h.make_request("young", h.tokens(20 * BS), 4, turn(0)))
+    h.run_until_finished(y0.request_id)  # both resident: 11 + 21 blocks of 39
+    old1 = h.add(h.next_turn(old0, 10 * BS, 4, turn(1)))  # old grows to ~21 blocks: 42 > 39
+    h.step(0.01)
+    s = h.scheduler
+    assert "young" not in s.resident and "young" not in s.retained
+    assert old1.request_id in {r.request_id for r in s.running}
+    h.run_until_done()
+    h.assert_no_leaks()
+
+
+def test_a_younger_held_session_waits_while_the_older_resident_is_back_sooner_than_a_reload() -> None:
+    # Prefill prior 0.01 s/token: reloading old's 26 blocks costs ~4 s, its tool returns in ~1.9 s.
+    h = Harness(MarsScheduler, num_blocks=40, mars={
+        "residency": {"output_reserve_tokens": 0, "budget_usage": 1.0},
+        "retention": {"reload_linear_s_per_token": 0.01}})
+    s = h.scheduler
+    for _ in range(50):
+        s.tool_durations.observe("ls", 2.0)
+    old0 = h.add(h.make_request("old", h.tokens(25 * BS), 4, turn(0)))
+    h.run_until_finished(old0.request_id)
+    s.on_stream_event(ToolStart(**now_stamps(), source="t", session_id="old", turn=0,
+                                tool_name="ls", tool_call_id="c"))
+    h.clock.advance(0.1)
+    h.add(h.make_request("young", h.tokens(20 * BS), 4, turn(0)))
+    for _ in range(3):
+        h.step(0.01)
+    assert "young" in s.held and "old" in s.resident and "old" in s.retained
+
+
+def test_an_idle_resident_in_a_long_tool_is_displaced_for_a_waiting_session() -> None:
+    h = harness(num_blocks=40)
+    s = h.scheduler
+    for _ in range(5):  # tool history: this tool takes 60 s
+        s.tool_durations.observe("pytest", 60.0)
+    old0 = h.add(h.make_request("old", h.tokens(25 * BS), 4, turn(0)))
+    h.run_until_finished(old0.request_id)
+    s.on_stream_event(ToolStart(**now_stamps(), source="t", session_id="old", turn=0,
+                                tool_name="pytest", tool_call_id="c"))
+    h.clock.advance(1.0)
+    y0 = h.add(h.make_request("young", h.tokens(20 * BS), 4, turn(0)))
+    h.step(0.01)
+    assert "old" not in s.resident and "young" in s.resident
+    h.run_until_finished(y0.request_id)
+    h.assert_no_leaks()
+
+
+def test_a_preempted_resident_is_suspended_and_held() -> None:
+    h = harness(num_blocks=20)
+    a = h.add(h.make_request("a", h.tokens(8 * BS), 60, turn(0)))
+    h.step(0.01)
+    h.clock.advance(1.0)
+    b = h.add(h.make_request("b", h.tokens(2 * BS), 200, turn(0)))
+    preempted = False
+    for _ in range(400):
+        h.step(0.01)
+        if b.status == RequestStatus.PREEMPTED or a.status == RequestStatus.PREEMPTED:
+            preempted = True
+            victim = "b" if b.status == RequestStatus.PREEMPTED else "a"
+            assert victim == "b"  # the younger session goes
+            assert "b" in h.scheduler.held and "b" not in h.scheduler.resident
+            break
+        if a.is_finished() and b.is_finished():
+            break
+    assert preempted
+    h.run_until_done()  # a's idle KV (no tool info, idle ever longer) is displaced for b
+    assert b.is_finished()
+    h.assert_no_leaks()
+
+
+def test_aborting_a_held_request_frees_it() -> None:
+    h = harness(num_blocks=40)
+    a0 = h.add(h.make_request("a", h.tokens(30 * BS), 4, turn(0)))
+    h.step(0.01)
+    b0 = h.add(h.make_request("b", h.tokens(20 * BS), 4, turn(0)))
+    h.step(0.01)
+    assert "b" in h.scheduler.held
+    h.scheduler.finish_requests([b0.request_id], RequestStatus.FINISHED_ABORTED)
+    assert not h.scheduler.held and b0.request_id not in h.scheduler.requests
+    h.run_until_finished(a0.request_id)
+    h.run_until_done()
+    h.assert_no_leaks()

@@ -1,0 +1,92 @@
+"""plan_residency: the resident set is the highest-priority sessions whose KV fits."""
+
+from __future__ import annotations
+
+import pytest
+
+from mars_openhands.policy.residency import SessionDemand, plan_residency
+
+
+def s(sid: str, prio: float, blocks: int, *, resident: bool = False, busy: bool = False,
+      held: bool = False, can_suspend: bool = True) -> SessionDemand:
+    return SessionDemand(sid, (prio,), blocks, is_resident=resident, is_busy=busy, is_held=held,
+                         can_suspend=can_suspend)
+
+
+def test_busy_sessions_are_kept_even_over_budget() -> None:
+    plan = plan_residency([s("a", 0, 80, resident=True, busy=True),
+                           s("b", 1, 50, resident=True, busy=True)], budget_blocks=100)
+    assert plan.suspend == () and plan.activate == () and plan.used_blocks == 130
+
+
+def test_idle_residents_that_no_longer_fit_are_suspended_youngest_first() -> None:
+    plan = plan_residency([s("old", 0, 60, resident=True, busy=True),
+                           s("mid", 1, 30, resident=True),
+                           s("young", 2, 30, resident=True)], budget_blocks=100)
+    assert plan.suspend == ("young",)
+    assert plan.used_blocks == 90
+
+
+def test_an_idle_resident_that_cannot_be_suspended_is_kept() -> None:
+    plan = plan_residency([s("old", 0, 60, resident=True, busy=True),
+                           s("young", 2, 60, resident=True, can_suspend=False)], budget_blocks=100)
+    assert plan.suspend == () and plan.used_blocks == 120
+
+
+def test_held_sessions_are_activated_in_priority_order_while_they_fit() -> None:
+    plan = plan_residency([s("c", 3, 30, held=True), s("a", 1, 30, held=True),
+                           s("b", 2, 30, held=True), s("d", 4, 30, held=True)], budget_blocks=100)
+    assert plan.activate == ("a", "b", "c")
+    assert plan.blocked == ("d",)
+
+
+def test_no_bypass_a_small_younger_session_waits_behind_a_blocked_older_one() -> None:
+    plan = plan_residency([s("run", 0, 70, resident=True, busy=True),
+                           s("big", 1, 50, held=True), s("small", 2, 5, held=True)],
+                          budget_blocks=100)
+    assert plan.activate == ()
+    assert plan.blocked == ("big", "small")
+
+
+def test_a_blocked_head_displaces_younger_idle_residents_when_that_makes_it_fit() -> None:
+    plan = plan_residency([s("run", 0, 40, resident=True, busy=True),
+                           s("head", 1, 40, held=True),
+                           s("y1", 2, 20, resident=True), s("y2", 3, 30, resident=True)],
+                          budget_blocks=100)
+    # 40 + 40 = 80: y2 (youngest, 30) must go; y1 (20) still fits beside the head.
+    assert plan.activate == ("head",)
+    assert plan.suspend == ("y2",)
+    assert plan.used_blocks == 100
+
+
+def test_a_blocked_head_does_not_displace_anyone_when_it_cannot_fit_anyway() -> None:
+    plan = plan_residency([s("run", 0, 70, resident=True, busy=True),
+                           s("head", 1, 50, held=True),
+                           s("y1", 2, 20, resident=True)], budget_blocks=100)
+    assert plan.activate == () and plan.suspend == ()
+    assert plan.blocked == ("head",)
+
+
+def test_older_idle_residents_are_not_displaced_for_a_younger_head() -> None:
+    plan = plan_residency([s("old", 0, 60, resident=True),
+                           s("head", 1, 50, held=True)], budget_blocks=100)
+    assert plan.activate == () and plan.suspend == ()
+
+
+def test_progress_a_session_larger_than_the_budget_runs_when_nothing_else_does() -> None:
+    plan = plan_residency([s("huge", 0, 500, held=True), s("next", 1, 10, held=True)],
+                          budget_blocks=100)
+    assert plan.activate == ("huge",)
+    assert plan.blocked == ("next",)
+
+
+@pytest.mark.parametrize("budget", [0, 1, 50, 99, 100, 1000])
+def test_kept_idle_and_activated_demand_never_exceeds_the_budget_beyond_busy(budget: int) -> None:
+    sessions = [s("b0", 0, 30, resident=True, busy=True), s("i1", 1, 25, resident=True),
+                s("h2", 2, 20, held=True), s("i3", 3, 15, resident=True), s("h4", 4, 10, held=True)]
+    plan = plan_residency(sessions, budget)
+    by_id = {x.session_id: x for x in sessions}
+    idle_kept = [x for x in sessions if x.is_resident and not x.is_busy and x.session_id not in plan.suspend]
+    extra = sum(x.demand_blocks for x in idle_kept) + sum(by_id[a].demand_blocks for a in plan.activate)
+    assert 30 + extra == plan.used_blocks
+    assert extra <= max(0, budget - 30)
