@@ -3,9 +3,11 @@
 Run with ``pytest -m integration tests/integration/test_compare_emulated.py -s``. One emulated-GPU
 vLLM server per policy (no weights: ~15 s to start here) behind the real gateway: ``thunderagent``
 (``ThunderAgentScheduler``) and ``vllm-tuned`` (``FcfsScheduler`` with
-``--long-prefill-token-threshold 512``). KV is 64 blocks of 16 tokens, so ThunderAgent's capacity
-(1024 tokens) admits the 700-token session and holds the others until its periodic check; the
-700-token prompt is longer than vllm-tuned's 512-token cap. Ideal times come from the simulator.
+``--long-prefill-token-threshold 512``). KV is 140 blocks of 16 tokens (compare serves
+``--max-model-len`` 2048 on the emulated backend, which vLLM needs to fit next to its null block),
+so ThunderAgent's capacity (2240 tokens) admits the first two sessions and holds the third until
+its periodic check; every first prompt is longer than vllm-tuned's 512-token cap. Ideal times come
+from the simulator.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ POLICIES = ("thunderagent", "vllm-tuned")
 
 def _workload() -> Workload:
     sessions = []
-    for i, first_prompt in enumerate((700, 300, 250)):
+    for i, first_prompt in enumerate((1200, 700, 600)):
         turns = (Turn(prompt_tokens_appended=first_prompt, output_tokens=12, tool_name="bash",
                       tool_duration_s=0.3),
                  Turn(prompt_tokens_appended=40, output_tokens=10, tool_name="bash", tool_duration_s=0.2),
@@ -51,7 +53,7 @@ def test_thunderagent_and_vllm_tuned_on_the_emulated_gpu(tmp_path: Path,
     add_compare_subcommand(parser.add_subparsers(dest="command"))
     args = parser.parse_args([
         "compare", "--backend", "emulated", "--policies", ",".join(POLICIES),
-        "--workload", str(workload_path), "--absolute-rates", "--loads", "10", "--kv-blocks", "64",
+        "--workload", str(workload_path), "--absolute-rates", "--loads", "10", "--kv-blocks", "140",
         "--tool-workers", "2", "--run-timeout", "120", "--out", str(out)])
     t0 = time.monotonic()
     code = args.func(args)
