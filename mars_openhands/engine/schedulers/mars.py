@@ -117,7 +117,7 @@ class MarsScheduler(MarsBaseScheduler):
                 blocks = entry.num_blocks if entry is not None else self._blocks(session.last_context_tokens)
         return blocks, busy
 
-    def before_schedule(self, now_s: float) -> None:
+    def on_step_start(self, now_s: float) -> None:
         """Plan the resident set and apply it (suspend idle residents, activate held sessions)."""
         if not self._residency_on or not (self.held or self.resident):
             return
