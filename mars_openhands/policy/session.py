@@ -33,6 +33,8 @@ class SessionState:
         last_activity_s: monotonic time of the latest request, finish or event (idle eviction).
         pending_tool: tool named by the latest ``tool_start``, cleared at the next arrival.
         tool_started_s: monotonic time of that ``tool_start``.
+        tool_enqueued_s: monotonic time of the latest ``tool_enqueued`` (the call waits for a
+            tool worker until its ``tool_start``).
         tool_ended: a ``tool_end`` arrived since the last finish (next turn imminent).
         active_request_ids: requests of this session inside the engine.
         last_context_tokens: prompt + output tokens of the session's latest finished turn (the
@@ -49,6 +51,7 @@ class SessionState:
     last_activity_s: float = 0.0
     pending_tool: str | None = None
     tool_started_s: float | None = None
+    tool_enqueued_s: float | None = None
     tool_ended: bool = False
     active_request_ids: set[str] = field(default_factory=set)
     first_arrival_s: float = 0.0

@@ -165,6 +165,9 @@ class MarsBaseScheduler(AsyncScheduler):
         rp = self.params.retention
         self.tool_durations = ToolDurationEstimator(rp.min_tool_samples, rp.max_samples_per_tool)
         self.queue_delay = Ema(rp.queue_delay_ema_alpha, rp.default_queue_delay_s)
+        self.tool_queue_wait = Ema(rp.queue_delay_ema_alpha, 0.0)
+        """EMA of the seconds tool calls waited for a tool worker (``tool_start.queue_wait_s``):
+        the CPU plane's congestion as the engine sees it."""
         self.overflow: deque[Request] = deque()
         window_on = self.params.window.enabled
         self.window_size: int | None = (
@@ -335,6 +338,7 @@ class MarsBaseScheduler(AsyncScheduler):
             self.tool_durations.observe(meta.prev_tool, meta.prev_tool_s)
         session.pending_tool = None
         session.tool_started_s = None
+        session.tool_enqueued_s = None
         session.tool_ended = False
         session.last_finish_s = None
         session.last_turn = meta.turn
@@ -790,7 +794,8 @@ class MarsBaseScheduler(AsyncScheduler):
     def on_stream_event(self, event: Any, now_s: float | None = None) -> None:
         """Consume one CPU-plane event of this engine's sessions. Mutates.
 
-        ``tool_start`` refines the retained KV's TTL with that tool's durations, ``tool_end``
+        ``tool_enqueued`` names the tool and starts its queue wait, ``tool_start`` refines the
+        retained KV's TTL with that tool's durations (and feeds the tool queue-wait EMA), ``tool_end``
         records the duration and keeps retained KV for the imminent next turn, ``session_end``
         releases everything of the session. Other kinds are ignored.
         """
@@ -805,11 +810,16 @@ class MarsBaseScheduler(AsyncScheduler):
             if session is not None and not session.active_request_ids:
                 del self.sessions[sid]
             return
+        if kind == "tool_start":  # CPU-plane congestion, whichever session it comes from
+            self.tool_queue_wait.observe(event.queue_wait_s)
         session = self.sessions.get(sid)
         if session is None:
             return
         session.last_activity_s = now
-        if kind == "tool_start":
+        if kind == "tool_enqueued":
+            session.pending_tool = event.tool_name
+            session.tool_enqueued_s = now
+        elif kind == "tool_start":
             session.pending_tool = event.tool_name
             session.tool_started_s = now
             entry = self.retained.get(sid)

@@ -150,18 +150,28 @@ class MarsScheduler(MarsBaseScheduler):
                           now_s: float) -> float:
         """Seconds a waiting session gains from an idle resident's blocks minus what it costs.
 
-        gain = expected remaining tool time (the tool's duration CDF given the time it has
-        already run, policy.estimators; a tool past every sample, or with none, is expected to
-        run as long again, so a session that silently went away is displaced soon); cost = re-prefilling the resident's KV at the measured
+        gain = expected time until its next turn: the tool's expected remaining duration (its
+        duration CDF given the time it has already run, policy.estimators; a tool past every
+        sample, or with none, is expected to run as long again, so a session that silently went
+        away is displaced soon), plus, while the call still waits for a tool worker, the rest
+        of the CPU plane's mean queue wait (tool_enqueued/tool_start events); cost = re-prefilling the resident's KV at the measured
         prefill rate, paid by it and by every busy session its prefill delays. A tool that has
         ended (next turn imminent) gains nothing."""
         if session is None or session.tool_ended or session.last_finish_s is None:
             return 0.0
-        started = session.tool_started_s if session.tool_started_s is not None else session.last_finish_s
-        elapsed = max(0.0, now_s - started)
+        queue_s = 0.0
+        if session.tool_started_s is not None:
+            elapsed = now_s - session.tool_started_s
+        elif session.tool_enqueued_s is not None:  # waiting for a tool worker (CPU congestion)
+            elapsed = 0.0
+            queue_s = max(0.0, self.tool_queue_wait.value - (now_s - session.tool_enqueued_s))
+        else:
+            elapsed = now_s - session.last_finish_s
+        elapsed = max(0.0, elapsed)
         remaining = self.tool_durations.cdf_for(session.pending_tool).mean_remaining_s(elapsed)
         if remaining is None:
             remaining = elapsed  # longer than any tool seen: expect it to last as long again
+        remaining += queue_s
         reload_s = demand_blocks * self.block_size * self.prefill_s_per_token.value
         return remaining - reload_s * (1 + num_busy)
 

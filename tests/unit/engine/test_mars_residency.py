@@ -9,7 +9,7 @@ pytest.importorskip("vllm")
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from mars_openhands.engine import MarsScheduler  # noqa: E402
-from mars_openhands.stream.events import SessionEnd, ToolStart, now_stamps  # noqa: E402
+from mars_openhands.stream.events import SessionEnd, ToolEnqueued, ToolStart, now_stamps  # noqa: E402
 from tests.unit.engine.harness import Harness  # noqa: E402
 
 BS = 16
@@ -156,3 +156,28 @@ def test_aborting_a_held_request_frees_it() -> None:
     h.run_until_finished(a0.request_id)
     h.run_until_done()
     h.assert_no_leaks()
+
+
+def test_a_resident_whose_tool_call_waits_in_a_congested_tool_queue_is_displaced() -> None:
+    """CPU-plane coupling: the tool itself is short (2 s), but calls wait ~60 s for a worker."""
+    def run(queue_wait_s: float) -> bool:
+        h = Harness(MarsScheduler, num_blocks=40, mars={
+            "residency": {"output_reserve_tokens": 0, "budget_usage": 1.0},
+            "retention": {"reload_linear_s_per_token": 0.01}})  # reload of old's KV: ~4 s
+        s = h.scheduler
+        for _ in range(50):
+            s.tool_durations.observe("ls", 2.0)
+        for _ in range(20):  # the CPU plane's recent queue waits
+            s.on_stream_event(ToolStart(**now_stamps(), source="t", session_id="other", turn=0,
+                                        tool_name="ls", tool_call_id="x", queue_wait_s=queue_wait_s))
+        old0 = h.add(h.make_request("old", h.tokens(25 * BS), 4, turn(0)))
+        h.run_until_finished(old0.request_id)
+        s.on_stream_event(ToolEnqueued(**now_stamps(), source="t", session_id="old", turn=0,
+                                       tool_name="ls", tool_call_id="c"))
+        h.clock.advance(0.1)
+        h.add(h.make_request("young", h.tokens(20 * BS), 4, turn(0)))
+        h.step(0.01)
+        return "old" not in s.resident and "young" in s.resident
+
+    assert run(queue_wait_s=60.0)
+    assert not run(queue_wait_s=0.0)
