@@ -110,7 +110,10 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     recovered = [r for r in ended if r["num_recoveries"] > 0]
     num_ok = sum(1 for r in ended if r["is_succeeded"])
     total_e2e = sum(e2e)
-    share = (lambda key: sum(1 for r in ended if r[key]) / len(ended) if ended else None)
+
+    def share(key: str) -> float | None:
+        return sum(1 for r in ended if r[key]) / len(ended) if ended else None
+
     return {
         "num_tasks": len(rows), "num_ended": len(ended), "num_succeeded": num_ok,
         "e2e_mean_s": total_e2e / len(e2e) if e2e else None,
