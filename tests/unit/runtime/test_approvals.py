@@ -13,7 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from mars_openhands.openhands.playback import RecordedToolCall, RecordedTurn, Script, build_playback_app
+from mars_openhands.openhands.playback import (
+    RecordedToolCall,
+    RecordedTurn,
+    Script,
+    build_playback_app,
+)
 from mars_openhands.runtime.agent import session_id_of
 from mars_openhands.runtime.effects import Action
 from mars_openhands.runtime.store import TERMINAL_STATUSES, Store
