@@ -55,7 +55,8 @@ def format_event(event: dict[str, Any]) -> str:
     step = f" step {event['step']}" if event.get("step") is not None else ""
     if kind == "llm_call":
         usage = p["response"].get("usage") or {}
-        calls = [c["function"]["name"] for c in p["response"]["message"].get("tool_calls") or []]
+        calls = [(c.get("function") or c).get("name", "?")  # OpenAI shape, or OpenHands' MessageToolCall
+                 for c in p["response"].get("message", {}).get("tool_calls") or []]
         detail = f"{usage.get('completion_tokens', '?')} tokens → {', '.join(calls) or 'text'}"
     elif kind == "tool_call":
         detail = (f"{p['tool']} [{p['effect']}] {p['status']} in {p.get('duration_s', 0):.2f} s "
@@ -282,7 +283,7 @@ def _guarded(func: Any) -> Any:
 
         try:
             return func(args)
-        except (InputError, SpecConflictError, DriverUnavailableError, ValueError, KeyError) as e:
+        except (InputError, SpecConflictError, DriverUnavailableError, ValueError) as e:
             message = str(e).splitlines()[0] if str(e) else type(e).__name__
             print(f"mars-openhands tasks {args.tasks_command}: {message}", file=sys.stderr)
             return EXIT_INPUT

@@ -16,6 +16,7 @@ the final status with its reason.
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import socket
 import threading
@@ -135,6 +136,9 @@ class Runtime:
                      "executor_id": self.runner["id"], "application_version": APP_VERSION,
                      "log_level": "WARNING", "notification_listener_polling_interval_sec": 0.2})
         DBOS.launch()
+        # SQLAlchemy's engine logs every statement at INFO once a host app (OpenHands' logger set-up)
+        # moves loggers at WARNING to INFO; ERROR is left alone.
+        logging.getLogger("sqlalchemy").setLevel(logging.ERROR)
         _ACTIVE.append(self)
         self._heartbeat = threading.Thread(target=self._beat, name="mars-heartbeat", daemon=True)
         self._heartbeat.start()

@@ -18,13 +18,14 @@ answer ``tasks list|show|report`` without running anything. All writes are idemp
 from __future__ import annotations
 
 import json
+import sqlite3
 import time
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
-__all__ = ["SpecConflictError", "Store", "engine_url"]
+__all__ = ["SpecConflictError", "Store", "engine_url", "ensure_sqlite_compat"]
 
 _META = sa.MetaData()
 TASKS = sa.Table(
@@ -104,6 +105,36 @@ def engine_url(db_url: str) -> str:
     return db_url
 
 
+def _unixepoch(*args: Any) -> float | int | None:
+    """SQLite's ``unixepoch()`` including the ``'subsec'`` modifier (SQLite >= 3.42)."""
+    now = time.time()
+    if args in ((), ("now",)):
+        return int(now)
+    if args == ("subsec",) or args == ("now", "subsec"):
+        return int(now * 1000) / 1000.0
+    return None  # other forms are not used by DBOS; NULL is SQLite's answer to bad input
+
+
+def _add_unixepoch(dbapi_connection: Any, _record: Any) -> None:
+    if isinstance(dbapi_connection, sqlite3.Connection):
+        for num_args in (0, 1, 2):
+            dbapi_connection.create_function("unixepoch", num_args, _unixepoch)
+
+
+def ensure_sqlite_compat() -> None:
+    """Make DBOS's SQLite schema work on SQLite < 3.42. Idempotent; mutates SQLAlchemy's global
+    engine events when needed.
+
+    DBOS on Python >= 3.12 writes timestamps with ``unixepoch('subsec')``, a modifier SQLite added in
+    3.42; older libraries (Debian 12 ships 3.40) return NULL and every insert fails its NOT NULL
+    column. Application functions take precedence over SQLite's built-ins, so registering
+    ``unixepoch`` on each new connection of every engine (DBOS's included) fixes it.
+    """
+    if sqlite3.sqlite_version_info >= (3, 42) or sa.event.contains(sa.engine.Engine, "connect", _add_unixepoch):
+        return
+    sa.event.listen(sa.engine.Engine, "connect", _add_unixepoch)
+
+
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor = dbapi_connection.cursor()
     cursor.execute("PRAGMA busy_timeout=30000")  # a runner and a CLI share the file
@@ -121,6 +152,8 @@ class Store:
     def __init__(self, db_url: str, create: bool = True) -> None:
         self.db_url = db_url
         is_sqlite = db_url.startswith("sqlite")
+        if is_sqlite:
+            ensure_sqlite_compat()
         self.engine = sa.create_engine(engine_url(db_url), pool_pre_ping=not is_sqlite,
                                        connect_args={"timeout": 30} if is_sqlite else {})
         if is_sqlite:
