@@ -5,7 +5,8 @@ holding its KV, its admission slot and its tool calls. :class:`ToolTracker` turn
 into the two CPU pressure signals of the admission window: the backlog ratio
 ``rho = in-flight tool calls / tool workers`` and the EMA of tool queue wait.
 
-Mutates only its own objects; single-threaded (the gateway's event loop).
+Mutates only its own objects; single-threaded. Both are components of
+:class:`~mars_openhands.control.plane.ControlPlane`, which drives the session lifecycle.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ class Session:
     """LLM requests started so far (the next request's 0-based turn)."""
     replica: int | None = None
     """Index of the replica holding its KV (affinity), once routed."""
-    is_admitted: bool = False
     num_in_flight: int = 0
     """LLM requests of this session currently being served."""
     last_activity_s: float = 0.0
