@@ -182,7 +182,9 @@ class Store:
                "status": "submitted", "submitted_at": now, "num_runs": 0,
                "deadline_at": now + deadline_s if deadline_s else None}
         with self.engine.begin() as c:
-            inserted = c.execute(self._insert(TASKS).values(**row).on_conflict_do_nothing()).rowcount
+            # RETURNING, not rowcount: drivers differ on rowcount for ON CONFLICT DO NOTHING.
+            inserted = c.execute(self._insert(TASKS).values(**row).on_conflict_do_nothing()
+                                 .returning(TASKS.c.task_id)).first() is not None
         existing = self.task(task_id)
         assert existing is not None, f"task {task_id} vanished after insert"
         if existing["spec_digest"] != digest:
@@ -190,7 +192,7 @@ class Store:
                 f"task {task_id} already exists with a different spec (digest "
                 f"{existing['spec_digest'][:12]} vs {digest[:12]}); task ids are immutable: use a "
                 "new task_id, or resubmit the original spec to attach")
-        return existing, bool(inserted)
+        return existing, inserted
 
     def task(self, task_id: str) -> dict[str, Any] | None:
         """The task's row as a dict, or ``None``."""
@@ -240,7 +242,8 @@ class Store:
         row = {"task_id": task_id, "event_key": event_key, "kind": kind, "step": step,
                "payload_json": json.dumps(payload, default=str), "t_wall": time.time()}
         with self.engine.begin() as c:
-            return bool(c.execute(self._insert(EVENTS).values(**row).on_conflict_do_nothing()).rowcount)
+            return c.execute(self._insert(EVENTS).values(**row).on_conflict_do_nothing()
+                             .returning(EVENTS.c.id)).first() is not None
 
     def event(self, task_id: str, event_key: str) -> dict[str, Any] | None:
         """One event's payload by key, or ``None``."""
