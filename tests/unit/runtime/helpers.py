@@ -11,9 +11,8 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -159,14 +158,3 @@ def start_runner(db_url: str, *args: str, env: dict[str, str], log: Path) -> sub
                             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                             env={**os.environ, "GIT_AUTHOR_NAME": "agent", "GIT_AUTHOR_EMAIL": "a@a",
                                  "GIT_COMMITTER_NAME": "agent", "GIT_COMMITTER_EMAIL": "a@a", **env})
-
-
-def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    """Poll ``predicate`` every 50 ms until truthy; return its value or fail naming ``what``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    pytest.fail(f"timed out after {timeout_s} s waiting for {what}")

@@ -23,7 +23,8 @@ from mars_openhands.runtime.agent import session_id_of
 from mars_openhands.runtime.effects import Action
 from mars_openhands.runtime.store import TERMINAL_STATUSES, Store
 from tests.openhands._helpers import serve_app
-from tests.unit.runtime.helpers import CounterServer, cli, start_runner, wait_for
+from tests.unit.control.gateway_helpers import wait_until as wait_for
+from tests.unit.runtime.helpers import CounterServer, cli, start_runner
 
 pytestmark = pytest.mark.timeout(300)
 
