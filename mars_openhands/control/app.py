@@ -453,6 +453,7 @@ class Gateway:
             "kv_usage": self.kv_usage(),
             "sessions": {
                 s.session_id: {"replica": s.replica, "turns": s.num_turns,
+                               "side_requests": s.num_side_requests,
                                "in_flight": s.num_in_flight,
                                "admitted": self.admission.is_admitted(s.session_id)}
                 for s in self.sessions

@@ -28,7 +28,10 @@ class Session:
     is_one_turn: bool = False
     """A request without a session id: the session ends with its only request."""
     num_turns: int = 0
-    """LLM requests started so far (the next request's 0-based turn)."""
+    """Agent turns (LLM requests that are not side requests) started so far: the next turn's
+    0-based index."""
+    num_side_requests: int = 0
+    """Side requests (titles, summaries: chat requests without tools) started so far."""
     replica: int | None = None
     """Index of the replica holding its KV (affinity), once routed."""
     is_admitted: bool = False
@@ -41,6 +44,18 @@ class Session:
     prev_tool: tuple[str, float] | None = None
     """(tool_name, duration_s) of the last tool that ended since the previous turn."""
     has_ended: bool = False
+
+    def take_turn(self, is_side: bool) -> tuple[int | None, tuple[str, float] | None]:
+        """Start a request: ``(turn, prev_tool)`` to send with it. An agent turn takes the next
+        turn index and the pending ``prev_tool``; a side request takes neither (``(None, None)``)
+        and leaves both for the next agent turn. Mutates the counts and ``prev_tool``."""
+        if is_side:
+            self.num_side_requests += 1
+            return None, None
+        turn, prev_tool = self.num_turns, self.prev_tool
+        self.num_turns += 1
+        self.prev_tool = None
+        return turn, prev_tool
 
 
 class SessionRegistry:
