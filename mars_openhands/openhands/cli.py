@@ -155,17 +155,17 @@ def add_openhands_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run tasks at --rps, each in its own process and workspace")
     _add_run_flags(run)
     run.set_defaults(func=run_from_args)
-    playback = sub.add_parser("playback", help="serve recorded assistant turns (no model needed)",
-                              add_help=False)
-    playback.set_defaults(func=lambda a: _playback(a.rest))
-    playback.add_argument("rest", nargs=argparse.REMAINDER)
+    _add_playback(sub)
     return parser
 
 
-def _playback(argv: Sequence[str]) -> int:
-    from mars_openhands.openhands.playback import main as playback_main
+def _add_playback(sub: Any) -> None:
+    from mars_openhands.openhands.playback import add_playback_flags
 
-    return playback_main(list(argv))
+    add_playback_flags(sub.add_parser(
+        "playback", help="serve recorded assistant turns (no model needed)",
+        description="An OpenAI-compatible server answering with recorded assistant turns "
+                    "(docs/openhands.md, 'Playback')."))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -179,9 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     one.add_argument("--task", type=Path, required=True)
     one.add_argument("--config", type=Path, required=True)
     one.set_defaults(func=run_one_from_args)
-    playback = sub.add_parser("playback", add_help=False)
-    playback.add_argument("rest", nargs=argparse.REMAINDER)
-    playback.set_defaults(func=lambda a: _playback(a.rest))
+    _add_playback(sub)
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
 
