@@ -44,7 +44,7 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
                         help="endpoint root, e.g. http://127.0.0.1:8000 (/v1 is added if missing)")
     parser.add_argument("--model", required=True, help="served model name")
     parser.add_argument("--api-key", default=os.environ.get("MARS_API_KEY", "EMPTY"),
-                        help="API key (default $MARS_API_KEY or EMPTY)")
+                        help="API key (default $MARS_API_KEY or EMPTY); never written to --out")
     parser.add_argument("--temperature", type=float, default=None)
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--max-output-tokens", type=int, default=None, help="tokens per completion")
@@ -57,6 +57,8 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-commit", default=None)
     parser.add_argument("--workspace", default=None, help="existing directory to work in")
     parser.add_argument("--out", type=Path, required=True, help="output directory")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace what an earlier run left in --out/<task_id> (default: refuse)")
     parser.add_argument("--rps", type=float, default=1.0, help="task arrivals per second")
     parser.add_argument("--max-iterations", type=int, default=100, help="agent steps per task")
     parser.add_argument("--no-policy", action="store_true", help="disable the pre-tool policy check")
@@ -125,25 +127,33 @@ def run_from_args(args: argparse.Namespace) -> int:
 
     try:
         tasks, config = _checked_inputs(args)
+        results = run_tasks(tasks, config, rps=args.rps, overwrite=args.overwrite)
     except ValueError as e:  # pydantic's ValidationError too
         for line in str(e).splitlines():
             print(f"mars-openhands openhands run: {line}", file=sys.stderr)
         return 2
-    results = run_tasks(tasks, config, rps=args.rps)
     for r in results:
         print(json.dumps({"task_id": r.task_id, "status": r.status, "wall_s": round(r.wall_s, 3),
                           "tool_s": round(r.tool_s, 3), "llm_calls": r.num_llm_calls,
                           "tool_calls": r.num_tool_calls, "denied": r.num_denied,
-                          "files_changed": r.files_changed, "error": r.error}))
+                          "events_lost": r.num_events_lost, "files_changed": r.files_changed,
+                          "error": r.error}))
     return 1 if any(r.status == "error" for r in results) else 0
 
 
 def run_one_from_args(args: argparse.Namespace) -> int:
-    """``run-one``: one task in this process (the per-task process of ``run_tasks``)."""
+    """``run-one``: one task in this process (the per-task process of ``run_tasks``; the API key
+    comes from ``MARS_API_KEY``)."""
+    from pydantic import SecretStr
+
+    from mars_openhands.openhands.llm import ENV_API_KEY
     from mars_openhands.openhands.runner import RunConfig, TaskSpec, run_task
 
     task = TaskSpec.model_validate_json(args.task.read_text())
     config = RunConfig.model_validate_json(args.config.read_text())
+    if os.environ.get(ENV_API_KEY):  # run_config.json holds "**********", never the key
+        config = config.model_copy(update={"llm": config.llm.model_copy(
+            update={"api_key": SecretStr(os.environ[ENV_API_KEY])})})
     result = run_task(task, config)
     return 0 if result.status != "error" else 3
 

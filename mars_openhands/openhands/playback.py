@@ -112,6 +112,9 @@ class PlaybackConfig(BaseModel):
     max_completion_tokens: int = Field(64, ge=1)
     """Cap on the upstream ``max_tokens`` per turn, tokens."""
     upstream_timeout_s: float = Field(120.0, gt=0)
+    api_key: str | None = None
+    """Answer chat requests without ``Authorization: Bearer <api_key>`` with 401, as vLLM's
+    ``--api-key`` does; ``None``: no check."""
 
 
 def _clean_command(command: str, workspace_alias: str) -> str:
@@ -365,6 +368,8 @@ def build_playback_app(scripts: Sequence[Script], config: PlaybackConfig | None 
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
+        if config.api_key and request.headers.get("authorization") != f"Bearer {config.api_key}":
+            return JSONResponse({"error": {"message": "invalid API key"}}, status_code=401)
         body = await request.json()
         try:
             completion = await _answer(body, request.headers, sessions, upstream, config, seen)
@@ -378,7 +383,9 @@ def build_playback_app(scripts: Sequence[Script], config: PlaybackConfig | None 
                                  media_type="text/event-stream")
 
     @app.get("/v1/models")
-    async def models() -> Any:
+    async def models(request: Request) -> Any:
+        if config.api_key and request.headers.get("authorization") != f"Bearer {config.api_key}":
+            return JSONResponse({"error": {"message": "invalid API key"}}, status_code=401)
         return {"object": "list", "data": [{"id": config.served_model_name, "object": "model"}]}
 
     @app.get("/health")
