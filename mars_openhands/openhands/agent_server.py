@@ -14,7 +14,10 @@ Configured from the environment (the OpenHands app passes it through ``OH_AGENT_
 * ``MARS_EVENTS_URL``: the gateway's ``http://host:port/mars/v1/events`` (unset: no posting);
 * ``MARS_EVENTS_PATH``: a JSONL file every event is also appended to (optional);
 * ``MARS_POLICY``: ``on`` (default) or ``off``, the pre-tool policy check;
-* ``MARS_SESSION_POLL_S``: seconds between conversation status reads (default 0.2).
+* ``MARS_SESSION_POLL_S``: seconds between conversation status reads (default 0.2);
+* ``MARS_BROWSER``: ``auto`` (default): where Chromium is missing, a conversation gets no browser
+  tools (one warning) instead of failing to start, as the stock server does when the OpenHands
+  app asks for them (it always does); ``stock``: the stock browser tools, as they are.
 
 ``--mars-check`` prints what would be registered and where events go (one JSON object) and exits
 0 without starting a server: the Docker image's entrypoint is tested that way where no Docker
@@ -30,10 +33,13 @@ import os
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 import json  # noqa: E402
+import logging  # noqa: E402
 import sys  # noqa: E402
 from collections.abc import Mapping, Sequence  # noqa: E402
 from importlib import metadata  # noqa: E402
 from typing import Any  # noqa: E402
+
+from openhands.sdk.tool import ToolDefinition, register_tool  # noqa: E402
 
 from mars_openhands.openhands.executor import (  # noqa: E402
     ENV_EVENTS_PATH,
@@ -47,11 +53,43 @@ from mars_openhands.openhands.lifecycle import (  # noqa: E402
     ConversationLifecycle,
 )
 
-__all__ = ["ENV_SESSION_POLL_S", "check_report", "install", "main"]
+__all__ = ["ENV_BROWSER", "ENV_SESSION_POLL_S", "OptionalBrowserToolSet", "check_report",
+           "install", "main"]
 
 ENV_SESSION_POLL_S = "MARS_SESSION_POLL_S"
 """Seconds between the lifecycle's conversation status reads."""
+ENV_BROWSER = "MARS_BROWSER"
+"""``auto`` (default) or ``stock``: see :class:`OptionalBrowserToolSet`."""
 _PROG = "python -m mars_openhands.openhands.agent_server"
+logger = logging.getLogger(__name__)
+
+
+class OptionalBrowserToolSet(ToolDefinition):
+    """The stock browser tool set where Chromium is installed, else no tools (logged once per
+    conversation). Registered over the stock name (``browser_tool_set``) with ``MARS_BROWSER=auto``.
+
+    The OpenHands app 1.11 adds the browser to every conversation; without Chromium the stock
+    tool set raises while the agent is built, so the conversation never starts.
+    """
+
+    @classmethod
+    def create(cls, conv_state: Any = None, **params: Any) -> Sequence[ToolDefinition]:
+        from openhands.tools.browser_use import BrowserToolSet
+
+        if BrowserToolSet.is_usable():
+            return BrowserToolSet.create(conv_state=conv_state, **params)
+        logger.warning("Chromium is not installed: conversation %s runs without browser tools "
+                       "(%s=stock keeps the stock behaviour: it fails to start)",
+                       getattr(conv_state, "id", "?"), ENV_BROWSER)
+        return []
+
+
+def _register_optional_browser() -> None:
+    from openhands.tools.browser_use import BrowserToolSet  # registers the stock one first
+
+    OptionalBrowserToolSet.user_selectable = getattr(BrowserToolSet, "user_selectable", True)
+    OptionalBrowserToolSet.catalog_description = getattr(BrowserToolSet, "catalog_description", "")
+    register_tool(BrowserToolSet.name, OptionalBrowserToolSet)
 
 
 def install(environ: Mapping[str, str] = os.environ) -> ConversationLifecycle:
@@ -62,7 +100,8 @@ def install(environ: Mapping[str, str] = os.environ) -> ConversationLifecycle:
         The lifecycle the stock-named tools report to (its sender posts to ``MARS_EVENTS_URL``).
 
     Raises:
-        ValueError: ``MARS_SESSION_POLL_S`` or ``MARS_POLICY`` is malformed (names the variable).
+        ValueError: ``MARS_SESSION_POLL_S``, ``MARS_POLICY`` or ``MARS_BROWSER`` is malformed
+            (names the variable).
     """
     raw_poll = environ.get(ENV_SESSION_POLL_S, str(DEFAULT_POLL_INTERVAL_S))
     try:
@@ -71,6 +110,11 @@ def install(environ: Mapping[str, str] = os.environ) -> ConversationLifecycle:
         raise ValueError(f"{ENV_SESSION_POLL_S} must be a number of seconds, got {raw_poll!r}") from None
     if environ.get(ENV_POLICY, "on") not in ("on", "off", "1", "0", "true", "false"):
         raise ValueError(f"{ENV_POLICY} must be on or off, got {environ[ENV_POLICY]!r}")
+    browser = environ.get(ENV_BROWSER, "auto")
+    if browser not in ("auto", "stock"):
+        raise ValueError(f"{ENV_BROWSER} must be auto or stock, got {browser!r}")
+    if browser == "auto":
+        _register_optional_browser()
     sender = EventSender(environ.get(ENV_EVENTS_URL) or None, environ.get(ENV_EVENTS_PATH) or None)
     lifecycle = ConversationLifecycle(sender, poll_interval_s=poll_s)
     register_evented_tools(override_defaults=True, lifecycle=lifecycle)
@@ -94,7 +138,8 @@ def check_report(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
             return None
 
     modules = get_tool_module_qualnames()
-    tools = {name: modules.get(name) for name in ("terminal", "file_editor", "task_tracker")}
+    names = ("terminal", "file_editor", "task_tracker", "browser_tool_set")
+    tools = {name: modules.get(name) for name in names}
     return {"tools": tools, "events_url": environ.get(ENV_EVENTS_URL) or None,
             "events_path": environ.get(ENV_EVENTS_PATH) or None,
             "policy": environ.get(ENV_POLICY, "on"),
@@ -134,4 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the imported module, not this __main__ copy: the tool classes registered must be
+    # mars_openhands.openhands.agent_server's (the registry records their module).
+    from mars_openhands.openhands.agent_server import main as _main
+
+    sys.exit(_main())

@@ -1,4 +1,6 @@
-"""``mars-openhands openhands run``: OpenHands agents on tasks with ``--backend mars|vllm|url``.
+"""``mars-openhands openhands run``: OpenHands agents on tasks with ``--backend mars|vllm|url``;
+``... playback`` (the playback engine) and ``... app-env`` (the OpenHands app's settings for a
+MARS gateway, :mod:`mars_openhands.openhands.app_env`).
 
 Also ``python -m mars_openhands.openhands.cli run-one --task T.json --config C.json`` (one task in
 this process; what :func:`runner.run_tasks` starts per task) and ``... playback`` (the playback
@@ -158,6 +160,63 @@ def run_one_from_args(args: argparse.Namespace) -> int:
     return 0 if result.status != "error" else 3
 
 
+def _add_app_env(sub: Any) -> None:
+    from mars_openhands.openhands.app_env import APP_AGENT_SERVER_VERSION, DEFAULT_IMAGE_REPOSITORY
+
+    p = sub.add_parser("app-env", help="print what an OpenHands app user sets for a MARS backend",
+                       description="The OpenHands app's environment and per-user LLM settings "
+                                   "for a MARS gateway (docs/openhands.md, 'OpenHands app').")
+    p.add_argument("--gateway", required=True, help="the gateway's root, e.g. http://127.0.0.1:8000")
+    p.add_argument("--sandbox", choices=("process", "docker"), default="process",
+                   help="process: the app runs agent-servers as local processes (no Docker); "
+                        "docker: in containers of our agent-server image")
+    p.add_argument("--model", default=None,
+                   help="served model name (default: the gateway's first /v1/models entry)")
+    p.add_argument("--api-key", default="EMPTY", help="the key the gateway expects (default EMPTY)")
+    p.add_argument("--image-repository", default=DEFAULT_IMAGE_REPOSITORY, help="docker: image")
+    p.add_argument("--agent-server-version", default=APP_AGENT_SERVER_VERSION,
+                   help="docker: the agent-server version the app pins (image tag <v>-python)")
+    p.add_argument("--app-url", default="http://localhost:3000", help="the app, for the curl line")
+    p.add_argument("--format", choices=("shell", "json"), default="shell")
+    p.add_argument("--no-check", action="store_true",
+                   help="do not ask the gateway (needs --model)")
+    p.set_defaults(func=app_env_from_args)
+
+
+def app_env_from_args(args: argparse.Namespace) -> int:
+    """``openhands app-env``: check the gateway, print the settings; exit 2 on bad input."""
+    from mars_openhands.openhands.app_env import app_settings, render_shell
+
+    try:
+        model = args.model or (None if args.no_check else _first_model(args.gateway, args.api_key))
+        if not args.no_check:
+            from mars_openhands.openhands.endpoint import preflight
+
+            preflight(args.gateway, args.api_key, "mars", flag="--gateway")
+        if model is None:
+            raise ValueError("--model is needed with --no-check")
+        settings = app_settings(args.gateway, model, args.sandbox, args.api_key,
+                                args.image_repository, args.agent_server_version)
+    except ValueError as e:
+        print(f"mars-openhands openhands app-env: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(settings.model_dump_json(indent=1) if args.format == "json"
+          else render_shell(settings, args.app_url))
+    return 0
+
+
+def _first_model(gateway: str, api_key: str) -> str | None:
+    """The gateway's first served model, or ``None`` when it cannot say (pre-flight says why)."""
+    import httpx
+
+    try:
+        data = httpx.get(f"{gateway.rstrip('/').removesuffix('/v1')}/v1/models", timeout=5.0,
+                         headers={"authorization": f"Bearer {api_key}"}).json()
+        return str(data["data"][0]["id"])
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
 def add_openhands_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``openhands`` (with ``run`` and ``playback``) on the top-level CLI's subparsers."""
     parser = subparsers.add_parser("openhands", help="run OpenHands agents with the MARS backend flag")
@@ -166,6 +225,7 @@ def add_openhands_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     _add_run_flags(run)
     run.set_defaults(func=run_from_args)
     _add_playback(sub)
+    _add_app_env(sub)
     return parser
 
 

@@ -29,11 +29,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from mars_openhands.openhands.endpoint import preflight
 from mars_openhands.openhands.executor import EventSender, register_evented_tools
 from mars_openhands.openhands.llm import ENV_API_KEY, LLMSettings, TurnTracker, build_session_llm
 from mars_openhands.stream.events import SessionEnd, SessionStart, now_stamps
 
-__all__ = ["RunConfig", "TaskResult", "TaskSpec", "events_url_for", "preflight", "run_task",
+__all__ = ["RunConfig", "TaskResult", "TaskSpec", "events_url_for", "run_task",
            "run_tasks"]
 
 TaskStatus = Literal["finished", "error", "stuck", "max_iterations", "timeout"]
@@ -292,44 +293,6 @@ def _write(result: TaskResult, task_dir: Path) -> TaskResult:
     return result
 
 
-def preflight(settings: LLMSettings, timeout_s: float = 5.0) -> None:
-    """Check the endpoint before any task starts: it answers, takes the key, and for ``mars`` is a
-    MARS gateway (``GET /mars/v1/healthz``) with a healthy replica.
-
-    Raises:
-        ValueError: one line naming the URL, what it answered and the flag to change (without
-            this, a task burned ~38 s of LLM retries, or a plain vLLM server behind ``--backend
-            mars`` answered every event post with 404 while the task "finished").
-    """
-    import httpx
-
-    root = settings.base_url.rstrip("/").removesuffix("/v1")
-    headers = {"authorization": f"Bearer {settings.api_key.get_secret_value()}"}
-    try:
-        with httpx.Client(timeout=timeout_s, headers=headers) as client:
-            models = client.get(f"{root}/v1/models")
-            health = client.get(f"{root}/mars/v1/healthz") if settings.backend == "mars" else None
-    except httpx.HTTPError as e:
-        raise ValueError(f"--url {root}: cannot reach it ({type(e).__name__}: {e or 'no answer'}); "
-                         "is the server running there?") from None
-    if models.status_code in (401, 403):
-        raise ValueError(f"--url {root}: GET /v1/models answered {models.status_code}; check "
-                         "--api-key (or $MARS_API_KEY)")
-    if health is None:
-        return
-    try:
-        body = health.json()
-    except ValueError:
-        body = None
-    if not isinstance(body, dict) or "healthy_replicas" not in body:
-        raise ValueError(f"--backend mars: {root} is not a MARS gateway (GET /mars/v1/healthz "
-                         f"answered {health.status_code}); use --backend vllm for a vLLM server, "
-                         "--backend url for another endpoint")
-    if health.status_code != 200:
-        raise ValueError(f"--backend mars: the gateway at {root} has no healthy replica "
-                         f"({body.get('status')}); start its engines first")
-
-
 def _check_run(tasks: Sequence[TaskSpec], config: RunConfig, rps: float, overwrite: bool) -> None:
     """Input checks of :func:`run_tasks` (see there); with ``overwrite``, deletes reused task
     directories."""
@@ -378,7 +341,8 @@ def run_tasks(tasks: Sequence[TaskSpec], config: RunConfig, rps: float,
     """
     _check_run(tasks, config, rps, overwrite)
     if check_endpoint:
-        preflight(config.llm)
+        llm = config.llm
+        preflight(llm.base_url, llm.api_key.get_secret_value(), llm.backend)
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "run_config.json").write_text(config.model_dump_json(indent=1))
