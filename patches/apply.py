@@ -28,22 +28,23 @@ HERE = Path(__file__).resolve().parent
 
 
 class PatchSpec(NamedTuple):
-    """One patch: its file, the distribution it changes and the versions it was written for."""
+    """One patch: the distribution it changes, its file per version written for, and what it does."""
 
-    file: str
     distribution: str
-    versions: tuple[str, ...]
+    files: dict[str, str]
+    """installed version -> patch file (in this folder)."""
     what: str
 
 
 PATCHES: dict[str, PatchSpec] = {
     "openhands-ai-process-sandbox": PatchSpec(
-        "openhands-ai-1.11-process-sandbox.patch", "openhands-ai", ("1.11.0",),
+        "openhands-ai", {"1.11.0": "openhands-ai-1.11-process-sandbox.patch"},
         "app process sandbox: an idle agent-server is RUNNING (was STARTING forever), reached at "
         "127.0.0.1 (the app rewrote localhost when it runs in a container), 120 s to start"),
     "openhands-sdk-tool-enqueue-time": PatchSpec(
-        "openhands-sdk-tool-enqueue-time.patch", "openhands-sdk", ("1.34.0", "1.58.2"),
-        "SDK: ParallelToolExecutor records when each batch of tool calls was handed to it, so "
+        "openhands-sdk", {"1.34.0": "openhands-sdk-1.34.0-tool-enqueue-time.patch",
+                          "1.58.2": "openhands-sdk-1.58.2-tool-enqueue-time.patch"},
+        "SDK: ParallelToolExecutor records when each batch of tool calls reached it, so "
         "tool_enqueued / queue_wait_s include the resource-lock and worker waits"),
 }
 
@@ -68,10 +69,10 @@ def run(name: str, python: str, mode: str) -> tuple[bool, str]:
     """Apply / check / revert one patch. Returns ``(ok, one-line message)``."""
     spec = PATCHES[name]
     site, version = _env_info(python, spec.distribution)
-    if version not in spec.versions:
+    if version not in spec.files:
         return False, (f"{name}: {spec.distribution} {version or 'is not installed'} in {python}; "
-                       f"the patch is for {', '.join(spec.versions)}")
-    patch = HERE / spec.file
+                       f"the patch is for {', '.join(spec.files)}")
+    patch = HERE / spec.files[version]
     is_applied = _git_apply(site, patch, "--reverse", "--check")
     if mode == "revert":
         if not is_applied:
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.list:
         for name, spec in PATCHES.items():
-            print(f"{name}: {spec.distribution} {'/'.join(spec.versions)}: {spec.what}")
+            print(f"{name}: {spec.distribution} {'/'.join(spec.files)}: {spec.what}")
         return 0
     unknown = [n for n in args.names if n not in PATCHES]
     if not args.names or unknown:

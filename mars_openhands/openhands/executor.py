@@ -39,9 +39,14 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, ClassVar
 
+try:  # SDK >= 1.20 (our tool-enqueue-time patch adds TOOL_CALL_ENQUEUED_NS to it)
+    from openhands.sdk.agent import parallel_executor as _parallel_executor
+except ImportError:  # pragma: no cover - older SDKs run tool calls one by one
+    _parallel_executor = None
 from openhands.sdk.tool import ToolDefinition, ToolExecutor, register_tool
 from openhands.sdk.tool.registry import get_tool_module_qualnames
 
@@ -237,6 +242,19 @@ def _find_action_event(action: Any, conversation: Any) -> tuple[str | None, int 
     return None, None
 
 
+def _enqueued_stamps(action: Any) -> dict[str, Any]:
+    """When ``action`` was queued: the instant its batch reached the SDK's
+    ``ParallelToolExecutor`` where the SDK has the tool-enqueue-time patch (``patches/``; then
+    waits for a resource lock or a worker count), else now (the call reached this executor)."""
+    now = now_stamps()
+    entry = getattr(_parallel_executor, "TOOL_CALL_ENQUEUED_NS", {}).get(id(action))
+    if entry is None or entry[0]() is not action:
+        return now
+    age_ns = max(0, now["t_mono_ns"] - entry[1])
+    return {"t_mono_ns": now["t_mono_ns"] - age_ns,
+            "t_wall": now["t_wall"] - timedelta(microseconds=age_ns / 1000)}
+
+
 def _denied_observation(observation_type: Any, action: Any, reason: str) -> Any:
     """An error observation of the tool's own type carrying ``reason`` (fields it requires and the
     action has, such as ``command``, are copied from the action)."""
@@ -271,8 +289,10 @@ class EventedExecutor(ToolExecutor):
 
     Timing contract: ``tool_start.t_mono_ns`` is taken immediately before ``inner(action, conv)`` and
     ``tool_end.t_mono_ns`` immediately after it returns or raises; ``duration_s`` is their difference.
-    ``tool_enqueued`` is taken at entry, before the policy check; ``queue_wait_s`` is
-    start − enqueued (policy check time; the SDK runs the call at once when it reaches the executor).
+    ``tool_enqueued`` is stamped at entry, before the policy check, or, where the SDK has the
+    tool-enqueue-time patch (``patches/``), when the call's batch reached the SDK's
+    ``ParallelToolExecutor`` (emitted at entry, stamped then); ``queue_wait_s`` is start −
+    enqueued: the policy check, plus with the patch the waits for a resource lock or a worker.
     """
 
     def __init__(self, inner: ToolExecutor, tool_name: str, observation_type: Any, session_id: str,
@@ -296,7 +316,7 @@ class EventedExecutor(ToolExecutor):
         tool_call_id = tool_call_id or f"mars-{uuid.uuid4().hex[:12]}"
         common = {"session_id": self.session_id, "turn": turn, "source": self.source,
                   "tool_name": self.tool_name, "tool_call_id": tool_call_id}
-        enqueued = now_stamps()
+        enqueued = _enqueued_stamps(action)
         self.sender.emit(ToolEnqueued(**enqueued, **common))
         if self.policy is not None:
             decision = check_action(self.tool_name, _action_fields(action), self.workspace, self.policy)
