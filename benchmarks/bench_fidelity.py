@@ -105,11 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     from eval import sim
     from eval.backends import LiveBackend, LiveOptions, parse_backend
     from eval.compare import (
-        POLICIES,
         CompareOptions,
         _sim_config,
         _timer_and_blocks,
         _workload_from_args,
+        live_policy_config,
         parse_policies,
         run_compare,
     )
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         num_gpu_blocks=blocks, max_model_len_tokens=min(blocks * 16, max(2048, longest + 64)), gpu=args.gpu,
         model=args.model, time_scale=args.time_scale, num_tool_workers=args.tool_workers,
         log_dir=out / "emulated" / "server-logs", step_trace_dir=out / "emulated" / "step-traces"),
-        {name: (p.scheduler, p.additional_config) for name, p in POLICIES.items()})
+        live_policy_config())
     t1 = time.monotonic()
     emu_results = run_compare(workload, options, timer, out / "emulated", ideal_s=ideal, live=live)
     t_emu = time.monotonic() - t1

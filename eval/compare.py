@@ -83,6 +83,7 @@ __all__ = [
     "add_compare_subcommand",
     "find_base_rate",
     "kv_scale_for_trim",
+    "live_policy_config",
     "parse_policies",
     "run_compare",
     "skipped_traces_note",
@@ -116,6 +117,9 @@ class PolicySpec:
     scheduler: str
     additional_config: Mapping[str, Any] = field(default_factory=dict)
     is_baseline: bool = True
+    engine: Mapping[str, Any] = field(default_factory=dict)
+    """Engine settings besides the scheduler (``InprocEngineParams`` fields in the simulator; the
+    live backends turn them into server flags, :func:`eval.backends.engine_flags`)."""
     has_control_plane: bool = False
     """The policy comes with the gateway's admission window (``--admission auto`` turns it on):
     MARS is an internal scheduler *and* an external control plane (MARS §4.2, §4.3)."""
@@ -123,10 +127,13 @@ class PolicySpec:
 
 POLICIES: Mapping[str, PolicySpec] = {
     "fcfs": PolicySpec("fcfs"),
+    # Stock vLLM as vLLM's agentic benchmark tunes it (design.md §5; docs/schedulers.md).
+    "vllm-tuned": PolicySpec("fcfs", engine={"long_prefill_token_threshold": 512}),
     "autellix": PolicySpec("AutellixScheduler"),
     "infercept": PolicySpec("InferceptScheduler"),
     "continuum": PolicySpec("ContinuumScheduler", {"mars": {"continuum": {"mode": "continuum"}}}),
     "continuum-dy": PolicySpec("ContinuumScheduler", {"mars": {"continuum": {"mode": "continuum-dy"}}}),
+    "thunderagent": PolicySpec("ThunderAgentScheduler"),
     "mars-preview": PolicySpec("MarsPreviewScheduler", is_baseline=False, has_control_plane=True),
     "mars": PolicySpec("MarsScheduler", is_baseline=False, has_control_plane=True),
 }
@@ -276,7 +283,7 @@ def _sim_config(options: CompareOptions, policy: str, is_admission_enabled: bool
 
     spec = POLICIES[policy]
     engine = InprocEngineParams(num_gpu_blocks=options.num_gpu_blocks,
-                                additional_config=dict(spec.additional_config))
+                                additional_config=dict(spec.additional_config), **spec.engine)
     return SimConfig(policy=spec.scheduler, engine=engine, num_tool_workers=options.num_tool_workers,
                      is_admission_enabled=is_admission_enabled, seed=options.seed,
                      max_virtual_s=options.max_virtual_s)
@@ -792,8 +799,12 @@ def _live_setup(args: argparse.Namespace, spec: Any, workload: Workload, blocks:
         time_scale=args.time_scale, num_tool_workers=args.tool_workers, endpoint_kind=args.endpoint_kind,
         served_model_name=args.served_model, run_timeout_s=args.run_timeout,
         ideal_repeats=args.ideal_repeats, log_dir=Path(args.out) / "server-logs")
-    config = {name: (spec_.scheduler, spec_.additional_config) for name, spec_ in POLICIES.items()}
-    return LiveBackend(spec, options, config), blocks, timing
+    return LiveBackend(spec, options, live_policy_config()), blocks, timing
+
+
+def live_policy_config() -> dict[str, tuple[str, Mapping[str, Any], Mapping[str, Any]]]:
+    """``LiveBackend``'s ``policy_config``: name -> (scheduler, additional config, engine). Pure."""
+    return {name: (p.scheduler, p.additional_config, p.engine) for name, p in POLICIES.items()}
 
 
 _FLAG_OF_FIELD: Mapping[str, str] = {

@@ -2,10 +2,11 @@
 
 One discrete-event loop replays a workload (:mod:`eval.workloads`) against one in-process engine
 (:class:`~mars_openhands.engine.inproc.InprocEngine`: stock vLLM or our scheduler plugins with
-their real KV cache manager), a gateway admission controller (the gateway's own
-:class:`~mars_openhands.control.admission.AdmissionController` and
-:class:`~mars_openhands.control.sessions.ToolTracker`, so the AIMD window and the reorder make the
-same decisions as in live runs) and a pool of ``num_tool_workers`` tool workers with a FIFO queue.
+their real KV cache manager), the gateway's control plane (the very
+:class:`~mars_openhands.control.plane.ControlPlane` both gateways run, on the virtual clock: its
+sessions, tool tracker, AIMD window, reorder and session ends, so admission makes the live
+gateway's decisions by construction) and a pool of ``num_tool_workers`` tool workers with a FIFO
+queue.
 Time is virtual: an engine step lasts what the step-time model says (H4's
 :class:`~mars_openhands.engine.executor.timing.StepTimeModel` or any :class:`StepTimer`), and when
 the engine has nothing to run the clock jumps to the next event.
@@ -23,6 +24,13 @@ the step are added (with their true arrival times) before the next ``schedule()`
 (``tool_enqueued``, ``tool_start``, ``tool_end``, ``session_end``) reach our schedulers through
 ``post_event`` the moment they happen, which they drain at the next step, as the gateway forwards
 them (its ≤ 50 ms batching delay is not modelled).
+
+What the simulated gateway sees is what a live one would be sent: a session's arrival is its
+``session_start`` and first request (in flight, so waiting for admission, from then), each later
+turn a request sent at its tool's end, the tool calls' ``tool_enqueued`` / ``tool_start`` /
+``tool_end``, and ``session_end`` after the final turn. The engine reports its KV to the gateway
+just before every admission tick, as an ``engine_step`` would (``num_used_blocks /
+num_gpu_blocks``), so the window and the KV budget of releases between ticks use that report.
 
 Speed: runs of pure-decode steps between two events are coalesced into one real scheduler call
 through vLLM's draft-token path (:meth:`InprocEngine.max_decode_run`); ``coalesce_max_steps=1``
@@ -44,7 +52,6 @@ kinds from what it observes. ``engine_step`` snapshots are emitted by the simula
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import heapq
 import math
@@ -58,9 +65,9 @@ from typing import Any, Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 from eval.workloads.format import Session, Workload
-from mars_openhands.control.admission import AdmissionController
+from mars_openhands.control.config import GatewayConfig, ReplicaConfig
+from mars_openhands.control.plane import ControlPlane
 from mars_openhands.control.sessions import Session as GatewaySession
-from mars_openhands.control.sessions import ToolTracker
 from mars_openhands.engine.inproc import (
     EngineStepRecord,
     InprocEngine,
@@ -68,7 +75,7 @@ from mars_openhands.engine.inproc import (
     SessionTokenStream,
     decode_run_step_time_s,
 )
-from mars_openhands.policy.admission import AdmissionParams, PressureSnapshot
+from mars_openhands.policy.admission import AdmissionParams
 from mars_openhands.policy.reorder import ReorderParams
 from mars_openhands.stream import events as ev
 from mars_openhands.stream.transport import EventSink
@@ -81,12 +88,11 @@ __all__ = [
     "Simulator",
     "StepTimer",
     "TurnRecord",
+    "gateway_config",
     "ideal_times_s",
     "simulate",
 ]
 
-_NO_TIMEOUT_S = 1e9
-"""Admission wait timeout passed to the gateway controller (the simulator never gives up)."""
 _QUIET_TICKS = 64
 """Admission ticks still run while the system is empty (0.8**64 ~ 1e-6: the tool-wait EMA has
 decayed and the window has regrown to its cap) before idle time is skipped."""
@@ -265,18 +271,16 @@ class SimResult:
 
 
 # ----------------------------------------------------------------------------- helpers
-class _RecordingAdmission(AdmissionController):
-    """The gateway's controller, unchanged, plus a log of the sessions each call admitted."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.just_admitted: list[str] = []
-
-    def admit_waiting(self, now_s: float, kv_budget_blocks: int | None = None) -> list[str]:
-        """As the gateway's; also appends the admitted ids to :attr:`just_admitted`."""
-        chosen = super().admit_waiting(now_s, kv_budget_blocks)
-        self.just_admitted.extend(chosen)
-        return chosen
+def gateway_config(config: SimConfig) -> GatewayConfig:
+    """The simulated gateway's configuration: the run's admission settings, in front of one replica
+    (the simulated engine, whose ``engine_step`` source is ``config.engine_source``). Pure."""
+    return GatewayConfig(
+        replicas=(ReplicaConfig(url="http://simulated-engine", name="sim",
+                                engine_source=config.engine_source),),
+        is_admission_enabled=config.is_admission_enabled, admission=config.admission,
+        reorder=config.reorder, num_tool_workers=config.num_tool_workers,
+        tool_wait_idle_decay=config.tool_wait_idle_decay, block_size_tokens=config.engine.block_size,
+    )
 
 
 class _VirtualStampSink:
@@ -300,7 +304,8 @@ class _SessionRun:
 
     spec: Session
     record: SessionRecord
-    gateway: GatewaySession
+    gateway: GatewaySession | None = None
+    """The control plane's session, from the arrival on."""
     stream: SessionTokenStream | None = None
     turn: int = 0
     prev_tool: tuple[str, float] | None = None
@@ -345,11 +350,10 @@ class Simulator:
         if self.engine.is_plugin:
             self.engine.scheduler.set_telemetry_sink(
                 _VirtualStampSink(self) if sink is not None else None)
-        self.admission = _RecordingAdmission(config.admission, config.reorder,
-                                             enabled=config.is_admission_enabled)
-        self.tools = ToolTracker(config.num_tool_workers, config.admission.tool_wait_ema_alpha)
+        self.plane = ControlPlane(gateway_config(config), clock=lambda: self.now_s)
+        self.admission = self.plane.admission
+        """The plane's admitted and waiting sets (read by the event loop)."""
         self.pool = _ToolPool(config.num_tool_workers)
-        self._loop = asyncio.new_event_loop()
         self._heap: list[tuple[float, int, str, Any]] = []
         self._seq = 0
         self._runs: dict[str, _SessionRun] = {}
@@ -426,8 +430,7 @@ class Simulator:
     def _make_runs(self) -> list[_SessionRun]:
         runs = []
         for spec in self.workload.sessions:
-            record = SessionRecord(spec.session_id, spec.arrival_s)
-            run = _SessionRun(spec, record, GatewaySession(spec.session_id, spec.arrival_s))
+            run = _SessionRun(spec, SessionRecord(spec.session_id, spec.arrival_s))
             self._runs[spec.session_id] = run
             runs.append(run)
         return runs
@@ -622,40 +625,26 @@ class Simulator:
 
     # ------------------------------------------------------------------ sessions
     def _on_arrival(self, run: _SessionRun) -> None:
+        """``session_start`` and the first request: admitted now, or it waits (in flight)."""
+        run.gateway = self.plane.open_session(run.spec.session_id)
         self._cpu_event(ev.SessionStart, run, None)
-        first = run.spec.turns[0]
-        tokens = first.prompt_tokens_appended
-        blocks = -(-tokens // self.config.engine.block_size)
-        if self._acquire(run.spec.session_id, tokens, blocks):
+        self.plane.begin_request(run.gateway)
+        if self.plane.request_slot(run.gateway, run.spec.turns[0].prompt_tokens_appended):
             self._on_admitted(run)
 
-    def _acquire(self, session_id: str, num_prompt_tokens: int, num_blocks: int) -> bool:
-        """The gateway's ``acquire``: True if admitted now, else the session waits for a slot."""
-        ctrl = self.admission
-        if ctrl.is_admitted(session_id) or ctrl.can_admit_now():
-            self._loop.run_until_complete(ctrl.acquire(session_id, self.now_s, 0, None, 0.0))
-            return True
-        self._loop.create_task(ctrl.acquire(session_id, self.now_s, num_prompt_tokens, num_blocks,
-                                            _NO_TIMEOUT_S))
-        self._loop.run_until_complete(asyncio.sleep(0))  # registers the waiter
-        return False
-
-    def _admit_chosen(self) -> None:
-        """Start the sessions the controller just admitted (in its order)."""
-        chosen, self.admission.just_admitted = self.admission.just_admitted, []
-        for session_id in chosen:
+    def _start_admitted(self, session_ids: list[str]) -> None:
+        """Start the sessions the control plane just admitted (in its order)."""
+        for session_id in session_ids:
             self._on_admitted(self._runs[session_id])
-        if chosen:
-            self._loop.run_until_complete(asyncio.sleep(0))  # let the acquire tasks return
 
     def _on_admitted(self, run: _SessionRun) -> None:
-        ctrl = self.admission
-        num_admitted = len(ctrl.admitted)
+        assert run.gateway is not None, "a session is admitted after its arrival"
+        num_admitted = len(self.admission.admitted)
         self.max_admitted = max(self.max_admitted, num_admitted)
-        if ctrl.enabled and num_admitted > ctrl.window:
+        if self.config.is_admission_enabled and num_admitted > self.admission.window:
             self.num_over_window += 1
         run.record.admitted_s = self.now_s
-        run.gateway.is_admitted = True
+        self.plane.router.route(run.gateway)  # the only replica; the gateway binds it the same way
         run.stream = self.engine.stream(run.spec.session_id)
         self._submit_turn(run)
 
@@ -672,8 +661,8 @@ class Simulator:
                           tool_name=spec.tool_name, tool_duration_s=spec.tool_duration_s)
         run.record.turns.append(turn)
         self._by_request[rid] = (run, turn)
-        run.gateway.num_turns += 1
-        run.gateway.num_in_flight += 1
+        assert run.gateway is not None
+        _, run.prev_tool = self.plane.start_turn(run.gateway)
         if self._in_step:
             self._deferred.append((run, self.now_s))
         else:
@@ -697,7 +686,8 @@ class Simulator:
                                               // self.config.engine.block_size))
 
     def _on_turn_finished(self, run: _SessionRun, turn: TurnRecord) -> None:
-        run.gateway.num_in_flight -= 1
+        assert run.gateway is not None
+        self._start_admitted(self.plane.end_request(run.gateway))
         if turn.turn == run.spec.num_turns - 1:
             self._end_session(run)
             return
@@ -707,16 +697,16 @@ class Simulator:
         run.record.end_s = self.now_s
         self._num_open -= 1
         self._cpu_event(ev.SessionEnd, run, None, status="ok")
-        self.tools.forget(run.gateway)
-        self.admission.release(run.spec.session_id, self.now_s, self._kv_budget_blocks())
-        self._admit_chosen()
+        assert run.gateway is not None
+        self._start_admitted(self.plane.end_session(run.gateway))
 
     # ------------------------------------------------------------------ tools
     def _enqueue_tool(self, run: _SessionRun, turn: TurnRecord) -> None:
         assert turn.tool_name is not None, "a non-final turn has a tool"
         call_id = turn.request_id
         turn.tool_enqueue_s = self.now_s
-        self.tools.on_enqueued(run.gateway, call_id, turn.tool_name)
+        assert run.gateway is not None
+        self.plane.tool_enqueued(run.gateway, call_id, turn.tool_name)
         self._cpu_event(ev.ToolEnqueued, run, turn.turn, tool_name=turn.tool_name,
                         tool_call_id=call_id)
         self.pool.queue.append((run, turn.turn, self.now_s))
@@ -730,7 +720,8 @@ class Simulator:
             pool.num_busy += 1
             turn.tool_start_s = self.now_s
             wait_s = self.now_s - enqueue_s
-            self.tools.on_start(run.gateway, turn.request_id, turn.tool_name or "", wait_s)
+            assert run.gateway is not None
+            self.plane.tool_started(run.gateway, turn.request_id, turn.tool_name or "", wait_s)
             self._cpu_event(ev.ToolStart, run, k, tool_name=turn.tool_name,
                             tool_call_id=turn.request_id, queue_wait_s=wait_s)
             self._push(self.now_s + turn.tool_duration_s, "tool_end", (run, k))
@@ -739,48 +730,33 @@ class Simulator:
         turn = run.record.turns[k]
         turn.tool_end_s = self.now_s
         self.pool.num_busy -= 1
-        self.tools.on_end(run.gateway, turn.request_id, turn.tool_name or "", turn.tool_duration_s)
+        assert run.gateway is not None
+        self.plane.tool_ended(run.gateway, turn.request_id, turn.tool_name or "", turn.tool_duration_s)
         self._cpu_event(ev.ToolEnd, run, k, tool_name=turn.tool_name,
                         tool_call_id=turn.request_id, duration_s=turn.tool_duration_s)
-        run.prev_tool = (turn.tool_name or "", turn.tool_duration_s)
         self._start_tools()
         run.turn = k + 1
+        self.plane.begin_request(run.gateway)  # the next turn's request, sent at the tool's end
         self._submit_turn(run)
 
     # ------------------------------------------------------------------ admission ticks
-    def _kv_budget_blocks(self) -> int | None:
-        """As the gateway: blocks a new session may commit before the KV set threshold."""
-        usage = self.engine.kv_usage()
-        budget = int((self.config.admission.kv_set_usage - usage) * self.engine.num_gpu_blocks())
-        return max(0, budget)
-
     def _tick(self) -> None:
-        """The gateway's tick: decay, AIMD update, admissions, ``admission_update``."""
+        """The engine reports its KV (an ``engine_step``), then the gateway's tick
+        (:meth:`ControlPlane.tick`): decay, idle releases, AIMD update, admissions; then its
+        ``admission_update`` (one per tick, unlike the live gateway's recorder)."""
         is_quiet = not (self.admission.admitted or self.admission.num_waiting or self.pool.num_busy)
         self._quiet_ticks = self._quiet_ticks + 1 if is_quiet else 0
-        if self.config.tool_wait_idle_decay:
-            self.tools.decay_if_idle()
-        snap = PressureSnapshot(
-            tool_backlog_ratio=self.tools.backlog_ratio, tool_wait_ema_s=self.tools.wait_ema_s,
-            kv_usage=self.engine.kv_usage(), num_tool_workers=self.config.num_tool_workers,
-        )
-        decision = self.admission.tick(snap, self.now_s, self._kv_budget_blocks())
+        _, _, used = self.engine.kv_block_counts()
+        self.plane.router.observe_engine_step(self.config.engine_source, used,
+                                              self.engine.num_gpu_blocks())
+        tick = self.plane.tick()
         self._emit(ev.AdmissionUpdate, self.config.gateway_source, None, None,
-                   window=decision.state.window, num_admitted=len(self.admission.admitted),
-                   num_waiting=self.admission.num_waiting,
-                   cpu_overloaded=decision.state.is_cpu_overloaded,
-                   kv_overloaded=decision.state.is_kv_overloaded,
-                   tool_backlog_ratio=snap.tool_backlog_ratio,
-                   tool_wait_ema_s=snap.tool_wait_ema_s or 0.0, kv_usage=snap.kv_usage or 0.0)
-        self._admit_chosen()
+                   **tick.report._asdict())
+        self._start_admitted(tick.admitted)
 
     # ------------------------------------------------------------------ end
     def _finish(self, wall_s: float) -> SimResult:
         self.engine.shutdown()
-        for task in asyncio.all_tasks(self._loop):
-            task.cancel()
-        self._loop.run_until_complete(asyncio.sleep(0))
-        self._loop.close()
         makespan = max((r.record.end_s or 0.0) for r in self._runs.values()) if self._runs else 0.0
         return SimResult(
             sessions={sid: r.record for sid, r in self._runs.items()}, makespan_s=makespan,

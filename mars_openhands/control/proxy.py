@@ -260,7 +260,7 @@ class ProxyHandler:
         call = _Call(task)
         watch = asyncio.get_running_loop().call_later(DISCONNECT_WATCH_DELAY_S, call.watch,
                                                       receive)
-        session.num_in_flight += 1
+        gateway.plane.begin_request(session)
         replica: list[ReplicaState] = []
         try:
             await self._serve(scope["path"], raw, fields, headers, session, (last_step, is_side),
@@ -282,9 +282,9 @@ class ProxyHandler:
         status_body: tuple[int, bytes] | None = None
         last_step, is_side = step
         try:
-            if not gateway.admission.try_admit(session.session_id):
+            if not gateway.plane.admission.try_admit(session.session_id):
                 await gateway.wait_for_admission(session, raw)
-            turn, prev_tool = session.take_turn(is_side)
+            turn, prev_tool = gateway.plane.start_turn(session, is_side)
             content = engine_content(raw, fields, None if session.is_one_turn else session.session_id,
                                      turn, last_step, prev_tool)
             forward = {k: v for k in _FORWARD_HEADERS if (v := headers.get(k)) is not None}
@@ -294,10 +294,8 @@ class ProxyHandler:
                                                                   stream, call)
             replica_out.append(replica)
             replica.num_in_flight += 1
-            if resp.status_code >= 400 and turn is not None and session.num_turns == turn + 1:
-                # vLLM refused the turn (unknown model, too many tokens, ...): it did not run, so
-                # the agent's retry is the same turn.
-                session.num_turns, session.prev_tool = turn, prev_tool
+            if resp.status_code >= 400 and turn is not None:  # vLLM refused it (unknown model, ...)
+                gateway.plane.refuse_turn(session, turn, prev_tool)
             extra = [*resp.headers, (b"x-mars-replica", replica.name.encode()),
                      (b"x-mars-session", session.session_id.encode()),
                      (b"x-mars-turn", str(turn).encode()) if turn is not None
@@ -348,8 +346,7 @@ class ProxyHandler:
             except _UpstreamFailedError as e:
                 if not e.can_retry:
                     raise
-                if gateway.router.record_failure(replica.index, str(e), immediate=True):
-                    gateway.on_replica_down(replica, str(e))
+                gateway.replica_failed(replica, str(e), immediate=True)
                 gateway.router.detach(session)
                 continue
             gateway.router.record_success(replica.index)

@@ -1,4 +1,10 @@
-"""Routing of sessions across vLLM replicas: KV affinity first, then the least loaded (design.md §6).
+"""The replica table: what each vLLM replica reported (KV usage, health), and routing of sessions
+across replicas: KV affinity first, then the least loaded (design.md §6).
+
+KV usage u of a replica is the newer of its last ``engine_step`` (younger than
+``engine_step_max_age_s``) and its last ``/metrics`` poll; the control plane's KV signal is the max
+over healthy replicas, and the KV budget of a new session is ``(kv_set_usage - u) * num_gpu_blocks``
+on the best one.
 
 Mental model: a session's KV (prefix cache or retained blocks) lives on the replica that served its
 previous turn, so every turn of a session goes there while it is healthy. A new session, or one whose
@@ -9,18 +15,23 @@ is marked up again by the next successful poll. Marking a replica down detaches 
 are re-routed on their next request) and fails its in-flight requests (see
 :class:`mars_openhands.control.app.Gateway`), so nothing waits on a dead engine.
 
-Single-threaded: the gateway's event loop.
+Single-threaded; the clock is injected (the control plane's).
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mars_openhands.control.config import GatewayConfig
+from mars_openhands.control.metrics import EngineMetrics
 from mars_openhands.control.sessions import Session
 
 __all__ = ["NoReplicaError", "ReplicaState", "Router"]
+
+logger = logging.getLogger(__name__)
 
 
 class NoReplicaError(RuntimeError):
@@ -77,10 +88,16 @@ class ReplicaState:
 
 
 class Router:
-    """Replica table and the affinity / least-loaded choice."""
+    """Replica table (what each replica reported: KV, health) and the affinity / least-loaded choice.
 
-    def __init__(self, config: GatewayConfig) -> None:
+    Args:
+        config: the replicas, their failure threshold and the ``engine_step`` freshness.
+        clock: monotonic seconds (the control plane's clock; virtual in the simulator).
+    """
+
+    def __init__(self, config: GatewayConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self.clock = clock
         self.replicas = [
             ReplicaState(i, config.replica_name(i), r.url) for i, r in enumerate(config.replicas)
         ]
@@ -94,8 +111,64 @@ class Router:
         """Replicas currently marked up."""
         return [r for r in self.replicas if r.is_healthy]
 
+    # ------------------------------------------------------------------ KV signals
+    def observe_engine_step(self, source: str, num_used_blocks: int, num_gpu_blocks: int) -> bool:
+        """An engine's ``engine_step`` KV snapshot: u = used / total blocks, stamped now.
+
+        Returns:
+            False if no replica has that ``source`` (or it reports no blocks). Mutates the replica.
+        """
+        index = self._by_source.get(source)
+        if index is None or num_gpu_blocks <= 0:
+            return False
+        replica = self.replicas[index]
+        replica.kv_usage_step = min(1.0, num_used_blocks / num_gpu_blocks)
+        replica.kv_usage_step_mono_s = self.clock()
+        replica.num_gpu_blocks = num_gpu_blocks
+        return True
+
+    def observe_metrics(self, index: int, m: EngineMetrics) -> None:
+        """A successful ``/metrics`` poll of replica ``index``: health, restarts, KV usage, queues."""
+        replica = self.replicas[index]
+        if self.record_success(index):
+            logger.warning("replica %s (%s) is back up", replica.name, replica.url)
+        if m.process_start_s is not None:
+            if replica.process_start_s is not None and m.process_start_s != replica.process_start_s:
+                replica.num_restarts += 1
+                logger.warning("replica %s restarted; its sessions' KV is gone", replica.name)
+            replica.process_start_s = m.process_start_s
+        replica.kv_usage_polled = m.kv_usage
+        replica.kv_usage_polled_mono_s = self.clock()
+        replica.num_running, replica.num_waiting = m.num_running, m.num_waiting
+        replica.num_gpu_blocks = m.num_gpu_blocks or replica.num_gpu_blocks
+        replica.block_size_tokens = m.block_size_tokens or replica.block_size_tokens
+
+    def kv_usage(self) -> float | None:
+        """KV usage u across healthy replicas (max), 0..1, or ``None`` if no replica reported."""
+        now = self.clock()
+        values = [u for r in self.healthy()
+                  if (u := r.kv_usage(now, self.config.engine_step_max_age_s)) is not None]
+        return max(values) if values else None
+
+    def kv_budget_blocks(self, kv_set_usage: float) -> int | None:
+        """Blocks a new session may still commit before usage ``kv_set_usage`` on the best replica:
+        ``max(0, max over replicas of floor((kv_set_usage - u) * num_gpu_blocks))``; ``None`` if
+        no replica reported."""
+        now = self.clock()
+        budgets = [int((kv_set_usage - usage) * r.num_gpu_blocks) for r in self.healthy()
+                   if (usage := r.kv_usage(now, self.config.engine_step_max_age_s)) is not None
+                   and r.num_gpu_blocks]
+        return max(0, max(budgets)) if budgets else None
+
+    def block_size_tokens(self) -> int:
+        """KV block size for projections: the first replica's reported one, else the config's."""
+        return next((r.block_size_tokens for r in self.replicas if r.block_size_tokens),
+                    self.config.block_size_tokens)
+
+    # ------------------------------------------------------------------ routing
+
     def _load_key(self, r: ReplicaState) -> tuple[int, float, int, int]:
-        usage = r.kv_usage(time.monotonic(), self.config.engine_step_max_age_s)
+        usage = r.kv_usage(self.clock(), self.config.engine_step_max_age_s)
         return (r.num_sessions, usage if usage is not None else 0.0, r.num_in_flight, r.index)
 
     def route(self, session: Session) -> ReplicaState:

@@ -5,7 +5,8 @@ holding its KV, its admission slot and its tool calls. :class:`ToolTracker` turn
 into the two CPU pressure signals of the admission window: the backlog ratio
 ``rho = in-flight tool calls / tool workers`` and the EMA of tool queue wait.
 
-Mutates only its own objects; single-threaded (the gateway's event loop).
+Mutates only its own objects; single-threaded. Both are components of
+:class:`~mars_openhands.control.plane.ControlPlane`, which drives the session lifecycle.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ class Session:
     """Side requests (titles, summaries: chat requests without tools) started so far."""
     replica: int | None = None
     """Index of the replica holding its KV (affinity), once routed."""
-    is_admitted: bool = False
     num_in_flight: int = 0
     """LLM requests of this session currently being served."""
     last_activity_s: float = 0.0
@@ -44,18 +44,6 @@ class Session:
     prev_tool: tuple[str, float] | None = None
     """(tool_name, duration_s) of the last tool that ended since the previous turn."""
     has_ended: bool = False
-
-    def take_turn(self, is_side: bool) -> tuple[int | None, tuple[str, float] | None]:
-        """Start a request: ``(turn, prev_tool)`` to send with it. An agent turn takes the next
-        turn index and the pending ``prev_tool``; a side request takes neither (``(None, None)``)
-        and leaves both for the next agent turn. Mutates the counts and ``prev_tool``."""
-        if is_side:
-            self.num_side_requests += 1
-            return None, None
-        turn, prev_tool = self.num_turns, self.prev_tool
-        self.num_turns += 1
-        self.prev_tool = None
-        return turn, prev_tool
 
 
 class SessionRegistry:

@@ -19,6 +19,7 @@ _LAZY: dict[str, str] = {
     "AutellixScheduler": "mars_openhands.engine.schedulers.autellix:AutellixScheduler",
     "InferceptScheduler": "mars_openhands.engine.schedulers.infercept:InferceptScheduler",
     "ContinuumScheduler": "mars_openhands.engine.schedulers.continuum:ContinuumScheduler",
+    "ThunderAgentScheduler": "mars_openhands.engine.schedulers.thunderagent:ThunderAgentScheduler",
     "EmulatedGPUExecutor": "mars_openhands.engine.executor.emulated:EmulatedGPUExecutor",
 }
 """Public name -> "module:attribute", resolved on first access."""

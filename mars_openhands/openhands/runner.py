@@ -179,31 +179,40 @@ def _changes(workspace: Path, base_commit: str | None, before: dict[str, float])
     return None, sorted(k for k in after.keys() | before.keys() if before.get(k) != after.get(k))
 
 
-def _build_conversation(config: RunConfig, workspace: Path, session_id: str,
-                        events_path: Path, conversation_dir: Path) -> tuple[Any, TurnTracker]:
-    """The OpenHands conversation for one task (wrapped tools, per-session LLM) and its turn tracker."""
+def _build_conversation(config: RunConfig, workspace: Path, session_id: str, events_path: Path,
+                        llm: Any = None, tool_prefix: str = "mars",
+                        extra_tool_params: dict[str, Any] | None = None,
+                        conversation_dir: Path | None = None) -> tuple[Any, TurnTracker]:
+    """The OpenHands conversation for one task (wrapped tools, per-session LLM) and its turn tracker.
+
+    ``llm`` replaces the per-session LLM, ``tool_prefix`` the registered tool names
+    (``<prefix>_terminal``, ...) and ``extra_tool_params`` adds tool spec params; the durable
+    runtime's adapter (``durable.py``) passes all three. ``conversation_dir``: where the SDK
+    persists the conversation (its events and state), ``None``: not persisted.
+    """
     from openhands.sdk import Agent, Conversation, Tool
 
     register_evented_tools()
-    llm = build_session_llm(config.llm, session_id)
+    llm = llm if llm is not None else build_session_llm(config.llm, session_id)
     tool_params: dict[str, Any] = {
         "mars_events_url": config.events_url or events_url_for(config.llm),
         "mars_events_path": str(events_path), "mars_session_id": session_id,
         "mars_policy": "on" if config.policy else "off", "mars_workspace": str(workspace),
+        **(extra_tool_params or {}),
     }
     terminal_params = dict(tool_params)
     if config.terminal_type is not None:
         terminal_params["terminal_type"] = config.terminal_type
-    tools = [Tool(name="mars_terminal", params=terminal_params),
-             Tool(name="mars_file_editor", params=tool_params),
-             Tool(name="mars_task_tracker", params=tool_params)]
+    tools = [Tool(name=f"{tool_prefix}_terminal", params=terminal_params),
+             Tool(name=f"{tool_prefix}_file_editor", params=tool_params),
+             Tool(name=f"{tool_prefix}_task_tracker", params=tool_params)]
     agent = Agent(llm=llm, tools=tools)
     kwargs: dict[str, Any] = {"agent": agent, "workspace": str(workspace),
                               "conversation_id": uuid.UUID(session_id),
                               "callbacks": [TurnTracker(llm)],
                               "max_iteration_per_run": config.max_iterations}
     accepted = inspect.signature(Conversation.__new__).parameters
-    if "persistence_dir" in accepted:  # the SDK keeps the conversation (events, state) there
+    if conversation_dir is not None and "persistence_dir" in accepted:  # the SDK keeps it there
         kwargs["persistence_dir"] = str(conversation_dir)
     if "visualizer" in accepted or "visualize" not in accepted:
         kwargs["visualizer"] = None
@@ -248,7 +257,7 @@ def run_task(task: TaskSpec, config: RunConfig) -> TaskResult:
     tracker = None
     try:
         conversation, tracker = _build_conversation(config, workspace, session_id, events_path,
-                                                    task_dir / "conversation")
+                                                    conversation_dir=task_dir / "conversation")
         conversation.send_message(task.problem_statement)
         conversation.run()
         status = _status_of(conversation)

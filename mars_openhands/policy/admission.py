@@ -28,7 +28,8 @@ Defaults are the public preview's (``Afterglow231/MARS_preview``,
 ``experiments/replay/vllm_tool_baseline/run_experiment.py``, ``_fill_active_mars``): W_max / init /
 min = 30 / 30 / 4 for replay (8 / 8 / 2 for OpenHands runs); the window itself is clamped by the caps,
 so after pressure clears it regrows one slot per tick from the cap. The functions here are pure
-(snapshot in, decision out); :mod:`mars_openhands.control.admission` owns the clock and the state.
+(snapshot in, decision out); :mod:`mars_openhands.control.admission` (``AimdWindow``) keeps the state, and
+:mod:`mars_openhands.control.plane` the clock.
 """
 
 from __future__ import annotations

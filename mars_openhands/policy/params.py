@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from mars_openhands.policy.continuum import ContinuumParams
 from mars_openhands.policy.infercept import InferceptParams
 from mars_openhands.policy.plas import PlasParams
+from mars_openhands.policy.thunderagent import ThunderAgentParams
 
 __all__ = [
     "LevelParams",
@@ -181,6 +182,8 @@ class SchedulerParams(_Frozen):
     """Continuum / Continuum-dy baseline (ContinuumScheduler; docs/schedulers.md)."""
     infercept: InferceptParams = InferceptParams()
     """InferCept baseline, MARS port (InferceptScheduler; docs/schedulers.md)."""
+    thunderagent: ThunderAgentParams = ThunderAgentParams()
+    """ThunderAgent baseline (ThunderAgentScheduler; docs/schedulers.md)."""
 
     @model_validator(mode="after")
     def _check_mars_quanta(self) -> SchedulerParams:

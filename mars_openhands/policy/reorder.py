@@ -16,7 +16,7 @@ Mental model: short-first starves long sessions, so a session that has waited ``
 longer is moved to the front in arrival order in every mode (our addition; the preview has a
 tail-draining phase instead, which needs to know that arrivals have ended).
 
-Pure functions: snapshot in, decision out; the gateway (:mod:`mars_openhands.control.admission`)
+Pure functions: snapshot in, decision out; the control plane (:mod:`mars_openhands.control.admission`)
 builds the snapshot from its registry.
 """
 

@@ -11,7 +11,8 @@ involved is in :mod:`mars_openhands.engine.seams`.
 One step::
 
     schedule():  drain CPU-plane inbox -> expire retained KV -> reject bad requests
-                 -> admit from overflow window -> reorder waiting / running, rank victims
+                 -> on_step_start hook -> admit from overflow window
+                 -> reorder waiting / running, rank victims
                  -> super().schedule()   (chunk hook; allocate_slots wrapper reclaims pins)
                  -> first_scheduled, release pins of resumed sessions, prefill hooks
 
@@ -38,6 +39,9 @@ hook                                   default (stock vLLM behaviour)
 ``on_scheduled(request, n, was_running, now_s)``  no-op; per scheduled request, O(running) per
                                        step, only called if overridden (avoid on the hot path)
 ``on_preempted(request)``              no-op
+``on_step_start(now_s)``               not overridden -> not called; once per step after the
+                                       inbox is drained, before vLLM's schedule() (a policy
+                                       that moves requests in or out of ``waiting``)
 =====================================  ==========================================================
 
 Side requests (``vllm_xargs`` ``mars_side=1``; the gateway tags chat requests without tools, such
@@ -197,6 +201,7 @@ class MarsBaseScheduler(AsyncScheduler):
         self._has_victim_key = self._overrides("victim_key")
         self._has_on_scheduled = self._overrides("on_scheduled")
         self._has_on_prefill = self._overrides("on_prefill_scheduled")
+        self._has_on_step_start = self._overrides("on_step_start")
         self._model_needs_mamba_split = seams.model_needs_mamba_split(self)
         # Enabled only while something is retained (zero cost otherwise).
         self._allocate_wrapper = seams.wrap_allocate_slots(self, self._reclaim_for)
@@ -276,6 +281,11 @@ class MarsBaseScheduler(AsyncScheduler):
     def on_preempted(self, request: Request) -> None:
         """Called when vLLM preempts ``request`` (after its blocks were freed)."""
 
+    def on_step_start(self, now_s: float) -> None:
+        """Called once per step before vLLM's ``schedule()`` (only if overridden), after the inbox
+        was drained and expired KV released; may add requests to or remove them from
+        ``self.waiting``."""
+
     # ------------------------------------------------------------------ vLLM entry points
     def add_request(self, request: Request) -> None:
         """vLLM: a new request. Parses MARS extras, tracks the session, applies the window."""
@@ -350,6 +360,8 @@ class MarsBaseScheduler(AsyncScheduler):
             self._expire_retained(now)
         if self._rejected:
             self._reject_invalid()
+        if self._has_on_step_start:
+            self.on_step_start(now)
         if self.overflow:
             self._admit_overflow()
         self._reorder(now)

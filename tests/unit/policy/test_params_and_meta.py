@@ -74,7 +74,7 @@ def test_every_shared_scheduler_key_is_documented() -> None:
     from mars_openhands.policy.params import SchedulerParams, TelemetryParams, WindowParams
 
     text = (Path(__file__).parents[3] / "docs" / "schedulers.md").read_text()
-    own = {"levels", "mars", "autellix", "continuum", "infercept"}  # documented per policy below it
+    own = {"levels", "mars", "autellix", "continuum", "infercept", "thunderagent"}  # documented per policy below it
     keys = [k for k in SchedulerParams.model_fields if k not in own]
     keys = [*(k for k in keys if k not in ("telemetry", "window")),
             *(f"telemetry.{k}" for k in TelemetryParams.model_fields),

@@ -1,0 +1,303 @@
+"""The control plane: one synchronous object that both gateways and the simulator drive (design.md §6).
+
+MARS's external control plane (arXiv 2604.26963 §4.2) is one :class:`ControlPlane` built from small
+managers, one per concept: the session registry and the tool tracker (``sessions.py``: CPU
+pressure), the replica table (``routing.py``: KV pressure, affinity), and session admission
+(``admission.py``: the admitted and waiting sets, and a swappable policy, by default the AIMD
+window). The clock is injected. The plane never waits and does no I/O: each call changes its state
+and returns what the caller must act on (the sessions admitted now, the replica to send to).
+
+Who drives it:
+
+* the gateway (:class:`~mars_openhands.control.app.Gateway`, standalone or inside vLLM's API server
+  through :mod:`~mars_openhands.control.inprocess`): HTTP requests and posted events become calls; a
+  request that must wait parks on an asyncio future, resolved when a later call returns its session
+  among the admitted; a background task calls :meth:`ControlPlane.tick` every ``update_interval_s``;
+* the simulator (:mod:`eval.sim`) on its virtual clock, without an event loop: arrivals, turns, tool
+  calls and the engine's KV become the same calls, and its event heap schedules the ticks.
+
+The simulator therefore makes the gateway's admission decisions by construction;
+``tests/unit/eval/test_sim_gateway_parity.py`` replays a simulated run through the gateway's HTTP
+app and compares every admission and every tick.
+
+Life of a session, and the call that moves each step (the one place a lifecycle change touches)::
+
+    open_session ─▶ begin_request ─▶ request_slot ──(admitted now, or by a later tick / release)──┐
+                    (in flight from   (waits while the                                          │
+                     here: a waiting   policy has no room)                                      ▼
+                     session never                 end_request ◀── the engine serves it ◀── start_turn
+                     idles out)                        │                                (turn k, the
+                                                       ▼                                 tool since k-1)
+                                   tool_enqueued ─▶ tool_started ─▶ tool_ended ─▶ begin_request ...
+    end_session: session_end, idle past ``session_idle_timeout_s`` (in tick), a one-turn request's
+    end; frees the slot, unbinds the replica, forgets the session, admits waiters.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from mars_openhands.control.admission import AdmissionController, AdmissionPolicy, AimdWindow
+from mars_openhands.control.config import GatewayConfig
+from mars_openhands.control.routing import Router
+from mars_openhands.control.sessions import Session, SessionRegistry, ToolTracker
+from mars_openhands.policy.admission import AdmissionDecision, PressureSnapshot
+from mars_openhands.policy.reorder import WaitingSession
+from mars_openhands.stream.events import Event
+
+__all__ = ["AdmissionReport", "ControlPlane", "Tick"]
+
+logger = logging.getLogger(__name__)
+
+
+class AdmissionReport(NamedTuple):
+    """The fields of an ``admission_update`` event (stream/events.py) after one tick."""
+
+    window: int
+    num_admitted: int
+    num_waiting: int
+    cpu_overloaded: bool
+    kv_overloaded: bool
+    tool_backlog_ratio: float
+    tool_wait_ema_s: float
+    kv_usage: float
+
+    def differs_from(self, last: AdmissionReport) -> bool:
+        """True if worth recording: a state field changed, or a pressure signal moved a step.
+
+        Steps: any change of the tool backlog ratio (it moves in 1/N_tool steps), 0.01 of KV usage,
+        and 10 % (at least 10 ms) of the tool-wait EMA, so that a signal sitting between its
+        thresholds while the overload flag holds (hysteresis) is recorded once it settles, and an
+        idle gateway records nothing but heartbeats.
+        """
+        return (
+            self[:5] != last[:5] or self.tool_backlog_ratio != last.tool_backlog_ratio
+            or abs(self.kv_usage - last.kv_usage) >= 0.01
+            or abs(self.tool_wait_ema_s - last.tool_wait_ema_s)
+            >= max(0.01, 0.1 * last.tool_wait_ema_s)
+        )
+
+
+@dataclass(frozen=True)
+class Tick:
+    """What one :meth:`ControlPlane.tick` did.
+
+    Attributes:
+        report: the state after it (an ``admission_update``'s fields).
+        decision: the policy's update.
+        admitted: sessions admitted by it (idle releases first, then the update), in order.
+        idle_released: sessions ended by the idle timeout.
+    """
+
+    report: AdmissionReport
+    decision: AdmissionDecision
+    admitted: list[str]
+    idle_released: list[str]
+
+
+class ControlPlane:
+    """Sessions, tool pressure, KV pressure and routing, and admission, on an injected clock.
+
+    Args:
+        config: the gateway's configuration (the simulator builds one for its single replica).
+        clock: monotonic seconds; virtual in the simulator and in tests.
+        policy: the admission policy; default :class:`~mars_openhands.control.admission.AimdWindow`
+            from ``config.admission`` / ``config.reorder``, enforced when
+            ``config.is_admission_enabled``.
+
+    Single-threaded: call it from one thread (the gateway's event loop, the simulator's loop).
+    """
+
+    def __init__(self, config: GatewayConfig, clock: Callable[[], float] = time.monotonic,
+                 policy: AdmissionPolicy | None = None) -> None:
+        self.config = config
+        self.clock = clock
+        self.sessions = SessionRegistry()
+        self.tools = ToolTracker(config.num_tool_workers, config.admission.tool_wait_ema_alpha)
+        self.router = Router(config, clock)
+        self.admission = AdmissionController(policy if policy is not None else AimdWindow(
+            config.admission, config.reorder, is_enforced=config.is_admission_enabled))
+        self.num_idle_releases = 0
+        self._num_one_turn = 0
+
+    # ------------------------------------------------------------------ session lifecycle
+    def open_session(self, session_id: str | None) -> Session:
+        """The session ``session_id``, created if new; ``None``: a new one-turn session (a request
+        without a session id, ended with that request). Mutates the registry."""
+        now = self.clock()
+        if session_id is None:
+            self._num_one_turn += 1
+            return self.sessions.get_or_create(f"one-turn-{self._num_one_turn}-{now:.6f}", now,
+                                               is_one_turn=True)
+        return self.sessions.get_or_create(session_id, now)
+
+    def begin_request(self, session: Session) -> None:
+        """An LLM request of the session arrived, before admission. It is in flight until
+        :meth:`end_request`, so a session waiting for a slot never idles out. Mutates ``session``."""
+        session.num_in_flight += 1
+
+    def request_slot(self, session: Session, num_prompt_tokens: int) -> bool:
+        """Admit the session now, or add it to the waiting set with its request's size.
+
+        Args:
+            session: a session with a request in flight.
+            num_prompt_tokens: estimated prompt tokens of that request; its projected KV blocks
+                are ``ceil(tokens / block size)`` (``Router.block_size_tokens``).
+
+        Returns:
+            True if it holds a slot now; False: it waits until a later call admits it.
+        """
+        if self.admission.try_admit(session.session_id):
+            return True
+        view = WaitingSession(
+            session_id=session.session_id, arrival_s=self.clock(), num_prompt_tokens=num_prompt_tokens,
+            num_projected_blocks=math.ceil(num_prompt_tokens / self.router.block_size_tokens()),
+        )
+        return self.admission.request(view)
+
+    def withdraw(self, session: Session) -> None:
+        """The session's waiting request gave up (timeout, client gone): leave the waiting set."""
+        self.admission.withdraw(session.session_id)
+
+    def start_turn(self, session: Session,
+                   is_side: bool = False) -> tuple[int | None, tuple[str, float] | None]:
+        """The admitted session's request becomes its next turn, unless it is a side request (a
+        title or summary: ``metadata.is_side_request``), which takes no turn. Mutates ``session``.
+
+        Returns:
+            ``(turn, prev_tool)``: the 0-based turn and ``(tool_name, duration_s)`` of the tool that
+            ended since the previous turn (consumed), for ``mars_turn`` / ``mars_prev_tool``;
+            ``(None, None)`` for a side request (both stay for the next agent turn).
+        """
+        if is_side:
+            session.num_side_requests += 1
+            return None, None
+        turn, prev_tool = session.num_turns, session.prev_tool
+        session.num_turns += 1
+        session.prev_tool = None
+        return turn, prev_tool
+
+    def refuse_turn(self, session: Session, turn: int, prev_tool: tuple[str, float] | None) -> None:
+        """The engine refused ``turn`` (HTTP >= 400: it did not run), so the agent's retry is the
+        same turn. Undoes :meth:`start_turn` unless a later turn started meanwhile."""
+        if session.num_turns == turn + 1:
+            session.num_turns, session.prev_tool = turn, prev_tool
+
+    def end_request(self, session: Session) -> list[str]:
+        """The request ended (answered, failed or abandoned). A one-turn session ends with it.
+
+        Returns:
+            Sessions admitted into the room it freed.
+        """
+        session.num_in_flight -= 1
+        session.last_activity_s = self.clock()
+        if session.is_one_turn and not session.has_ended:
+            return self.end_session(session)
+        return []
+
+    def tool_enqueued(self, session: Session, tool_call_id: str, tool_name: str) -> None:
+        """A tool call entered the agents' tool queue. Mutates the session and the tool counts."""
+        session.last_activity_s = self.clock()
+        self.tools.on_enqueued(session, tool_call_id, tool_name)
+
+    def tool_started(self, session: Session, tool_call_id: str, tool_name: str,
+                     queue_wait_s: float) -> None:
+        """A tool call started after ``queue_wait_s`` seconds in the queue. Mutates the counts."""
+        session.last_activity_s = self.clock()
+        self.tools.on_start(session, tool_call_id, tool_name, queue_wait_s)
+
+    def tool_ended(self, session: Session, tool_call_id: str, tool_name: str,
+                   duration_s: float) -> None:
+        """A tool call ended; it travels with the session's next turn. Mutates the counts."""
+        session.last_activity_s = self.clock()
+        self.tools.on_end(session, tool_call_id, tool_name, duration_s)
+
+    def on_cpu_event(self, session: Session, event: Event) -> list[str]:
+        """Apply a CPU-plane event posted by an agent (``session_start``, ``tool_*``, ``session_end``).
+
+        Returns:
+            Sessions admitted because it ended a session.
+        """
+        kind = event.kind
+        if kind == "tool_enqueued":
+            self.tool_enqueued(session, event.tool_call_id, event.tool_name)
+        elif kind == "tool_start":
+            self.tool_started(session, event.tool_call_id, event.tool_name, event.queue_wait_s)
+        elif kind == "tool_end":
+            self.tool_ended(session, event.tool_call_id, event.tool_name, event.duration_s)
+        elif kind == "session_end":
+            return self.end_session(session)
+        else:
+            session.last_activity_s = self.clock()
+        return []
+
+    def end_session(self, session: Session) -> list[str]:
+        """Free the session's slot and replica binding, forget it, and admit waiters.
+
+        Returns:
+            Sessions admitted into the freed room, in admission order. Mutates every manager.
+        """
+        session.has_ended = True
+        self.tools.forget(session)
+        self.router.detach(session)
+        if self.sessions.get(session.session_id) is session:
+            self.sessions.remove(session.session_id)
+        return self.admission.release(session.session_id, self.clock(), self.kv_budget_blocks())
+
+    # ------------------------------------------------------------------ ticks
+    def tick(self) -> Tick:
+        """One control-plane tick: tool-wait decay, idle releases, the policy's update, admissions.
+
+        Every ``update_interval_s`` seconds of the caller's clock. Mutates every manager.
+        """
+        now = self.clock()
+        if self.config.tool_wait_idle_decay:
+            self.tools.decay_if_idle()
+        admitted: list[str] = []
+        idle = self.sessions.idle(now, self.config.session_idle_timeout_s)
+        for session in idle:
+            self.num_idle_releases += 1
+            logger.info("session %s idle for %.1f s: releasing its slot", session.session_id,
+                        now - session.last_activity_s)
+            admitted += self.end_session(session)
+        snap = self.snapshot()
+        decision, more = self.admission.tick(snap, now, self.kv_budget_blocks())
+        st = decision.state
+        report = AdmissionReport(
+            window=st.window, num_admitted=len(self.admission.admitted),
+            num_waiting=self.admission.num_waiting, cpu_overloaded=st.is_cpu_overloaded,
+            kv_overloaded=st.is_kv_overloaded, tool_backlog_ratio=snap.tool_backlog_ratio,
+            tool_wait_ema_s=snap.tool_wait_ema_s or 0.0, kv_usage=snap.kv_usage or 0.0,
+        )
+        return Tick(report, decision, admitted + more, [s.session_id for s in idle])
+
+    # ------------------------------------------------------------------ signals and replicas
+    def snapshot(self) -> PressureSnapshot:
+        """The current pressure signals (design.md §6): tool backlog and wait, KV usage."""
+        return PressureSnapshot(
+            tool_backlog_ratio=self.tools.backlog_ratio, tool_wait_ema_s=self.tools.wait_ema_s,
+            kv_usage=self.router.kv_usage(), num_tool_workers=self.config.num_tool_workers,
+        )
+
+    def kv_budget_blocks(self) -> int | None:
+        """Blocks a new session may still commit before the KV set threshold (``Router``)."""
+        return self.router.kv_budget_blocks(self.config.admission.kv_set_usage)
+
+    def replica_failed(self, index: int, error: str, immediate: bool = False) -> bool:
+        """A poll or request of replica ``index`` failed (see ``Router.record_failure``).
+
+        Returns:
+            True if it just went down: its sessions are detached (re-routed on their next request,
+            keeping their slots and turns); the caller fails its in-flight requests.
+        """
+        if not self.router.record_failure(index, error, immediate):
+            return False
+        for session in self.sessions:
+            if session.replica == index:
+                self.router.detach(session)
+        return True
