@@ -57,7 +57,10 @@ def test_the_entry_point_keeps_our_tools_after_the_tool_router() -> None:
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
-    assert set(report["tools"].values()) == {"mars_openhands.openhands.executor"}
+    tools = report["tools"]
+    assert {tools[n] for n in ("terminal", "file_editor", "task_tracker")} == {
+        "mars_openhands.openhands.executor"}
+    assert tools["browser_tool_set"] == "mars_openhands.openhands.agent_server"  # MARS_BROWSER=auto
     assert report["events_url"] == "http://gw:8000/mars/v1/events"
     assert report["openhands_agent_server"] == AGENT_SERVER_VERSION
 
@@ -125,3 +128,27 @@ def test_a_conversation_reaches_the_gateway_with_tool_events_and_its_session_end
     assert kinds.index("session_end") > kinds.index("tool_end") + 2  # the end comes last
     assert kinds[kinds.index("session_end") + 1:] == ["session_start", "session_end"]
     assert sid not in state["sessions"] and state["num_admitted"] == 0  # the slot was released
+
+
+def test_without_chromium_a_conversation_gets_no_browser_tools_instead_of_failing() -> None:
+    """The app adds the browser to every conversation; the stock tool set raises without
+    Chromium while the agent is built (the app's conversation then never starts)."""
+    from openhands.tools.browser_use import BrowserToolSet
+
+    if BrowserToolSet.is_usable():
+        pytest.skip("Chromium is installed here")
+    if AGENT_SERVER_VERSION == "1.34.0":  # the app's pin: the stock set raises at once
+        with pytest.raises(Exception, match="Chromium"):
+            BrowserToolSet.create(conv_state=type("S", (), {"env_observation_persistence_dir": None})())
+    from mars_openhands.openhands.agent_server import OptionalBrowserToolSet
+
+    assert OptionalBrowserToolSet.create(conv_state=None) == []
+
+
+@pytest.mark.parametrize("name, value", [("MARS_BROWSER", "maybe"), ("MARS_SESSION_POLL_S", "x"),
+                                         ("MARS_POLICY", "sometimes")])
+def test_bad_settings_are_one_line_and_exit_2(name: str, value: str) -> None:
+    out = subprocess.run([sys.executable, "-m", "mars_openhands.openhands.agent_server",
+                          "--mars-check"], env=_env(**{name: value}), capture_output=True,
+                         text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 2 and name in out.stderr and "Traceback" not in out.stderr

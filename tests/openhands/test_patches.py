@@ -32,16 +32,31 @@ import apply as patch_tool  # noqa: E402
 SDK_VERSION = metadata.version("openhands-sdk")
 
 
-def _patched_copy(tmp_path: Path, name: str, relative: str) -> Path:
-    """The installed ``relative`` file copied under ``tmp_path`` with patch ``name`` applied."""
+def _copies(tmp_path: Path, name: str, relative: str) -> tuple[Path, Path]:
+    """``(stock, patched)`` copies of the installed ``relative`` file (the installed one may be
+    either: setup patches the app env), made with patch ``name``."""
     spec = patch_tool.PATCHES[name]
     site = Path(stock_parallel_executor.__file__).parents[3]
-    target = tmp_path / relative
-    target.parent.mkdir(parents=True)
-    shutil.copy(site / relative, target)
-    version = metadata.version(spec.distribution)
-    assert patch_tool._git_apply(tmp_path, PATCHES / spec.files[version]), "does not apply"
-    return target
+    patch = PATCHES / spec.files[metadata.version(spec.distribution)]
+    copies = []
+    for which in ("stock", "patched"):
+        target = tmp_path / which / relative
+        target.parent.mkdir(parents=True)
+        shutil.copy(site / relative, target)
+        copies.append(tmp_path / which)
+    is_patched = patch_tool._git_apply(copies[0], patch, "--reverse", "--check")
+    if is_patched:
+        assert patch_tool._git_apply(copies[0], patch, "--reverse"), "does not revert"
+    else:
+        assert patch_tool._git_apply(copies[1], patch), "does not apply"
+    return copies[0] / relative, copies[1] / relative
+
+
+def _load(path: Path, name: str) -> object:
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_every_patch_has_a_note_and_the_readme_lists_it() -> None:
@@ -56,7 +71,8 @@ def test_every_patch_has_a_note_and_the_readme_lists_it() -> None:
     assert callers == [ROOT / "scripts" / "setup.sh"], callers
     runs = [line for line in callers[0].read_text().splitlines() if "patches/apply.py" in line
             and not line.lstrip().startswith("#")]
-    assert len(runs) == 1 and runs[0].rstrip().endswith("openhands-ai-process-sandbox"), runs
+    assert len(runs) == 1 and "apply.py --python" in runs[0], runs
+    assert runs[0].rstrip(" \\").endswith("openhands-ai-process-sandbox"), runs
     assert not [p for p in ROOT.glob("mars_openhands/**/*.py")
                 if "import apply" in p.read_text() or "apply.run(" in p.read_text()]
 
@@ -74,11 +90,9 @@ def test_the_enqueue_time_patch_makes_queue_wait_include_the_wait_for_the_execut
     """Two terminal calls of one LLM response run one after the other (one worker, the terminal
     lock): the second one's tool_enqueued is stamped when the batch arrived, so its queue_wait_s
     holds the first one's run time. Without the patch it is the policy check alone (~0)."""
-    path = _patched_copy(tmp_path, "openhands-sdk-tool-enqueue-time",
-                         "openhands/sdk/agent/parallel_executor.py")
-    spec = importlib.util.spec_from_file_location("mars_patched_parallel_executor", path)
-    patched = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(patched)
+    _, path = _copies(tmp_path, "openhands-sdk-tool-enqueue-time",
+                      "openhands/sdk/agent/parallel_executor.py")
+    patched = _load(path, "mars_patched_parallel_executor")
     monkeypatch.setattr(evented, "_parallel_executor", patched)
 
     class Slow:
@@ -115,13 +129,11 @@ def test_the_process_sandbox_patch_reports_an_idle_server_running(tmp_path: Path
     """An idle agent-server sleeps: the stock 1.11 code calls it STARTING (the app then waits for
     it until its timeout); patched, it is RUNNING and reached at 127.0.0.1."""
     relative = "openhands/app_server/sandbox/process_sandbox_service.py"
-    path = _patched_copy(tmp_path, "openhands-ai-process-sandbox", relative)
+    stock_path, path = _copies(tmp_path, "openhands-ai-process-sandbox", relative)
     source = path.read_text()
     assert "f'http://127.0.0.1:{process_info.port}'" in source and "timeout: int = 120" in source
-    spec = importlib.util.spec_from_file_location("mars_patched_process_sandbox", path)
-    patched = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(patched)
-    from openhands.app_server.sandbox.process_sandbox_service import ProcessSandboxService
+    patched = _load(path, "mars_patched_process_sandbox")
+    stock = _load(stock_path, "mars_stock_process_sandbox")
     from openhands.app_server.sandbox.sandbox_models import SandboxStatus
 
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
@@ -135,7 +147,7 @@ def test_the_process_sandbox_patch_reports_an_idle_server_running(tmp_path: Path
             service = cls.__new__(cls)
             return cls._get_process_status(service, info)
 
-        assert status(ProcessSandboxService) == SandboxStatus.STARTING  # the bug, unpatched
+        assert status(stock.ProcessSandboxService) == SandboxStatus.STARTING  # the bug, unpatched
         assert status(patched.ProcessSandboxService) == SandboxStatus.RUNNING
         sleeper.send_signal(19)  # SIGSTOP: a paused sandbox stays PAUSED
         time.sleep(0.2)
