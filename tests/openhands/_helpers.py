@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -130,13 +131,19 @@ def serve_process(argv: list[str], url: str, log_path: Any, env: dict[str, str],
                 pass
             time.sleep(0.25)
         yield proc
-    finally:
-        proc.terminate()
+    finally:  # the whole process group: the app's sandboxes are its children
+        import os
+        import signal
+
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(10)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(5)
+        with contextlib.suppress(ProcessLookupError):  # children that outlived the leader
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def session_events(sink: Any, session_id: str) -> list[Any]:
