@@ -12,6 +12,8 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from tests.unit.control.gateway_helpers import wait_until as wait_for  # noqa: F401 (re-exported)
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -150,14 +152,3 @@ def session_events(sink: Any, session_id: str) -> list[Any]:
     """The CPU-plane events of one session in a gateway's recorded stream, in order."""
     cpu = ("session_start", "session_end", "tool_enqueued", "tool_start", "tool_end")
     return [e for e in list(sink.events) if e.kind in cpu and e.session_id == session_id]
-
-
-def wait_for(predicate: Any, timeout_s: float, what: str) -> Any:
-    """Poll ``predicate`` until truthy; returns its value. Raises AssertionError naming ``what``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")

@@ -100,9 +100,8 @@ class FakeStateWithLog(FakeState):
         self.execution_status = ConversationExecutionStatus[status]
 
 
-def test_a_follow_up_answered_between_two_reads_is_a_session_of_its_own(tmp_path: Path) -> None:
-    """Status ``finished`` at both reads: the new user message still marks a new session (with
-    the status alone it was missed, and the gateway never saw its end)."""
+def _one_run_finished(tmp_path: Path) -> tuple[Path, ConversationLifecycle, FakeStateWithLog, str]:
+    """A lifecycle (read by hand) whose conversation ran once to ``finished``."""
     path = tmp_path / "events.jsonl"
     lifecycle = ConversationLifecycle(EventSender(None, path), poll_interval_s=60)
     state = FakeStateWithLog()
@@ -110,6 +109,13 @@ def test_a_follow_up_answered_between_two_reads_is_a_session_of_its_own(tmp_path
     state.user_says()
     state.agent_answers("FINISHED")
     lifecycle.poll_once()
+    return path, lifecycle, state, sid
+
+
+def test_a_follow_up_answered_between_two_reads_is_a_session_of_its_own(tmp_path: Path) -> None:
+    """Status ``finished`` at both reads: the new user message still marks a new session (with
+    the status alone it was missed, and the gateway never saw its end)."""
+    path, lifecycle, state, sid = _one_run_finished(tmp_path)
     state.user_says()  # the follow-up, answered before the next read
     state.agent_answers("FINISHED")
     lifecycle.poll_once()
@@ -120,13 +126,7 @@ def test_a_follow_up_answered_between_two_reads_is_a_session_of_its_own(tmp_path
 
 def test_a_new_message_not_yet_answered_keeps_the_session_open(tmp_path: Path) -> None:
     """Read between the user's message and the run's start, the old ``finished`` is stale."""
-    path = tmp_path / "events.jsonl"
-    lifecycle = ConversationLifecycle(EventSender(None, path), poll_interval_s=60)
-    state = FakeStateWithLog()
-    sid = lifecycle.track(state)
-    state.user_says()
-    state.agent_answers("FINISHED")
-    lifecycle.poll_once()
+    path, lifecycle, state, sid = _one_run_finished(tmp_path)
     state.user_says()
     lifecycle.poll_once()  # still "finished" from the first run
     assert _events(path)[-1] == ("session_start", sid, None)
