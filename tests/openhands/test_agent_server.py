@@ -85,6 +85,7 @@ def _script(workspace: Path) -> Script:
     ))
 
 
+@pytest.mark.integration
 def test_a_conversation_reaches_the_gateway_with_tool_events_and_its_session_end(tmp_path: Path) -> None:
     from openhands.sdk import LLM, Agent, Conversation, Tool
     from openhands.sdk.workspace import RemoteWorkspace

@@ -36,7 +36,7 @@ from tests.openhands._helpers import (  # noqa: E402
     wait_for,
 )
 
-pytestmark = [pytest.mark.openhands, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.openhands, pytest.mark.integration, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[2]
 
