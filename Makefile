@@ -5,13 +5,13 @@ PYTEST  := -m pytest -q -p no:cacheprovider
 # LiteLLM (pulled in by the OpenHands SDK) otherwise tries to fetch a model cost map at import.
 export LITELLM_LOCAL_MODEL_COST_MAP := True
 
-.PHONY: setup test unit integration openhands-test openhands-test-1.14 lint
+.PHONY: setup test unit integration openhands-test openhands-app-test openhands-test-1.14 lint
 
 setup:
 	bash scripts/setup.sh
 
 # Fast unit tests, then integration tests that start real vLLM servers, then the OpenHands env tests.
-test: setup lint unit integration openhands-test
+test: setup lint unit integration openhands-test openhands-app-test
 
 lint:
 	$(PY) -m ruff check mars_openhands eval tests benchmarks scripts
@@ -26,6 +26,12 @@ integration:
 
 openhands-test:
 	$(PY_OH) $(PYTEST) -m openhands tests/openhands
+
+# The OpenHands app (openhands-ai 1.11) end to end, and our agent-server on the 1.34.0 it pins.
+OH_APP_TESTS := tests/openhands/test_app_e2e.py tests/openhands/test_agent_server.py \
+	tests/openhands/test_docker_image.py tests/openhands/test_patches.py tests/openhands/test_lifecycle.py
+openhands-app-test:
+	.venv-openhands-app/bin/python $(PYTEST) --durations=5 -m openhands $(OH_APP_TESTS)
 
 # The OpenHands adapter on the oldest supported SDK (1.14); CI runs the newest via openhands-test.
 openhands-test-1.14:

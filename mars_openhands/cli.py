@@ -24,6 +24,7 @@ SUBCOMMANDS: tuple[tuple[str, str], ...] = (
     ("eval.replay", "add_replay_subcommand"),
     ("eval.compare", "add_compare_subcommand"),
     ("mars_openhands.openhands.cli", "add_openhands_subcommand"),
+    ("mars_openhands.runtime.cli", "add_tasks_subcommand"),
 )
 
 # What to do when a subcommand's module cannot be imported in this environment.
@@ -32,6 +33,10 @@ UNAVAILABLE_HINTS = MappingProxyType({
         "the OpenHands SDK needs Python >= 3.12 and is not installed in this environment "
         f"(Python {sys.version_info.major}.{sys.version_info.minor}); use "
         ".venv-openhands/bin/mars-openhands (created by scripts/setup.sh)"
+    ),
+    "mars_openhands.runtime.cli": (
+        "durable tasks need DBOS Transact (the 'runtime' extra), installed in .venv and "
+        ".venv-openhands by scripts/setup.sh; OpenHands tasks need .venv-openhands"
     ),
 })
 

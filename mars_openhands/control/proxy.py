@@ -53,7 +53,8 @@ _HEADERS_READ = {name.encode(): name for name in (
     "x-mars-session", "x-litellm-session-id", "x-mars-last-step", "content-length",
     "authorization", "content-type", "accept", "x-request-id")}
 _FORWARD_HEADERS = ("authorization", "accept", "x-request-id")
-_NEEDS_REWRITE = frozenset(("mars_session", "mars_last_step", "session_id", "vllm_xargs"))
+_NEEDS_REWRITE = frozenset(("mars_session", "mars_last_step", "mars_side", "session_id",
+                            "vllm_xargs"))
 DISCONNECT_WATCH_DELAY_S = 0.05
 """Seconds after the request body is read before the gateway starts watching for the client's
 disconnect. A shorter request never pays for the watcher; a longer one is aborted upstream at most
@@ -67,8 +68,10 @@ class _Probe(msgspec.Struct):
     session_id: Any = msgspec.UNSET
     prompt_cache_key: Any = msgspec.UNSET
     mars_last_step: Any = msgspec.UNSET
+    mars_side: Any = msgspec.UNSET
     vllm_xargs: Any = msgspec.UNSET
     stream: Any = msgspec.UNSET
+    tools: msgspec.Raw = msgspec.UNSET  # kept raw: only its presence matters (side requests)
 
 
 _PROBE = msgspec.json.Decoder(_Probe)
@@ -76,7 +79,8 @@ _ENCODE = msgspec.json.Encoder().encode
 
 
 def probe_body(raw: bytes) -> dict[str, Any]:
-    """The gateway's fields of a JSON request body, as a dict of the present ones. Pure.
+    """The gateway's fields of a JSON request body, as a dict of the present ones, plus
+    ``has_tools`` (a non-empty ``tools`` list; the list itself is not decoded). Pure.
 
     Raises:
         BadRequestError: not JSON, or not a JSON object.
@@ -87,13 +91,18 @@ def probe_body(raw: bytes) -> dict[str, Any]:
         raise BadRequestError(f"request body must be a JSON object ({e})") from None
     except msgspec.DecodeError as e:
         raise BadRequestError(f"request body is not valid JSON: {e}") from None
-    return {f: v for f in _Probe.__struct_fields__
-            if (v := getattr(probe, f)) is not msgspec.UNSET}
+    fields = {f: v for f in _Probe.__struct_fields__
+              if f != "tools" and (v := getattr(probe, f)) is not msgspec.UNSET}
+    tools = probe.tools
+    fields["has_tools"] = (tools is not msgspec.UNSET
+                           and bytes(tools).strip() not in (b"null", b"[]", b""))
+    return fields
 
 
-def engine_content(raw: bytes, fields: dict[str, Any], session_id: str | None, turn: int,
+def engine_content(raw: bytes, fields: dict[str, Any], session_id: str | None, turn: int | None,
                    last_step: int | None, prev_tool: tuple[str, float] | None) -> bytes:
-    """The body to send to vLLM (see :func:`metadata.build_engine_body`), as bytes. Pure.
+    """The body to send to vLLM (see :func:`metadata.build_engine_body`; ``turn`` ``None``: a
+    side request), as bytes. Pure.
 
     When the agent's body has none of ``mars_session``, ``mars_last_step``, ``session_id`` and
     ``vllm_xargs``, the two fields are spliced in before the closing brace of the agent's bytes
@@ -104,10 +113,10 @@ def engine_content(raw: bytes, fields: dict[str, Any], session_id: str | None, t
         BadRequestError: from :func:`metadata.build_engine_body`.
     """
     if _NEEDS_REWRITE.isdisjoint(fields):
-        xargs: dict[str, Any] = {"mars_turn": turn}
+        xargs: dict[str, Any] = {"mars_turn": turn} if turn is not None else {"mars_side": 1}
         if last_step is not None:
             xargs["mars_last_step"] = last_step
-        if prev_tool is not None:
+        if prev_tool is not None and turn is not None:
             xargs["mars_prev_tool"] = prev_tool[0]
             xargs["mars_prev_tool_s"] = float(prev_tool[1])
         end = raw.rindex(b"}")
@@ -239,6 +248,7 @@ class ProxyHandler:
             if "vllm_xargs" in fields:
                 metadata.check_xargs(fields["vllm_xargs"])
             session, last_step = gateway.session_for(headers, fields)
+            is_side = not session.is_one_turn and metadata.is_side_request(scope["path"], fields)
         except BadRequestError as e:
             await _send_whole(send, *_json_error(e.status_code, str(e), "invalid_request_error"),
                               None)
@@ -253,8 +263,8 @@ class ProxyHandler:
         gateway.plane.begin_request(session)
         replica: list[ReplicaState] = []
         try:
-            await self._serve(scope["path"], raw, fields, headers, session, last_step, call,
-                              replica, send)
+            await self._serve(scope["path"], raw, fields, headers, session, (last_step, is_side),
+                              call, replica, send)
         finally:
             call.is_done = True
             watch.cancel()
@@ -262,15 +272,19 @@ class ProxyHandler:
             gateway._finish(session, replica[0] if replica else None)
 
     async def _serve(self, path: str, raw: bytes, fields: dict[str, Any], headers: dict[str, str],
-                     session: Session, last_step: int | None, call: _Call,
+                     session: Session, step: tuple[int | None, bool], call: _Call,
                      replica_out: list[ReplicaState], send: Any) -> None:
-        """Admission, routing, forwarding and the response; every expected failure answered."""
+        """Admission, routing, forwarding and the response; every expected failure answered.
+
+        ``step`` is ``(mars_last_step, is_side)``: a side request takes no turn (``turn`` None).
+        """
         gateway = self.gateway
         status_body: tuple[int, bytes] | None = None
+        last_step, is_side = step
         try:
             if not gateway.plane.admission.try_admit(session.session_id):
                 await gateway.wait_for_admission(session, raw)
-            turn, prev_tool = gateway.plane.start_turn(session)
+            turn, prev_tool = gateway.plane.start_turn(session, is_side)
             content = engine_content(raw, fields, None if session.is_one_turn else session.session_id,
                                      turn, last_step, prev_tool)
             forward = {k: v for k in _FORWARD_HEADERS if (v := headers.get(k)) is not None}
@@ -280,11 +294,12 @@ class ProxyHandler:
                                                                   stream, call)
             replica_out.append(replica)
             replica.num_in_flight += 1
-            if resp.status_code >= 400:  # vLLM refused it (unknown model, too many tokens, ...)
+            if resp.status_code >= 400 and turn is not None:  # vLLM refused it (unknown model, ...)
                 gateway.plane.refuse_turn(session, turn, prev_tool)
             extra = [*resp.headers, (b"x-mars-replica", replica.name.encode()),
                      (b"x-mars-session", session.session_id.encode()),
-                     (b"x-mars-turn", str(turn).encode())]
+                     (b"x-mars-turn", str(turn).encode()) if turn is not None
+                     else (b"x-mars-side", b"1")]
             if whole is not None:
                 call.is_done = True
                 await _send_whole(send, resp.status_code, whole, resp.content_type, extra)

@@ -29,7 +29,10 @@ class Session:
     is_one_turn: bool = False
     """A request without a session id: the session ends with its only request."""
     num_turns: int = 0
-    """LLM requests started so far (the next request's 0-based turn)."""
+    """Agent turns (LLM requests that are not side requests) started so far: the next turn's
+    0-based index."""
+    num_side_requests: int = 0
+    """Side requests (titles, summaries: chat requests without tools) started so far."""
     replica: int | None = None
     """Index of the replica holding its KV (affinity), once routed."""
     num_in_flight: int = 0

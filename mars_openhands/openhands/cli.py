@@ -1,4 +1,6 @@
-"""``mars-openhands openhands run``: OpenHands agents on tasks with ``--backend mars|vllm|url``.
+"""``mars-openhands openhands run``: OpenHands agents on tasks with ``--backend mars|vllm|url``;
+``... playback`` (the playback engine) and ``... app-env`` (the OpenHands app's settings for a
+MARS gateway, :mod:`mars_openhands.openhands.app_env`).
 
 Also ``python -m mars_openhands.openhands.cli run-one --task T.json --config C.json`` (one task in
 this process; what :func:`runner.run_tasks` starts per task) and ``... playback`` (the playback
@@ -44,7 +46,7 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
                         help="endpoint root, e.g. http://127.0.0.1:8000 (/v1 is added if missing)")
     parser.add_argument("--model", required=True, help="served model name")
     parser.add_argument("--api-key", default=os.environ.get("MARS_API_KEY", "EMPTY"),
-                        help="API key (default $MARS_API_KEY or EMPTY)")
+                        help="API key (default $MARS_API_KEY or EMPTY); never written to --out")
     parser.add_argument("--temperature", type=float, default=None)
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--max-output-tokens", type=int, default=None, help="tokens per completion")
@@ -57,6 +59,8 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-commit", default=None)
     parser.add_argument("--workspace", default=None, help="existing directory to work in")
     parser.add_argument("--out", type=Path, required=True, help="output directory")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace what an earlier run left in --out/<task_id> (default: refuse)")
     parser.add_argument("--rps", type=float, default=1.0, help="task arrivals per second")
     parser.add_argument("--max-iterations", type=int, default=100, help="agent steps per task")
     parser.add_argument("--no-policy", action="store_true", help="disable the pre-tool policy check")
@@ -125,27 +129,92 @@ def run_from_args(args: argparse.Namespace) -> int:
 
     try:
         tasks, config = _checked_inputs(args)
+        results = run_tasks(tasks, config, rps=args.rps, overwrite=args.overwrite)
     except ValueError as e:  # pydantic's ValidationError too
         for line in str(e).splitlines():
             print(f"mars-openhands openhands run: {line}", file=sys.stderr)
         return 2
-    results = run_tasks(tasks, config, rps=args.rps)
     for r in results:
         print(json.dumps({"task_id": r.task_id, "status": r.status, "wall_s": round(r.wall_s, 3),
                           "tool_s": round(r.tool_s, 3), "llm_calls": r.num_llm_calls,
                           "tool_calls": r.num_tool_calls, "denied": r.num_denied,
-                          "files_changed": r.files_changed, "error": r.error}))
+                          "events_lost": r.num_events_lost, "files_changed": r.files_changed,
+                          "error": r.error}))
     return 1 if any(r.status == "error" for r in results) else 0
 
 
 def run_one_from_args(args: argparse.Namespace) -> int:
-    """``run-one``: one task in this process (the per-task process of ``run_tasks``)."""
+    """``run-one``: one task in this process (the per-task process of ``run_tasks``; the API key
+    comes from ``MARS_API_KEY``)."""
+    from pydantic import SecretStr
+
+    from mars_openhands.openhands.llm import ENV_API_KEY
     from mars_openhands.openhands.runner import RunConfig, TaskSpec, run_task
 
     task = TaskSpec.model_validate_json(args.task.read_text())
     config = RunConfig.model_validate_json(args.config.read_text())
+    if os.environ.get(ENV_API_KEY):  # run_config.json holds "**********", never the key
+        config = config.model_copy(update={"llm": config.llm.model_copy(
+            update={"api_key": SecretStr(os.environ[ENV_API_KEY])})})
     result = run_task(task, config)
     return 0 if result.status != "error" else 3
+
+
+def _add_app_env(sub: Any) -> None:
+    from mars_openhands.openhands.app_env import APP_AGENT_SERVER_VERSION, DEFAULT_IMAGE_REPOSITORY
+
+    p = sub.add_parser("app-env", help="print what an OpenHands app user sets for a MARS backend",
+                       description="The OpenHands app's environment and per-user LLM settings "
+                                   "for a MARS gateway (docs/openhands.md, 'OpenHands app').")
+    p.add_argument("--gateway", required=True, help="the gateway's root, e.g. http://127.0.0.1:8000")
+    p.add_argument("--sandbox", choices=("process", "docker"), default="process",
+                   help="process: the app runs agent-servers as local processes (no Docker); "
+                        "docker: in containers of our agent-server image")
+    p.add_argument("--model", default=None,
+                   help="served model name (default: the gateway's first /v1/models entry)")
+    p.add_argument("--api-key", default="EMPTY", help="the key the gateway expects (default EMPTY)")
+    p.add_argument("--image-repository", default=DEFAULT_IMAGE_REPOSITORY, help="docker: image")
+    p.add_argument("--agent-server-version", default=APP_AGENT_SERVER_VERSION,
+                   help="docker: the agent-server version the app pins (image tag <v>-python)")
+    p.add_argument("--app-url", default="http://localhost:3000", help="the app, for the curl line")
+    p.add_argument("--format", choices=("shell", "json"), default="shell")
+    p.add_argument("--no-check", action="store_true",
+                   help="do not ask the gateway (needs --model)")
+    p.set_defaults(func=app_env_from_args)
+
+
+def app_env_from_args(args: argparse.Namespace) -> int:
+    """``openhands app-env``: check the gateway, print the settings; exit 2 on bad input."""
+    from mars_openhands.openhands.app_env import app_settings, render_shell
+
+    try:
+        model = args.model or (None if args.no_check else _first_model(args.gateway, args.api_key))
+        if not args.no_check:
+            from mars_openhands.openhands.endpoint import preflight
+
+            preflight(args.gateway, args.api_key, "mars", flag="--gateway")
+        if model is None:
+            raise ValueError("--model is needed with --no-check")
+        settings = app_settings(args.gateway, model, args.sandbox, args.api_key,
+                                args.image_repository, args.agent_server_version)
+    except ValueError as e:
+        print(f"mars-openhands openhands app-env: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(settings.model_dump_json(indent=1) if args.format == "json"
+          else render_shell(settings, args.app_url))
+    return 0
+
+
+def _first_model(gateway: str, api_key: str) -> str | None:
+    """The gateway's first served model, or ``None`` when it cannot say (pre-flight says why)."""
+    import httpx
+
+    try:
+        data = httpx.get(f"{gateway.rstrip('/').removesuffix('/v1')}/v1/models", timeout=5.0,
+                         headers={"authorization": f"Bearer {api_key}"}).json()
+        return str(data["data"][0]["id"])
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        return None
 
 
 def add_openhands_subcommand(subparsers: Any) -> argparse.ArgumentParser:
@@ -155,17 +224,18 @@ def add_openhands_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run tasks at --rps, each in its own process and workspace")
     _add_run_flags(run)
     run.set_defaults(func=run_from_args)
-    playback = sub.add_parser("playback", help="serve recorded assistant turns (no model needed)",
-                              add_help=False)
-    playback.set_defaults(func=lambda a: _playback(a.rest))
-    playback.add_argument("rest", nargs=argparse.REMAINDER)
+    _add_playback(sub)
+    _add_app_env(sub)
     return parser
 
 
-def _playback(argv: Sequence[str]) -> int:
-    from mars_openhands.openhands.playback import main as playback_main
+def _add_playback(sub: Any) -> None:
+    from mars_openhands.openhands.playback import add_playback_flags
 
-    return playback_main(list(argv))
+    add_playback_flags(sub.add_parser(
+        "playback", help="serve recorded assistant turns (no model needed)",
+        description="An OpenAI-compatible server answering with recorded assistant turns "
+                    "(docs/openhands.md, 'Playback')."))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -179,9 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     one.add_argument("--task", type=Path, required=True)
     one.add_argument("--config", type=Path, required=True)
     one.set_defaults(func=run_one_from_args)
-    playback = sub.add_parser("playback", add_help=False)
-    playback.add_argument("rest", nargs=argparse.REMAINDER)
-    playback.set_defaults(func=lambda a: _playback(a.rest))
+    _add_playback(sub)
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
 

@@ -30,6 +30,7 @@ asked. Timestamps are taken when the event happens, never when it is sent.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -37,11 +38,17 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, ClassVar
 
+try:  # SDK >= 1.20 (our tool-enqueue-time patch adds TOOL_CALL_ENQUEUED_NS to it)
+    from openhands.sdk.agent import parallel_executor as _parallel_executor
+except ImportError:  # pragma: no cover - older SDKs run tool calls one by one
+    _parallel_executor = None
 from openhands.sdk.tool import ToolDefinition, ToolExecutor, register_tool
+from openhands.sdk.tool.registry import get_tool_module_qualnames
 
 from mars_openhands.openhands.policy_check import PolicyConfig, check_action
 from mars_openhands.stream.events import Event, ToolEnd, ToolEnqueued, ToolStart, now_stamps
@@ -72,32 +79,50 @@ _MARS_PARAMS = ("mars_events_url", "mars_events_path", "mars_session_id", "mars_
                 "mars_policy", "mars_workspace")
 
 
+_RETRY_STATUSES = frozenset((404, 408, 425, 429))
+"""HTTP statuses worth retrying, besides 5xx: 404 is the gateway's "unknown session" after it
+restarted, which the agent's next LLM request cures; the others are transient by definition."""
+
+
 class EventSender:
     """Posts events to the gateway in batches from a background thread; optionally logs them.
 
     Args:
         events_url: ``POST`` target (the gateway's ``/mars/v1/events``); ``None``: no posting.
         events_path: JSONL file each event is appended to (one ``model_dump_json`` per line); ``None``:
-            no file.
+            no file. Events the gateway never accepted go to ``<stem>_lost.jsonl`` beside it.
         timeout_s: HTTP timeout per post, seconds.
         max_batch: most events per post.
+        max_retries: further attempts per batch after a failed post (connection error, timeout,
+            HTTP 404/408/425/429 or 5xx); other answers are not retried.
+        retry_backoff_s: wait before the first retry, seconds; doubled per retry, at most 4 s. The
+            default 0.25 s and 6 retries span ~12 s, a gateway restart.
 
-    ``emit`` never blocks on I/O. Post failures are logged and counted (``num_post_errors``), never
-    raised into the agent: the stream is telemetry, the task must go on.
+    ``emit`` never blocks on I/O. Failed attempts are logged and counted (``num_post_errors``);
+    events given up on are counted (``num_lost``) and written to the lost file, never raised into
+    the agent: the stream is telemetry, the task must go on. Batches are posted in order, so a
+    retried batch holds back the ones after it.
     """
 
     def __init__(self, events_url: str | None, events_path: str | Path | None = None,
-                 timeout_s: float = 5.0, max_batch: int = 256) -> None:
+                 timeout_s: float = 5.0, max_batch: int = 256, max_retries: int = 6,
+                 retry_backoff_s: float = 0.25) -> None:
         self.events_url = events_url
         self.events_path = Path(events_path) if events_path else None
+        self.lost_path = (self.events_path.with_name(self.events_path.stem + "_lost.jsonl")
+                          if self.events_path else None)
         self.timeout_s = timeout_s
         self.max_batch = max_batch
+        self.max_retries = max_retries
+        self.retry_backoff_s = retry_backoff_s
         self.num_sent = 0
         self.num_post_errors = 0
+        self.num_lost = 0
         self._queue: queue.Queue[Event | None] = queue.Queue()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._is_closed = False
+        self._closing = threading.Event()
 
     def emit(self, event: Event) -> None:
         """Queue ``event`` for sending (and write it to the JSONL file now). Thread-safe, non-blocking."""
@@ -116,14 +141,15 @@ class EventSender:
         self._queue.put(event)
 
     def flush(self, timeout_s: float = 10.0) -> bool:
-        """Wait until every queued event was posted (or failed). Returns ``False`` on timeout."""
+        """Wait until every queued event was posted (or given up on). ``False`` on timeout."""
         deadline = time.monotonic() + timeout_s
         while self._queue.unfinished_tasks and time.monotonic() < deadline:
             time.sleep(0.005)
         return not self._queue.unfinished_tasks
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Flush, then stop the thread. Idempotent."""
+        """Flush, then stop the thread. Idempotent. Retries stop waiting once closing: a batch
+        still failing then is lost (counted), so close returns within about ``timeout_s``."""
         with self._lock:
             if self._is_closed:
                 return
@@ -131,7 +157,9 @@ class EventSender:
             thread = self._thread
         if thread is not None:
             self._queue.put(None)
-            thread.join(timeout_s)
+            if not self.flush(timeout_s * 0.8):
+                self._closing.set()  # stop backing off: one last attempt per batch, then give up
+            thread.join(timeout_s * 0.2 + self.timeout_s)
 
     def _run(self) -> None:
         import httpx
@@ -147,23 +175,47 @@ class EventSender:
                         break
                 events = [e for e in batch if e is not None]
                 if events:
-                    self._post(client, events)
+                    self._post_with_retries(client, events)
                 for _ in batch:
                     self._queue.task_done()
                 if len(events) < len(batch):
                     return
 
-    def _post(self, client: Any, events: list[Event]) -> None:
+    def _post_with_retries(self, client: Any, events: list[Event]) -> None:
         body = "[" + ",".join(e.model_dump_json() for e in events) + "]"
+        error = ""
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                delay_s = min(4.0, self.retry_backoff_s * 2 ** (attempt - 1))
+                if self._closing.wait(delay_s) and attempt > 1:
+                    break  # closing: the wait was cut short and one retry already failed
+            is_retryable, error = self._post(client, body)
+            if not error:
+                self.num_sent += len(events)
+                return
+            self.num_post_errors += 1
+            if not is_retryable:
+                break
+        self._lose(events, error)
+
+    def _post(self, client: Any, body: str) -> tuple[bool, str]:
+        """One attempt: ``(is_retryable, error)``; ``error`` is empty on success."""
         try:
             response = client.post(self.events_url, content=body,
                                    headers={"content-type": "application/json"})
-            if response.status_code >= 400:
-                raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
-            self.num_sent += len(events)
-        except Exception as e:  # telemetry must not break the agent
-            self.num_post_errors += 1
-            logger.warning("posting %d events to %s failed: %s", len(events), self.events_url, e)
+        except Exception as e:  # connection refused, timeout, ...: telemetry must not break the agent
+            return True, f"{type(e).__name__}: {e}"
+        if response.status_code < 400:
+            return False, ""
+        retry = response.status_code in _RETRY_STATUSES or response.status_code >= 500
+        return retry, f"HTTP {response.status_code}: {response.text[:300]}"
+
+    def _lose(self, events: list[Event], error: str) -> None:
+        self.num_lost += len(events)
+        logger.warning("gave up posting %d events to %s: %s", len(events), self.events_url, error)
+        if self.lost_path is not None:
+            with self._lock, self.lost_path.open("a") as f:
+                f.writelines(e.model_dump_json() + "\n" for e in events)
 
 
 def _find_action_event(action: Any, conversation: Any) -> tuple[str | None, int | None]:
@@ -188,6 +240,19 @@ def _find_action_event(action: Any, conversation: Any) -> tuple[str | None, int 
     except Exception as e:  # older/newer event stores: timing matters more than the id
         logger.debug("could not find the ActionEvent of %r: %s", type(action).__name__, e)
     return None, None
+
+
+def _enqueued_stamps(action: Any) -> dict[str, Any]:
+    """When ``action`` was queued: the instant its batch reached the SDK's
+    ``ParallelToolExecutor`` where the SDK has the tool-enqueue-time patch (``patches/``; then
+    waits for a resource lock or a worker count), else now (the call reached this executor)."""
+    now = now_stamps()
+    entry = getattr(_parallel_executor, "TOOL_CALL_ENQUEUED_NS", {}).get(id(action))
+    if entry is None or entry[0]() is not action:
+        return now
+    age_ns = max(0, now["t_mono_ns"] - entry[1])
+    return {"t_mono_ns": now["t_mono_ns"] - age_ns,
+            "t_wall": now["t_wall"] - timedelta(microseconds=age_ns / 1000)}
 
 
 def _denied_observation(observation_type: Any, action: Any, reason: str) -> Any:
@@ -215,6 +280,8 @@ class EventedExecutor(ToolExecutor):
         source: events' ``source``.
         timings_path: JSONL file each entry of ``timings`` is appended to (``None``: none); lets a
             parent process compare the stream with the executor's own record.
+        on_close: called once the executor and its sender are closed (the session lifecycle's
+            end of the conversation), or ``None``.
 
     Attributes:
         timings: ``(tool_call_id, tool_name, start_mono_ns, end_mono_ns, status)`` per call, taken
@@ -222,13 +289,16 @@ class EventedExecutor(ToolExecutor):
 
     Timing contract: ``tool_start.t_mono_ns`` is taken immediately before ``inner(action, conv)`` and
     ``tool_end.t_mono_ns`` immediately after it returns or raises; ``duration_s`` is their difference.
-    ``tool_enqueued`` is taken at entry, before the policy check; ``queue_wait_s`` is
-    start − enqueued (policy check time; the SDK runs the call at once when it reaches the executor).
+    ``tool_enqueued`` is stamped at entry, before the policy check, or, where the SDK has the
+    tool-enqueue-time patch (``patches/``), when the call's batch reached the SDK's
+    ``ParallelToolExecutor`` (emitted at entry, stamped then); ``queue_wait_s`` is start −
+    enqueued: the policy check, plus with the patch the waits for a resource lock or a worker.
     """
 
     def __init__(self, inner: ToolExecutor, tool_name: str, observation_type: Any, session_id: str,
                  sender: EventSender, workspace: Path, policy: PolicyConfig | None,
-                 source: str = "agent", timings_path: Path | None = None) -> None:
+                 source: str = "agent", timings_path: Path | None = None,
+                 on_close: Callable[[], None] | None = None) -> None:
         self.inner = inner
         self.tool_name = tool_name
         self.observation_type = observation_type
@@ -238,6 +308,7 @@ class EventedExecutor(ToolExecutor):
         self.policy = policy
         self.source = source
         self.timings_path = timings_path
+        self.on_close = on_close
         self.timings: list[tuple[str, str, int, int, str]] = []
 
     def __call__(self, action: Any, conversation: Any = None) -> Any:
@@ -245,7 +316,7 @@ class EventedExecutor(ToolExecutor):
         tool_call_id = tool_call_id or f"mars-{uuid.uuid4().hex[:12]}"
         common = {"session_id": self.session_id, "turn": turn, "source": self.source,
                   "tool_name": self.tool_name, "tool_call_id": tool_call_id}
-        enqueued = now_stamps()
+        enqueued = _enqueued_stamps(action)
         self.sender.emit(ToolEnqueued(**enqueued, **common))
         if self.policy is not None:
             decision = check_action(self.tool_name, _action_fields(action), self.workspace, self.policy)
@@ -280,11 +351,13 @@ class EventedExecutor(ToolExecutor):
                 f.write(json.dumps(dict(zip(keys, entry, strict=True))) + "\n")
 
     def close(self) -> None:
-        """Close the inner executor, then flush and stop the sender."""
+        """Close the inner executor, then flush and stop the sender, then call ``on_close``."""
         try:
             self.inner.close()
         finally:
             self.sender.close()
+            if self.on_close is not None:
+                self.on_close()
 
     def interrupt(self) -> None:
         """Forward an interrupt to the inner executor (SDK versions that have it)."""
@@ -341,10 +414,20 @@ class _EventedToolBase(ToolDefinition):
     conversation id), ``mars_source`` (default ``"agent"``), ``mars_policy`` (``on``/``off`` or a
     :class:`PolicyConfig` dict) and ``mars_workspace`` (default: the conversation's working dir) are
     consumed here, with ``MARS_EVENTS_URL`` / ``MARS_EVENTS_PATH`` / ``MARS_POLICY`` as fallbacks;
-    every other param goes to the inner tool's ``create``.
+    every other param goes to the inner tool's ``create``. A class whose ``lifecycle`` is set (the
+    stock-name registrations of the agent-server) also has the conversation tracked for
+    ``session_start`` / ``session_end`` (:mod:`mars_openhands.openhands.lifecycle`).
     """
 
     inner_name: ClassVar[str] = ""
+    lifecycle: ClassVar[Any] = None
+    """The process's :class:`~mars_openhands.openhands.lifecycle.ConversationLifecycle`, or None."""
+
+    @classmethod
+    def is_usable(cls) -> bool:
+        """The inner tool's own check (SDK versions that have one), so the catalog stays honest."""
+        check = getattr(_inner_tool_class(cls.inner_name), "is_usable", None)
+        return bool(check()) if check is not None else True
 
     @classmethod
     def create(cls, conv_state: Any = None, **params: Any) -> Sequence[ToolDefinition]:
@@ -358,10 +441,15 @@ class _EventedToolBase(ToolDefinition):
         policy = _policy_from(mars.get("mars_policy"))
         timings_path = (Path(sender.events_path).with_name("tool_timings.jsonl")
                         if sender.events_path else None)
+        lifecycle = cls.lifecycle
+        if lifecycle is not None:
+            lifecycle.track(conv_state)
         return [
             tool.set_executor(EventedExecutor(
                 tool.executor, tool.name, tool.observation_type, session_id, sender, workspace,
-                policy, str(mars.get("mars_source") or "agent"), timings_path))
+                policy, str(mars.get("mars_source") or "agent"), timings_path,
+                on_close=None if lifecycle is None else functools.partial(lifecycle.closed,
+                                                                          str(conv_state.id))))
             for tool in tools
         ]
 
@@ -370,42 +458,84 @@ class MarsTerminalTool(_EventedToolBase):
     """``terminal`` with MARS tool events and the policy check."""
 
     inner_name: ClassVar[str] = "terminal"
+    user_selectable: ClassVar[bool] = False  # the runner's spec name; the catalog offers "terminal"
 
 
 class MarsFileEditorTool(_EventedToolBase):
     """``file_editor`` with MARS tool events and the policy check."""
 
     inner_name: ClassVar[str] = "file_editor"
+    user_selectable: ClassVar[bool] = False
 
 
 class MarsTaskTrackerTool(_EventedToolBase):
     """``task_tracker`` with MARS tool events."""
 
     inner_name: ClassVar[str] = "task_tracker"
+    user_selectable: ClassVar[bool] = False
+
+
+class StockNamedTerminalTool(MarsTerminalTool):
+    """``terminal`` registered under its stock name (agent-server, app): as the stock tool in the
+    catalog, with the session lifecycle when one is installed."""
+
+    user_selectable: ClassVar[bool] = True
+
+
+class StockNamedFileEditorTool(MarsFileEditorTool):
+    """``file_editor`` under its stock name (see :class:`StockNamedTerminalTool`)."""
+
+    user_selectable: ClassVar[bool] = True
+
+
+class StockNamedTaskTrackerTool(MarsTaskTrackerTool):
+    """``task_tracker`` under its stock name (see :class:`StockNamedTerminalTool`)."""
+
+    user_selectable: ClassVar[bool] = True
 
 
 _EVENTED_CLASSES: dict[str, type[_EventedToolBase]] = {
     "terminal": MarsTerminalTool, "file_editor": MarsFileEditorTool,
     "task_tracker": MarsTaskTrackerTool,
 }
+_STOCK_NAMED_CLASSES: dict[str, type[_EventedToolBase]] = {
+    "terminal": StockNamedTerminalTool, "file_editor": StockNamedFileEditorTool,
+    "task_tracker": StockNamedTaskTrackerTool,
+}
 
 
-def register_evented_tools(override_defaults: bool = False) -> dict[str, str]:
+def register_evented_tools(override_defaults: bool = False,
+                           lifecycle: Any = None) -> dict[str, str]:
     """Register the wrapped tools with the SDK's tool registry (idempotent).
 
     Args:
         override_defaults: also register them under the default names (``terminal``, ...), so that
             agent specs written for stock OpenHands (app, agent-server) get events and the policy
-            check without changes. The runner leaves this off and uses the ``mars_*`` names.
+            check without changes. The stock tool modules are imported first: their import
+            registers the stock tools, and an import after ours (the agent-server's tool router
+            imports them at start-up) would replace ours. The runner leaves this off and uses the
+            ``mars_*`` names.
+        lifecycle: with ``override_defaults``, the
+            :class:`~mars_openhands.openhands.lifecycle.ConversationLifecycle` that conversations
+            using the stock names are tracked by (``None``: no session events from the tools).
 
     Returns:
         spec name → LLM-visible tool name, e.g. ``{"mars_terminal": "terminal", ...}``.
+
+    Mutates: the SDK's tool registry; with ``override_defaults``, the stock-named classes'
+    ``lifecycle`` (one per process: the registry is process-wide too).
     """
     names = {}
+    registered = get_tool_module_qualnames()
     for tool_name, cls in _EVENTED_CLASSES.items():
-        register_tool(f"mars_{tool_name}", cls)
+        if registered.get(f"mars_{tool_name}") != cls.__module__:  # (the SDK warns on a repeat)
+            register_tool(f"mars_{tool_name}", cls)
         names[f"mars_{tool_name}"] = tool_name
-        if override_defaults:
+    if override_defaults:
+        for tool_name, cls in _STOCK_NAMED_CLASSES.items():
+            inner = _inner_tool_class(tool_name)  # the stock module's import registers it first
+            cls.catalog_description = getattr(inner, "catalog_description", "")
+            cls.lifecycle = lifecycle
             register_tool(tool_name, cls)
             names[tool_name] = tool_name
     return names

@@ -34,10 +34,12 @@ from typing import Any, Literal
 from openhands.sdk import LLM
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-__all__ = ["Backend", "LLMSettings", "TurnTracker", "build_session_llm", "model_name_for"]
+__all__ = ["ENV_API_KEY", "Backend", "LLMSettings", "TurnTracker", "build_session_llm", "model_name_for"]
 
 Backend = Literal["mars", "vllm", "url"]
 
+ENV_API_KEY = "MARS_API_KEY"
+"""Environment variable holding the API key (the CLI's default, and how task processes get it)."""
 SESSION_HEADER = "X-Mars-Session"
 """Our explicit session header (design.md §2); the gateway reads it first."""
 
@@ -60,7 +62,9 @@ class LLMSettings(BaseModel):
     model: str
     """Served model name (``Qwen/Qwen3-Coder-30B-A3B-Instruct``); ``openai/`` is prefixed for LiteLLM
     unless a provider prefix is already there."""
-    api_key: str = "EMPTY"
+    api_key: SecretStr = SecretStr("EMPTY")
+    """Never written out: JSON dumps show ``**********``; task processes get it from
+    ``MARS_API_KEY`` (:data:`ENV_API_KEY`)."""
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=1)
@@ -97,7 +101,7 @@ def build_session_llm(settings: LLMSettings, session_id: str, usage_id: str = "a
     kwargs: dict[str, Any] = {
         "model": model_name_for(settings.model),
         "base_url": settings.base_url,
-        "api_key": SecretStr(settings.api_key),
+        "api_key": settings.api_key,
         "usage_id": usage_id,
         "temperature": settings.temperature,
         "top_p": settings.top_p,

@@ -20,7 +20,10 @@ What is played back and what is real:
 Which turn: the number of assistant messages already in the request (turn ``k`` answers with recorded
 turn ``k``; past the end, a ``finish`` call). Which script: per session (``X-Mars-Session``,
 ``x-litellm-session-id``, ``session_id`` or ``prompt_cache_key``), scripts assigned round-robin in
-order of first appearance. Stateless per request otherwise, so retries replay the same turn.
+order of first appearance. Stateless per request otherwise, so retries replay the same turn. A
+request without tools (a conversation title, a summary: a side request) is answered with text only
+and takes no turn. ``stream: true`` is answered as OpenAI-style server-sent events (the OpenHands
+app always streams).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import sys
 import threading
 import time
 import uuid
@@ -36,18 +40,22 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
     "PlaybackConfig",
+    "PlaybackInputError",
     "RecordedToolCall",
     "RecordedTurn",
     "Script",
+    "add_playback_flags",
     "build_playback_app",
     "load_script",
     "load_trace_script",
     "main",
+    "resolve_script_path",
+    "run_from_args",
 ]
 
 _SESSION_HEADERS = ("x-mars-session", "x-litellm-session-id")
@@ -104,6 +112,9 @@ class PlaybackConfig(BaseModel):
     max_completion_tokens: int = Field(64, ge=1)
     """Cap on the upstream ``max_tokens`` per turn, tokens."""
     upstream_timeout_s: float = Field(120.0, gt=0)
+    api_key: str | None = None
+    """Answer chat requests without ``Authorization: Bearer <api_key>`` with 401, as vLLM's
+    ``--api-key`` does; ``None``: no check."""
 
 
 def _clean_command(command: str, workspace_alias: str) -> str:
@@ -273,6 +284,16 @@ class _Upstream:
         return {k: int(usage.get(k, 0)) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
 
 
+def _pick_turn(body: dict[str, Any], script: Script) -> tuple[int, RecordedTurn, bool]:
+    """``(turn_index, turn, is_side)`` for a request: a request without tools (a title, a
+    summary) is a side request answered with text and no tool call. Pure."""
+    turn_index = sum(1 for m in body.get("messages") or [] if m.get("role") == "assistant")
+    if not body.get("tools"):
+        return turn_index, RecordedTurn(content=f"Playback of {script.name}"), True
+    turn = script.turns[turn_index] if turn_index < len(script.turns) else _finish_turn(script)
+    return turn_index, turn, False
+
+
 async def _answer(body: dict[str, Any], headers: Any, sessions: _Sessions, upstream: _Upstream,
                   config: PlaybackConfig, seen: list[dict[str, Any]]) -> dict[str, Any]:
     """One chat completion: the session's next recorded turn, after the engine did its work.
@@ -284,13 +305,13 @@ async def _answer(body: dict[str, Any], headers: Any, sessions: _Sessions, upstr
     """
     session_id = session_of(headers, body)
     script = sessions.script_for(session_id)
-    turn_index = sum(1 for m in body.get("messages") or [] if m.get("role") == "assistant")
-    turn = script.turns[turn_index] if turn_index < len(script.turns) else _finish_turn(script)
+    turn_index, turn, is_side = _pick_turn(body, script)
     try:
         usage = await upstream.run_turn(body, turn)
     except Exception as e:
         raise RuntimeError(str(e) or type(e).__name__) from e
     seen.append({"session_id": session_id, "turn": turn_index, "script": script.name,
+                 "is_side": is_side, "stream": bool(body.get("stream")),
                  "tool_calls": [c.name for c in turn.tool_calls],
                  "header_session": headers.get("x-mars-session"),
                  "body_session_id": body.get("session_id"), "vllm_xargs": body.get("vllm_xargs"),
@@ -306,12 +327,35 @@ async def _answer(body: dict[str, Any], headers: Any, sessions: _Sessions, upstr
             "usage": usage}
 
 
+def sse_chunks(completion: dict[str, Any], include_usage: bool) -> list[str]:
+    """A whole chat completion as OpenAI ``chat.completion.chunk`` server-sent events. Pure.
+
+    One chunk with the role and text, one per tool call (id, name and all its arguments), one with
+    the ``finish_reason``, then the usage (when ``stream_options.include_usage``) and ``[DONE]``.
+    """
+    head = {k: completion[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+    choice = completion["choices"][0]
+    message = choice["message"]
+
+    def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> str:
+        body = {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
+        return f"data: {json.dumps(body)}\n\n"
+
+    events = [chunk({"role": "assistant", "content": message.get("content") or ""})]
+    for i, call in enumerate(message.get("tool_calls") or []):
+        events.append(chunk({"tool_calls": [{"index": i, **call}]}))
+    events.append(chunk({}, choice["finish_reason"]))
+    if include_usage:
+        events.append(f"data: {json.dumps({**head, 'choices': [], 'usage': completion['usage']})}\n\n")
+    return [*events, "data: [DONE]\n\n"]
+
+
 def build_playback_app(scripts: Sequence[Script], config: PlaybackConfig | None = None) -> Any:
     """Return the FastAPI app of the playback server.
 
-    Routes: ``POST /v1/chat/completions`` (non-streaming), ``GET /v1/models``, ``GET /health``,
-    ``GET /metrics`` (the upstream engine's, else empty), ``GET /playback/requests`` (what was
-    asked: session, turn, tool calls; for tests).
+    Routes: ``POST /v1/chat/completions`` (whole, or server-sent events with ``stream: true``),
+    ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (the upstream engine's, else empty),
+    ``GET /playback/requests`` (what was asked: session, turn, tool calls; for tests).
 
     Raises:
         ValueError: no scripts.
@@ -324,18 +368,24 @@ def build_playback_app(scripts: Sequence[Script], config: PlaybackConfig | None 
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
+        if config.api_key and request.headers.get("authorization") != f"Bearer {config.api_key}":
+            return JSONResponse({"error": {"message": "invalid API key"}}, status_code=401)
         body = await request.json()
-        if body.get("stream"):
-            return JSONResponse({"error": {"message": "playback supports stream=false only; "
-                                           "set the client's streaming off"}}, status_code=400)
         try:
-            return await _answer(body, request.headers, sessions, upstream, config, seen)
+            completion = await _answer(body, request.headers, sessions, upstream, config, seen)
         except RuntimeError as e:  # the engine's error, as a gateway-visible 502
             return JSONResponse({"error": {"message": f"playback upstream failed: {e}"}},
                                 status_code=502)
+        if not body.get("stream"):
+            return completion
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return StreamingResponse(iter(sse_chunks(completion, include_usage)),
+                                 media_type="text/event-stream")
 
     @app.get("/v1/models")
-    async def models() -> Any:
+    async def models(request: Request) -> Any:
+        if config.api_key and request.headers.get("authorization") != f"Bearer {config.api_key}":
+            return JSONResponse({"error": {"message": "invalid API key"}}, status_code=401)
         return {"object": "list", "data": [{"id": config.served_model_name, "object": "model"}]}
 
     @app.get("/health")
@@ -356,13 +406,62 @@ def build_playback_app(scripts: Sequence[Script], config: PlaybackConfig | None 
     return app
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m mars_openhands.openhands.playback --script F [--script F ...] --port P``."""
-    import uvicorn
+class PlaybackInputError(ValueError):
+    """A ``--script`` that cannot be read; ``str(error)`` is one line naming the path and the fix."""
 
-    parser = argparse.ArgumentParser(prog="mars-openhands-playback", description=__doc__.split("\n")[0])
+
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+TRACES_HINT = ("the bundled mini-swe-agent traces are in ../shared/data/traces/mini-swe-agent next "
+               "to the repository (from the repository root: --script ../shared/data/traces/"
+               "mini-swe-agent/deepseek_chat_dev/<instance>.traj.json.gz)")
+
+
+def resolve_script_path(path: Path, cwd: Path | None = None) -> Path:
+    """``path`` as given when it exists (relative to ``cwd``), else relative to the repository
+    root (where the docs' commands run).
+
+    Raises:
+        PlaybackInputError: neither exists (the message names both and where the traces are).
+    """
+    cwd = cwd or Path.cwd()
+    tried = [path if path.is_absolute() else cwd / path]
+    if not path.is_absolute():
+        tried.append(_REPO_ROOT / path)
+    for candidate in tried:
+        if candidate.is_file():
+            return candidate
+    where = " or ".join(str(p) for p in dict.fromkeys(tried))
+    raise PlaybackInputError(f"--script {path}: no such file ({where}); {TRACES_HINT}")
+
+
+def load_scripts(paths: Sequence[Path], max_turns: int | None) -> list[Script]:
+    """The scripts of ``--script`` (traces keep only turns the policy check would allow).
+
+    Raises:
+        PlaybackInputError: a missing or unreadable file, or one that is neither format.
+    """
+    from mars_openhands.openhands.policy_check import is_safe_to_replay
+
+    scripts = []
+    for given in paths:
+        path = resolve_script_path(given)
+        try:
+            if path.name.endswith((".traj.json", ".traj.json.gz")):
+                scripts.append(load_trace_script(path, max_turns, is_safe_to_replay))
+            else:
+                scripts.append(load_script(path))
+        except (OSError, ValueError) as e:  # pydantic's ValidationError is a ValueError
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise PlaybackInputError(f"--script {given}: {first}") from None
+    return scripts
+
+
+def add_playback_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the playback server's flags (``--script``, ``--port``, the :class:`PlaybackConfig`
+    fields, ``--check``) to ``parser``; ``func`` runs :func:`run_from_args`."""
     parser.add_argument("--script", action="append", type=Path, required=True,
-                        help="playback script JSON or mini-swe-agent *.traj.json(.gz); repeatable")
+                        help="playback script JSON or mini-swe-agent *.traj.json(.gz); repeatable. "
+                             + TRACES_HINT.replace("%", "%%"))
     parser.add_argument("--max-turns", type=int, default=None, help="turns per trace script")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8100)
@@ -370,16 +469,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.add_argument("--" + name.replace("_", "-"), default=field.default,
                             type=type(field.default) if field.default is not None else str,
                             help=(field.description or "").replace("%", "%%"))
-    args = parser.parse_args(argv)
-    from mars_openhands.openhands.policy_check import is_safe_to_replay
+    parser.add_argument("--check", action="store_true",
+                        help="load the scripts, print one line per script (name, turns) and exit")
+    parser.set_defaults(func=run_from_args)
+    return parser
 
-    scripts = [load_trace_script(p, args.max_turns, is_safe_to_replay)
-               if p.name.endswith((".traj.json", ".traj.json.gz")) else load_script(p)
-               for p in args.script]
-    config = PlaybackConfig(**{k: getattr(args, k) for k in PlaybackConfig.model_fields})
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Serve the playback engine (or, with ``--check``, list the scripts). Exit code 2 on bad input
+    (one line on stderr)."""
+    try:
+        scripts = load_scripts(args.script, args.max_turns)
+        config = PlaybackConfig(**{k: getattr(args, k) for k in PlaybackConfig.model_fields})
+    except ValueError as e:
+        print(f"mars-openhands openhands playback: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    if args.check:
+        for script in scripts:
+            print(json.dumps({"script": script.name, "num_turns": len(script.turns)}))
+        return 0
+    import uvicorn
+
     uvicorn.run(build_playback_app(scripts, config), host=args.host, port=args.port,
                 log_level="warning", access_log=False)
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m mars_openhands.openhands.playback --script F [--script F ...] --port P``."""
+    parser = argparse.ArgumentParser(prog="mars-openhands openhands playback",
+                                     description=(__doc__ or "").split("\n")[0])
+    args = add_playback_flags(parser).parse_args(argv)
+    return int(args.func(args))
 
 
 if __name__ == "__main__":

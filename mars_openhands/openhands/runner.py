@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -28,11 +29,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from mars_openhands.openhands.endpoint import preflight
 from mars_openhands.openhands.executor import EventSender, register_evented_tools
-from mars_openhands.openhands.llm import LLMSettings, TurnTracker, build_session_llm
+from mars_openhands.openhands.llm import ENV_API_KEY, LLMSettings, TurnTracker, build_session_llm
 from mars_openhands.stream.events import SessionEnd, SessionStart, now_stamps
 
-__all__ = ["RunConfig", "TaskResult", "TaskSpec", "events_url_for", "run_task", "run_tasks"]
+__all__ = ["RunConfig", "TaskResult", "TaskSpec", "events_url_for", "run_task",
+           "run_tasks"]
 
 TaskStatus = Literal["finished", "error", "stuck", "max_iterations", "timeout"]
 
@@ -108,6 +111,10 @@ class TaskResult(BaseModel):
     """Sum of tool execution time (tool_start → tool_end), seconds."""
     events_path: str
     """JSONL of this task's CPU-plane events (as sent to the gateway)."""
+    num_events_lost: int = 0
+    """Events the gateway never accepted after the sender's retries (in ``events_lost.jsonl``)."""
+    conversation_dir: str | None = None
+    """The OpenHands conversation as persisted by the SDK (events, state): what ran."""
     events: list[dict[str, Any]] = Field(default_factory=list)
 
 
@@ -124,12 +131,19 @@ def _git(workspace: Path, *args: str) -> str:
                           text=True).stdout
 
 
+def _git_error(e: subprocess.CalledProcessError) -> str:
+    """git's own message (its last stderr line) and the command, one line."""
+    lines = [line for line in (e.stderr or "").splitlines() if line.strip()]
+    command = " ".join(str(a) for a in e.cmd[:3]) if isinstance(e.cmd, list) else str(e.cmd)
+    return f"{command} failed: {lines[-1].strip() if lines else f'exit {e.returncode}'}"
+
+
 def prepare_workspace(task: TaskSpec, task_dir: Path) -> tuple[Path, str | None]:
     """Return ``(workspace, base_commit)``; copies ``task.repo`` into ``task_dir/workspace``.
 
     Raises:
-        ValueError: neither or both of ``repo`` / ``workspace`` are set, or ``workspace`` is missing.
-        subprocess.CalledProcessError: ``git clone`` / ``checkout`` failed.
+        ValueError: neither or both of ``repo`` / ``workspace`` are set, ``workspace`` is
+            missing, or ``git clone`` / ``checkout`` failed (git's own message, one line).
     """
     if (task.repo is None) == (task.workspace is None):
         raise ValueError(f"task {task.task_id!r}: set exactly one of repo / workspace")
@@ -139,11 +153,14 @@ def prepare_workspace(task: TaskSpec, task_dir: Path) -> tuple[Path, str | None]
             raise ValueError(f"task {task.task_id!r}: workspace {workspace} is not a directory")
         return workspace, None
     workspace = task_dir / "workspace"
-    subprocess.run(["git", "clone", "--quiet", task.repo, str(workspace)], check=True,
-                   capture_output=True, text=True)
-    if task.base_commit:
-        _git(workspace, "checkout", "--quiet", task.base_commit)
-    return workspace.resolve(), _git(workspace, "rev-parse", "HEAD").strip()
+    try:
+        subprocess.run(["git", "clone", "--quiet", task.repo, str(workspace)], check=True,
+                       capture_output=True, text=True)
+        if task.base_commit:
+            _git(workspace, "checkout", "--quiet", task.base_commit)
+        return workspace.resolve(), _git(workspace, "rev-parse", "HEAD").strip()
+    except subprocess.CalledProcessError as e:
+        raise ValueError(f"task {task.task_id!r}: {_git_error(e)}") from None
 
 
 def _snapshot(workspace: Path) -> dict[str, float]:
@@ -162,30 +179,41 @@ def _changes(workspace: Path, base_commit: str | None, before: dict[str, float])
     return None, sorted(k for k in after.keys() | before.keys() if before.get(k) != after.get(k))
 
 
-def _build_conversation(config: RunConfig, workspace: Path, session_id: str,
-                        events_path: Path) -> tuple[Any, TurnTracker]:
-    """The OpenHands conversation for one task (wrapped tools, per-session LLM) and its turn tracker."""
+def _build_conversation(config: RunConfig, workspace: Path, session_id: str, events_path: Path,
+                        llm: Any = None, tool_prefix: str = "mars",
+                        extra_tool_params: dict[str, Any] | None = None,
+                        conversation_dir: Path | None = None) -> tuple[Any, TurnTracker]:
+    """The OpenHands conversation for one task (wrapped tools, per-session LLM) and its turn tracker.
+
+    ``llm`` replaces the per-session LLM, ``tool_prefix`` the registered tool names
+    (``<prefix>_terminal``, ...) and ``extra_tool_params`` adds tool spec params; the durable
+    runtime's adapter (``durable.py``) passes all three. ``conversation_dir``: where the SDK
+    persists the conversation (its events and state), ``None``: not persisted.
+    """
     from openhands.sdk import Agent, Conversation, Tool
 
     register_evented_tools()
-    llm = build_session_llm(config.llm, session_id)
+    llm = llm if llm is not None else build_session_llm(config.llm, session_id)
     tool_params: dict[str, Any] = {
         "mars_events_url": config.events_url or events_url_for(config.llm),
         "mars_events_path": str(events_path), "mars_session_id": session_id,
         "mars_policy": "on" if config.policy else "off", "mars_workspace": str(workspace),
+        **(extra_tool_params or {}),
     }
     terminal_params = dict(tool_params)
     if config.terminal_type is not None:
         terminal_params["terminal_type"] = config.terminal_type
-    tools = [Tool(name="mars_terminal", params=terminal_params),
-             Tool(name="mars_file_editor", params=tool_params),
-             Tool(name="mars_task_tracker", params=tool_params)]
+    tools = [Tool(name=f"{tool_prefix}_terminal", params=terminal_params),
+             Tool(name=f"{tool_prefix}_file_editor", params=tool_params),
+             Tool(name=f"{tool_prefix}_task_tracker", params=tool_params)]
     agent = Agent(llm=llm, tools=tools)
     kwargs: dict[str, Any] = {"agent": agent, "workspace": str(workspace),
                               "conversation_id": uuid.UUID(session_id),
                               "callbacks": [TurnTracker(llm)],
                               "max_iteration_per_run": config.max_iterations}
     accepted = inspect.signature(Conversation.__new__).parameters
+    if conversation_dir is not None and "persistence_dir" in accepted:  # the SDK keeps it there
+        kwargs["persistence_dir"] = str(conversation_dir)
     if "visualizer" in accepted or "visualize" not in accepted:
         kwargs["visualizer"] = None
     else:
@@ -212,9 +240,12 @@ def run_task(task: TaskSpec, config: RunConfig) -> TaskResult:
     task_dir = Path(config.out_dir) / task.task_id
     task_dir.mkdir(parents=True, exist_ok=True)
     events_path = task_dir / "events.jsonl"
-    events_path.unlink(missing_ok=True)
-    (task_dir / "tool_timings.jsonl").unlink(missing_ok=True)
-    workspace, base_commit = prepare_workspace(task, task_dir)
+    for name in ("events.jsonl", "events_lost.jsonl", "tool_timings.jsonl", "result.json"):
+        (task_dir / name).unlink(missing_ok=True)
+    try:
+        workspace, base_commit = prepare_workspace(task, task_dir)
+    except ValueError as e:  # the task's own error (bad repo, base_commit), in its result
+        return _write(_failed(task, task_dir.parent, "error", str(e)), task_dir)
     before = _snapshot(workspace) if base_commit is None else {}
     lifecycle = EventSender(config.events_url or events_url_for(config.llm), events_path)
     lifecycle.emit(SessionStart(**now_stamps(), session_id=session_id, source="agent"))
@@ -225,7 +256,8 @@ def run_task(task: TaskSpec, config: RunConfig) -> TaskResult:
     conversation = None
     tracker = None
     try:
-        conversation, tracker = _build_conversation(config, workspace, session_id, events_path)
+        conversation, tracker = _build_conversation(config, workspace, session_id, events_path,
+                                                    conversation_dir=task_dir / "conversation")
         conversation.send_message(task.problem_statement)
         conversation.run()
         status = _status_of(conversation)
@@ -247,6 +279,9 @@ def _collect(task: TaskSpec, session_id: str, status: TaskStatus, error: str | N
              events_path: Path, task_dir: Path, num_llm_calls: int) -> TaskResult:
     # JSONL lines end at "\n" only; str.splitlines() would also split at a raw U+2028 in a string.
     events = [json.loads(line) for line in events_path.read_text().split("\n") if line.strip()]
+    lost_path = task_dir / "events_lost.jsonl"
+    num_lost = (sum(1 for line in lost_path.read_text().split("\n") if line.strip())
+                if lost_path.exists() else 0)
     patch, files = _changes(workspace, base_commit, before)
     ends = [e for e in events if e["kind"] == "tool_end"]
     result = TaskResult(
@@ -255,39 +290,73 @@ def _collect(task: TaskSpec, session_id: str, status: TaskStatus, error: str | N
         num_llm_calls=num_llm_calls, num_tool_calls=len(ends),
         num_denied=sum(1 for e in ends if e["status"] == "denied"),
         wall_s=wall_s, tool_s=sum(e["duration_s"] for e in ends),
-        events_path=str(events_path), events=events,
+        events_path=str(events_path), events=events, num_events_lost=num_lost,
+        conversation_dir=str(task_dir / "conversation")
+        if (task_dir / "conversation").exists() else None,
     )
+    return _write(result, task_dir)
+
+
+def _write(result: TaskResult, task_dir: Path) -> TaskResult:
     (task_dir / "result.json").write_text(result.model_dump_json(indent=1))
     return result
 
 
+def _check_run(tasks: Sequence[TaskSpec], config: RunConfig, rps: float, overwrite: bool) -> None:
+    """Input checks of :func:`run_tasks` (see there); with ``overwrite``, deletes reused task
+    directories."""
+    if rps <= 0:
+        raise ValueError(f"rps must be > 0 tasks per second, got {rps} (--rps)")
+    ids = [t.task_id for t in tasks]
+    duplicates = sorted({i for i in ids if ids.count(i) > 1})
+    if duplicates:
+        raise ValueError(f"task_id values must be distinct (each task gets out_dir/<task_id>); "
+                         f"repeated: {', '.join(duplicates)}")
+    out = Path(config.out_dir)
+    used = [i for i in ids if (out / i).exists()]
+    if used and not overwrite:
+        raise ValueError(f"--out {out} already holds task {used[0]} ({out / used[0]}"
+                         f"{', and ' + str(len(used) - 1) + ' more' if len(used) > 1 else ''}); "
+                         "pass --overwrite to replace its results and workspace, or choose "
+                         "another --out")
+    for task_id in used:
+        shutil.rmtree(out / task_id)
+
+
 def run_tasks(tasks: Sequence[TaskSpec], config: RunConfig, rps: float,
-              python: str | None = None) -> list[TaskResult]:
+              python: str | None = None, overwrite: bool = False,
+              check_endpoint: bool = True) -> list[TaskResult]:
     """Run tasks concurrently, each in its own process, started at a fixed rate of ``rps`` per second.
 
     Task ``i`` starts at ``i / rps`` seconds. Each process runs
-    ``python -m mars_openhands.openhands.cli run-one`` with the task and config as JSON files.
+    ``python -m mars_openhands.openhands.cli run-one`` with the task and config as JSON files;
+    the API key reaches it as ``MARS_API_KEY`` (``run_config.json`` holds ``**********``).
 
     Args:
         tasks: the tasks (distinct ``task_id``).
         config: shared run config.
         rps: arrival rate, tasks per second (> 0).
         python: interpreter for the task processes (default: this one).
+        overwrite: delete what an earlier run left in ``out_dir/<task_id>`` (else refuse).
+        check_endpoint: run :func:`preflight` first.
 
     Returns:
-        Results in task order; a process that died or timed out yields status ``error`` / ``timeout``.
+        Results in task order; a process that died or timed out yields status ``error`` /
+        ``timeout`` with its own error (from its ``result.json``, else its log's last line).
 
     Raises:
-        ValueError: ``rps`` <= 0 or duplicate task ids.
+        ValueError: ``rps`` <= 0, duplicate task ids, a reused task directory without
+            ``overwrite``, or a failed pre-flight check; one line each, before any task starts.
     """
-    if rps <= 0:
-        raise ValueError(f"rps must be > 0 tasks per second, got {rps} (--rps)")
-    if len({t.task_id for t in tasks}) != len(tasks):
-        raise ValueError("task_id values must be distinct (each task gets out_dir/<task_id>)")
+    _check_run(tasks, config, rps, overwrite)
+    if check_endpoint:
+        llm = config.llm
+        preflight(llm.base_url, llm.api_key.get_secret_value(), llm.backend)
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "run_config.json").write_text(config.model_dump_json(indent=1))
-    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "OPENHANDS_SUPPRESS_BANNER": "1"}
+    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "OPENHANDS_SUPPRESS_BANNER": "1",
+           ENV_API_KEY: config.llm.api_key.get_secret_value()}
     procs: list[tuple[TaskSpec, subprocess.Popen[bytes], float]] = []
     t0 = time.monotonic()
     for i, task in enumerate(tasks):
@@ -313,10 +382,20 @@ def _wait(task: TaskSpec, proc: subprocess.Popen[bytes], started_s: float, confi
         proc.wait()
         return _failed(task, out, "timeout", f"task exceeded task_timeout_s={config.task_timeout_s}")
     result_path = out / task.task_id / "result.json"
-    if proc.returncode != 0 or not result_path.exists():
-        return _failed(task, out, "error", f"task process exited {proc.returncode}; see "
-                       f"{out / task.task_id / 'process.log'}")
-    return TaskResult.model_validate_json(result_path.read_text())
+    if result_path.exists():  # the task's own account, errors included (exit 3)
+        return TaskResult.model_validate_json(result_path.read_text())
+    log_path = out / task.task_id / "process.log"
+    return _failed(task, out, "error", f"task process exited {proc.returncode}: "
+                   f"{_last_line(log_path)} (see {log_path})")
+
+
+def _last_line(path: Path) -> str:
+    """The last non-empty line of a log (a traceback's exception), or ``"no output"``."""
+    try:
+        lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return "no output"
+    return lines[-1][:500] if lines else "no output"
 
 
 def _failed(task: TaskSpec, out: Path, status: TaskStatus, error: str) -> TaskResult:

@@ -10,6 +10,10 @@ key                     type       meaning
 ``mars_last_step``      0 / 1      1 when this is known to be the session's last call
 ``mars_prev_tool``      str        tool that ran since the previous turn
 ``mars_prev_tool_s``    float >=0  its measured duration, seconds
+``mars_side``           0 / 1      1 for a side request (a title or summary call without
+                                   tools): not the session's next turn, so it does not
+                                   advance ``mars_turn`` and does not end a tool phase,
+                                   release or consume the session's retained KV
 ======================  =========  ==================================================
 
 Other ``extra_args`` keys (e.g. vLLM's ``kv_transfer_params``) are ignored; an unknown key that
@@ -17,7 +21,7 @@ starts with ``mars_`` is an error (a typo would otherwise be dropped silently).
 
 Example:
     >>> parse_turn_meta({"mars_turn": "3", "mars_last_step": 0, "other": 1})
-    TurnMeta(turn=3, is_last_step=False, prev_tool=None, prev_tool_s=None)
+    TurnMeta(turn=3, is_last_step=False, prev_tool=None, prev_tool_s=None, is_side=False)
     >>> parse_turn_meta({"mars_turn": -1})
     Traceback (most recent call last):
     ...
@@ -33,7 +37,7 @@ from typing import Any
 
 __all__ = ["MARS_EXTRA_KEYS", "TurnMeta", "parse_turn_meta"]
 
-MARS_EXTRA_KEYS = ("mars_turn", "mars_last_step", "mars_prev_tool", "mars_prev_tool_s")
+MARS_EXTRA_KEYS = ("mars_turn", "mars_last_step", "mars_prev_tool", "mars_prev_tool_s", "mars_side")
 """The ``vllm_xargs`` keys the engine reads."""
 
 
@@ -45,6 +49,8 @@ class TurnMeta:
     is_last_step: bool | None = None
     prev_tool: str | None = None
     prev_tool_s: float | None = None
+    is_side: bool = False
+    """A side request (``mars_side=1``): not one of the session's agent turns."""
 
 
 _EMPTY = TurnMeta()
@@ -110,6 +116,7 @@ def parse_turn_meta(extra_args: Mapping[str, Any] | None) -> TurnMeta:
     last = extra_args.get("mars_last_step")
     tool = extra_args.get("mars_prev_tool")
     tool_s = extra_args.get("mars_prev_tool_s")
+    side = extra_args.get("mars_side")
     if tool is not None and (not isinstance(tool, str) or not tool):
         raise _bad("mars_prev_tool", tool, "a non-empty tool name")
     return TurnMeta(
@@ -117,4 +124,5 @@ def parse_turn_meta(extra_args: Mapping[str, Any] | None) -> TurnMeta:
         is_last_step=None if last is None else bool(_as_int("mars_last_step", last, 0, 1)),
         prev_tool=tool,
         prev_tool_s=None if tool_s is None else _as_seconds("mars_prev_tool_s", tool_s),
+        is_side=side is not None and bool(_as_int("mars_side", side, 0, 1)),
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import tempfile
 import threading
 from pathlib import Path
@@ -107,10 +108,15 @@ def _run(factory, tmp_path: Path, gpu: str, inbox: str) -> None:
     assert state["sessions"]["c"]["in_flight"] == 0 and state["sessions"]["c"]["turns"] == 1
     # The same for a whole (non-streamed) response: vLLM runs it under with_cancellation, in a task
     # of its own that only a disconnect on receive() stops.
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/completions", timeout=1.5, headers=key, json={
-            "model": server.model, "prompt": [1, 40, 41], "max_tokens": 900, "ignore_eos": True,
-            "mars_session": "c"})
+    # Hang up once the engine runs it (a timeout raced the generation on a quiet machine).
+    body = json.dumps({"model": server.model, "prompt": [1, 40, 41], "max_tokens": 900,
+                       "ignore_eos": True, "mars_session": "c"}).encode()
+    url = httpx.URL(server.url)
+    with socket.create_connection((url.host, url.port), timeout=30) as raw:
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k-int\r\n"
+                    b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        wait_until(lambda: (parse_vllm_metrics(client.get("/metrics").text).num_running or 0) >= 1,
+                   what="the whole-response request to run in the engine")
     def of_c() -> list[dict[str, Any]]:
         rows = [json.loads(line) for line in stream_path.read_text().splitlines()]
         return [r for r in rows if r["kind"] == "finished" and r["session_id"] == "c"]

@@ -82,8 +82,12 @@ def test_gateway_with_two_vllm_replicas(vllm_server_factory) -> None:
     )
 
     def chat(session: str, content: str = "hello", **extra: Any) -> dict[str, Any]:
+        # An agent turn carries tools (a chat request without them is a side request);
+        # tool_choice "none" lets vLLM serve it without a tool-call parser.
         return {"model": model, "messages": [{"role": "user", "content": content}],
-                "max_tokens": 4, "mars_session": session, **extra}
+                "max_tokens": 4, "mars_session": session, "tool_choice": "none",
+                "tools": [{"type": "function", "function": {"name": "bash", "parameters": {
+                    "type": "object", "properties": {}}}}], **extra}
 
     with GatewayServer(config, sink) as gw, httpx.Client(base_url=gw.url, timeout=120) as client:
         def state() -> dict[str, Any]:

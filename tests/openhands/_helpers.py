@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -11,6 +12,8 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from tests.unit.control.gateway_helpers import wait_until as wait_for  # noqa: F401 (re-exported)
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -19,9 +22,16 @@ def free_port() -> int:
 
 
 class EventCollector:
-    """``POST /mars/v1/events`` on a stdlib HTTP server; keeps every posted event (parsed JSON)."""
+    """``POST /mars/v1/events`` on a stdlib HTTP server; keeps every accepted event (parsed JSON).
 
-    def __init__(self, status_code: int = 200) -> None:
+    Args:
+        status_code: the answer to every post.
+        fail_first: answer the first this many posts with ``fail_status`` (and keep nothing).
+        port: listen here (``0``: a free port).
+    """
+
+    def __init__(self, status_code: int = 200, fail_first: int = 0, fail_status: int = 503,
+                 port: int = 0) -> None:
         self.events: list[dict[str, Any]] = []
         self.num_posts = 0
         self.status_code = status_code
@@ -32,15 +42,18 @@ class EventCollector:
                 body = self.rfile.read(int(self.headers.get("content-length", 0)))
                 data = json.loads(body)
                 collector.num_posts += 1
-                collector.events.extend(data if isinstance(data, list) else data.get("events", [data]))
-                self.send_response(collector.status_code)
+                status = fail_status if collector.num_posts <= fail_first else collector.status_code
+                if status < 400:
+                    collector.events.extend(data if isinstance(data, list)
+                                            else data.get("events", [data]))
+                self.send_response(status)
                 self.end_headers()
                 self.wfile.write(b"{}")
 
             def log_message(self, *args: Any) -> None:
                 pass
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}/mars/v1/events"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
@@ -72,3 +85,70 @@ def serve_app(app: Any) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+@contextmanager
+def playback_behind_gateway(scripts: Any, **gateway: Any) -> Iterator[tuple[Any, Any]]:
+    """The playback engine (a thread) behind a real MARS gateway (a thread) recording its stream
+    into a ``ListSink``; yields ``(gateway_server, sink)``."""
+    from mars_openhands.control.config import GatewayConfig, ReplicaConfig
+    from mars_openhands.control.server import GatewayServer
+    from mars_openhands.openhands.playback import build_playback_app
+    from mars_openhands.stream.transport import ListSink
+
+    sink = ListSink()
+    with serve_app(build_playback_app(scripts)) as playback_url:
+        config = GatewayConfig(replicas=[ReplicaConfig(url=playback_url)], port=0,
+                               poll_interval_s=0.2, **gateway)
+        with GatewayServer(config, sink) as server:
+            yield server, sink
+
+
+@contextmanager
+def serve_process(argv: list[str], url: str, log_path: Any, env: dict[str, str], cwd: Any,
+                  ready_path: str = "/alive", timeout_s: float = 120.0) -> Iterator[Any]:
+    """Run ``argv`` (a server) until ``url + ready_path`` answers 200; yields the process, then
+    terminates it (killed after 10 s).
+
+    Raises:
+        RuntimeError: it exited or did not answer within ``timeout_s`` (with its log's tail).
+    """
+    import subprocess
+
+    import httpx
+
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                tail = open(log_path, errors="replace").read()[-3000:]
+                raise RuntimeError(f"{argv[:4]} exited ({proc.returncode}) or timed out:\n{tail}")
+            try:
+                if httpx.get(url + ready_path, timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        yield proc
+    finally:  # the whole process group: the app's sandboxes are its children
+        import os
+        import signal
+
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+        with contextlib.suppress(ProcessLookupError):  # children that outlived the leader
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def session_events(sink: Any, session_id: str) -> list[Any]:
+    """The CPU-plane events of one session in a gateway's recorded stream, in order."""
+    cpu = ("session_start", "session_end", "tool_enqueued", "tool_start", "tool_end")
+    return [e for e in list(sink.events) if e.kind in cpu and e.session_id == session_id]

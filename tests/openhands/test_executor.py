@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from openhands.tools.terminal import TerminalAction, TerminalObservation  # noqa
 from mars_openhands.openhands.executor import EventedExecutor, EventSender  # noqa: E402
 from mars_openhands.openhands.policy_check import PolicyConfig  # noqa: E402
 from mars_openhands.stream.events import parse_event  # noqa: E402
-from tests.openhands._helpers import EventCollector  # noqa: E402
+from tests.openhands._helpers import EventCollector, free_port  # noqa: E402
 
 pytestmark = pytest.mark.openhands
 
@@ -106,11 +107,50 @@ def test_policy_off_executes_everything(tmp_path: Path) -> None:
 
 def test_gateway_errors_never_reach_the_agent(tmp_path: Path) -> None:
     with EventCollector(status_code=404) as collector:
-        sender = EventSender(collector.url)
+        sender = EventSender(collector.url, max_retries=1, retry_backoff_s=0.01)
         _wrap(ProbeExecutor(0.0), sender, tmp_path)(TerminalAction(command="ls"))
         assert sender.flush(10)
         sender.close()
-    assert collector.num_posts >= 1 and sender.num_post_errors >= 1 and sender.num_sent == 0
+    assert collector.num_posts == 2 and sender.num_post_errors == 2 and sender.num_sent == 0
+    assert sender.num_lost == 3  # enqueued, start, end
+
+
+def test_events_are_retried_across_a_gateway_restart(tmp_path: Path) -> None:
+    """Nothing listens while the tool runs (the gateway restarts); the events arrive once it is
+    back, in order, and nothing is counted lost (they were dropped after one try)."""
+    port = free_port()
+    sender = EventSender(f"http://127.0.0.1:{port}/mars/v1/events", tmp_path / "events.jsonl",
+                         retry_backoff_s=0.1)
+    _wrap(ProbeExecutor(0.0), sender, tmp_path)(TerminalAction(command="ls"))
+    time.sleep(0.4)  # a few refused attempts
+    with EventCollector(port=port, fail_first=1) as collector:  # back, then one 503 while starting
+        assert sender.flush(15)
+        sender.close()
+    assert [e["kind"] for e in collector.events] == ["tool_enqueued", "tool_start", "tool_end"]
+    assert sender.num_post_errors >= 2 and sender.num_lost == 0 and sender.num_sent == 3
+    assert not (tmp_path / "events_lost.jsonl").exists()
+
+
+def test_events_given_up_on_are_counted_and_kept(tmp_path: Path) -> None:
+    """A 400 (the gateway rejected the batch) is not retried; the events are written beside the
+    log as lost, and close() returns although the gateway never accepts them."""
+    with EventCollector(status_code=400) as collector:
+        sender = EventSender(collector.url, tmp_path / "events.jsonl")
+        _wrap(ProbeExecutor(0.0), sender, tmp_path)(TerminalAction(command="ls"))
+        t0 = time.monotonic()
+        sender.close()
+    assert time.monotonic() - t0 < 5.0
+    assert collector.num_posts == 1 and sender.num_lost == 3
+    lost = [json.loads(line)["kind"] for line in (tmp_path / "events_lost.jsonl").read_text().splitlines()]
+    assert lost == ["tool_enqueued", "tool_start", "tool_end"]
+
+
+def test_close_gives_up_on_an_unreachable_gateway_within_its_timeout(tmp_path: Path) -> None:
+    sender = EventSender(f"http://127.0.0.1:{free_port()}/mars/v1/events", tmp_path / "e.jsonl")
+    _wrap(ProbeExecutor(0.0), sender, tmp_path)(TerminalAction(command="ls"))
+    t0 = time.monotonic()
+    sender.close(timeout_s=1.0)
+    assert time.monotonic() - t0 < 3.0 and sender.num_lost == 3 and sender.num_sent == 0
 
 
 def test_emit_does_not_wait_for_a_slow_endpoint(tmp_path: Path) -> None:

@@ -28,6 +28,8 @@ from tests.openhands._helpers import serve_app  # noqa: E402
 pytestmark = pytest.mark.openhands
 
 TRACES = Path("/work/shared/data/traces/mini-swe-agent")
+TOOLS = [{"type": "function", "function": {"name": "terminal", "parameters": {
+    "type": "object", "properties": {"command": {"type": "string"}}}}}]
 
 
 def _trace(tmp_path: Path, commands: list[str]) -> Path:
@@ -71,7 +73,8 @@ def test_server_plays_turn_by_assistant_count_and_binds_sessions() -> None:
     def ask(client: httpx.Client, session: str, num_assistant: int) -> dict:
         messages = [{"role": "user", "content": "go"}]
         messages += [{"role": "assistant", "content": "x"}] * num_assistant
-        r = client.post("/v1/chat/completions", json={"model": "playback", "messages": messages},
+        r = client.post("/v1/chat/completions", json={"model": "playback", "messages": messages,
+                                                      "tools": TOOLS},
                         headers={"X-Mars-Session": session})
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["message"]
@@ -83,8 +86,98 @@ def test_server_plays_turn_by_assistant_count_and_binds_sessions() -> None:
         assert json.loads(first["tool_calls"][0]["function"]["arguments"]) == {"command": "ls"}
         done = ask(client, "other", 1)  # past the end: finish
         assert done["tool_calls"][0]["function"]["name"] == "finish"
-        streamed = client.post("/v1/chat/completions", json={"messages": [], "stream": True})
-        assert streamed.status_code == 400 and "stream=false" in streamed.text
+
+
+def test_streamed_turns_are_server_sent_events_litellm_reads() -> None:
+    """The OpenHands app always streams: a streamed turn is the same turn as chunks, and LiteLLM
+    (what the SDK calls) reassembles the text and the tool call."""
+    import litellm
+
+    script = Script(name="s", turns=(RecordedTurn(content="looking", tool_calls=(
+        RecordedToolCall(name="terminal", arguments={"command": "ls -la"}),)),))
+    with serve_app(build_playback_app([script])) as url:
+        with httpx.Client(base_url=url) as client:
+            raw = client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "go"}], "tools": TOOLS, "stream": True,
+                "stream_options": {"include_usage": True}})
+            assert raw.status_code == 200 and raw.headers["content-type"].startswith("text/event-stream")
+            assert raw.text.rstrip().endswith("data: [DONE]") and '"usage"' in raw.text
+            requests = client.get("/playback/requests").json()["requests"]
+        assert requests[-1]["stream"] is True and requests[-1]["turn"] == 0
+        chunks = list(litellm.completion(
+            model="openai/playback", api_base=f"{url}/v1", api_key="x", stream=True, tools=TOOLS,
+            messages=[{"role": "user", "content": "go"}]))
+        message = litellm.stream_chunk_builder(chunks).choices[0].message
+    assert message.content == "looking"
+    [call] = message.tool_calls
+    assert call.function.name == "terminal" and json.loads(call.function.arguments) == {"command": "ls -la"}
+
+
+def test_a_request_without_tools_is_answered_with_text_and_takes_no_turn() -> None:
+    """A title request (no tools) gets text, and the session's next agent turn is still turn 0."""
+    script = Script(name="s", turns=(RecordedTurn(tool_calls=(
+        RecordedToolCall(name="terminal", arguments={"command": "ls"}),)),))
+    with serve_app(build_playback_app([script])) as url, httpx.Client(base_url=url) as client:
+        body = {"messages": [{"role": "user", "content": "go"}]}
+        title = client.post("/v1/chat/completions", json=body, headers={"x-litellm-session-id": "c"})
+        message = title.json()["choices"][0]["message"]
+        assert message["content"] and "tool_calls" not in message
+        turn = client.post("/v1/chat/completions", json={**body, "tools": TOOLS},
+                           headers={"x-litellm-session-id": "c"}).json()["choices"][0]["message"]
+        assert turn["tool_calls"][0]["function"]["name"] == "terminal"
+        assert [r["is_side"] for r in client.get("/playback/requests").json()["requests"]] == [True, False]
+
+
+def test_playback_is_reachable_from_the_cli_with_help(capsys) -> None:
+    from mars_openhands.cli import main as top_main
+
+    with pytest.raises(SystemExit) as done:
+        top_main(["openhands", "playback", "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "--script" in out and "--upstream-url" in out and "--max-turns" in out
+
+
+def test_a_missing_script_is_one_line_naming_where_the_traces_are(tmp_path: Path, capsys) -> None:
+    from mars_openhands.cli import main as top_main
+
+    assert top_main(["openhands", "playback", "--script", str(tmp_path / "nope.traj.json.gz"),
+                     "--check"]) == 2
+    err = capsys.readouterr().err
+    assert "no such file" in err and "../shared/data/traces" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def _documented_playback_argv() -> list[str]:
+    """The ``playback`` command of docs/openhands.md's playback section, as argv (no shell)."""
+    import shlex
+
+    text = (Path(__file__).parents[2] / "docs" / "openhands.md").read_text()
+    command = next(block for block in text.split("```bash")[1:] if "openhands playback" in block)
+    line = command.split("```")[0].replace("\\\n", " ").strip().splitlines()[0]
+    argv = shlex.split(line)
+    return argv[argv.index("playback") + 1:]
+
+
+@pytest.mark.skipif(not TRACES.exists(), reason="bundled traces not present")
+def test_the_documented_playback_command_finds_its_trace_from_the_repo_root(tmp_path: Path,
+                                                                           monkeypatch, capsys) -> None:
+    """The docs' command, run from a repository root whose ../shared holds the traces (the layout
+    the README describes), loads its trace (it named a path that did not exist: a traceback)."""
+    from mars_openhands.cli import main as top_main
+
+    argv = _documented_playback_argv()
+    script = Path(argv[argv.index("--script") + 1])
+    marker = Path("shared/data/traces/mini-swe-agent")
+    relative = Path(*script.parts[script.parts.index("mini-swe-agent") + 1:])
+    layout = tmp_path / marker / relative
+    layout.parent.mkdir(parents=True)
+    layout.symlink_to(TRACES / relative)
+    (tmp_path / "repo").mkdir()
+    monkeypatch.chdir(tmp_path / "repo")
+    monkeypatch.setattr("mars_openhands.openhands.playback._REPO_ROOT", tmp_path / "repo")
+    assert top_main(["openhands", "playback", *argv, "--check"]) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)["num_turns"] > 0
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

@@ -5,7 +5,8 @@ Allowed (may import →):
   policy    → stream
   engine    → policy, stream, vllm, torch
   control   → policy, stream (never vllm, torch or openhands)
-  openhands → stream, OpenHands SDK (never vllm, torch, control internals)
+  openhands → stream, runtime, OpenHands SDK (never vllm, torch, control internals)
+  runtime   → stream, policy, DBOS (+ its SQLAlchemy) (never vllm, torch, OpenHands, control, engine)
   eval      → anything
 """
 
@@ -24,16 +25,25 @@ PKG = ROOT / "mars_openhands"
 # layer → top-level modules that layer must never import (at module level or lazily).
 FORBIDDEN: dict[str, set[str]] = {
     "stream": {"vllm", "torch", "openhands", "mars_openhands.policy", "mars_openhands.engine",
-               "mars_openhands.control", "mars_openhands.openhands", "eval", "fastapi", "httpx"},
+               "mars_openhands.control", "mars_openhands.openhands", "mars_openhands.runtime", "eval",
+               "fastapi", "httpx", "dbos"},
     "policy": {"vllm", "torch", "openhands", "mars_openhands.engine", "mars_openhands.control",
-               "mars_openhands.openhands", "eval", "fastapi", "httpx", "zmq"},
+               "mars_openhands.openhands", "mars_openhands.runtime", "eval", "fastapi", "httpx",
+               "zmq", "dbos"},
     "engine": {"openhands", "mars_openhands.control", "mars_openhands.openhands", "eval"},
     "control": {"vllm", "torch", "openhands", "mars_openhands.engine", "mars_openhands.openhands",
-                "eval"},
+                "mars_openhands.runtime", "eval"},
     "openhands": {"vllm", "torch", "mars_openhands.engine", "mars_openhands.policy", "eval"},
+    "runtime": {"vllm", "torch", "openhands", "mars_openhands.openhands", "mars_openhands.engine",
+                "mars_openhands.control", "eval", "fastapi", "httpx", "litellm"},
 }
 # Third-party modules a layer may import only inside functions (lazily), never at module level.
-LAZY_ONLY: dict[str, set[str]] = {"stream": {"zmq", "pandas", "pyarrow", "numpy"}}
+LAZY_ONLY: dict[str, set[str]] = {"stream": {"zmq", "pandas", "pyarrow", "numpy"},
+                                   "runtime": {"pandas", "pyarrow", "matplotlib", "rich"}}
+# The only modules the runtime may import at all, besides the standard library and itself.
+RUNTIME_ALLOWED = ("mars_openhands.runtime", "mars_openhands.stream", "mars_openhands.policy",
+                   "mars_openhands", "pydantic", "dbos", "sqlalchemy", "pandas", "pyarrow",
+                   "matplotlib", "rich")
 
 
 def _is_type_checking(node: ast.stmt) -> bool:
@@ -115,5 +125,28 @@ def test_stream_and_policy_import_cold_without_vllm_or_torch() -> None:
 def test_importing_engine_package_does_not_import_vllm() -> None:
     """`import mars_openhands.engine` is cheap: vLLM loads only when a class is asked for."""
     code = "import sys, mars_openhands.engine\nassert 'vllm' not in sys.modules\n"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_runtime_imports_only_its_allowlist() -> None:
+    """`runtime` is stdlib + pydantic + DBOS (its storage) + stream/policy; report libs lazily."""
+    stdlib = sys.stdlib_module_names
+    violations = []
+    for path in _layer_files("runtime"):
+        for module, _ in _imports(path):
+            top = module.split(".")[0]
+            if top in stdlib or top == "__future__":
+                continue
+            if not any(_matches(module, allowed) for allowed in RUNTIME_ALLOWED):
+                violations.append(f"{path.relative_to(ROOT)} imports {module}")
+    assert not violations, "runtime imports outside its allowlist:\n" + "\n".join(violations)
+
+
+def test_importing_runtime_package_needs_no_dbos() -> None:
+    """`import mars_openhands.runtime` (and its pure modules) is cheap: DBOS loads with the engine."""
+    code = ("import sys, mars_openhands.runtime, mars_openhands.runtime.effects, "
+            "mars_openhands.runtime.gate, mars_openhands.runtime.task\n"
+            "assert 'dbos' not in sys.modules and 'sqlalchemy' not in sys.modules\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

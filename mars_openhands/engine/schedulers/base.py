@@ -44,6 +44,12 @@ hook                                   default (stock vLLM behaviour)
                                        that moves requests in or out of ``waiting``)
 =====================================  ==========================================================
 
+Side requests (``vllm_xargs`` ``mars_side=1``; the gateway tags chat requests without tools, such
+as a conversation title or a condenser summary): they are scheduled as requests of their session
+(same levels, same prefix), but are not its next turn: their arrival does not end the session's
+tool phase, their first schedule does not release the session's retained KV, and their finish is
+not counted or retained.
+
 Invalid MARS extras (``vllm_xargs``): vLLM's engine core does not catch exceptions from
 ``add_request`` (one bad request would kill the server), so a request with a bad value is finished
 with ``FINISHED_ERROR`` at the next step (the client gets ``finish_reason="error"``) and the
@@ -311,7 +317,10 @@ class MarsBaseScheduler(AsyncScheduler):
             if sid is not None and sid in self.sessions else 0,
         )
         if sid is not None:
-            self._on_session_request(sid, request.request_id, meta, now)
+            if meta.is_side:  # a title/summary call: not the session's next turn
+                self._on_side_request(sid, request.request_id, now)
+            else:
+                self._on_session_request(sid, request.request_id, meta, now)
         super().add_request(request)
         if self.window_size is not None and request.request_id not in self._rejected:
             if len(self.running) + len(self.waiting) > self.window_size:
@@ -342,6 +351,15 @@ class MarsBaseScheduler(AsyncScheduler):
         session.tool_ended = False
         session.last_finish_s = None
         session.last_turn = meta.turn
+        session.last_activity_s = now
+        session.active_request_ids.add(request_id)
+
+    def _on_side_request(self, sid: str, request_id: str, now: float) -> None:
+        """A side request (``mars_side=1``) joins its session's requests and nothing else: the
+        session's tool phase, turn count and retained KV stay as they are."""
+        session = self.sessions.get(sid)
+        if session is None:
+            session = self.sessions[sid] = SessionState(sid, first_arrival_s=now)
         session.last_activity_s = now
         session.active_request_ids.add(request_id)
 
@@ -455,7 +473,7 @@ class MarsBaseScheduler(AsyncScheduler):
             session.active_request_ids.discard(rid)
             session.attained_service_tokens += request.num_computed_tokens
             session.last_activity_s = now
-            if request.status in _RETAINABLE:
+            if request.status in _RETAINABLE and not state.meta.is_side:
                 session.num_turns_finished += 1
                 session.last_finish_s = now
                 session.last_context_tokens = request.num_tokens
@@ -567,7 +585,7 @@ class MarsBaseScheduler(AsyncScheduler):
                 state.first_scheduled_s = now
                 self._on_first_scheduled(rid, state, scheduled.get(rid, 0), now)
             sid = state.session_id
-            if sid is not None and sid in self.retained:
+            if sid is not None and sid in self.retained and not state.meta.is_side:
                 self.release_retained(sid, "resumed", now)  # the hit already took its references
         if self._has_on_scheduled and was_running is not None:
             for rid, n in scheduled.items():

@@ -83,7 +83,7 @@ class ContinuumScheduler(MarsBaseScheduler):
         self._program_arrival_s.setdefault(sid or rid, state.arrival_s if state else self.clock())
         self._live[rid] = (sid, bool(state and state.meta.is_last_step))
         session = self.sessions.get(sid) if sid is not None else None
-        if session is not None:
+        if session is not None and not (state and state.meta.is_side):  # a side call is no turn
             self._program_ks.setdefault(sid, []).append(session.num_turns_finished)
 
     def on_requests_finished(self, request_ids: list[str]) -> None:

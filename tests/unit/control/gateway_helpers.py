@@ -42,9 +42,17 @@ def state(server: GatewayServer) -> dict[str, Any]:
     return httpx.get(f"{server.url}/mars/v1/state", timeout=5.0).json()
 
 
+AGENT_TOOLS = [{"type": "function", "function": {"name": "terminal", "parameters": {
+    "type": "object", "properties": {"command": {"type": "string"}}}}}]
+"""What an agent's turn carries (a chat request without tools is a side request)."""
+
+
 def chat(session: str | None = None, stream: bool = False, **extra: Any) -> dict[str, Any]:
+    """An agent turn (with ``tools``); pass ``tools=None`` for a side request (title, summary)."""
     body: dict[str, Any] = {"model": "fake", "messages": [{"role": "user", "content": "hi"}],
-                            "stream": stream, **extra}
+                            "stream": stream, "tools": AGENT_TOOLS, **extra}
+    if body["tools"] is None:
+        del body["tools"]
     if session is not None:
         body["mars_session"] = session
     return body

@@ -146,17 +146,29 @@ def test_start_up_line_names_url_replicas_admission_and_stream(tmp_path) -> None
         {"model": "m", "messages": [{"role": "user", "content": "hé \"q\" }"}], "stream": True},
         {"model": "m", "prompt": "x", "mars_session": "s", "mars_last_step": 1},
         {"model": "m", "vllm_xargs": {"k": 1}, "session_id": "native"},
+        {"model": "m", "messages": [], "tools": [{"type": "function"}], "mars_side": 1},
+        {"model": "m", "vllm_xargs": {"mars_side": 1, "mars_turn": 4}, "tools": []},
         {},
     ],
 )
 def test_engine_content_matches_build_engine_body(body) -> None:
     raw = json.dumps(body, indent=1).encode() + b"\n "
     fields = probe_body(raw)
-    assert fields == {k: v for k, v in body.items() if k in (
-        "mars_session", "session_id", "prompt_cache_key", "mars_last_step", "vllm_xargs", "stream")}
-    for session_id, last_step, prev_tool in (("s-1", 1, ("bash", 2.5)), (None, None, None)):
-        out = json.loads(engine_content(raw, fields, session_id, 3, last_step, prev_tool))
-        assert out == build_engine_body(body, session_id, 3, last_step, prev_tool)
+    assert fields == {**{k: v for k, v in body.items() if k in (
+        "mars_session", "session_id", "prompt_cache_key", "mars_last_step", "mars_side",
+        "vllm_xargs", "stream")}, "has_tools": bool(body.get("tools"))}
+    for session_id, turn, last_step, prev_tool in (("s-1", 3, 1, ("bash", 2.5)),
+                                                   (None, 3, None, None),
+                                                   ("s-1", None, None, ("bash", 2.5))):
+        out = json.loads(engine_content(raw, fields, session_id, turn, last_step, prev_tool))
+        assert out == build_engine_body(body, session_id, turn, last_step, prev_tool)
+        assert "mars_side" not in out
+        xargs = out["vllm_xargs"]
+        if turn is None:  # a side request: no turn, no previous tool, mars_side=1
+            assert xargs.get("mars_side") == 1 and "mars_turn" not in xargs
+            assert "mars_prev_tool" not in xargs
+        else:
+            assert xargs["mars_turn"] == turn and "mars_side" not in xargs
 
 
 @pytest.mark.parametrize("raw, needle", [(b"{nope", "not valid JSON"), (b"[1]", "JSON object"),

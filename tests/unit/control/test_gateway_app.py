@@ -51,6 +51,38 @@ def test_sessions_stick_to_a_replica_and_carry_metadata(clean_fakes, gateway_fac
     assert state(server)["num_admitted"] == 5  # one-turn sessions released their slots
 
 
+def test_requests_without_tools_are_side_requests_not_turns(clean_fakes, gateway_factory) -> None:
+    """The OpenHands app's title request (no tools, same session) takes no turn: the agent's turns
+    stay 0, 1, 2 and the previous tool travels with the next agent turn, not with the title."""
+    server, _ = gateway_factory([clean_fakes[0].url])
+    sid = "side-a"
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        title = client.post("/v1/chat/completions", json=chat(sid, tools=None),
+                            headers={"x-litellm-session-id": sid})
+        assert title.status_code == 200 and title.headers["x-mars-side"] == "1"
+        assert "x-mars-turn" not in title.headers
+        assert client.post("/v1/chat/completions", json=chat(sid)).headers["x-mars-turn"] == "0"
+        client.post("/mars/v1/events", json=[
+            event("tool_start", sid, tool_name="terminal", tool_call_id="t1"),
+            event("tool_end", sid, tool_name="terminal", tool_call_id="t1", duration_s=1.5)])
+        summary = client.post("/v1/chat/completions", json=chat(sid, tools=[], stream=True))
+        assert summary.headers["x-mars-side"] == "1"
+        assert client.post("/v1/chat/completions", json=chat(sid)).headers["x-mars-turn"] == "1"
+        forced = client.post("/v1/chat/completions", json=chat(sid, tools=None, mars_side=0))
+        assert forced.headers["x-mars-turn"] == "2"  # the agent's explicit mars_side wins
+        bad = client.post("/v1/chat/completions", json=chat(sid, mars_side="maybe"))
+        assert bad.status_code == 400 and "mars_side" in bad.json()["error"]["message"]
+        raw = client.post("/v1/completions", json={"model": "fake", "prompt": "x"},
+                          headers={"x-mars-session": sid})
+        assert raw.headers["x-mars-turn"] == "3"  # a raw prompt carries no tools to judge by
+        assert state(server)["sessions"][sid]["side_requests"] == 2
+    xargs = [r["vllm_xargs"] for r in clean_fakes[0].seen()["requests"] if r["session_id"] == sid]
+    assert xargs == [{"mars_side": 1}, {"mars_turn": 0}, {"mars_side": 1},
+                     {"mars_turn": 1, "mars_prev_tool": "terminal", "mars_prev_tool_s": 1.5},
+                     {"mars_turn": 2}, {"mars_turn": 3}]
+    assert all("mars_side" not in r["body"] for r in clean_fakes[0].seen()["requests"])
+
+
 def test_replica_headers_are_relayed_and_a_refused_turn_is_not_counted(clean_fakes, gateway_factory) -> None:
     server, _ = gateway_factory([clean_fakes[0].url])
     with httpx.Client(base_url=server.url, timeout=10) as client:

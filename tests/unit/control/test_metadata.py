@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from mars_openhands.control import metadata
 from mars_openhands.control.metadata import (
     BadRequestError,
     build_engine_body,
@@ -81,3 +82,29 @@ def test_estimate_prompt_tokens() -> None:
     chat = {"messages": [{"role": "user", "content": "y" * 800}]}
     assert 200 <= estimate_prompt_tokens(chat, 10_000, 4.0) <= 215
     assert estimate_prompt_tokens({}, 4000, 4.0) == 1000
+
+
+@pytest.mark.parametrize("path, fields, expected", [
+    ("/v1/chat/completions", {"has_tools": False}, True),
+    ("/v1/chat/completions", {"has_tools": True}, False),
+    ("/v1/chat/completions", {"tools": [{"type": "function"}]}, False),
+    ("/v1/chat/completions", {"tools": []}, True),
+    ("/v1/chat/completions", {}, True),
+    ("/v1/completions", {"has_tools": False}, False),
+    ("/v1/chat/completions", {"has_tools": False, "mars_side": 0}, False),
+    ("/v1/chat/completions", {"has_tools": True, "mars_side": True}, True),
+])
+def test_side_requests_are_chat_requests_without_tools(path, fields, expected) -> None:
+    assert metadata.is_side_request(path, fields) is expected
+
+
+def test_a_bad_mars_side_names_the_field() -> None:
+    with pytest.raises(BadRequestError, match="body mars_side"):
+        metadata.is_side_request("/v1/chat/completions", {"mars_side": "yes"})
+
+
+def test_a_side_request_carries_mars_side_instead_of_a_turn() -> None:
+    body = {"messages": [], "mars_side": 1, "vllm_xargs": {"mars_turn": 5, "k": "v"}}
+    out = metadata.build_engine_body(body, "s", None, prev_tool=("bash", 1.0))
+    assert out["vllm_xargs"] == {"k": "v", "mars_side": 1} and "mars_side" not in out
+    assert metadata.build_engine_body(body, "s", 2)["vllm_xargs"] == {"k": "v", "mars_turn": 2}

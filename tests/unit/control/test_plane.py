@@ -66,6 +66,15 @@ def test_tool_calls_keep_a_session_alive_and_its_last_tool_travels_with_the_next
     assert cp.start_turn(s) == (1, ("pytest", 2.5))
 
 
+def test_a_side_request_takes_no_turn_and_leaves_the_previous_tool_for_the_next() -> None:
+    cp = plane([0.0])
+    s = cp.open_session("s")
+    assert cp.start_turn(s) == (0, None)
+    cp.tool_ended(s, "c", "terminal", duration_s=1.5)
+    assert cp.start_turn(s, is_side=True) == (None, None)  # the app's title request
+    assert cp.start_turn(s) == (1, ("terminal", 1.5)) and s.num_side_requests == 1
+
+
 def test_one_turn_sessions_end_with_their_request() -> None:
     now = [5.0]
     cp = plane(now, admission=ONE)

@@ -159,3 +159,33 @@ def test_multi_turn_sessions_with_async_pipelining(depth: int) -> None:
     assert hits and min(hits) > 100  # every resumed turn hit its retained prefix
     assert not h.scheduler.retained  # final turns are not retained
     h.assert_no_leaks()
+
+
+def test_a_side_request_is_not_the_sessions_next_turn() -> None:
+    """A title request (``mars_side=1``) between two turns keeps the session's retained KV, turn
+    count and tool phase; the next agent turn then resumes from the retained prefix."""
+    h = Harness(MarsScheduler, num_blocks=64)
+    r0 = h.add(h.make_request("s1", h.tokens(100), 4, {"mars_turn": 0}))
+    h.run_until_finished(r0.request_id)
+    assert "s1" in h.scheduler.retained
+    s = h.scheduler.sessions["s1"]
+    finished_s = s.last_finish_s
+    side = h.add(h.make_request("s1", h.tokens(30), 3, {"mars_side": 1}))
+    h.run_until_finished(side.request_id)
+    assert "s1" in h.scheduler.retained  # neither released as "resumed" nor replaced
+    assert s.num_turns_finished == 1 and s.last_finish_s == finished_s and s.last_turn == 0
+    assert not s.active_request_ids
+    r1 = h.add(h.next_turn(r0, 10, 2, {"mars_turn": 1}))
+    res = h.step()
+    assert r1.num_computed_tokens - res.num_scheduled_tokens[r1.request_id] >= 96  # a prefix hit
+    assert "s1" not in h.scheduler.retained  # the agent's turn consumed it
+    h.run_until_done()
+    h.assert_no_leaks()
+
+
+def test_side_extra_is_checked() -> None:
+    h = Harness(MarsBaseScheduler, num_blocks=32)
+    bad = h.add(h.make_request("s1", h.tokens(20), 3, {"mars_side": 2}))
+    res = h.step()
+    assert bad.request_id in res.finished_ids and bad.status == RequestStatus.FINISHED_ERROR
+    h.assert_no_leaks()

@@ -1,0 +1,209 @@
+"""OpenHands tasks on the durable runtime: the ``openhands`` driver (design.md §11; docs/tasks.md).
+
+:func:`run_openhands_task` runs one OpenHands conversation inside the task's workflow. Its LLM is
+a :class:`DurableLLM` (an SDK ``LLM`` subclass, as the SDK's own ``TestLLM``): every ``completion``
+is a runtime LLM step, so after a restart the recorded responses are returned instead of asking the
+model. Its tools are the evented MARS tools with one more wrapper, :class:`DurableExecutor`: every
+call goes through the runtime's gate, approvals and effect protocol, and a recorded observation is
+returned instead of running the tool again. On a restart the conversation is rebuilt from the task's
+log this way (the same responses and observations, in order) and goes on live after the last
+recorded step.
+
+Known limits: a replayed terminal command is not run again, so the shell of a resumed conversation
+starts fresh (working directory, exported variables); the file editor's undo history starts empty.
+The command guard runs in the gate, so the tool wrapper's own check is off here.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from openhands.sdk import LLM
+from openhands.sdk.llm import LLMResponse, Message
+from openhands.sdk.tool import ToolExecutor, register_tool
+from pydantic import PrivateAttr
+
+from mars_openhands.openhands.executor import (
+    MarsFileEditorTool,
+    MarsTaskTrackerTool,
+    MarsTerminalTool,
+    _denied_observation,
+)
+from mars_openhands.openhands.llm import LLMSettings, build_session_llm
+from mars_openhands.openhands.runner import RunConfig, _build_conversation, _status_of
+from mars_openhands.runtime.agent import session_id_of
+from mars_openhands.runtime.engine import AgentOutcome
+from mars_openhands.runtime.run import ExecContext, TaskRun
+
+__all__ = ["DurableExecutor", "DurableLLM", "register_durable_tools", "run_openhands_task"]
+
+_RUNS: dict[str, TaskRun] = {}  # task id -> its TaskRun while the conversation runs (tool lookup)
+_RUNS_LOCK = threading.Lock()
+
+
+def _usage_of(response: LLMResponse) -> dict[str, Any]:
+    usage = getattr(response.raw_response, "usage", None)
+    get = (lambda k: getattr(usage, k, 0) or 0) if usage is not None else (lambda k: 0)
+    cost = getattr(response.metrics, "accumulated_cost", None)
+    return {"prompt_tokens": int(get("prompt_tokens")), "completion_tokens": int(get("completion_tokens")),
+            **({"cost_usd": float(cost)} if cost else {})}
+
+
+def _rebuild(recorded: dict[str, Any]) -> LLMResponse:
+    """An ``LLMResponse`` from its recorded form (message, usage, raw response dict)."""
+    from litellm.types.utils import ModelResponse
+    from openhands.sdk.llm.utils.metrics import MetricsSnapshot
+
+    return LLMResponse(message=Message.model_validate(recorded["message"]),
+                       metrics=MetricsSnapshot.model_validate(recorded["metrics"]),
+                       raw_response=ModelResponse(**recorded["raw"]))
+
+
+class DurableLLM(LLM):
+    """An SDK LLM whose completions are runtime LLM steps (recorded; replayed after a restart)."""
+
+    _mars_task_id: str | None = PrivateAttr(default=None)
+
+    def bind(self, task_id: str) -> DurableLLM:
+        """Route completions through task ``task_id``'s runtime (see :data:`_RUNS`). Mutates self."""
+        self._mars_task_id = task_id
+        return self
+
+    def completion(self, messages: list[Message], tools: Sequence[Any] | None = None,
+                   *args: Any, **kwargs: Any) -> LLMResponse:
+        run = _RUNS.get(self._mars_task_id or "")
+        if run is None:  # not inside a durable task (e.g. a title request): a plain call
+            return super().completion(messages, tools, *args, **kwargs)
+
+        def request() -> dict[str, Any]:
+            response = super(DurableLLM, self).completion(messages, tools, *args, **kwargs)
+            return {"message": response.message.model_dump(mode="json"), "usage": _usage_of(response),
+                    "metrics": response.metrics.model_dump(mode="json"),
+                    "raw": response.raw_response.model_dump(mode="json")}
+
+        summary = {"num_messages": len(messages), "num_tools": len(tools or [])}
+        return _rebuild(run.llm(request, summary))
+
+    def uses_responses_api(self) -> bool:
+        """Chat completions only: the recorded form is a chat completion."""
+        return False
+
+
+class DurableExecutor(ToolExecutor):
+    """Wraps a (evented) tool executor: each call is a runtime tool step of task ``task_id``."""
+
+    def __init__(self, inner: ToolExecutor, tool_name: str, observation_type: Any, task_id: str) -> None:
+        self.inner = inner
+        self.tool_name = tool_name
+        self.observation_type = observation_type
+        self.task_id = task_id
+
+    def __call__(self, action: Any, conversation: Any = None) -> Any:
+        run = _RUNS.get(self.task_id)
+        if run is None:
+            raise RuntimeError(f"durable tool of task {self.task_id} called outside its workflow")
+        arguments = action.model_dump(mode="json", exclude_none=True)
+
+        def execute(ctx: ExecContext) -> dict[str, Any]:
+            t0 = time.monotonic()
+            if ctx.is_retry and self._edit_already_applied(arguments, run.workspace):
+                observation = self.observation_type.from_text(
+                    text=f"[runtime] the edit of {arguments.get('path')} was already applied before a restart")
+            else:
+                observation = self.inner(action, conversation)
+            is_error = bool(getattr(observation, "is_error", False))
+            return {"status": "error" if is_error else "ok", "text": observation.text[:4000],
+                    "observation": observation.model_dump(mode="json"),
+                    "duration_s": time.monotonic() - t0}
+
+        result = run.tool(self.tool_name, arguments, execute)
+        if "observation" in result:
+            return self.observation_type.model_validate(result["observation"])
+        return _denied_observation(self.observation_type, action, result.get("text", result["status"]))
+
+    def _edit_already_applied(self, arguments: dict[str, Any], workspace: Path) -> bool:
+        """A repeated ``str_replace`` whose edit is in the file already (idempotent by content)."""
+        if self.tool_name != "file_editor" or arguments.get("command") != "str_replace":
+            return False
+        path = Path(os.path.normpath(workspace / str(arguments.get("path", ""))))
+        try:
+            text = path.read_text()
+        except OSError:
+            return False
+        old, new = str(arguments.get("old_str", "")), str(arguments.get("new_str", ""))
+        return bool(new) and old not in text and text.count(new) == 1
+
+    def close(self) -> None:
+        """Close the inner executor (it flushes its events)."""
+        self.inner.close()
+
+
+def _durable(base: type) -> type:
+    """A tool class that builds ``base``'s tools and wraps each executor in :class:`DurableExecutor`."""
+    class Durable(base):  # type: ignore[misc, valid-type]
+        @classmethod
+        def create(cls, conv_state: Any = None, **params: Any) -> Sequence[Any]:
+            task_id = str(params.pop("mars_task_id"))
+            return [tool.set_executor(DurableExecutor(tool.executor, tool.name, tool.observation_type, task_id))
+                    for tool in base.create(conv_state=conv_state, **params)]
+
+    Durable.__name__ = Durable.__qualname__ = f"Durable{base.__name__}"
+    return Durable
+
+
+_DURABLE_CLASSES: dict[str, type] = {"terminal": _durable(MarsTerminalTool),
+                              "file_editor": _durable(MarsFileEditorTool),
+                              "task_tracker": _durable(MarsTaskTrackerTool)}
+
+
+def register_durable_tools() -> None:
+    """Register ``mars_durable_terminal`` / ``_file_editor`` / ``_task_tracker`` (idempotent)."""
+    for name, cls in _DURABLE_CLASSES.items():
+        register_tool(f"mars_durable_{name}", cls)
+
+
+def _run_config(run: TaskRun, task_dir: Path) -> RunConfig:
+    agent = run.spec.agent
+    llm = LLMSettings(backend="url", base_url=agent.base_url, model=agent.model, api_key=agent.api_key,
+                      temperature=agent.temperature, timeout_s=int(agent.request_timeout_s))
+    return RunConfig(llm=llm, out_dir=str(task_dir), max_iterations=agent.max_iterations, policy=False)
+
+
+def run_openhands_task(run: TaskRun) -> AgentOutcome:
+    """The ``openhands`` driver: one OpenHands conversation over the task's workspace.
+
+    The conversation's CPU-plane events (``events.jsonl``) go to ``$MARS_TASK_OUT_DIR/<task_id>/``
+    (default ``/tmp/mars-tasks/<task_id>/``).
+
+    Raises:
+        TaskEndedError: from the runtime (budget, deadline, policy).
+    """
+    task_dir = Path(os.environ.get("MARS_TASK_OUT_DIR") or Path("/tmp") / "mars-tasks") / run.task_id
+    task_dir.mkdir(parents=True, exist_ok=True)
+    session_id = session_id_of(run.task_id, run.spec.session_id)
+    config = _run_config(run, task_dir)
+    register_durable_tools()
+    base = build_session_llm(config.llm, session_id)
+    llm = DurableLLM(**{name: getattr(base, name) for name in base.model_fields_set}).bind(run.task_id)
+    with _RUNS_LOCK:
+        _RUNS[run.task_id] = run
+    conversation = None
+    try:
+        conversation, _ = _build_conversation(config, run.workspace, session_id, task_dir / "events.jsonl",
+                                              llm=llm, tool_prefix="mars_durable",
+                                              extra_tool_params={"mars_task_id": run.task_id})
+        conversation.send_message(run.spec.problem_statement)
+        conversation.run()
+        status = _status_of(conversation)
+    finally:
+        if conversation is not None:
+            conversation.close()
+        with _RUNS_LOCK:
+            _RUNS.pop(run.task_id, None)
+    mapped = {"finished": "finished", "stuck": "stuck", "error": "error"}.get(status, "max_iterations")
+    return AgentOutcome(status=mapped, message=f"OpenHands conversation {status}")  # type: ignore[arg-type]

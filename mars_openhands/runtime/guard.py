@@ -1,0 +1,342 @@
+"""The command guard: deny dangerous agent actions before they run (design.md §10, §11).
+
+One rule set of the runtime's policy gate (``gate.py``); also the pre-tool check of the OpenHands
+tool wrapper and hook (``openhands/policy_check.py`` re-exports it).
+
+Four rules, each a switch in :class:`PolicyConfig`:
+
+* ``kill_outside_session``: ``pkill`` / ``killall`` (match by name, reach other sessions' processes),
+  ``kill`` of pid 1, 0, -1 or a negative process group, and ``kill`` of a numeric pid that is not a
+  descendant of this agent process. Job specs (``%1``) and ``$!`` / ``$VAR`` are allowed.
+* ``privilege_escalation``: ``sudo``, ``su``, ``doas``, ``pkexec``, ``runuser``, ``setpriv``, setuid /
+  setgid bits (``chmod u+s``, ``chmod 4755``), ``chown`` to root.
+* ``write_outside_workspace``: output redirections and the path arguments of writing commands
+  (``rm``, ``mv``, ``cp``, ``tee``, ``touch``, ``mkdir``, ``ln``, ``sed -i``, ``dd of=``, ``chmod``,
+  ``truncate``, ...) and the file editor's non-``view`` commands that resolve outside the workspace
+  (``allowed_write_paths`` adds roots; ``/dev/null`` and friends are always allowed).
+* ``environment_mutation``: system package managers (``apt``, ``apt-get``, ``yum``, ``dnf``, ``apk``,
+  ``brew``, ``snap``), ``pip install --user`` / ``--break-system-packages``, ``export`` / ``unset`` of
+  process-wide variables (``PATH``, ``LD_PRELOAD``, ``LD_LIBRARY_PATH``, ``HOME``, ``SHELL``,
+  ``PYTHONPATH``), ``git config --global|--system``, ``crontab``, ``systemctl``, ``service``,
+  ``shutdown``, ``reboot``.
+
+Mental model: this is a guard against accidents of an autonomous agent on an unisolated host
+(``LocalWorkspace`` runs tools on the host), not a sandbox: it parses the command text (``shlex``,
+split at ``;``, ``&&``, ``||``, ``|``, ``&``, newlines, ``$(``...; here-document bodies are data
+and skipped), resolves relative paths against the
+workspace (following ``cd`` within the same command) and cannot see through ``eval``, scripts the
+agent writes and runs, or variables. Use a container for isolation.
+
+Decisions are pure functions of the action and the config (plus ``/proc`` for the pid rule). The
+same check runs in two places: inside the tool wrapper (``executor.py``: the action is not executed,
+the agent gets an error observation, the stream gets ``tool_end`` with ``status="denied"``), and as
+an OpenHands ``PreToolUse`` command hook (``python -m mars_openhands.openhands.policy_check --hook``:
+reads the hook event JSON on stdin, exits 2 to deny) for the app and agent-server. Under the
+durable runtime (``runtime/``) the policy gate runs these rules before every tool call as its
+``guard`` rule set.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+__all__ = [
+    "PolicyConfig",
+    "PolicyDecision",
+    "check_action",
+    "check_command",
+    "check_file_edit",
+    "is_safe_to_replay",
+    "split_commands",
+    "written_paths",
+]
+
+_ALWAYS_WRITABLE = ("/dev/null", "/dev/stdout", "/dev/stderr", "/dev/tty", "/dev/zero")
+_ESCALATION = {"sudo", "su", "doas", "pkexec", "runuser", "setpriv"}
+_PACKAGE_MANAGERS = {"apt", "apt-get", "aptitude", "dpkg", "yum", "dnf", "apk", "brew", "snap",
+                     "zypper", "pacman"}
+_SYSTEM_COMMANDS = {"crontab", "systemctl", "service", "shutdown", "reboot", "halt", "poweroff",
+                    "init", "mount", "umount", "sysctl", "modprobe"}
+_PROCESS_WIDE_VARS = {"PATH", "LD_PRELOAD", "LD_LIBRARY_PATH", "HOME", "SHELL", "PYTHONPATH",
+                      "PYTHONHOME"}
+# Writing commands: every non-option argument is a written path (cp/mv/ln/install: the last one).
+_WRITES_ALL_ARGS = {"rm", "rmdir", "touch", "mkdir", "tee", "truncate", "shred", "unlink", "chmod",
+                    "chown", "chgrp"}
+_WRITES_LAST_ARG = {"cp", "mv", "ln", "install", "rsync"}
+_SEPARATORS = re.compile(r"\|\||&&|[;|&\n]|\$\(|`|\)")
+
+
+class PolicyConfig(BaseModel):
+    """Which rules the pre-tool policy check applies. Frozen; unknown keys are an error."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kill_outside_session: bool = True
+    """Deny killing processes that are not this session's (pkill/killall, pid 1/0/-1, foreign pids)."""
+    privilege_escalation: bool = True
+    """Deny sudo/su/doas/pkexec, setuid/setgid bits and chown to root."""
+    write_outside_workspace: bool = True
+    """Deny writes (redirections, writing commands, file edits) outside the workspace."""
+    environment_mutation: bool = True
+    """Deny system package managers, user/system pip installs, process-wide env vars, global git
+    config and service control."""
+    allowed_write_paths: tuple[str, ...] = ()
+    """Extra absolute directories writes may target besides the workspace (e.g. ``"/tmp"``)."""
+
+
+class PolicyDecision(BaseModel):
+    """The verdict on one action. ``rule`` is ``None`` when allowed."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    is_allowed: bool
+    rule: str | None = None
+    """The rule that denied it: one of the :class:`PolicyConfig` switch names."""
+    reason: str = ""
+    """Human-readable reason, shown to the agent and in the stream."""
+
+
+_ALLOW = PolicyDecision(is_allowed=True)
+
+
+def _deny(rule: str, reason: str) -> PolicyDecision:
+    return PolicyDecision(is_allowed=False, rule=rule, reason=f"denied by policy ({rule}): {reason}")
+
+
+def _is_inside(path: str, cwd: Path, roots: Sequence[Path]) -> bool:
+    if path in _ALWAYS_WRITABLE or path.startswith("/proc/self/fd/"):
+        return True
+    expanded = os.path.expanduser(path)
+    resolved = Path(os.path.normpath(cwd / expanded))
+    return any(resolved == root or root in resolved.parents for root in roots)
+
+
+_HEREDOC = re.compile(r"<<-?\s*(['\"]?)([A-Za-z_][A-Za-z0-9_]*)\1")
+
+
+def _strip_heredocs(command: str) -> str:
+    """Drop here-document bodies (data, not commands); keep the line that opens each. Pure."""
+    kept: list[str] = []
+    delimiter: str | None = None
+    for line in command.split("\n"):
+        if delimiter is not None:
+            if line.strip() == delimiter:
+                delimiter = None
+            continue
+        kept.append(line)
+        match = _HEREDOC.search(line)
+        if match:
+            delimiter = match.group(2)
+    return "\n".join(kept)
+
+
+def _split_segments(command: str) -> list[list[str]]:
+    """Split a shell command into simple commands (token lists); unparsable text yields words."""
+    segments = []
+    for part in _SEPARATORS.split(_strip_heredocs(command)):
+        try:
+            tokens = shlex.split(part, comments=True)
+        except ValueError:  # unbalanced quotes: fall back to whitespace words
+            tokens = part.split()
+        if tokens:
+            segments.append(tokens)
+    return segments
+
+
+def _is_session_pid(pid: int) -> bool:
+    """Whether ``pid`` is a descendant of this process (walks ``/proc/<pid>/stat`` parents)."""
+    me = os.getpid()
+    for _ in range(64):
+        if pid == me:
+            return True
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        pid = int(stat.rsplit(")", 1)[1].split()[1])
+        if pid <= 1:
+            return False
+    return False
+
+
+def _strip_env_prefix(tokens: list[str]) -> list[str]:
+    """Drop leading ``VAR=value`` assignments and ``env``/``nohup``/``time``/``exec`` wrappers."""
+    i = 0
+    while i < len(tokens) and (re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", tokens[i])
+                               or tokens[i] in ("env", "nohup", "time", "exec", "command", "nice")):
+        i += 1
+    return tokens[i:]
+
+
+def _check_kill(tokens: list[str]) -> PolicyDecision | None:
+    name = os.path.basename(tokens[0])
+    if name in ("pkill", "killall"):
+        return _deny("kill_outside_session", f"{name} matches processes by name across sessions")
+    if name != "kill":
+        return None
+    args = tokens[1:]
+    if args[:1] in (["-s"], ["-n"]):
+        args = args[2:]  # kill -s SIG / -n NUM
+    elif args[:1] == ["-l"] or args[:1] == ["-L"]:
+        return None  # list signals
+    elif len(args) > 1 and args[0].startswith("-") and args[0] != "--":
+        args = args[1:]  # kill -9 / -KILL / -SIGTERM: the first option is the signal
+    if args[:1] == ["--"]:
+        args = args[1:]
+    for target in args:
+        if target.startswith(("%", "$")):
+            continue  # job spec or the shell's own $! / variable: this session's processes
+        if not re.fullmatch(r"-?\d+", target):
+            continue
+        pid = int(target)
+        if pid <= 1:
+            return _deny("kill_outside_session", f"kill {target} targets init, a process group or "
+                         "every process")
+        if not _is_session_pid(pid):
+            return _deny("kill_outside_session", f"pid {pid} is not a process of this session")
+    return None
+
+
+def _check_escalation(tokens: list[str]) -> PolicyDecision | None:
+    name = os.path.basename(tokens[0])
+    if name in _ESCALATION:
+        return _deny("privilege_escalation", f"{name} runs commands as another user")
+    if name == "chmod" and any(re.fullmatch(r"[ugoa]*[+=][rwxXt]*s[rwxXts]*|0?[2467]\d{3}", t)
+                               for t in tokens[1:]):
+        return _deny("privilege_escalation", "chmod sets a setuid/setgid bit")
+    if name in ("chown", "chgrp") and any(t.split(":")[0] in ("root", "0") for t in tokens[1:2]):
+        return _deny("privilege_escalation", f"{name} gives files to root")
+    return None
+
+
+def _check_environment(tokens: list[str]) -> PolicyDecision | None:
+    name = os.path.basename(tokens[0])
+    if name in _PACKAGE_MANAGERS or name in _SYSTEM_COMMANDS:
+        return _deny("environment_mutation", f"{name} changes the host system")
+    if name in ("pip", "pip3") or (name.startswith("python") and tokens[1:3] == ["-m", "pip"]):
+        if "install" in tokens and ({"--user", "--break-system-packages"} & set(tokens)):
+            return _deny("environment_mutation", "pip install outside a project environment")
+    if name in ("export", "unset", "setenv"):
+        for t in tokens[1:]:
+            if t.split("=", 1)[0] in _PROCESS_WIDE_VARS:
+                return _deny("environment_mutation", f"{name} {t.split('=', 1)[0]} changes the "
+                             "shell every later command runs in")
+    if name == "git" and "config" in tokens and ({"--global", "--system"} & set(tokens)):
+        return _deny("environment_mutation", "git config --global/--system changes the host's git")
+    return None
+
+
+def _written_paths(tokens: list[str]) -> list[str]:
+    """Paths a simple command writes: redirection targets and writing commands' arguments."""
+    paths = []
+    for i, t in enumerate(tokens):
+        match = re.fullmatch(r"\d*(?:>>?|&>>?|>\|)(.*)", t)
+        if match:
+            target = match.group(1) or (tokens[i + 1] if i + 1 < len(tokens) else "")
+            if target and not target.startswith("&"):
+                paths.append(target)
+    words = [t for t in tokens if not re.fullmatch(r"\d*(?:>>?|&>>?|>\|).*", t)]
+    name = os.path.basename(words[0]) if words else ""
+    args = [t for t in words[1:] if not t.startswith("-")]
+    if name in _WRITES_ALL_ARGS:
+        paths += args[1:] if name in ("chmod", "chown", "chgrp") else args
+    elif name in _WRITES_LAST_ARG and args:
+        paths.append(args[-1])
+    elif name == "sed" and any(t.startswith("-i") or t == "--in-place" for t in words):
+        paths += args[1:]
+    elif name == "dd":
+        paths += [t[3:] for t in words if t.startswith("of=")]
+    return paths
+
+
+def split_commands(command: str) -> list[list[str]]:
+    """The simple commands of a shell command line, each as tokens with leading ``VAR=value`` and
+    ``env``/``nohup``/... wrappers removed; here-document bodies skipped. Pure."""
+    return [tokens for raw in _split_segments(command) if (tokens := _strip_env_prefix(raw))]
+
+
+def written_paths(tokens: list[str]) -> list[str]:
+    """Paths one simple command (tokens) writes: redirection targets, writing commands' arguments
+    (``rm``, ``mv``, ``cp``, ``tee``, ``sed -i``, ``dd of=``, ...). Pure."""
+    return _written_paths(tokens)
+
+
+def check_command(command: str, workspace: Path, config: PolicyConfig | None = None) -> PolicyDecision:
+    """Check one terminal command against the policy. Pure except for ``/proc`` reads (pid rule).
+
+    Args:
+        command: the shell command text the agent asked for.
+        workspace: the session's workspace root (absolute); relative paths resolve against it,
+            following ``cd`` inside the same command.
+        config: which rules apply (default: all).
+
+    Returns:
+        The first rule the command breaks, or an allowing decision.
+    """
+    config = config or PolicyConfig()
+    roots = [workspace.resolve()] + [Path(p) for p in config.allowed_write_paths]
+    cwd = workspace.resolve()
+    for raw in _split_segments(command):
+        tokens = _strip_env_prefix(raw)
+        if not tokens:
+            continue
+        for enabled, rule in ((config.kill_outside_session, _check_kill),
+                              (config.privilege_escalation, _check_escalation),
+                              (config.environment_mutation, _check_environment)):
+            decision = rule(tokens) if enabled else None
+            if decision is not None:
+                return decision
+        if tokens[0] == "cd" and len(tokens) > 1:
+            cwd = Path(os.path.normpath(cwd / os.path.expanduser(tokens[1])))
+        if config.write_outside_workspace:
+            for path in _written_paths(tokens):
+                if not _is_inside(path, cwd, roots):
+                    return _deny("write_outside_workspace", f"{path!r} is outside the workspace "
+                                 f"{str(workspace)!r}")
+    return _ALLOW
+
+
+def check_file_edit(command: str, path: str, workspace: Path,
+                    config: PolicyConfig | None = None) -> PolicyDecision:
+    """Check a file-editor action: any command but ``view`` writes ``path``. Pure."""
+    config = config or PolicyConfig()
+    if command == "view" or not config.write_outside_workspace:
+        return _ALLOW
+    roots = [workspace.resolve()] + [Path(p) for p in config.allowed_write_paths]
+    if _is_inside(path, workspace.resolve(), roots):
+        return _ALLOW
+    return _deny("write_outside_workspace", f"file_editor {command} of {path!r} is outside the "
+                 f"workspace {str(workspace)!r}")
+
+
+def check_action(tool_name: str, arguments: Mapping[str, Any], workspace: Path,
+                 config: PolicyConfig | None = None) -> PolicyDecision:
+    """Check a tool call by tool name and arguments (``terminal``, ``file_editor``; others pass).
+
+    Args:
+        tool_name: OpenHands tool name (``"terminal"``, ``"file_editor"``, ...). The legacy names
+            ``execute_bash`` / ``bash`` / ``str_replace_editor`` are treated the same.
+        arguments: the action's fields (``action.model_dump()`` or the hook's ``tool_input``).
+        workspace: the session's workspace root.
+        config: which rules apply.
+    """
+    if tool_name in ("terminal", "execute_bash", "bash") and arguments.get("command"):
+        if arguments.get("is_input"):
+            return _ALLOW  # keystrokes to a running process, not a new command
+        return check_command(str(arguments["command"]), workspace, config)
+    if tool_name in ("file_editor", "str_replace_editor") and arguments.get("path"):
+        return check_file_edit(str(arguments.get("command", "")), str(arguments["path"]),
+                               workspace, config)
+    return _ALLOW
+
+
+def is_safe_to_replay(command: str) -> bool:
+    """Whether a recorded (trace) command passes every rule in a pseudo-workspace. Pure."""
+    return check_command(command, Path("/__playback_workspace__")).is_allowed

@@ -1,0 +1,120 @@
+"""Effect classes, digests and the gate's verdicts: table-driven, pure."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mars_openhands.runtime.effects import (
+    Action,
+    EffectClass,
+    EffectRule,
+    classify,
+    idempotency_key,
+)
+from mars_openhands.runtime.gate import Verdict, decide
+from mars_openhands.runtime.metrics import _percentile, summarize
+from mars_openhands.runtime.task import PermissionScope
+
+WS = Path("/tmp/mars-ws")
+R, I, C, X = (EffectClass.READ, EffectClass.IDEMPOTENT_WRITE,  # noqa: E741 (classes by initial)
+              EffectClass.COMPENSABLE_WRITE, EffectClass.IRREVERSIBLE)
+
+TERMINAL = [
+    ("ls -la", R, False), ("cat a.py | grep foo", R, False), ("git diff HEAD~1", R, False),
+    ("git status && git log -3", R, False), ("sed -n 1,5p a.py", R, False),
+    ("echo hi > out.txt", I, False), ("sed -i s/a/b/ a.py", I, False), ("python -m pytest -q", I, False),
+    ("rm -rf build", I, False),
+    ("git commit -qam fix", C, False), ("git add . && git commit -m x", C, False),
+    ("git commit -m a && git commit -m b", X, False),  # two undo commands: not compensable
+    ("git push origin main", X, True), ("curl -X POST http://h/x", X, True),
+    ("curl -s -d 'a=1' http://h/x", X, True), ("npm publish", X, True), ("ssh host ls", X, True),
+    ('curl -X PUT -H "Idempotency-Key: $MARS_IDEMPOTENCY_KEY" http://h/x', I, True),
+    ("curl -s http://h/x", R, True), ("rm -rf /etc/x", X, False), ("cp a ../b", X, False),
+]
+
+
+@pytest.mark.parametrize(("command", "effect", "is_network"), TERMINAL)
+def test_terminal_commands_get_their_class(command: str, effect: EffectClass, is_network: bool) -> None:
+    got = classify(Action.build("terminal", {"command": command}, WS), WS)
+    assert (got.effect, got.is_network) == (effect, is_network), got
+
+
+def test_file_editor_and_other_tools() -> None:
+    def effect(tool: str, **args: object) -> EffectClass:
+        return classify(Action.build(tool, args, WS), WS).effect
+
+    assert effect("file_editor", command="view", path="a.py") == R
+    assert effect("file_editor", command="create", path="a.py", file_text="x") == I
+    assert effect("file_editor", command="str_replace", path="/etc/hosts", old_str="a", new_str="b") == X
+    assert effect("task_tracker", command="plan") == R
+    assert effect("browser", command="click") == X  # unknown tools are irreversible
+
+
+def test_compensable_write_carries_its_undo() -> None:
+    got = classify(Action.build("terminal", {"command": "git commit -qm x"}, WS), WS)
+    assert got.probe == "git rev-parse HEAD" and got.compensation == "git reset --soft {before}"
+
+
+def test_task_rules_come_first() -> None:
+    rules = (EffectRule(name="deploy", pattern=r"^make\s+deploy\b", effect=X, is_network=True),)
+    action = Action.build("terminal", {"command": "make deploy"}, WS)
+    assert classify(action, WS, rules).effect == X
+    assert classify(action, WS).effect == I
+
+
+def test_digest_binds_tool_arguments_and_target() -> None:
+    base = Action.build("terminal", {"command": "curl -X POST http://h/x", "summary": "s1"}, WS)
+    same = Action.build("terminal", {"command": "curl -X POST http://h/x", "summary": "other words"}, WS)
+    assert base.digest() == same.digest() and len(base.digest()) == 64  # volatile fields ignored
+    assert base.target == f"shell:{WS} http://h/x"
+    changed = Action.build("terminal", {"command": "curl -X POST http://h/y"}, WS)
+    elsewhere = Action.build("terminal", {"command": "curl -X POST http://h/x"}, Path("/tmp/other"))
+    assert len({base.digest(), changed.digest(), elsewhere.digest()}) == 3
+    assert idempotency_key("t", 7, base.digest()) == f"t/7/{base.digest()[:16]}"
+
+
+GATE = [
+    ("ls", PermissionScope(), Verdict.ALLOW, "scope.effects"),
+    ("git push", PermissionScope(network=True), Verdict.NEEDS_APPROVAL, "scope.effects"),
+    ("git push", PermissionScope(), Verdict.DENY, "scope.network"),
+    ("sudo ls", PermissionScope(), Verdict.DENY, "guard.privilege_escalation"),
+    ("echo x > /opt/out/f", PermissionScope(), Verdict.DENY, "guard.write_outside_workspace"),
+    ("echo x > /opt/out/f", PermissionScope(guard=False), Verdict.DENY, "scope.paths"),
+    ("echo x > /opt/out/f", PermissionScope(workspace_paths=("/opt/out",)), Verdict.ALLOW, "scope.effects"),
+    ("git commit -m x", PermissionScope(allowed_effects=(R, I)), Verdict.DENY, "scope.effects"),
+    ("git commit -m x", PermissionScope(allowed_effects=(R,), approval_effects=(C, X)),
+     Verdict.NEEDS_APPROVAL, "scope.effects"),
+]
+
+
+@pytest.mark.parametrize(("command", "scope", "verdict", "rule"), GATE)
+def test_gate_verdicts(command: str, scope: PermissionScope, verdict: Verdict, rule: str) -> None:
+    action = Action.build("terminal", {"command": command}, WS)
+    decision = decide(action, classify(action, WS, extra_roots=[Path(p) for p in scope.workspace_paths]),
+                      scope, WS)
+    assert (decision.verdict, decision.rule) == (verdict, rule), decision
+    assert decision.reason
+
+
+def test_scope_rejects_a_class_in_both_lists() -> None:
+    with pytest.raises(ValueError, match="in both"):
+        PermissionScope(allowed_effects=(R, X), approval_effects=(X,))
+
+
+def test_summary_shares_and_latency() -> None:
+    base = {"e2e_s": 1.0, "tool_s": 0.5, "cost_usd": 0.1, "num_recoveries": 0, "num_duplicate_effects": 0,
+            "is_succeeded": False, "is_ended_by_budget": False, "is_ended_by_deadline": False,
+            "is_ended_by_policy": False}
+    rows = [{**base, "status": "succeeded", "is_succeeded": True, "num_recoveries": 2},
+            {**base, "status": "ended_budget", "is_ended_by_budget": True, "e2e_s": 3.0},
+            {**base, "status": "error", "num_recoveries": 1},
+            {**base, "status": "running"}]
+    s = summarize(rows)
+    assert (s["num_tasks"], s["num_ended"], s["num_succeeded"]) == (4, 3, 1)
+    assert s["share_ended_by_budget"] == pytest.approx(1 / 3)
+    assert s["recovery_success_rate"] == pytest.approx(0.5)  # one of two recovered tasks ended well
+    assert s["cost_per_successful_task_usd"] == pytest.approx(0.3)
+    assert s["tool_wait_share"] == pytest.approx(1.5 / 5.0)
+    assert _percentile([1.0, 2.0, 3.0, 4.0], 95) == pytest.approx(3.85)  # numpy's linear method
