@@ -282,6 +282,7 @@ class EventedExecutor(ToolExecutor):
             parent process compare the stream with the executor's own record.
         on_close: called once the executor and its sender are closed (the session lifecycle's
             end of the conversation), or ``None``.
+        owns_sender: close ``sender`` on :meth:`close` (False: a shared sender, only flushed).
 
     Attributes:
         timings: ``(tool_call_id, tool_name, start_mono_ns, end_mono_ns, status)`` per call, taken
@@ -298,8 +299,9 @@ class EventedExecutor(ToolExecutor):
     def __init__(self, inner: ToolExecutor, tool_name: str, observation_type: Any, session_id: str,
                  sender: EventSender, workspace: Path, policy: PolicyConfig | None,
                  source: str = "agent", timings_path: Path | None = None,
-                 on_close: Callable[[], None] | None = None) -> None:
+                 on_close: Callable[[], None] | None = None, owns_sender: bool = True) -> None:
         self.inner = inner
+        self.owns_sender = owns_sender
         self.tool_name = tool_name
         self.observation_type = observation_type
         self.session_id = session_id
@@ -351,11 +353,15 @@ class EventedExecutor(ToolExecutor):
                 f.write(json.dumps(dict(zip(keys, entry, strict=True))) + "\n")
 
     def close(self) -> None:
-        """Close the inner executor, then flush and stop the sender, then call ``on_close``."""
+        """Close the inner executor, then flush and stop the sender (a shared one is only
+        flushed), then call ``on_close``."""
         try:
             self.inner.close()
         finally:
-            self.sender.close()
+            if self.owns_sender:
+                self.sender.close()
+            else:
+                self.sender.flush()
             if self.on_close is not None:
                 self.on_close()
 
@@ -436,12 +442,17 @@ class _EventedToolBase(ToolDefinition):
         tools = inner_cls.create(conv_state=conv_state, **params)
         session_id = str(mars.get("mars_session_id") or conv_state.id)
         workspace = Path(mars.get("mars_workspace") or conv_state.workspace.working_dir)
-        sender = EventSender(mars.get("mars_events_url") or os.environ.get(ENV_EVENTS_URL),
-                             mars.get("mars_events_path") or os.environ.get(ENV_EVENTS_PATH))
+        lifecycle = cls.lifecycle
+        if lifecycle is not None and not (mars.get("mars_events_url") or mars.get("mars_events_path")):
+            # One sender, one ordered queue: a conversation's last tool_end cannot be overtaken by
+            # the session_end its lifecycle posts (separate senders raced on a loaded machine).
+            sender = lifecycle.sender
+        else:
+            sender = EventSender(mars.get("mars_events_url") or os.environ.get(ENV_EVENTS_URL),
+                                 mars.get("mars_events_path") or os.environ.get(ENV_EVENTS_PATH))
         policy = _policy_from(mars.get("mars_policy"))
         timings_path = (Path(sender.events_path).with_name("tool_timings.jsonl")
                         if sender.events_path else None)
-        lifecycle = cls.lifecycle
         if lifecycle is not None:
             lifecycle.track(conv_state)
         return [
@@ -449,7 +460,8 @@ class _EventedToolBase(ToolDefinition):
                 tool.executor, tool.name, tool.observation_type, session_id, sender, workspace,
                 policy, str(mars.get("mars_source") or "agent"), timings_path,
                 on_close=None if lifecycle is None else functools.partial(lifecycle.closed,
-                                                                          str(conv_state.id))))
+                                                                          str(conv_state.id)),
+                owns_sender=sender is not getattr(lifecycle, "sender", None)))
             for tool in tools
         ]
 
