@@ -17,7 +17,10 @@ usage, health, restarts).
 Failure behaviour (never a hang, never a leaked slot):
 
 * client disconnect: the upstream request is cancelled (the upstream connection is closed, vLLM aborts the
-  request) and the session's in-flight count drops; a one-turn session frees its slot.
+  request), the session's in-flight count drops and an ``aborted`` event is recorded; the session's
+  slot goes back at once unless more of it is in flight (``ControlPlane.client_gone``).
+* a dead agent (no ``tool_end`` within a tool call's bound): the tick closes the call with a
+  recorded ``tool_end`` of status ``"interrupted"``, and the session then idles out.
 * replica cannot be reached, dies mid-request (the connection breaks and ``/health`` does not
   answer) or is marked down by the poller while requests run: it is marked down, its sessions are
   re-routed (keeping their slots and turn counts), and every request that has not yet sent bytes to
@@ -53,7 +56,7 @@ from mars_openhands.control.proxy import PROXY_PATHS, ProxyHandler
 from mars_openhands.control.routing import ReplicaState
 from mars_openhands.control.sessions import Session
 from mars_openhands.control.upstream import UpstreamBrokenError, UpstreamClient, UpstreamError
-from mars_openhands.stream.events import AdmissionUpdate, Event, now_stamps
+from mars_openhands.stream.events import AdmissionUpdate, Event, RequestAborted, ToolEnd, now_stamps
 from mars_openhands.stream.transport import EventSink
 
 __all__ = ["Gateway", "build_app", "settings_line"]
@@ -195,6 +198,8 @@ class Gateway:
         self._wake(tick.admitted)
         if self.hub is None:
             return tick
+        for closed in tick.interrupted:
+            self._record_interrupted(closed)
         now = self.plane.clock()
         last = self._last_update
         if (last is not None and not tick.report.differs_from(last)
@@ -203,6 +208,36 @@ class Gateway:
         self._last_update, self._last_update_mono_s = tick.report, now
         self.hub.record(AdmissionUpdate(**now_stamps(), source="gateway", **tick.report._asdict()))
         return tick
+
+    def _record_interrupted(self, closed: Any) -> None:
+        """Record (and forward to the session's replica, if still bound) the ``tool_end`` of a
+        tool call the tick closed as interrupted."""
+        assert self.hub is not None, "Gateway.start() must run first"
+        event = ToolEnd(**now_stamps(), source="gateway", session_id=closed.session_id,
+                        turn=closed.turn, tool_name=closed.tool_name,
+                        tool_call_id=closed.tool_call_id, duration_s=closed.waited_s,
+                        status="interrupted")
+        self.hub.record(event)
+        session = self.sessions.get(closed.session_id)
+        if session is not None:
+            self.hub.forward(session.replica, event)
+
+    def record_aborted(self, session: Session | None, request_id: str, reason: str, stage: str,
+                       elapsed_s: float, is_slot_released: bool = False) -> None:
+        """Record an ``aborted`` event: the gateway gave up a request (client gone, admission
+        timeout, replica down) before its response ended. ``session`` ``None``: not known yet
+        (the client hung up while sending the body)."""
+        if self.hub is None:
+            return
+        is_named = session is not None and not session.is_one_turn
+        self.hub.record(RequestAborted(
+            **now_stamps(), source="gateway",
+            session_id=session.session_id if is_named else None,
+            turn=session.num_turns - 1 if is_named and session.num_turns else None,
+            request_id=request_id,
+            reason=reason, stage=stage, is_slot_released=is_slot_released,
+            elapsed_s=max(0.0, elapsed_s),
+        ))
 
     async def _tick_loop(self) -> None:
         while True:
@@ -341,11 +376,21 @@ class Gateway:
         last_step = metadata.extract_last_step(headers, fields)
         return self.plane.open_session(session_id), last_step
 
-    def _finish(self, session: Session, replica: ReplicaState | None) -> None:
-        """Bookkeeping when a request ends, exactly once: in-flight counts, one-turn release."""
+    def _finish(self, session: Session, replica: ReplicaState | None,
+                is_client_gone: bool = False) -> bool:
+        """Bookkeeping when a request ends, exactly once: in-flight counts, one-turn release, and
+        for a client that went away, its session's slot (:meth:`ControlPlane.client_gone`).
+
+        Returns:
+            True if the client-gone rule released the session's slot.
+        """
         if replica is not None:
             replica.num_in_flight -= 1
+        was_admitted = self.plane.admission.is_admitted(session.session_id)
         self._wake(self.plane.end_request(session))
+        if is_client_gone:
+            self._wake(self.plane.client_gone(session))
+        return was_admitted and not self.plane.admission.is_admitted(session.session_id)
 
     # ------------------------------------------------------------------ proxy
     async def is_alive(self, replica: ReplicaState) -> bool:
@@ -450,6 +495,11 @@ class Gateway:
              [({}, self.num_upstream_errors)]),
             ("mars_idle_releases_total", c, "Slots released by the idle timeout",
              [({}, plane.num_idle_releases)]),
+            ("mars_client_gone_releases_total", c, "Slots released because the client hung up",
+             [({}, plane.num_client_gone_releases)]),
+            ("mars_tool_calls_interrupted_total", c,
+             "Tool calls closed as interrupted (no tool_end within their bound)",
+             [({}, plane.num_tools_interrupted)]),
             ("mars_sessions_admitted_total", c, "Admissions", [({}, admission.num_admitted_total)]),
             ("mars_events_cpu_total", c, "CPU-plane events received",
              [({}, hub.num_cpu_events if hub else 0)]),

@@ -107,6 +107,13 @@ class GatewayConfig(BaseModel):
     session_idle_timeout_s: float = Field(300.0, gt=0.0)
     """Seconds without a request in flight, a tool call or any event after which a session releases
     its slot (its next request queues again)."""
+    tool_call_timeout_s: float = Field(900.0, gt=0.0)
+    """Default bound on one tool call, seconds from its ``tool_enqueued`` (or ``tool_start``): a
+    call with no ``tool_end`` by then is closed as ``"interrupted"`` (its agent is presumed dead),
+    so it stops counting as CPU backlog and its session can idle out. A session's
+    ``session_start.tool_timeout_s`` or the call's own ``timeout_s`` overrides it. Default 15 min:
+    longer than any bounded OpenHands tool call (the terminal's 30 s no-output soft timeout asks
+    the agent; explicit ``timeout`` values are sent per call) and than a test suite run."""
     admission_wait_timeout_s: float = Field(600.0, gt=0.0)
     """Seconds a request may wait for admission before HTTP 503."""
     upstream_connect_timeout_s: float = Field(5.0, gt=0.0)

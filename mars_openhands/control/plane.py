@@ -31,6 +31,16 @@ Life of a session, and the call that moves each step (the one place a lifecycle 
                                    tool_enqueued ─▶ tool_started ─▶ tool_ended ─▶ begin_request ...
     end_session: session_end, idle past ``session_idle_timeout_s`` (in tick), a one-turn request's
     end; frees the slot, unbinds the replica, forgets the session, admits waiters.
+
+Dead clients (an agent killed mid-tool, a client that hangs up) must not hold anything forever:
+
+* every tool call carries a bound (its event's ``timeout_s``, else the session's
+  ``tool_timeout_s``, else ``config.tool_call_timeout_s``); :meth:`ControlPlane.tick` closes calls
+  past it (``Tick.interrupted``: the gateway records a ``tool_end`` with status
+  ``"interrupted"``), and a session whose only tool calls are overdue can idle out;
+* a client that goes away (:meth:`ControlPlane.client_gone`) gives back its session's slot at
+  once when nothing else of the session is in flight; the session keeps its turns and queues again
+  on its next request.
 """
 
 from __future__ import annotations
@@ -50,7 +60,7 @@ from mars_openhands.policy.admission import AdmissionDecision, PressureSnapshot
 from mars_openhands.policy.reorder import WaitingSession
 from mars_openhands.stream.events import Event
 
-__all__ = ["AdmissionReport", "ControlPlane", "Tick"]
+__all__ = ["AdmissionReport", "ControlPlane", "InterruptedTool", "Tick"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +93,18 @@ class AdmissionReport(NamedTuple):
         )
 
 
+class InterruptedTool(NamedTuple):
+    """A tool call the control plane closed because no ``tool_end`` came within its bound."""
+
+    session_id: str
+    turn: int
+    """The session's turn count when it was closed (the turn the tool's result would feed)."""
+    tool_call_id: str
+    tool_name: str
+    waited_s: float
+    """Seconds from its last ``tool_enqueued`` / ``tool_start`` to the close."""
+
+
 @dataclass(frozen=True)
 class Tick:
     """What one :meth:`ControlPlane.tick` did.
@@ -92,12 +114,14 @@ class Tick:
         decision: the policy's update.
         admitted: sessions admitted by it (idle releases first, then the update), in order.
         idle_released: sessions ended by the idle timeout.
+        interrupted: tool calls closed for being past their bound (before the idle releases).
     """
 
     report: AdmissionReport
     decision: AdmissionDecision
     admitted: list[str]
     idle_released: list[str]
+    interrupted: tuple[InterruptedTool, ...] = ()
 
 
 class ControlPlane:
@@ -123,6 +147,8 @@ class ControlPlane:
         self.admission = AdmissionController(policy if policy is not None else AimdWindow(
             config.admission, config.reorder, is_enforced=config.is_admission_enabled))
         self.num_idle_releases = 0
+        self.num_tools_interrupted = 0
+        self.num_client_gone_releases = 0
         self._num_one_turn = 0
 
     # ------------------------------------------------------------------ session lifecycle
@@ -200,22 +226,74 @@ class ControlPlane:
             return self.end_session(session)
         return []
 
-    def tool_enqueued(self, session: Session, tool_call_id: str, tool_name: str) -> None:
-        """A tool call entered the agents' tool queue. Mutates the session and the tool counts."""
-        session.last_activity_s = self.clock()
-        self.tools.on_enqueued(session, tool_call_id, tool_name)
+    def client_gone(self, session: Session) -> list[str]:
+        """A client hung up on one of the session's requests (call after :meth:`end_request`).
+
+        With nothing else of the session in flight (no request, no tool call within its bound) its
+        slot goes back at once: a dead client must not hold it until ``session_end`` or the idle
+        timeout. The session stays known (turns, replica) and queues again on its next request.
+
+        Returns:
+            Sessions admitted into the freed room (empty when the slot was kept or not held).
+        """
+        if session.has_ended or session.num_in_flight > 0 or not self.admission.is_admitted(
+                session.session_id):
+            return []
+        now = self.clock()
+        if any(call.deadline_s > now for call in session.tools_in_flight.values()):
+            return []
+        self.num_client_gone_releases += 1
+        return self.admission.release(session.session_id, now, self.kv_budget_blocks())
+
+    def tool_bound_s(self, session: Session, timeout_s: float | None) -> float:
+        """A tool call's bound, seconds: its own ``timeout_s``, else the session's
+        ``tool_timeout_s``, else ``config.tool_call_timeout_s``. Pure."""
+        if timeout_s is not None:
+            return timeout_s
+        if session.tool_timeout_s is not None:
+            return session.tool_timeout_s
+        return self.config.tool_call_timeout_s
+
+    def tool_enqueued(self, session: Session, tool_call_id: str, tool_name: str,
+                      timeout_s: float | None = None) -> None:
+        """A tool call entered the agents' tool queue, bounded by :meth:`tool_bound_s`. Mutates the
+        session and the tool counts."""
+        now = session.last_activity_s = self.clock()
+        self.tools.on_enqueued(session, tool_call_id, tool_name, now,
+                               self.tool_bound_s(session, timeout_s))
 
     def tool_started(self, session: Session, tool_call_id: str, tool_name: str,
-                     queue_wait_s: float) -> None:
-        """A tool call started after ``queue_wait_s`` seconds in the queue. Mutates the counts."""
-        session.last_activity_s = self.clock()
-        self.tools.on_start(session, tool_call_id, tool_name, queue_wait_s)
+                     queue_wait_s: float, timeout_s: float | None = None) -> None:
+        """A tool call started after ``queue_wait_s`` seconds in the queue; its bound restarts.
+        Mutates the counts."""
+        now = session.last_activity_s = self.clock()
+        self.tools.on_start(session, tool_call_id, tool_name, queue_wait_s, now,
+                            self.tool_bound_s(session, timeout_s))
 
     def tool_ended(self, session: Session, tool_call_id: str, tool_name: str,
-                   duration_s: float) -> None:
-        """A tool call ended; it travels with the session's next turn. Mutates the counts."""
+                   duration_s: float, status: str = "ok") -> None:
+        """A tool call ended; it travels with the session's next turn (not an ``"interrupted"``
+        one: it has no measured duration). Mutates the counts."""
         session.last_activity_s = self.clock()
-        self.tools.on_end(session, tool_call_id, tool_name, duration_s)
+        self.tools.on_end(session, tool_call_id, tool_name, duration_s,
+                          is_measured=status != "interrupted")
+
+    def interrupt_overdue_tools(self) -> list[InterruptedTool]:
+        """Close every tool call past its bound (no ``tool_end`` came: the agent is presumed
+        dead). The session's idle clock is not reset: a session silent past the idle timeout
+        ends at the same tick. Mutates the counts; the caller records the ``tool_end`` events."""
+        now = self.clock()
+        closed = []
+        for session, call_id, call in self.sessions.overdue_tools(now):
+            self.tools.on_end(session, call_id, call.tool_name, now - call.since_s,
+                              is_measured=False)
+            closed.append(InterruptedTool(session.session_id, session.num_turns, call_id,
+                                          call.tool_name, now - call.since_s))
+            logger.info("tool call %s (%s) of session %s: no tool_end %.1f s after its %s; closed "
+                        "as interrupted", call_id, call.tool_name, session.session_id,
+                        now - call.since_s, "start" if call.is_started else "enqueue")
+        self.num_tools_interrupted += len(closed)
+        return closed
 
     def on_cpu_event(self, session: Session, event: Event) -> list[str]:
         """Apply a CPU-plane event posted by an agent (``session_start``, ``tool_*``, ``session_end``).
@@ -225,14 +303,18 @@ class ControlPlane:
         """
         kind = event.kind
         if kind == "tool_enqueued":
-            self.tool_enqueued(session, event.tool_call_id, event.tool_name)
+            self.tool_enqueued(session, event.tool_call_id, event.tool_name, event.timeout_s)
         elif kind == "tool_start":
-            self.tool_started(session, event.tool_call_id, event.tool_name, event.queue_wait_s)
+            self.tool_started(session, event.tool_call_id, event.tool_name, event.queue_wait_s,
+                              event.timeout_s)
         elif kind == "tool_end":
-            self.tool_ended(session, event.tool_call_id, event.tool_name, event.duration_s)
+            self.tool_ended(session, event.tool_call_id, event.tool_name, event.duration_s,
+                            event.status)
         elif kind == "session_end":
             return self.end_session(session)
         else:
+            if kind == "session_start" and event.tool_timeout_s is not None:
+                session.tool_timeout_s = event.tool_timeout_s
             session.last_activity_s = self.clock()
         return []
 
@@ -251,7 +333,8 @@ class ControlPlane:
 
     # ------------------------------------------------------------------ ticks
     def tick(self) -> Tick:
-        """One control-plane tick: tool-wait decay, idle releases, the policy's update, admissions.
+        """One control-plane tick: tool-wait decay, overdue tool calls closed, idle releases, the
+        policy's update, admissions.
 
         Every ``update_interval_s`` seconds of the caller's clock. Mutates every manager.
         """
@@ -259,6 +342,7 @@ class ControlPlane:
         if self.config.tool_wait_idle_decay:
             self.tools.decay_if_idle()
         admitted: list[str] = []
+        interrupted = self.interrupt_overdue_tools()
         idle = self.sessions.idle(now, self.config.session_idle_timeout_s)
         for session in idle:
             self.num_idle_releases += 1
@@ -274,7 +358,8 @@ class ControlPlane:
             kv_overloaded=st.is_kv_overloaded, tool_backlog_ratio=snap.tool_backlog_ratio,
             tool_wait_ema_s=snap.tool_wait_ema_s or 0.0, kv_usage=snap.kv_usage or 0.0,
         )
-        return Tick(report, decision, admitted + more, [s.session_id for s in idle])
+        return Tick(report, decision, admitted + more, [s.session_id for s in idle],
+                    tuple(interrupted))
 
     # ------------------------------------------------------------------ signals and replicas
     def snapshot(self) -> PressureSnapshot:

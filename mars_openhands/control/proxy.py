@@ -23,6 +23,7 @@ A response that simply finished is never counted as a disconnect.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -146,9 +147,10 @@ class _UpstreamFailedError(Exception):
 
 
 class _Call:
-    """One proxied request: its task, and why it was interrupted (client gone, replica down)."""
+    """One proxied request: its task, where it is, and why it was interrupted (client gone,
+    replica down)."""
 
-    __slots__ = ("task", "is_gone", "fail_reason", "is_done", "watcher")
+    __slots__ = ("task", "is_gone", "fail_reason", "is_done", "watcher", "stage")
 
     def __init__(self, task: asyncio.Task[Any] | None) -> None:
         self.task = task
@@ -156,6 +158,8 @@ class _Call:
         self.fail_reason: str | None = None
         self.is_done = False
         self.watcher: asyncio.Future[Any] | None = None
+        self.stage = "admission"
+        """``RequestAborted.stage``: "admission", "upstream" (no byte to the agent yet), "stream"."""
 
     def watch(self, receive: Any) -> None:
         """Start watching for the client's disconnect (a task awaiting ``receive()``)."""
@@ -240,8 +244,10 @@ class ProxyHandler:
         """Handle one completions request end to end (see the module docstring)."""
         gateway = self.gateway
         gateway.num_requests += 1
+        t0_s = time.monotonic()
         headers = {_HEADERS_READ[n]: v.decode("latin-1") for n, v in scope["headers"]
                    if n in _HEADERS_READ}
+        request_id = headers.get("x-request-id") or f"gw-{gateway.num_requests}"
         try:
             raw = await self._read_body(receive, headers)
             fields = probe_body(raw)
@@ -255,6 +261,8 @@ class ProxyHandler:
             return
         except _ClientGoneError:
             gateway.num_client_disconnects += 1
+            gateway.record_aborted(None, request_id, "client_disconnect", "body",
+                                   time.monotonic() - t0_s)
             return
         task = asyncio.current_task()
         call = _Call(task)
@@ -262,21 +270,27 @@ class ProxyHandler:
                                                       receive)
         gateway.plane.begin_request(session)
         replica: list[ReplicaState] = []
+        abort: list[str] = []
         try:
             await self._serve(scope["path"], raw, fields, headers, session, (last_step, is_side),
-                              call, replica, send)
+                              call, replica, send, abort)
         finally:
             call.is_done = True
             watch.cancel()
             call.stop_watching()
-            gateway._finish(session, replica[0] if replica else None)
+            released = gateway._finish(session, replica[0] if replica else None,
+                                       is_client_gone=call.is_gone)
+            if abort:
+                gateway.record_aborted(session, request_id, abort[0], call.stage,
+                                       time.monotonic() - t0_s, released)
 
     async def _serve(self, path: str, raw: bytes, fields: dict[str, Any], headers: dict[str, str],
                      session: Session, step: tuple[int | None, bool], call: _Call,
-                     replica_out: list[ReplicaState], send: Any) -> None:
+                     replica_out: list[ReplicaState], send: Any, abort: list[str]) -> None:
         """Admission, routing, forwarding and the response; every expected failure answered.
 
         ``step`` is ``(mars_last_step, is_side)``: a side request takes no turn (``turn`` None).
+        ``abort`` receives the ``RequestAborted.reason`` when the gateway gives the request up.
         """
         gateway = self.gateway
         status_body: tuple[int, bytes] | None = None
@@ -284,6 +298,7 @@ class ProxyHandler:
         try:
             if not gateway.plane.admission.try_admit(session.session_id):
                 await gateway.wait_for_admission(session, raw)
+            call.stage = "upstream"
             turn, prev_tool = gateway.plane.start_turn(session, is_side)
             content = engine_content(raw, fields, None if session.is_one_turn else session.session_id,
                                      turn, last_step, prev_tool)
@@ -304,7 +319,9 @@ class ProxyHandler:
                 call.is_done = True
                 await _send_whole(send, resp.status_code, whole, resp.content_type, extra)
                 return
-            await self._relay(resp, replica, call, extra, send)
+            call.stage = "stream"
+            if await self._relay(resp, replica, call, extra, send):
+                abort.append("replica_failed")
             return
         except asyncio.CancelledError:
             why = call.interrupted(call.task)
@@ -312,18 +329,23 @@ class ProxyHandler:
                 raise
             if why == "gone":
                 gateway.num_client_disconnects += 1
+                abort.append("client_disconnect")
                 return
             gateway.num_upstream_errors += 1  # marked down just as the response was being sent
+            abort.append("replica_failed")
             status_body = _json_error(503, call.fail_reason or "replica down", "upstream_error")
         except BadRequestError as e:
             status_body = _json_error(e.status_code, str(e), "invalid_request_error")
         except AdmissionTimeoutError as e:
+            abort.append("admission_timeout")
             status_body = _json_error(503, str(e), "admission_timeout")
         except NoReplicaError as e:
             gateway.num_upstream_errors += 1
+            abort.append("replica_failed")
             status_body = _json_error(503, str(e), "no_replica")
         except _UpstreamFailedError as e:
             gateway.num_upstream_errors += 1
+            abort.append("replica_failed")
             status_body = _json_error(e.status, str(e), "upstream_error")
         call.is_done = True
         await _send_whole(send, *status_body, None)
@@ -404,9 +426,12 @@ class ProxyHandler:
             replica.in_flight.discard(call)
 
     async def _relay(self, resp: UpstreamResponse, replica: ReplicaState, call: _Call,
-                     extra: list[tuple[bytes, bytes]], send: Any) -> None:
+                     extra: list[tuple[bytes, bytes]], send: Any) -> bool:
         """Relay an upstream SSE stream chunk for chunk; a replica failure ends it with an SSE
         ``error`` chunk naming the replica; a disconnect closes upstream (vLLM aborts).
+
+        Returns:
+            True if the replica failed mid-stream (the stream ended with an ``error`` chunk).
 
         Raises:
             asyncio.CancelledError: the client went away (handled by the caller) or a real cancel.
@@ -437,6 +462,7 @@ class ProxyHandler:
             await send({"type": "http.response.body", "body": b"data: " + _ENCODE(payload) + b"\n\n",
                         "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return error is not None
 
 
 def _retry_after_cancel(call: Any) -> BaseException:

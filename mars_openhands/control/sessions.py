@@ -16,7 +16,20 @@ from dataclasses import dataclass, field
 
 from mars_openhands.policy.admission import ema
 
-__all__ = ["Session", "SessionRegistry", "ToolTracker"]
+__all__ = ["Session", "SessionRegistry", "ToolCall", "ToolTracker"]
+
+
+@dataclass
+class ToolCall:
+    """One enqueued or running tool call of a session. Mutable; owned by its :class:`Session`."""
+
+    tool_name: str
+    is_started: bool
+    since_s: float
+    """Monotonic seconds of its ``tool_enqueued`` or, once started, its ``tool_start``."""
+    deadline_s: float
+    """``since_s`` + its bound: past this with no ``tool_end`` the control plane closes it as
+    ``"interrupted"`` (the agent is presumed dead) and it no longer keeps the session alive."""
 
 
 @dataclass
@@ -39,8 +52,11 @@ class Session:
     """LLM requests of this session currently being served."""
     last_activity_s: float = 0.0
     """Monotonic seconds of the last request end, event or admission."""
-    tools_in_flight: dict[str, bool] = field(default_factory=dict)
-    """tool_call_id → has it started, for enqueued or running tool calls."""
+    tools_in_flight: dict[str, ToolCall] = field(default_factory=dict)
+    """tool_call_id → the call, for enqueued or running tool calls."""
+    tool_timeout_s: float | None = None
+    """The task's bound on one tool call (``session_start.tool_timeout_s``); ``None``: the
+    gateway's ``tool_call_timeout_s``."""
     prev_tool: tuple[str, float] | None = None
     """(tool_name, duration_s) of the last tool that ended since the previous turn."""
     has_ended: bool = False
@@ -75,12 +91,21 @@ class SessionRegistry:
         return self._sessions.pop(session_id, None)
 
     def idle(self, now_s: float, timeout_s: float) -> list[Session]:
-        """Admitted sessions with nothing in flight and no activity for ``timeout_s`` seconds."""
+        """Sessions with no request in flight, no tool call within its bound, and no activity for
+        ``timeout_s`` seconds. A tool call past its ``deadline_s`` keeps nobody alive: its agent
+        is presumed dead (the control plane closes such calls as ``"interrupted"``). Pure."""
         return [
             s for s in self._sessions.values()
-            if s.num_in_flight == 0 and not s.tools_in_flight
-            and now_s - s.last_activity_s >= timeout_s
+            if s.num_in_flight == 0 and now_s - s.last_activity_s >= timeout_s
+            and all(call.deadline_s <= now_s for call in s.tools_in_flight.values())
         ]
+
+    def overdue_tools(self, now_s: float) -> list[tuple[Session, str, ToolCall]]:
+        """``(session, tool_call_id, call)`` of every tool call past its deadline, oldest first.
+        Pure."""
+        overdue = [(s, call_id, call) for s in self._sessions.values()
+                   for call_id, call in s.tools_in_flight.items() if call.deadline_s <= now_s]
+        return sorted(overdue, key=lambda item: item[2].deadline_s)
 
 
 class ToolTracker:
@@ -105,35 +130,42 @@ class ToolTracker:
         """rho = in-flight tool calls / tool workers."""
         return self.num_in_flight / self.num_tool_workers
 
-    def on_enqueued(self, session: Session, tool_call_id: str, tool_name: str) -> None:
-        """A tool call entered the tool queue. Mutates ``session`` and the counts."""
+    def on_enqueued(self, session: Session, tool_call_id: str, tool_name: str, now_s: float,
+                    bound_s: float) -> None:
+        """A tool call entered the tool queue; ``bound_s`` seconds from ``now_s`` it is overdue.
+        Mutates ``session`` and the counts."""
         if tool_call_id not in session.tools_in_flight:
-            session.tools_in_flight[tool_call_id] = False
+            session.tools_in_flight[tool_call_id] = ToolCall(tool_name, False, now_s, now_s + bound_s)
             self.num_in_flight += 1
             self.num_queued += 1
 
-    def on_start(self, session: Session, tool_call_id: str, tool_name: str, queue_wait_s: float) -> None:
-        """A tool call started (with or without a prior ``tool_enqueued``). Mutates the counts."""
-        started = session.tools_in_flight.get(tool_call_id)
-        if started is None:
+    def on_start(self, session: Session, tool_call_id: str, tool_name: str, queue_wait_s: float,
+                 now_s: float, bound_s: float) -> None:
+        """A tool call started (with or without a prior ``tool_enqueued``); its bound restarts.
+        Mutates the counts."""
+        call = session.tools_in_flight.get(tool_call_id)
+        if call is None:
             self.num_in_flight += 1
-        elif not started:
+        elif not call.is_started:
             self.num_queued -= 1
-        session.tools_in_flight[tool_call_id] = True
+        session.tools_in_flight[tool_call_id] = ToolCall(tool_name, True, now_s, now_s + bound_s)
         self.wait_ema_s = ema(self.wait_ema_s, queue_wait_s, self.alpha)
 
-    def on_end(self, session: Session, tool_call_id: str, tool_name: str, duration_s: float) -> None:
-        """A tool call ended; it becomes the session's ``prev_tool``. Mutates the counts."""
-        started = session.tools_in_flight.pop(tool_call_id, None)
-        if started is not None:
+    def on_end(self, session: Session, tool_call_id: str, tool_name: str, duration_s: float,
+               is_measured: bool = True) -> None:
+        """A tool call ended; a measured one becomes the session's ``prev_tool`` (an interrupted
+        one, ``is_measured=False``, has no duration to report). Mutates the counts."""
+        call = session.tools_in_flight.pop(tool_call_id, None)
+        if call is not None:
             self.num_in_flight -= 1
-            self.num_queued -= 0 if started else 1
-        session.prev_tool = (tool_name, duration_s)
+            self.num_queued -= 0 if call.is_started else 1
+        if is_measured:
+            session.prev_tool = (tool_name, duration_s)
 
     def forget(self, session: Session) -> None:
         """Drop the session's in-flight tool calls (session ended or timed out)."""
         self.num_in_flight -= len(session.tools_in_flight)
-        self.num_queued -= sum(1 for started in session.tools_in_flight.values() if not started)
+        self.num_queued -= sum(1 for c in session.tools_in_flight.values() if not c.is_started)
         session.tools_in_flight.clear()
 
     def decay_if_idle(self) -> None:

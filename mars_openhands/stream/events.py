@@ -7,7 +7,9 @@ One stream carries both planes:
   periodic KV / queue snapshots (`engine_step`).
 * **CPU plane** (emitted by the agent runtime or the replay driver): `tool_enqueued`, `tool_start`,
   `tool_end`, `session_start`, `session_end`.
-* **Control plane** (emitted by the gateway): `admission_update` (AIMD window and pressure signals).
+* **Control plane** (emitted by the gateway): `admission_update` (AIMD window and pressure signals),
+  `aborted` (a request the gateway gave up: client gone, admission timeout, replica down), and the
+  `tool_end` with status ``"interrupted"`` it records for a tool call past its bound.
 
 Every event is a frozen pydantic model that rejects unknown fields and carries a ``kind``
 discriminator, ``t_mono_ns`` (``time.monotonic_ns()`` of the emitting process), ``t_wall`` (UTC),
@@ -36,6 +38,7 @@ __all__ = [
     "EVENT_TYPES",
     "KvReleased",
     "KvRetained",
+    "RequestAborted",
     "RequestFinished",
     "RequestFirstScheduled",
     "RequestFirstToken",
@@ -52,6 +55,7 @@ __all__ = [
 
 NonNegInt = Annotated[int, Field(ge=0)]
 NonNegFloat = Annotated[float, Field(ge=0.0)]
+PosFloat = Annotated[float, Field(gt=0.0)]
 
 
 def now_stamps() -> dict[str, Any]:
@@ -190,6 +194,10 @@ class SessionStart(_EventBase):
     """An agent session (one task) started."""
 
     kind: Literal["session_start"] = "session_start"
+    tool_timeout_s: PosFloat | None = None
+    """The task's bound on one tool call, seconds: a call with no ``tool_end`` this long after its
+    ``tool_enqueued`` / ``tool_start`` is closed by the gateway as ``"interrupted"``; ``None``: the
+    gateway's ``tool_call_timeout_s``. A tool's own ``timeout_s`` wins."""
 
 
 class SessionEnd(_EventBase):
@@ -208,6 +216,10 @@ class ToolEnqueued(_EventBase):
     kind: Literal["tool_enqueued"] = "tool_enqueued"
     tool_name: str
     tool_call_id: str
+    timeout_s: PosFloat | None = None
+    """This call's bound, seconds (the tool's own timeout plus slack); ``None``: the session's
+    ``tool_timeout_s`` or the gateway's default. Past it without a ``tool_end``, the gateway
+    closes the call with status ``"interrupted"``."""
 
 
 class ToolStart(_EventBase):
@@ -218,6 +230,8 @@ class ToolStart(_EventBase):
     tool_call_id: str
     queue_wait_s: NonNegFloat = 0.0
     """Seconds between ``tool_enqueued`` and this start."""
+    timeout_s: PosFloat | None = None
+    """This call's bound from its start, seconds; as :attr:`ToolEnqueued.timeout_s`."""
 
 
 class ToolEnd(_EventBase):
@@ -228,10 +242,33 @@ class ToolEnd(_EventBase):
     tool_call_id: str
     duration_s: NonNegFloat
     """Seconds from ``tool_start`` to the end (execution only, not queue wait)."""
-    status: Literal["ok", "error", "timeout", "denied"] = "ok"
+    status: Literal["ok", "error", "timeout", "denied", "interrupted"] = "ok"
+    """``"interrupted"``: no ``tool_end`` came from the agent within the call's bound (the agent
+    died or lost the gateway); recorded by the gateway, ``duration_s`` is the time it waited."""
 
 
 # ----------------------------------------------------------------------------- control plane
+class RequestAborted(_EventBase):
+    """The gateway gave up an LLM request before its response ended (emitted by the gateway).
+
+    The engine's own ``finished`` (``finish_reason="abort"``) follows when the request had reached
+    it; this event is the request's end when it had not (it waited for admission) and says why.
+    """
+
+    kind: Literal["aborted"] = "aborted"
+    request_id: str
+    """The gateway's id of the request (the agent's ``x-request-id`` when it sent one)."""
+    reason: Literal["client_disconnect", "admission_timeout", "replica_failed"]
+    stage: Literal["body", "admission", "upstream", "stream"]
+    """Where it was: reading the body, waiting for a slot, waiting for the replica's first byte,
+    relaying the response."""
+    is_slot_released: bool = False
+    """The session's admission slot was released with it (a client gone with nothing else in
+    flight; the session queues again on its next request)."""
+    elapsed_s: NonNegFloat = 0.0
+    """Seconds since the gateway received the request."""
+
+
 class AdmissionUpdate(_EventBase):
     """The gateway's AIMD admission window after an update (MARS §4.2)."""
 
@@ -253,6 +290,7 @@ Event = Annotated[
     | RequestFirstToken
     | RequestFinished
     | RequestPreempted
+    | RequestAborted
     | KvRetained
     | KvReleased
     | EngineStep
@@ -270,7 +308,7 @@ EVENT_TYPES: dict[str, type[BaseModel]] = {
     cls.model_fields["kind"].default: cls
     for cls in (
         RequestQueued, RequestFirstScheduled, RequestFirstToken, RequestFinished, RequestPreempted,
-        KvRetained, KvReleased, EngineStep, SessionStart, SessionEnd, ToolEnqueued, ToolStart,
+        RequestAborted, KvRetained, KvReleased, EngineStep, SessionStart, SessionEnd, ToolEnqueued, ToolStart,
         ToolEnd, AdmissionUpdate,
     )
 }

@@ -276,3 +276,49 @@ def test_metrics_and_healthz(clean_fakes, gateway_factory) -> None:
     assert r.status_code == 200 and r.json()["healthy_replicas"] == ["r0", "r1"]
     models = httpx.get(f"{server.url}/v1/models")
     assert models.status_code == 200 and models.json()["data"][0]["id"] == "fake"
+
+
+def test_a_dead_agent_mid_tool_frees_its_slot_after_the_tool_bound(clean_fakes, gateway_factory) -> None:
+    """Issue 16 kind 1: an agent killed during a tool call sends no tool_end. Past the call's bound
+    the gateway closes it (a recorded tool_end, status interrupted), the tool count drops to 0,
+    the session idles out and another session's request is answered."""
+    one = {"window_max": 1, "window_init": 1, "window_min": 1}
+    server, sink = gateway_factory([clean_fakes[0].url], admission=one, session_idle_timeout_s=0.3)
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        assert client.post("/v1/chat/completions", json=chat("dead-a")).status_code == 200
+        client.post("/mars/v1/events", json=event("tool_start", "dead-a", tool_name="terminal",
+                                                  tool_call_id="sleep30", timeout_s=0.6))
+        # dead-a is killed here: no tool_end, no session_end. dead-b waits, then is answered.
+        r = client.post("/v1/chat/completions", json=chat("dead-b"))
+        assert r.status_code == 200, r.text
+        metrics = client.get("/metrics").text
+    assert "mars_tool_calls_in_flight 0" in metrics
+    assert "mars_tool_calls_interrupted_total 1" in metrics
+    assert "dead-a" not in state(server)["sessions"]
+    ends = [e for e in sink.events if e.kind == "tool_end" and e.session_id == "dead-a"]
+    assert [(e.status, e.tool_call_id, e.source) for e in ends] == [
+        ("interrupted", "sleep30", "gateway")]
+    assert ends[0].duration_s >= 0.6
+
+
+def test_a_client_gone_before_the_first_byte_frees_its_slot_and_is_in_the_stream(
+        clean_fakes, gateway_factory) -> None:
+    """Issue 16 kind 1: a client that hangs up before any byte of the answer gives its session's
+    slot back at once (not at session_end or the idle timeout), and the stream says so."""
+    fake = clean_fakes[0]
+    one = {"window_max": 1, "window_init": 1, "window_min": 1}
+    server, sink = gateway_factory([fake.url], admission=one)
+    fake.configure(delay_s=30.0)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/chat/completions", json=chat("gone-a"), timeout=0.5,
+                   headers={"x-request-id": "req-gone"})
+    wait_until(lambda: state(server)["num_admitted"] == 0, timeout_s=3.0, what="slot released")
+    assert state(server)["sessions"]["gone-a"]["turns"] == 1  # still known, keeps its turns
+    fake.configure(delay_s=0.0)
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=chat("gone-b"), timeout=5.0)
+    assert r.status_code == 200
+    aborted = [e for e in sink.events if e.kind == "aborted"]
+    assert [(e.request_id, e.session_id, e.turn, e.reason, e.stage, e.is_slot_released)
+            for e in aborted] == [("req-gone", "gone-a", 0, "client_disconnect", "upstream", True)]
+    assert 0.4 < aborted[0].elapsed_s < 5.0
+    assert "mars_client_gone_releases_total 1" in httpx.get(f"{server.url}/metrics").text

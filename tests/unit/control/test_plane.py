@@ -15,6 +15,7 @@ from mars_openhands.policy.admission import (
     PressureSnapshot,
 )
 from mars_openhands.policy.reorder import WaitingSession
+from mars_openhands.stream.events import SessionStart, ToolEnd, ToolEnqueued, now_stamps
 
 ONE = {"window_max": 1, "window_init": 1, "window_min": 1}
 
@@ -54,7 +55,7 @@ def test_tool_calls_keep_a_session_alive_and_its_last_tool_travels_with_the_next
     assert cp.request_slot(s, 10) and cp.start_turn(s) == (0, None)
     cp.end_request(s)
     cp.tool_enqueued(s, "c", "pytest")
-    now[0] = 1000.0
+    now[0] = 800.0  # past the idle timeout (300 s), within the tool call's bound (900 s)
     assert cp.tick().idle_released == []  # a tool call in flight: not idle
     cp.tool_started(s, "c", "pytest", queue_wait_s=0.5)
     cp.tool_ended(s, "c", "pytest", duration_s=2.5)
@@ -64,6 +65,74 @@ def test_tool_calls_keep_a_session_alive_and_its_last_tool_travels_with_the_next
     assert (turn, prev_tool) == (1, ("pytest", 2.5))
     cp.refuse_turn(s, turn, prev_tool)  # the engine refused it: the retry is turn 1 again
     assert cp.start_turn(s) == (1, ("pytest", 2.5))
+
+
+def test_a_tool_call_past_its_bound_is_interrupted_and_its_session_idles_out() -> None:
+    """A dead agent (killed in the middle of a tool call) holds nothing forever: past the call's
+    bound the tick closes it as interrupted (no prev_tool: nothing was measured), the backlog
+    drops, and the session, silent past the idle timeout, gives its slot to a waiter."""
+    now = [0.0]
+    cp = plane(now, admission=ONE, session_idle_timeout_s=5.0, tool_call_timeout_s=60.0)
+    dead, waiter = cp.open_session("dead"), cp.open_session("waiter")
+    cp.begin_request(dead)
+    assert cp.request_slot(dead, 10) and cp.start_turn(dead) == (0, None)
+    cp.end_request(dead)
+    cp.tool_enqueued(dead, "c1", "terminal", timeout_s=40.0)  # the tool's own bound wins
+    now[0] = 0.5
+    cp.tool_started(dead, "c1", "terminal", queue_wait_s=0.5, timeout_s=30.0)  # restarts it
+    cp.begin_request(waiter)
+    assert not cp.request_slot(waiter, 10)
+    now[0] = 30.0
+    tick = cp.tick()
+    assert (tick.interrupted, tick.idle_released, cp.tools.num_in_flight) == ((), [], 1)
+    now[0] = 30.5
+    tick = cp.tick()
+    assert [(t.session_id, t.tool_call_id, t.tool_name, t.turn) for t in tick.interrupted] == [
+        ("dead", "c1", "terminal", 1)]
+    assert tick.interrupted[0].waited_s == pytest.approx(30.0)
+    assert (tick.idle_released, tick.admitted) == (["dead"], ["waiter"])
+    assert cp.tools.num_in_flight == 0 and cp.tools.backlog_ratio == 0.0
+    assert cp.num_tools_interrupted == 1
+
+
+def test_tool_bounds_come_from_the_call_then_the_task_then_the_gateway() -> None:
+    now = [0.0]
+    cp = plane(now, tool_call_timeout_s=100.0)
+    s = cp.open_session("s")
+    assert cp.tool_bound_s(s, None) == 100.0
+    cp.on_cpu_event(s, SessionStart(**now_stamps(), source="agent", session_id="s",
+                                    tool_timeout_s=20.0))
+    assert cp.tool_bound_s(s, None) == 20.0 and cp.tool_bound_s(s, 7.0) == 7.0
+    cp.on_cpu_event(s, ToolEnqueued(**now_stamps(), source="agent", session_id="s",
+                                    tool_name="mcp", tool_call_id="m"))
+    now[0] = 19.0
+    assert cp.tick().interrupted == ()
+    now[0] = 20.0
+    assert [t.tool_call_id for t in cp.tick().interrupted] == ["m"]
+    # A late tool_end of the interrupted call is harmless: counts stay at 0.
+    cp.on_cpu_event(s, ToolEnd(**now_stamps(), source="agent", session_id="s", tool_name="mcp",
+                               tool_call_id="m", duration_s=25.0))
+    assert (cp.tools.num_in_flight, cp.tools.num_queued, s.prev_tool) == (0, 0, ("mcp", 25.0))
+
+
+def test_a_client_gone_gives_its_slot_back_unless_more_of_its_session_is_in_flight() -> None:
+    now = [0.0]
+    cp = plane(now, admission=ONE)
+    a, b = cp.open_session("a"), cp.open_session("b")
+    cp.begin_request(a)
+    assert cp.request_slot(a, 10)
+    cp.start_turn(a)
+    cp.begin_request(a)  # a second request of a (e.g. a title) still runs
+    cp.begin_request(b)
+    assert not cp.request_slot(b, 10)
+    cp.end_request(a)
+    assert cp.client_gone(a) == [] and cp.admission.is_admitted("a")
+    cp.end_request(a)
+    assert cp.client_gone(a) == ["b"] and not cp.admission.is_admitted("a")
+    assert cp.sessions.get("a") is a and a.num_turns == 1  # known; queues again next time
+    assert cp.num_client_gone_releases == 1
+    cp.begin_request(a)
+    assert not cp.request_slot(a, 10)  # b holds the only slot now
 
 
 def test_a_side_request_takes_no_turn_and_leaves_the_previous_tool_for_the_next() -> None:

@@ -128,18 +128,19 @@ def test_collector_skips_invalid_lines_and_callback_errors(tmp_path: Path) -> No
             raise RuntimeError("boom")
         received.append(event)
 
-    events = sample_events()
+    by_kind = {e.kind: e for e in sample_events()}
+    first, tool_end, last = by_kind["queued"], by_kind["tool_end"], by_kind["admission_update"]
     with ZmqEventCollector(f"ipc://{tmp_path}/c.sock", on_event) as collector:
         context = zmq.Context()
         push = context.socket(zmq.PUSH)
         push.connect(collector.address)
-        batch = "\n".join([events[0].model_dump_json(), '{"kind": "nope"}',
-                           events[12].model_dump_json(), events[13].model_dump_json()])
+        batch = "\n".join([first.model_dump_json(), '{"kind": "nope"}',
+                           tool_end.model_dump_json(), last.model_dump_json()])
         push.send(batch.encode())
         assert _wait_until(lambda: collector.num_received == 3, 5.0)
         push.close(linger=0)
         context.term()
-    assert received == [events[0], events[13]]
+    assert received == [first, last]
     assert collector.num_invalid == 1 and collector.num_callback_errors == 1
 
 
