@@ -189,3 +189,27 @@ def test_side_extra_is_checked() -> None:
     res = h.step()
     assert bad.request_id in res.finished_ids and bad.status == RequestStatus.FINISHED_ERROR
     h.assert_no_leaks()
+
+
+@pytest.mark.parametrize(("cls", "mars"), [
+    (MarsScheduler, None),  # residency on: a later session's request is held outside vLLM
+    (MarsScheduler, {"residency": {"enabled": False}}),
+    (MarsBaseScheduler, {"window": {"enabled": True, "size": 1}}),  # overflow window
+])
+def test_every_aborted_request_gets_a_finished_event(cls, mars) -> None:
+    """Issue 16 kind 1: a request aborted wherever it is (running, waiting, held by residency, in
+    the overflow window) ends with a ``finished`` event (finish_reason abort) and leaks nothing."""
+    h = Harness(cls, num_blocks=24, max_num_seqs=1, mars=mars)
+    sink = ListSink()
+    h.scheduler.set_telemetry_sink(sink)
+    running = h.add(h.make_request("a", h.tokens(100), 50, {"mars_turn": 0}))
+    h.step()
+    others = [h.add(h.make_request(sid, h.tokens(300), 5, {"mars_turn": 0})) for sid in "bc"]
+    h.step()
+    ids = [running.request_id] + [r.request_id for r in others]
+    h.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+    h.step()
+    finished = {e.request_id: e.finish_reason for e in sink.events if e.kind == "finished"}
+    assert finished == dict.fromkeys(ids, "abort")
+    assert h.scheduler.get_request_counts() == (0, 0)
+    h.assert_no_leaks()
