@@ -23,9 +23,19 @@ Two ways in:
   unchanged. The session id is then the conversation id (what SDK 1.58 also sends the LLM as
   ``x-litellm-session-id``).
 
+Every tool, not only these three: :class:`EventedToolsCallback` (a conversation callback) wraps, in
+place, the executor of any tool of the agent that is not wrapped yet (custom tools, MCP tools, tools
+added at run time) when the agent's ``ActionEvent`` for it is emitted, which the SDK does before it
+runs the tool.
+
 Transport: :class:`EventSender` posts batches to the gateway's ``POST /mars/v1/events`` from a
-background thread (the tool never waits on the network) and appends each event to a JSONL file when
-asked. Timestamps are taken when the event happens, never when it is sent.
+background thread and appends each event to a JSONL file when asked. Timestamps are taken when the
+event happens, never when it is sent. Ordering with the agent's next LLM call: the SDK sends that
+call about 20 ms after a tool returns, sooner than a background post reaches the gateway, and the
+gateway would then attach no ``mars_prev_tool`` to it (the engine loses the tool's name and
+duration). So a tool's observation goes back to the agent only once its ``tool_end`` was posted, or
+after ``end_wait_s`` (default :data:`DEFAULT_END_WAIT_S`) when the gateway is slow or down: a
+bounded wait, never an error.
 """
 
 from __future__ import annotations
@@ -54,13 +64,16 @@ from mars_openhands.openhands.policy_check import PolicyConfig, check_action
 from mars_openhands.stream.events import Event, ToolEnd, ToolEnqueued, ToolStart, now_stamps
 
 __all__ = [
+    "DEFAULT_END_WAIT_S",
     "ENV_EVENTS_PATH",
     "ENV_EVENTS_URL",
     "ENV_POLICY",
     "EVENTED_TOOL_NAMES",
     "EventSender",
     "EventedExecutor",
+    "EventedToolsCallback",
     "register_evented_tools",
+    "wrap_tool",
 ]
 
 logger = logging.getLogger(__name__)
@@ -78,6 +91,19 @@ EVENTED_TOOL_NAMES: tuple[str, ...] = ("terminal", "file_editor", "task_tracker"
 _MARS_PARAMS = ("mars_events_url", "mars_events_path", "mars_session_id", "mars_source",
                 "mars_policy", "mars_workspace")
 
+
+DEFAULT_END_WAIT_S = 2.0
+"""Longest a tool's observation waits for its ``tool_end`` to be posted, seconds: a local post
+takes ~1-5 ms; a gateway down for longer costs each tool call at most this."""
+
+UNEVENTED_TOOL_NAMES = frozenset(("finish",))
+"""Tools :class:`EventedToolsCallback` leaves alone: ``finish`` ends the conversation (no tool work,
+no next LLM call to inform; ``session_end`` follows)."""
+
+TOOL_BOUND_SLACK_S = 60.0
+"""Added to a tool call's own timeout (the terminal's ``timeout``) to form the bound it sends
+(``tool_start.timeout_s``): the gateway closes the call as interrupted only well after the tool
+itself would have given up."""
 
 _RETRY_STATUSES = frozenset((404, 408, 425, 429))
 """HTTP statuses worth retrying, besides 5xx: 404 is the gateway's "unknown session" after it
@@ -120,25 +146,46 @@ class EventSender:
         self.num_lost = 0
         self._queue: queue.Queue[Event | None] = queue.Queue()
         self._lock = threading.Lock()
+        self._num_queued = 0
+        self._num_done = 0
+        """Events posted or given up on, in order (batches are posted in order)."""
+        self._done = threading.Condition()
         self._thread: threading.Thread | None = None
         self._is_closed = False
         self._closing = threading.Event()
 
-    def emit(self, event: Event) -> None:
-        """Queue ``event`` for sending (and write it to the JSONL file now). Thread-safe, non-blocking."""
+    def emit(self, event: Event) -> int:
+        """Queue ``event`` for sending (and write it to the JSONL file now). Thread-safe, non-blocking.
+
+        Returns:
+            Its sequence number for :meth:`wait_sent` (0 when nothing is posted).
+        """
         if self.events_path is not None:
             line = event.model_dump_json() + "\n"
             with self._lock, self.events_path.open("a") as f:
                 f.write(line)
         if self.events_url is None:
-            return
+            return 0
         with self._lock:
             if self._is_closed:
                 raise RuntimeError("EventSender.emit after close(); create a new sender")
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="mars-events", daemon=True)
                 self._thread.start()
-        self._queue.put(event)
+            self._num_queued += 1
+            seq = self._num_queued
+            self._queue.put(event)
+        return seq
+
+    def wait_sent(self, seq: int, timeout_s: float) -> bool:
+        """Wait until event ``seq`` (from :meth:`emit`) and every one before it was posted or given
+        up on. Blocks the caller at most ``timeout_s`` seconds.
+
+        Returns:
+            True if it was; False on timeout (the event is still sent later, in order).
+        """
+        with self._done:
+            return self._done.wait_for(lambda: self._num_done >= seq, timeout_s)
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until every queued event was posted (or given up on). ``False`` on timeout."""
@@ -176,6 +223,9 @@ class EventSender:
                 events = [e for e in batch if e is not None]
                 if events:
                     self._post_with_retries(client, events)
+                with self._done:
+                    self._num_done += len(events)
+                    self._done.notify_all()
                 for _ in batch:
                     self._queue.task_done()
                 if len(events) < len(batch):
@@ -283,6 +333,8 @@ class EventedExecutor(ToolExecutor):
         on_close: called once the executor and its sender are closed (the session lifecycle's
             end of the conversation), or ``None``.
         owns_sender: close ``sender`` on :meth:`close` (False: a shared sender, only flushed).
+        end_wait_s: longest the observation waits for its ``tool_end`` to be posted, seconds
+            (see the module docstring); 0: do not wait.
 
     Attributes:
         timings: ``(tool_call_id, tool_name, start_mono_ns, end_mono_ns, status)`` per call, taken
@@ -294,13 +346,20 @@ class EventedExecutor(ToolExecutor):
     tool-enqueue-time patch (``patches/``), when the call's batch reached the SDK's
     ``ParallelToolExecutor`` (emitted at entry, stamped then); ``queue_wait_s`` is start −
     enqueued: the policy check, plus with the patch the waits for a resource lock or a worker.
+    The call returns only after its ``tool_end`` was posted (or ``end_wait_s``), so the agent's
+    next LLM call cannot overtake it; ``tool_start.timeout_s`` is the action's own ``timeout``
+    plus :data:`TOOL_BOUND_SLACK_S` when it has one.
     """
 
     def __init__(self, inner: ToolExecutor, tool_name: str, observation_type: Any, session_id: str,
                  sender: EventSender, workspace: Path, policy: PolicyConfig | None,
                  source: str = "agent", timings_path: Path | None = None,
-                 on_close: Callable[[], None] | None = None, owns_sender: bool = True) -> None:
+                 on_close: Callable[[], None] | None = None, owns_sender: bool = True,
+                 end_wait_s: float = DEFAULT_END_WAIT_S) -> None:
         self.inner = inner
+        self.end_wait_s = end_wait_s
+        self.num_end_wait_timeouts = 0
+        """Calls whose observation went back before their ``tool_end`` was posted."""
         self.owns_sender = owns_sender
         self.tool_name = tool_name
         self.observation_type = observation_type
@@ -325,12 +384,13 @@ class EventedExecutor(ToolExecutor):
             if not decision.is_allowed:
                 end = now_stamps()
                 self._record(tool_call_id, end["t_mono_ns"], end["t_mono_ns"], "denied")
-                self.sender.emit(ToolEnd(**end, **common, duration_s=0.0, status="denied"))
+                self._send_end(ToolEnd(**end, **common, duration_s=0.0, status="denied"))
                 return _denied_observation(self.observation_type, action, decision.reason)
         start = now_stamps()
         start_ns = start["t_mono_ns"]
         wait_s = (start_ns - enqueued["t_mono_ns"]) / 1e9
-        self.sender.emit(ToolStart(**start, **common, queue_wait_s=max(0.0, wait_s)))
+        self.sender.emit(ToolStart(**start, **common, queue_wait_s=max(0.0, wait_s),
+                                   timeout_s=_bound_s(action)))
         status = "error"
         try:
             observation = self.inner(action, conversation)
@@ -341,8 +401,16 @@ class EventedExecutor(ToolExecutor):
         finally:
             end = now_stamps()
             self._record(tool_call_id, start_ns, end["t_mono_ns"], status)
-            self.sender.emit(ToolEnd(**end, **common, status=status,
-                                     duration_s=(end["t_mono_ns"] - start_ns) / 1e9))
+            self._send_end(ToolEnd(**end, **common, status=status,
+                                   duration_s=(end["t_mono_ns"] - start_ns) / 1e9))
+
+    def _send_end(self, event: ToolEnd) -> None:
+        """Emit ``tool_end`` and wait (at most ``end_wait_s``) until it was posted."""
+        seq = self.sender.emit(event)
+        if seq and self.end_wait_s > 0 and not self.sender.wait_sent(seq, self.end_wait_s):
+            self.num_end_wait_timeouts += 1
+            logger.warning("tool_end of %s (%s) not posted within %.1f s; the agent goes on",
+                           event.tool_call_id, event.tool_name, self.end_wait_s)
 
     def _record(self, tool_call_id: str, start_ns: int, end_ns: int, status: str) -> None:
         entry = (tool_call_id, self.tool_name, start_ns, end_ns, status)
@@ -370,6 +438,73 @@ class EventedExecutor(ToolExecutor):
         interrupt = getattr(self.inner, "interrupt", None)
         if interrupt is not None:
             interrupt()
+
+
+def _bound_s(action: Any) -> float | None:
+    """The bound a call sends (``tool_start.timeout_s``): the action's own positive ``timeout``
+    (seconds; the terminal has one) plus :data:`TOOL_BOUND_SLACK_S`, else ``None`` (the
+    session's or gateway's default)."""
+    timeout = getattr(action, "timeout", None)
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
+        return float(timeout) + TOOL_BOUND_SLACK_S
+    return None
+
+
+def wrap_tool(tool: Any, session_id: str, sender: EventSender, workspace: Path,
+              source: str = "agent", end_wait_s: float = DEFAULT_END_WAIT_S) -> bool:
+    """Wrap ``tool``'s executor in an :class:`EventedExecutor`, in place, unless it already is one
+    or has no executor. No policy check (its rules are for the three built-in tools).
+
+    Mutates: ``tool.executor`` (the SDK's tool objects are frozen models; the agent holds this
+    very object, so its next call goes through the wrapper).
+
+    Returns:
+        True if it was wrapped now.
+    """
+    inner = getattr(tool, "executor", None)
+    if inner is None or isinstance(inner, EventedExecutor):
+        return False
+    wrapped = EventedExecutor(inner, tool.name, tool.observation_type, session_id, sender,
+                              workspace, None, source, owns_sender=False, end_wait_s=end_wait_s)
+    object.__setattr__(tool, "executor", wrapped)
+    return True
+
+
+class EventedToolsCallback:
+    """Conversation callback: every tool the agent runs emits tool events, whatever it is.
+
+    On each ``ActionEvent`` (emitted by the SDK before the tool runs) the named tool of
+    :attr:`agent` is wrapped by :func:`wrap_tool` if it is not yet (custom tools, MCP tools, tools
+    added at run time; the three built-in ones are wrapped at creation). Set :attr:`agent` to the
+    conversation's agent once the conversation exists.
+
+    Args:
+        session_id, sender, workspace, source, end_wait_s: as :class:`EventedExecutor`.
+    """
+
+    def __init__(self, session_id: str, sender: EventSender, workspace: Path,
+                 source: str = "agent", end_wait_s: float = DEFAULT_END_WAIT_S) -> None:
+        self.session_id = session_id
+        self.sender = sender
+        self.workspace = workspace
+        self.source = source
+        self.end_wait_s = end_wait_s
+        self.agent: Any = None
+        self.wrapped: list[str] = []
+        """Names of the tools this callback wrapped."""
+
+    def __call__(self, event: Any) -> None:
+        name = getattr(event, "tool_name", None)
+        if (self.agent is None or name is None or name in UNEVENTED_TOOL_NAMES
+                or not hasattr(event, "action")):
+            return
+        try:
+            tool = self.agent.tools_map.get(name)
+        except RuntimeError:  # agent not initialized yet: it cannot run a tool either
+            return
+        if tool is not None and wrap_tool(tool, self.session_id, self.sender, self.workspace,
+                                          self.source, self.end_wait_s):
+            self.wrapped.append(name)
 
 
 def _action_fields(action: Any) -> Mapping[str, Any]:

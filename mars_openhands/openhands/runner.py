@@ -30,7 +30,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mars_openhands.openhands.endpoint import preflight
-from mars_openhands.openhands.executor import EventSender, register_evented_tools
+from mars_openhands.openhands.executor import (
+    EventedToolsCallback,
+    EventSender,
+    register_evented_tools,
+)
 from mars_openhands.openhands.llm import ENV_API_KEY, LLMSettings, TurnTracker, build_session_llm
 from mars_openhands.stream.events import SessionEnd, SessionStart, now_stamps
 
@@ -182,13 +186,16 @@ def _changes(workspace: Path, base_commit: str | None, before: dict[str, float])
 def _build_conversation(config: RunConfig, workspace: Path, session_id: str, events_path: Path,
                         llm: Any = None, tool_prefix: str = "mars",
                         extra_tool_params: dict[str, Any] | None = None,
-                        conversation_dir: Path | None = None) -> tuple[Any, TurnTracker]:
+                        conversation_dir: Path | None = None,
+                        sender: EventSender | None = None) -> tuple[Any, TurnTracker]:
     """The OpenHands conversation for one task (wrapped tools, per-session LLM) and its turn tracker.
 
     ``llm`` replaces the per-session LLM, ``tool_prefix`` the registered tool names
     (``<prefix>_terminal``, ...) and ``extra_tool_params`` adds tool spec params; the durable
     runtime's adapter (``durable.py``) passes all three. ``conversation_dir``: where the SDK
-    persists the conversation (its events and state), ``None``: not persisted.
+    persists the conversation (its events and state), ``None``: not persisted. ``sender``: the
+    task's event sender; with one, every other tool the agent runs (custom, MCP, ``think``) is
+    evented too (:class:`~mars_openhands.openhands.executor.EventedToolsCallback`).
     """
     from openhands.sdk import Agent, Conversation, Tool
 
@@ -207,9 +214,14 @@ def _build_conversation(config: RunConfig, workspace: Path, session_id: str, eve
              Tool(name=f"{tool_prefix}_file_editor", params=tool_params),
              Tool(name=f"{tool_prefix}_task_tracker", params=tool_params)]
     agent = Agent(llm=llm, tools=tools)
+    callbacks: list[Any] = [TurnTracker(llm)]
+    evented = None
+    if sender is not None:
+        evented = EventedToolsCallback(session_id, sender, workspace)
+        callbacks.append(evented)
     kwargs: dict[str, Any] = {"agent": agent, "workspace": str(workspace),
                               "conversation_id": uuid.UUID(session_id),
-                              "callbacks": [TurnTracker(llm)],
+                              "callbacks": callbacks,
                               "max_iteration_per_run": config.max_iterations}
     accepted = inspect.signature(Conversation.__new__).parameters
     if conversation_dir is not None and "persistence_dir" in accepted:  # the SDK keeps it there
@@ -218,7 +230,10 @@ def _build_conversation(config: RunConfig, workspace: Path, session_id: str, eve
         kwargs["visualizer"] = None
     else:
         kwargs["visualize"] = False
-    return Conversation(**kwargs), kwargs["callbacks"][0]
+    conversation = Conversation(**kwargs)
+    if evented is not None:
+        evented.agent = getattr(conversation, "agent", agent)
+    return conversation, callbacks[0]
 
 
 def _status_of(conversation: Any) -> TaskStatus:
@@ -257,7 +272,8 @@ def run_task(task: TaskSpec, config: RunConfig) -> TaskResult:
     tracker = None
     try:
         conversation, tracker = _build_conversation(config, workspace, session_id, events_path,
-                                                    conversation_dir=task_dir / "conversation")
+                                                    conversation_dir=task_dir / "conversation",
+                                                    sender=lifecycle)
         conversation.send_message(task.problem_statement)
         conversation.run()
         status = _status_of(conversation)

@@ -28,10 +28,11 @@ class EventCollector:
         status_code: the answer to every post.
         fail_first: answer the first this many posts with ``fail_status`` (and keep nothing).
         port: listen here (``0``: a free port).
+        delay_s: wait this long before keeping a post's events and answering (a slow gateway).
     """
 
     def __init__(self, status_code: int = 200, fail_first: int = 0, fail_status: int = 503,
-                 port: int = 0) -> None:
+                 port: int = 0, delay_s: float = 0.0) -> None:
         self.events: list[dict[str, Any]] = []
         self.num_posts = 0
         self.status_code = status_code
@@ -41,6 +42,7 @@ class EventCollector:
             def do_POST(self) -> None:  # noqa: N802 (http.server's name)
                 body = self.rfile.read(int(self.headers.get("content-length", 0)))
                 data = json.loads(body)
+                time.sleep(delay_s)
                 collector.num_posts += 1
                 status = fail_status if collector.num_posts <= fail_first else collector.status_code
                 if status < 400:

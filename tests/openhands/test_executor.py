@@ -157,8 +157,90 @@ def test_emit_does_not_wait_for_a_slow_endpoint(tmp_path: Path) -> None:
     # Unroutable: each post hangs until its 10 s timeout. A blocking emit would take >= 10 s.
     sender = EventSender("http://10.255.255.1:9/mars/v1/events", timeout_s=10.0)
     wrapped = _wrap(ProbeExecutor(0.0), sender, tmp_path)
+    wrapped.end_wait_s = 0.0  # only emit() here; the bounded tool_end wait is tested below
     t0 = time.monotonic()
     for _ in range(20):
         wrapped(TerminalAction(command="ls"))
     assert time.monotonic() - t0 < 5.0  # posting happens on the sender thread
     sender.close(timeout_s=0.1)
+
+
+def test_the_observation_returns_only_after_its_tool_end_reached_the_gateway(tmp_path: Path) -> None:
+    """Issue 16 kind 2: the SDK's next LLM call follows a tool's return by ~20 ms; a background
+    post of tool_end lost that race on a slow gateway, and the next turn went without the tool."""
+    with EventCollector(delay_s=0.15) as collector:
+        sender = EventSender(collector.url)
+        wrapped = _wrap(ProbeExecutor(0.0), sender, tmp_path)
+        for i in range(3):
+            wrapped(TerminalAction(command=f"echo {i}"))
+            kinds = [e["kind"] for e in collector.events]
+            assert kinds[-1] == "tool_end" and kinds.count("tool_end") == i + 1, kinds
+        sender.close()
+    assert wrapped.num_end_wait_timeouts == 0
+
+
+def test_the_wait_for_tool_end_is_bounded_when_the_gateway_hangs(tmp_path: Path) -> None:
+    sender = EventSender("http://10.255.255.1:9/mars/v1/events", timeout_s=10.0)
+    wrapped = _wrap(ProbeExecutor(0.0), sender, tmp_path)
+    wrapped.end_wait_s = 0.3
+    t0 = time.monotonic()
+    observation = wrapped(TerminalAction(command="ls"))
+    assert 0.3 <= time.monotonic() - t0 < 2.0 and not observation.is_error
+    assert wrapped.num_end_wait_timeouts == 1
+    sender.close(timeout_s=0.1)
+
+
+def test_a_tool_call_with_its_own_timeout_sends_a_bound(tmp_path: Path) -> None:
+    from mars_openhands.openhands.executor import TOOL_BOUND_SLACK_S
+
+    with EventCollector() as collector:
+        sender = EventSender(collector.url)
+        wrapped = _wrap(ProbeExecutor(0.0), sender, tmp_path)
+        wrapped(TerminalAction(command="sleep 0", timeout=30.0))
+        wrapped(TerminalAction(command="ls"))
+        sender.close()
+    bounds = [e.get("timeout_s") for e in collector.events if e["kind"] == "tool_start"]
+    assert bounds == [30.0 + TOOL_BOUND_SLACK_S, None]
+
+
+class _Agent:
+    """What EventedToolsCallback reads of an SDK agent: ``tools_map``."""
+
+    def __init__(self, tools: list[Any]) -> None:
+        self.tools_map = {t.name: t for t in tools}
+
+
+class _ActionEvent:
+    def __init__(self, tool_name: str, action: Any) -> None:
+        self.tool_name = tool_name
+        self.action = action
+
+
+def test_every_other_tool_is_evented_when_the_agent_calls_it(tmp_path: Path) -> None:
+    """Issue 16 kind 2: custom and MCP tools (here the SDK's own think tool, a real
+    ToolDefinition with its real executor) emit tool events once the agent calls them; finish
+    and tools wrapped already are left alone."""
+    from openhands.sdk.tool.builtins import FinishTool, ThinkAction, ThinkTool
+
+    from mars_openhands.openhands.executor import EventedToolsCallback
+
+    think = ThinkTool.create()[0]
+    finish = FinishTool.create()[0]
+    with EventCollector() as collector:
+        sender = EventSender(collector.url)
+        callback = EventedToolsCallback("sess-x", sender, tmp_path)
+        callback.agent = _Agent([think, finish])
+        action = ThinkAction(thought="plan the fix")
+        callback(_ActionEvent("think", action))
+        callback(_ActionEvent("think", action))  # idempotent
+        callback(_ActionEvent("finish", None))
+        observation = think(action, None)  # what the agent then runs: the same tool object
+        sender.close()
+    assert callback.wrapped == ["think"] and isinstance(think.executor, EventedExecutor)
+    assert not isinstance(finish.executor, EventedExecutor)
+    assert not observation.is_error
+    events = [parse_event(e) for e in collector.events]
+    assert [(e.kind, e.tool_name, e.session_id) for e in events] == [
+        ("tool_enqueued", "think", "sess-x"), ("tool_start", "think", "sess-x"),
+        ("tool_end", "think", "sess-x")]
+    assert events[-1].status == "ok"

@@ -134,3 +134,23 @@ def test_recorded_trace_turns_run_as_real_terminal_calls(tmp_path: Path) -> None
     written = (workspace / "reproduce_issue.py").read_text()
     assert "from marshmallow import Schema, fields, validates" in written
     assert result.files_changed == ["reproduce_issue.py"]
+
+
+def test_tools_beyond_the_wrapped_three_are_evented_in_a_real_conversation(tmp_path: Path) -> None:
+    """Issue 16 kind 2: the agent's other tools (here the SDK's think tool; custom and MCP tools
+    take the same path) emit tool events, through a slow gateway too."""
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    session_id = str(uuid.uuid4())
+    script = Script(name="think", session_id=session_id, turns=(
+        _turn("think", thought="first list the files"), _turn("terminal", command="ls")))
+    with serve_app(build_playback_app([script])) as url, EventCollector(delay_s=0.05) as collector:
+        config = RunConfig(llm=LLMSettings(backend="mars", base_url=f"{url}/v1", model="playback"),
+                           events_url=collector.url, out_dir=str(tmp_path / "out"))
+        result = run_task(TaskSpec(task_id="think", problem_statement="look around",
+                                   workspace=str(workspace), session_id=session_id), config)
+    assert result.status == "finished", result.error
+    ends = sorted((parse_event(e) for e in collector.events if e["kind"] == "tool_end"),
+                  key=lambda e: e.t_mono_ns)
+    assert [(e.tool_name, e.turn, e.status) for e in ends] == [("think", 0, "ok"),
+                                                               ("terminal", 1, "ok")]
