@@ -32,7 +32,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from mars_openhands.openhands.executor import EventSender
+from mars_openhands.openhands.executor import UNEVENTED_TOOL_NAMES, EventSender, wrap_tool
 from mars_openhands.stream.events import SessionEnd, SessionStart, now_stamps
 
 __all__ = ["DEFAULT_POLL_INTERVAL_S", "TERMINAL_STATUSES", "ConversationLifecycle", "status_of"]
@@ -142,7 +142,8 @@ class ConversationLifecycle:
             self._end(session_id, "closed")
 
     def poll_once(self) -> None:
-        """Read every tracked conversation's status once and send what changed."""
+        """Read every tracked conversation's status once and send what changed; wrap the tools
+        of its agent that emit no events yet (:meth:`wrap_tools`)."""
         with self._lock:
             items = list(self._tracked.items())
         for session_id, tracked in items:
@@ -151,6 +152,26 @@ class ConversationLifecycle:
                 self.closed(session_id)
                 continue
             self._step(session_id, tracked, status_of(state), *_progress(state))
+            self.wrap_tools(session_id, state)
+
+    def wrap_tools(self, session_id: str, conv_state: Any) -> list[str]:
+        """Wrap every tool of the conversation's agent that is not evented yet (custom and MCP
+        tools, which the agent-server builds itself) so it posts tool events through this
+        lifecycle's sender. A tool added at run time is evented from the first poll after it
+        appeared (at most ``poll_interval_s`` later).
+
+        Returns:
+            Names of the tools wrapped now. Mutates those tools' executors.
+        """
+        try:
+            tools = conv_state.agent.tools_map
+            workspace = conv_state.workspace.working_dir
+        except (AttributeError, RuntimeError):  # agent not initialized yet, or an older SDK
+            return []
+        from pathlib import Path
+
+        return [name for name, tool in tools.items() if name not in UNEVENTED_TOOL_NAMES
+                and wrap_tool(tool, session_id, self.sender, Path(workspace), self.source)]
 
     def _step(self, session_id: str, tracked: _Tracked, status: str, message_id: Any,
               message_index: int | None, num_events: int | None) -> None:

@@ -148,3 +148,25 @@ def test_status_of_reads_enum_values_and_old_names() -> None:
     assert status_of(Old()) == "running"
     with pytest.raises(ValueError, match="MARS_SESSION_POLL_S"):
         ConversationLifecycle(EventSender(None), poll_interval_s=0)
+
+
+def test_the_agent_servers_other_tools_are_evented_by_the_poll(tmp_path: Path) -> None:
+    """Issue 16 kind 2: tools the agent-server builds itself (custom, MCP; here the SDK's think
+    tool) post tool events through the lifecycle's sender once a poll has seen them."""
+    from types import SimpleNamespace
+
+    from openhands.sdk.tool.builtins import FinishTool, ThinkAction, ThinkTool
+
+    path = tmp_path / "events.jsonl"
+    lifecycle = ConversationLifecycle(EventSender(None, path), poll_interval_s=60)
+    think, finish = ThinkTool.create()[0], FinishTool.create()[0]
+    state = FakeState(ConversationExecutionStatus.RUNNING)
+    state.agent = SimpleNamespace(tools_map={"think": think, "finish": finish})
+    state.workspace = SimpleNamespace(working_dir=str(tmp_path))
+    sid = lifecycle.track(state)
+    lifecycle.poll_once()
+    assert lifecycle.wrap_tools(sid, state) == []  # idempotent: wrapped by the poll
+    think(ThinkAction(thought="x"), None)
+    kinds = [(k, s) for k, s, _ in _events(path) if k.startswith("tool")]
+    assert kinds == [("tool_enqueued", sid), ("tool_start", sid), ("tool_end", sid)]
+    lifecycle.closed(sid)
