@@ -23,9 +23,13 @@ and at least one ``finished`` event):
   ``tool_start.queue_wait_s``) / Σ E2E over completed sessions: the part of session time spent in
   tools rather than in the LLM path. The queue-wait part alone is reported too.
 * **preemptions** = number of ``preempted`` events; also per ``finished`` request.
-* **KV retention hit ratio** = retentions released with reason ``"resumed"`` (the next turn reused
-  the pinned KV) / retentions released for any reason except ``"shutdown"`` (the run ended before
-  the outcome was known). Also weighted by blocks. ``None`` when nothing was released.
+* **KV retention hit ratio** = tokens the next turns actually reused from retained KV (``kv_released
+  .num_reused_blocks``: blocks of the release the next turn's prefix hit took) / tokens of every
+  retention released for any reason except ``"shutdown"`` (the run ended before the outcome was
+  known); a release as ``"resumed"`` whose next turn kept half the context counts half. Streams
+  written before the measurement (no ``num_reused_blocks``) count a ``"resumed"`` release whole.
+  Also the share of releases that were resumes (``resume_ratio``, what the ratio used to count).
+  ``None`` when nothing was released.
 
 Pure pandas/numpy: every function takes a frame and returns new values; nothing is mutated.
 """
@@ -187,11 +191,17 @@ class KvRetentionStats(BaseModel):
     num_released: int
     """``kv_released`` events except reason ``"shutdown"`` (resolved retentions)."""
     num_hits: int
-    """``kv_released`` with reason ``"resumed"``."""
+    """Resolved releases of which the next turn reused at least one block."""
+    num_reused_blocks: int
+    """Blocks the next turns reused, over all resolved releases."""
     hit_ratio: float | None
-    """num_hits / num_released; ``None`` when nothing was released."""
+    """Reused tokens / retained tokens of the resolved releases (the module docstring); ``None``
+    when nothing was released."""
     hit_block_ratio: float | None
-    """Blocks released by ``"resumed"`` / blocks of all resolved releases."""
+    """Blocks released by ``"resumed"`` / blocks of all resolved releases: whole resumes, an
+    upper bound of ``hit_ratio``."""
+    resume_ratio: float | None
+    """Releases by ``"resumed"`` / resolved releases."""
     released_by_reason: dict[str, int]
 
 
@@ -199,14 +209,20 @@ def kv_retention_stats(stream: pd.DataFrame) -> KvRetentionStats:
     """Count retentions, releases and hits (see the module docstring). Pure."""
     released = _of_kind(stream, "kv_released")
     resolved = released.loc[released["reason"] != NOT_A_RESOLUTION]
-    hits = resolved.loc[resolved["reason"] == "resumed"]
+    resumes = resolved.loc[resolved["reason"] == "resumed"]
+    measured = (resolved["num_reused_blocks"] if "num_reused_blocks" in resolved
+                else pd.Series(np.nan, index=resolved.index, dtype=float))
+    legacy = resolved["num_blocks"].where(resolved["reason"] == "resumed", 0)
+    reused = measured.where(measured.notna(), legacy).astype(float)
     blocks = float(resolved["num_blocks"].sum())
     return KvRetentionStats(
         num_retained=int((stream["kind"] == "kv_retained").sum()),
         num_released=len(resolved),
-        num_hits=len(hits),
-        hit_ratio=len(hits) / len(resolved) if len(resolved) else None,
-        hit_block_ratio=float(hits["num_blocks"].sum()) / blocks if blocks > 0 else None,
+        num_hits=int((reused > 0).sum()),
+        num_reused_blocks=int(reused.sum()),
+        hit_ratio=float(reused.sum()) / blocks if blocks > 0 else None,
+        hit_block_ratio=float(resumes["num_blocks"].sum()) / blocks if blocks > 0 else None,
+        resume_ratio=len(resumes) / len(resolved) if len(resolved) else None,
         released_by_reason={str(k): int(v) for k, v in released["reason"].value_counts().items()},
     )
 

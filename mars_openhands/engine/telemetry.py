@@ -99,10 +99,12 @@ class EngineTelemetry:
                    ttl_s=max(0.0, ttl_s), reason=reason)
 
     def kv_released(self, session_id: str | None, num_blocks: int, reason: str,
-                    held_s: float | None) -> None:
-        """Retained blocks were unpinned; ``reason`` is one of KvReleased's reasons."""
+                    held_s: float | None, num_reused_blocks: int | None = None) -> None:
+        """Retained blocks were unpinned; ``reason`` is one of KvReleased's reasons;
+        ``num_reused_blocks``: how many of them the next turn reused."""
         self._emit(ev.KvReleased, session_id, None, num_blocks=num_blocks, reason=reason,
-                   held_s=None if held_s is None else max(0.0, held_s))
+                   held_s=None if held_s is None else max(0.0, held_s),
+                   num_reused_blocks=num_reused_blocks)
 
     def should_emit_step(self) -> bool:
         """True at most once per ``engine_step_interval_ms`` (and only when enabled)."""

@@ -137,6 +137,10 @@ class RetentionParams(_Frozen):
     """Sliding window of durations kept per tool."""
     imminent_grace_s: float = Field(5.0, ge=0.0)
     """After tool_end, keep retained KV at least this long for the imminent next turn."""
+    reuse_ema_alpha: float = Field(0.5, gt=0.0, le=1.0)
+    """EMA weight of the newest measured reuse fraction of a session (the share of its previous
+    context its next turn's prompt kept, policy/session.py); the value model scales a session's
+    gain by it, so a session whose turns do not reuse their context stops being retained."""
 
 
 class ResidencyParams(_Frozen):

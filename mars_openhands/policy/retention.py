@@ -100,6 +100,7 @@ def choose_ttl(
     queue_delay_s: float,
     kv_usage: float,
     params: RetentionParams,
+    reuse_fraction: float = 1.0,
 ) -> RetentionDecision | None:
     """Best TTL for retaining ``num_blocks`` blocks (``num_tokens`` tokens) of a dormant session.
 
@@ -111,6 +112,9 @@ def choose_ttl(
         queue_delay_s: expected queueing delay of a cold resume.
         kv_usage: current KV usage in [0, 1] (for the shadow price).
         params: retention parameters.
+        reuse_fraction: expected share of the retained context the next turn reuses, in [0, 1]
+            (the session's measured reuse, policy/session.py; 1 before any is measured). The
+            gain of a warm resume scales with it: 0 means retention saves nothing.
 
     Returns:
         The decision with the largest positive net value, or None when no TTL pays off. With no
@@ -119,7 +123,7 @@ def choose_ttl(
     """
     if num_blocks <= 0 or not params.enabled:
         return None
-    gain_s = reload_time_s(num_tokens, params) + queue_delay_s
+    gain_s = (reload_time_s(num_tokens, params) + queue_delay_s) * min(1.0, max(0.0, reuse_fraction))
     price = shadow_price_s_per_block_s(kv_usage, params)
     if cdf.num_samples == 0:
         ttl = min(params.cold_start_ttl_s, params.max_ttl_s)

@@ -11,13 +11,25 @@ Timeline of one gap (seconds on the engine's monotonic clock)::
     turn k finished ──── tool_start ────────── tool_end ──── turn k+1 arrives
     |<-------------- inferred gap = arrival - finished ------------------->|
                       |<-- duration_s (event, preferred) -->|
+
+Measured reuse: how much of turn k's context turn k+1's prompt kept. vLLM's block hashes are
+chained (block i's hash covers every token of blocks 0..i), so equal hashes at block i mean an
+equal prefix through block i; turn k's hashes at :data:`NUM_REUSE_CHECKPOINTS` evenly spaced
+blocks are enough to measure the kept prefix to 1/8 of the context, in O(1) memory per session::
+
+    turn k context  |b0|b1|b2|b3|b4|b5|b6|b7|      (checkpoints at b0, b1, ..., b7)
+    turn k+1 prompt |b0|b1|b2|b3|x4|x5|x6|x7|x8|   (same through b3: reuse 4/8 = 0.5)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["SessionState", "inferred_tool_duration_s"]
+__all__ = ["NUM_REUSE_CHECKPOINTS", "SessionState", "context_checkpoints",
+           "inferred_tool_duration_s", "measured_reuse_fraction"]
+
+NUM_REUSE_CHECKPOINTS = 8
+"""Blocks of a finished turn's context whose hashes are kept to measure the next turn's reuse."""
 
 
 @dataclass(slots=True)
@@ -56,6 +68,13 @@ class SessionState:
     active_request_ids: set[str] = field(default_factory=set)
     first_arrival_s: float = 0.0
     last_context_tokens: int = 0
+    reuse_checkpoints: tuple[tuple[int, object], ...] = ()
+    """(block index, block hash) of the latest finished turn's context (:func:`context_checkpoints`),
+    consumed by the next turn's arrival."""
+    num_context_blocks: int = 0
+    """Full blocks of that context."""
+    reuse_fraction_ema: float | None = None
+    """EMA of the measured share of its context each next turn reused; None: never measured."""
 
 
 def inferred_tool_duration_s(
@@ -76,3 +95,27 @@ def inferred_tool_duration_s(
     if last_finish_s is None:
         return None
     return max(0.0, arrival_s - last_finish_s)
+
+
+def context_checkpoints(block_hashes: list[object],
+                        num: int = NUM_REUSE_CHECKPOINTS) -> tuple[tuple[int, object], ...]:
+    """``(index, hash)`` of ``num`` evenly spaced blocks of a context, the last block included.
+    Pure."""
+    n = len(block_hashes)
+    if n == 0:
+        return ()
+    indices = sorted({-(-n * j // num) - 1 for j in range(1, num + 1)})
+    return tuple((i, block_hashes[i]) for i in indices)
+
+
+def measured_reuse_fraction(checkpoints: tuple[tuple[int, object], ...], num_context_blocks: int,
+                            block_hashes: list[object]) -> float | None:
+    """Share of the previous context (``num_context_blocks`` blocks, its ``checkpoints``) the new
+    prompt (``block_hashes``) keeps: (last checkpoint block it matches + 1) / context blocks, so a
+    lower bound within 1/len(checkpoints). ``None`` without checkpoints. Pure."""
+    if not checkpoints or num_context_blocks <= 0:
+        return None
+    for index, block_hash in reversed(checkpoints):
+        if index < len(block_hashes) and block_hashes[index] == block_hash:
+            return (index + 1) / num_context_blocks
+    return 0.0

@@ -167,9 +167,14 @@ class KvReleased(_EventBase):
     kind: Literal["kv_released"] = "kv_released"
     num_blocks: NonNegInt
     reason: Literal["resumed", "expired", "reclaimed", "suspended", "session_end", "tool_start:cut",
-                    "shutdown"]
+                    "shutdown", "aborted"]
+    """``"aborted"``: the turn was aborted after its final token (its client is gone)."""
     held_s: NonNegFloat | None = None
     """Seconds the blocks were held."""
+    num_reused_blocks: NonNegInt | None = None
+    """Of these blocks, how many the session's next turn actually reused (its prefix hit took
+    them): up to ``num_blocks`` for ``"resumed"``, 0 for a release without a resume; ``None`` in
+    streams written before it was measured. The retention hit ratio is measured from it."""
 
 
 class EngineStep(_EventBase):

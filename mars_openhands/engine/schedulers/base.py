@@ -72,11 +72,17 @@ from vllm.v1.request import Request, RequestStatus
 from mars_openhands.engine import seams
 from mars_openhands.engine.queues import PolicyRequestQueue
 from mars_openhands.engine.telemetry import EngineTelemetry, make_telemetry
+from mars_openhands.policy.admission import ema
 from mars_openhands.policy.estimators import Ema, ToolDurationEstimator
 from mars_openhands.policy.levels import quantum_tokens
 from mars_openhands.policy.params import SchedulerParams, parse_scheduler_params
 from mars_openhands.policy.retention import RetentionDecision, reclaim_order_key
-from mars_openhands.policy.session import SessionState, inferred_tool_duration_s
+from mars_openhands.policy.session import (
+    SessionState,
+    context_checkpoints,
+    inferred_tool_duration_s,
+    measured_reuse_fraction,
+)
 from mars_openhands.policy.types import TurnMeta, parse_turn_meta
 from mars_openhands.stream.transport import EventSink
 
@@ -198,6 +204,14 @@ class MarsBaseScheduler(AsyncScheduler):
         self.prefilling: set[str] = set()
         """Running requests still inside their prompt (kept up to date after each step)."""
         self.num_reclaimed_blocks = 0
+        self.num_released_blocks = 0
+        """Retained blocks released for any reason but shutdown (resolved retentions)."""
+        self.num_reused_blocks = 0
+        """Of those, blocks the session's next turn actually reused: the retention hit ratio is
+        ``num_reused_blocks / num_released_blocks`` (tokens: times ``block_size``)."""
+        self._held_expired: set[str] = set()
+        """Sessions whose retained KV expired but is kept: their next turn waits (or the policy's
+        ``can_release_expired`` said no). Re-checked every step."""
         self.telemetry: EngineTelemetry = make_telemetry(self.params.telemetry)
         self._init_seams()
 
@@ -310,6 +324,8 @@ class MarsBaseScheduler(AsyncScheduler):
             meta = TurnMeta()
             self._rejected[request.request_id] = str(e)
         sid = request.session_id
+        if sid is not None and not meta.is_side and sid in self.sessions:
+            self._observe_reuse(self.sessions[sid], request)
         self.req_state[request.request_id] = RequestState(
             sid, meta, now, user_priority=request.priority,
             cached_at_arrival_tokens=self._cached_at_arrival(request),
@@ -334,6 +350,17 @@ class MarsBaseScheduler(AsyncScheduler):
 
     def _cached_at_arrival(self, request: Request) -> int:
         return 0
+
+    def _observe_reuse(self, session: SessionState, request: Request) -> None:
+        """The session's next turn arrived: measure how much of the previous turn's context its
+        prompt kept (block-hash checkpoints, policy/session.py) and fold it into the session's
+        ``reuse_fraction_ema``, which the value model scales its gain by. Mutates ``session``."""
+        fraction = measured_reuse_fraction(session.reuse_checkpoints, session.num_context_blocks,
+                                           request.block_hashes)
+        session.reuse_checkpoints = ()
+        if fraction is not None:
+            session.reuse_fraction_ema = ema(session.reuse_fraction_ema, fraction,
+                                             self.params.retention.reuse_ema_alpha)
 
     def _on_session_request(self, sid: str, request_id: str, meta: TurnMeta, now: float) -> None:
         session = self.sessions.get(sid)
@@ -367,7 +394,7 @@ class MarsBaseScheduler(AsyncScheduler):
         """vLLM: one scheduling step (see the module docstring for the order of work)."""
         now = self.clock()
         self._drain_inbox(now)
-        if now >= self._next_expiry_s:
+        if now >= self._next_expiry_s or self._held_expired:
             self._expire_retained(now)
         if self._rejected:
             self._reject_invalid()
@@ -437,10 +464,21 @@ class MarsBaseScheduler(AsyncScheduler):
             ids = {request_ids} if isinstance(request_ids, str) else (
                 None if request_ids is None else set(request_ids))
             self.overflow = deque(r for r in self.overflow if ids is not None and r.request_id not in ids)
+        if self.retained and request_ids is not None:
+            self._release_aborted_after_finish(request_ids)
         aborted = super().finish_requests(request_ids, finished_status)
         if aborted:
             self.on_requests_finished([r.request_id for r in aborted])
         return aborted
+
+    def _release_aborted_after_finish(self, request_ids: str | list[str]) -> None:
+        """An abort of a request that already finished (its final token raced the client's
+        disconnect; vLLM ignores it): its client is gone, so the KV retained for its session's
+        next turn is released now (reason ``"aborted"``) instead of at its TTL."""
+        ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
+        for sid, entry in list(self.retained.items()):
+            if entry.request_id in ids and entry.request_id not in self.requests:
+                self.release_retained(sid, "aborted")
 
     def get_request_counts(self) -> tuple[int, int]:
         """vLLM: (running, waiting); waiting includes the overflow window queue."""
@@ -477,6 +515,8 @@ class MarsBaseScheduler(AsyncScheduler):
                 session.num_turns_finished += 1
                 session.last_finish_s = now
                 session.last_context_tokens = request.num_tokens
+                session.reuse_checkpoints = context_checkpoints(request.block_hashes)
+                session.num_context_blocks = len(request.block_hashes)
                 if not state.meta.is_last_step:
                     retained = self._maybe_retain(request, state, session, now)
         super()._free_blocks(request)
@@ -586,6 +626,7 @@ class MarsBaseScheduler(AsyncScheduler):
                 self._on_first_scheduled(rid, state, scheduled.get(rid, 0), now)
             sid = state.session_id
             if sid is not None and sid in self.retained and not state.meta.is_side:
+                self._measure_reuse(self.retained[sid], rid)
                 self.release_retained(sid, "resumed", now)  # the hit already took its references
         if self._has_on_scheduled and was_running is not None:
             for rid, n in scheduled.items():
@@ -692,6 +733,7 @@ class MarsBaseScheduler(AsyncScheduler):
         if not blocks:
             return 0
         if session.session_id in self.retained:
+            self._measure_reuse(self.retained[session.session_id], request.request_id)
             self.release_retained(session.session_id, "resumed", now)
         seams.pin_blocks(self, blocks)
         self._allocate_wrapper.enable()
@@ -721,31 +763,54 @@ class MarsBaseScheduler(AsyncScheduler):
         entry = self.retained.pop(session_id, None)
         if entry is None:
             return 0
+        self._held_expired.discard(session_id)
         seams.free_pinned(self, entry.blocks)
         if not self.retained:
             self._allocate_wrapper.disable()
+        reused: int | None = entry.extra.get("num_reused_blocks", 0)
+        if reason == "resumed" and "num_reused_blocks" not in entry.extra:
+            reused = None  # a subclass resumed it without a measurement: unknown, not a hit
+        if reason != "shutdown":
+            self.num_released_blocks += entry.num_blocks
+            self.num_reused_blocks += reused or 0
         if self.telemetry.enabled:
             now = self.clock() if now_s is None else now_s
-            self.telemetry.kv_released(session_id, entry.num_blocks, reason, now - entry.retained_s)
+            self.telemetry.kv_released(session_id, entry.num_blocks, reason, now - entry.retained_s,
+                                       reused)
         return entry.num_blocks
 
+    def _measure_reuse(self, entry: RetainedKv, request_id: str) -> int:
+        """Blocks of ``entry`` that ``request_id`` (the session's next turn, just allocated, or
+        its finishing turn) holds: what the retention actually gave it. Recorded in
+        ``entry.extra["num_reused_blocks"]`` for the release. O(blocks)."""
+        pinned = {b.block_id for b in entry.blocks}
+        reused = sum(1 for b in seams.request_blocks(self, request_id) if b.block_id in pinned)
+        entry.extra["num_reused_blocks"] = reused
+        return reused
+
     def _expire_retained(self, now: float) -> None:
-        for sid, entry in list(self.retained.items()):
-            if entry.expires_s > now:
+        """Release every retained entry past its expiry, within the step it expires in, unless
+        its own session's next turn waits (or ``can_release_expired`` says no): those are held
+        and re-checked every step, O(held), without delaying anyone else's expiry."""
+        due = list(self.retained) if now >= self._next_expiry_s else list(self._held_expired)
+        for sid in due:
+            entry = self.retained.get(sid)
+            if entry is None or entry.expires_s > now:
+                self._held_expired.discard(sid)
                 continue
             session = self.sessions.get(sid)
-            if session is not None and session.active_request_ids:
-                continue  # the next turn is waiting: keep until it is scheduled
-            if self.can_release_expired(entry, now):
-                self.release_retained(sid, "expired", now)
+            if (session is not None and session.active_request_ids) or not self.can_release_expired(
+                    entry, now):
+                self._held_expired.add(sid)  # the next turn is waiting: keep until scheduled
+                continue
+            self.release_retained(sid, "expired", now)
         self._update_next_expiry(now)
 
     def _update_next_expiry(self, now: float | None = None) -> None:
-        """Earliest expiry still to act on (entries kept past expiry are re-checked each second)."""
-        t = min((e.expires_s for e in self.retained.values()), default=float("inf"))
-        if now is not None and t <= now:
-            t = now + 1.0
-        self._next_expiry_s = t
+        """Earliest expiry still to act on among the entries not held past theirs (held ones are
+        re-checked every step through ``_held_expired``)."""
+        self._next_expiry_s = min((e.expires_s for sid, e in self.retained.items()
+                                   if sid not in self._held_expired), default=float("inf"))
 
     def _reclaimable_blocks(self, request: Request) -> int:
         own = self.req_state.get(request.request_id)

@@ -308,11 +308,16 @@ class MarsScheduler(MarsBaseScheduler):
             self.held.setdefault(sid, deque()).appendleft(request)
 
     # ------------------------------------------------------------------ retention
-    def _decide(self, tool_name: str | None, num_tokens: int, num_blocks: int) -> RetentionDecision | None:
+    def _decide(self, tool_name: str | None, num_tokens: int, num_blocks: int,
+                session: SessionState | None = None) -> RetentionDecision | None:
+        """The value model's decision; its gain scales with the session's measured reuse (a
+        session whose next turns do not keep their context is not retained)."""
+        reuse = session.reuse_fraction_ema if session is not None else None
         return choose_ttl(
             self.tool_durations.cdf_for(tool_name), elapsed_s=0.0, num_tokens=num_tokens,
             num_blocks=num_blocks, queue_delay_s=self.queue_delay.value,
             kv_usage=self.kv_cache_manager.usage, params=self.params.retention,
+            reuse_fraction=1.0 if reuse is None else reuse,
         )
 
     def retention_decision(
@@ -326,7 +331,7 @@ class MarsScheduler(MarsBaseScheduler):
         if not self.params.retention.enabled:
             return None
         num_blocks = request.num_computed_tokens // self.block_size
-        return self._decide(None, num_blocks * self.block_size, num_blocks)
+        return self._decide(None, num_blocks * self.block_size, num_blocks, session)
 
     def can_reclaim_for(self, entry: RetainedKv, request: Request, now_s: float) -> bool:
         """Whether ``entry`` may be released so ``request`` can allocate.
@@ -360,7 +365,7 @@ class MarsScheduler(MarsBaseScheduler):
         """At ``tool_start``: re-decide with that tool's CDF; ttl 0 releases ("tool_start:cut")."""
         if self._residency_on:
             return None  # a resident keeps its KV; the residency plan decides
-        decision = self._decide(tool_name, entry.num_tokens, entry.num_blocks)
+        decision = self._decide(tool_name, entry.num_tokens, entry.num_blocks, session)
         if decision is None:
             return RetentionDecision(0.0, 0.0, "tool_start:cut")
         longer = now_s + decision.ttl_s > entry.expires_s

@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
 
 from mars_openhands.engine import MarsScheduler  # noqa: E402
 from mars_openhands.stream.events import SessionEnd, ToolEnd, ToolStart, now_stamps  # noqa: E402
@@ -239,3 +240,79 @@ def test_reclaim_follows_session_age(older_requester: bool, reclaimed: bool) -> 
     h.run_until_finished(busy.request_id)
     h.run_until_done()
     h.assert_no_leaks()
+
+
+# ---------------------------------------------------------------- issue 16, kind 3: honesty
+def test_each_entry_is_released_within_a_step_of_its_expiry_whatever_others_do() -> None:
+    """A's entry expires while A's next turn waits (kept); B's expires 0.4 s later and must go at
+    the first step after that, not when A's hold is re-checked (main: a second later)."""
+    h = value_model_harness(num_blocks=64, max_num_seqs=1)
+    ra = _finish_turn0(h, "a", 100)
+    h.clock.advance(0.4)
+    _finish_turn0(h, "b", 100)
+    a, b = h.scheduler.retained["a"], h.scheduler.retained["b"]
+    assert b.expires_s == pytest.approx(a.expires_s + 0.4, abs=0.05)
+    blocker = h.add(h.make_request(None, h.tokens(30), 400))  # holds the only running slot
+    h.step()
+    h.add(h.next_turn(ra, 10, 2, {"mars_turn": 1}))  # A's next turn waits behind it
+    h.clock.advance(a.expires_s - h.clock() + 0.01)
+    h.step()
+    assert "a" in h.scheduler.retained and "b" in h.scheduler.retained
+    h.clock.advance(b.expires_s - h.clock() + 0.01)
+    h.step()
+    assert "b" not in h.scheduler.retained  # its own expiry, one step
+    assert "a" in h.scheduler.retained  # still held: its next turn waits
+    h.run_until_done()
+    assert blocker.is_finished() and h.scheduler.retained["a"].turn == 1  # turn 1's own KV
+    h.assert_no_leaks()
+
+
+def test_a_hit_counts_the_blocks_the_next_turn_actually_reused() -> None:
+    """The next turn keeps only the first half of the retained context (the agent rewrote the
+    rest): the release is "resumed" but its hit is the 6 reused blocks of 12, not 12."""
+    h = value_model_harness(num_blocks=64)
+    sink = ListSink()
+    h.scheduler.set_telemetry_sink(sink)
+    r0 = _finish_turn0(h, "s1", 200)
+    assert h.scheduler.retained["s1"].num_blocks == 12
+    kept = list(r0.prompt_token_ids)[:96]  # 6 full blocks of 16
+    r1 = h.add(h.make_request("s1", kept + h.tokens(150), 4, {"mars_turn": 1}))
+    h.run_until_finished(r1.request_id)
+    released = [e for e in sink.events if e.kind == "kv_released"]
+    assert [(e.reason, e.num_blocks, e.num_reused_blocks) for e in released] == [("resumed", 12, 6)]
+    assert (h.scheduler.num_reused_blocks, h.scheduler.num_released_blocks) == (6, 12)
+    h.assert_no_leaks()
+
+
+def test_the_value_model_stops_retaining_a_session_that_does_not_reuse_its_kv() -> None:
+    """Measured reuse feeds the value model: a session whose next turn kept none of its context
+    is not retained at its next turn end; once its turns reuse their context again it is."""
+    h = value_model_harness(num_blocks=96)
+    r0 = _finish_turn0(h, "s1", 200)
+    assert "s1" in h.scheduler.retained
+    h.clock.advance(0.5)  # the tool call between the turns
+    r1 = h.add(h.make_request("s1", h.tokens(200), 4, {"mars_turn": 1}))  # nothing kept
+    h.run_until_finished(r1.request_id)
+    session = h.scheduler.sessions["s1"]
+    assert session.reuse_fraction_ema == 0.0
+    assert "s1" not in h.scheduler.retained  # nothing worth keeping: the gain is 0
+    h.clock.advance(0.5)
+    r2 = h.add(h.next_turn(r1, 20, 4, {"mars_turn": 2}))  # keeps all of turn 1's context
+    h.run_until_finished(r2.request_id)
+    assert session.reuse_fraction_ema == pytest.approx(0.5)
+    assert "s1" in h.scheduler.retained
+    h.run_until_done()
+    h.assert_no_leaks()
+    del r0
+
+
+def test_kv_of_a_turn_aborted_after_its_final_token_is_not_kept_to_ttl() -> None:
+    h = value_model_harness(num_blocks=40)
+    sink = ListSink()
+    h.scheduler.set_telemetry_sink(sink)
+    r0 = _finish_turn0(h)
+    assert "s1" in h.scheduler.retained
+    h.scheduler.finish_requests([r0.request_id], RequestStatus.FINISHED_ABORTED)  # client gone
+    assert "s1" not in h.scheduler.retained
+    assert [e.reason for e in sink.events if e.kind == "kv_released"] == ["aborted"]
+    assert h.assert_no_leaks()["retained"] == 0

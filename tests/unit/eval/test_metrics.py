@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from datetime import UTC, datetime, timedelta
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -124,9 +125,21 @@ def test_compute_metrics_hand_computed(stream: pd.DataFrame) -> None:
 def test_kv_retention_hit_ratio(stream: pd.DataFrame) -> None:
     kv = kv_retention_stats(stream)
     assert (kv.num_retained, kv.num_released, kv.num_hits) == (3, 2, 1)  # shutdown is unresolved
-    assert kv.hit_ratio == pytest.approx(0.5)
-    assert kv.hit_block_ratio == pytest.approx(10 / 14)
+    # This stream predates num_reused_blocks: its "resumed" release counts whole.
+    assert kv.hit_ratio == kv.hit_block_ratio == pytest.approx(10 / 14)
+    assert kv.resume_ratio == pytest.approx(0.5)
     assert kv.released_by_reason == {"resumed": 1, "expired": 1, "shutdown": 1}
+
+
+def test_kv_retention_hit_ratio_counts_reused_tokens_not_whole_resumes(stream: pd.DataFrame) -> None:
+    """Issue 16 kind 3: the resume reused 3 of its 10 blocks (the next turn rewrote the rest)."""
+    measured = stream.copy()
+    released = measured["kind"] == "kv_released"
+    measured.loc[released, "num_reused_blocks"] = np.where(
+        measured.loc[released, "reason"] == "resumed", 3, 0)
+    kv = kv_retention_stats(measured)
+    assert kv.hit_ratio == pytest.approx(3 / 14) and kv.num_reused_blocks == 3
+    assert kv.hit_block_ratio == pytest.approx(10 / 14)  # the old, optimistic count
 
 
 def test_without_ideals_slowdown_and_goodput_are_absent(stream: pd.DataFrame) -> None:

@@ -22,7 +22,7 @@ _FIELDS_BY_KIND: dict[str, dict[str, Any]] = {
     "aborted": {"request_id": "gw-3", "reason": "client_disconnect", "stage": "upstream",
                 "is_slot_released": True, "elapsed_s": 1.5},
     "kv_retained": {"request_id": "r1", "num_blocks": 48, "ttl_s": 3.5, "reason": "value>cost"},
-    "kv_released": {"num_blocks": 48, "reason": "tool_start:cut", "held_s": 1.25},
+    "kv_released": {"num_blocks": 48, "reason": "resumed", "held_s": 1.25, "num_reused_blocks": 40},
     "engine_step": {"num_gpu_blocks": 1000, "num_used_blocks": 600, "num_free_blocks": 352,
                     "num_retained_blocks": 48, "num_running": 7, "num_waiting": 3,
                     "num_projected_blocks": 900, "step_time_s": 0.031},
