@@ -317,6 +317,9 @@ class MarsBaseScheduler(AsyncScheduler):
             super().add_request(request)  # streaming-input continuation: vLLM's own path
             return
         now = self.clock()
+        # CPU-plane events sent before this request (its previous tool's tool_end) apply first:
+        # the request reaches add_request before the next step would drain them.
+        self._drain_inbox(now)
         extra = request.sampling_params.extra_args if request.sampling_params else None
         try:
             meta = parse_turn_meta(extra)
@@ -840,7 +843,7 @@ class MarsBaseScheduler(AsyncScheduler):
 
     # ------------------------------------------------------------------ CPU-plane events
     def post_event(self, event: Any) -> None:
-        """Thread-safe: queue a CPU-plane event for the start of the next step."""
+        """Thread-safe: queue a CPU-plane event, applied at the next step or request arrival."""
         with self._inbox_lock:
             self._inbox.append(event)
 

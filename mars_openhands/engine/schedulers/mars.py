@@ -114,7 +114,7 @@ class MarsScheduler(MarsBaseScheduler):
                 blocks += self._blocks(r.num_tokens + self._output_reserve_tokens(r.num_output_tokens))
             if not busy:
                 entry = self.retained.get(sid)
-                blocks = entry.num_blocks if entry is not None else self._blocks(session.last_context_tokens)
+                blocks = entry.num_blocks if entry is not None else 0
         return blocks, busy
 
     def on_step_start(self, now_s: float) -> None:
@@ -129,6 +129,11 @@ class MarsScheduler(MarsBaseScheduler):
                 self.resident.discard(sid)
                 continue
             demand, busy = self._demand(sid, session)
+            if not busy and sid not in self.held and sid not in self.retained:
+                # An idle resident without KV (its final turn is done, or its KV was released)
+                # has nothing to keep: its next turn, if any, is held and activated by priority.
+                self.resident.discard(sid)
+                continue
             num_busy += busy
             views.append((sid, session, demand, busy))
         views = [SessionDemand(
@@ -154,13 +159,18 @@ class MarsScheduler(MarsBaseScheduler):
         duration CDF given the time it has already run, policy.estimators; a tool past every
         sample, or with none, is expected to run as long again, so a session that silently went
         away is displaced soon), plus, while the call still waits for a tool worker, the rest
-        of the CPU plane's mean queue wait (tool_enqueued/tool_start events); cost = re-prefilling the resident's KV at the measured
-        prefill rate, paid by it and by every busy session its prefill delays. A tool that has
-        ended (next turn imminent) gains nothing."""
-        if session is None or session.tool_ended or session.last_finish_s is None:
+        of the CPU plane's mean queue wait (tool_enqueued/tool_start events); cost = re-prefilling
+        the resident's KV at the measured prefill rate, paid by it and by every busy session its
+        prefill delays. A tool that has ended gains nothing for ``retention.imminent_grace_s``
+        (the next turn is imminent); after that its next turn is expected as late again."""
+        if session is None or session.last_finish_s is None:
             return 0.0
         queue_s = 0.0
-        if session.tool_started_s is not None:
+        if session.tool_ended:
+            elapsed = now_s - session.last_activity_s  # since the tool_end (or a later event)
+            if elapsed < self.params.retention.imminent_grace_s:
+                return 0.0
+        elif session.tool_started_s is not None:
             elapsed = now_s - session.tool_started_s
         elif session.tool_enqueued_s is not None:  # waiting for a tool worker (CPU congestion)
             elapsed = 0.0
@@ -168,7 +178,8 @@ class MarsScheduler(MarsBaseScheduler):
         else:
             elapsed = now_s - session.last_finish_s
         elapsed = max(0.0, elapsed)
-        remaining = self.tool_durations.cdf_for(session.pending_tool).mean_remaining_s(elapsed)
+        remaining = None if session.tool_ended else (
+            self.tool_durations.cdf_for(session.pending_tool).mean_remaining_s(elapsed))
         if remaining is None:
             remaining = elapsed  # longer than any tool seen: expect it to last as long again
         remaining += queue_s

@@ -9,7 +9,7 @@ pytest.importorskip("vllm")
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from mars_openhands.engine import MarsScheduler  # noqa: E402
-from mars_openhands.stream.events import SessionEnd, ToolEnqueued, ToolStart, now_stamps  # noqa: E402
+from mars_openhands.stream.events import SessionEnd, ToolEnd, ToolEnqueued, ToolStart, now_stamps  # noqa: E402
 from tests.unit.engine.harness import Harness  # noqa: E402
 
 BS = 16
@@ -181,3 +181,54 @@ def test_a_resident_whose_tool_call_waits_in_a_congested_tool_queue_is_displaced
 
     assert run(queue_wait_s=60.0)
     assert not run(queue_wait_s=0.0)
+
+
+def test_a_resident_whose_final_turn_is_done_leaves_the_resident_set() -> None:
+    # No session_end yet (the client has not said so): a holds no KV, so it must not hold room.
+    # A 1 s/token reload prior makes displacing a never pay here: only leaving can let b in.
+    h = Harness(MarsScheduler, num_blocks=40, mars={
+        "residency": {"output_reserve_tokens": 0, "budget_usage": 1.0},
+        "retention": {"reload_linear_s_per_token": 1.0}})
+    a0 = h.add(h.make_request("a", h.tokens(25 * BS), 4, turn(0, last=True)))
+    h.step(0.01)
+    b0 = h.add(h.make_request("b", h.tokens(20 * BS), 4, turn(0)))
+    h.step(0.01)
+    assert "b" in h.scheduler.held
+    h.run_until_finished(a0.request_id)
+    h.run_until_finished(b0.request_id)
+    assert "a" not in h.scheduler.resident and "b" in h.scheduler.resident
+    h.run_until_done()
+    h.assert_no_leaks()
+
+
+def test_a_tool_end_posted_before_the_next_turn_is_applied_before_it() -> None:
+    # The request overtaking its own tool_end left tool_ended set for the whole next turn (and,
+    # after a final turn, for good), so the session looked "about to return" forever.
+    h = harness(num_blocks=60)
+    s = h.scheduler
+    r0 = h.add(h.make_request("a", h.tokens(4 * BS), 4, turn(0)))
+    h.run_until_finished(r0.request_id)
+    s.post_event(ToolEnd(**now_stamps(), source="t", session_id="a", turn=0, tool_name="pytest",
+                         tool_call_id="c", duration_s=7.0))
+    h.add(h.next_turn(r0, 2 * BS, 4, turn(1)))  # before any step drains the inbox
+    h.step(0.01)
+    assert not s.sessions["a"].tool_ended
+    assert s.tool_durations.cdf_for("pytest").mean_remaining_s(0.0) == pytest.approx(7.0)
+
+
+def test_a_resident_whose_tool_ended_long_ago_is_displaced_for_a_waiting_session() -> None:
+    # The tool ended but the next turn never came (a dead client): after the imminent grace its
+    # idle KV goes to the waiting session; within the grace it stays.
+    h = harness(num_blocks=40)
+    s = h.scheduler
+    old0 = h.add(h.make_request("old", h.tokens(25 * BS), 4, turn(0)))
+    h.run_until_finished(old0.request_id)
+    s.on_stream_event(ToolEnd(**now_stamps(), source="t", session_id="old", turn=0,
+                              tool_name="ls", tool_call_id="c", duration_s=0.1))
+    h.clock.advance(0.1)
+    h.add(h.make_request("young", h.tokens(20 * BS), 4, turn(0)))
+    h.step(0.01)
+    assert "young" in s.held and "old" in s.resident
+    h.clock.advance(s.params.retention.imminent_grace_s + 10.0)
+    h.step(0.01)
+    assert "old" not in s.resident and "young" in s.resident

@@ -98,6 +98,7 @@ def _run_chain(db_url: str, task_file: Path, task_id: str, tmp_path: Path) -> tu
     return num_runs, denied
 
 
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # postgres: test_crash_matrix_postgres.py
 def test_kill_at_every_step_boundary_completes_without_duplicates(db_url: str, tmp_path: Path) -> None:
     task_id = "crash-matrix"
     workspace = git_workspace(tmp_path / "ws")
