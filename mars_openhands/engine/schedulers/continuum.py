@@ -72,10 +72,10 @@ class ContinuumScheduler(MarsBaseScheduler):
         self._evicted_at_s: dict[str, float] = {}
 
     # ------------------------------------------------------------------ request lifecycle
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, **kwargs: Any) -> None:
         """vLLM: a new call; records its program's first arrival and its ``k``."""
         is_new = request.request_id not in self.requests
-        super().add_request(request)
+        super().add_request(request, **kwargs)
         if not is_new:
             return
         rid, sid = request.request_id, request.session_id

@@ -69,9 +69,9 @@ class MarsScheduler(MarsBaseScheduler):
     def _residency_on(self) -> bool:
         return self.params.residency.enabled
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, **kwargs: Any) -> None:
         """vLLM: a new request; a non-resident session's request is held (see residency)."""
-        super().add_request(request)
+        super().add_request(request, **kwargs)
         sid = request.session_id
         if (not self._residency_on or sid is None or sid in self.resident
                 or request.request_id in self._rejected or request.is_finished()):
@@ -79,11 +79,11 @@ class MarsScheduler(MarsBaseScheduler):
         self.waiting.remove_request(request)
         self.held.setdefault(sid, deque()).append(request)
 
-    def _free_blocks(self, request: Request) -> None:
+    def _free_blocks(self, request: Request, **kwargs: Any) -> None:
         """vLLM seam (see the base): also records a finished turn's output length."""
         if request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED):
             self.output_tokens.observe(float(request.num_output_tokens))
-        super()._free_blocks(request)
+        super()._free_blocks(request, **kwargs)
 
     def _blocks(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -192,12 +192,13 @@ class MarsScheduler(MarsBaseScheduler):
             self.num_suspensions += 1
         self.release_retained(sid, "suspended", now_s)
 
-    def get_request_counts(self) -> tuple[int, int]:
+    def get_request_counts(self, **kwargs: Any) -> tuple[int, int]:
         """vLLM: (running, waiting); waiting includes held requests."""
-        num_running, num_waiting = super().get_request_counts()
+        num_running, num_waiting = super().get_request_counts(**kwargs)
         return num_running, num_waiting + sum(len(q) for q in self.held.values())
 
-    def finish_requests(self, request_ids: Any, finished_status: RequestStatus) -> list[Request]:
+    def finish_requests(self, request_ids: Any, finished_status: RequestStatus,
+                        **kwargs: Any) -> list[Request]:
         """vLLM: abort; held requests go back to vLLM's queue first so its own path frees them."""
         if self.held:
             if request_ids is not None and not isinstance(request_ids, str):
@@ -215,7 +216,7 @@ class MarsScheduler(MarsBaseScheduler):
                     self.held[sid] = keep
                 else:
                     del self.held[sid]
-        return super().finish_requests(request_ids, finished_status)
+        return super().finish_requests(request_ids, finished_status, **kwargs)
 
     def release_retained(self, session_id: str, reason: str, now_s: float | None = None) -> int:
         """As the base; a reclaimed resident is suspended (its KV is gone)."""

@@ -112,11 +112,11 @@ class ThunderAgentScheduler(MarsBaseScheduler):
         self.num_forced = 0
 
     # ------------------------------------------------------------------ requests in and out
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, **kwargs: Any) -> None:
         """vLLM: a new request; admitted into vLLM's queue or held while its program is paused."""
         rid = request.request_id
         is_new = rid not in self.requests
-        super().add_request(request)
+        super().add_request(request, **kwargs)
         if not is_new or rid in self._rejected:
             return
         now = self.clock()
@@ -148,12 +148,13 @@ class ThunderAgentScheduler(MarsBaseScheduler):
         self.waiting.remove_request(request)
         self.held[request.request_id] = (request, now)
 
-    def get_request_counts(self) -> tuple[int, int]:
+    def get_request_counts(self, **kwargs: Any) -> tuple[int, int]:
         """vLLM: (running, waiting); waiting includes requests held for a paused program."""
-        num_running, num_waiting = super().get_request_counts()
+        num_running, num_waiting = super().get_request_counts(**kwargs)
         return num_running, num_waiting + len(self.held)
 
-    def finish_requests(self, request_ids: Any, finished_status: RequestStatus) -> list[Request]:
+    def finish_requests(self, request_ids: Any, finished_status: RequestStatus,
+                        **kwargs: Any) -> list[Request]:
         """vLLM: abort requests; a held one leaves the held set first."""
         if request_ids is not None and not isinstance(request_ids, str):
             request_ids = list(request_ids)
@@ -161,7 +162,7 @@ class ThunderAgentScheduler(MarsBaseScheduler):
                else [request_ids] if isinstance(request_ids, str) else request_ids)
         for rid in ids:
             self.held.pop(rid, None)
-        return super().finish_requests(request_ids, finished_status)
+        return super().finish_requests(request_ids, finished_status, **kwargs)
 
     def on_requests_finished(self, request_ids: list[str]) -> None:
         """Base hook: a finished request turns its program ACTING (paused if marked, released if
