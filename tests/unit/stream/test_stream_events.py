@@ -65,3 +65,36 @@ def test_t_wall_is_normalized_to_utc() -> None:
     event = parse_event({**sample_dict("session_start"), "t_wall": "2026-11-30T07:00:00+02:00"})
     assert event.t_wall == datetime.fromisoformat("2026-11-30T05:00:00+00:00")
     assert event.t_wall.utcoffset().total_seconds() == 0
+
+
+def test_fuzzed_events_parse_or_fail_with_an_event_error_naming_the_field() -> None:
+    """Issue 16 "Fuzz" (event schema): any field of any kind replaced by any JSON value, dropped,
+    or joined by an unknown one either parses or raises EventError naming it, never anything
+    else."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from tests.unit.stream.stream_samples import sample_dict
+
+    values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+                          lambda c: st.lists(c, max_size=2) | st.dictionaries(st.text(max_size=4), c,
+                                                                              max_size=2),
+                          max_leaves=4)
+
+    @settings(max_examples=400, deadline=None, derandomize=True)
+    @given(kind=st.sampled_from(sorted(EVENT_TYPES)), how=st.sampled_from(["set", "drop", "add"]),
+           pick=st.integers(0, 100), value=values)
+    def check(kind: str, how: str, pick: int, value: object) -> None:
+        data = sample_dict(kind)
+        fields = sorted(set(data) - {"kind"})
+        field = fields[pick % len(fields)] if how != "add" else "not_a_field"
+        if how == "drop":
+            data.pop(field)
+        else:
+            data[field] = value
+        try:
+            parse_event(data)
+        except EventError as e:
+            assert field in str(e), (field, str(e))
+
+    check()
