@@ -101,7 +101,7 @@ def _start_gateway(replica_url: str, stream_path: Path, log_path: Path) -> tuple
         [str(ENGINE_PYTHON), "-c", _GATEWAY_LAUNCHER, "gateway", "--replica", replica_url,
          "--port", str(port), "--stream-path", str(stream_path), "--num-tool-workers", "2"],
         stdout=log_path.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
-        cwd="/work/main")
+        cwd=Path(__file__).resolve().parents[2])  # this checkout's code (``-c`` puts cwd first)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -204,3 +204,8 @@ def _check_engine_saw_sessions(results: list, requests: list[dict], tasks: list[
         assert sorted(q["vllm_xargs"]["mars_turn"] for q in mine) == list(range(len(mine)))
         assert all(q["engine_usage"]["prompt_tokens"] > 0 for q in mine)  # the engine ran them
         assert all(q["engine_usage"]["completion_tokens"] == 8 for q in mine)
+        # Issue 16 kind 2: each turn after a tool call carries that tool (its tool_end reached
+        # the gateway before the agent's next LLM call did).
+        late = [q["vllm_xargs"] for q in mine
+                if q["vllm_xargs"]["mars_turn"] >= 1 and "mars_prev_tool" not in q["vllm_xargs"]]
+        assert not late, late
