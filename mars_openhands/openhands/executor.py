@@ -232,7 +232,9 @@ class EventSender:
                     return
 
     def _post_with_retries(self, client: Any, events: list[Event]) -> None:
-        body = "[" + ",".join(e.model_dump_json() for e in events) + "]"
+        # Unset optional fields are left out, so a gateway older than a field still accepts the
+        # events (its models reject unknown keys, null ones included).
+        body = "[" + ",".join(e.model_dump_json(exclude_none=True) for e in events) + "]"
         error = ""
         for attempt in range(self.max_retries + 1):
             if attempt:
