@@ -65,6 +65,10 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-iterations", type=int, default=100, help="agent steps per task")
     parser.add_argument("--no-policy", action="store_true", help="disable the pre-tool policy check")
     parser.add_argument("--task-timeout-s", type=float, default=3600.0)
+    parser.add_argument("--tool-timeout-s", type=float, default=None,
+                        help="bound on one tool call, seconds, sent with session_start: past it "
+                             "with no tool_end the gateway closes the call as interrupted (a dead "
+                             "agent); default: the gateway's --tool-call-timeout-s")
 
 
 def _config_from(args: argparse.Namespace) -> Any:
@@ -78,7 +82,7 @@ def _config_from(args: argparse.Namespace) -> Any:
                       max_output_tokens=args.max_output_tokens)
     return RunConfig(llm=llm, events_url=args.events_url, out_dir=str(args.out),
                      max_iterations=args.max_iterations, policy=not args.no_policy,
-                     task_timeout_s=args.task_timeout_s)
+                     task_timeout_s=args.task_timeout_s, tool_timeout_s=args.tool_timeout_s)
 
 
 def _tasks_from(args: argparse.Namespace) -> list[Any]:

@@ -91,6 +91,10 @@ class RunConfig(BaseModel):
     policy's pid rule recognises the session's own processes). ``None``: the SDK picks."""
     task_timeout_s: float = Field(3600.0, gt=0)
     """Wall-clock limit per task process in :func:`run_tasks`, seconds."""
+    tool_timeout_s: float | None = Field(None, gt=0)
+    """The task's bound on one tool call, seconds (``session_start.tool_timeout_s``): past it with
+    no ``tool_end`` the gateway closes the call as interrupted, so a killed task frees its slot;
+    a call with its own timeout sends its own bound. ``None``: the gateway's default."""
 
 
 class TaskResult(BaseModel):
@@ -263,7 +267,8 @@ def run_task(task: TaskSpec, config: RunConfig) -> TaskResult:
         return _write(_failed(task, task_dir.parent, "error", str(e)), task_dir)
     before = _snapshot(workspace) if base_commit is None else {}
     lifecycle = EventSender(config.events_url or events_url_for(config.llm), events_path)
-    lifecycle.emit(SessionStart(**now_stamps(), session_id=session_id, source="agent"))
+    lifecycle.emit(SessionStart(**now_stamps(), session_id=session_id, source="agent",
+                                tool_timeout_s=config.tool_timeout_s))
     lifecycle.flush()  # the gateway must know the session before tool events arrive
     t0 = time.monotonic()
     status: TaskStatus = "error"

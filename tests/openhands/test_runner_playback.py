@@ -146,7 +146,8 @@ def test_tools_beyond_the_wrapped_three_are_evented_in_a_real_conversation(tmp_p
         _turn("think", thought="first list the files"), _turn("terminal", command="ls")))
     with serve_app(build_playback_app([script])) as url, EventCollector(delay_s=0.05) as collector:
         config = RunConfig(llm=LLMSettings(backend="mars", base_url=f"{url}/v1", model="playback"),
-                           events_url=collector.url, out_dir=str(tmp_path / "out"))
+                           events_url=collector.url, out_dir=str(tmp_path / "out"),
+                           tool_timeout_s=120.0)
         result = run_task(TaskSpec(task_id="think", problem_statement="look around",
                                    workspace=str(workspace), session_id=session_id), config)
     assert result.status == "finished", result.error
@@ -154,3 +155,5 @@ def test_tools_beyond_the_wrapped_three_are_evented_in_a_real_conversation(tmp_p
                   key=lambda e: e.t_mono_ns)
     assert [(e.tool_name, e.turn, e.status) for e in ends] == [("think", 0, "ok"),
                                                                ("terminal", 1, "ok")]
+    start = next(e for e in collector.events if e["kind"] == "session_start")
+    assert start["tool_timeout_s"] == 120.0  # the task's tool bound, for the gateway
