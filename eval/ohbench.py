@@ -58,6 +58,7 @@ import json
 import math
 import os
 import random
+import re
 import sys
 import threading
 import time
@@ -79,6 +80,7 @@ __all__ = [
     "PolicyRun",
     "arrival_offsets_s",
     "assign_traces",
+    "is_install",
     "policy_summary",
     "ratio_table",
     "run_bench",
@@ -95,6 +97,24 @@ _REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TRACES = _REPO_ROOT.parent / "shared" / "data" / "traces" / "mini-swe-agent" / "deepseek_chat_dev"
 """Recorded agent runs for playback (the bundled mini-swe-agent SWE-bench traces)."""
 _SESSION_NAMESPACE = uuid.UUID("0b9c5a52-6d3c-4f57-9a53-6b7f7d1f1e17")
+_INSTALL = re.compile(r"(?:^|[\s;&|(`])(?:sudo\s+)?(?:pip3?|python[\d.]*\s+-m\s+pip|uv\s+pip|conda|mamba|"
+                      r"apt(?:-get)?|npm|yarn|pnpm|poetry|gem|cargo)\s+(?:install|add|uninstall|remove)\b")
+"""A recorded command that installs or removes packages (``pip install numpy``, ``npm i`` is
+not matched). Played back, it would change the host's interpreters (the tasks run on the host)
+and reach package indexes; its turn is dropped instead."""
+NO_INSTALL_ENV = {"PIP_NO_INDEX": "1", "PIP_CONFIG_FILE": os.devnull, "PIP_FIND_LINKS": "",
+                  "UV_OFFLINE": "1", "npm_config_offline": "true"}
+"""Environment of the task processes (inherited by their terminals): a package install that
+still runs finds no index."""
+
+
+def is_install(command: str) -> bool:
+    """Whether ``command`` installs or removes packages (see :data:`_INSTALL`). Pure.
+
+    >>> is_install("cd . && pip install -e ."), is_install("python -m pytest"), is_install("grep pip")
+    (True, False, False)
+    """
+    return _INSTALL.search(command) is not None
 
 
 class BenchOptions(BaseModel):
@@ -701,7 +721,7 @@ def run_policy(policy: str, tasks: Sequence[BenchTask], scripts: Sequence[Any],
         t_run = time.monotonic()
         results = run_tasks(specs, run_config, rps=options.rps or 1.0, python=sys.executable,
                             overwrite=True, start_offsets_s=offsets,
-                            concurrency=options.concurrency)
+                            concurrency=options.concurrency, extra_env=NO_INSTALL_ENV)
         run.run_s = time.monotonic() - t_run
         _wait_for_telemetry(sink.events)
         if playback is not None:
@@ -746,7 +766,8 @@ def _scripts(tasks: Sequence[BenchTask], options: BenchOptions) -> list[Any]:
     sessions = session_ids(tasks, options.seed)
     scripts = []
     for task in tasks:
-        script = load_trace_script(traces[task.task_id], options.max_turns, is_safe_to_replay)
+        script = load_trace_script(traces[task.task_id], options.max_turns,
+                                   lambda c: is_safe_to_replay(c) and not is_install(c))
         scripts.append(script.model_copy(update={"session_id": sessions[task.task_id],
                                                  "name": f"{task.task_id}<-{script.name}"}))
     return scripts

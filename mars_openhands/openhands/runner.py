@@ -365,7 +365,8 @@ def _check_run(tasks: Sequence[TaskSpec], config: RunConfig, rps: float, overwri
 def run_tasks(tasks: Sequence[TaskSpec], config: RunConfig, rps: float,
               python: str | None = None, overwrite: bool = False,
               check_endpoint: bool = True, start_offsets_s: Sequence[float] | None = None,
-              concurrency: int | None = None) -> list[TaskResult]:
+              concurrency: int | None = None,
+              extra_env: dict[str, str] | None = None) -> list[TaskResult]:
     """Run tasks concurrently, each in its own process, started at a fixed rate of ``rps`` per second.
 
     Task ``i`` starts at ``i / rps`` seconds (open loop), or at ``start_offsets_s[i]`` (e.g. Poisson
@@ -383,6 +384,7 @@ def run_tasks(tasks: Sequence[TaskSpec], config: RunConfig, rps: float,
         check_endpoint: run :func:`preflight` first.
         start_offsets_s: per-task start times, seconds after the first start (non-decreasing).
         concurrency: at most this many tasks at once (>= 1).
+        extra_env: added to the task processes' environment (their tools inherit it).
 
     Returns:
         Results in task order; a process that died or timed out yields status ``error`` /
@@ -407,7 +409,7 @@ def run_tasks(tasks: Sequence[TaskSpec], config: RunConfig, rps: float,
     out.mkdir(parents=True, exist_ok=True)
     (out / "run_config.json").write_text(config.model_dump_json(indent=1))
     env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "OPENHANDS_SUPPRESS_BANNER": "1",
-           ENV_API_KEY: config.llm.api_key.get_secret_value()}
+           ENV_API_KEY: config.llm.api_key.get_secret_value(), **(extra_env or {})}
     procs: list[tuple[TaskSpec, subprocess.Popen[bytes], float]] = []
     offsets = list(start_offsets_s) if start_offsets_s is not None else [i / rps for i in
                                                                           range(len(tasks))]

@@ -170,3 +170,17 @@ def test_admission_as_deployed_and_gpu_server_flags(tmp_path: Path):
     with pytest.raises(ValueError, match="needs --real-model"):
         gpu_server_options("fcfs", BenchOptions(backend="gpu"), "python", tmp_path, tmp_path)
     assert math.isclose(BenchOptions().rps, 0.2)
+
+
+@pytest.mark.parametrize(("command", "expected"), [
+    ("pip install numpy pandas", True), ("cd /testbed && pip install -e .", True),
+    ("python -m pip install -q scipy", True), ("python3.11 -m pip uninstall -y x", True),
+    ("sudo apt-get install foo", True), ("uv pip install x", True), ("conda install numpy", True),
+    ("npm install", True), ("(cd x; poetry add y)", True),
+    ("python -m pytest -q", False), ("grep -rn 'pip install' README.md | head", False),
+    ("pip list", False), ("cat requirements.txt", False), ("pipx run x", False),
+])
+def test_package_installs_are_recognised(command, expected):
+    from eval.ohbench import is_install
+
+    assert is_install(command) is expected
