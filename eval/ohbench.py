@@ -793,6 +793,12 @@ def run_bench(tasks: Sequence[BenchTask], options: BenchOptions, out_dir: Path,
     if options.backend == "emulated" and blocks is None:
         blocks = profile_kv_blocks(options.engine_python or default_engine_python(), options.gpu,
                                    options.model)
+    if blocks is not None and blocks * 16 < options.max_model_len_tokens + 16:
+        # vLLM refuses to start when one max-length request does not fit (with a margin: 1024
+        # blocks did not hold --max-model-len 16384, "estimated maximum model length 16368").
+        raise ValueError(f"--kv-blocks {blocks} holds {blocks * 16} tokens, not one "
+                         f"--max-model-len {options.max_model_len_tokens} request; use --kv-blocks "
+                         f">= {options.max_model_len_tokens // 16 + 1} or a smaller --max-model-len")
     arrivals = (f"closed loop, {options.concurrency} in flight" if options.concurrency
                 else f"{options.arrival} at {options.rps:g} tasks/s (seed {options.seed})")
     meta = {"tasks": f"{len(tasks)} ({', '.join(sorted({t.source for t in tasks}))})",
