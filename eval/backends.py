@@ -360,6 +360,9 @@ class LiveOptions(BaseModel):
     step_trace_dir: Path | None = None
     """Emulated: write each server's per-step trace (modelled vs measured step times) to
     ``steps-<policy>.jsonl`` here (for fidelity analysis); ``None``: no trace."""
+    engine_python: str | None = None
+    """Python that runs the vLLM servers (the engine env, e.g. ``.venv/bin/python`` when this
+    process runs in the OpenHands env); ``None``: this interpreter."""
 
 
 @dataclass
@@ -429,6 +432,15 @@ class LiveBackend:
             server.stop()
 
     # -- servers ---------------------------------------------------------------------------
+    def server_for(self, policy: str) -> _Server:
+        """``policy``'s running server (started now if another policy's runs, which is stopped
+        first); for callers that drive it themselves (``openhands bench``).
+
+        Raises:
+            mars_openhands.engine.launch.VllmServerError: the server did not start.
+        """
+        return self._server_for(policy)
+
     def _server_for(self, policy: str) -> _Server:
         if self._server is not None and self._server.policy == policy:
             return self._server
@@ -461,6 +473,7 @@ class LiveBackend:
             "scheduler_cls": live_scheduler(scheduler), "num_gpu_blocks_override": o.num_gpu_blocks,
             "max_model_len": o.max_model_len_tokens, "enable_prefix_caching": True,
             "startup_timeout_s": o.startup_timeout_s, "extra_args": flags,
+            **({"python_executable": o.engine_python} if o.engine_python else {}),
             "log_path": (o.log_dir / f"server-{policy}.log") if o.log_dir else None}
         if self.spec.kind == "emulated":
             additional["emulated_gpu"] = {"gpu": o.gpu, "model": o.model, "time_scale": o.time_scale}

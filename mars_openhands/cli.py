@@ -27,6 +27,13 @@ SUBCOMMANDS: tuple[tuple[str, str], ...] = (
     ("mars_openhands.runtime.cli", "add_tasks_subcommand"),
 )
 
+# (parent subcommand, module, function): sub-subcommands that live outside the parent's package.
+# ``openhands bench`` drives engines, the gateway and the playback engine, which the ``openhands``
+# layer may not import (tests/unit/test_layering.py), so it lives in ``eval``.
+NESTED_SUBCOMMANDS: tuple[tuple[str, str, str], ...] = (
+    ("openhands", "eval.ohbench_cli", "add_bench_subcommand"),
+)
+
 # What to do when a subcommand's module cannot be imported in this environment.
 UNAVAILABLE_HINTS = MappingProxyType({
     "mars_openhands.openhands.cli": (
@@ -84,7 +91,24 @@ def build_parser() -> argparse.ArgumentParser:
             _add_unavailable(sub, name, _unavailable_message(module, e))
             continue
         adder(sub)
+    _add_nested(sub)
     return parser
+
+
+def _add_nested(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register :data:`NESTED_SUBCOMMANDS` under their parents (skipped where a parent is
+    unavailable here, or where the nested module cannot be imported)."""
+    for parent, module, func in NESTED_SUBCOMMANDS:
+        parser = sub.choices.get(parent)
+        actions = [a for a in getattr(parser, "_actions", [])
+                   if isinstance(a, argparse._SubParsersAction)]
+        if not actions:  # the parent is the "unavailable here" placeholder
+            continue
+        try:
+            adder = getattr(importlib.import_module(module), func)
+        except ImportError:
+            continue
+        adder(actions[0])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -35,6 +35,7 @@ Failure behaviour (never a hang, never a leaked slot):
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -58,6 +59,9 @@ from mars_openhands.control.sessions import Session
 from mars_openhands.control.upstream import UpstreamBrokenError, UpstreamClient, UpstreamError
 from mars_openhands.stream.events import AdmissionUpdate, Event, RequestAborted, ToolEnd, now_stamps
 from mars_openhands.stream.transport import EventSink
+
+RECENT_ADMISSION_WAITS = 10_000
+"""Sessions whose admission wait :attr:`Gateway.admission_wait_s` keeps (oldest dropped first)."""
 
 __all__ = ["Gateway", "build_app", "settings_line"]
 
@@ -131,6 +135,12 @@ class Gateway:
         self.num_client_disconnects = 0
         self.num_upstream_errors = 0
         self.num_admission_timeouts = 0
+        self.admission_wait_s: collections.OrderedDict[str, float] = collections.OrderedDict()
+        """Seconds each recent session's requests waited for an admission slot (summed; only
+        sessions that waited; the newest :data:`RECENT_ADMISSION_WAITS` sessions), for benchmarks
+        reading an in-process gateway (``eval.ohbench``)."""
+        self.admission_wait_total_s = 0.0
+        self.num_admission_waits = 0
         self._last_update: AdmissionReport | None = None
         self._last_update_mono_s = 0.0
         self.fastapi_app = build_app(self)
@@ -260,6 +270,15 @@ class Gateway:
         if waiter is not None:
             waiter.cancel()
 
+    def _record_admission_wait(self, session_id: str, wait_s: float) -> None:
+        """Count one admission wait of ``wait_s`` seconds. Mutates the wait totals."""
+        self.admission_wait_total_s += wait_s
+        self.num_admission_waits += 1
+        waits = self.admission_wait_s
+        waits[session_id] = waits.pop(session_id, 0.0) + wait_s
+        while len(waits) > RECENT_ADMISSION_WAITS:
+            waits.popitem(last=False)
+
     async def wait_for_admission(self, session: Session, raw: bytes) -> None:
         """Return once the session holds a slot (the slow path: the window is full or others wait).
 
@@ -280,8 +299,10 @@ class Gateway:
         if waiter is None:
             waiter = self._waiters[session_id] = asyncio.get_running_loop().create_future()
         timeout_s = self.config.admission_wait_timeout_s
+        started_s = self.plane.clock()
         try:
             await asyncio.wait_for(asyncio.shield(waiter), timeout_s)
+            self._record_admission_wait(session_id, self.plane.clock() - started_s)
         except (TimeoutError, asyncio.CancelledError) as e:
             self.plane.withdraw(session)
             self._drop_waiter(session_id)
@@ -466,6 +487,10 @@ class Gateway:
              [({}, float(self.config.is_admission_enabled))]),
             ("mars_sessions_admitted", g, "Sessions holding a slot", [({}, len(admission.admitted))]),
             ("mars_sessions_waiting", g, "Sessions waiting for a slot", [({}, admission.num_waiting)]),
+            ("mars_admission_wait_seconds_total", c, "Seconds requests waited for a slot",
+             [({}, self.admission_wait_total_s)]),
+            ("mars_admission_waits_total", c, "Requests that waited for a slot",
+             [({}, self.num_admission_waits)]),
             ("mars_sessions_live", g, "Sessions known to the gateway", [({}, len(self.sessions))]),
             ("mars_cpu_overloaded", g, "CPU overload flag", [({}, float(st.is_cpu_overloaded))]),
             ("mars_kv_overloaded", g, "KV overload flag", [({}, float(st.is_kv_overloaded))]),

@@ -84,7 +84,10 @@ class VllmServerOptions(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     model_dir: Path
-    """Model directory (e.g. from ``tiny_model.write_tiny_model``); weights are dummy."""
+    """Model directory (e.g. from ``tiny_model.write_tiny_model``) or a model name."""
+    load_format: str = "dummy"
+    """``--load-format``: ``dummy`` (random weights: the tiny model, the emulated GPU) or
+    ``auto`` (the model's real weights, on a GPU)."""
     served_model_name: str = Field(default="tiny-llama", min_length=1)
     """``--served-model-name``: the ``model`` field clients send."""
     host: str = "127.0.0.1"
@@ -217,7 +220,7 @@ def build_command(options: VllmServerOptions, port: int) -> list[str]:
     cmd = [
         options.python_executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(options.model_dir),
-        "--load-format", "dummy",
+        "--load-format", options.load_format,
         "--host", options.host,
         "--port", str(port),
         "--served-model-name", options.served_model_name,

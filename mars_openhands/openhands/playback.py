@@ -16,6 +16,10 @@ What is played back and what is real:
   the session's ``session_id`` / ``vllm_xargs`` and ``max_tokens`` = the recorded completion length
   (``ignore_eos``), so the engine's scheduler, prefix cache and KV do the work of that turn; its
   generated tokens are discarded and the recorded turn is returned with the engine's token usage.
+  With ``upstream_prompt="recorded"`` the prompt is instead token ids of the *recorded* prompt
+  length (the trace's ``usage.prompt_tokens``, capped at ``max_prompt_tokens``), prefix-consistent
+  within a session as an agent's context is (turn ``k``'s ids + the engine's output ids + new
+  ids), so an emulated GPU prefills and caches what the recorded run's engine did.
 
 Which turn: the number of assistant messages already in the request (turn ``k`` answers with recorded
 turn ``k``; past the end, a ``finish`` call). Which script: per session (``X-Mars-Session``,
@@ -30,14 +34,16 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import hashlib
 import json
+import random
 import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -81,6 +87,9 @@ class RecordedTurn(BaseModel):
     tool_calls: tuple[RecordedToolCall, ...] = ()
     num_completion_tokens: int = Field(16, ge=1)
     """Recorded completion length, tokens (what the engine is asked to generate with ``upstream_url``)."""
+    num_prompt_tokens: int | None = Field(None, ge=1)
+    """Recorded prompt length, tokens (the trace's ``usage.prompt_tokens``); what the engine
+    prefills with ``upstream_prompt="recorded"``. ``None``: unknown (the conversation is sent)."""
 
 
 class Script(BaseModel):
@@ -111,6 +120,16 @@ class PlaybackConfig(BaseModel):
     model's context is small; the prefix is kept so prefix caching still sees shared prefixes)."""
     max_completion_tokens: int = Field(64, ge=1)
     """Cap on the upstream ``max_tokens`` per turn, tokens."""
+    upstream_prompt: Literal["conversation", "recorded"] = "conversation"
+    """What the engine prefills: ``conversation`` = the rendered conversation cut to
+    ``max_prompt_chars``; ``recorded`` = token ids of the recorded prompt length (prefix-consistent
+    per session; an emulated GPU then does the recorded run's prefill work)."""
+    max_prompt_tokens: int = Field(30_000, ge=1)
+    """Cap on a ``recorded`` prompt, tokens (keep it below the engine's ``--max-model-len`` minus
+    ``max_completion_tokens``)."""
+    prompt_token_id_high: int = Field(256, ge=2)
+    """Synthetic ids of ``recorded`` prompts are in ``[0, this)`` (default: the tiny model's byte
+    ids, :mod:`mars_openhands.engine.tiny_model`)."""
     upstream_timeout_s: float = Field(120.0, gt=0)
     api_key: str | None = None
     """Answer chat requests without ``Authorization: Bearer <api_key>`` with 401, as vLLM's
@@ -165,6 +184,7 @@ def load_trace_script(
             tool_calls=tuple(RecordedToolCall(name="terminal", arguments={"command": c})
                              for c in commands),
             num_completion_tokens=max(1, int(usage.get("completion_tokens") or 16)),
+            num_prompt_tokens=int(usage["prompt_tokens"]) if usage.get("prompt_tokens") else None,
         ))
         if max_turns is not None and len(turns) >= max_turns:
             break
@@ -254,6 +274,7 @@ class _Upstream:
         self.client = (httpx.AsyncClient(base_url=config.upstream_url, timeout=config.upstream_timeout_s)
                        if config.upstream_url else None)
         self._model = config.upstream_model
+        self.prompts = _RecordedPrompts(config.max_prompt_tokens, config.prompt_token_id_high)
 
     async def model(self) -> str:
         assert self.client is not None
@@ -263,25 +284,80 @@ class _Upstream:
             self._model = str(response.json()["data"][0]["id"])
         return self._model
 
-    async def run_turn(self, body: dict[str, Any], turn: RecordedTurn) -> dict[str, int] | None:
-        """Make the engine prefill the prompt and decode the recorded length; return its usage."""
+    async def run_turn(self, body: dict[str, Any], turn: RecordedTurn, session_id: str,
+                       turn_index: int) -> dict[str, int] | None:
+        """Make the engine prefill the prompt and decode the recorded length; return its usage.
+
+        Mutates: the session's recorded-prompt state (``upstream_prompt="recorded"``).
+        """
         if self.client is None:
             return None
+        is_recorded = (self.config.upstream_prompt == "recorded"
+                       and turn.num_prompt_tokens is not None)
+        prompt: str | list[int] = (
+            self.prompts.prompt(session_id, turn_index, turn.num_prompt_tokens or 1) if is_recorded
+            else _render_prompt(body.get("messages") or [], self.config.max_prompt_chars))
         request: dict[str, Any] = {
             "model": await self.model(),
-            "prompt": _render_prompt(body.get("messages") or [], self.config.max_prompt_chars),
+            "prompt": prompt,
             "max_tokens": min(turn.num_completion_tokens, self.config.max_completion_tokens),
             "ignore_eos": True,
             "temperature": 0.0,
         }
+        if is_recorded:
+            request["return_token_ids"] = True  # the next turn's prompt extends these (vLLM >= 0.10)
         for name in ("session_id", "vllm_xargs"):  # set by the gateway (design.md §2)
             if name in body:
                 request[name] = body[name]
         response = await self.client.post("/v1/completions", json=request)
         if response.status_code != 200:
             raise RuntimeError(f"upstream engine answered {response.status_code}: {response.text[:500]}")
-        usage = response.json().get("usage") or {}
+        data = response.json()
+        if is_recorded:
+            choice = (data.get("choices") or [{}])[0]
+            self.prompts.record_output(session_id, turn_index, choice.get("token_ids") or [])
+        usage = data.get("usage") or {}
         return {k: int(usage.get(k, 0)) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+
+
+class _RecordedPrompts:
+    """Prefix-consistent token-id prompts of recorded lengths, per session. Thread-safe.
+
+    Mental model: an agent's prompt at turn ``k+1`` is its prompt at turn ``k``, the model's answer
+    and the new observation. Here::
+
+        prompt_k+1 = prompt_k + out_k + fresh ids      (fresh: deterministic in session and turn)
+        |<- prompt_k ->|<- out_k ->|<- fresh ->|        len = recorded prompt_tokens of turn k+1
+
+    cut to ``max_tokens``. A recorded length shorter than the carried prefix keeps the prefix (a
+    context never shrinks here). A retried turn gets the same prompt (kept per turn index).
+    """
+
+    def __init__(self, max_tokens: int, id_high: int) -> None:
+        self.max_tokens = max_tokens
+        self.high = id_high
+        self._prompts: dict[tuple[str, int], list[int]] = {}
+        self._outputs: dict[tuple[str, int], list[int]] = {}
+        self._lock = threading.Lock()
+
+    def prompt(self, session_id: str, turn: int, num_tokens: int) -> list[int]:
+        """The ids of ``session_id``'s turn ``turn`` (``num_tokens`` long, capped)."""
+        with self._lock:
+            if (session_id, turn) in self._prompts:
+                return self._prompts[(session_id, turn)]
+            carried = (self._prompts.get((session_id, turn - 1), [])
+                       + self._outputs.get((session_id, turn - 1), []))
+            fresh = max(0, min(num_tokens, self.max_tokens) - len(carried))
+            seed = hashlib.sha256(f"{session_id}\x00{turn}".encode()).digest()
+            rng = random.Random(int.from_bytes(seed[:8], "little"))
+            ids = (carried + [rng.randrange(self.high) for _ in range(fresh)])
+            self._prompts[(session_id, turn)] = ids[: self.max_tokens]
+            return self._prompts[(session_id, turn)]
+
+    def record_output(self, session_id: str, turn: int, ids: Sequence[int]) -> None:
+        """Keep the engine's output ids of a turn (the next turn's prompt carries them)."""
+        with self._lock:
+            self._outputs[(session_id, turn)] = list(ids)
 
 
 def _pick_turn(body: dict[str, Any], script: Script) -> tuple[int, RecordedTurn, bool]:
@@ -306,11 +382,15 @@ async def _answer(body: dict[str, Any], headers: Any, sessions: _Sessions, upstr
     session_id = session_of(headers, body)
     script = sessions.script_for(session_id)
     turn_index, turn, is_side = _pick_turn(body, script)
+    received_wall_s, received = time.time(), time.perf_counter()
     try:
-        usage = await upstream.run_turn(body, turn)
+        usage = await upstream.run_turn(body, turn, session_id, turn_index)
     except Exception as e:
         raise RuntimeError(str(e) or type(e).__name__) from e
+    completion_id = f"chatcmpl-{uuid.uuid4().hex}"
     seen.append({"session_id": session_id, "turn": turn_index, "script": script.name,
+                 "response_id": completion_id, "received_wall_s": received_wall_s,
+                 "handle_s": time.perf_counter() - received,
                  "is_side": is_side, "stream": bool(body.get("stream")),
                  "tool_calls": [c.name for c in turn.tool_calls],
                  "header_session": headers.get("x-mars-session"),
@@ -320,7 +400,7 @@ async def _answer(body: dict[str, Any], headers: Any, sessions: _Sessions, upstr
                  "num_tools": len(body.get("tools") or []), "engine_usage": usage})
     usage = usage or {"prompt_tokens": 1, "completion_tokens": turn.num_completion_tokens,
                       "total_tokens": 1 + turn.num_completion_tokens}
-    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+    return {"id": completion_id, "object": "chat.completion",
             "created": int(time.time()), "model": body.get("model", config.served_model_name),
             "choices": [{"index": 0, "message": _turn_message(turn, turn_index),
                          "finish_reason": "tool_calls" if turn.tool_calls else "stop"}],

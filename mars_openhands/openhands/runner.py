@@ -38,7 +38,7 @@ from mars_openhands.openhands.executor import (
 from mars_openhands.openhands.llm import ENV_API_KEY, LLMSettings, TurnTracker, build_session_llm
 from mars_openhands.stream.events import SessionEnd, SessionStart, now_stamps
 
-__all__ = ["RunConfig", "TaskResult", "TaskSpec", "events_url_for", "run_task",
+__all__ = ["LLMCall", "RunConfig", "TaskResult", "TaskSpec", "events_url_for", "run_task",
            "run_tasks"]
 
 TaskStatus = Literal["finished", "error", "stuck", "max_iterations", "timeout"]
@@ -97,6 +97,17 @@ class RunConfig(BaseModel):
     a call with its own timeout sends its own bound. ``None``: the gateway's default."""
 
 
+class LLMCall(BaseModel):
+    """One LLM call of a task, from the SDK's metrics (``response_latencies``, ``token_usages``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    response_id: str
+    latency_s: float
+    num_prompt_tokens: int = 0
+    num_completion_tokens: int = 0
+
+
 class TaskResult(BaseModel):
     """What one task produced."""
 
@@ -124,6 +135,28 @@ class TaskResult(BaseModel):
     conversation_dir: str | None = None
     """The OpenHands conversation as persisted by the SDK (events, state): what ran."""
     events: list[dict[str, Any]] = Field(default_factory=list)
+    llm_s: float = 0.0
+    """Sum of the agent's LLM call latencies as the SDK measured them (request to whole answer,
+    admission wait at a gateway included), seconds."""
+    llm_calls: list[LLMCall] = Field(default_factory=list)
+    """Each LLM call the SDK recorded, in order."""
+    num_prompt_tokens: int = 0
+    """Prompt tokens over the task's LLM calls (the endpoint's ``usage``)."""
+    num_completion_tokens: int = 0
+
+
+def _llm_calls(conversation: Any) -> list[LLMCall]:
+    """The conversation's LLM calls from the SDK's combined metrics; ``[]`` where the SDK has
+    none (SDK 1.14 has no ``conversation_stats``)."""
+    stats = getattr(conversation, "conversation_stats", None)
+    if stats is None:
+        return []
+    metrics = stats.get_combined_metrics()
+    usage = {u.response_id: u for u in getattr(metrics, "token_usages", [])}
+    return [LLMCall(response_id=r.response_id, latency_s=float(r.latency),
+                    num_prompt_tokens=getattr(usage.get(r.response_id), "prompt_tokens", 0),
+                    num_completion_tokens=getattr(usage.get(r.response_id), "completion_tokens", 0))
+            for r in metrics.response_latencies]
 
 
 def events_url_for(settings: LLMSettings) -> str | None:
@@ -275,6 +308,7 @@ def run_task(task: TaskSpec, config: RunConfig) -> TaskResult:
     error = None
     conversation = None
     tracker = None
+    calls: list[LLMCall] = []
     try:
         conversation, tracker = _build_conversation(config, workspace, session_id, events_path,
                                                     conversation_dir=task_dir / "conversation",
@@ -286,13 +320,18 @@ def run_task(task: TaskSpec, config: RunConfig) -> TaskResult:
         error = f"{type(e).__name__}: {e}"
     finally:
         if conversation is not None:
+            calls = _llm_calls(conversation)
             conversation.close()  # closes the tool wrappers, which flush their events
         wall_s = time.monotonic() - t0
         lifecycle.emit(SessionEnd(**now_stamps(), session_id=session_id, source="agent",
                                   status="ok" if status == "finished" else status))
         lifecycle.close()
-    return _collect(task, session_id, status, error, workspace, base_commit, before, wall_s,
-                    events_path, task_dir, tracker.num_responses if tracker else 0)
+    result = _collect(task, session_id, status, error, workspace, base_commit, before, wall_s,
+                      events_path, task_dir, tracker.num_responses if tracker else 0)
+    return _write(result.model_copy(update={
+        "llm_calls": calls, "llm_s": sum(c.latency_s for c in calls),
+        "num_prompt_tokens": sum(c.num_prompt_tokens for c in calls),
+        "num_completion_tokens": sum(c.num_completion_tokens for c in calls)}), task_dir)
 
 
 def _collect(task: TaskSpec, session_id: str, status: TaskStatus, error: str | None,
@@ -346,10 +385,14 @@ def _check_run(tasks: Sequence[TaskSpec], config: RunConfig, rps: float, overwri
 
 def run_tasks(tasks: Sequence[TaskSpec], config: RunConfig, rps: float,
               python: str | None = None, overwrite: bool = False,
-              check_endpoint: bool = True) -> list[TaskResult]:
+              check_endpoint: bool = True, start_offsets_s: Sequence[float] | None = None,
+              concurrency: int | None = None,
+              extra_env: dict[str, str] | None = None) -> list[TaskResult]:
     """Run tasks concurrently, each in its own process, started at a fixed rate of ``rps`` per second.
 
-    Task ``i`` starts at ``i / rps`` seconds. Each process runs
+    Task ``i`` starts at ``i / rps`` seconds (open loop), or at ``start_offsets_s[i]`` (e.g. Poisson
+    arrivals), or, with ``concurrency``, as soon as fewer than that many tasks run (closed loop,
+    in order; ``rps`` and ``start_offsets_s`` are then ignored). Each process runs
     ``python -m mars_openhands.openhands.cli run-one`` with the task and config as JSON files;
     the API key reaches it as ``MARS_API_KEY`` (``run_config.json`` holds ``**********``).
 
@@ -360,6 +403,9 @@ def run_tasks(tasks: Sequence[TaskSpec], config: RunConfig, rps: float,
         python: interpreter for the task processes (default: this one).
         overwrite: delete what an earlier run left in ``out_dir/<task_id>`` (else refuse).
         check_endpoint: run :func:`preflight` first.
+        start_offsets_s: per-task start times, seconds after the first start (non-decreasing).
+        concurrency: at most this many tasks at once (>= 1).
+        extra_env: added to the task processes' environment (their tools inherit it).
 
     Returns:
         Results in task order; a process that died or timed out yields status ``error`` /
@@ -367,9 +413,16 @@ def run_tasks(tasks: Sequence[TaskSpec], config: RunConfig, rps: float,
 
     Raises:
         ValueError: ``rps`` <= 0, duplicate task ids, a reused task directory without
-            ``overwrite``, or a failed pre-flight check; one line each, before any task starts.
+            ``overwrite``, ``start_offsets_s`` of another length or decreasing, ``concurrency``
+            < 1, or a failed pre-flight check; one line each, before any task starts.
     """
     _check_run(tasks, config, rps, overwrite)
+    if start_offsets_s is not None and (len(start_offsets_s) != len(tasks) or any(
+            b < a for a, b in zip(start_offsets_s, start_offsets_s[1:], strict=False))):
+        raise ValueError(f"start_offsets_s must hold one non-decreasing start per task "
+                         f"({len(tasks)}), got {list(start_offsets_s)[:5]}...")
+    if concurrency is not None and concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1 task, got {concurrency} (--concurrency)")
     if check_endpoint:
         llm = config.llm
         preflight(llm.base_url, llm.api_key.get_secret_value(), llm.backend)
@@ -377,21 +430,32 @@ def run_tasks(tasks: Sequence[TaskSpec], config: RunConfig, rps: float,
     out.mkdir(parents=True, exist_ok=True)
     (out / "run_config.json").write_text(config.model_dump_json(indent=1))
     env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "OPENHANDS_SUPPRESS_BANNER": "1",
-           ENV_API_KEY: config.llm.api_key.get_secret_value()}
+           ENV_API_KEY: config.llm.api_key.get_secret_value(), **(extra_env or {})}
     procs: list[tuple[TaskSpec, subprocess.Popen[bytes], float]] = []
+    offsets = list(start_offsets_s) if start_offsets_s is not None else [i / rps for i in
+                                                                          range(len(tasks))]
     t0 = time.monotonic()
     for i, task in enumerate(tasks):
-        time.sleep(max(0.0, t0 + i / rps - time.monotonic()))
-        (out / task.task_id).mkdir(parents=True, exist_ok=True)
-        task_file = out / task.task_id / "task.json"
-        task_file.write_text(task.model_dump_json())
-        log = (out / task.task_id / "process.log").open("wb")
-        proc = subprocess.Popen(
-            [python or sys.executable, "-m", "mars_openhands.openhands.cli", "run-one",
-             "--task", str(task_file), "--config", str(out / "run_config.json")],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        procs.append((task, proc, time.monotonic()))
+        if concurrency is None:
+            time.sleep(max(0.0, t0 + offsets[i] - time.monotonic()))
+        else:
+            while sum(1 for _, p, _ in procs if p.poll() is None) >= concurrency:
+                time.sleep(0.05)
+        procs.append((task, _start_task(task, out, python, env), time.monotonic()))
     return [_wait(task, proc, started, config, out) for task, proc, started in procs]
+
+
+def _start_task(task: TaskSpec, out: Path, python: str | None,
+                env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """Start ``task``'s ``run-one`` process (own process group, log in ``process.log``)."""
+    (out / task.task_id).mkdir(parents=True, exist_ok=True)
+    task_file = out / task.task_id / "task.json"
+    task_file.write_text(task.model_dump_json())
+    log = (out / task.task_id / "process.log").open("wb")
+    return subprocess.Popen(
+        [python or sys.executable, "-m", "mars_openhands.openhands.cli", "run-one",
+         "--task", str(task_file), "--config", str(out / "run_config.json")],
+        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
 def _wait(task: TaskSpec, proc: subprocess.Popen[bytes], started_s: float, config: RunConfig,

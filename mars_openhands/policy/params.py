@@ -157,6 +157,13 @@ class ResidencyParams(_Frozen):
     generated, from the engine's own finished turns)."""
     max_pin_s: float = Field(3600.0, gt=0.0)
     """Longest a resident's KV stays pinned in one tool call, seconds."""
+    max_hold_s: float = Field(1800.0, gt=0.0)
+    """A turn held this long (seconds since it arrived, never scheduled yet) becomes resident
+    whether or not it fits: the bound on admission wait (ThunderAgent's forced admission
+    after 1800 s, arXiv 2602.13692)."""
+    backfill: bool = False
+    """Held sessions behind a blocked one may become resident in the room left (EASY
+    backfilling; see policy.residency.plan_residency)."""
 
 
 class WindowParams(_Frozen):

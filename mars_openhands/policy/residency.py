@@ -59,6 +59,9 @@ class SessionDemand:
     is_held: bool = False
     can_suspend: bool = True
     displace_value_s: float = 0.0
+    is_overdue: bool = False
+    """A held session whose turn has waited past the hold bound: activated before every other
+    held session and whether or not it fits (forced admission)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +76,8 @@ class ResidencyPlan:
     """Held sessions left waiting, in priority order."""
 
 
-def plan_residency(sessions: Sequence[SessionDemand], budget_blocks: int) -> ResidencyPlan:
+def plan_residency(sessions: Sequence[SessionDemand], budget_blocks: int, *,
+                   backfill: bool = False) -> ResidencyPlan:
     """Choose the resident set for ``budget_blocks`` KV blocks. Pure.
 
     1. Residents, in priority order: busy ones always stay; an idle one stays if it fits beside
@@ -85,11 +89,17 @@ def plan_residency(sessions: Sequence[SessionDemand], budget_blocks: int) -> Res
        waiting session (``displace_value_s > 0``, highest first), then residents younger than the
        held session (youngest first) — but only if that makes it fit. The first held session
        that cannot fit stops all later activations (no bypass). Progress: with no resident
-       left, the first held session is activated whatever its size.
+       left, the first held session is activated whatever its size. Bound: overdue held
+       sessions (``is_overdue``) go first and are activated even when they do not fit (after
+       suspending what may be suspended for them); vLLM's preemption then takes the youngest.
 
     Args:
         sessions: every session the engine tracks that is resident or held.
         budget_blocks: KV blocks the resident set may use.
+        backfill: once a held session is blocked, later held sessions that fit in the room
+            left *without suspending anyone* are activated too (EASY backfilling, Lifka 1995:
+            the blocked head keeps its rank; what backfills is younger, so it is the head's
+            displacement victim and vLLM's preemption victim, never the other way round).
 
     Returns:
         The plan; ``used_blocks`` is the resident set's demand after it (above the budget only
@@ -110,6 +120,7 @@ def plan_residency(sessions: Sequence[SessionDemand], budget_blocks: int) -> Res
             suspend.append(s.session_id)
     activate: list[str] = []
     held = [s for s in ranked if s.is_held and not s.is_resident]
+    held = [s for s in held if s.is_overdue] + [s for s in held if not s.is_overdue]
     num_residents = sum(1 for s in ranked if s.is_resident) - len(suspend)
     for i, h in enumerate(held):
         if used + h.demand_blocks <= budget_blocks or (num_residents == 0 and not activate):
@@ -117,9 +128,16 @@ def plan_residency(sessions: Sequence[SessionDemand], budget_blocks: int) -> Res
             used += h.demand_blocks
             continue
         victims = _victims(kept, h)
-        if h.demand_blocks > budget_blocks - used + sum(v.demand_blocks for v in victims):
-            return ResidencyPlan(tuple(activate), tuple(suspend), used,
-                                 tuple(x.session_id for x in held[i:]))
+        if (not h.is_overdue
+                and h.demand_blocks > budget_blocks - used + sum(v.demand_blocks for v in victims)):
+            blocked = [x.session_id for x in held[i:]]
+            if backfill:
+                for x in held[i + 1:]:
+                    if used + x.demand_blocks <= budget_blocks:
+                        activate.append(x.session_id)
+                        blocked.remove(x.session_id)
+                        used += x.demand_blocks
+            return ResidencyPlan(tuple(activate), tuple(suspend), used, tuple(blocked))
         for v in victims:
             if budget_blocks - used >= h.demand_blocks:
                 break

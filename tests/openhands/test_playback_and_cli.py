@@ -228,7 +228,73 @@ def test_run_tasks_rejects_bad_input(tmp_path: Path) -> None:
         run_tasks([task], config, rps=0)
     with pytest.raises(ValueError, match="distinct"):
         run_tasks([task, task], config, rps=1)
+    other = TaskSpec(task_id="b", problem_statement="p", workspace=str(tmp_path))
+    with pytest.raises(ValueError, match="one non-decreasing start per task"):
+        run_tasks([task, other], config, rps=1, start_offsets_s=[0.0])
+    with pytest.raises(ValueError, match="one non-decreasing start per task"):
+        run_tasks([task, other], config, rps=1, start_offsets_s=[1.0, 0.5])
+    with pytest.raises(ValueError, match="concurrency must be >= 1"):
+        run_tasks([task], config, rps=1, concurrency=0)
     with pytest.raises(ValueError, match="session_id must be a UUID"):
         TaskSpec(task_id="a", problem_statement="p", workspace=".", session_id="not-a-uuid")
     with pytest.raises(ValueError, match="extra"):
         RunConfig.model_validate({"llm": {"base_url": "u", "model": "m"}, "out_dir": "o", "bogus": 1})
+
+
+def test_recorded_prompts_are_recorded_lengths_and_prefix_consistent(tmp_path: Path) -> None:
+    """upstream_prompt=recorded: the engine gets token ids of the recorded prompt length (capped),
+    turn k+1's prompt extends turn k's prompt and the engine's output ids, a retry gets the same
+    prompt, and the request log joins each answer's id to its handling time."""
+    from fastapi import FastAPI
+
+    engine = FastAPI()
+    asked: list[dict] = []
+
+    @engine.post("/v1/completions")
+    async def complete(body: dict) -> dict:
+        asked.append(body)
+        out = [7] * body["max_tokens"]
+        return {"choices": [{"text": "", "token_ids": out}],
+                "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": len(out),
+                          "total_tokens": len(body["prompt"]) + len(out)}}
+
+    call = RecordedToolCall(name="terminal", arguments={"command": "ls"})
+    turns = (RecordedTurn(tool_calls=(call,), num_prompt_tokens=50, num_completion_tokens=5),
+             RecordedTurn(tool_calls=(call,), num_prompt_tokens=90, num_completion_tokens=4),
+             RecordedTurn(tool_calls=(call,), num_prompt_tokens=500, num_completion_tokens=3))
+    script = Script(name="s", turns=turns)
+    with serve_app(engine) as engine_url:
+        from mars_openhands.openhands.playback import PlaybackConfig
+
+        config = PlaybackConfig(upstream_url=engine_url, upstream_model="m",
+                                upstream_prompt="recorded", max_prompt_tokens=120)
+        with serve_app(build_playback_app([script], config)) as url, \
+                httpx.Client(base_url=url) as client:
+            def ask(session: str, num_assistant: int) -> dict:
+                messages = [{"role": "user", "content": "go"}]
+                messages += [{"role": "assistant", "content": "x"}] * num_assistant
+                r = client.post("/v1/chat/completions", headers={"X-Mars-Session": session},
+                                json={"messages": messages, "tools": TOOLS})
+                assert r.status_code == 200, r.text
+                return r.json()
+            answers = [ask("a", 0), ask("a", 1), ask("a", 1), ask("a", 2), ask("b", 0)]
+            log = client.get("/playback/requests").json()["requests"]
+    prompts = [body["prompt"] for body in asked]
+    assert [len(p) for p in prompts] == [50, 90, 90, 120, 50]
+    assert prompts[1][:55] == prompts[0] + [7] * 5  # prompt_0 + out_0, then fresh ids
+    assert prompts[2] == prompts[1]  # a retried turn
+    assert prompts[3][:94] == prompts[1] + [7] * 4  # capped at max_prompt_tokens = 120
+    assert prompts[4] != prompts[0] and all(0 <= i < 256 for p in prompts for i in p)
+    assert all(body["return_token_ids"] and body["ignore_eos"] for body in asked)
+    assert [a["usage"]["prompt_tokens"] for a in answers] == [50, 90, 90, 120, 50]
+    assert [r["response_id"] for r in log] == [a["id"] for a in answers]
+    assert all(r["handle_s"] >= 0 and r["received_wall_s"] > 0 for r in log)
+
+
+def test_trace_turns_keep_the_recorded_prompt_length(tmp_path: Path) -> None:
+    path = _trace(tmp_path, ["ls"])
+    data = json.loads(gzip.open(path, "rt").read())
+    data["messages"][2]["extra"]["response"]["usage"]["prompt_tokens"] = 1234
+    with gzip.open(path, "wt") as f:
+        json.dump(data, f)
+    assert load_trace_script(path).turns[0].num_prompt_tokens == 1234

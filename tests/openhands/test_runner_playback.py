@@ -66,6 +66,12 @@ def test_conversation_runs_real_tools_and_reports_events(tmp_path: Path) -> None
     assert not outside.exists()  # the denied one did not
     assert sorted(result.files_changed) == ["hello.py", "out.txt"]
     assert (result.num_tool_calls, result.num_denied, result.num_llm_calls) == (5, 1, 6)
+    # The SDK's own per-call latencies, joined to what the engine answered (the playback's ids).
+    assert [c.response_id for c in result.llm_calls] == [r["response_id"] for r in requests]
+    assert all(c.latency_s >= r["handle_s"] for c, r in zip(result.llm_calls, requests, strict=True))
+    assert result.llm_s == pytest.approx(sum(c.latency_s for c in result.llm_calls))
+    assert 0 < result.llm_s < result.wall_s
+    assert result.num_completion_tokens == 6 * 16  # the playback's default completion length
     # Every request carried the session; the turn metadata counted up per LLM call.
     assert {r["header_session"] for r in requests} == {session_id}
     assert [r["vllm_xargs"]["mars_turn"] for r in requests] == list(range(6))

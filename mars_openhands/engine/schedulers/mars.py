@@ -140,16 +140,23 @@ class MarsScheduler(MarsBaseScheduler):
             sid, (session.first_arrival_s if session else now_s,), demand,
             is_resident=sid in self.resident, is_busy=busy, is_held=sid in self.held,
             displace_value_s=self._displace_value_s(session, demand, num_busy, now_s)
-            if self.held and not busy and sid in self.resident else 0.0)
+            if self.held and not busy and sid in self.resident else 0.0,
+            is_overdue=sid in self.held and self._is_overdue(self.held[sid][0], now_s))
             for sid, session, demand, busy in views]
         budget = int((seams.num_gpu_blocks(self) - 1) * self.params.residency.budget_usage)
-        plan = plan_residency(views, budget)
+        plan = plan_residency(views, budget, backfill=self.params.residency.backfill)
         for sid in plan.suspend:
             self._suspend(sid, now_s)
         for sid in plan.activate:
             self.resident.add(sid)
             for request in self.held.pop(sid, ()):
                 self.waiting.add_request(request)
+
+    def _is_overdue(self, request: Request, now_s: float) -> bool:
+        """A held turn never scheduled that arrived ``residency.max_hold_s`` ago or more."""
+        state = self.req_state.get(request.request_id)
+        return (state is not None and request.num_preemptions == 0
+                and now_s - state.arrival_s >= self.params.residency.max_hold_s)
 
     def _displace_value_s(self, session: SessionState | None, demand_blocks: int, num_busy: int,
                           now_s: float) -> float:

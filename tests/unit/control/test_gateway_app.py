@@ -7,6 +7,7 @@ server (including aborting a request whose client disconnects).
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -242,6 +243,32 @@ def test_admission_window_queues_sessions_and_can_be_switched_off(clean_fakes, g
         for sid in ("off-a", "off-b", "off-c"):
             assert client.post("/v1/chat/completions", json=chat(sid)).status_code == 200
         assert state(server_off)["num_admitted"] == 3
+
+
+def test_admission_waits_are_measured_per_session(clean_fakes, gateway_factory) -> None:
+    """A request admitted after waiting adds its wait to its session's and to /metrics."""
+    import threading
+
+    one = {"window_max": 1, "window_init": 1, "window_min": 1}
+    server, _ = gateway_factory([clean_fakes[0].url], admission=one)
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        assert client.post("/v1/chat/completions", json=chat("w-a")).status_code == 200
+        answers: list[int] = []
+        waiter = threading.Thread(target=lambda: answers.append(httpx.post(
+            f"{server.url}/v1/chat/completions", json=chat("w-b"), timeout=10).status_code))
+        waiter.start()
+        wait_until(lambda: state(server)["num_waiting"] == 1, what="w-b waiting")
+        time.sleep(0.4)
+        client.post("/mars/v1/events", json=event("session_end", "w-a"))
+        waiter.join(timeout=10)
+    assert answers == [200]
+    waits = dict(server.gateway.admission_wait_s)
+    assert set(waits) == {"w-b"} and 0.4 <= waits["w-b"] < 5.0  # w-a never waited
+    text = httpx.get(f"{server.url}/metrics").text
+    assert "mars_admission_waits_total 1" in text
+    total = next(float(line.split()[-1]) for line in text.splitlines()
+                 if line.startswith("mars_admission_wait_seconds_total"))
+    assert total == pytest.approx(waits["w-b"])
 
 
 def test_admission_wait_timeout_is_503(clean_fakes, gateway_factory) -> None:

@@ -232,3 +232,26 @@ def test_a_resident_whose_tool_ended_long_ago_is_displaced_for_a_waiting_session
     h.clock.advance(s.params.retention.imminent_grace_s + 10.0)
     h.step(0.01)
     assert "old" not in s.resident and "young" in s.resident
+
+
+def test_a_turn_held_past_max_hold_s_becomes_resident_whether_or_not_it_fits() -> None:
+    # a's KV is pinned through a long tool call (displacing it never pays at 1 s/token): without
+    # the bound b would wait for a's whole session.
+    h = Harness(MarsScheduler, num_blocks=40, mars={
+        "residency": {"output_reserve_tokens": 0, "budget_usage": 1.0, "max_hold_s": 30.0},
+        "retention": {"reload_linear_s_per_token": 1.0}})
+    s = h.scheduler
+    a0 = h.add(h.make_request("a", h.tokens(25 * BS), 4, turn(0)))
+    h.run_until_finished(a0.request_id)
+    h.clock.advance(1.0)
+    b0 = h.add(h.make_request("b", h.tokens(20 * BS), 4, turn(0)))
+    h.step(0.01)
+    h.clock.advance(20.0)
+    h.step(0.01)
+    assert "b" in s.held  # 20 s: still within the bound
+    h.clock.advance(15.0)
+    h.step(0.01)
+    assert "b" in s.resident and "b" not in s.held
+    h.run_until_finished(b0.request_id)
+    h.run_until_done()
+    h.assert_no_leaks()

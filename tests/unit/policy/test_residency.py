@@ -90,3 +90,28 @@ def test_kept_idle_and_activated_demand_never_exceeds_the_budget_beyond_busy(bud
     extra = sum(x.demand_blocks for x in idle_kept) + sum(by_id[a].demand_blocks for a in plan.activate)
     assert 30 + extra == plan.used_blocks
     assert extra <= max(0, budget - 30)
+
+
+def test_backfill_activates_later_held_sessions_that_fit_without_suspending_anyone() -> None:
+    sessions = [s("old", 0, 60, resident=True, busy=True), s("big", 1, 50, held=True),
+                s("small", 2, 30, held=True), s("mid", 3, 20, held=True)]
+    strict = plan_residency(sessions, budget_blocks=100)
+    assert strict.activate == () and strict.blocked == ("big", "small", "mid")
+    plan = plan_residency(sessions, budget_blocks=100, backfill=True)
+    assert plan.activate == ("small",) and plan.suspend == ()  # 60 + 30 fit; then 20 does not
+    assert plan.blocked == ("big", "mid") and plan.used_blocks == 90
+
+
+def test_an_overdue_held_session_goes_first_and_is_activated_even_when_it_does_not_fit() -> None:
+    def held(sid: str, prio: float, blocks: int, overdue: bool = False) -> SessionDemand:
+        return SessionDemand(sid, (prio,), blocks, is_resident=False, is_held=True,
+                             is_overdue=overdue)
+
+    sessions = [s("old", 0, 60, resident=True, busy=True), held("head", 2, 50),
+                held("late", 3, 30, overdue=True), s("young", 4, 20, resident=True)]
+    plan = plan_residency(sessions, budget_blocks=100)
+    assert plan.activate == ("late",)  # past the blocked head; the younger idle one makes room
+    assert plan.suspend == ("young",) and plan.used_blocks == 90 and plan.blocked == ("head",)
+    forced = plan_residency([s("old", 0, 90, resident=True, busy=True),
+                             held("late", 3, 30, overdue=True)], budget_blocks=100)
+    assert forced.activate == ("late",) and forced.used_blocks == 120  # over budget: forced
