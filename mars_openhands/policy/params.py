@@ -161,9 +161,6 @@ class ResidencyParams(_Frozen):
     """A turn held this long (seconds since it arrived, never scheduled yet) becomes resident
     whether or not it fits: the bound on admission wait (ThunderAgent's forced admission
     after 1800 s, arXiv 2602.13692)."""
-    backfill: bool = False
-    """Held sessions behind a blocked one may become resident in the room left (EASY
-    backfilling; see policy.residency.plan_residency)."""
 
 
 class WindowParams(_Frozen):

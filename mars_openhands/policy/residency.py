@@ -76,8 +76,7 @@ class ResidencyPlan:
     """Held sessions left waiting, in priority order."""
 
 
-def plan_residency(sessions: Sequence[SessionDemand], budget_blocks: int, *,
-                   backfill: bool = False) -> ResidencyPlan:
+def plan_residency(sessions: Sequence[SessionDemand], budget_blocks: int) -> ResidencyPlan:
     """Choose the resident set for ``budget_blocks`` KV blocks. Pure.
 
     1. Residents, in priority order: busy ones always stay; an idle one stays if it fits beside
@@ -96,10 +95,6 @@ def plan_residency(sessions: Sequence[SessionDemand], budget_blocks: int, *,
     Args:
         sessions: every session the engine tracks that is resident or held.
         budget_blocks: KV blocks the resident set may use.
-        backfill: once a held session is blocked, later held sessions that fit in the room
-            left *without suspending anyone* are activated too (EASY backfilling, Lifka 1995:
-            the blocked head keeps its rank; what backfills is younger, so it is the head's
-            displacement victim and vLLM's preemption victim, never the other way round).
 
     Returns:
         The plan; ``used_blocks`` is the resident set's demand after it (above the budget only
@@ -130,14 +125,8 @@ def plan_residency(sessions: Sequence[SessionDemand], budget_blocks: int, *,
         victims = _victims(kept, h)
         if (not h.is_overdue
                 and h.demand_blocks > budget_blocks - used + sum(v.demand_blocks for v in victims)):
-            blocked = [x.session_id for x in held[i:]]
-            if backfill:
-                for x in held[i + 1:]:
-                    if used + x.demand_blocks <= budget_blocks:
-                        activate.append(x.session_id)
-                        blocked.remove(x.session_id)
-                        used += x.demand_blocks
-            return ResidencyPlan(tuple(activate), tuple(suspend), used, tuple(blocked))
+            return ResidencyPlan(tuple(activate), tuple(suspend), used,
+                                 tuple(x.session_id for x in held[i:]))
         for v in victims:
             if budget_blocks - used >= h.demand_blocks:
                 break

@@ -144,7 +144,7 @@ class MarsScheduler(MarsBaseScheduler):
             is_overdue=sid in self.held and self._is_overdue(self.held[sid][0], now_s))
             for sid, session, demand, busy in views]
         budget = int((seams.num_gpu_blocks(self) - 1) * self.params.residency.budget_usage)
-        plan = plan_residency(views, budget, backfill=self.params.residency.backfill)
+        plan = plan_residency(views, budget)
         for sid in plan.suspend:
             self._suspend(sid, now_s)
         for sid in plan.activate:

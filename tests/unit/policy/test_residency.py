@@ -92,16 +92,6 @@ def test_kept_idle_and_activated_demand_never_exceeds_the_budget_beyond_busy(bud
     assert extra <= max(0, budget - 30)
 
 
-def test_backfill_activates_later_held_sessions_that_fit_without_suspending_anyone() -> None:
-    sessions = [s("old", 0, 60, resident=True, busy=True), s("big", 1, 50, held=True),
-                s("small", 2, 30, held=True), s("mid", 3, 20, held=True)]
-    strict = plan_residency(sessions, budget_blocks=100)
-    assert strict.activate == () and strict.blocked == ("big", "small", "mid")
-    plan = plan_residency(sessions, budget_blocks=100, backfill=True)
-    assert plan.activate == ("small",) and plan.suspend == ()  # 60 + 30 fit; then 20 does not
-    assert plan.blocked == ("big", "mid") and plan.used_blocks == 90
-
-
 def test_an_overdue_held_session_goes_first_and_is_activated_even_when_it_does_not_fit() -> None:
     def held(sid: str, prio: float, blocks: int, overdue: bool = False) -> SessionDemand:
         return SessionDemand(sid, (prio,), blocks, is_resident=False, is_held=True,
