@@ -94,8 +94,12 @@ def test_openhands_tasks_resume_after_a_kill_and_report(tmp_path: Path) -> None:
         "oh-hello": ("succeeded", 2), "oh-notes": ("succeeded", 2)}
     attempts = {t: [e["num_attempts"] for e in store.effects(t)] for t in rows}
     store.close()
-    # Only the call in the executed-not-recorded window ran twice; every other tool call once.
-    assert sorted(sum(attempts.values(), [])) == [1] * 5 + [2], attempts
+    # The call in the executed-not-recorded window ran twice (a keyed idempotent write: retried
+    # with its key). The other task runs concurrently: its call in flight at the kill, if any, has
+    # no recorded outcome either and ran at most twice; every other tool call ran once.
+    assert len(sum(attempts.values(), [])) == 6, attempts
+    assert sorted(attempts["oh-hello"]) == [1] * (len(attempts["oh-hello"]) - 1) + [2], attempts
+    assert set(attempts["oh-notes"]) <= {1, 2} and attempts["oh-notes"].count(2) <= 1, attempts
     report = _tasks("report", "--out", str(tmp_path / "report"), db=db, env={})
     assert report.returncode == 0, report.stderr
     print(report.stdout)
