@@ -645,6 +645,8 @@ class _Sweep:
         self.base: dict[str, float | None] = {}
         self.capacity: pd.DataFrame | None = None
         self._sessions_key: list[Any] | None = None
+        self._phase_s: dict[str, float] = {}
+        self._phase_t0 = self.t0
         self._fcfs_knee: dict[tuple[str, str], BaseRateSearch] = {}
         """FCFS's knee search per GPU (reused as FCFS's capacity)."""
 
@@ -676,14 +678,17 @@ class _Sweep:
     def run(self, pool: _Pool, ideal_s: Mapping[str, float] | None) -> pd.DataFrame:
         """Ideal times, knees, optional capacity, then the runs (see :func:`run_sweep`)."""
         self._ideal_times(pool, ideal_s)
+        self._phase_done("ideal")
         for setup in self.gpus:
             ideal = self.ideal[setup.gpu]
             self.info[self._fact("KV blocks", setup)] = setup.num_gpu_blocks
             self.info[self._fact("mean ideal E2E (s)", setup)] = f"{sum(ideal.values()) / len(ideal):.1f}"
         self.info["is_absolute_rates"] = self.options.is_absolute_rates
         self._base_rates(pool)
+        self._phase_done("knee")
         if self.options.is_capacity:
             self.capacity = self._capacities(pool)
+            self._phase_done("capacity")
         return self._runs(pool)
 
     def _ideal_times(self, pool: _Pool, given: Mapping[str, float] | None) -> None:
@@ -850,6 +855,8 @@ class _Sweep:
             (_run_task, (run, self.workload, o, setups[run.gpu].step_timer, setups[run.gpu].num_gpu_blocks,
                          self.ideal[run.gpu], self.out_dir, self.simulate_fn)) for run in runs]
         results = (self._live_results(runs) if self.live is not None else pool.run(calls))
+        order = {id(run): i for i, run in enumerate(sorted(runs, key=self._plan_rank))}
+        by_rank: dict[int, dict[str, Any]] = {}
         try:
             for index, value in results:
                 run = runs[index]
@@ -858,8 +865,9 @@ class _Sweep:
                 e2e = value.pop("_e2e", None)
                 if e2e is not None:
                     e2e_by_run[run.run_id] = e2e
-                rows.append({**self._row_head(run), **value})
-                self.info[_WALL_KEY] = f"{time.monotonic() - self.t0:.0f}"
+                by_rank[order[id(run)]] = {**self._row_head(run), **value}
+                rows[:] = [by_rank[k] for k in sorted(by_rank)]  # plan order, whatever finished first
+                self._phase_done("runs", len(rows) == len(runs))
                 write_summary(self.out_dir, _results_frame(rows, o.alphas), self.info, self.capacity)
                 self._advance(task, description=f"runs: {run.run_id} done")
         except KeyboardInterrupt:
@@ -874,6 +882,20 @@ class _Sweep:
         for index, run in enumerate(runs):
             execute = _live_execute(self.live, run, self.options.seed + 1000 * (index + 1))
             yield index, _one_run(run, self.workload, self.options, self.ideal[run.gpu], execute, self.out_dir)
+
+    def _plan_rank(self, run: _Run) -> tuple[int, float, int, bool]:
+        """Where a run sits in the tables: GPU, load, policy order, admission."""
+        gpus = [g.gpu for g in self.gpus]
+        return (gpus.index(run.gpu), run.load_x, self.options.policies.index(run.policy), run.is_admission_enabled)
+
+    def _phase_done(self, phase: str, is_final: bool = True) -> None:
+        """Record the wall time since the previous phase (and the total) in the summary's facts."""
+        now = time.monotonic()
+        self.info[_WALL_KEY] = f"{now - self.t0:.0f}"
+        if is_final:
+            self._phase_s[phase] = now - self._phase_t0
+            self._phase_t0 = now
+            self.info["wall (s) per phase"] = ", ".join(f"{k} {v:.0f}" for k, v in self._phase_s.items())
 
     def _row_head(self, run: _Run) -> dict[str, Any]:
         return {"run_id": run.run_id, "gpu": run.gpu, "label": run.label, "policy": run.policy,

@@ -314,7 +314,7 @@ def ablation_table(results: pd.DataFrame, capacity: pd.DataFrame | None = None) 
             rows.append({"variant": run["label"], "part": part, "load_x": run["load_x"], "metric": label,
                          "worse_x": worse, "paper": paper})
     if capacity is not None and not capacity.empty:
-        cap = capacity.set_index("policy")["capacity_per_s"]
+        cap = capacity.groupby("policy")["capacity_per_s"].max()
         for variant, (part, paper) in PAPER_ABLATIONS.items():
             if variant in cap.index and "mars" in cap.index and cap[variant] > 0:
                 rows.append({"variant": variant, "part": part, "load_x": math.nan, "metric": "capacity",
@@ -353,6 +353,8 @@ def best_baselines(results: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for load_x, group in ok.groupby("load_x", sort=True):
         for metric in METRICS:
+            if metric.column not in group:
+                continue
             values = group.set_index("label")[metric.column].astype("float64").dropna()
             if values.empty:
                 continue
@@ -442,15 +444,18 @@ def render_summary(results: pd.DataFrame, meta: Mapping[str, Any], capacity: pd.
             ``is_baseline``, ``capacity_per_s``, ``is_bracketed``, ``num_probes``), or ``None``.
     """
     is_absolute = bool(meta.get("is_absolute_rates", False))
+    results = results.reindex(columns=[*RESULT_COLUMNS, *(c for c in results.columns if c not in RESULT_COLUMNS)])
     parts = ["# mars-openhands compare", ""]
     if meta.get("scope"):
         parts += [f"**{meta['scope']}**", ""]
     parts += [f"- **{k}**: {v}" for k, v in meta.items() if k not in _UNLISTED]
     parts += [""]
-    gpus = [g for g in dict.fromkeys(results["gpu"]) if isinstance(g, str)] if "gpu" in results else []
+    has_capacity = capacity is not None and not capacity.empty
+    gpus = [g for g in dict.fromkeys([*(results["gpu"] if "gpu" in results else []),
+                                      *(capacity["gpu"] if has_capacity else [])]) if isinstance(g, str)]
     if len(gpus) > 1:
         for gpu in gpus:
-            cap = capacity.loc[capacity["gpu"] == gpu] if capacity is not None and not capacity.empty else None
+            cap = capacity.loc[capacity["gpu"] == gpu] if has_capacity else None
             parts += [f"# GPU {gpu}", ""]
             parts += _gpu_sections(results.loc[results["gpu"] == gpu], meta, is_absolute, cap)
     else:
