@@ -479,9 +479,18 @@ class _SlowdownGuard:
 
 def _probe_task(workload: Workload, options: CompareOptions, policy: str, is_admission_enabled: bool,
                 rate_per_s: float, timer: Any, num_gpu_blocks: int, ideal_s: Mapping[str, float],
-                simulate_fn: Callable[..., Any] | None = None) -> float:
-    """One knee-search probe (worker side): mean slowdown at ``rate_per_s``; ``inf`` if a session did
-    not finish, the virtual clock passed ``max_virtual_s`` or the guard proved it unstable."""
+                simulate_fn: Callable[..., Any] | None = None) -> tuple[float, float]:
+    """One knee-search probe (worker side): ``(mean slowdown at rate_per_s, wall seconds)``; the
+    slowdown is ``inf`` if a session did not finish, the virtual clock passed ``max_virtual_s`` or the
+    guard proved it unstable (see :class:`_SlowdownGuard`)."""
+    t0 = time.monotonic()
+    return _probe_slowdown(workload, options, policy, is_admission_enabled, rate_per_s, timer, num_gpu_blocks,
+                           ideal_s, simulate_fn), time.monotonic() - t0
+
+
+def _probe_slowdown(workload: Workload, options: CompareOptions, policy: str, is_admission_enabled: bool,
+                    rate_per_s: float, timer: Any, num_gpu_blocks: int, ideal_s: Mapping[str, float],
+                    simulate_fn: Callable[..., Any] | None) -> float:
     from eval import sim
 
     arrived = with_arrivals(workload, PoissonArrivals(rate_per_s=rate_per_s), seed=options.seed)
@@ -655,6 +664,8 @@ class _Sweep:
         self._phase_s: dict[str, float] = {}
         self._phase_t0 = self.t0
         self._fcfs_knee: dict[tuple[str, str], BaseRateSearch] = {}
+        self._probe_wall_s: dict[tuple[tuple[str, str], float], float] = {}
+        """Wall seconds of each knee probe, by ((gpu, label), rate)."""
         """FCFS's knee search per GPU (reused as FCFS's capacity)."""
 
     # -- helpers ----------------------------------------------------------------------------
@@ -786,7 +797,9 @@ class _Sweep:
                 ident, rate = owners[index]
                 if isinstance(value, BaseException):
                     raise value
-                open_[ident][1].record(rate, value)
+                slowdown, wall_s = value
+                open_[ident][1].record(rate, slowdown)
+                self._probe_wall_s[(ident, rate)] = wall_s
                 self._advance(task, description=f"{description}: {ident[1]} @ {rate:.3g}/s")
             for ident in [i for i, (_, s, _) in open_.items() if s.is_done]:
                 setup, search, key = open_.pop(ident)
@@ -819,8 +832,10 @@ class _Sweep:
                       f"the knee in {len(search.probes)} runs; loads are multiples of {search.rate_per_s:.4g} "
                       "sessions/s (raise --search-runs or give --base-rate)", file=sys.stderr)
             prefix = "in the simulator (same GPU model): " if self.live is not None else ""
+            walls = [self._probe_wall_s.get(((setup.gpu, "fcfs"), r)) for r, _, _ in search.probes]
             self.info[self._fact("base rate search", setup)] = prefix + search.how + " (probes: " + ", ".join(
-                f"{r:.4g}/s→{s:.3g}" for r, s, _ in search.probes) + ")"
+                f"{r:.4g}/s→{s:.3g}" + (f" in {w:.0f} s" if w is not None else "")
+                for (r, s, _), w in zip(search.probes, walls, strict=True)) + ")"
         self._fcfs_knee = found
 
     def _capacities(self, pool: _Pool) -> pd.DataFrame:

@@ -149,9 +149,10 @@ def test_probe_of_an_overloaded_run_is_unstable_without_finishing_it(sim, monkey
         results.append(sim.simulate(w, config, timer, sink))  # not reached: the guard raises inside
         return results[-1]
 
-    slowdown = compare._probe_task(workload, options, "fcfs", False, 100.0, sim.LinearStepTimeModel(), 512, ideal,
+    slowdown, wall_s = compare._probe_task(workload, options, "fcfs", False, 100.0, sim.LinearStepTimeModel(), 512, ideal,
                                    counting)
     assert slowdown == math.inf and isinstance(calls[0], compare._SlowdownGuard) and not results
+    assert wall_s > 0
 
 
 # ----------------------------------------------------------------------------- GPUs, jobs, cache
@@ -172,6 +173,7 @@ def test_two_gpus_in_one_report_with_their_own_knees_and_prefixed_files(tmp_path
     text = (tmp_path / "summary.md").read_text()
     assert "# GPU fast" in text and "# GPU slow" in text and "base rate search (slow)" in text
     assert "- **wall (s) per phase**: ideal " in text
+    assert " s, " in text.split("base rate search (fast)**: ")[1].split("\n")[0]  # each probe's wall
     for name in ("fast__e2e_cdf.png", "slow__goodput_vs_alpha.png", "fast__mars+adm__load1.parquet"):
         assert (tmp_path / name).stat().st_size > 0
     assert compare.clear_previous_results(tmp_path) and not any(tmp_path.iterdir())
