@@ -488,6 +488,16 @@ def _probe_task(workload: Workload, options: CompareOptions, policy: str, is_adm
                            ideal_s, simulate_fn), time.monotonic() - t0
 
 
+def _slowdown_text(slowdown: float, bound: float) -> str:
+    """A probe's mean slowdown for the summary; ``inf`` (stopped early, or a session never finished)
+    reads as ``"> <bound> (stopped)"``. Pure.
+
+    >>> _slowdown_text(1.4271, 2.0), _slowdown_text(math.inf, 2.0)
+    ('1.43', '> 2 (stopped)')
+    """
+    return f"{slowdown:.3g}" if math.isfinite(slowdown) else f"> {bound:g} (stopped)"
+
+
 def _probe_slowdown(workload: Workload, options: CompareOptions, policy: str, is_admission_enabled: bool,
                     rate_per_s: float, timer: Any, num_gpu_blocks: int, ideal_s: Mapping[str, float],
                     simulate_fn: Callable[..., Any] | None) -> float:
@@ -834,7 +844,7 @@ class _Sweep:
             prefix = "in the simulator (same GPU model): " if self.live is not None else ""
             walls = [self._probe_wall_s.get(((setup.gpu, "fcfs"), r)) for r, _, _ in search.probes]
             self.info[self._fact("base rate search", setup)] = prefix + search.how + " (probes: " + ", ".join(
-                f"{r:.4g}/s→{s:.3g}" + (f" in {w:.0f} s" if w is not None else "")
+                f"{r:.4g}/s→{_slowdown_text(s, self.options.knee_slowdown)}" + (f" in {w:.0f} s" if w is not None else "")
                 for (r, s, _), w in zip(search.probes, walls, strict=True)) + ")"
         self._fcfs_knee = found
 
