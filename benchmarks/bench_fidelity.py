@@ -75,7 +75,7 @@ def _compare_args(args: argparse.Namespace) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_compare_subcommand(parser.add_subparsers(dest="command"))
     return parser.parse_args(["compare", "--sessions", str(args.sessions), "--max-turns", str(args.max_turns),
-                              "--gpu", args.gpu, "--model", args.model, "--tool-workers", str(args.tool_workers),
+                              "--kv-scale", "auto", "--gpu", args.gpu, "--model", args.model, "--tool-workers", str(args.tool_workers),
                               "--seed", str(args.seed), "--time-scale", str(args.time_scale),
                               "--out", str(Path(args.out) / "emulated")])
 
@@ -106,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     from eval.backends import LiveBackend, LiveOptions, parse_backend
     from eval.compare import (
         CompareOptions,
+        _gpu_setup,
         _sim_config,
-        _timer_and_blocks,
         _workload_from_args,
         live_policy_config,
         parse_policies,
@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cargs = _compare_args(args)
     workload, auto_scale = _workload_from_args(cargs)
-    timer, blocks, timing = _timer_and_blocks(cargs, workload, auto_scale)
+    setup, _, _ = _gpu_setup(cargs, args.gpu, workload, auto_scale)
+    timer, blocks, timing = setup.step_timer.build(), setup.num_gpu_blocks, setup.timing
     policies = parse_policies(args.policies)
     base = CompareOptions(policies=policies, loads=(1.0,), is_absolute_rates=True, num_gpu_blocks=blocks,
                           num_tool_workers=args.tool_workers, seed=args.seed, admission="off")

@@ -82,7 +82,8 @@ logger = logging.getLogger(__name__)
 
 BACKEND_KINDS: tuple[str, ...] = ("sim", "emulated", "cpu")
 """Named backends; anything starting with ``http://`` or ``https://`` is a URL backend."""
-GPU_PLANE_KINDS = frozenset({"finished", "first_token", "preempted", "kv_retained", "kv_released"})
+GPU_PLANE_KINDS = frozenset({"finished", "first_token", "first_scheduled", "preempted", "kv_retained",
+                             "kv_released"})
 """GPU-plane event kinds the metrics read (from the engine's telemetry)."""
 CPU_PLANE_KINDS = frozenset({"session_start", "session_end", "tool_enqueued", "tool_start", "tool_end"})
 """CPU-plane event kinds (from the replay driver)."""

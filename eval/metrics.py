@@ -30,12 +30,32 @@ and at least one ``finished`` event):
   written before the measurement (no ``num_reused_blocks``) count a ``"resumed"`` release whole.
   Also the share of releases that were resumes (``resume_ratio``, what the ratio used to count).
   ``None`` when nothing was released.
+* **agent TTFT** per turn = its ``first_token`` − the moment the agent sent the turn: the session's
+  arrival for its first turn, the end of the previous turn's tool (``tool_end`` of turn k−1) for
+  turn k (the engine's ``ttft_s`` as a fallback when neither was recorded). Unlike the engine's
+  ``ttft_s`` it includes the wait in the gateway's admission window, which is what a user of an
+  agent waits for.
+* **TTFT-SLO goodput(τ)** = turns of completed sessions with agent TTFT ≤ τ: as a share of those
+  turns, and per second of makespan; τ = 10 s and 30 s (:data:`TTFT_SLOS_S`).
+* **admission wait** per session = its first ``first_scheduled`` − its arrival: the gateway's window
+  and the engine's own queue (a ThunderAgent program admission, a MARS residency hold, KV blocking)
+  together, until the session first gets GPU time. Reported as its max and P99 over sessions (a
+  bounded tail means no session starves at the door).
+* **session P99** = P99 of the sessions' E2E (job level, not per request): ``e2e_s.p99``.
+* **re-prefilled tokens** = prompt tokens computed again that the engine had already computed:
+  for turn k ≥ 1, ``min(prompt_k, prompt_(k−1) + output_(k−1) − 1) − cached_k`` (``cached_k`` =
+  the prefix-cache or retained-KV hit at the turn's first schedule, ``first_scheduled
+  .num_cached_tokens``; the −1: the last output token has no KV yet), clipped at 0; plus, per
+  ``preempted`` event, the tokens it discarded (``num_computed_tokens``; where an engine reports
+  0 there, as the simulator's stock vLLM does, the request's prompt length, a lower bound since a
+  request is preempted while it decodes).
 
 Pure pandas/numpy: every function takes a frame and returns new values; nothing is mutated.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -45,6 +65,10 @@ from pydantic import BaseModel, ConfigDict
 __all__ = [
     "DEFAULT_ALPHA",
     "DEFAULT_ALPHAS",
+    "TTFT_SLOS_S",
+    "admission_wait_s",
+    "agent_ttft_table",
+    "reprefill_tokens",
     "KvRetentionStats",
     "RunMetrics",
     "Summary",
@@ -53,6 +77,7 @@ __all__ = [
     "kv_retention_stats",
     "session_table",
     "summarize",
+    "ttft_slo_goodput",
     "ttft_table",
 ]
 
@@ -60,6 +85,9 @@ DEFAULT_ALPHA = 3.0
 """Dynamic-SLO factor: a session is good when E2E <= alpha * ideal (design.md §7)."""
 DEFAULT_ALPHAS: tuple[float, ...] = (1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 """Default goodput sweep (includes :data:`DEFAULT_ALPHA`)."""
+
+TTFT_SLOS_S: tuple[float, ...] = (10.0, 30.0)
+"""TTFT SLOs of the TTFT goodput, seconds (issue 12: what users of agentic serving ask for)."""
 
 NOT_A_RESOLUTION = "shutdown"
 """``kv_released`` reason that does not resolve a retention (the run ended)."""
@@ -181,6 +209,112 @@ def goodput_per_s(table: pd.DataFrame, alpha: float, makespan_s: float | None = 
     return num_good / makespan_s if makespan_s and makespan_s > 0 else float("nan")
 
 
+def agent_ttft_table(stream: pd.DataFrame) -> pd.DataFrame:
+    """Agent-side TTFT per turn (see the module docstring). Pure.
+
+    Returns:
+        Columns ``session_id``, ``turn``, ``ttft_s`` (seconds), one row per ``first_token`` event of a
+        session (the earliest if a turn has several); requests without a session are left out.
+    """
+    first = _of_kind(stream, "first_token")
+    first = first.loc[first["session_id"].notna()]
+    if first.empty:
+        return pd.DataFrame({"session_id": [], "turn": [], "ttft_s": []})
+    first = (first.assign(t_s=_seconds(first["t_wall"]))
+             .sort_values("t_s").drop_duplicates(["session_id", "turn"], keep="first"))
+    starts = _of_kind(stream, "session_start")
+    arrival = pd.Series(_seconds(starts["t_wall"]).to_numpy(), index=starts["session_id"].to_numpy())
+    arrival = arrival.groupby(level=0).min()
+    ends = _of_kind(stream, "tool_end")
+    tool_end = pd.Series(_seconds(ends["t_wall"]).to_numpy(),
+                         index=pd.MultiIndex.from_arrays([ends["session_id"].to_numpy(),
+                                                          ends["turn"].to_numpy() + 1]))
+    tool_end = tool_end.groupby(level=[0, 1]).max()
+    turns = first["turn"].astype("int64").to_numpy()
+    sids = first["session_id"].to_numpy()
+    sent = [tool_end.get((sid, turn)) if turn > 0 else arrival.get(sid) for sid, turn in zip(sids, turns, strict=True)]
+    sent_s = pd.Series([math.nan if v is None else float(v) for v in sent], index=first.index)
+    ttft = (first["t_s"] - sent_s).where(sent_s.notna(), first["ttft_s"].astype("float64"))
+    first_turn = first.groupby("session_id")["turn"].transform("min")
+    is_first = first["turn"] == first_turn  # a stream may number turns from any start
+    arrival_ttft = first["t_s"] - first["session_id"].map(arrival)
+    ttft = ttft.where(~is_first | arrival_ttft.isna(), arrival_ttft)
+    return pd.DataFrame({"session_id": sids, "turn": turns, "ttft_s": ttft.clip(lower=0.0).to_numpy()})
+
+
+def ttft_slo_goodput(stream: pd.DataFrame, table: pd.DataFrame, slo_s: float,
+                     makespan_s: float | None = None) -> tuple[float, float]:
+    """``(share, per_s)`` of turns of completed sessions whose agent TTFT is ≤ ``slo_s``. Pure.
+
+    Args:
+        stream: the run's stream frame. table: its :func:`session_table`.
+        slo_s: the TTFT SLO, seconds (> 0). makespan_s: override (default: from ``table``).
+
+    Returns:
+        Share of those turns (0..1) and their count per second of makespan; NaN when no turn of a
+        completed session has a first token.
+
+    Raises:
+        ValueError: ``slo_s <= 0``.
+    """
+    if slo_s <= 0:
+        raise ValueError(f"TTFT SLO must be > 0 s, got {slo_s}")
+    ttft = agent_ttft_table(stream)
+    done = set(table.index[table["is_complete"]])
+    ttft = ttft.loc[ttft["session_id"].isin(done)]
+    if ttft.empty:
+        return float("nan"), float("nan")
+    num_good = int((ttft["ttft_s"] <= slo_s).sum())
+    makespan_s = _makespan_s(table) if makespan_s is None else makespan_s
+    return num_good / len(ttft), (num_good / makespan_s if makespan_s and makespan_s > 0 else float("nan"))
+
+
+def admission_wait_s(stream: pd.DataFrame) -> pd.Series:
+    """Per session: its first ``first_scheduled`` − its arrival, seconds (see the module docstring). Pure.
+
+    Sessions never scheduled are left out (their wait is unbounded; they count as incomplete).
+    """
+    starts = _of_kind(stream, "session_start")
+    arrival = pd.Series(_seconds(starts["t_wall"]).to_numpy(), index=starts["session_id"].to_numpy())
+    arrival = arrival.groupby(level=0).min()
+    sched = _of_kind(stream, "first_scheduled")
+    sched = sched.loc[sched["session_id"].isin(arrival.index)]
+    first = pd.Series(_seconds(sched["t_wall"]).to_numpy(), index=sched["session_id"].to_numpy())
+    first = first.groupby(level=0).min()
+    return (first - arrival.reindex(first.index)).clip(lower=0.0).rename("admission_wait_s")
+
+
+def reprefill_tokens(stream: pd.DataFrame) -> int:
+    """Prompt tokens the engine computed again (see the module docstring). Pure.
+
+    Needs ``finished`` (``num_prompt_tokens``, ``num_output_tokens``), ``first_scheduled``
+    (``num_cached_tokens``) and ``preempted`` events; turns missing one of them add nothing.
+    """
+    fin = _of_kind(stream, "finished")
+    fin = fin.loc[fin["session_id"].notna()].drop_duplicates(["session_id", "turn"], keep="last")
+    sched = _of_kind(stream, "first_scheduled")
+    sched = sched.loc[sched["session_id"].notna()].drop_duplicates(["session_id", "turn"], keep="first")
+    total = 0
+    if not fin.empty and not sched.empty:
+        turns = fin.set_index(["session_id", "turn"])[["num_prompt_tokens", "num_output_tokens"]]
+        prev = turns.copy()
+        prev.index = pd.MultiIndex.from_arrays([prev.index.get_level_values(0),
+                                                prev.index.get_level_values(1) + 1])
+        cached = sched.set_index(["session_id", "turn"])["num_cached_tokens"].astype("float64")
+        joined = turns.join(prev, rsuffix="_prev", how="inner").join(cached, how="inner")
+        computed_before = np.minimum(joined["num_prompt_tokens"],
+                                     joined["num_prompt_tokens_prev"] + joined["num_output_tokens_prev"] - 1)
+        total += int((computed_before - joined["num_cached_tokens"]).clip(lower=0).sum())
+    pre = _of_kind(stream, "preempted")
+    if not pre.empty:
+        computed = (pre["num_computed_tokens"].fillna(0).astype("int64") if "num_computed_tokens" in pre
+                    else pd.Series(0, index=pre.index))
+        prompt = pre["request_id"].map(fin.drop_duplicates("request_id").set_index("request_id")["num_prompt_tokens"]
+                                       if not fin.empty else {}).fillna(0).astype("int64")
+        total += int(computed.where(computed > 0, prompt).sum())
+    return total
+
+
 class KvRetentionStats(BaseModel):
     """KV retention outcomes from ``kv_retained`` / ``kv_released`` events (see module docstring)."""
 
@@ -249,6 +383,13 @@ class RunMetrics(BaseModel):
     preemptions_per_request: float
     """``preempted`` events / ``finished`` events (NaN when nothing finished)."""
     kv_retention: KvRetentionStats
+    ttft_slo: dict[float, tuple[float, float]]
+    """SLO seconds → (share of turns, turns per second) with agent TTFT ≤ SLO (completed sessions)."""
+    admission_wait_s: Summary
+    """Per-session admission wait (arrival → first scheduled), seconds; ``max`` is ``admission_wait_max_s``."""
+    admission_wait_max_s: float
+    reprefill_tokens: int
+    """Prompt tokens computed again (cross-turn KV loss + preemptions)."""
 
 
 def compute_metrics(stream: pd.DataFrame, ideal_s: Mapping[str, float] | pd.Series | None = None,
@@ -284,6 +425,10 @@ def compute_metrics(stream: pd.DataFrame, ideal_s: Mapping[str, float] | pd.Seri
         num_preemptions=num_preemptions,
         preemptions_per_request=num_preemptions / num_finished if num_finished else float("nan"),
         kv_retention=kv_retention_stats(stream),
+        ttft_slo={float(slo): ttft_slo_goodput(stream, table, slo, makespan_s) for slo in TTFT_SLOS_S},
+        admission_wait_s=summarize(waits := admission_wait_s(stream)),
+        admission_wait_max_s=float(waits.max()) if len(waits) else float("nan"),
+        reprefill_tokens=reprefill_tokens(stream),
     )
 
 

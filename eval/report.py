@@ -25,13 +25,18 @@ import pandas as pd
 
 __all__ = [
     "METRICS",
+    "PAPER_ABLATIONS",
     "PAPER_GAINS",
     "RESULT_COLUMNS",
     "Metric",
+    "ablation_table",
+    "best_baselines",
+    "capacity_ratios",
     "goodput_column",
     "paper_comparison",
     "ratio_table",
     "render_summary",
+    "ttft_share_column",
     "write_plots",
     "write_summary",
 ]
@@ -40,6 +45,11 @@ __all__ = [
 def goodput_column(alpha: float) -> str:
     """Results-table column holding goodput (sessions/s) at SLO factor ``alpha``."""
     return f"goodput_a{alpha:g}_per_s"
+
+
+def ttft_share_column(slo_s: float) -> str:
+    """Results-table column holding the share of turns with agent TTFT <= ``slo_s`` seconds."""
+    return f"ttft_le{slo_s:g}s_share"
 
 
 class Metric:
@@ -67,11 +77,15 @@ METRICS: tuple[Metric, ...] = (
     Metric("slowdown_mean", "mean slowdown", False),
     Metric("num_preemptions", "preemptions", False),
     Metric("kv_hit_ratio", "KV retention hit ratio", True),
+    Metric(ttft_share_column(10.0), "TTFT≤10s share", True),
+    Metric(ttft_share_column(30.0), "TTFT≤30s share", True),
+    Metric("admission_wait_max_s", "max admission wait (s)", False),
+    Metric("reprefill_tokens", "re-prefilled tokens", False),
 )
 """Metrics of the summary tables, in column order."""
 
 RESULT_COLUMNS: tuple[str, ...] = (
-    "run_id", "label", "policy", "is_admission_enabled", "is_baseline", "load_x", "rate_per_s",
+    "run_id", "gpu", "label", "policy", "is_admission_enabled", "is_baseline", "load_x", "rate_per_s",
     "status", "error", "wall_s", "num_sessions", "num_completed", "makespan_s",
     *(m.column for m in METRICS),
 )
@@ -256,30 +270,202 @@ def _paper_section(results: pd.DataFrame, admission: Any = None) -> list[str]:
     return parts
 
 
-def render_summary(results: pd.DataFrame, meta: Mapping[str, Any]) -> str:
+PAPER_ABLATIONS: Mapping[str, tuple[str, str]] = {
+    "mars-no-priority": ("priority coordinator", "2–5×"),
+    "mars-no-control-plane": ("external control plane", "1.5–3×"),
+    "mars-no-coscheduler": ("opportunistic co-scheduler", "1.5–2×"),
+}
+"""Ablation variant -> (the part switched off, how much worse the MARS paper reports mars without
+it; §6, as listed in design.md §7)."""
+
+_ABLATION_METRICS: tuple[tuple[str, str, bool], ...] = (
+    ("mean E2E", "e2e_mean_s", False), ("P95 E2E", "e2e_p95_s", False),
+    ("goodput α=3", "goodput_a3_per_s", True), ("mean slowdown", "slowdown_mean", False),
+)
+
+
+def ablation_table(results: pd.DataFrame, capacity: pd.DataFrame | None = None) -> pd.DataFrame:
+    """How much worse each ablation variant is than ``mars``, per load. Pure.
+
+    "× worse" = variant / mars for lower-is-better metrics, mars / variant for goodput and
+    capacity, so > 1 means the switched-off part helps, as the paper reports it. The variant's
+    run is compared with the ``mars`` run of the same load and admission setting where there is
+    one, else with any ``mars`` run at that load (``mars-no-control-plane`` has no window; its
+    reference is ``mars`` with it).
+
+    Returns:
+        Columns ``variant``, ``part``, ``load_x``, ``metric``, ``worse_x``, ``paper``; empty
+        without ``mars`` or a variant.
+    """
+    ok = results.loc[results["status"] == "ok"]
+    mars = ok.loc[ok["policy"] == "mars"]
+    rows = []
+    for _, run in ok.loc[ok["policy"].isin(list(PAPER_ABLATIONS))].iterrows():
+        ref = mars.loc[mars["load_x"] == run["load_x"]]
+        same = ref.loc[ref["is_admission_enabled"] == run["is_admission_enabled"]]
+        ref = same if not same.empty else ref
+        if ref.empty:
+            continue
+        part, paper = PAPER_ABLATIONS[run["policy"]]
+        for label, column, is_higher_better in _ABLATION_METRICS:
+            ours, theirs = float(ref[column].iloc[0]), float(run[column])
+            worse = (ours / theirs if theirs else math.nan) if is_higher_better else (
+                theirs / ours if ours else math.nan)
+            rows.append({"variant": run["label"], "part": part, "load_x": run["load_x"], "metric": label,
+                         "worse_x": worse, "paper": paper})
+    if capacity is not None and not capacity.empty:
+        cap = capacity.groupby("policy")["capacity_per_s"].max()
+        for variant, (part, paper) in PAPER_ABLATIONS.items():
+            if variant in cap.index and "mars" in cap.index and cap[variant] > 0:
+                rows.append({"variant": variant, "part": part, "load_x": math.nan, "metric": "capacity",
+                             "worse_x": float(cap["mars"]) / float(cap[variant]), "paper": paper})
+    return pd.DataFrame(rows, columns=["variant", "part", "load_x", "metric", "worse_x", "paper"])
+
+
+def _ablation_section(results: pd.DataFrame, capacity: pd.DataFrame | None) -> list[str]:
+    table = ablation_table(results, capacity)
+    if table.empty:
+        return []
+    parts = ["## Ablations against the paper (MARS §6)", "",
+             "How much worse mars is with one part switched off (variant / mars for E2E and slowdown, "
+             "mars / variant for goodput and capacity; > 1: the part helps), next to the paper's figure. "
+             "What each variant switches off: docs/compare.md \"Ablations\".", ""]
+    metrics = list(dict.fromkeys(table["metric"]))
+    rows = []
+    for (variant, load_x), group in table.groupby(["variant", "load_x"], sort=False, dropna=False):
+        by_metric = group.set_index("metric")["worse_x"]
+        load = "capacity" if pd.isna(load_x) else f"{load_x:g}"
+        rows.append([variant, str(group["part"].iloc[0]), load,
+                     *(f"{_fmt(by_metric[m])}×" if m in by_metric else "–" for m in metrics),
+                     str(group["paper"].iloc[0])])
+    parts += [_md_table(["variant", "switched off", "load", *metrics, "paper"], rows), ""]
+    return parts
+
+
+def best_baselines(results: pd.DataFrame) -> pd.DataFrame:
+    """The best baseline run per load and metric (of :data:`METRICS`). Pure.
+
+    Returns:
+        Columns ``load_x``, ``column``, ``label``, ``value``: one row per load and metric that some
+        successful baseline run has a value for.
+    """
+    ok = results.loc[(results["status"] == "ok") & results["is_baseline"].astype(bool)]
+    rows = []
+    for load_x, group in ok.groupby("load_x", sort=True):
+        for metric in METRICS:
+            if metric.column not in group:
+                continue
+            values = group.set_index("label")[metric.column].astype("float64").dropna()
+            if values.empty:
+                continue
+            label = values.idxmax() if metric.is_higher_better else values.idxmin()
+            rows.append({"load_x": load_x, "column": metric.column, "label": label, "value": values[label]})
+    return pd.DataFrame(rows, columns=["load_x", "column", "label", "value"])
+
+
+_BEST_SHOWN = ("e2e_mean_s", "e2e_p95_s", "e2e_p99_s", goodput_column(3.0), "slowdown_mean",
+               ttft_share_column(10.0), "admission_wait_max_s", "reprefill_tokens")
+"""Metrics of the "best baseline at each load" table."""
+
+
+def _best_section(results: pd.DataFrame, is_absolute: bool) -> list[str]:
+    best = best_baselines(results)
+    if best.empty:
+        return []
+    metrics = [m for m in METRICS if m.column in _BEST_SHOWN]
+    parts = ["## Best baseline at each load (per metric)", "",
+             "The best of all baseline runs at that load, per metric: the reference of the "
+             "\"best baseline\" ratios below.", ""]
+    rows = []
+    rates = results.groupby("load_x")["rate_per_s"].first()
+    for load_x, group in best.groupby("load_x", sort=True):
+        by_column = group.set_index("column")
+        load = f"{rates[load_x]:.4g}/s" if is_absolute else f"{load_x:g}×"
+        rows.append([load, *(f"{by_column.at[m.column, 'label']} ({_fmt(by_column.at[m.column, 'value'])})"
+                             if m.column in by_column.index else "–" for m in metrics)])
+    parts += [_md_table(["load", *(m.label for m in metrics)], rows), ""]
+    return parts
+
+
+def capacity_ratios(capacity: pd.DataFrame) -> pd.DataFrame:
+    """``capacity`` with ``vs_best_baseline`` = capacity / the best baseline's on the same GPU. Pure."""
+    out = capacity.copy()
+    if out.empty:
+        return out.assign(vs_best_baseline=pd.Series(dtype="float64"))
+    base = out.loc[out["is_baseline"].astype(bool)].groupby("gpu")["capacity_per_s"].max()
+    out["vs_best_baseline"] = out["capacity_per_s"] / out["gpu"].map(base).replace(0.0, np.nan)
+    return out
+
+
+def _capacity_section(capacity: pd.DataFrame | None) -> list[str]:
+    if capacity is None or capacity.empty:
+        return []
+    table = capacity_ratios(capacity)
+    parts = ["## Capacity at SLO", "",
+             "Each policy's own knee: the largest Poisson rate at which every session completes and the "
+             "mean slowdown stays within --knee-slowdown (the FCFS base-rate search, run for every policy); "
+             "× best baseline = capacity / the highest baseline capacity. '–': no stable rate was found.", ""]
+    rows = [[r["label"], _fmt(r["capacity_per_s"], 4), f"{_fmt(r['vs_best_baseline'])}×",
+             "yes" if r["is_bracketed"] else "no (budget spent before a bracket)", str(int(r["num_probes"]))]
+            for _, r in table.sort_values("capacity_per_s", ascending=False, na_position="last").iterrows()]
+    parts += [_md_table(["run", "capacity (sessions/s)", "× best baseline", "bracketed", "probes"], rows), ""]
+    return parts
+
+
+def _gpu_sections(results: pd.DataFrame, meta: Mapping[str, Any], is_absolute: bool,
+                  capacity: pd.DataFrame | None) -> list[str]:
+    parts = _absolute_section(results, is_absolute)
+    if (results["status"] == "ok").any():
+        parts += _best_section(results, is_absolute)
+        parts += _ratio_section(results, "fcfs", "Ratio vs FCFS")
+        parts += _ratio_section(results, "best_baseline", "Ratio vs the best baseline (per metric)")
+        parts += _paper_section(results, meta.get("admission"))
+        parts += _ablation_section(results, capacity)
+    parts += _capacity_section(capacity)
+    return parts
+
+
+_UNLISTED = frozenset({"is_absolute_rates", "scope"})
+"""``meta`` keys that are not printed as bullets."""
+
+
+def render_summary(results: pd.DataFrame, meta: Mapping[str, Any], capacity: pd.DataFrame | None = None) -> str:
     """The ``summary.md`` text. Pure.
 
     Args:
         results: results table (:data:`RESULT_COLUMNS`); failed runs appear as ``FAILED`` rows
-            and in a "Failed runs" list with their error's last line.
+            and in a "Failed runs" list with their error's last line. With several values in its
+            ``gpu`` column every section is repeated per GPU under ``# GPU <name>``.
         meta: ordered ``name -> value`` facts printed first as a bullet list (workload, profile,
             base rate and how it was found, ...); ``is_absolute_rates`` (bool) switches the load
-            headers from multipliers to rates.
+            headers from multipliers to rates; ``scope`` (str) is printed in bold above them: it
+            says whether the workload is the full one or ``TRIMMED`` and how.
+        capacity: the capacity table of ``compare --capacity`` (``gpu``, ``label``, ``policy``,
+            ``is_baseline``, ``capacity_per_s``, ``is_bracketed``, ``num_probes``), or ``None``.
     """
     is_absolute = bool(meta.get("is_absolute_rates", False))
+    results = results.reindex(columns=[*RESULT_COLUMNS, *(c for c in results.columns if c not in RESULT_COLUMNS)])
     parts = ["# mars-openhands compare", ""]
-    parts += [f"- **{k}**: {v}" for k, v in meta.items() if k != "is_absolute_rates"]
+    if meta.get("scope"):
+        parts += [f"**{meta['scope']}**", ""]
+    parts += [f"- **{k}**: {v}" for k, v in meta.items() if k not in _UNLISTED]
     parts += [""]
-    parts += _absolute_section(results, is_absolute)
-    if (results["status"] == "ok").any():
-        parts += _ratio_section(results, "fcfs", "Ratio vs FCFS")
-        parts += _ratio_section(results, "best_baseline", "Ratio vs the best baseline (per metric)")
-        parts += _paper_section(results, meta.get("admission"))
+    has_capacity = capacity is not None and not capacity.empty
+    gpus = [g for g in dict.fromkeys([*(results["gpu"] if "gpu" in results else []),
+                                      *(capacity["gpu"] if has_capacity else [])]) if isinstance(g, str)]
+    if len(gpus) > 1:
+        for gpu in gpus:
+            cap = capacity.loc[capacity["gpu"] == gpu] if has_capacity else None
+            parts += [f"# GPU {gpu}", ""]
+            parts += _gpu_sections(results.loc[results["gpu"] == gpu], meta, is_absolute, cap)
+    else:
+        parts += _gpu_sections(results, meta, is_absolute, capacity)
     parts += _failures_section(results)
     return "\n".join(parts).rstrip() + "\n"
 
 
-def write_summary(out_dir: str | Path, results: pd.DataFrame, meta: Mapping[str, Any]) -> Path:
+def write_summary(out_dir: str | Path, results: pd.DataFrame, meta: Mapping[str, Any],
+                  capacity: pd.DataFrame | None = None) -> Path:
     """Write ``summary.md`` and ``results.parquet`` (the results table) atomically; return the .md path."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -288,7 +474,7 @@ def write_summary(out_dir: str | Path, results: pd.DataFrame, meta: Mapping[str,
     tmp.replace(out_dir / "results.parquet")
     path = out_dir / "summary.md"
     tmp_md = out_dir / "summary.md.tmp"
-    tmp_md.write_text(render_summary(results, meta), encoding="utf-8")
+    tmp_md.write_text(render_summary(results, meta, capacity), encoding="utf-8")
     tmp_md.replace(path)
     return path
 
@@ -311,7 +497,7 @@ def _line_style(index: int) -> dict[str, Any]:
 
 
 def write_plots(out_dir: str | Path, results: pd.DataFrame, e2e_by_run: Mapping[str, Sequence[float]],
-                is_absolute_rates: bool = False) -> list[Path]:
+                is_absolute_rates: bool = False, prefix: str = "", title_prefix: str = "") -> list[Path]:
     """Write the PNG plots (matplotlib, Agg backend) and return their paths.
 
     * ``e2e_vs_load.png``: mean and P95 E2E (s) against load, one line per run label; the title
@@ -325,6 +511,8 @@ def write_plots(out_dir: str | Path, results: pd.DataFrame, e2e_by_run: Mapping[
         results: results table; only successful runs are drawn.
         e2e_by_run: ``run_id ->`` E2E seconds of its completed sessions (for the CDF).
         is_absolute_rates: ``load_x`` holds sessions/s rather than multipliers of a base rate.
+        prefix: file-name prefix (``"h100_sxm__"`` when a sweep has several GPUs).
+        title_prefix: prepended to every title (``"h100_sxm: "``).
     """
     import matplotlib
 
@@ -349,8 +537,8 @@ def write_plots(out_dir: str | Path, results: pd.DataFrame, e2e_by_run: Mapping[
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=7)
-    fig.suptitle(_sweep_title(ok, is_absolute_rates))
-    paths.append(_save(fig, out_dir / "e2e_vs_load.png", plt))
+    fig.suptitle(title_prefix + _sweep_title(ok, is_absolute_rates))
+    paths.append(_save(fig, out_dir / f"{prefix}e2e_vs_load.png", plt))
     fig, ax = plt.subplots(figsize=(6, 4))
     for _, r in heaviest.iterrows():
         e2e = np.sort(np.asarray(e2e_by_run.get(r["run_id"], []), dtype=float))
@@ -359,20 +547,20 @@ def write_plots(out_dir: str | Path, results: pd.DataFrame, e2e_by_run: Mapping[
                     linestyle=style[r["label"]]["linestyle"], linewidth=style[r["label"]]["linewidth"])
     ax.set_xlabel("session E2E (s)")
     ax.set_ylabel("CDF")
-    ax.set_title(_load_title(heaviest, is_absolute_rates))
+    ax.set_title(title_prefix + _load_title(heaviest, is_absolute_rates))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    paths.append(_save(fig, out_dir / "e2e_cdf.png", plt))
+    paths.append(_save(fig, out_dir / f"{prefix}e2e_cdf.png", plt))
     alphas = _alphas(ok)
     fig, ax = plt.subplots(figsize=(6, 4))
     for _, r in heaviest.iterrows():
         ax.plot(alphas, [r[goodput_column(a)] for a in alphas], label=r["label"], **style[r["label"]])
     ax.set_xlabel("α (SLO = α × ideal E2E)")
     ax.set_ylabel("goodput (sessions/s)")
-    ax.set_title(_load_title(heaviest, is_absolute_rates))
+    ax.set_title(title_prefix + _load_title(heaviest, is_absolute_rates))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    paths.append(_save(fig, out_dir / "goodput_vs_alpha.png", plt))
+    paths.append(_save(fig, out_dir / f"{prefix}goodput_vs_alpha.png", plt))
     return paths
 
 

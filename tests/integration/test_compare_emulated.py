@@ -54,7 +54,7 @@ def test_thunderagent_and_vllm_tuned_on_the_emulated_gpu(tmp_path: Path,
     args = parser.parse_args([
         "compare", "--backend", "emulated", "--policies", ",".join(POLICIES),
         "--workload", str(workload_path), "--absolute-rates", "--loads", "10", "--kv-blocks", "140",
-        "--tool-workers", "2", "--run-timeout", "120", "--out", str(out)])
+        "--tool-workers", "2", "--run-timeout", "120", "--no-cache", "--out", str(out)])
     t0 = time.monotonic()
     code = args.func(args)
     print(f"\n  compare on emulated ({', '.join(POLICIES)}): {time.monotonic() - t0:.0f} s")

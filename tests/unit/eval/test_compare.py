@@ -17,6 +17,8 @@ except ImportError:  # pragma: no cover - the URL-backend test skips then
 from compare_helpers import small_workload
 
 from eval.compare import (
+    ABLATIONS,
+    DEFAULT_POLICIES,
     POLICIES,
     CompareOptions,
     add_compare_subcommand,
@@ -26,8 +28,9 @@ from eval.compare import (
 
 
 def test_parse_policies_all_and_dedup() -> None:
-    assert parse_policies("all") == tuple(POLICIES)
+    assert parse_policies("all") == DEFAULT_POLICIES == tuple(n for n in POLICIES if n not in ABLATIONS)
     assert parse_policies("mars, fcfs,mars") == ("mars", "fcfs")
+    assert parse_policies("mars-no-priority,mars") == ("mars-no-priority", "mars")
 
 
 def test_unknown_policy_lists_the_supported_ones() -> None:

@@ -138,7 +138,7 @@ def test_skipped_trace_files_are_warned_about_and_noted_in_the_summary(tmp_path,
     traces = _traces_with_a_bad_file(tmp_path)
     out = tmp_path / "out"
     code = _run(["--traces", str(traces), "--policies", "fcfs", "--base-rate", "0.5", "--loads", "1",
-                 "--sessions", "2", "--max-turns", "2", "--out", str(out)])
+                 "--sessions", "2", "--max-turns", "2", "--gpu", "h100_sxm", "--jobs", "1", "--out", str(out)])
     assert code == 0
     err = capsys.readouterr().err
     warning = [line for line in err.splitlines() if line.startswith("warning:")]
@@ -154,7 +154,7 @@ def test_rerun_into_the_same_out_replaces_only_the_compare_files(tmp_path, capsy
     save_workload(small_workload(2, 2), workload)
     out = tmp_path / "out"
     argv = ["--workload", str(workload), "--base-rate", "0.5", "--sessions", "2", "--max-turns", "2",
-            "--out", str(out)]
+            "--gpu", "h100_sxm", "--jobs", "1", "--out", str(out)]
     assert _run([*argv, "--policies", "fcfs,autellix", "--loads", "1,2"]) == 0
     (out / "my-notes.txt").write_text("mine")
     assert "replacing" not in capsys.readouterr().err
@@ -213,11 +213,12 @@ def test_ctrl_c_at_the_cli_is_one_line_and_exit_130(tmp_path, capsys, monkeypatc
     def interrupted(*args, **kwargs):
         raise CompareInterrupted(3, 4)
 
-    monkeypatch.setattr(compare, "run_compare", interrupted)
-    monkeypatch.setattr(compare, "_timer_and_blocks", lambda args, w, s: (None, 64, "test timing"))
+    monkeypatch.setattr(compare, "run_sweep", interrupted)
+    monkeypatch.setattr(compare, "_setups", lambda args, spec, w, s, loaded: (
+        [compare.GpuSetup("h100_sxm", None, 64, "test timing")], None, "Full workload"))
     out = tmp_path / "out"
     code = _run(["--workload", str(workload), "--policies", "fcfs,mars", "--loads", "1,2",
-                 "--base-rate", "1", "--out", str(out)])
+                 "--base-rate", "1", "--gpu", "h100_sxm", "--out", str(out)])
     assert code == 130
     err = capsys.readouterr().err
     assert f"interrupted: 3 of 4 runs finished; partial results in {out}\n" in err

@@ -9,6 +9,8 @@ Timeline (seconds after T0; ideal times A = 2, B = 1, C = 2):
                                                                       E2E 8.0, slowdown 4.0
   D: start 3; first_token ttft 0.75; finished 5.0; kv_retained 6 → shutdown; no session_end.
   engine-only request without a session: first_token ttft 0.1, finished.
+  first_scheduled: A0 0.25 (cached 0), B0 1.2, C0 3.0, A1 3.1 (cached 96 of A0's 100 + 5 − 1 = 104
+  computed tokens), D0 3.5.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ def _events() -> list:
     E, R = "engine:0", "replay"
     return [
         ev.SessionStart(**_at(0.0), session_id="A", source=R),
+        ev.RequestFirstScheduled(**_at(0.25), session_id="A", turn=0, source=E, request_id="a0",
+                                 prefill_start_delay_s=0.25),
         ev.RequestFirstToken(**_at(0.5), session_id="A", turn=0, source=E, request_id="a0", ttft_s=0.5),
         ev.RequestFinished(**_at(1.0), session_id="A", turn=0, source=E, request_id="a0",
                            num_prompt_tokens=100, num_output_tokens=5),
@@ -50,6 +54,8 @@ def _events() -> list:
         ev.SessionStart(**_at(1.0), session_id="B", source=R),
         ev.ToolStart(**_at(1.2), session_id="A", turn=0, source=R, tool_name="pytest", tool_call_id="t",
                      queue_wait_s=0.2),
+        ev.RequestFirstScheduled(**_at(1.2), session_id="B", turn=0, source=E, request_id="b0",
+                                 prefill_start_delay_s=0.2),
         ev.RequestPreempted(**_at(1.5), session_id="B", turn=0, source=E, request_id="b0", num_blocks_freed=3),
         ev.RequestFirstToken(**_at(2.0), session_id="B", turn=0, source=E, request_id="b0", ttft_s=1.0),
         ev.SessionStart(**_at(2.0), session_id="C", source=R),
@@ -58,8 +64,14 @@ def _events() -> list:
         ev.ToolEnd(**_at(3.0), session_id="A", turn=0, source=R, tool_name="pytest", tool_call_id="t",
                    duration_s=1.8),
         ev.KvReleased(**_at(3.0), session_id="A", source=E, num_blocks=10, reason="resumed"),
+        ev.RequestFirstScheduled(**_at(3.0), session_id="C", turn=0, source=E, request_id="c0",
+                                 prefill_start_delay_s=1.0),
+        ev.RequestFirstScheduled(**_at(3.1), session_id="A", turn=1, source=E, request_id="a1",
+                                 prefill_start_delay_s=0.1, num_cached_tokens=96),
         ev.SessionEnd(**_at(3.1), session_id="B", source=R),
         ev.SessionStart(**_at(3.0), session_id="D", source=R),
+        ev.RequestFirstScheduled(**_at(3.5), session_id="D", turn=0, source=E, request_id="d0",
+                                 prefill_start_delay_s=0.5),
         ev.RequestFirstToken(**_at(3.25), session_id="A", turn=1, source=E, request_id="a1", ttft_s=0.25),
         ev.RequestFirstToken(**_at(3.5), session_id="C", turn=0, source=E, request_id="c0", ttft_s=2.0),
         ev.RequestFirstToken(**_at(3.6), source=E, request_id="x", ttft_s=0.1),
@@ -120,6 +132,27 @@ def test_compute_metrics_hand_computed(stream: pd.DataFrame) -> None:
     assert m.tool_queue_wait_share == pytest.approx(0.2 / 14.0)
     assert m.num_preemptions == 1
     assert m.preemptions_per_request == pytest.approx(1 / 6)  # 6 finished events
+
+
+def test_agent_ttft_slo_goodput_admission_wait_and_reprefill(stream: pd.DataFrame) -> None:
+    from eval.metrics import admission_wait_s, agent_ttft_table, reprefill_tokens, ttft_slo_goodput
+
+    ttft = agent_ttft_table(stream).set_index(["session_id", "turn"])["ttft_s"]
+    # sent at arrival (turn 0) or at the previous tool's end (A1: tool_end 3.0); C's engine said 2.0
+    assert ttft.to_dict() == pytest.approx({("A", 0): 0.5, ("B", 0): 1.0, ("A", 1): 0.25,
+                                            ("C", 0): 1.5, ("D", 0): 0.75})
+    table = session_table(stream, IDEAL_S)
+    # completed sessions' turns: A0 0.5, A1 0.25, B0 1.0, C0 1.5 over a makespan of 10 s
+    assert ttft_slo_goodput(stream, table, 0.6) == pytest.approx((0.5, 0.2))
+    assert ttft_slo_goodput(stream, table, 10.0) == pytest.approx((1.0, 0.4))
+    with pytest.raises(ValueError, match="TTFT SLO must be > 0 s"):
+        ttft_slo_goodput(stream, table, 0.0)
+    assert admission_wait_s(stream).to_dict() == pytest.approx({"A": 0.25, "B": 0.2, "C": 1.0, "D": 0.5})
+    # A1: min(120, 100 + 5 - 1) - 96 cached = 8; B0's preemption reports no count: its prompt, 50
+    assert reprefill_tokens(stream) == 58
+    m = compute_metrics(stream, IDEAL_S)
+    assert m.admission_wait_max_s == pytest.approx(1.0) and m.admission_wait_s.count == 4
+    assert m.reprefill_tokens == 58 and m.ttft_slo[10.0] == pytest.approx((1.0, 0.4))
 
 
 def test_kv_retention_hit_ratio(stream: pd.DataFrame) -> None:

@@ -1,0 +1,275 @@
+"""The main job's sweep (eval/compare.py, eval/knee.py, eval/cache.py, eval/report.py): defaults and
+the TRIMMED label, the knee search, the early-stop guard, several GPUs, worker processes, the
+cache, capacity at SLO and the ablation variants. Tiny workloads and the linear step-time model."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pandas as pd
+import pytest
+from compare_helpers import small_workload
+
+import eval.compare as compare
+from eval.cache import ResultCache, content_key
+from eval.compare import (
+    ABLATIONS,
+    DEFAULT_GPUS,
+    DEFAULT_POLICIES,
+    POLICIES,
+    QUICK_POLICIES,
+    CompareOptions,
+    GpuSetup,
+    add_compare_subcommand,
+    run_sweep,
+    trim_note,
+)
+from eval.knee import KneeSearch
+from eval.report import ablation_table, best_baselines, capacity_ratios, render_summary
+from eval.workloads import trim_workload
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_compare_subcommand(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["compare", *argv])
+
+
+# ----------------------------------------------------------------------------- defaults, TRIMMED
+def test_no_flags_is_the_real_regime_and_quick_is_a_smaller_grid_of_the_same_workload() -> None:
+    from eval.backends import parse_backend
+
+    args = _args([])
+    assert (args.sessions, args.max_turns, args.max_context_tokens, args.kv_scale, args.kv_blocks) == (
+        0, 0, 0, "1", None)
+    compare._apply_defaults(args, parse_backend("sim"))
+    assert args.gpu == DEFAULT_GPUS == ("h100_sxm", "h200_sxm")
+    assert compare.parse_policies(args.policies) == DEFAULT_POLICIES
+    assert {"thunderagent", "vllm-tuned", "continuum", "autellix", "infercept", "fcfs", "mars-preview",
+            "mars"} <= set(DEFAULT_POLICIES) and not set(ABLATIONS) & set(DEFAULT_POLICIES)
+    assert args.loads == (0.5, 0.8, 1.0, 1.2)
+    quick = _args(["--quick"])
+    compare._apply_defaults(quick, parse_backend("sim"))
+    assert (quick.gpu, quick.loads, compare.parse_policies(quick.policies)) == (
+        ("h100_sxm",), (1.0, 1.2), QUICK_POLICIES)
+    assert (quick.sessions, quick.max_turns, quick.max_context_tokens, quick.kv_scale) == (0, 0, 0, "1")
+    live = _args(["--backend", "emulated"])
+    compare._apply_defaults(live, parse_backend("emulated"))
+    assert live.gpu == ("h100_sxm",)
+    with pytest.raises(ValueError, match="a live backend models one GPU"):
+        compare._apply_defaults(_args(["--backend", "cpu", "--gpu", "h100_sxm,h200_sxm"]), parse_backend("cpu"))
+
+
+def test_trim_note_names_every_cut_and_says_full_otherwise() -> None:
+    full = small_workload(4, 5)
+    assert trim_note(full, full).startswith("Full workload: all 4 sessions at full length (20 turns)")
+    fewer = trim_workload(full, num_sessions=2)
+    shorter = trim_workload(full, max_turns=3)
+    note = trim_note(full, fewer)
+    assert note.startswith("TRIMMED: 2 of 4 sessions") and "turns" not in note.split(".")[0]
+    assert trim_note(full, shorter).startswith("TRIMMED: 12 of 20 turns")
+    assert "KV × 0.500" in trim_note(full, full, kv_scale=0.5)
+    assert "KV 64 blocks of the profile's 100" in trim_note(full, full, kv_blocks=64, profile_blocks=100)
+    assert trim_note(full, full, kv_blocks=100, profile_blocks=100).startswith("Full workload")
+    assert "tool times × 2" in trim_note(full, full, tool_time_factor=2.0)
+
+
+def test_summary_puts_the_scope_line_first(tmp_path, sim) -> None:
+    options = CompareOptions(policies=("fcfs",), loads=(1.0,), num_gpu_blocks=512, base_rate_per_s=1.0)
+    run_sweep(small_workload(2, 2), options, (GpuSetup("g", sim.LinearStepTimeModel(), 512),), tmp_path,
+              meta={"scope": "TRIMMED: 2 of 74 sessions"})
+    lines = (tmp_path / "summary.md").read_text().splitlines()
+    assert lines[2] == "**TRIMMED: 2 of 74 sessions**"
+
+
+# ----------------------------------------------------------------------------- knee search
+def test_parallel_knee_search_brackets_in_fewer_rounds_and_stops_at_the_tolerance() -> None:
+    knee = 0.37
+
+    def rounds(width: int) -> tuple[int, KneeSearch]:
+        search, num_rounds = KneeSearch(0.01, bound=2.0, max_runs=40, tolerance=1.1), 0
+        while rates := search.next_rates(width):
+            num_rounds += 1
+            assert search.next_rates(width) == []  # nothing more until this round is recorded
+            for rate in rates:
+                search.record(rate, 1.2 if rate <= knee else 5.0)
+        return num_rounds, search
+
+    serial, one = rounds(1)
+    parallel, two = rounds(3)
+    for search in (one, two):
+        result = search.result()
+        assert knee / 1.1 <= result.rate_per_s <= knee and result.is_bracketed
+        lo, hi = result.rate_per_s, min(r for r, _, s in result.probes if not s)
+        assert hi / lo <= 1.1  # the early stop: a 10% bracket
+    assert parallel < serial and len(one.probes) == 7 + 3  # doublings to 0.64, then 2 -> 1.41 -> 1.19 -> 1.09
+
+
+def test_knee_search_budget_counts_pending_probes_and_bad_parameters_are_named() -> None:
+    search = KneeSearch(1.0, bound=2.0, max_runs=3)
+    assert search.next_rates(8) == [1.0, 2.0, 4.0] and search.is_done
+    with pytest.raises(ValueError, match="tolerance > 1"):
+        KneeSearch(1.0, 2.0, 3, tolerance=1.0)
+    with pytest.raises(ValueError, match="no probe was recorded"):
+        KneeSearch(1.0, 2.0, 3).result()
+
+
+def test_slowdown_guard_stops_a_probe_whose_mean_must_exceed_the_bound() -> None:
+    from datetime import UTC, datetime
+
+    from mars_openhands.stream import events as ev
+
+    def at(t_s: float, cls, sid: str):
+        return cls(t_mono_ns=int(t_s * 1e9), t_wall=datetime(2026, 1, 1, tzinfo=UTC), session_id=sid, source="t")
+
+    guard = compare._SlowdownGuard({"a": 1.0, "b": 1.0}, bound=2.0)
+    guard._CHECK_EVERY = 1
+    guard.emit(at(0.0, ev.SessionStart, "a"))
+    guard.emit(at(0.0, ev.SessionStart, "b"))
+    guard.emit(at(1.5, ev.SessionEnd, "a"))  # a: 1.5; b open >= 1.5: lower bound 3.0 <= 2 x 2
+    with pytest.raises(compare._Unstable):
+        guard.emit(at(2.6, ev.SessionEnd, "b"))  # b: 2.6, mean 2.05 > 2
+    calm = compare._SlowdownGuard({"a": 1.0, "b": 1.0}, bound=2.0)
+    calm._CHECK_EVERY = 1
+    for event in (at(0.0, ev.SessionStart, "a"), at(0.0, ev.SessionStart, "b"), at(1.2, ev.SessionEnd, "a"),
+                  at(2.7, ev.SessionEnd, "b")):
+        calm.emit(event)  # mean (1.2 + 2.7) / 2 <= 2: never stopped
+
+
+def test_probe_of_an_overloaded_run_is_unstable_without_finishing_it(sim, monkeypatch) -> None:
+    monkeypatch.setattr(compare._SlowdownGuard, "_CHECK_EVERY", 1)
+    workload = small_workload(6, 4)
+    options = CompareOptions(num_gpu_blocks=512, knee_slowdown=1.05)
+    ideal = {s.session_id: 0.05 for s in workload.sessions}  # far below what they take: unstable early
+    calls, results = [], []
+
+    def counting(w, config, timer, sink=None):
+        calls.append(sink)
+        results.append(sim.simulate(w, config, timer, sink))  # not reached: the guard raises inside
+        return results[-1]
+
+    slowdown, wall_s = compare._probe_task(workload, options, "fcfs", False, 100.0, sim.LinearStepTimeModel(), 512, ideal,
+                                   counting)
+    assert slowdown == math.inf and isinstance(calls[0], compare._SlowdownGuard) and not results
+    assert wall_s > 0
+
+
+# ----------------------------------------------------------------------------- GPUs, jobs, cache
+def _two_gpus(sim) -> tuple[GpuSetup, GpuSetup]:
+    fast = sim.LinearStepTimeModel()
+    slow = sim.LinearStepTimeModel(overhead_s=0.01, prefill_token_s=4e-5, decode_request_s=4e-4)
+    return GpuSetup("fast", fast, 512), GpuSetup("slow", slow, 256)
+
+
+def test_two_gpus_in_one_report_with_their_own_knees_and_prefixed_files(tmp_path, sim) -> None:
+    options = CompareOptions(policies=("fcfs", "mars"), loads=(1.0,), num_gpu_blocks=512, search_max_runs=3)
+    results = run_sweep(small_workload(3, 3), options, _two_gpus(sim), tmp_path)
+    assert list(results["run_id"]) == ["fast__fcfs__load1", "fast__mars+adm__load1",
+                                       "slow__fcfs__load1", "slow__mars+adm__load1"]
+    assert (results["status"] == "ok").all()
+    rates = results.groupby("gpu")["rate_per_s"].first()
+    assert rates["fast"] != rates["slow"]  # each GPU's own FCFS knee
+    text = (tmp_path / "summary.md").read_text()
+    assert "# GPU fast" in text and "# GPU slow" in text and "base rate search (slow)" in text
+    assert "- **wall (s) per phase**: ideal " in text
+    assert " s, " in text.split("base rate search (fast)**: ")[1].split("\n")[0]  # each probe's wall
+    for name in ("fast__e2e_cdf.png", "slow__goodput_vs_alpha.png", "fast__mars+adm__load1.parquet"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert compare.clear_previous_results(tmp_path) and not any(tmp_path.iterdir())
+
+
+def test_cache_reuses_ideals_and_knees_and_a_changed_input_misses(tmp_path, sim) -> None:
+    calls = []
+
+    def counting(workload, config, timer, sink=None):
+        calls.append(len(workload.sessions))
+        return sim.simulate(workload, config, timer, sink)
+
+    options = CompareOptions(policies=("fcfs",), loads=(1.0,), num_gpu_blocks=512, search_max_runs=3)
+    setup = (GpuSetup("g", sim.LinearStepTimeModel(), 512),)
+    cache = ResultCache(tmp_path / "cache")
+    first = run_sweep(small_workload(3, 2), options, setup, tmp_path / "a", simulate_fn=counting, cache=cache)
+    num_first = len(calls)
+    second = run_sweep(small_workload(3, 2), options, setup, tmp_path / "b", simulate_fn=counting, cache=cache)
+    assert len(calls) - num_first == 1 and cache.num_hits == 2  # only the run itself; ideal + knee read
+    assert first["rate_per_s"].tolist() == second["rate_per_s"].tolist()
+    assert "(cached)" in (tmp_path / "b" / "summary.md").read_text()
+    other = options.model_copy(update={"knee_slowdown": 3.0})
+    assert content_key("x", other) != content_key("x", options)
+    run_sweep(small_workload(3, 2), other, setup, tmp_path / "c", simulate_fn=counting, cache=cache)
+    assert cache.num_hits == 3  # the ideal times still match; the knee does not
+
+
+# ----------------------------------------------------------------------------- capacity
+def test_capacity_is_the_knee_search_of_every_policy_with_a_ratio_to_the_best_baseline(tmp_path, sim) -> None:
+    options = CompareOptions(policies=("fcfs", "continuum", "mars"), loads=(1.0,), num_gpu_blocks=512,
+                             search_max_runs=3, is_capacity=True)
+    run_sweep(small_workload(3, 3), options, (GpuSetup("g", sim.LinearStepTimeModel(), 512),), tmp_path)
+    capacity = pd.read_parquet(tmp_path / "capacity.parquet")
+    assert set(capacity["label"]) == {"fcfs", "continuum", "mars+adm"}
+    assert (capacity["num_probes"] <= 3).all()
+    text = (tmp_path / "summary.md").read_text()
+    assert "## Capacity at SLO" in text and "× best baseline" in text
+
+
+def test_capacity_ratios_divide_by_the_best_baseline_of_the_same_gpu() -> None:
+    table = pd.DataFrame({"gpu": ["a", "a", "a", "b", "b"], "label": ["fcfs", "continuum", "mars+adm", "fcfs", "mars+adm"],
+                          "is_baseline": [True, True, False, True, False],
+                          "capacity_per_s": [0.01, 0.02, 0.03, 0.05, 0.04]})
+    ratios = capacity_ratios(table).set_index(["gpu", "label"])["vs_best_baseline"]
+    assert ratios.to_dict() == pytest.approx({("a", "fcfs"): 0.5, ("a", "continuum"): 1.0, ("a", "mars+adm"): 1.5,
+                                              ("b", "fcfs"): 1.0, ("b", "mars+adm"): 0.8})
+
+
+def test_best_baseline_per_load_and_metric_ignores_our_policies() -> None:
+    results = pd.DataFrame({
+        "status": "ok", "label": ["fcfs", "continuum", "mars+adm"], "policy": ["fcfs", "continuum", "mars"],
+        "is_baseline": [True, True, False], "load_x": 1.0, "e2e_mean_s": [10.0, 8.0, 1.0],
+        "goodput_a3_per_s": [0.2, 0.1, 9.0]})
+    best = best_baselines(results).set_index("column")
+    assert best.at["e2e_mean_s", "label"] == "continuum" and best.at["goodput_a3_per_s", "label"] == "fcfs"
+
+
+# ----------------------------------------------------------------------------- ablations
+def test_ablations_are_registered_and_switch_off_what_they_say() -> None:
+    from mars_openhands.policy.params import parse_scheduler_params
+
+    assert ABLATIONS == ("mars-no-priority", "mars-no-control-plane", "mars-no-coscheduler")
+    assert all(POLICIES[a].scheduler == "MarsScheduler" and not POLICIES[a].is_baseline for a in ABLATIONS)
+    assert compare.parse_policies(",".join(ABLATIONS)) == ABLATIONS
+    no_priority = parse_scheduler_params(POLICIES["mars-no-priority"].additional_config["mars"])
+    assert no_priority.levels.num_levels == 1 and not no_priority.mars.session_fifo
+    assert no_priority.residency.enabled and no_priority.retention.enabled
+    assert not POLICIES["mars-no-control-plane"].has_control_plane and POLICIES["mars"].has_control_plane
+    no_co = parse_scheduler_params(POLICIES["mars-no-coscheduler"].additional_config["mars"])
+    assert not no_co.residency.enabled and not no_co.retention.enabled and no_co.levels.num_levels == 4
+    assert compare.admission_modes("auto", "mars-no-control-plane") == (False,)
+
+
+def test_ablation_variants_run_and_get_their_section_next_to_the_paper(tmp_path, sim) -> None:
+    options = CompareOptions(policies=("fcfs", "mars", *ABLATIONS), loads=(1.0,), num_gpu_blocks=256,
+                             base_rate_per_s=2.0)
+    results = run_sweep(small_workload(4, 3), options, (GpuSetup("g", sim.LinearStepTimeModel(), 256),), tmp_path)
+    assert (results["status"] == "ok").all(), results["error"].tolist()
+    retained = results.set_index("policy")["kv_hit_ratio"]
+    assert math.isnan(retained["mars-no-coscheduler"])  # nothing retained, nothing released
+    text = (tmp_path / "summary.md").read_text()
+    assert "## Ablations against the paper (MARS §6)" in text
+    for variant, paper in (("mars-no-priority", "2–5×"), ("mars-no-control-plane", "1.5–3×"),
+                           ("mars-no-coscheduler", "1.5–2×")):
+        assert any(line.startswith(f"| {variant}") and line.endswith(f"| {paper} |") for line in text.splitlines())
+
+
+def test_ablation_table_ratios_are_variant_over_mars_and_mars_over_variant_for_goodput() -> None:
+    results = pd.DataFrame({
+        "status": "ok", "label": ["mars+adm", "mars-no-control-plane"], "policy": ["mars", "mars-no-control-plane"],
+        "is_admission_enabled": [True, False], "load_x": 1.0, "e2e_mean_s": [10.0, 25.0], "e2e_p95_s": [20.0, 30.0],
+        "goodput_a3_per_s": [0.3, 0.1], "slowdown_mean": [1.5, 3.0]})
+    capacity = pd.DataFrame({"policy": ["mars", "mars-no-control-plane"], "capacity_per_s": [0.06, 0.02]})
+    table = ablation_table(results, capacity).set_index("metric")["worse_x"]
+    assert table.to_dict() == pytest.approx({"mean E2E": 2.5, "P95 E2E": 1.5, "goodput α=3": 3.0,
+                                             "mean slowdown": 2.0, "capacity": 3.0})
+    text = render_summary(results.assign(run_id="r", gpu="g", is_baseline=False, rate_per_s=1.0, error="",
+                                         wall_s=1.0, num_completed=1, num_sessions=1), {})
+    assert "| mars-no-control-plane | external control plane | 1 | 2.50× |" in text
