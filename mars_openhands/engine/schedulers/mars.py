@@ -76,8 +76,21 @@ class MarsScheduler(MarsBaseScheduler):
         if (not self._residency_on or sid is None or sid in self.resident
                 or request.request_id in self._rejected or request.is_finished()):
             return
+        if self._is_one_turn_job(request, sid):
+            # Nothing to keep after it (its first turn is its last): it is a busy resident for
+            # as long as it runs, then leaves the set with its blocks (on_step_start).
+            self.resident.add(sid)
+            return
         self.waiting.remove_request(request)
         self.held.setdefault(sid, deque()).append(request)
+
+    def _is_one_turn_job(self, request: Request, sid: str) -> bool:
+        """The request is its session's first turn and says it is the last (``mars_last_step``):
+        a one-turn job (e.g. a long-context completion among agents) has no working set."""
+        state = self.req_state.get(request.request_id)
+        session = self.sessions.get(sid)
+        return (state is not None and bool(state.meta.is_last_step) and not state.meta.is_side
+                and session is not None and session.num_turns_finished == 0 and sid not in self.held)
 
     def _free_blocks(self, request: Request, **kwargs: Any) -> None:
         """vLLM seam (see the base): also records a finished turn's output length."""

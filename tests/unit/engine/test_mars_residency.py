@@ -255,3 +255,26 @@ def test_a_turn_held_past_max_hold_s_becomes_resident_whether_or_not_it_fits() -
     h.run_until_finished(b0.request_id)
     h.run_until_done()
     h.assert_no_leaks()
+
+
+def test_a_one_turn_job_is_not_held_behind_the_resident_sessions() -> None:
+    # A long one-turn completion among agents: nothing of it stays after it runs, so it does not
+    # queue behind an older agent session that waits for a whole resident's room.
+    h = harness(num_blocks=60)
+    s = h.scheduler
+    a0 = h.add(h.make_request("a", h.tokens(35 * BS), 40, turn(0)))
+    h.step(0.01)  # a is running (busy): its blocks cannot be displaced
+    b0 = h.add(h.make_request("b", h.tokens(30 * BS), 4, turn(0)))
+    h.step(0.01)
+    h.clock.advance(1.0)
+    job = h.add(h.make_request("job", h.tokens(20 * BS), 4, turn(0, last=True)))
+    h.step(0.01)
+    assert "job" not in s.held and "b" in s.held  # not behind the older blocked session
+    h.run_until_finished(job.request_id)
+    h.step(0.01)
+    assert "job" not in s.resident  # it left with its blocks
+    h.run_until_finished(a0.request_id)
+    s.on_stream_event(SessionEnd(**now_stamps(), source="t", session_id="a", turn=None, status="ok"))
+    h.run_until_finished(b0.request_id)
+    h.run_until_done()
+    h.assert_no_leaks()
