@@ -55,6 +55,7 @@ from __future__ import annotations
 import gc
 import heapq
 import math
+import os
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -88,10 +89,15 @@ __all__ = [
     "Simulator",
     "StepTimer",
     "TurnRecord",
+    "fast_paths_enabled",
     "gateway_config",
     "ideal_times_s",
     "simulate",
 ]
+
+FAST_PATHS_ENV = "MARS_SIM_FAST_PATHS"
+"""``MARS_SIM_FAST_PATHS=0`` turns the exact speed-ups of the event loop off (the reference the
+exactness tests compare against; they change CPU time only, never a decision or a timing)."""
 
 _QUIET_TICKS = 64
 """Admission ticks still run while the system is empty (0.8**64 ~ 1e-6: the tool-wait EMA has
@@ -271,6 +277,11 @@ class SimResult:
 
 
 # ----------------------------------------------------------------------------- helpers
+def fast_paths_enabled() -> bool:
+    """Whether the simulator's exact speed-ups are on (``$MARS_SIM_FAST_PATHS`` is not ``0``)."""
+    return os.environ.get(FAST_PATHS_ENV, "1") != "0"
+
+
 def gateway_config(config: SimConfig) -> GatewayConfig:
     """The simulated gateway's configuration: the run's admission settings, in front of one replica
     (the simulated engine, whose ``engine_step`` source is ``config.engine_source``). Pure."""
@@ -369,6 +380,7 @@ class Simulator:
         self.num_preemptions = 0
         self.max_admitted = 0
         self.num_over_window = 0
+        self._fast_paths = fast_paths_enabled()
 
     # ------------------------------------------------------------------ events out
     def _stamps(self) -> dict[str, Any]:
@@ -510,17 +522,18 @@ class Simulator:
     def _engine_step(self) -> bool:
         """One (possibly coalesced) engine step. Returns False if nothing was scheduled."""
         t_start = self.now_s
-        k, planned_dt_s = self._coalesce_factor()
-        record = self.engine.schedule(k)
+        k, planned_end_s, hide = self._coalesce_factor()
+        record = self.engine.schedule(k, hide_waiting=hide)
         if record.is_empty:
             self.engine.update(record)
             return False
-        if planned_dt_s is None or record.prefill or any(
+        if planned_end_s is None or record.prefill or any(
                 n != k for n in record.num_scheduled_tokens.values()):
-            planned_dt_s = self._step_time_s(record)  # the scheduler did not run the plan as is
-        dt_s = planned_dt_s
+            assert not hide, "a blocked decode run is fully determined"
+            planned_end_s = t_start + self._step_time_s(record)  # the scheduler changed the plan
+        t_end = planned_end_s
+        dt_s = t_end - t_start
         self._on_scheduled(record, t_start)
-        t_end = t_start + dt_s
         self._check_limit(t_end)
         self._in_step = True
         while self._next_event_s() < t_end:
@@ -536,20 +549,48 @@ class Simulator:
         self._maybe_snapshot()
         return True
 
-    def _coalesce_factor(self) -> tuple[int, float | None]:
-        """``(k, its step time or None)``: decode tokens for the next step, bounded by the next
-        event that matters (a steady decode run is fully determined, so its time is known before
-        ``schedule()``)."""
+    def _coalesce_factor(self) -> tuple[int, float | None, bool]:
+        """``(k, its end time or None, hide_waiting)``: decode tokens for the next step, bounded
+        by the next event that matters (a steady decode run is fully determined, so its time is
+        known before ``schedule()``)."""
         k = self.engine.max_decode_run(self.config.coalesce_max_steps)
         if k <= 1:
-            return 1, None
+            blocked = self._blocked_run() if self._fast_paths else None
+            return blocked if blocked is not None else (1, None, False)
         gap_s = self._next_hard_event_s() - self.now_s
         contexts = [r.num_computed_tokens + 1 for r in self.engine.scheduler.running]
         dt_s = decode_run_step_time_s(self.timer.step_time_s, contexts, k)
         if dt_s > gap_s:
             k = max(1, min(k - 1, int(gap_s / (dt_s / k))))
             dt_s = decode_run_step_time_s(self.timer.step_time_s, contexts, k)
-        return k, (dt_s if k > 1 else None)
+        return k, (self.now_s + dt_s if k > 1 else None), False
+
+    def _blocked_run(self) -> tuple[int, float, bool] | None:
+        """A run of ``k`` pure-decode steps while requests wait for KV, as one ``schedule()``
+        (:meth:`InprocEngine.max_blocked_decode_run`), or None.
+
+        Exact, unlike the steady run's mean-context time: the end time is the same chain of
+        additions the single steps make (``t += step(contexts + i)``), and the run ends before
+        the first event that can change the engine's input (arrival, tool end; with the
+        admission window on, every tick; for our schedulers, their own next decision time).
+        """
+        k_max = self.engine.max_blocked_decode_run(self.config.coalesce_max_steps)
+        if k_max <= 1:
+            return None
+        bound_s = self._next_hard_event_s()
+        if self.config.is_admission_enabled:
+            bound_s = min(bound_s, self._next_tick_s)
+        until = getattr(self.engine.scheduler, "blocked_run_until_s", None)
+        if until is not None:
+            bound_s = min(bound_s, until(self.now_s))
+        contexts = [r.num_computed_tokens + 1 for r in self.engine.scheduler.running]
+        t_s, k = self.now_s, 0
+        while k < k_max:
+            t_next = t_s + self.timer.step_time_s((), [c + k for c in contexts])
+            if t_next > bound_s:
+                break
+            t_s, k = t_next, k + 1
+        return (k, t_s, True) if k > 1 else None
 
     def _step_time_s(self, record: EngineStepRecord) -> float:
         """Modelled seconds of the step; a coalesced step of ``k`` tokens counts ``k`` steps."""

@@ -28,6 +28,9 @@ vLLM private                                      what we do with it
 ``SingleTypeKVCacheManager.req_to_blocks``       the blocks a request holds
 ``KVCacheManager.get_computed_blocks``           prefix-cache hit length of a waiting request
 ``KVCacheBlock.ref_cnt/.block_hash/.is_null``    which blocks are worth pinning
+``BlockPool.free_block_queue`` (linked list)     the next blocks an allocation evicts (simulator:
+                                                 a coalesced run must not evict a waiting hit)
+``Scheduler.prefill_capacity_bound``             kept as k single steps leave it (simulator)
 ===============================================  =================================================
 """
 
@@ -56,6 +59,8 @@ __all__ = [
     "num_gpu_blocks",
     "prefix_hit_tokens",
     "free_pinned",
+    "next_evicted_blocks",
+    "pool_block_hash_keys",
     "pin_blocks",
     "request_blocks",
     "referenced_block_counts",
@@ -183,6 +188,27 @@ def block_ref_count(block: KVCacheBlock) -> int:
 def all_blocks(sched: Scheduler) -> list[KVCacheBlock]:
     """Every block of the pool (index = block_id)."""
     return block_pool(sched).blocks
+
+
+def next_evicted_blocks(sched: Scheduler, num_blocks: int) -> list[KVCacheBlock]:
+    """The first ``num_blocks`` blocks of the free queue: the blocks the next allocations take (and
+    evict from the prefix cache), in order (vLLM's ``get_new_blocks`` pops from the head). Pure."""
+    out: list[KVCacheBlock] = []
+    block = block_pool(sched).free_block_queue.fake_free_list_head.next_free_block
+    while block is not None and block.block_id >= 0 and len(out) < num_blocks:
+        out.append(block)
+        block = block.next_free_block
+    return out
+
+
+def pool_block_hash_keys(request: Request, num_groups: int = 1) -> frozenset[Any]:
+    """The pool-side keys (``KVCacheBlock.block_hash``: hash + group id) of ``request``'s full
+    blocks in KV cache groups ``0..num_groups-1``: a block whose key is here may serve its prefix
+    hit. Pure."""
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    return frozenset(make_block_hash_with_group_id(h, g)
+                     for g in range(num_groups) for h in request.block_hashes)
 
 
 def prefix_hit_tokens(sched: Scheduler, request: Request) -> int:

@@ -157,6 +157,10 @@ class MarsBaseScheduler(AsyncScheduler):
     """Class default of ``params.window.enabled`` (preview port: True)."""
     default_chunk_shrinking: ClassVar[bool] = False
     """Class default of ``params.chunk_shrinking`` (MARS: True)."""
+    coalescible_blocked_runs: ClassVar[bool] = False
+    """Simulator speed: the policy's per-step work is all covered by :meth:`blocked_run_is_safe`
+    and :meth:`blocked_run_until_s`, so pure-decode steps while requests wait for KV may be
+    merged (``InprocEngine.max_blocked_decode_run``). Off unless a subclass checked that."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -295,6 +299,31 @@ class MarsBaseScheduler(AsyncScheduler):
         """Called once per step before vLLM's ``schedule()`` (only if overridden), after the inbox
         was drained and expired KV released; may add requests to or remove them from
         ``self.waiting``."""
+
+    # ------------------------------------------------------------------ simulator hooks
+    def blocked_run_is_safe(self) -> bool:
+        """Whether the next pure-decode steps, while every waiting request stays blocked on KV,
+        would do no per-step work of this scheduler's own beyond :meth:`blocked_run_until_s`'s
+        timers: nothing in the inbox, no rejected request, no window overflow, no re-sort due
+        (waiting not dirty), and no per-step hook (``on_step_start``, a running order, an
+        ``on_scheduled`` that counts steps) unless the subclass declared them covered
+        (:attr:`coalescible_blocked_runs`). Pure."""
+        return (self.coalescible_blocked_runs and not self._inbox and self._inbox_socket is None
+                and not self._rejected and not self.overflow and not self._is_resort_due()
+                and not self._has_on_step_start and not self._has_running_key)
+
+    def _is_resort_due(self) -> bool:
+        """Whether the next step re-sorts the waiting queue because it changed (see _reorder)."""
+        return self._has_waiting_key and len(self.waiting) > 1 and self.waiting.is_dirty
+
+    def blocked_run_until_s(self, now_s: float) -> float:
+        """Scheduler-clock seconds by which a merged run must have ended: the next retained-KV
+        expiry, the next session GC, and (with a waiting order over several requests) the next
+        periodic re-sort, each of which :meth:`schedule` does at the first step past it. Pure."""
+        t = min(self._next_expiry_s, self._last_gc_s + _GC_INTERVAL_S)
+        if self._has_waiting_key and len(self.waiting) > 1:
+            t = min(t, self._last_waiting_sort_s + self.params.reorder_interval_s)
+        return t
 
     # ------------------------------------------------------------------ vLLM entry points
     def add_request(self, request: Request) -> None:
