@@ -356,11 +356,15 @@ class Simulator:
         self.sink = sink
         self.wall_origin = wall_origin if wall_origin is not None else datetime.now(UTC)
         self.now_s = 0.0
+        self._fast_paths = fast_paths_enabled()
         self.engine = InprocEngine(config.policy, config.engine, seed=config.seed,
-                                   clock=lambda: self.now_s)
+                                   clock=lambda: self.now_s, memoize_prefix_hits=self._fast_paths)
         if self.engine.is_plugin:
+            # Our schedulers' own engine_step snapshots run on the wall clock and the sink
+            # drops them; the fast paths skip their KV walk.
             self.engine.scheduler.set_telemetry_sink(
-                _VirtualStampSink(self) if sink is not None else None)
+                _VirtualStampSink(self) if sink is not None else None,
+                engine_steps=not self._fast_paths)
         self.plane = ControlPlane(gateway_config(config), clock=lambda: self.now_s)
         self.admission = self.plane.admission
         """The plane's admitted and waiting sets (read by the event loop)."""
@@ -380,7 +384,6 @@ class Simulator:
         self.num_preemptions = 0
         self.max_admitted = 0
         self.num_over_window = 0
-        self._fast_paths = fast_paths_enabled()
 
     # ------------------------------------------------------------------ events out
     def _stamps(self) -> dict[str, Any]:

@@ -340,6 +340,75 @@ class StreamBlockHasher:
         return new
 
 
+class PrefixHitMemo:
+    """Exact memo of vLLM's prefix-cache lookup (``KVCacheManager.get_computed_blocks``).
+
+    A lookup walks the request's block hashes until the first one the cache misses: O(context
+    blocks), ~5,000 for a 78k-token turn, repeated every step a request waits for KV and once
+    more by our schedulers at arrival. Its answer is a function of the request (its token count
+    and hashes) and of the cache entries for the keys it read: the hit blocks' keys and the
+    first missed key. The pool's map reports every insert and pop
+    (:func:`seams.watch_prefix_cache`); one that touches a key a memo read drops that memo, so a
+    memo that is still there is what the walk would return now. Installed on one scheduler's
+    KV cache manager (an instance attribute, as our ``allocate_slots`` wrapper).
+
+    Args:
+        sched: the scheduler (one KV cache group with full attention).
+    """
+
+    def __init__(self, sched: Scheduler) -> None:
+        self._sched = sched
+        self._manager = sched.kv_cache_manager
+        self._inner = self._manager.get_computed_blocks
+        self._memo: dict[str, tuple[int, int, tuple[list[Any], ...], int, int, list[Any]]] = {}
+        """request id -> (num_tokens, len(block_hashes), hit blocks, hit tokens, boundary, keys)."""
+        self._reader: dict[Any, str] = {}
+        """pool key -> the request whose memo read it."""
+        self._map = seams.watch_prefix_cache(sched, self._on_change)
+        self._manager.get_computed_blocks = self
+        self.num_hits = 0
+
+    def _on_change(self, key: Any) -> None:
+        rid = self._reader.pop(key, None)
+        if rid is not None:
+            self.forget(rid)
+
+    def forget(self, request_id: str) -> None:
+        """Drop ``request_id``'s memo (a finished request). Mutates."""
+        memo = self._memo.pop(request_id, None)
+        if memo is not None:
+            for key in memo[5]:
+                if self._reader.get(key) == request_id:
+                    del self._reader[key]
+
+    def __call__(self, request: Request) -> tuple[Any, int, int]:
+        """vLLM's ``get_computed_blocks(request)``, from the memo when it is still valid."""
+        if seams.prefix_cache_map(self._sched) is not self._map:  # reset_prefix_cache
+            for rid in list(self._memo):
+                self.forget(rid)
+            self._map = seams.watch_prefix_cache(self._sched, self._on_change)
+        rid = request.request_id
+        memo = self._memo.get(rid)
+        if memo is not None and memo[0] == request.num_tokens and memo[1] == len(request.block_hashes):
+            self.num_hits += 1
+            return (self._manager.create_kv_cache_blocks(tuple(list(g) for g in memo[2])),
+                    memo[3], memo[4])
+        self.forget(rid)
+        blocks, num_tokens, boundary = self._inner(request)
+        groups = tuple(list(g) for g in blocks.blocks)
+        keys = [b.block_hash for g in groups for b in g]
+        hit = len(groups[0]) if groups else 0
+        if hit < len(request.block_hashes):
+            keys.append(seams.pool_block_hash_key(request.block_hashes[hit]))
+        if any(k is None for k in keys) or len(groups) != 1:
+            return blocks, num_tokens, boundary  # not a plain full-attention hit: no memo
+        self._memo[rid] = (request.num_tokens, len(request.block_hashes), groups, num_tokens,
+                           boundary, keys)
+        for key in keys:
+            self._reader[key] = rid
+        return blocks, num_tokens, boundary
+
+
 # ----------------------------------------------------------------------------- the engine
 @dataclass
 class EngineStepRecord:
@@ -391,11 +460,13 @@ class InprocEngine:
             reads no clock that matters with ``log_stats=False`` (request arrival times are set
             by the caller).
         model_dir: tiny model folder (default: written under the temp dir).
+        memoize_prefix_hits: install a :class:`PrefixHitMemo` (exact; the simulator's speed).
     """
 
     def __init__(
         self, policy: str | type[Scheduler], params: InprocEngineParams, *, seed: int = 0,
         clock: Callable[[], float] | None = None, model_dir: Path | None = None,
+        memoize_prefix_hits: bool = False,
     ) -> None:
         cls = resolve_scheduler_cls(policy) if isinstance(policy, str) else policy
         self.params = params
@@ -404,6 +475,8 @@ class InprocEngine:
         if clock is not None:
             self.set_clock(clock)
         self.hasher = StreamBlockHasher(params.block_size, params.prefix_caching_hash_algo)
+        self.prefix_memo = (PrefixHitMemo(self.scheduler)
+                            if memoize_prefix_hits and params.enable_prefix_caching else None)
         self._planned: dict[str, list[int]] = {}
         self._requests: dict[str, Request] = {}
         self._kv_counts: tuple[int, int, int] | None = None
@@ -619,6 +692,8 @@ class InprocEngine:
         self._requests.pop(request_id, None)
         self._hash_keys.pop(request_id, None)
         self.hasher.forget(request_id)
+        if self.prefix_memo is not None:
+            self.prefix_memo.forget(request_id)
 
     def max_decode_run(self, limit: int) -> int:
         """Largest ``k <= limit`` for which a coalesced step equals ``k`` single steps. Pure.

@@ -31,6 +31,8 @@ vLLM private                                      what we do with it
 ``BlockPool.free_block_queue`` (linked list)     the next blocks an allocation evicts (simulator:
                                                  a coalesced run must not evict a waiting hit)
 ``Scheduler.prefill_capacity_bound``             kept as k single steps leave it (simulator)
+``BlockPool.cached_block_hash_to_block``         watched (insert/pop call back) so the simulator
+                                                 can memoize prefix-hit lookups exactly
 ===============================================  =================================================
 """
 
@@ -40,6 +42,7 @@ import inspect
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from vllm.v1.core.block_pool import BlockHashToBlockMap
 from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -55,12 +58,16 @@ __all__ = [
     "enable_victim_ranks",
     "finish_with_error_next_step",
     "is_cached_block",
+    "num_blocks_referenced_once",
     "num_free_blocks",
     "num_gpu_blocks",
     "prefix_hit_tokens",
     "free_pinned",
     "next_evicted_blocks",
+    "watch_prefix_cache",
+    "pool_block_hash_key",
     "pool_block_hash_keys",
+    "prefix_cache_map",
     "pin_blocks",
     "request_blocks",
     "referenced_block_counts",
@@ -185,6 +192,11 @@ def block_ref_count(block: KVCacheBlock) -> int:
     return int(block.ref_cnt)
 
 
+def num_blocks_referenced_once(blocks: Iterable[KVCacheBlock]) -> int:
+    """How many of ``blocks`` hold exactly one reference. Pure."""
+    return sum(1 for b in blocks if b.ref_cnt == 1)
+
+
 def all_blocks(sched: Scheduler) -> list[KVCacheBlock]:
     """Every block of the pool (index = block_id)."""
     return block_pool(sched).blocks
@@ -199,6 +211,48 @@ def next_evicted_blocks(sched: Scheduler, num_blocks: int) -> list[KVCacheBlock]
         out.append(block)
         block = block.next_free_block
     return out
+
+
+class _WatchedBlockHashToBlockMap(BlockHashToBlockMap):
+    """vLLM's prefix-cache map (hash + group id -> block) that reports every insert and pop."""
+
+    def __init__(self, on_change: Any) -> None:
+        super().__init__()
+        self._on_change = on_change
+
+    def insert(self, key: Any, block: KVCacheBlock) -> None:
+        self._on_change(key)
+        super().insert(key, block)
+
+    def pop(self, key: Any, block_id: int) -> KVCacheBlock | None:
+        self._on_change(key)
+        return super().pop(key, block_id)
+
+
+def watch_prefix_cache(sched: Scheduler, on_change: Any) -> Any:
+    """Make ``on_change(key)`` run before every insert into or pop from the pool's prefix-cache map
+    (``key``: a ``KVCacheBlock.block_hash``). Mutates the pool (its entries are kept).
+
+    Returns:
+        The watched map (the pool replaces it on ``reset_prefix_cache``: compare identities).
+    """
+    pool = block_pool(sched)
+    watched = _WatchedBlockHashToBlockMap(on_change)
+    watched._cache = pool.cached_block_hash_to_block._cache
+    pool.cached_block_hash_to_block = watched
+    return watched
+
+
+def prefix_cache_map(sched: Scheduler) -> Any:
+    """The pool's current prefix-cache map (see :func:`watch_prefix_cache`)."""
+    return block_pool(sched).cached_block_hash_to_block
+
+
+def pool_block_hash_key(block_hash: Any, group_id: int = 0) -> Any:
+    """The pool-side key (``KVCacheBlock.block_hash``) of a request block hash in one group. Pure."""
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    return make_block_hash_with_group_id(block_hash, group_id)
 
 
 def pool_block_hash_keys(request: Request, num_groups: int = 1) -> frozenset[Any]:
