@@ -543,9 +543,14 @@ class InprocEngine:
         # here; vLLM computes them at the first output with an O(context blocks) walk.
         request.prefill_stats = None
         self._requests[request_id] = request
+        waiting = self.scheduler.waiting
+        head = waiting.peek_request() if waiting else None
         self.scheduler.add_request(request)
         self._kv_counts = None
-        self._is_waiting_blocked = False
+        if self.is_plugin or head is None or waiting.peek_request() is not head:
+            # Stock vLLM queues it behind a blocked head, which stays blocked; our schedulers
+            # may reorder or admit on arrival.
+            self._is_waiting_blocked = False
         return request
 
     def has_work(self) -> bool:
@@ -757,10 +762,13 @@ class InprocEngine:
         since then nothing was added, finished or preempted. Over the next ``k`` steps the same
         requests decode one token each (same token budget and running count), the free blocks
         only shrink (decode allocations, no frees), and each waiting request's need for blocks
-        is unchanged as long as its prefix hit is: none of the blocks the run evicts (the head of
-        vLLM's free queue, :func:`seams.next_evicted_blocks`) holds one of its full blocks, and
-        no running request of its session fills one (sessions' streams never share a block).
-        So vLLM would leave them waiting in every step, and hiding them is exact.
+        is unchanged as long as its prefix hit is. vLLM stops at the first waiting request it
+        cannot allocate (requests are never skipped here: no KV connector, no structured output),
+        so only the head is asked: the run must not evict one of its full blocks (the blocks the
+        run takes are the head of vLLM's free queue, :func:`seams.next_evicted_blocks`), and no
+        running request of its session may fill one (sessions' streams never share a block). So
+        vLLM would leave every waiting request waiting in every step, and hiding them is exact.
+        With stock vLLM a request added behind the head leaves the probe valid.
 
         Our schedulers add time- and event-driven decisions of their own; one that implements
         ``blocked_run_is_safe()`` (and returns True) certifies that none falls due before the
@@ -776,17 +784,18 @@ class InprocEngine:
         # Our schedulers decide on a finish (retained KV from the other requests' lengths): the
         # finishing token takes a single step, where every other request is one token further.
         k = self._steady_decode_run(limit, keep_last=self.is_plugin)
+        if self.is_plugin and k > 1:
+            k = s.blocked_run_max_tokens(k)
         if k <= 1:
             return 1
-        waiting = list(s.waiting)
-        sessions = {r.session_id for r in waiting}
-        if any(r.session_id in sessions for r in s.running):
+        # vLLM stops at the first waiting request it cannot allocate: only the head is asked.
+        head = s.waiting.peek_request()
+        if any(r.session_id == head.session_id for r in s.running):
             return 1
-        keys = [self._pool_hash_keys(r) for r in waiting]
+        keys = self._pool_hash_keys(head)
         evicted = seams.next_evicted_blocks(s, self._run_new_blocks(k))
         first_hit = next((i for i, b in enumerate(evicted)
-                          if b.block_hash is not None and any(b.block_hash in ks for ks in keys)),
-                         None)
+                          if b.block_hash is not None and b.block_hash in keys), None)
         if first_hit is None:
             return k
         lo, hi = 1, k  # largest k' with _run_new_blocks(k') <= first_hit (monotone in k')

@@ -317,6 +317,15 @@ class MarsBaseScheduler(AsyncScheduler):
         return (self.coalescible_blocked_runs and not self._inbox and self._inbox_socket is None
                 and not self._rejected and not self.overflow and not self._is_resort_due())
 
+    def blocked_run_max_tokens(self, limit: int) -> int:
+        """Most decode tokens per request (<= ``limit``) a merged run may take before a per-step
+        counter of the policy would change a decision (default: none). Pure."""
+        return limit
+
+    def _is_resort_due(self) -> bool:
+        """Whether the next step re-sorts the waiting queue because it changed (see _reorder)."""
+        return self._has_waiting_key and len(self.waiting) > 1 and self.waiting.is_dirty
+
     def blocked_run_until_s(self, now_s: float) -> float:
         """Scheduler-clock seconds by which a merged run must have ended: the next retained-KV
         expiry, the next session GC, and (with a waiting order over several requests) the next

@@ -69,8 +69,8 @@ _CONTINUUM = {"additional_config": {"mars": {"continuum": {"mode": "continuum"}}
     ("fcfs", {}, True, True),
     ("InferceptScheduler", {}, False, True),
     ("ContinuumScheduler", _CONTINUUM, False, True),
-    ("AutellixScheduler", {}, False, False),
-    ("ThunderAgentScheduler", {}, False, False),
+    ("AutellixScheduler", {}, False, True),
+    ("ThunderAgentScheduler", {}, False, True),
     ("MarsPreviewScheduler", {}, True, False),
     ("MarsScheduler", {}, True, False),
 ])
