@@ -165,7 +165,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "load_x": args.load, "num_sessions": len(workload.sessions), "num_turns": workload.num_turns,
         "events": not args.no_events,
     }
-    print(f"bench_sim: {common['num_sessions']} sessions / {common['num_turns']} turns, full length, "
+    length = "trimmed to 4 sessions x 10 turns (--smoke)" if args.smoke else "full length"
+    print(f"bench_sim: {common['num_sessions']} sessions / {common['num_turns']} turns, {length}, "
           f"{args.gpu} x {args.model}, {num_blocks} KV blocks, Poisson {rate:.4g}/s "
           f"({args.load}x knee {args.base_rate}/s), seed {args.seed}, target >= {TARGET_PER_CPU_X:g}x")
     print(f"{'policy':<13} {'adm':>3} {'sim s':>8} {'wall s':>7} {'cpu s':>7} {'sim/cpu':>8} "

@@ -37,11 +37,26 @@ through vLLM's draft-token path (:meth:`InprocEngine.max_decode_run`); ``coalesc
 turns it off (``tests/integration/test_sim_vs_emulated.py`` checks both give the emulated
 server's per-request schedule). A coalesced run never crosses an arrival or a tool completion;
 admission ticks fall inside it only when no session waits for admission (then a tick cannot change
-the engine's input).
-Coalescing needs an empty waiting queue: when requests wait for KV (FCFS past its knee, where the
-prefix cache thrashes) every step goes through ``schedule()``, and vLLM's own per-step work (the
-prefix lookup of the blocked head, O(context blocks)) bounds the speed to ~10-30x real time.
-Below the knee the speed is ~100-400x per CPU second (see ``benchmarks/bench_sim.py``).
+the engine's input). Its time is ``k`` steps at the mean context (exact for a linear model).
+
+Past the KV knee requests wait for KV, and every step used to go through ``schedule()`` (vLLM
+re-asking the waiting head, an O(context blocks) prefix lookup each time). The *fast paths*, all
+exact (``MARS_SIM_FAST_PATHS=0`` turns them off; ``tests/unit/eval/test_sim_fast_paths.py`` runs
+a KV-bound workload both ways for every policy and compares every request's schedule, token and
+finish times, cached tokens, preemptions and events):
+
+* blocked decode runs (:meth:`InprocEngine.max_blocked_decode_run`): after a single step that
+  proved the waiting head blocked, the next pure-decode steps are one ``schedule()`` with the
+  waiting queue hidden, as long as nothing can unblock it (no arrival, finish or preemption, no
+  eviction of the head's cached blocks, and for our schedulers none of their own timers or
+  counters, certified by their ``blocked_run_*`` hooks); the end time is the single steps' chain
+  of additions, and with the admission window on the run also ends at the next tick;
+* a memo of vLLM's prefix-hit lookup (:class:`~mars_openhands.engine.inproc.PrefixHitMemo`),
+  dropped whenever the prefix cache changes a key it read;
+* our schedulers' wall-clock ``engine_step`` telemetry (dropped by the sink) is not computed.
+
+``benchmarks/bench_sim.py`` reports the speed per policy on the full bundled workload at 1.2x the
+FCFS knee on one H100.
 
 Events: every event carries ``t_mono_ns`` = virtual nanoseconds since the run start and ``t_wall``
 = ``wall_origin`` + the virtual offset. GPU-plane events come from our schedulers' own telemetry

@@ -348,8 +348,9 @@ class PrefixHitMemo:
     more by our schedulers at arrival. Its answer is a function of the request (its token count
     and hashes) and of the cache entries for the keys it read: the hit blocks' keys and the
     first missed key. The pool's map reports every insert and pop
-    (:func:`seams.watch_prefix_cache`); one that touches a key a memo read drops that memo, so a
-    memo that is still there is what the walk would return now. Installed on one scheduler's
+    (:func:`seams.watch_prefix_cache`): a pop that leaves no block under hit ``j``'s key cuts the
+    memo to its first ``j`` blocks (the walk now stops there), any other change to a key a memo
+    read drops the memo. So a memo that is still there is what the walk would return now. Installed on one scheduler's
     KV cache manager (an instance attribute, as our ``allocate_slots`` wrapper).
 
     Args:
@@ -366,12 +367,28 @@ class PrefixHitMemo:
         """pool key -> the request whose memo read it."""
         self._map = seams.watch_prefix_cache(sched, self._on_change)
         self._manager.get_computed_blocks = self
+        self._block_size = sched.block_size
         self.num_hits = 0
 
-    def _on_change(self, key: Any) -> None:
-        rid = self._reader.pop(key, None)
-        if rid is not None:
+    def _on_change(self, key: Any, is_gone: bool) -> None:
+        rid = self._reader.get(key)
+        if rid is None:
+            return
+        memo = self._memo.get(rid)
+        keys = memo[5] if memo is not None else ()
+        hit = len(memo[2][0]) if memo is not None else 0
+        j = keys.index(key) if is_gone and memo is not None and memo[4] == 0 else hit
+        if j >= hit:  # an insert, a duplicate left, or the missed key: the walk may go further
+            del self._reader[key]
             self.forget(rid)
+            return
+        # Hit block j left the cache and no other block has its key: the walk now stops at j
+        # (blocks 0..j-1 are untouched, or their own change would have come first).
+        for dropped in keys[j + 1:]:
+            if self._reader.get(dropped) == rid:
+                del self._reader[dropped]
+        truncated = (memo[2][0][:j],)
+        self._memo[rid] = (memo[0], memo[1], truncated, j * self._block_size, 0, keys[:j + 1])
 
     def forget(self, request_id: str) -> None:
         """Drop ``request_id``'s memo (a finished request). Mutates."""

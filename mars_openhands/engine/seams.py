@@ -221,17 +221,19 @@ class _WatchedBlockHashToBlockMap(BlockHashToBlockMap):
         self._on_change = on_change
 
     def insert(self, key: Any, block: KVCacheBlock) -> None:
-        self._on_change(key)
         super().insert(key, block)
+        self._on_change(key, False)
 
     def pop(self, key: Any, block_id: int) -> KVCacheBlock | None:
-        self._on_change(key)
-        return super().pop(key, block_id)
+        block = super().pop(key, block_id)
+        self._on_change(key, self._cache.get(key) is None)
+        return block
 
 
 def watch_prefix_cache(sched: Scheduler, on_change: Any) -> Any:
-    """Make ``on_change(key)`` run before every insert into or pop from the pool's prefix-cache map
-    (``key``: a ``KVCacheBlock.block_hash``). Mutates the pool (its entries are kept).
+    """Make ``on_change(key, is_gone)`` run after every insert into or pop from the pool's
+    prefix-cache map (``key``: a ``KVCacheBlock.block_hash``; ``is_gone``: a pop left no block
+    under it). Mutates the pool (its entries are kept).
 
     Returns:
         The watched map (the pool replaces it on ``reset_prefix_cache``: compare identities).
