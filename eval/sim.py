@@ -143,6 +143,10 @@ class LinearStepTimeModel:
     decode_request_s: float = 2e-4
     decode_context_token_s: float = 5e-9
 
+    def decode_step_time_s(self, num_decode_requests: int, decode_context_tokens: int) -> float:
+        """:meth:`step_time_s` of a pure-decode step from its shape (``D``, Σ context). Pure."""
+        return self.step_time_s((), [decode_context_tokens] + [0] * (num_decode_requests - 1))
+
     def step_time_s(
         self, prefill: Sequence[tuple[int, int]] = (), decode_context_tokens: Sequence[int] = ()
     ) -> float:
@@ -602,9 +606,12 @@ class Simulator:
         if until is not None:
             bound_s = min(bound_s, until(self.now_s))
         contexts = [r.num_computed_tokens + 1 for r in self.engine.scheduler.running]
+        by_shape = getattr(self.timer, "decode_step_time_s", None)  # same value, no list per step
+        num_decode, total = len(contexts), sum(contexts)
         t_s, k = self.now_s, 0
         while k < k_max:
-            t_next = t_s + self.timer.step_time_s((), [c + k for c in contexts])
+            t_next = t_s + (by_shape(num_decode, total + k * num_decode) if by_shape is not None
+                            else self.timer.step_time_s((), [c + k for c in contexts]))
             if t_next > bound_s:
                 break
             t_s, k = t_next, k + 1
