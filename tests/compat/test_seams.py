@@ -162,7 +162,7 @@ def test_free_queue_order_hash_keys_and_watched_prefix_cache() -> None:
     assert seams.prefix_cache_map(h.scheduler) is watched
     probe = h.make_request(None, prompt + h.tokens(5), max_tokens=1)
     assert seams.prefix_hit_tokens(h.scheduler, probe) == 64  # the watched map keeps the entries
-    filler = h.add(h.make_request(None, h.tokens(16 * 30), max_tokens=1))  # evicts the cached ones
+    filler = h.add(h.make_request(None, h.tokens(16 * 30), max_tokens=3))  # evicts the cached ones
     h.step()
     gone = {key for key, is_gone in changes if is_gone}
     # 30 of the 31 free blocks taken from the free queue's head: the 3 blocks freed first (the
