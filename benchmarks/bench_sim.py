@@ -11,6 +11,32 @@ load FCFS is past its knee: requests wait for KV most of the run (the KV-blocked
 Target: >= 150x simulated seconds per CPU second for every policy. CPU seconds
 (``time.process_time``) rather than wall seconds, because the 2-core dev box is shared.
 
+Measured 2026-12-02 (commit 21b645a; 2-core box shared with 4-5 other jobs, load 8-20, five
+bench processes at once; CPU seconds vary by ~10% between runs at this load: fcfs at 0bdf2f3
+took 59.4 s, same 34,462 calls). Before the fast paths fcfs made 255,847 ``schedule()`` calls
+(26x under cProfile, 309 s); mars ran at 37x under cProfile (178 s CPU unprofiled).
+
+=============  ===  ======  ======  =====  =======  =========  =======  =======
+policy         adm   sim s  wall s  CPU s  sim/CPU  schedule()   steps  preempt
+=============  ===  ======  ======  =====  =======  =========  =======  =======
+fcfs           off   7,963     603   54.9     145x     34,462  396,328       50
+vllm-tuned     off  10,971   1,275  176.8      62x    149,463  431,371   11,394
+autellix       off  14,974   2,054  317.9      47x    230,169  502,406    6,452
+infercept      off   7,950     398   62.8     127x     40,648  396,444       54
+continuum      off   6,948      96   74.2      94x    102,890  397,797       42
+thunderagent   off   6,545     440   41.3     159x     24,525  550,483       14
+mars-preview   on   11,899   1,887  279.6      43x    334,924  471,719    3,586
+mars           on    6,545     182   47.7     137x     21,842  548,151        2
+=============  ===  ======  ======  =====  =======  =========  =======  =======
+
+Below 150x, and why: vllm-tuned's 512-token prefill chunks make a 60k-token re-prefill ~120
+real steps (prefill steps are never merged) and its 11,394 preemptions reset the probe;
+autellix (6,452 preemptions) and mars-preview (3,586; not certified for blocked runs: its
+``on_scheduled`` counts steps, and with the window on a run ends at every 0.2 s tick) spend most
+steps in prefill or preemption churn; continuum's runs end at its 2 s pin expiries and 1 s
+re-sorts. fcfs, infercept and mars are within 5-15% of the target: what is left is vLLM's own
+per-token output handling and per-turn KV walks.
+
 Prints one row per policy (simulated s, wall s, CPU s, simulated s per CPU s, ``schedule()``
 calls, engine steps, preemptions) and appends the rows to
 ``benchmarks/results/bench_sim.parquet`` (git sha, vLLM version, machine, parameters).
