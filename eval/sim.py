@@ -37,11 +37,26 @@ through vLLM's draft-token path (:meth:`InprocEngine.max_decode_run`); ``coalesc
 turns it off (``tests/integration/test_sim_vs_emulated.py`` checks both give the emulated
 server's per-request schedule). A coalesced run never crosses an arrival or a tool completion;
 admission ticks fall inside it only when no session waits for admission (then a tick cannot change
-the engine's input).
-Coalescing needs an empty waiting queue: when requests wait for KV (FCFS past its knee, where the
-prefix cache thrashes) every step goes through ``schedule()``, and vLLM's own per-step work (the
-prefix lookup of the blocked head, O(context blocks)) bounds the speed to ~10-30x real time.
-Below the knee the speed is ~100-400x per CPU second (see ``benchmarks/bench_sim.py``).
+the engine's input). Its time is ``k`` steps at the mean context (exact for a linear model).
+
+Past the KV knee requests wait for KV, and every step used to go through ``schedule()`` (vLLM
+re-asking the waiting head, an O(context blocks) prefix lookup each time). The *fast paths*, all
+exact (``MARS_SIM_FAST_PATHS=0`` turns them off; ``tests/unit/eval/test_sim_fast_paths.py`` runs
+a KV-bound workload both ways for every policy and compares every request's schedule, token and
+finish times, cached tokens, preemptions and events):
+
+* blocked decode runs (:meth:`InprocEngine.max_blocked_decode_run`): after a single step that
+  proved the waiting head blocked, the next pure-decode steps are one ``schedule()`` with the
+  waiting queue hidden, as long as nothing can unblock it (no arrival, finish or preemption, no
+  eviction of the head's cached blocks, and for our schedulers none of their own timers or
+  counters, certified by their ``blocked_run_*`` hooks); the end time is the single steps' chain
+  of additions, and with the admission window on the run also ends at the next tick;
+* a memo of vLLM's prefix-hit lookup (:class:`~mars_openhands.engine.inproc.PrefixHitMemo`),
+  dropped whenever the prefix cache changes a key it read;
+* our schedulers' wall-clock ``engine_step`` telemetry (dropped by the sink) is not computed.
+
+``benchmarks/bench_sim.py`` reports the speed per policy on the full bundled workload at 1.2x the
+FCFS knee on one H100.
 
 Events: every event carries ``t_mono_ns`` = virtual nanoseconds since the run start and ``t_wall``
 = ``wall_origin`` + the virtual offset. GPU-plane events come from our schedulers' own telemetry
@@ -55,6 +70,7 @@ from __future__ import annotations
 import gc
 import heapq
 import math
+import os
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -88,10 +104,15 @@ __all__ = [
     "Simulator",
     "StepTimer",
     "TurnRecord",
+    "fast_paths_enabled",
     "gateway_config",
     "ideal_times_s",
     "simulate",
 ]
+
+FAST_PATHS_ENV = "MARS_SIM_FAST_PATHS"
+"""``MARS_SIM_FAST_PATHS=0`` turns the exact speed-ups of the event loop off (the reference the
+exactness tests compare against; they change CPU time only, never a decision or a timing)."""
 
 _QUIET_TICKS = 64
 """Admission ticks still run while the system is empty (0.8**64 ~ 1e-6: the tool-wait EMA has
@@ -121,6 +142,10 @@ class LinearStepTimeModel:
     prefill_cached_token_s: float = 1e-8
     decode_request_s: float = 2e-4
     decode_context_token_s: float = 5e-9
+
+    def decode_step_time_s(self, num_decode_requests: int, decode_context_tokens: int) -> float:
+        """:meth:`step_time_s` of a pure-decode step from its shape (``D``, Σ context). Pure."""
+        return self.step_time_s((), [decode_context_tokens] + [0] * (num_decode_requests - 1))
 
     def step_time_s(
         self, prefill: Sequence[tuple[int, int]] = (), decode_context_tokens: Sequence[int] = ()
@@ -271,6 +296,11 @@ class SimResult:
 
 
 # ----------------------------------------------------------------------------- helpers
+def fast_paths_enabled() -> bool:
+    """Whether the simulator's exact speed-ups are on (``$MARS_SIM_FAST_PATHS`` is not ``0``)."""
+    return os.environ.get(FAST_PATHS_ENV, "1") != "0"
+
+
 def gateway_config(config: SimConfig) -> GatewayConfig:
     """The simulated gateway's configuration: the run's admission settings, in front of one replica
     (the simulated engine, whose ``engine_step`` source is ``config.engine_source``). Pure."""
@@ -345,11 +375,15 @@ class Simulator:
         self.sink = sink
         self.wall_origin = wall_origin if wall_origin is not None else datetime.now(UTC)
         self.now_s = 0.0
+        self._fast_paths = fast_paths_enabled()
         self.engine = InprocEngine(config.policy, config.engine, seed=config.seed,
-                                   clock=lambda: self.now_s)
+                                   clock=lambda: self.now_s, memoize_prefix_hits=self._fast_paths)
         if self.engine.is_plugin:
+            # Our schedulers' own engine_step snapshots run on the wall clock and the sink
+            # drops them; the fast paths skip their KV walk.
             self.engine.scheduler.set_telemetry_sink(
-                _VirtualStampSink(self) if sink is not None else None)
+                _VirtualStampSink(self) if sink is not None else None,
+                engine_steps=not self._fast_paths)
         self.plane = ControlPlane(gateway_config(config), clock=lambda: self.now_s)
         self.admission = self.plane.admission
         """The plane's admitted and waiting sets (read by the event loop)."""
@@ -510,17 +544,18 @@ class Simulator:
     def _engine_step(self) -> bool:
         """One (possibly coalesced) engine step. Returns False if nothing was scheduled."""
         t_start = self.now_s
-        k, planned_dt_s = self._coalesce_factor()
-        record = self.engine.schedule(k)
+        k, planned_end_s, hide = self._coalesce_factor()
+        record = self.engine.schedule(k, hide_waiting=hide)
         if record.is_empty:
             self.engine.update(record)
             return False
-        if planned_dt_s is None or record.prefill or any(
+        if planned_end_s is None or record.prefill or any(
                 n != k for n in record.num_scheduled_tokens.values()):
-            planned_dt_s = self._step_time_s(record)  # the scheduler did not run the plan as is
-        dt_s = planned_dt_s
+            assert not hide, "a blocked decode run is fully determined"
+            planned_end_s = t_start + self._step_time_s(record)  # the scheduler changed the plan
+        t_end = planned_end_s
+        dt_s = t_end - t_start
         self._on_scheduled(record, t_start)
-        t_end = t_start + dt_s
         self._check_limit(t_end)
         self._in_step = True
         while self._next_event_s() < t_end:
@@ -536,20 +571,51 @@ class Simulator:
         self._maybe_snapshot()
         return True
 
-    def _coalesce_factor(self) -> tuple[int, float | None]:
-        """``(k, its step time or None)``: decode tokens for the next step, bounded by the next
-        event that matters (a steady decode run is fully determined, so its time is known before
-        ``schedule()``)."""
+    def _coalesce_factor(self) -> tuple[int, float | None, bool]:
+        """``(k, its end time or None, hide_waiting)``: decode tokens for the next step, bounded
+        by the next event that matters (a steady decode run is fully determined, so its time is
+        known before ``schedule()``)."""
         k = self.engine.max_decode_run(self.config.coalesce_max_steps)
         if k <= 1:
-            return 1, None
+            blocked = self._blocked_run() if self._fast_paths else None
+            return blocked if blocked is not None else (1, None, False)
         gap_s = self._next_hard_event_s() - self.now_s
         contexts = [r.num_computed_tokens + 1 for r in self.engine.scheduler.running]
         dt_s = decode_run_step_time_s(self.timer.step_time_s, contexts, k)
         if dt_s > gap_s:
             k = max(1, min(k - 1, int(gap_s / (dt_s / k))))
             dt_s = decode_run_step_time_s(self.timer.step_time_s, contexts, k)
-        return k, (dt_s if k > 1 else None)
+        return k, (self.now_s + dt_s if k > 1 else None), False
+
+    def _blocked_run(self) -> tuple[int, float, bool] | None:
+        """A run of ``k`` pure-decode steps while requests wait for KV, as one ``schedule()``
+        (:meth:`InprocEngine.max_blocked_decode_run`), or None.
+
+        Exact, unlike the steady run's mean-context time: the end time is the same chain of
+        additions the single steps make (``t += step(contexts + i)``), and the run ends before
+        the first event that can change the engine's input (arrival, tool end; with the
+        admission window on, every tick; for our schedulers, their own next decision time).
+        """
+        k_max = self.engine.max_blocked_decode_run(self.config.coalesce_max_steps)
+        if k_max <= 1:
+            return None
+        bound_s = self._next_hard_event_s()
+        if self.config.is_admission_enabled:
+            bound_s = min(bound_s, self._next_tick_s)
+        until = getattr(self.engine.scheduler, "blocked_run_until_s", None)
+        if until is not None:
+            bound_s = min(bound_s, until(self.now_s))
+        contexts = [r.num_computed_tokens + 1 for r in self.engine.scheduler.running]
+        by_shape = getattr(self.timer, "decode_step_time_s", None)  # same value, no list per step
+        num_decode, total = len(contexts), sum(contexts)
+        t_s, k = self.now_s, 0
+        while k < k_max:
+            t_next = t_s + (by_shape(num_decode, total + k * num_decode) if by_shape is not None
+                            else self.timer.step_time_s((), [c + k for c in contexts]))
+            if t_next > bound_s:
+                break
+            t_s, k = t_next, k + 1
+        return (k, t_s, True) if k > 1 else None
 
     def _step_time_s(self, record: EngineStepRecord) -> float:
         """Modelled seconds of the step; a coalesced step of ``k`` tokens counts ``k`` steps."""

@@ -48,6 +48,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.request_queue import create_request_queue
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -339,6 +340,92 @@ class StreamBlockHasher:
         return new
 
 
+class PrefixHitMemo:
+    """Exact memo of vLLM's prefix-cache lookup (``KVCacheManager.get_computed_blocks``).
+
+    A lookup walks the request's block hashes until the first one the cache misses: O(context
+    blocks), ~5,000 for a 78k-token turn, repeated every step a request waits for KV and once
+    more by our schedulers at arrival. Its answer is a function of the request (its token count
+    and hashes) and of the cache entries for the keys it read: the hit blocks' keys and the
+    first missed key. The pool's map reports every insert and pop
+    (:func:`seams.watch_prefix_cache`): a pop that leaves no block under hit ``j``'s key cuts the
+    memo to its first ``j`` blocks (the walk now stops there), any other change to a key a memo
+    read drops the memo. So a memo that is still there is what the walk would return now. Installed on one scheduler's
+    KV cache manager (an instance attribute, as our ``allocate_slots`` wrapper).
+
+    Args:
+        sched: the scheduler (one KV cache group with full attention).
+    """
+
+    def __init__(self, sched: Scheduler) -> None:
+        self._sched = sched
+        self._manager = sched.kv_cache_manager
+        self._inner = self._manager.get_computed_blocks
+        self._memo: dict[str, tuple[int, int, tuple[list[Any], ...], int, int, list[Any]]] = {}
+        """request id -> (num_tokens, len(block_hashes), hit blocks, hit tokens, boundary, keys)."""
+        self._reader: dict[Any, str] = {}
+        """pool key -> the request whose memo read it."""
+        self._map = seams.watch_prefix_cache(sched, self._on_change)
+        self._manager.get_computed_blocks = self
+        self._block_size = sched.block_size
+        self.num_hits = 0
+
+    def _on_change(self, key: Any, is_gone: bool) -> None:
+        rid = self._reader.get(key)
+        if rid is None:
+            return
+        memo = self._memo.get(rid)
+        keys = memo[5] if memo is not None else ()
+        hit = len(memo[2][0]) if memo is not None else 0
+        j = keys.index(key) if is_gone and memo is not None and memo[4] == 0 else hit
+        if j >= hit:  # an insert, a duplicate left, or the missed key: the walk may go further
+            del self._reader[key]
+            self.forget(rid)
+            return
+        # Hit block j left the cache and no other block has its key: the walk now stops at j
+        # (blocks 0..j-1 are untouched, or their own change would have come first).
+        for dropped in keys[j + 1:]:
+            if self._reader.get(dropped) == rid:
+                del self._reader[dropped]
+        truncated = (memo[2][0][:j],)
+        self._memo[rid] = (memo[0], memo[1], truncated, j * self._block_size, 0, keys[:j + 1])
+
+    def forget(self, request_id: str) -> None:
+        """Drop ``request_id``'s memo (a finished request). Mutates."""
+        memo = self._memo.pop(request_id, None)
+        if memo is not None:
+            for key in memo[5]:
+                if self._reader.get(key) == request_id:
+                    del self._reader[key]
+
+    def __call__(self, request: Request) -> tuple[Any, int, int]:
+        """vLLM's ``get_computed_blocks(request)``, from the memo when it is still valid."""
+        if seams.prefix_cache_map(self._sched) is not self._map:  # reset_prefix_cache
+            for rid in list(self._memo):
+                self.forget(rid)
+            self._map = seams.watch_prefix_cache(self._sched, self._on_change)
+        rid = request.request_id
+        memo = self._memo.get(rid)
+        if memo is not None and memo[0] == request.num_tokens and memo[1] == len(request.block_hashes):
+            self.num_hits += 1
+            return (self._manager.create_kv_cache_blocks(tuple(list(g) for g in memo[2])),
+                    memo[3], memo[4])
+        self.forget(rid)
+        blocks, num_tokens, boundary = self._inner(request)
+        groups = tuple(list(g) for g in blocks.blocks)
+        keys = [b.block_hash for g in groups for b in g]
+        hit = len(groups[0]) if groups else 0
+        if hit < len(request.block_hashes):
+            keys.append(seams.pool_block_hash_key(request.block_hashes[hit]))
+        if any(k is None for k in keys) or len(groups) != 1:
+            return blocks, num_tokens, boundary  # not a plain full-attention hit: no memo
+        self._memo[rid] = (request.num_tokens, len(request.block_hashes), groups, num_tokens,
+                           boundary, keys)
+        for key in keys:
+            self._reader[key] = rid
+        return blocks, num_tokens, boundary
+
+
 # ----------------------------------------------------------------------------- the engine
 @dataclass
 class EngineStepRecord:
@@ -390,11 +477,13 @@ class InprocEngine:
             reads no clock that matters with ``log_stats=False`` (request arrival times are set
             by the caller).
         model_dir: tiny model folder (default: written under the temp dir).
+        memoize_prefix_hits: install a :class:`PrefixHitMemo` (exact; the simulator's speed).
     """
 
     def __init__(
         self, policy: str | type[Scheduler], params: InprocEngineParams, *, seed: int = 0,
         clock: Callable[[], float] | None = None, model_dir: Path | None = None,
+        memoize_prefix_hits: bool = False,
     ) -> None:
         cls = resolve_scheduler_cls(policy) if isinstance(policy, str) else policy
         self.params = params
@@ -403,10 +492,17 @@ class InprocEngine:
         if clock is not None:
             self.set_clock(clock)
         self.hasher = StreamBlockHasher(params.block_size, params.prefix_caching_hash_algo)
+        self.prefix_memo = (PrefixHitMemo(self.scheduler)
+                            if memoize_prefix_hits and params.enable_prefix_caching else None)
         self._planned: dict[str, list[int]] = {}
         self._requests: dict[str, Request] = {}
         self._kv_counts: tuple[int, int, int] | None = None
         """Memo of :meth:`kv_block_counts`; cleared by every call that can change the KV state."""
+        self._is_waiting_blocked = False
+        """The last probe (see :meth:`max_blocked_decode_run`) left every waiting request
+        unscheduled, and nothing that could change that has happened since."""
+        self._hash_keys: dict[str, tuple[int, frozenset[Any]]] = {}
+        """request id -> (len(block_hashes), pool keys of its full blocks): memo for waiting ones."""
         self.num_steps = 0
         """``schedule()`` calls so far."""
         self.num_decode_substeps = 0
@@ -464,8 +560,14 @@ class InprocEngine:
         # here; vLLM computes them at the first output with an O(context blocks) walk.
         request.prefill_stats = None
         self._requests[request_id] = request
+        waiting = self.scheduler.waiting
+        head = waiting.peek_request() if waiting else None
         self.scheduler.add_request(request)
         self._kv_counts = None
+        if self.is_plugin or head is None or waiting.peek_request() is not head:
+            # Stock vLLM queues it behind a blocked head, which stays blocked; our schedulers
+            # may reorder or admit on arrival.
+            self._is_waiting_blocked = False
         return request
 
     def has_work(self) -> bool:
@@ -485,23 +587,30 @@ class InprocEngine:
         """
         return self.update(self.schedule(num_decode_tokens))
 
-    def schedule(self, num_decode_tokens: int = 1) -> EngineStepRecord:
+    def schedule(self, num_decode_tokens: int = 1, *, hide_waiting: bool = False) -> EngineStepRecord:
         """``schedule()`` and the synthetic model output for it (not yet applied).
 
         Args:
             num_decode_tokens: tokens each decoding request advances (``k``); ``k > 1`` only in a
                 steady decode state (see :meth:`max_decode_run`), via vLLM's draft-token path.
+            hide_waiting: a blocked decode run (:meth:`max_blocked_decode_run`): the scheduler
+                runs with an empty waiting queue, as each of the ``k`` single steps would leave
+                every waiting request unscheduled.
 
         Returns:
             The step's record (``is_empty`` when nothing was scheduled); pass it to
             :meth:`update` once the step's (virtual) time has passed.
 
         Raises:
-            ValueError: ``num_decode_tokens`` > 1 outside a steady decode state.
+            ValueError: ``num_decode_tokens`` > 1 outside a steady decode state, or
+                ``hide_waiting`` outside a blocked decode run of that length.
         """
-        if num_decode_tokens > 1:
-            self._propose_drafts(num_decode_tokens)
-        out = self.scheduler.schedule()
+        if hide_waiting:
+            out = self._schedule_hiding_waiting(num_decode_tokens)
+        else:
+            if num_decode_tokens > 1:
+                self._propose_drafts(num_decode_tokens, self.max_decode_run(num_decode_tokens))
+            out = self.scheduler.schedule()
         self._kv_counts = None
         self.num_steps += 1
         record = EngineStepRecord(out, dict(out.num_scheduled_tokens),
@@ -516,7 +625,37 @@ class InprocEngine:
         record.sampled_token_ids = [self._sample(rid, out, record) for rid in out.num_scheduled_tokens]
         if record.num_scheduled_tokens:
             self.num_decode_substeps += 1 if record.prefill else num_decode_tokens
+        if not hide_waiting:
+            self._is_waiting_blocked = self._is_blocked_probe(record)
         return record
+
+    def _is_blocked_probe(self, record: EngineStepRecord) -> bool:
+        """Whether this single step proves the waiting requests blocked (see
+        :meth:`max_blocked_decode_run`): requests wait, every scheduled request decoded one
+        token (so vLLM looked at the waiting queue with the step's full remaining budget), and
+        none was admitted, resumed or preempted."""
+        s = self.scheduler
+        if (record.num_decode_tokens != 1 or not s.waiting or record.prefill
+                or record.preempted_ids or record.new_request_cached_tokens
+                or getattr(s, "kv_holding_waiting", ())):
+            return False
+        return all(n == 1 for n in record.num_scheduled_tokens.values())
+
+    def _schedule_hiding_waiting(self, k: int) -> Any:
+        """One ``schedule()`` of a blocked decode run of ``k`` tokens, the waiting queue hidden."""
+        s = self.scheduler
+        limit = self.max_blocked_decode_run(k)
+        if limit < k:
+            raise ValueError(f"hide_waiting with num_decode_tokens={k} but the engine allows a "
+                             f"blocked decode run of at most {limit}; call max_blocked_decode_run()")
+        if k > 1:
+            self._propose_drafts(k, limit)
+        hidden, bound = s.waiting, s.prefill_capacity_bound
+        s.waiting = create_request_queue(s.policy)
+        try:
+            return s.schedule()
+        finally:
+            s.waiting, s.prefill_capacity_bound = hidden, bound
 
     def update(self, record: EngineStepRecord) -> EngineStepRecord:
         """Apply the step's synthetic model output (``update_from_output``). Mutates ``record``.
@@ -537,6 +676,7 @@ class InprocEngine:
                 record.outputs.append((o.request_id, len(o.new_token_ids), reason))
                 if reason is not None:
                     self._forget(o.request_id)
+                    self._is_waiting_blocked = False  # its blocks are free now
         return record
 
     def _sample(self, rid: str, out: Any, record: EngineStepRecord) -> list[int]:
@@ -556,9 +696,9 @@ class InprocEngine:
         ids = list(planned[index:index + 1 + len(spec)])
         return ids + [0] * (1 + len(spec) - len(ids))
 
-    def _propose_drafts(self, k: int) -> None:
-        """Give each running request its next ``k - 1`` planned ids as draft tokens."""
-        limit = self.max_decode_run(k)
+    def _propose_drafts(self, k: int, limit: int) -> None:
+        """Give each running request its next ``k - 1`` planned ids as draft tokens (``limit``:
+        the longest run the engine allows now)."""
         if limit < k:
             raise ValueError(f"num_decode_tokens={k} but the engine allows at most {limit} "
                              "coalesced decode tokens now; call max_decode_run() first")
@@ -572,7 +712,10 @@ class InprocEngine:
     def _forget(self, request_id: str) -> None:
         self._planned.pop(request_id, None)
         self._requests.pop(request_id, None)
+        self._hash_keys.pop(request_id, None)
         self.hasher.forget(request_id)
+        if self.prefix_memo is not None:
+            self.prefix_memo.forget(request_id)
 
     def max_decode_run(self, limit: int) -> int:
         """Largest ``k <= limit`` for which a coalesced step equals ``k`` single steps. Pure.
@@ -589,17 +732,22 @@ class InprocEngine:
             blocks needed after the step: ceil((c + k) / b); held now: ceil(c / b)
         """
         s = self.scheduler
-        running = s.running
-        if limit <= 1 or not running or len(s.waiting) + len(getattr(s, "kv_holding_waiting", ())) > 0:
+        if limit <= 1 or not s.running or len(s.waiting) + len(getattr(s, "kv_holding_waiting", ())) > 0:
             return 1
-        bs = self.params.block_size
+        return self._steady_decode_run(limit)
+
+    def _steady_decode_run(self, limit: int, keep_last: bool = False) -> int:
+        """:meth:`max_decode_run` without its empty-waiting condition (``keep_last``: no request
+        may finish within the run). Pure."""
+        s = self.scheduler
+        running = s.running
         k = min(limit, self.params.max_num_batched_tokens // len(running))
         if self.params.long_prefill_token_threshold > 0:
             k = min(k, self.params.long_prefill_token_threshold)
         # The sync Scheduler caches a request's full blocks at its next allocate_slots(), so a
         # run must not end a request: its last token takes a single step, after which vLLM
         # caches the blocks the drafts filled (AsyncScheduler caches them at update time).
-        keep_last = 0 if isinstance(s, AsyncScheduler) else 1
+        keep_last = int(keep_last or not isinstance(s, AsyncScheduler))
         for r in running:
             c = r.num_computed_tokens
             if (c != r.num_tokens - 1 or c < r.num_prompt_tokens or r.num_output_placeholders
@@ -608,12 +756,82 @@ class InprocEngine:
             k = min(k, r.max_tokens - r.num_output_tokens - keep_last,
                     self.params.max_model_len - c - 1)
         while k > 1:
-            need = sum(-(-(r.num_computed_tokens + k) // bs) - -(-r.num_computed_tokens // bs)
-                       for r in running)
-            if need <= seams.num_free_blocks(s):
+            if self._run_new_blocks(k) <= seams.num_free_blocks(s):
                 break
             k //= 2
         return max(1, k)
+
+    def _run_new_blocks(self, k: int) -> int:
+        """New KV blocks the running requests take over ``k`` more decode tokens each. Pure."""
+        bs = self.params.block_size
+        return sum(-(-(r.num_computed_tokens + k) // bs) - -(-r.num_computed_tokens // bs)
+                   for r in self.scheduler.running)
+
+    def max_blocked_decode_run(self, limit: int) -> int:
+        """Largest ``k <= limit`` for which one ``schedule()`` with the waiting queue hidden
+        (:meth:`schedule` ``hide_waiting=True``) equals ``k`` single steps. Pure.
+
+        Mental model: FCFS past its KV knee. Requests wait for KV while the running ones decode;
+        every single step asks vLLM to admit the waiting head, and the answer stays "no" until a
+        request finishes, a request arrives or the head's prefix hit changes. The *probe* is the
+        last single step: it was a pure decode step (the waiting queue saw the full remaining
+        token budget) and left every waiting request unscheduled (:meth:`_is_blocked_probe`);
+        since then nothing was added, finished or preempted. Over the next ``k`` steps the same
+        requests decode one token each (same token budget and running count), the free blocks
+        only shrink (decode allocations, no frees), and each waiting request's need for blocks
+        is unchanged as long as its prefix hit is. vLLM stops at the first waiting request it
+        cannot allocate (requests are never skipped here: no KV connector, no structured output),
+        so only the head is asked: the run must not evict one of its full blocks (the blocks the
+        run takes are the head of vLLM's free queue, :func:`seams.next_evicted_blocks`), and no
+        running request of its session may fill one (sessions' streams never share a block). So
+        vLLM would leave every waiting request waiting in every step, and hiding them is exact.
+        With stock vLLM a request added behind the head leaves the probe valid.
+
+        Our schedulers add time- and event-driven decisions of their own; one that implements
+        ``blocked_run_is_safe()`` (and returns True) certifies that none falls due before the
+        next event the simulator bounds the run with (``blocked_run_until_s``). Stock vLLM
+        schedulers need no hook. Returns 1 when the run is not provably exact.
+        """
+        s = self.scheduler
+        if (limit <= 1 or not self._is_waiting_blocked or not s.running or not s.waiting
+                or getattr(s, "kv_holding_waiting", ())):
+            return 1
+        if self.is_plugin and not (hasattr(s, "blocked_run_is_safe") and s.blocked_run_is_safe()):
+            return 1
+        # Our schedulers decide on a finish (retained KV from the other requests' lengths): the
+        # finishing token takes a single step, where every other request is one token further.
+        k = self._steady_decode_run(limit, keep_last=self.is_plugin)
+        if self.is_plugin and k > 1:
+            k = s.blocked_run_max_tokens(k)
+        if k <= 1:
+            return 1
+        # vLLM stops at the first waiting request it cannot allocate: only the head is asked.
+        head = s.waiting.peek_request()
+        if any(r.session_id == head.session_id for r in s.running):
+            return 1
+        keys = self._pool_hash_keys(head)
+        evicted = seams.next_evicted_blocks(s, self._run_new_blocks(k))
+        first_hit = next((i for i, b in enumerate(evicted)
+                          if b.block_hash is not None and b.block_hash in keys), None)
+        if first_hit is None:
+            return k
+        lo, hi = 1, k  # largest k' with _run_new_blocks(k') <= first_hit (monotone in k')
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._run_new_blocks(mid) <= first_hit:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _pool_hash_keys(self, request: Request) -> frozenset[Any]:
+        """Memo of :func:`seams.pool_block_hash_keys` for a waiting request."""
+        memo = self._hash_keys.get(request.request_id)
+        if memo is None or memo[0] != len(request.block_hashes):
+            groups = len(self.scheduler.kv_cache_config.kv_cache_groups)
+            memo = (len(request.block_hashes), seams.pool_block_hash_keys(request, groups))
+            self._hash_keys[request.request_id] = memo
+        return memo[1]
 
     # ------------------------------------------------------------------ KV state
     def kv_block_counts(self) -> tuple[int, int, int]:

@@ -28,6 +28,11 @@ vLLM private                                      what we do with it
 ``SingleTypeKVCacheManager.req_to_blocks``       the blocks a request holds
 ``KVCacheManager.get_computed_blocks``           prefix-cache hit length of a waiting request
 ``KVCacheBlock.ref_cnt/.block_hash/.is_null``    which blocks are worth pinning
+``BlockPool.free_block_queue`` (linked list)     the next blocks an allocation evicts (simulator:
+                                                 a coalesced run must not evict a waiting hit)
+``Scheduler.prefill_capacity_bound``             kept as k single steps leave it (simulator)
+``BlockPool.cached_block_hash_to_block``         watched (insert/pop call back) so the simulator
+                                                 can memoize prefix-hit lookups exactly
 ===============================================  =================================================
 """
 
@@ -38,6 +43,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from vllm.v1.core.block_pool import BlockHashToBlockMap
 from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -55,10 +61,16 @@ __all__ = [
     "enable_victim_ranks",
     "finish_with_error_next_step",
     "is_cached_block",
+    "num_blocks_referenced_once",
     "num_free_blocks",
     "num_gpu_blocks",
     "prefix_hit_tokens",
     "free_pinned",
+    "next_evicted_blocks",
+    "watch_prefix_cache",
+    "pool_block_hash_key",
+    "pool_block_hash_keys",
+    "prefix_cache_map",
     "pin_blocks",
     "request_blocks",
     "referenced_block_counts",
@@ -218,9 +230,79 @@ def block_ref_count(block: KVCacheBlock) -> int:
     return int(block.ref_cnt)
 
 
+def num_blocks_referenced_once(blocks: Iterable[KVCacheBlock]) -> int:
+    """How many of ``blocks`` hold exactly one reference. Pure."""
+    return sum(1 for b in blocks if b.ref_cnt == 1)
+
+
 def all_blocks(sched: Scheduler) -> list[KVCacheBlock]:
     """Every block of the pool (index = block_id)."""
     return block_pool(sched).blocks
+
+
+def next_evicted_blocks(sched: Scheduler, num_blocks: int) -> list[KVCacheBlock]:
+    """The first ``num_blocks`` blocks of the free queue: the blocks the next allocations take (and
+    evict from the prefix cache), in order (vLLM's ``get_new_blocks`` pops from the head). Pure."""
+    out: list[KVCacheBlock] = []
+    block = block_pool(sched).free_block_queue.fake_free_list_head.next_free_block
+    while block is not None and block.block_id >= 0 and len(out) < num_blocks:
+        out.append(block)
+        block = block.next_free_block
+    return out
+
+
+class _WatchedBlockHashToBlockMap(BlockHashToBlockMap):
+    """vLLM's prefix-cache map (hash + group id -> block) that reports every insert and pop."""
+
+    def __init__(self, on_change: Any) -> None:
+        super().__init__()
+        self._on_change = on_change
+
+    def insert(self, key: Any, block: KVCacheBlock) -> None:
+        super().insert(key, block)
+        self._on_change(key, False)
+
+    def pop(self, key: Any, block_id: int) -> KVCacheBlock | None:
+        block = super().pop(key, block_id)
+        self._on_change(key, self._cache.get(key) is None)
+        return block
+
+
+def watch_prefix_cache(sched: Scheduler, on_change: Any) -> Any:
+    """Make ``on_change(key, is_gone)`` run after every insert into or pop from the pool's
+    prefix-cache map (``key``: a ``KVCacheBlock.block_hash``; ``is_gone``: a pop left no block
+    under it). Mutates the pool (its entries are kept).
+
+    Returns:
+        The watched map (the pool replaces it on ``reset_prefix_cache``: compare identities).
+    """
+    pool = block_pool(sched)
+    watched = _WatchedBlockHashToBlockMap(on_change)
+    watched._cache = pool.cached_block_hash_to_block._cache
+    pool.cached_block_hash_to_block = watched
+    return watched
+
+
+def prefix_cache_map(sched: Scheduler) -> Any:
+    """The pool's current prefix-cache map (see :func:`watch_prefix_cache`)."""
+    return block_pool(sched).cached_block_hash_to_block
+
+
+def pool_block_hash_key(block_hash: Any, group_id: int = 0) -> Any:
+    """The pool-side key (``KVCacheBlock.block_hash``) of a request block hash in one group. Pure."""
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    return make_block_hash_with_group_id(block_hash, group_id)
+
+
+def pool_block_hash_keys(request: Request, num_groups: int = 1) -> frozenset[Any]:
+    """The pool-side keys (``KVCacheBlock.block_hash``: hash + group id) of ``request``'s full
+    blocks in KV cache groups ``0..num_groups-1``: a block whose key is here may serve its prefix
+    hit. Pure."""
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    return frozenset(make_block_hash_with_group_id(h, g)
+                     for g in range(num_groups) for h in request.block_hashes)
 
 
 def prefix_hit_tokens(sched: Scheduler, request: Request) -> int:

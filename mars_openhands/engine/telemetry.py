@@ -33,16 +33,19 @@ class EngineTelemetry:
     Args:
         sink: where events go; None disables telemetry (``enabled`` is False).
         source: the ``source`` field, e.g. ``"engine:0"``.
-        engine_step_interval_ms: minimum spacing of ``engine_step`` snapshots.
+        engine_step_interval_ms: minimum spacing of ``engine_step`` snapshots (``None``: none).
     """
 
     def __init__(
-        self, sink: EventSink | None, source: str = "engine:0", engine_step_interval_ms: float = 100.0
+        self, sink: EventSink | None, source: str = "engine:0",
+        engine_step_interval_ms: float | None = 100.0,
     ) -> None:
         self.sink = sink
         self.enabled = sink is not None
         self.source = source
-        self._step_interval_ns = int(engine_step_interval_ms * 1e6)
+        self._step_interval_ns = (None if engine_step_interval_ms is None
+                                  else int(engine_step_interval_ms * 1e6))
+        """``None``: no ``engine_step`` snapshots (the simulator takes its own on the virtual clock)."""
         self._last_step_ns: int | None = None
         self.num_errors = 0
 
@@ -108,7 +111,7 @@ class EngineTelemetry:
 
     def should_emit_step(self) -> bool:
         """True at most once per ``engine_step_interval_ms`` (and only when enabled)."""
-        if self.sink is None:
+        if self.sink is None or self._step_interval_ns is None:
             return False
         now_ns = time.monotonic_ns()
         if self._last_step_ns is not None and now_ns - self._last_step_ns < self._step_interval_ns:

@@ -194,3 +194,32 @@ def test_start_up_warns_when_another_vllm_is_loaded(monkeypatch, caplog) -> None
     with caplog.at_level("WARNING", logger="mars_openhands.engine.seams"):
         seams.check_compat()  # what every scheduler's __init__ runs
     assert any("vLLM 0.34.0 is loaded" in r.getMessage() for r in caplog.records)
+
+
+def test_free_queue_order_hash_keys_and_watched_prefix_cache() -> None:
+    # The simulator's seams: the blocks the next allocation evicts, the pool keys of a request's
+    # full blocks, the watched prefix-cache map and the one-reference count.
+    h = Harness(Scheduler, num_blocks=32)
+    prompt = h.tokens(64)
+    first = h.add(h.make_request(None, prompt, max_tokens=1))
+    h.run_until_done()
+    keys = seams.pool_block_hash_keys(first)
+    assert len(keys) == 4 and seams.pool_block_hash_key(first.block_hashes[0]) in keys
+    evicted = seams.next_evicted_blocks(h.scheduler, 40)
+    assert len(evicted) == seams.num_free_blocks(h.scheduler)  # capped at the free blocks
+    cached = [b for b in evicted if b.block_hash is not None]
+    assert {b.block_hash for b in cached} == keys
+    changes: list[tuple[object, bool]] = []
+    watched = seams.watch_prefix_cache(h.scheduler, lambda key, is_gone: changes.append((key, is_gone)))
+    assert seams.prefix_cache_map(h.scheduler) is watched
+    probe = h.make_request(None, prompt + h.tokens(5), max_tokens=1)
+    assert seams.prefix_hit_tokens(h.scheduler, probe) == 64  # the watched map keeps the entries
+    filler = h.add(h.make_request(None, h.tokens(16 * 30), max_tokens=3))  # evicts the cached ones
+    h.step()
+    gone = {key for key, is_gone in changes if is_gone}
+    # 30 of the 31 free blocks taken from the free queue's head: the 3 blocks freed first (the
+    # chain's tail; vLLM frees tail-first) left the cache, the chain's first block is still there.
+    assert gone == keys - {seams.pool_block_hash_key(first.block_hashes[0])}
+    assert seams.num_blocks_referenced_once(seams.request_blocks(h.scheduler, filler.request_id)) == 30
+    h.run_until_done()
+    h.assert_no_leaks()

@@ -110,8 +110,8 @@ def simulated_schedule(coalesce_max_steps: int) -> tuple[Schedule, Any]:
     steps: list[tuple[int, list[tuple[str, int, int]]]] = []  # (k, [(rid, n, before)])
     inner_schedule = sim.engine.schedule
 
-    def recording_schedule(num_decode_tokens: int = 1) -> Any:
-        record = inner_schedule(num_decode_tokens)
+    def recording_schedule(num_decode_tokens: int = 1, *, hide_waiting: bool = False) -> Any:
+        record = inner_schedule(num_decode_tokens, hide_waiting=hide_waiting)
         out = record.scheduler_output
         before = {n.req_id: n.num_computed_tokens for n in out.scheduled_new_reqs}
         cached = out.scheduled_cached_reqs

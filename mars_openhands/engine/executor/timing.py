@@ -275,6 +275,15 @@ class StepTimeModel:
         """
         return self.shape_time_s(StepShape.from_requests(prefill, decode_context_tokens))
 
+    def decode_step_time_s(self, num_decode_requests: int, decode_context_tokens: int) -> float:
+        """:meth:`step_time_s` of a pure-decode step, from its shape (``D`` requests attending
+        ``decode_context_tokens`` in total): the same value, without building the context list.
+
+        Raises:
+            StepTimeModelError: as :meth:`step_time_s`.
+        """
+        return self.shape_time_s(StepShape(0, 0, 0, num_decode_requests, decode_context_tokens))
+
     def cache_info(self) -> functools._CacheInfo:
         """Hits/misses of the estimate cache (for benchmarks)."""
         return self._cached_estimate_ms.cache_info()

@@ -34,7 +34,7 @@ decode tokens use up the quantum.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from vllm.v1.request import Request
@@ -114,6 +114,49 @@ class AutellixScheduler(MarsBaseScheduler):
         super().on_stream_event(event, now_s)
         if event.kind == "session_end" and event.session_id is not None:
             self._programs.pop(event.session_id, None)
+
+    # ------------------------------------------------------------------ simulator hooks
+    coalescible_blocked_runs = True
+    """Per step: waiting calls accrue the step's tokens, running calls are charged theirs (both
+    additive), and the running order ``(level, arrival)`` is constant while no level changes;
+    :meth:`blocked_run_max_tokens` ends a merged run before a demotion or a promotion."""
+
+    def blocked_run_max_tokens(self, limit: int) -> int:
+        """Most decode tokens before a level would change. Pure.
+
+        A running call is demoted at the step it starts with one quantum token left: ``k`` single
+        steps keep its level iff ``k <= quantum - 1``. A waiting call's wait grows by the running
+        count per step; the check before step ``i + 1`` sees ``i`` steps of it, so a promotion at
+        ``i`` (the first, found by bisection: the ratio only grows) ends the run at ``i`` steps.
+        """
+        k = limit
+        for request in self.running:
+            entry = self._calls.get(request.request_id)
+            if entry is not None:
+                quantum = entry.plas.quantum_left_tokens
+                if quantum <= 0:
+                    quantum = plas.level_quantum_tokens(entry.plas.level, self.plas_params,
+                                                        self._budget_tokens)
+                k = min(k, quantum - 1)
+        num_running = len(self.running)
+        for request in self.waiting:
+            entry = self._calls.get(request.request_id)
+            if entry is None or k <= 1:
+                continue
+            program = self._programs.get(entry.program_id, _NO_PROGRAM)
+            call = entry.plas
+
+            def promoted_after(i: int, call: PlasCall = call, program: PlasProgram = program) -> bool:
+                waited = replace(call, wait_tokens=call.wait_tokens + i * num_running)
+                return plas.should_promote(waited, program, self.plas_params)
+
+            if promoted_after(k - 1):
+                lo, hi = 1, k - 1  # the first i with a promotion
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    lo, hi = (lo, mid) if promoted_after(mid) else (mid + 1, hi)
+                k = lo
+        return max(1, k)
 
     # ------------------------------------------------------------------ hooks
     def waiting_key(self, request: Request, now_s: float) -> Any:

@@ -92,6 +92,9 @@ logger = logging.getLogger(__name__)
 
 _RETAINABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 _GC_INTERVAL_S = 10.0
+_RUN_MARGIN_S = 1e-6
+"""A merged run ends this much before a timer tested as ``now - t0 >= interval`` (rounding of
+``t0 + interval`` must not let a step past it)."""
 _MIN_PREFILL_SAMPLE_TOKENS = 512
 """Steps with fewer prefill tokens say more about decode than about prefill speed."""
 
@@ -163,6 +166,12 @@ class MarsBaseScheduler(AsyncScheduler):
     """Class default of ``params.window.enabled`` (preview port: True)."""
     default_chunk_shrinking: ClassVar[bool] = False
     """Class default of ``params.chunk_shrinking`` (MARS: True)."""
+    coalescible_blocked_runs: ClassVar[bool] = False
+    """Simulator speed: the policy's per-step work (its hooks: ``on_step_start``, running order,
+    ``on_scheduled``, ...) is all covered by :meth:`blocked_run_is_safe`,
+    :meth:`blocked_run_until_s` and :meth:`blocked_run_max_tokens`, so pure-decode steps while
+    requests wait for KV may be merged (``InprocEngine.max_blocked_decode_run``). Off unless a
+    subclass checked its hooks."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -244,10 +253,12 @@ class MarsBaseScheduler(AsyncScheduler):
             self._inbox_socket = self._zmq_context.socket(zmq.PULL)
             self._inbox_socket.bind(check_address(self.params.inbox_addr))
 
-    def set_telemetry_sink(self, sink: EventSink | None) -> None:
-        """Replace the telemetry sink (tests, simulator). Mutates."""
+    def set_telemetry_sink(self, sink: EventSink | None, *, engine_steps: bool = True) -> None:
+        """Replace the telemetry sink (tests, simulator; ``engine_steps=False``: no
+        ``engine_step`` snapshots, whose KV walk the simulator does on its own clock). Mutates."""
         self.telemetry = EngineTelemetry(
-            sink, self.params.telemetry.source, self.params.telemetry.engine_step_interval_ms
+            sink, self.params.telemetry.source,
+            self.params.telemetry.engine_step_interval_ms if engine_steps else None,
         )
 
     # ------------------------------------------------------------------ hooks (override)
@@ -309,6 +320,34 @@ class MarsBaseScheduler(AsyncScheduler):
         """Called once per step before vLLM's ``schedule()`` (only if overridden), after the inbox
         was drained and expired KV released; may add requests to or remove them from
         ``self.waiting``."""
+
+    # ------------------------------------------------------------------ simulator hooks
+    def blocked_run_is_safe(self) -> bool:
+        """Whether the next pure-decode steps, while every waiting request stays blocked on KV,
+        would do no per-step work of this scheduler's own beyond the timers of
+        :meth:`blocked_run_until_s` and the counters of :meth:`blocked_run_max_tokens`: the
+        class certified its hooks (:attr:`coalescible_blocked_runs`), nothing is in the inbox,
+        no request is rejected, none waits in the window's overflow, and no re-sort is due. Pure."""
+        return (self.coalescible_blocked_runs and not self._inbox and self._inbox_socket is None
+                and not self._rejected and not self.overflow and not self._is_resort_due())
+
+    def blocked_run_max_tokens(self, limit: int) -> int:
+        """Most decode tokens per request (<= ``limit``) a merged run may take before a per-step
+        counter of the policy would change a decision (default: none). Pure."""
+        return limit
+
+    def _is_resort_due(self) -> bool:
+        """Whether the next step re-sorts the waiting queue because it changed (see _reorder)."""
+        return self._has_waiting_key and len(self.waiting) > 1 and self.waiting.is_dirty
+
+    def blocked_run_until_s(self, now_s: float) -> float:
+        """Scheduler-clock seconds by which a merged run must have ended: the next retained-KV
+        expiry, the next session GC, and (with a waiting order over several requests) the next
+        periodic re-sort, each of which :meth:`schedule` does at the first step past it. Pure."""
+        t = min(self._next_expiry_s, self._last_gc_s + _GC_INTERVAL_S - _RUN_MARGIN_S)
+        if self._has_waiting_key and len(self.waiting) > 1:
+            t = min(t, self._last_waiting_sort_s + self.params.reorder_interval_s - _RUN_MARGIN_S)
+        return t
 
     # ------------------------------------------------------------------ vLLM entry points
     def add_request(self, request: Request, **kwargs: Any) -> None:
@@ -951,6 +990,11 @@ class MarsBaseScheduler(AsyncScheduler):
         return free, retained_only, seams.num_gpu_blocks(self) - 1 - free - retained_only
 
     def _retained_only_blocks(self) -> int:
+        entries = self.retained.values()
+        num_pins = sum(len(e.blocks) for e in entries)
+        if len({b.block_id for e in entries for b in e.blocks}) == num_pins:
+            # Every block pinned once (the usual case): retained-only iff its one reference is ours.
+            return sum(seams.num_blocks_referenced_once(e.blocks) for e in entries)
         pins: dict[int, int] = {}
         by_id: dict[int, Any] = {}
         for entry in self.retained.values():

@@ -58,6 +58,11 @@ _WAITING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 class ContinuumScheduler(MarsBaseScheduler):
     """Continuum / Continuum-dy: program-level FCFS with TTL-pinned KV between turns."""
 
+    coalescible_blocked_runs = True
+    """Per-step work beyond the base timers: ``on_scheduled`` acts only on a request scheduled
+    again after an eviction (never inside a run of decodes), and the victim ranks are rewritten
+    before any step that could preempt."""
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.continuum_params: ContinuumParams = self.params.continuum

@@ -31,6 +31,8 @@ __all__ = ["InferceptScheduler"]
 class InferceptScheduler(MarsBaseScheduler):
     """FCFS with InferCept's break-even KV retention at the end of non-final turns."""
 
+    coalescible_blocked_runs = True  # no per-step hook: only the base class's timers
+
     def retention_decision(
         self, request: Request, session: SessionState, now_s: float
     ) -> RetentionDecision | None:

@@ -185,6 +185,24 @@ class ThunderAgentScheduler(MarsBaseScheduler):
                 self._unmark(program)
                 self._pause(program, now)
 
+    # ------------------------------------------------------------------ simulator hooks
+    coalescible_blocked_runs = True
+    """``on_step_start`` acts only at its two timers (see :meth:`blocked_run_until_s`)."""
+
+    def blocked_run_is_safe(self) -> bool:
+        """Base conditions, once the periodic check's clock has started. Pure."""
+        return super().blocked_run_is_safe() and self._next_check_s is not None
+
+    def blocked_run_until_s(self, now_s: float) -> float:
+        """Base timers, the next periodic check and the oldest held request's forced admission."""
+        t = super().blocked_run_until_s(now_s)
+        if self._next_check_s is not None:
+            t = min(t, self._next_check_s)
+        if self.held:
+            _, since = next(iter(self.held.values()))
+            t = min(t, since + self.thunder_params.max_wait_s - 1e-6)
+        return t
+
     # ------------------------------------------------------------------ the periodic check
     def on_step_start(self, now_s: float) -> None:
         """Base hook: forced admissions, then the periodic resume/pause check every ``Δt``."""

@@ -1,0 +1,95 @@
+"""The simulator's speed-ups are exact: with ``MARS_SIM_FAST_PATHS=0`` (every step that today goes
+through ``schedule()`` does so) and with them on, a KV-bound run makes the same decisions at the
+same virtual times, to the last bit (eval/sim.py, engine/inproc.py)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from eval.sim import FAST_PATHS_ENV, LinearStepTimeModel, SimConfig, SimResult, Simulator  # noqa: E402
+from eval.workloads.format import Session, Turn, Workload, WorkloadMeta  # noqa: E402
+from mars_openhands.engine.inproc import InprocEngineParams  # noqa: E402
+from mars_openhands.stream.transport import ListSink  # noqa: E402
+
+NUM_BLOCKS = 160
+"""2,560 tokens of KV for sessions that grow to ~1,600 tokens each: requests wait for KV."""
+
+ORIGIN = datetime(2026, 1, 1, tzinfo=UTC)
+_SKIPPED_KINDS = frozenset({"engine_step", "admission_update"})
+"""Telemetry snapshots: a coalesced run takes fewer of them (they report, never decide)."""
+
+
+def _kv_bound_workload(num_sessions: int = 7, num_turns: int = 5) -> Workload:
+    sessions = []
+    for i in range(num_sessions):
+        turns = [Turn(prompt_tokens_appended=180 + 37 * i + 23 * k, output_tokens=60 + 11 * ((i + k) % 5),
+                      tool_name="bash", tool_duration_s=0.05 + 0.07 * ((i * k) % 4))
+                 for k in range(num_turns - 1)]
+        turns.append(Turn(prompt_tokens_appended=40, output_tokens=30 + i))
+        sessions.append(Session(session_id=f"s{i}", arrival_s=0.15 * i, turns=tuple(turns)))
+    return Workload(meta=WorkloadMeta(source="test"), sessions=tuple(sessions))
+
+
+def _fingerprint(result: SimResult, sink: ListSink) -> tuple[Any, ...]:
+    sessions = {
+        sid: (r.admitted_s, r.end_s, [
+            (t.request_id, t.submit_s, t.first_scheduled_s, t.first_token_s, t.finish_s,
+             t.num_cached_tokens, t.num_preemptions, t.tool_enqueue_s, t.tool_start_s, t.tool_end_s)
+            for t in r.turns])
+        for sid, r in result.sessions.items()}
+    events = [e.model_dump() for e in sink.events if e.kind not in _SKIPPED_KINDS]
+    return (sessions, events, result.num_engine_steps, result.num_preemptions,
+            result.kv_blocks_at_end, result.makespan_s)
+
+
+def _both_ways(monkeypatch: pytest.MonkeyPatch, config: SimConfig,
+               workload: Workload) -> tuple[SimResult, SimResult, tuple[Any, ...], tuple[Any, ...], Any]:
+    out = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv(FAST_PATHS_ENV, flag)
+        sink = ListSink()
+        sim = Simulator(workload, config, LinearStepTimeModel(), sink, ORIGIN)
+        result = sim.run()
+        out.append((result, _fingerprint(result, sink)))
+    (slow, slow_print), (fast, fast_print) = out
+    return slow, fast, slow_print, fast_print, sim.engine
+
+
+_CONTINUUM = {"additional_config": {"mars": {"continuum": {"mode": "continuum"}}}}
+
+
+@pytest.mark.parametrize(("policy", "engine", "admission", "merges"), [
+    ("fcfs", {}, False, True),
+    ("fcfs", {"long_prefill_token_threshold": 64}, False, True),  # vllm-tuned's cap (scaled)
+    ("fcfs", {}, True, True),
+    ("InferceptScheduler", {}, False, True),
+    ("ContinuumScheduler", _CONTINUUM, False, True),
+    ("AutellixScheduler", {}, False, True),
+    ("ThunderAgentScheduler", {}, False, True),
+    ("MarsPreviewScheduler", {}, True, False),
+    ("MarsScheduler", {}, True, False),
+])
+def test_fast_paths_are_exact(monkeypatch: pytest.MonkeyPatch, policy: str, engine: dict[str, Any],
+                              admission: bool, merges: bool) -> None:
+    """Every request's schedule, token and finish times, cached tokens and preemptions, every
+    non-snapshot event, the KV at the end: equal with and without the fast paths."""
+    config = SimConfig(policy=policy, num_tool_workers=3, is_admission_enabled=admission,
+                       engine=InprocEngineParams(num_gpu_blocks=NUM_BLOCKS, max_model_len=4096,
+                                                 **engine))
+    slow, fast, slow_print, fast_print, engine_ = _both_ways(monkeypatch, config, _kv_bound_workload())
+    assert engine_.prefix_memo is not None and engine_.prefix_memo.num_hits > 0
+    assert all(r.end_s is not None for r in slow.sessions.values())
+    assert slow.num_preemptions > 0, "the workload must be KV-bound (requests preempted and waiting)"
+    assert fast_print[0] == slow_print[0], "per-request times differ"
+    first = next((i for i, (a, b) in enumerate(zip(slow_print[1], fast_print[1], strict=False))
+                  if a != b), None)
+    assert first is None, f"event {first} differs: {slow_print[1][first]} vs {fast_print[1][first]}"
+    assert fast_print == slow_print
+    if merges:
+        assert fast.num_schedule_calls < 0.8 * slow.num_schedule_calls, (
+            f"blocked runs unused: {fast.num_schedule_calls} vs {slow.num_schedule_calls} calls")
