@@ -16,7 +16,8 @@ sleep / ``tool_end``) and ``session_end``. Faults, drawn per session:
 * one replica is SIGKILLed (its whole process group: API server, engine core) when 40 % of the
   sessions have finished, and restarted on the same port and sockets at once (an emulated-GPU
   server takes 20-60 s to come back here); the soak waits for it to serve again before the
-  last sessions start, so it sees the gateway move sessions onto it.
+  last 20 % of the sessions start, so it sees the gateway move sessions onto it
+  (``--no-restart``: it stays dead, a shorter run for CI).
 
 Engines (``--engines``):
 
@@ -45,7 +46,7 @@ idle release of a dead agent's session, or by expiry), as does vLLM's own ``/met
 Usage::
 
     .venv/bin/python benchmarks/bench_soak.py               # 200 sessions, two emulated vLLMs
-    .venv/bin/python benchmarks/bench_soak.py --smoke       # 24 sessions, CI size
+    .venv/bin/python benchmarks/bench_soak.py --smoke       # 24 sessions
     .venv/bin/python benchmarks/bench_soak.py --engines fake
 
 Prints one line of figures and appends a row to ``benchmarks/results/bench_soak.parquet``.
@@ -118,6 +119,8 @@ class Replicas:
     def __init__(self, num: int) -> None:
         self.num = num
         self.restart_s: float | None = None
+        self.dead: set[int] = set()
+        """Replicas killed and not (yet) started again."""
         self._restart_thread: threading.Thread | None = None
 
     def url(self, index: int) -> str:
@@ -141,6 +144,7 @@ class Replicas:
             t0 = time.monotonic()
             self._start_again(index)
             self.restart_s = time.monotonic() - t0
+            self.dead.discard(index)
         self._restart_thread = threading.Thread(target=run, name="replica-restart", daemon=True)
         self._restart_thread.start()
 
@@ -178,6 +182,7 @@ class FakeReplicas(Replicas):
 
     def kill(self, index: int) -> None:
         self._live[index].kill()
+        self.dead.add(index)
 
     def _start_again(self, index: int) -> None:
         fake = self._start(FakeEngineProcess(port=self._live[index].port, name=f"r{index}-restarted"))
@@ -236,6 +241,7 @@ class EmulatedReplicas(Replicas):
         assert server is not None and server.pid is not None, f"replica {index} is not running"
         os.killpg(server.pid, signal.SIGKILL)
         server.stop()  # reaps the group (already dead)
+        self.dead.add(index)
 
     def _start_again(self, index: int) -> None:
         server = VllmServer(self._options[index])
@@ -459,6 +465,8 @@ def engines_idle(replicas: Replicas, sink: ListSink) -> dict[str, dict[str, floa
     steps = last_engine_steps(list(sink.events))
     state: dict[str, dict[str, float]] = {}
     for i in range(replicas.num):
+        if i in replicas.dead:
+            continue  # killed and not restarted (--no-restart): nothing left to check
         step = steps.get(f"engine:{i}")
         try:
             m = parse_vllm_metrics(httpx.get(f"{replicas.url(i)}/metrics", timeout=5).text)
@@ -506,8 +514,9 @@ class CrashState:
 
 def run_sessions(args: argparse.Namespace, url: str, replicas: Replicas, tally: Tally,
                  crash: CrashState) -> Counter:
-    """Run every session; kill a replica at 40 % done and restart it; the last 20 % of the
-    sessions start only once it serves again (or after ``--restart-timeout-s``)."""
+    """Run every session; kill a replica at 40 % done and restart it (unless ``--no-restart``);
+    the last 20 % of the sessions start only once it serves again (or after
+    ``--restart-timeout-s``)."""
     outcomes: Counter = Counter()
     num_head = args.sessions - max(1, args.sessions // 5)
     kill_at = max(1, int(0.4 * args.sessions))
@@ -524,13 +533,16 @@ def run_sessions(args: argparse.Namespace, url: str, replicas: Replicas, tally: 
             if crash.kill_mono_ns is None and sum(outcomes.values()) >= kill_at:
                 replicas.kill(crash.replica)
                 crash.kill_mono_ns = time.monotonic_ns()
-                replicas.restart(crash.replica)
-            is_restarted = crash.kill_mono_ns is not None and replicas.wait_restarted(0.0)
+                if args.restart:
+                    replicas.restart(crash.replica)
+            is_restarted = crash.kill_mono_ns is not None and (
+                not args.restart or replicas.wait_restarted(0.0))
             if not crash.tail_submitted and (is_restarted or not pending):
-                if not is_restarted:  # every head session ended first: wait for the restart
-                    replicas.wait_restarted(args.restart_timeout_s)
-                _wait_replica_healthy(url, crash.replica, timeout_s=10.0)
-                tally.restarted_at_s = time.monotonic()
+                if args.restart:
+                    if not is_restarted:  # every head session ended first: wait for the restart
+                        replicas.wait_restarted(args.restart_timeout_s)
+                    _wait_replica_healthy(url, crash.replica, timeout_s=10.0)
+                    tally.restarted_at_s = time.monotonic()
                 pending |= submit(range(num_head, args.sessions))
                 crash.tail_submitted = True
     return outcomes
@@ -601,7 +613,8 @@ def is_ok(row: dict[str, Any], args: argparse.Namespace, engines: dict[str, Any]
           and row["tool_calls_in_flight"] == 0 and row["unclosed_tool_starts"] == 0
           and row["interrupted_but_alive"] == 0 and row["unrecorded_disconnects"] == 0
           and row["requests_sent"] == row["requests"] and row["http_5xx"] == 0
-          and row["errors_without_message"] == 0 and row["replica_restarts"] == 1
+          and row["errors_without_message"] == 0
+          and row["replica_restarts"] == int(args.restart)
           and row["completed"] + row["errors"] + row["killed"] + row["disconnected"] == args.sessions)
     if row["engines"] == "emulated":
         ok = ok and row["unfinished_requests"] == 0 and _is_engine_clean(engines)
@@ -625,6 +638,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--engine-delay-ms", type=float, default=40.0,
                         help="fake: answer delay of the fake engines")
     parser.add_argument("--max-tool-s", type=float, default=0.3, help="longest tool sleep, seconds")
+    parser.add_argument("--no-restart", dest="restart", action="store_false",
+                        help="kill the replica but do not start it again (a shorter CI run)")
     parser.add_argument("--restart-timeout-s", type=float, default=300.0,
                         help="how long the last sessions wait for the killed replica to come back")
     parser.add_argument("--settle-timeout-s", type=float, default=30.0,
@@ -654,32 +669,46 @@ def start_replicas(args: argparse.Namespace, tmp: Path) -> tuple[Replicas, str |
     return EmulatedReplicas(2, args, telemetry_addr, tmp), telemetry_addr
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run_soak(args: argparse.Namespace) -> tuple[dict[str, Any], bool, list[str]]:
+    """Start the replicas and the gateway, run the sessions, wait for everything to settle.
+
+    Returns:
+        The row of figures, whether every check passed, and the sessions' error messages.
+
+    Raises:
+        RuntimeError: a replica did not start (the message names the log folder).
+    """
     t0 = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix="soak-"))  # short: ipc socket paths stay < 100 bytes
-    replicas, telemetry_addr = start_replicas(args, tmp)
-    startup_s = time.monotonic() - t0
-    sink = ListSink()
-    tally, crash = Tally(), CrashState()
     try:
-        server = GatewayServer(build_gateway_config(replicas, telemetry_addr), sink).start()
+        replicas, telemetry_addr = start_replicas(args, tmp)
+        startup_s = time.monotonic() - t0
+        sink = ListSink()
+        tally, crash = Tally(), CrashState()
         try:
-            outcomes = run_sessions(args, server.url, replicas, tally, crash)
-            settled = wait_until_settled(server.url, replicas, sink, args.settle_timeout_s)
+            server = GatewayServer(build_gateway_config(replicas, telemetry_addr), sink).start()
+            try:
+                outcomes = run_sessions(args, server.url, replicas, tally, crash)
+                settled = wait_until_settled(server.url, replicas, sink, args.settle_timeout_s)
+            finally:
+                server.stop()
         finally:
-            server.stop()
+            replicas.close()
     finally:
-        replicas.close()
         shutil.rmtree(tmp, ignore_errors=True)
     if args.stream_path:
         with open(args.stream_path, "w") as out:
             out.writelines(e.model_dump_json() + "\n" for e in list(sink.events))
     row = summarize(args, outcomes, tally, crash, replicas, settled, list(sink.events))
     row.update(startup_s=round(startup_s, 1), wall_s=round(time.monotonic() - t0, 1))
-    ok = is_ok(row, args, settled[2])
+    return row, is_ok(row, args, settled[2]), list(tally.errors)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    row, ok, errors = run_soak(args)
     print("soak: " + ", ".join(f"{k} {v}" for k, v in row.items()) + f"; {'OK' if ok else 'FAILED'}")
-    for message in sorted(set(tally.errors))[:5]:
+    for message in sorted(set(errors))[:5]:
         print(f"  session error: {message}")
     if not args.no_parquet:
         import pandas as pd
