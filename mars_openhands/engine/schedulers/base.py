@@ -168,6 +168,8 @@ class MarsBaseScheduler(AsyncScheduler):
     """Class default of ``params.window.enabled`` (preview port: True)."""
     default_chunk_shrinking: ClassVar[bool] = False
     """Class default of ``params.chunk_shrinking`` (MARS: True)."""
+    default_resume_when_context_fits: ClassVar[bool] = False
+    """Class default of ``params.resume_when_context_fits`` (MARS, Autellix: True)."""
     coalescible_blocked_runs: ClassVar[bool] = False
     """Simulator speed: the policy's per-step work (its hooks: ``on_step_start``, running order,
     ``on_scheduled``, ...) is all covered by :meth:`blocked_run_is_safe`,
@@ -199,6 +201,9 @@ class MarsBaseScheduler(AsyncScheduler):
         )
         shrink = self.params.chunk_shrinking
         self.chunk_shrinking = self.default_chunk_shrinking if shrink is None else shrink
+        whole = self.params.resume_when_context_fits
+        self.resume_when_context_fits = (self.default_resume_when_context_fits if whole is None
+                                         else whole)
         self._rejected: dict[str, str] = {}
         self._inbox: deque[Any] = deque()
         self._inbox_lock = threading.Lock()
@@ -247,7 +252,8 @@ class MarsBaseScheduler(AsyncScheduler):
         self._allocate_wrapper.disable()
         if self._has_victim_key:
             seams.enable_victim_ranks(self)
-        self._uses_chunk_hook = self._overrides("chunk_tokens") or self.chunk_shrinking
+        self._uses_chunk_hook = (self._overrides("chunk_tokens") or self.chunk_shrinking
+                                 or self.resume_when_context_fits)
         # On only in steps that can size a prefill chunk (see _reorder).
         seams.enable_chunk_hook(self, self._model_needs_mamba_split)
         # In an engine-core process: wake its idle loop when CPU-plane events or a retention
@@ -656,12 +662,39 @@ class MarsBaseScheduler(AsyncScheduler):
         start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
         if start >= max(request.num_prompt_tokens, request.num_tokens - 1):
             return num_new_tokens  # decode: one token, nothing to shape
+        waiting = num_new_local_computed_tokens > 0 or request.status != RequestStatus.RUNNING
+        if (waiting and request.num_preemptions and self.resume_when_context_fits
+                and not self._can_resume(request)):
+            return 0  # vLLM admits nothing more this step; the request stays first in line
         self._step_prefills.append(request.request_id)
         n = self.chunk_tokens(request, num_new_tokens, start)
         if self.chunk_shrinking:
-            n = self._shrink_to_fit(request, n, start, waiting=num_new_local_computed_tokens > 0
-                                    or request.status != RequestStatus.RUNNING)
+            n = self._shrink_to_fit(request, n, start, waiting=waiting)
         return max(1, min(n, num_new_tokens))
+
+    def _can_resume(self, request: Request) -> bool:
+        """Whether a preempted waiting ``request`` may resume now: its whole context fits in the
+        free blocks (its own cached prefix is among them, so it counts) beside the rest of the
+        prompts already running (or admitted earlier in this step), or nothing runs (then
+        nothing would free more room). Pure; O(running).
+
+        Why: vLLM admits a request when its first chunk fits; two preempted long requests
+        resumed together into the room finished requests left, and one was preempted again
+        midway through its re-prefill, losing that work too (issue 16 kind 4). ::
+
+            |<------------- request.num_tokens (prompt + outputs so far) ------------->|
+            |<- cached (free, ref 0) ->|<------------- still to compute --------------->|
+            blocks(num_tokens)  <=  free + reclaimable retained - watermark
+                                    - sum over running r of (blocks(r.num_tokens) - blocks r holds)
+        """
+        if not self.running:
+            return True
+        bs = self.block_size
+        unallocated = sum(max(0, -(-r.num_tokens // bs) - seams.num_request_blocks(self, r.request_id))
+                          for r in self.running)
+        avail = (seams.num_free_blocks(self) + self._reclaimable_blocks(request)
+                 - self.kv_cache_manager.watermark_blocks - unallocated)
+        return -(-request.num_tokens // bs) <= avail
 
     def _shrink_to_fit(self, request: Request, n: int, start: int, waiting: bool) -> int:
         """Halve a prefill chunk (not below block_size) until its new blocks fit.
