@@ -29,7 +29,8 @@ Failure behaviour (never a hang, never a leaked slot):
   connection to a replica that is still alive is HTTP 502 (the request may have run).
 * bad input: HTTP 400 (malformed JSON, bad session id, bad ``vllm_xargs``, bad event), 404 (event for
   an unknown session), 413 (body larger than ``max_body_bytes``), never 5xx.
-* a session idle past ``session_idle_timeout_s`` releases its slot.
+* a session idle past ``session_idle_timeout_s`` releases its slot, and a ``session_end`` of status
+  ``"idle_timeout"`` is recorded and forwarded to its replica (the engine releases its KV).
 """
 
 from __future__ import annotations
@@ -57,7 +58,14 @@ from mars_openhands.control.proxy import PROXY_PATHS, ProxyHandler
 from mars_openhands.control.routing import ReplicaState
 from mars_openhands.control.sessions import Session
 from mars_openhands.control.upstream import UpstreamBrokenError, UpstreamClient, UpstreamError
-from mars_openhands.stream.events import AdmissionUpdate, Event, RequestAborted, ToolEnd, now_stamps
+from mars_openhands.stream.events import (
+    AdmissionUpdate,
+    Event,
+    RequestAborted,
+    SessionEnd,
+    ToolEnd,
+    now_stamps,
+)
 from mars_openhands.stream.transport import EventSink
 
 RECENT_ADMISSION_WAITS = 10_000
@@ -210,6 +218,8 @@ class Gateway:
             return tick
         for closed in tick.interrupted:
             self._record_interrupted(closed)
+        for session_id in tick.idle_released:
+            self._record_idle_end(session_id, tick.idle_replicas.get(session_id))
         now = self.plane.clock()
         last = self._last_update
         if (last is not None and not tick.report.differs_from(last)
@@ -231,6 +241,19 @@ class Gateway:
         session = self.sessions.get(closed.session_id)
         if session is not None:
             self.hub.forward(session.replica, event)
+
+    def _record_idle_end(self, session_id: str, replica: int | None) -> None:
+        """Record a ``session_end`` (status ``"idle_timeout"``) for a session the tick released
+        for silence, and forward it to the replica it was bound to: the engine then releases the
+        session's retained KV and state at once (a dead agent sends no ``session_end``; without
+        this the KV of its last turn stays pinned until the engine's own expiry)."""
+        assert self.hub is not None, "Gateway.start() must run first"
+        timeout_s = self.config.session_idle_timeout_s
+        event = SessionEnd(**now_stamps(), source="gateway", session_id=session_id,
+                           status="idle_timeout",
+                           error=f"no request or event for {timeout_s:g} s (session_idle_timeout_s)")
+        self.hub.record(event)
+        self.hub.forward(replica, event)
 
     def record_aborted(self, session: Session | None, request_id: str, reason: str, stage: str,
                        elapsed_s: float, is_slot_released: bool = False) -> None:

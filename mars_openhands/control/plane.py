@@ -37,7 +37,10 @@ Dead clients (an agent killed mid-tool, a client that hangs up) must not hold an
 * every tool call carries a bound (its event's ``timeout_s``, else the session's
   ``tool_timeout_s``, else ``config.tool_call_timeout_s``); :meth:`ControlPlane.tick` closes calls
   past it (``Tick.interrupted``: the gateway records a ``tool_end`` with status
-  ``"interrupted"``), and a session whose only tool calls are overdue can idle out;
+  ``"interrupted"``), and a session whose only tool calls are overdue can idle out; an
+  idle-released session's replica is named (``Tick.idle_replicas``: the gateway records a
+  ``session_end`` of status ``"idle_timeout"`` and forwards it, so the engine releases the
+  session's KV instead of holding it for a next turn that never comes);
 * a client that goes away (:meth:`ControlPlane.client_gone`) gives back its session's slot at
   once when nothing else of the session is in flight; the session keeps its turns and queues again
   on its next request.
@@ -49,7 +52,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from mars_openhands.control.admission import AdmissionController, AdmissionPolicy, AimdWindow
@@ -115,6 +118,8 @@ class Tick:
         admitted: sessions admitted by it (idle releases first, then the update), in order.
         idle_released: sessions ended by the idle timeout.
         interrupted: tool calls closed for being past their bound (before the idle releases).
+        idle_replicas: the replica each routed idle-released session was bound to (its engine
+            still holds the session's KV and state until told the session ended).
     """
 
     report: AdmissionReport
@@ -122,6 +127,7 @@ class Tick:
     admitted: list[str]
     idle_released: list[str]
     interrupted: tuple[InterruptedTool, ...] = ()
+    idle_replicas: dict[str, int] = field(default_factory=dict)
 
 
 class ControlPlane:
@@ -344,6 +350,7 @@ class ControlPlane:
         admitted: list[str] = []
         interrupted = self.interrupt_overdue_tools()
         idle = self.sessions.idle(now, self.config.session_idle_timeout_s)
+        idle_replicas = {s.session_id: s.replica for s in idle if s.replica is not None}
         for session in idle:
             self.num_idle_releases += 1
             logger.info("session %s idle for %.1f s: releasing its slot", session.session_id,
@@ -359,7 +366,7 @@ class ControlPlane:
             tool_wait_ema_s=snap.tool_wait_ema_s or 0.0, kv_usage=snap.kv_usage or 0.0,
         )
         return Tick(report, decision, admitted + more, [s.session_id for s in idle],
-                    tuple(interrupted))
+                    tuple(interrupted), idle_replicas)
 
     # ------------------------------------------------------------------ signals and replicas
     def snapshot(self) -> PressureSnapshot:

@@ -33,6 +33,9 @@ vLLM private                                      what we do with it
 ``Scheduler.prefill_capacity_bound``             kept as k single steps leave it (simulator)
 ``BlockPool.cached_block_hash_to_block``         watched (insert/pop call back) so the simulator
                                                  can memoize prefix-hit lookups exactly
+``EngineCoreProc.input_queue``,                  put a WAKEUP (vLLM's own no-op, used at shutdown)
+``EngineCoreRequestType.WAKEUP``                 to wake an idle engine-core loop for work only the
+                                                 scheduler knows of (CPU-plane events, KV expiry)
 ===============================================  =================================================
 """
 
@@ -40,6 +43,8 @@ from __future__ import annotations
 
 import inspect
 import logging
+import queue
+import sys
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +61,7 @@ __all__ = [
     "SUPPORTED_VLLM_VERSIONS",
     "block_pool",
     "check_compat",
+    "engine_core_waker",
     "vllm_version_problem",
     "enable_chunk_hook",
     "enable_victim_ranks",
@@ -157,6 +163,7 @@ def check_compat() -> None:
     sched_src = inspect.getsource(Scheduler.schedule)
     if "key=lambda r: (r.priority, r.arrival_time)" not in sched_src:
         problems.append("Scheduler.schedule: PRIORITY victim = max(priority, arrival_time)")
+    problems += _engine_core_problems()
     if problems:
         raise RuntimeError(
             f"vLLM internals changed (seams pinned to vllm {PINNED_VLLM_VERSION}, supported "
@@ -164,6 +171,62 @@ def check_compat() -> None:
             + "; update mars_openhands/engine/seams.py"
             + (f" ({version_problem})" if version_problem else "")
         )
+
+
+def _engine_core_problems() -> list[str]:
+    """What :func:`engine_core_waker` needs of vLLM's engine core, missing or changed."""
+    from vllm.v1.engine import EngineCoreRequestType
+    from vllm.v1.engine.core import EngineCore, EngineCoreProc
+
+    problems = []
+    if not hasattr(EngineCoreRequestType, "WAKEUP"):
+        problems.append("EngineCoreRequestType.WAKEUP")
+    elif "EngineCoreRequestType.WAKEUP" not in inspect.getsource(EngineCoreProc._handle_client_request):
+        problems.append("EngineCoreProc._handle_client_request handles WAKEUP")
+    init_src = inspect.getsource(EngineCoreProc.__init__)
+    queue_at, super_at = init_src.find("self.input_queue ="), init_src.find("super().__init__(")
+    if not 0 <= queue_at < super_at:
+        problems.append("EngineCoreProc.__init__ sets self.input_queue before building the scheduler")
+    if "get_scheduler_cls()" not in inspect.getsource(EngineCore.__init__):
+        problems.append("EngineCore.__init__ builds the scheduler")
+    return problems
+
+
+_MAX_WAKER_FRAMES = 16
+"""How far up the stack :func:`engine_core_waker` looks for the engine core building the scheduler
+(subclass ``__init__`` chains are a few frames deep)."""
+
+
+def engine_core_waker() -> Any:
+    """A callable that wakes the vLLM engine-core loop building the calling scheduler, or ``None``.
+
+    Call it from the scheduler's ``__init__``. vLLM's ``EngineCoreProc`` blocks on its
+    ``input_queue`` while its scheduler has no requests; putting ``(WAKEUP, None)`` there (the
+    no-op vLLM itself sends to wake the loop at shutdown) makes the loop check
+    ``scheduler.has_requests()`` again. The engine core is found as ``self`` of the
+    ``EngineCore.__init__`` frame up the stack (``EngineCoreProc.__init__`` creates
+    ``input_queue`` before it builds the scheduler, checked by :func:`check_compat`).
+
+    Returns:
+        A thread-safe, non-blocking ``wake()``; ``None`` outside an engine-core process (the
+        in-process ``EngineCore``, the simulator, tests), where the caller steps the scheduler.
+    """
+    from vllm.v1.engine import EngineCoreRequestType
+    from vllm.v1.engine.core import EngineCoreProc
+
+    frame = sys._getframe(1)
+    for _ in range(_MAX_WAKER_FRAMES):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, EngineCoreProc):
+            inputs = getattr(owner, "input_queue", None)
+            if not isinstance(inputs, queue.Queue):
+                return None
+            wakeup = (EngineCoreRequestType.WAKEUP, None)
+            return lambda: inputs.put_nowait(wakeup)
+        frame = frame.f_back
+    return None
 
 
 # ----------------------------------------------------------------------------- blocks

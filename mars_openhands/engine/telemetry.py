@@ -109,6 +109,11 @@ class EngineTelemetry:
                    held_s=None if held_s is None else max(0.0, held_s),
                    num_reused_blocks=num_reused_blocks)
 
+    @property
+    def emits_steps(self) -> bool:
+        """Whether ``engine_step`` snapshots are emitted at all (enabled, with an interval)."""
+        return self.sink is not None and self._step_interval_ns is not None
+
     def should_emit_step(self) -> bool:
         """True at most once per ``engine_step_interval_ms`` (and only when enabled)."""
         if self.sink is None or self._step_interval_ns is None:
@@ -120,7 +125,8 @@ class EngineTelemetry:
         return True
 
     def engine_step(self, **fields: Any) -> None:
-        """Emit one ``engine_step`` snapshot (call only after :meth:`should_emit_step`)."""
+        """Emit one ``engine_step`` snapshot (after :meth:`should_emit_step`, or for an idle
+        engine whose state changed, see ``MarsBaseScheduler._is_idle_snapshot_due``)."""
         self._emit(ev.EngineStep, None, None, **fields)
 
     def close(self) -> None:

@@ -154,7 +154,9 @@ class ResidencyParams(_Frozen):
     output_reserve_tokens: int = Field(256, ge=0)
     """Prior of the decode growth reserved per request beyond its current tokens, used until
     output lengths have been seen (then: the expected remaining output given what the request
-    generated, from the engine's own finished turns)."""
+    generated, from the engine's own finished turns). A request that has outlived the prior (or
+    every length seen) reserves as many tokens again as it has generated; never more than its
+    ``max_tokens`` allow."""
     max_pin_s: float = Field(3600.0, gt=0.0)
     """Longest a resident's KV stays pinned in one tool call, seconds."""
     max_hold_s: float = Field(1800.0, gt=0.0)
@@ -202,6 +204,11 @@ class SchedulerParams(_Frozen):
     """Forget a session's state after this long without a request or event."""
     chunk_shrinking: bool | None = None
     """Halve a prefill chunk (down to block_size) when KV would not fit; None: class default."""
+    resume_when_context_fits: bool | None = None
+    """Resume a preempted request only once its whole context fits in the free KV blocks (its
+    cached prefix counts), so its re-prefill is not preempted again midway by the pressure that
+    preempted it; the waiting requests after it wait too that step (vLLM's head-of-line rule),
+    and it resumes anyway when nothing runs. None: class default (mars, autellix: on)."""
     autellix: PlasParams = PlasParams()
     """Autellix PLAS baseline (AutellixScheduler; docs/schedulers.md)."""
     continuum: ContinuumParams = ContinuumParams()

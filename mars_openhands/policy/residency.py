@@ -87,8 +87,11 @@ def plan_residency(sessions: Sequence[SessionDemand], budget_blocks: int) -> Res
        if not, idle residents are suspended to make room — those whose blocks are worth more to a
        waiting session (``displace_value_s > 0``, highest first), then residents younger than the
        held session (youngest first) — but only if that makes it fit. The first held session
-       that cannot fit stops all later activations (no bypass). Progress: with no resident
-       left, the first held session is activated whatever its size. Bound: overdue held
+       that cannot fit stops all later activations (no bypass). Progress: when nothing is
+       busy and every idle resident left may be displaced for it (no resident left, or only
+       ones it may suspend), the first held session is activated whatever its size, after
+       suspending them all: waiting frees nothing then (a preempted long request whose demand
+       exceeds the budget waited forever behind finished sessions' pinned KV). Bound: overdue held
        sessions (``is_overdue``) go first and are activated even when they do not fit (after
        suspending what may be suspended for them); vLLM's preemption then takes the youngest.
 
@@ -116,14 +119,15 @@ def plan_residency(sessions: Sequence[SessionDemand], budget_blocks: int) -> Res
     activate: list[str] = []
     held = [s for s in ranked if s.is_held and not s.is_resident]
     held = [s for s in held if s.is_overdue] + [s for s in held if not s.is_overdue]
-    num_residents = sum(1 for s in ranked if s.is_resident) - len(suspend)
+    num_busy = sum(1 for s in ranked if s.is_resident and s.is_busy)
     for i, h in enumerate(held):
-        if used + h.demand_blocks <= budget_blocks or (num_residents == 0 and not activate):
+        if used + h.demand_blocks <= budget_blocks:
             activate.append(h.session_id)
             used += h.demand_blocks
             continue
         victims = _victims(kept, h)
-        if (not h.is_overdue
+        is_last_resort = num_busy == 0 and not activate and len(victims) == len(kept)
+        if (not h.is_overdue and not is_last_resort
                 and h.demand_blocks > budget_blocks - used + sum(v.demand_blocks for v in victims)):
             return ResidencyPlan(tuple(activate), tuple(suspend), used,
                                  tuple(x.session_id for x in held[i:]))

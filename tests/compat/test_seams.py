@@ -223,3 +223,29 @@ def test_free_queue_order_hash_keys_and_watched_prefix_cache() -> None:
     assert seams.num_blocks_referenced_once(seams.request_blocks(h.scheduler, filler.request_id)) == 30
     h.run_until_done()
     h.assert_no_leaks()
+
+
+def test_engine_core_waker_finds_the_engine_core_building_the_scheduler() -> None:
+    """The scheduler wakes vLLM's idle engine loop through the ``EngineCoreProc`` constructing it
+    (``input_queue`` + ``WAKEUP``); outside an engine-core process there is nothing to wake."""
+    import queue
+
+    from vllm.v1.engine import EngineCoreRequestType
+    from vllm.v1.engine.core import EngineCoreProc
+
+    assert seams.engine_core_waker() is None  # a test (or the simulator) builds it: no engine core
+    assert Harness(MarsBaseScheduler, num_blocks=16).scheduler._wake_engine is None
+
+    class _Core(EngineCoreProc):
+        def __init__(self) -> None:  # what EngineCoreProc.__init__ does before the scheduler
+            self.input_queue = queue.Queue()
+            self.wake = self._build_scheduler()
+
+        def _build_scheduler(self):
+            return (lambda: seams.engine_core_waker())()  # a few frames below, like __init__ chains
+
+    core = _Core()
+    assert core.wake is not None
+    core.wake()
+    assert core.input_queue.get_nowait() == (EngineCoreRequestType.WAKEUP, None)
+    assert not seams._engine_core_problems()  # vLLM still wakes on WAKEUP, queue before scheduler

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ClassVar
 
 from vllm.v1.request import Request
 
@@ -58,6 +58,10 @@ class _Call:
 
 class AutellixScheduler(MarsBaseScheduler):
     """Autellix PLAS (program-level attained service, MLFQ, anti-starvation) on stock vLLM."""
+
+    default_resume_when_context_fits: ClassVar[bool] = True
+    """A preempted call resumes once its whole context fits (issue 16 kind 4: a long call
+    resumed into one finished call's room was preempted again midway through its re-prefill)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

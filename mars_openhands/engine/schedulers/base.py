@@ -95,6 +95,8 @@ _GC_INTERVAL_S = 10.0
 _RUN_MARGIN_S = 1e-6
 """A merged run ends this much before a timer tested as ``now - t0 >= interval`` (rounding of
 ``t0 + interval`` must not let a step past it)."""
+_EXPIRY_POLL_S = 0.25
+"""Longest the expiry watcher sleeps: a retention made while it slept is noticed this late."""
 _MIN_PREFILL_SAMPLE_TOKENS = 512
 """Steps with fewer prefill tokens say more about decode than about prefill speed."""
 
@@ -166,6 +168,8 @@ class MarsBaseScheduler(AsyncScheduler):
     """Class default of ``params.window.enabled`` (preview port: True)."""
     default_chunk_shrinking: ClassVar[bool] = False
     """Class default of ``params.chunk_shrinking`` (MARS: True)."""
+    default_resume_when_context_fits: ClassVar[bool] = False
+    """Class default of ``params.resume_when_context_fits`` (MARS, Autellix: True)."""
     coalescible_blocked_runs: ClassVar[bool] = False
     """Simulator speed: the policy's per-step work (its hooks: ``on_step_start``, running order,
     ``on_scheduled``, ...) is all covered by :meth:`blocked_run_is_safe`,
@@ -197,10 +201,17 @@ class MarsBaseScheduler(AsyncScheduler):
         )
         shrink = self.params.chunk_shrinking
         self.chunk_shrinking = self.default_chunk_shrinking if shrink is None else shrink
+        whole = self.params.resume_when_context_fits
+        self.resume_when_context_fits = (self.default_resume_when_context_fits if whole is None
+                                         else whole)
         self._rejected: dict[str, str] = {}
         self._inbox: deque[Any] = deque()
         self._inbox_lock = threading.Lock()
-        self._inbox_socket: Any = None
+        self._inbox_collector: Any = None
+        self._wake_engine: Callable[[], None] | None = None
+        self._expiry_watcher: threading.Thread | None = None
+        self._stop_watcher = threading.Event()
+        self._last_step_counts: tuple[int, int, int, int, int] | None = None
         self._last_gc_s = 0.0
         self._last_waiting_sort_s = float("-inf")
         self._next_expiry_s = float("inf")
@@ -241,17 +252,63 @@ class MarsBaseScheduler(AsyncScheduler):
         self._allocate_wrapper.disable()
         if self._has_victim_key:
             seams.enable_victim_ranks(self)
-        self._uses_chunk_hook = self._overrides("chunk_tokens") or self.chunk_shrinking
+        self._uses_chunk_hook = (self._overrides("chunk_tokens") or self.chunk_shrinking
+                                 or self.resume_when_context_fits)
         # On only in steps that can size a prefill chunk (see _reorder).
         seams.enable_chunk_hook(self, self._model_needs_mamba_split)
+        # In an engine-core process: wake its idle loop when CPU-plane events or a retention
+        # expiry need a step (None in-process: the simulator and tests step by themselves).
+        self.set_engine_waker(seams.engine_core_waker())
         if self.params.inbox_addr:
-            import zmq
+            from mars_openhands.stream.transport import ZmqEventCollector
 
-            from mars_openhands.stream.transport import check_address
+            self._inbox_collector = ZmqEventCollector(self.params.inbox_addr, self._on_inbox_event)
 
-            self._zmq_context = zmq.Context()
-            self._inbox_socket = self._zmq_context.socket(zmq.PULL)
-            self._inbox_socket.bind(check_address(self.params.inbox_addr))
+    def set_engine_waker(self, wake: Callable[[], None] | None) -> None:
+        """Use ``wake`` (thread-safe, non-blocking) to have the engine run a step while it is
+        idle: at once when a CPU-plane event arrives, and when retained KV expires (a background
+        thread watches the earliest expiry, :meth:`_watch_expiry`). ``None``: no waking (the
+        caller steps the scheduler). Mutates; call once, at construction or from a test.
+
+        Why: vLLM's engine core blocks on its input queue while no request is unfinished
+        (``has_requests()`` False), so without a wake a ``session_end`` posted after a session's
+        last turn, or a TTL that runs out while nothing runs, would keep the session's retained
+        blocks pinned until the next request arrives. :meth:`has_requests` says True while such
+        work is due, so the woken loop steps once (nothing scheduled) and ``schedule()`` applies
+        it.
+        """
+        self._wake_engine = wake
+        if wake is None or self._expiry_watcher is not None:
+            return
+        self._expiry_watcher = threading.Thread(target=self._watch_expiry, daemon=True,
+                                                name="mars-expiry-watcher")
+        self._expiry_watcher.start()
+
+    def _on_inbox_event(self, event: Any) -> None:
+        """Inbox thread: queue the event for the next step and wake an idle engine."""
+        self.post_event(event)
+        if self._wake_engine is not None:
+            self._wake_engine()
+
+    def _watch_expiry(self) -> None:
+        """Background thread: wake the engine once per retained-KV expiry that comes due (reads
+        ``_next_expiry_s`` without a lock: a float, rewritten whole by the engine thread; a stale
+        read at worst wakes a busy engine once, or checks again ``_EXPIRY_POLL_S`` later)."""
+        woken_for = float("inf")
+        while not self._stop_watcher.is_set():
+            due = self._next_expiry_s
+            now = self.clock()
+            if due <= now and due != woken_for and self._wake_engine is not None:
+                self._wake_engine()
+                woken_for = due
+            wait_s = _EXPIRY_POLL_S if due <= now else min(_EXPIRY_POLL_S, due - now)
+            self._stop_watcher.wait(wait_s)
+
+    def has_requests(self, **kwargs: Any) -> bool:
+        """vLLM: whether the engine must step: requests (vLLM's rule), or CPU-plane events to
+        apply, or retained KV past its expiry (an idle engine then runs one empty step)."""
+        return (super().has_requests(**kwargs) or bool(self._inbox)
+                or self.clock() >= self._next_expiry_s)
 
     def set_telemetry_sink(self, sink: EventSink | None, *, engine_steps: bool = True) -> None:
         """Replace the telemetry sink (tests, simulator; ``engine_steps=False``: no
@@ -328,7 +385,7 @@ class MarsBaseScheduler(AsyncScheduler):
         :meth:`blocked_run_until_s` and the counters of :meth:`blocked_run_max_tokens`: the
         class certified its hooks (:attr:`coalescible_blocked_runs`), nothing is in the inbox,
         no request is rejected, none waits in the window's overflow, and no re-sort is due. Pure."""
-        return (self.coalescible_blocked_runs and not self._inbox and self._inbox_socket is None
+        return (self.coalescible_blocked_runs and not self._inbox and self._inbox_collector is None
                 and not self._rejected and not self.overflow and not self._is_resort_due())
 
     def blocked_run_max_tokens(self, limit: int) -> int:
@@ -450,7 +507,7 @@ class MarsBaseScheduler(AsyncScheduler):
         out = super().schedule(*args, **kwargs)
         self._after_schedule(out, now, was_running)
         self._pending_prefill_steps.append((now, self._step_prefill_tokens(out)))
-        if self.telemetry.enabled and self.telemetry.should_emit_step():
+        if self.telemetry.enabled and (self.telemetry.should_emit_step() or self._is_idle_snapshot_due()):
             self._emit_engine_step()
         if now - self._last_gc_s > _GC_INTERVAL_S:
             self._gc_sessions(now)
@@ -535,9 +592,10 @@ class MarsBaseScheduler(AsyncScheduler):
         for sid in list(self.retained):
             self.release_retained(sid, "shutdown", now)
         self.telemetry.close()
-        if self._inbox_socket is not None:
-            self._inbox_socket.close(linger=0)
-            self._inbox_socket = None
+        self._stop_watcher.set()
+        if self._inbox_collector is not None:
+            self._inbox_collector.stop()
+            self._inbox_collector = None
         super().shutdown(**kwargs)
 
     # ------------------------------------------------------------------ seams
@@ -604,12 +662,39 @@ class MarsBaseScheduler(AsyncScheduler):
         start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
         if start >= max(request.num_prompt_tokens, request.num_tokens - 1):
             return num_new_tokens  # decode: one token, nothing to shape
+        waiting = num_new_local_computed_tokens > 0 or request.status != RequestStatus.RUNNING
+        if (waiting and request.num_preemptions and self.resume_when_context_fits
+                and not self._can_resume(request)):
+            return 0  # vLLM admits nothing more this step; the request stays first in line
         self._step_prefills.append(request.request_id)
         n = self.chunk_tokens(request, num_new_tokens, start)
         if self.chunk_shrinking:
-            n = self._shrink_to_fit(request, n, start, waiting=num_new_local_computed_tokens > 0
-                                    or request.status != RequestStatus.RUNNING)
+            n = self._shrink_to_fit(request, n, start, waiting=waiting)
         return max(1, min(n, num_new_tokens))
+
+    def _can_resume(self, request: Request) -> bool:
+        """Whether a preempted waiting ``request`` may resume now: its whole context fits in the
+        free blocks (its own cached prefix is among them, so it counts) beside the rest of the
+        prompts already running (or admitted earlier in this step), or nothing runs (then
+        nothing would free more room). Pure; O(running).
+
+        Why: vLLM admits a request when its first chunk fits; two preempted long requests
+        resumed together into the room finished requests left, and one was preempted again
+        midway through its re-prefill, losing that work too (issue 16 kind 4). ::
+
+            |<------------- request.num_tokens (prompt + outputs so far) ------------->|
+            |<- cached (free, ref 0) ->|<------------- still to compute --------------->|
+            blocks(num_tokens)  <=  free + reclaimable retained - watermark
+                                    - sum over running r of (blocks(r.num_tokens) - blocks r holds)
+        """
+        if not self.running:
+            return True
+        bs = self.block_size
+        unallocated = sum(max(0, -(-r.num_tokens // bs) - seams.num_request_blocks(self, r.request_id))
+                          for r in self.running)
+        avail = (seams.num_free_blocks(self) + self._reclaimable_blocks(request)
+                 - self.kv_cache_manager.watermark_blocks - unallocated)
+        return -(-request.num_tokens // bs) <= avail
 
     def _shrink_to_fit(self, request: Request, n: int, start: int, waiting: bool) -> int:
         """Halve a prefill chunk (not below block_size) until its new blocks fit.
@@ -743,11 +828,26 @@ class MarsBaseScheduler(AsyncScheduler):
 
     def _emit_engine_step(self) -> None:
         free, retained, used = self.kv_block_counts()
+        num_running, num_waiting = self.get_request_counts()
+        self._last_step_counts = (free, retained, used, num_running, num_waiting)
         self.telemetry.engine_step(
             num_gpu_blocks=seams.num_gpu_blocks(self), num_used_blocks=used,
-            num_free_blocks=free, num_retained_blocks=retained, num_running=len(self.running),
-            num_waiting=len(self.waiting) + len(self.overflow),
+            num_free_blocks=free, num_retained_blocks=retained, num_running=num_running,
+            num_waiting=num_waiting,
         )
+
+    def _is_idle_snapshot_due(self) -> bool:
+        """Whether this step leaves the engine idle (nothing running or waiting) with KV counts
+        other than the last ``engine_step`` showed. Such a snapshot is emitted whatever the rate
+        limit, so an engine's last ``engine_step`` is its idle state (0 used blocks, what is still
+        retained), not its last busy step 1-100 ms earlier. O(retained blocks), idle steps only."""
+        if self.running or self.waiting or not self.telemetry.emits_steps:
+            return False
+        num_running, num_waiting = self.get_request_counts()
+        if num_running or num_waiting:
+            return False
+        free, retained, used = self.kv_block_counts()
+        return self._last_step_counts != (free, retained, used, 0, 0)
 
     def _gc_sessions(self, now: float) -> None:
         self._last_gc_s = now
@@ -889,34 +989,14 @@ class MarsBaseScheduler(AsyncScheduler):
             self._inbox.append(event)
 
     def _drain_inbox(self, now: float) -> None:
-        budget = self.params.max_inbox_events_per_step
+        """Apply up to ``max_inbox_events_per_step`` queued CPU-plane events (posted, or received
+        by the inbox thread from ``mars.inbox_addr``), oldest first. Mutates."""
         if self._inbox:
             with self._inbox_lock:
-                batch = [self._inbox.popleft() for _ in range(min(budget, len(self._inbox)))]
+                num = min(self.params.max_inbox_events_per_step, len(self._inbox))
+                batch = [self._inbox.popleft() for _ in range(num)]
             for event in batch:
                 self.on_stream_event(event, now)
-            budget -= len(batch)
-        if self._inbox_socket is not None and budget > 0:
-            self._poll_socket(now, budget)
-
-    def _poll_socket(self, now: float, budget: int) -> None:
-        import zmq
-
-        from mars_openhands.stream.events import EventError, parse_event
-
-        while budget > 0:
-            try:
-                message = self._inbox_socket.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            for line in message.splitlines():
-                if not line.strip():
-                    continue
-                try:
-                    self.on_stream_event(parse_event(line), now)
-                except EventError as e:
-                    logger.warning("mars: dropping invalid inbox event: %s", e)
-                budget -= 1
 
     def on_stream_event(self, event: Any, now_s: float | None = None) -> None:
         """Consume one CPU-plane event of this engine's sessions. Mutates.

@@ -52,6 +52,7 @@ class MarsScheduler(MarsBaseScheduler):
 
     default_window_enabled: ClassVar[bool] = False
     default_chunk_shrinking: ClassVar[bool] = True
+    default_resume_when_context_fits: ClassVar[bool] = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -101,21 +102,31 @@ class MarsScheduler(MarsBaseScheduler):
     def _blocks(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
-    def _output_reserve_tokens(self, num_generated: int) -> int:
-        """Decode growth to reserve for a request that has generated ``num_generated`` tokens:
-        the expected remaining output given the output lengths seen so far (the prior
-        ``residency.output_reserve_tokens`` before any, or once past every length seen)."""
+    def _output_reserve_tokens(self, request: Request) -> int:
+        """Decode growth to reserve for ``request``, tokens: the expected remaining output given
+        what it has generated and the output lengths of the engine's finished turns; before any
+        (the rest of the prior ``residency.output_reserve_tokens``), or once it has outlived
+        every length seen, as many again as it has generated (the tools' rule, policy.estimators:
+        a request that outlived the prior used to reserve 0, so the plan activated held sessions
+        into room its growth was about to take, and each preemption made room for a re-prefill
+        with a cold cache); never more than its ``max_tokens`` allow."""
+        num_generated = request.num_output_tokens
         remaining = self.output_tokens.mean_remaining_s(num_generated)
         if remaining is None:
-            return max(0, self.params.residency.output_reserve_tokens - num_generated)
+            remaining = max(self.params.residency.output_reserve_tokens - num_generated, num_generated)
+        max_tokens = request.max_tokens
+        if max_tokens is not None:
+            remaining = min(remaining, max(0, max_tokens - num_generated))
         return int(remaining)
 
     def _demand(self, sid: str, session: SessionState | None) -> tuple[int, bool]:
         """(demand blocks, is_busy) of one session. O(its requests)."""
         held = self.held.get(sid)
         if held:
+            # A preempted turn (held again) has generated part of its output already: reserve
+            # only what is expected beyond that, as for a busy request.
             first = held[0]
-            return self._blocks(first.num_tokens + self._output_reserve_tokens(0)), False
+            return self._blocks(first.num_tokens + self._output_reserve_tokens(first)), False
         blocks = 0
         busy = False
         if session is not None:
@@ -124,7 +135,7 @@ class MarsScheduler(MarsBaseScheduler):
                 if r is None:
                     continue
                 busy = True
-                blocks += self._blocks(r.num_tokens + self._output_reserve_tokens(r.num_output_tokens))
+                blocks += self._blocks(r.num_tokens + self._output_reserve_tokens(r))
             if not busy:
                 entry = self.retained.get(sid)
                 blocks = entry.num_blocks if entry is not None else 0

@@ -74,3 +74,28 @@ def test_engine_step_events_drive_kv_usage_and_are_recorded(clean_fakes) -> None
             wait_until(lambda: state(server)["window"] == 8, what="window regrown")
     steps = [e for e in sink.events if e.kind == "engine_step"]
     assert steps and steps[0].source == "engine:0"
+
+
+def test_an_idle_released_session_ends_on_its_replica_too(clean_fakes, tmp_path) -> None:
+    """Issue 16 kind 1, engine side: a dead agent's session that idles out gets a recorded
+    ``session_end`` (status ``idle_timeout``, from the gateway) forwarded to the replica holding
+    it, so the engine's scheduler releases the KV it keeps for that session's next turn."""
+    inbox: collections.deque = collections.deque()
+    address = f"ipc://{tmp_path}/r0.sock"
+    collector = ZmqEventCollector(address, inbox.append)
+    sink = ListSink()
+    try:
+        config = fast_config([clean_fakes[0].url], session_idle_timeout_s=0.3).model_copy(update={
+            "replicas": (ReplicaConfig(url=clean_fakes[0].url, events_address=address),)})
+        with GatewayServer(config, sink) as server:
+            assert httpx.post(f"{server.url}/v1/chat/completions", json=chat("idle-a"),
+                              timeout=10).status_code == 200
+            # The agent dies here: no more requests or events, no session_end.
+            wait_until(lambda: any(e.kind == "session_end" for e in inbox), what="forwarded end")
+            assert "idle-a" not in state(server)["sessions"]
+    finally:
+        collector.stop()
+    ends = [e for e in sink.events if e.kind == "session_end"]
+    assert [(e.session_id, e.source, e.status) for e in ends] == [("idle-a", "gateway", "idle_timeout")]
+    assert "session_idle_timeout_s" in (ends[0].error or "")
+    assert [(e.kind, e.session_id, e.status) for e in inbox] == [("session_end", "idle-a", "idle_timeout")]

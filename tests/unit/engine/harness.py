@@ -52,7 +52,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-__all__ = ["FakeClock", "Harness", "StepResult", "tiny_model_dir"]
+__all__ = ["FakeClock", "Harness", "StepResult", "run_preemption_scenario", "tiny_model_dir"]
 
 VOCAB_SIZE = 512
 MAX_MODEL_LEN = 131072
@@ -304,3 +304,47 @@ class Harness:
                if not b.is_null and b.ref_cnt != refs.get(b.block_id, 0)]
         assert not bad, f"stock scheduler ref-count mismatch: {bad[:10]}"
         return {"free": pool.get_num_free_blocks(), "used": len(refs)}
+
+
+def run_preemption_scenario(scheduler_cls: type[Scheduler], mars: dict[str, Any] | None = None,
+                            long_arrival_steps: tuple[int, ...] = (0, 300),
+                            max_steps: int = 20_000) -> dict[str, Any]:
+    """Issue 16 kind 4's workload: 384 blocks of 16, a 512-token step budget, async scheduling
+    (one step in flight), four short sessions (100-token prompts) decoding 1,500 tokens each
+    from step 0, and two 4,000-token prompts decoding as long, arriving at ``long_arrival_steps``.
+
+    Returns:
+        ``ratio``: prefill tokens scheduled over prompt tokens (a prefix-cache hit is not
+        recomputed; 1.0 = every prompt token computed once); ``preempted``: request id ->
+        preemptions; ``resumed_hits``: request id -> prefix hit (tokens) at each resume.
+
+    Raises:
+        RuntimeError: the engine did not drain within ``max_steps`` (naming what is held).
+    """
+    h = Harness(scheduler_cls, num_blocks=384, max_num_batched_tokens=512, max_num_seqs=256,
+                mars=mars, pipeline_depth=2)
+    arrivals = [(0, f"short{i}", 100) for i in range(4)]
+    arrivals += [(step, f"long{i}", 4000) for i, step in enumerate(long_arrival_steps)]
+    num_prompt = sum(n for _, _, n in arrivals)
+    last_arrival = max(step for step, _, _ in arrivals)
+    num_prefill, preempted, hits, pending = 0, {}, {}, set()
+    for step in range(max_steps):
+        for _, sid, n in [a for a in arrivals if a[0] == step]:
+            extra = {"mars_turn": 0, "mars_last_step": 0} if mars is not None else None
+            h.add(h.make_request(sid, h.tokens(n), 1500, extra, request_id=sid))
+        if step > last_arrival and not h.scheduler.has_unfinished_requests() and not h._in_flight:
+            break
+        res = h.step(0.01)
+        for rid in res.preempted_ids:
+            preempted[rid] = preempted.get(rid, 0) + 1
+            pending.add(rid)
+        for rid, n in res.num_scheduled_tokens.items():
+            num_prefill += n if n > 1 else 0
+            if rid in pending:
+                pending.discard(rid)
+                hits.setdefault(rid, []).append(h.scheduler.requests[rid].num_computed_tokens - n)
+    else:
+        raise RuntimeError(f"engine did not drain in {max_steps} steps: "
+                           f"held {sorted(getattr(h.scheduler, 'held', {}))}")
+    h.assert_no_leaks()
+    return {"ratio": num_prefill / num_prompt, "preempted": preempted, "resumed_hits": hits}

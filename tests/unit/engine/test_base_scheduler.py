@@ -113,6 +113,86 @@ def test_zmq_inbox_consumes_cpu_plane_events(tmp_path) -> None:
     h.assert_no_leaks()
 
 
+def _wait_for(predicate, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return bool(predicate())
+
+
+def test_an_idle_engine_is_woken_to_apply_a_session_end(tmp_path) -> None:
+    """Issue 16 (soak on real engines): vLLM's engine loop sleeps while ``has_requests()`` is
+    False, so a ``session_end`` that reaches an idle engine must wake it, and the woken step must
+    release the session's retained KV; before, it stayed pinned until the next request."""
+    addr = f"ipc://{tmp_path}/inbox"
+    h = Harness(MarsScheduler, num_blocks=40, mars={"inbox_addr": addr})
+    wakes: list[float] = []
+    h.scheduler.set_engine_waker(lambda: wakes.append(time.monotonic()))
+    r = h.add(h.make_request("s1", h.tokens(100), 2, {"mars_turn": 0}))
+    h.run_until_done()
+    h.step()  # the empty step vLLM runs after the last finish (has_finished_requests)
+    assert h.scheduler.retained["s1"].request_id == r.request_id
+    assert not h.scheduler.has_requests()  # idle: vLLM's loop would block here
+    with ZmqEventPublisher(addr, flush_interval_s=0.01) as pub:
+        # The publisher drops batches until its connection is up (IMMEDIATE): first send another
+        # session's end until one arrives, then the one that matters, once.
+        assert _wait_for(lambda: (pub.emit(SessionEnd(**now_stamps(), session_id="other",
+                                                      source="gateway")), wakes)[1])
+        time.sleep(0.1)
+        while h.scheduler.has_requests():
+            h.step()
+        assert "s1" in h.scheduler.retained
+        del wakes[:]
+        pub.emit(SessionEnd(**now_stamps(), session_id="s1", source="gateway"))
+        assert _wait_for(lambda: wakes, 10.0)
+    assert h.scheduler.has_requests()  # the woken loop steps ...
+    out = h.step().scheduler_output
+    assert out.total_num_scheduled_tokens == 0 and "s1" not in h.scheduler.retained  # ... and releases
+    assert not h.scheduler.has_requests()
+    h.scheduler.shutdown()
+    assert h.assert_no_leaks()["retained"] == 0
+
+
+def test_an_idle_engine_is_woken_when_retained_kv_expires() -> None:
+    h = Harness(MarsScheduler, num_blocks=40, mars={"residency": {"enabled": False}})
+    wakes: list[float] = []
+    h.scheduler.set_engine_waker(lambda: wakes.append(h.clock()))
+    h.add(h.make_request("s1", h.tokens(200), 4, {"mars_turn": 0, "mars_last_step": 0}))
+    h.run_until_done()
+    h.step()  # the empty step vLLM runs after the last finish
+    entry = h.scheduler.retained["s1"]
+    assert not h.scheduler.has_requests() and not wakes
+    h.clock.advance(entry.expires_s - h.clock() + 0.01)  # expired while nothing runs
+    assert _wait_for(lambda: wakes, 5.0) and wakes[0] >= entry.expires_s
+    assert h.scheduler.has_requests()
+    sink = ListSink()
+    h.scheduler.set_telemetry_sink(sink)
+    h.step()
+    assert "s1" not in h.scheduler.retained and not h.scheduler.has_requests()
+    assert [e.reason for e in sink.events if e.kind == "kv_released"] == ["expired"]
+    h.scheduler.shutdown()
+    assert h.assert_no_leaks()["retained"] == 0
+
+
+def test_the_last_engine_step_of_an_engine_going_idle_shows_it_idle() -> None:
+    """The rate limit of ``engine_step`` must not leave a busy snapshot as an engine's last word:
+    the step that finds it idle reports 0 used blocks (and what is still retained) at once."""
+    h = Harness(MarsScheduler, num_blocks=40, mars={"residency": {"enabled": False},
+                                                   "telemetry": {"engine_step_interval_ms": 60_000}})
+    sink = ListSink()
+    h.scheduler.set_telemetry_sink(sink)
+    h.add(h.make_request("s1", h.tokens(200), 4, {"mars_turn": 0, "mars_last_step": 0}))
+    h.add(h.make_request(None, h.tokens(50), 4))
+    h.run_until_done()
+    h.step()  # the empty step vLLM runs after the last finish (has_finished_requests)
+    h.step()  # nothing changed since: no second idle snapshot
+    steps = [e for e in sink.events if e.kind == "engine_step"]
+    assert steps[0].num_used_blocks > 0
+    retained = h.scheduler.retained["s1"].num_blocks
+    assert [(e.num_used_blocks, e.num_retained_blocks, e.num_running, e.num_waiting)
+            for e in steps[1:]] == [(0, retained, 0, 0)]
+
+
 def test_idle_sessions_are_forgotten() -> None:
     h = Harness(MarsBaseScheduler, num_blocks=32, mars={"session_idle_timeout_s": 60})
     r = h.add(h.make_request("s1", h.tokens(20), 2, {"mars_turn": 0}))

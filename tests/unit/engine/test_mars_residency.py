@@ -10,7 +10,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 
 from mars_openhands.engine import MarsScheduler  # noqa: E402
 from mars_openhands.stream.events import SessionEnd, ToolEnd, ToolEnqueued, ToolStart, now_stamps  # noqa: E402
-from tests.unit.engine.harness import Harness  # noqa: E402
+from tests.unit.engine.harness import Harness, run_preemption_scenario  # noqa: E402
 
 BS = 16
 
@@ -278,3 +278,15 @@ def test_a_one_turn_job_is_not_held_behind_the_resident_sessions() -> None:
     h.run_until_finished(b0.request_id)
     h.run_until_done()
     h.assert_no_leaks()
+
+
+def test_a_preempted_request_is_not_held_forever_nor_preempted_again() -> None:
+    """Issue 16 kind 4. On main the long request, preempted while decoding, was held with a
+    demand that counted its whole output again (5,009 + 1,500 tokens: over the budget) behind
+    three finished sessions whose KV stayed pinned: nothing ran, and the engine never drained.
+    With that alone fixed, every preempted session came back into room the others' decode was
+    about to take (a request that had outlived the 256-token prior reserved nothing) and was
+    preempted again: 2.06x the prompt tokens recomputed (stock vLLM: 1.26x)."""
+    result = run_preemption_scenario(MarsScheduler, long_arrival_steps=(0, 300))
+    assert result["preempted"] and max(result["preempted"].values()) == 1, result["preempted"]
+    assert result["ratio"] < 1.5, result

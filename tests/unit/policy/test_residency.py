@@ -105,3 +105,22 @@ def test_an_overdue_held_session_goes_first_and_is_activated_even_when_it_does_n
     forced = plan_residency([s("old", 0, 90, resident=True, busy=True),
                              held("late", 3, 30, overdue=True)], budget_blocks=100)
     assert forced.activate == ("late",) and forced.used_blocks == 120  # over budget: forced
+
+
+def test_progress_a_held_head_over_the_budget_runs_once_only_displaceable_residents_block_it() -> None:
+    """Issue 16 kind 4: a preempted long request (held again, demand over the budget) behind
+    finished sessions whose pinned KV may be displaced, with nothing busy, waited forever."""
+    def idle(sid: str, prio: float, blocks: int, value_s: float) -> SessionDemand:
+        return SessionDemand(sid, (prio,), blocks, is_resident=True, displace_value_s=value_s)
+
+    sessions = [idle("a", 0, 99, 40.0), idle("b", 0, 99, 38.0), idle("c", 0, 99, 37.0),
+                s("long", 0, 428, held=True), s("next", 1, 50, held=True)]
+    plan = plan_residency(sessions, budget_blocks=371)
+    assert plan.activate == ("long",) and set(plan.suspend) == {"a", "b", "c"}
+    assert plan.blocked == ("next",)
+    # Not while a session is busy (it will free room), nor past an older idle resident that may
+    # not be displaced (its next turn is expected soon): the head waits.
+    busy = plan_residency([*sessions, s("run", 2, 10, resident=True, busy=True)], 371)
+    assert busy.activate == () and busy.suspend == ()
+    kept = plan_residency([*sessions, idle("old", -1, 10, 0.0)], 371)
+    assert kept.activate == () and kept.suspend == ()
