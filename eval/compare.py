@@ -150,6 +150,10 @@ class PolicySpec:
     ablates: str | None = None
     """For an ablation variant of ``mars``: the part switched off (a key of :data:`PAPER_ABLATIONS`);
     not in ``--policies all``."""
+    is_kv_unbounded: bool = False
+    """A reference, not a policy: the engine gets KV for every session's whole context at once
+    (:func:`unbounded_kv_blocks`), so nothing ever waits for KV, is preempted or re-prefilled.
+    Simulator only; no admission window; not a baseline."""
 
 
 _NO_PRIORITY: Mapping[str, Any] = {"mars": {
@@ -184,11 +188,17 @@ POLICIES: Mapping[str, PolicySpec] = {
                                         ablates="control_plane"),
     "mars-no-coscheduler": PolicySpec("MarsScheduler", _NO_COSCHEDULER, is_baseline=False,
                                       has_control_plane=True, ablates="coscheduler"),
+    # The reference every KV policy is measured against (docs/compare.md "Headroom").
+    "unbounded-kv": PolicySpec("fcfs", is_baseline=False, is_kv_unbounded=True),
 }
 """The one policy registry: every ``--policies`` name (design.md §5), in the default order, then
 the ablation variants of ``mars``."""
-DEFAULT_POLICIES: tuple[str, ...] = tuple(n for n, p in POLICIES.items() if p.ablates is None)
-"""``--policies all``: every policy except the ablation variants."""
+DEFAULT_POLICIES: tuple[str, ...] = tuple(n for n, p in POLICIES.items()
+                                          if p.ablates is None and not p.is_kv_unbounded)
+"""``--policies all``: every policy except the ablation variants and the reference."""
+REFERENCE = "unbounded-kv"
+"""The unbounded-KV reference (``PolicySpec.is_kv_unbounded``): ``compare`` adds it to every
+simulator sweep unless ``--no-reference``."""
 ABLATIONS: tuple[str, ...] = tuple(n for n, p in POLICIES.items() if p.ablates is not None)
 """The ablation variants (``--ablations`` adds them to the policies)."""
 QUICK_POLICIES: tuple[str, ...] = ("fcfs", "continuum", "thunderagent", "mars")
@@ -559,6 +569,8 @@ def admission_modes(admission: str, policy: str) -> tuple[bool, ...]:
     >>> admission_modes("auto", "mars"), admission_modes("auto", "fcfs"), admission_modes("both", "fcfs")
     ((True,), (False,), (False, True))
     """
+    if POLICIES[policy].is_kv_unbounded:
+        return (False,)
     if admission == "auto":
         return (POLICIES[policy].has_control_plane,)
     return {"off": (False,), "on": (True,), "both": (False, True)}[admission]
@@ -692,6 +704,12 @@ class _Sweep:
         except TypeError:
             return None
 
+    def _num_blocks(self, setup: GpuSetup, policy: str) -> int:
+        """KV blocks of ``policy``'s runs on ``setup``: the GPU's, or the reference's unbounded KV."""
+        if POLICIES[policy].is_kv_unbounded:
+            return max(setup.num_gpu_blocks, unbounded_kv_blocks(self.workload))
+        return setup.num_gpu_blocks
+
     def _fact(self, name: str, setup: GpuSetup) -> str:
         return f"{name} ({setup.gpu})" if self.is_multi_gpu else name
 
@@ -800,7 +818,8 @@ class _Sweep:
                 policy = ident[1].removesuffix("+adm")
                 for rate in search.next_rates(width):
                     calls.append((_probe_task, (self.workload, o, policy, ident[1].endswith("+adm"), rate,
-                                                setup.step_timer, setup.num_gpu_blocks, self.ideal[setup.gpu],
+                                                setup.step_timer, self._num_blocks(setup, policy),
+                                                self.ideal[setup.gpu],
                                                 self.simulate_fn)))
                     owners.append((ident, rate))
             for index, value in pool.run(calls):
@@ -884,8 +903,9 @@ class _Sweep:
         rows: list[dict[str, Any]] = []
         e2e_by_run: dict[str, list[float]] = {}
         calls = [] if self.live is not None else [
-            (_run_task, (run, self.workload, o, setups[run.gpu].step_timer, setups[run.gpu].num_gpu_blocks,
-                         self.ideal[run.gpu], self.out_dir, self.simulate_fn)) for run in runs]
+            (_run_task, (run, self.workload, o, setups[run.gpu].step_timer,
+                         self._num_blocks(setups[run.gpu], run.policy), self.ideal[run.gpu], self.out_dir,
+                         self.simulate_fn)) for run in runs]
         results = (self._live_results(runs) if self.live is not None else pool.run(calls))
         order = {id(run): i for i, run in enumerate(sorted(runs, key=self._plan_rank))}
         by_rank: dict[int, dict[str, Any]] = {}
@@ -932,7 +952,8 @@ class _Sweep:
     def _row_head(self, run: _Run) -> dict[str, Any]:
         return {"run_id": run.run_id, "gpu": run.gpu, "label": run.label, "policy": run.policy,
                 "is_admission_enabled": run.is_admission_enabled,
-                "is_baseline": POLICIES[run.policy].is_baseline, "load_x": run.load_x,
+                "is_baseline": POLICIES[run.policy].is_baseline,
+                "is_reference": POLICIES[run.policy].is_kv_unbounded, "load_x": run.load_x,
                 "rate_per_s": run.rate_per_s, "status": "ok", "error": ""}
 
     def _plots(self, results: pd.DataFrame, e2e_by_run: Mapping[str, Sequence[float]]) -> None:
@@ -1086,6 +1107,10 @@ def add_compare_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--capacity", action="store_true",
                    help="also run the knee search for every policy: its capacity at SLO (a table and "
                         "the ratio to the best baseline's)")
+    p.add_argument("--no-reference", action="store_true",
+                   help=f"sim: do not add the {REFERENCE} reference (the same arrivals on an engine with KV "
+                        "for every session at once: what is left to gain by managing KV; one fast run per "
+                        "load, its capacity with --capacity)")
     p.add_argument("--admission", choices=("auto", "off", "on", "both"), default="auto",
                    help="gateway AIMD admission window: auto (default) = on for mars and mars-preview "
                         "(MARS's external control plane), off for the baselines, as the paper ran "
@@ -1131,6 +1156,16 @@ def add_compare_subcommand(subparsers: Any) -> argparse.ArgumentParser:
 
 def _context_tokens(session: Any) -> int:
     return sum(t.prompt_tokens_appended + t.output_tokens for t in session.turns)
+
+
+def unbounded_kv_blocks(workload: Workload, block_size: int = 16) -> int:
+    """KV blocks that hold every session's whole context at once: the unbounded-KV reference. Pure.
+
+    Per session ``ceil(context / block_size) + 1`` blocks (its final context plus the block a
+    decode step may open), summed over the sessions. Shape: one int, blocks of ``block_size``
+    tokens.
+    """
+    return sum(-(-s.max_context_tokens // block_size) + 1 for s in workload.sessions)
 
 
 def kv_scale_for_trim(full: Workload, trimmed: Workload) -> float:
@@ -1403,6 +1438,11 @@ def _main(args: argparse.Namespace, flags: Mapping[str, str] | None = None) -> i
         policies = parse_policies(args.policies)
         check_live_options(spec, policies, args.admission, args.time_scale,
                            args.absolute_rates or args.base_rate is not None)
+        if spec.is_live and REFERENCE in policies:
+            raise ValueError(f"--policies {REFERENCE}: the unbounded-KV reference runs only in the simulator "
+                             "(--backend sim); drop it for a live backend")
+        if not spec.is_live and not args.no_reference:
+            policies = tuple(dict.fromkeys((*policies, REFERENCE)))
         if spec.kind == "url" and args.admission == "auto":
             args.admission = "off"  # the server at the URL is what it is: label it as given
         _check_profile_keys(args.gpu, args.model)

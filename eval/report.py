@@ -85,7 +85,8 @@ METRICS: tuple[Metric, ...] = (
 """Metrics of the summary tables, in column order."""
 
 RESULT_COLUMNS: tuple[str, ...] = (
-    "run_id", "gpu", "label", "policy", "is_admission_enabled", "is_baseline", "load_x", "rate_per_s",
+    "run_id", "gpu", "label", "policy", "is_admission_enabled", "is_baseline", "is_reference", "load_x",
+    "rate_per_s",
     "status", "error", "wall_s", "num_sessions", "num_completed", "makespan_s",
     *(m.column for m in METRICS),
 )
@@ -387,6 +388,79 @@ def _best_section(results: pd.DataFrame, is_absolute: bool) -> list[str]:
     return parts
 
 
+_HEADROOM = ("e2e_mean_s", "e2e_p95_s", "e2e_p99_s", goodput_column(3.0))
+"""Metrics of the headroom table."""
+
+
+def headroom_table(results: pd.DataFrame, policy_label: str | None = None) -> pd.DataFrame:
+    """How far the best baseline and ``policy_label`` are from the unbounded-KV reference. Pure.
+
+    The reference (rows with ``is_reference``) is the same arrivals on an engine with KV for every
+    session at once: what no KV policy can beat by managing KV. For each load with a reference row:
+    ``room_<metric>`` = best baseline ÷ reference for E2E metrics (reference ÷ best baseline for
+    goodput), the largest gain over the best baseline any KV policy could still reach;
+    ``policy_<metric>`` = the policy's value in the same direction (≥ 1: worse than the reference).
+
+    Args:
+        results: results table (:data:`RESULT_COLUMNS`).
+        policy_label: the run label to place (default ``mars+adm``, else ``mars``).
+
+    Returns:
+        One row per load: ``load_x``, ``reference_<metric>``, ``room_<metric>``, ``policy_<metric>``
+        and ``reference_slowdown_mean``; empty without reference rows.
+    """
+    ok = results.loc[results["status"] == "ok"]
+    is_ref = ok["is_reference"].fillna(False).astype(bool) if "is_reference" in ok else pd.Series(False, ok.index)
+    ref, rest = ok.loc[is_ref], ok.loc[~is_ref]
+    if ref.empty:
+        return pd.DataFrame()
+    if policy_label is None:
+        policy_label = "mars+adm" if (rest["label"] == "mars+adm").any() else "mars"
+    best = best_baselines(rest)
+    rows = []
+    for load_x, group in ref.groupby("load_x", sort=True):
+        r = group.iloc[0]
+        row: dict[str, Any] = {"load_x": load_x, "reference_slowdown_mean": r["slowdown_mean"]}
+        mine = rest.loc[(rest["load_x"] == load_x) & (rest["label"] == policy_label)]
+        for column in _HEADROOM:
+            is_higher_better = column.startswith("goodput")
+            b = best.loc[(best["load_x"] == load_x) & (best["column"] == column), "value"]
+            values = {"room": b.iloc[0] if len(b) else np.nan,
+                      "policy": mine[column].iloc[0] if len(mine) else np.nan}
+            row[f"reference_{column}"] = r[column]
+            for key, v in values.items():
+                num, den = (r[column], v) if is_higher_better else (v, r[column])
+                row[f"{key}_{column}"] = float(num) / float(den) if den and not pd.isna(den) else np.nan
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _headroom_section(results: pd.DataFrame, is_absolute: bool) -> list[str]:
+    table = headroom_table(results)
+    if table.empty:
+        return []
+    label = "mars+adm" if (results["label"] == "mars+adm").any() else "mars"
+    parts = ["## Headroom: the unbounded-KV reference", "",
+             "The same arrivals on an engine with KV for every session at once (stock vLLM scheduling; "
+             "nothing waits for KV, is preempted or re-prefilled): the physical limit of what managing "
+             "KV can reach with this GPU's step times. *Room* = best baseline ÷ reference for E2E "
+             "(reference ÷ best baseline for goodput): the largest gain over the best baseline that any "
+             f"KV policy could still reach. *{label} ÷ ref.* in the same direction (1.00 = at the limit).", ""]
+    rates = results.groupby("load_x")["rate_per_s"].first()
+    names = {"e2e_mean_s": "mean", "e2e_p95_s": "P95", "e2e_p99_s": "P99", goodput_column(3.0): "goodput α=3"}
+    header = ["load", "reference mean / P95 / P99 E2E (s)", "reference goodput α=3", "reference mean slowdown",
+              *(f"room: {names[c]}" for c in _HEADROOM), *(f"{label} ÷ ref.: {names[c]}" for c in _HEADROOM)]
+    rows = []
+    for _, r in table.iterrows():
+        load = f"{rates[r['load_x']]:.4g}/s" if is_absolute else f"{r['load_x']:g}×"
+        rows.append([load, " / ".join(_fmt(r[f"reference_{c}"]) for c in _HEADROOM[:3]),
+                     _fmt(r[f"reference_{goodput_column(3.0)}"]), _fmt(r["reference_slowdown_mean"]),
+                     *(f"{_fmt(r[f'room_{c}'])}×" for c in _HEADROOM),
+                     *(f"{_fmt(r[f'policy_{c}'])}×" for c in _HEADROOM)])
+    parts += [_md_table(header, rows), ""]
+    return parts
+
+
 def capacity_ratios(capacity: pd.DataFrame) -> pd.DataFrame:
     """``capacity`` with ``vs_best_baseline`` = capacity / the best baseline's on the same GPU. Pure."""
     out = capacity.copy()
@@ -417,6 +491,7 @@ def _gpu_sections(results: pd.DataFrame, meta: Mapping[str, Any], is_absolute: b
     parts = _absolute_section(results, is_absolute)
     if (results["status"] == "ok").any():
         parts += _best_section(results, is_absolute)
+        parts += _headroom_section(results, is_absolute)
         parts += _ratio_section(results, "fcfs", "Ratio vs FCFS")
         parts += _ratio_section(results, "best_baseline", "Ratio vs the best baseline (per metric)")
         parts += _paper_section(results, meta.get("admission"))

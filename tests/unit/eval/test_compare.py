@@ -20,6 +20,7 @@ from eval.compare import (
     ABLATIONS,
     DEFAULT_POLICIES,
     POLICIES,
+    REFERENCE,
     CompareOptions,
     add_compare_subcommand,
     find_base_rate,
@@ -28,7 +29,7 @@ from eval.compare import (
 
 
 def test_parse_policies_all_and_dedup() -> None:
-    assert parse_policies("all") == DEFAULT_POLICIES == tuple(n for n in POLICIES if n not in ABLATIONS)
+    assert parse_policies("all") == DEFAULT_POLICIES == tuple(n for n in POLICIES if n not in (*ABLATIONS, REFERENCE))
     assert parse_policies("mars, fcfs,mars") == ("mars", "fcfs")
     assert parse_policies("mars-no-priority,mars") == ("mars-no-priority", "mars")
 

@@ -149,6 +149,13 @@ def test_skipped_trace_files_are_warned_about_and_noted_in_the_summary(tmp_path,
     assert "excl. workload loading" in summary and "elapsed wall" not in summary
 
 
+def test_the_unbounded_kv_reference_is_refused_on_a_live_backend(tmp_path, capsys) -> None:
+    code = _run(["--backend", "emulated", "--policies", "fcfs,unbounded-kv", "--base-rate", "0.1",
+                 "--out", str(tmp_path / "out")])
+    assert code == 2
+    assert "unbounded-KV reference runs only in the simulator" in capsys.readouterr().err
+
+
 def test_rerun_into_the_same_out_replaces_only_the_compare_files(tmp_path, capsys, sim) -> None:
     workload = tmp_path / "w.json"
     save_workload(small_workload(2, 2), workload)
@@ -161,8 +168,13 @@ def test_rerun_into_the_same_out_replaces_only_the_compare_files(tmp_path, capsy
     assert _run([*argv, "--policies", "fcfs", "--loads", "1"]) == 0
     assert f"replacing the previous results in {out}" in capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == sorted([
-        "fcfs__load1.parquet", "results.parquet", "summary.md", "my-notes.txt",
+        "fcfs__load1.parquet", "unbounded-kv__load1.parquet", "results.parquet", "summary.md", "my-notes.txt",
         "e2e_vs_load.png", "e2e_cdf.png", "goodput_vs_alpha.png"])
+    # The unbounded-KV reference joins every simulator sweep (not a baseline; its own row).
+    results = pd.read_parquet(out / "results.parquet")
+    assert list(results["run_id"]) == ["fcfs__load1", "unbounded-kv__load1"]
+    assert list(results["is_reference"]) == [False, True] and not results["is_baseline"].iloc[1]
+    assert _run([*argv, "--policies", "fcfs", "--loads", "1", "--no-reference"]) == 0
     assert list(pd.read_parquet(out / "results.parquet")["run_id"]) == ["fcfs__load1"]
 
 
@@ -218,7 +230,7 @@ def test_ctrl_c_at_the_cli_is_one_line_and_exit_130(tmp_path, capsys, monkeypatc
         [compare.GpuSetup("h100_sxm", None, 64, "test timing")], None, "Full workload"))
     out = tmp_path / "out"
     code = _run(["--workload", str(workload), "--policies", "fcfs,mars", "--loads", "1,2",
-                 "--base-rate", "1", "--gpu", "h100_sxm", "--out", str(out)])
+                 "--base-rate", "1", "--gpu", "h100_sxm", "--no-reference", "--out", str(out)])
     assert code == 130
     err = capsys.readouterr().err
     assert f"interrupted: 3 of 4 runs finished; partial results in {out}\n" in err

@@ -10,6 +10,7 @@ import pytest
 from eval.report import (
     METRICS,
     goodput_column,
+    headroom_table,
     paper_comparison,
     ratio_table,
     render_summary,
@@ -19,9 +20,9 @@ from eval.report import (
 
 
 def _row(label: str, policy: str, load_x: float, e2e: float, goodput: float, *, adm: bool = False,
-         baseline: bool = True, status: str = "ok") -> dict:
+         baseline: bool = True, status: str = "ok", reference: bool = False) -> dict:
     row = {"run_id": f"{label}__load{load_x:g}", "label": label, "policy": policy,
-           "is_admission_enabled": adm, "is_baseline": baseline, "load_x": load_x,
+           "is_admission_enabled": adm, "is_baseline": baseline, "is_reference": reference, "load_x": load_x,
            "rate_per_s": 0.1 * load_x, "status": status, "error": "" if status == "ok" else "RuntimeError: boom",
            "wall_s": 1.0, "num_sessions": 4, "num_completed": 4, "makespan_s": 10.0}
     for m in METRICS:
@@ -161,3 +162,22 @@ def test_plot_titles_name_the_load_and_the_base_rate(tmp_path, results: pd.DataF
     write_plots(tmp_path, results, {r: [1.0, 2.0] for r in results["run_id"]}, is_absolute_rates=True)
     assert titles["e2e_cdf.png"][1] == "rate 0.1 sessions/s"
     assert "absolute" in titles["e2e_vs_load.png"][0]
+
+
+def test_headroom_is_the_best_baseline_and_mars_against_the_unbounded_kv_reference(results) -> None:
+    with_ref = pd.concat([results, pd.DataFrame([
+        _row("unbounded-kv", "unbounded-kv", 1.0, 32.0, 0.75, baseline=False, reference=True)])])
+    table = headroom_table(with_ref).set_index("load_x")
+    assert list(table.index) == [1.0]  # only loads with a reference row
+    # best baseline at 1.0: fcfs E2E 40 (vs 32: room 1.25x), autellix goodput 0.5 (vs 0.75: 1.5x)
+    assert table.at[1.0, "room_e2e_mean_s"] == pytest.approx(40.0 / 32.0)
+    assert table.at[1.0, f"room_{goodput_column(3.0)}"] == pytest.approx(0.75 / 0.5)
+    # mars (10 s, goodput 1.0) is better than the reference here: below 1 in both directions
+    assert table.at[1.0, "policy_e2e_mean_s"] == pytest.approx(10.0 / 32.0)
+    assert table.at[1.0, f"policy_{goodput_column(3.0)}"] == pytest.approx(0.75 / 1.0)
+    # the reference is not a baseline: the best-baseline ratios ignore it
+    assert ratio_table(with_ref, "best_baseline").set_index(["label", "load_x"]).loc[
+        ("fcfs", 1.0), "e2e_mean_s"] == pytest.approx(1.0)
+    summary = render_summary(with_ref, {})
+    assert "## Headroom: the unbounded-KV reference" in summary and "| 1× | 32.0 / 32.0 / 32.0 |" in summary
+    assert headroom_table(results).empty and "Headroom" not in render_summary(results, {})
