@@ -388,7 +388,8 @@ class LiveBackend:
         spec: the backend (not ``sim``).
         options: serving and replay options.
         policy_config: policy name -> (``PolicySpec.scheduler``, ``PolicySpec.additional_config``)
-            or (..., ``PolicySpec.engine``): engine settings, served as flags (:func:`engine_flags`).
+            or (..., ``PolicySpec.engine``): engine settings, served as flags (:func:`engine_flags`),
+            or (..., ``PolicySpec.admission``): the gateway's admission-window settings.
 
     Raises:
         ValueError: ``spec`` is ``sim``.
@@ -606,8 +607,12 @@ class LiveBackend:
         from mars_openhands.stream.transport import ListSink
 
         scale = self.options.time_scale
-        scaled = ({"admission": scale_time_fields(AdmissionParams(), scale),
-                   "reorder": scale_time_fields(ReorderParams(), scale)} if scale != 1.0 else {})
+        policy_config = self.policy_config[server.policy]
+        admission = AdmissionParams(**(policy_config[3] if len(policy_config) > 3 else {}))
+        scaled: dict[str, Any] = {"admission": admission}
+        if scale != 1.0:
+            scaled = {"admission": scale_time_fields(admission, scale),
+                      "reorder": scale_time_fields(ReorderParams(), scale)}
         config = GatewayConfig(
             **scaled, port=0, replicas=(ReplicaConfig(url=server.url, events_address=server.inbox_addr),),
             is_admission_enabled=is_admission_enabled, num_tool_workers=self.options.num_tool_workers,

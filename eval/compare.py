@@ -150,6 +150,8 @@ class PolicySpec:
     ablates: str | None = None
     """For an ablation variant of ``mars``: the part switched off (a key of :data:`PAPER_ABLATIONS`);
     not in ``--policies all``."""
+    admission: Mapping[str, Any] = field(default_factory=dict)
+    """Gateway admission-window settings (``AdmissionParams`` fields) for its runs with the window."""
     is_kv_unbounded: bool = False
     """A reference, not a policy: the engine gets KV for every session's whole context at once
     (:func:`unbounded_kv_blocks`), so nothing ever waits for KV, is preempted or re-prefilled.
@@ -179,7 +181,9 @@ POLICIES: Mapping[str, PolicySpec] = {
     "continuum": PolicySpec("ContinuumScheduler", {"mars": {"continuum": {"mode": "continuum"}}}),
     "continuum-dy": PolicySpec("ContinuumScheduler", {"mars": {"continuum": {"mode": "continuum-dy"}}}),
     "thunderagent": PolicySpec("ThunderAgentScheduler"),
-    "mars-preview": PolicySpec("MarsPreviewScheduler", is_baseline=False, has_control_plane=True),
+    # The preview's own CPU overload threshold (a faithful port; ours is 1.5, policy/admission.py).
+    "mars-preview": PolicySpec("MarsPreviewScheduler", is_baseline=False, has_control_plane=True,
+                               admission={"cpu_set_backlog_ratio": 4.0}),
     "mars": PolicySpec("MarsScheduler", is_baseline=False, has_control_plane=True),
     # Ablations (MARS §6): mars with one part switched off (docs/compare.md "Ablations").
     "mars-no-priority": PolicySpec("MarsScheduler", _NO_PRIORITY, is_baseline=False, has_control_plane=True,
@@ -397,12 +401,14 @@ def _sim_config(options: CompareOptions, policy: str, is_admission_enabled: bool
                 num_gpu_blocks: int | None = None) -> Any:
     from eval.sim import SimConfig
     from mars_openhands.engine.inproc import InprocEngineParams
+    from mars_openhands.policy.admission import AdmissionParams
 
     spec = POLICIES[policy]
     engine = InprocEngineParams(num_gpu_blocks=num_gpu_blocks or options.num_gpu_blocks,
                                 additional_config=dict(spec.additional_config), **spec.engine)
     return SimConfig(policy=spec.scheduler, engine=engine, num_tool_workers=options.num_tool_workers,
                      is_admission_enabled=is_admission_enabled, seed=options.seed,
+                     admission=AdmissionParams(**spec.admission),
                      max_virtual_s=options.max_virtual_s)
 
 
@@ -1327,8 +1333,9 @@ def _live_setup(args: argparse.Namespace, spec: Any, workload: Workload, blocks:
 
 
 def live_policy_config() -> dict[str, tuple[str, Mapping[str, Any], Mapping[str, Any]]]:
-    """``LiveBackend``'s ``policy_config``: name -> (scheduler, additional config, engine). Pure."""
-    return {name: (p.scheduler, p.additional_config, p.engine) for name, p in POLICIES.items()}
+    """``LiveBackend``'s ``policy_config``: name -> (scheduler, additional config, engine, admission
+    settings). Pure."""
+    return {name: (p.scheduler, p.additional_config, p.engine, p.admission) for name, p in POLICIES.items()}
 
 
 _FLAG_OF_FIELD: Mapping[str, str] = {

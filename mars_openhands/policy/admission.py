@@ -5,8 +5,9 @@ window until it ends (or idles past a timeout). Every ``update_interval_s`` the 
 like TCP's congestion window, driven by two pressure signals, each with hysteresis:
 
 * **CPU** (the tool workers): backlog ratio ``rho = in-flight tool calls / tool workers`` and the EMA
-  (alpha = 0.2) of the tool queue wait ``w``. Overload is *set* when ``rho >= H`` (4) or
-  ``w >= 5 s`` and *cleared* only when ``rho <= L`` (1) and ``w <= 2 s``.
+  (alpha = 0.2) of the tool queue wait ``w``. Overload is *set* when ``rho >= H`` (1.5; the
+  preview's 4) or ``w >= 5 s`` and *cleared* only when ``rho <= L`` (1: no call waits for a
+  worker) and ``w <= 2 s``.
 * **KV** (the engines): usage ``u`` excluding evictable prefix-cache blocks. Overload is set at
   ``u >= 0.90`` and cleared at ``u <= 0.85``.
 
@@ -25,8 +26,8 @@ workers between their clear and set thresholds) and ``C_kv``, which falls linear
                      0.85 0.90
 
 Defaults are the public preview's (``Afterglow231/MARS_preview``,
-``experiments/replay/vllm_tool_baseline/run_experiment.py``, ``_fill_active_mars``): W_max / init /
-min = 30 / 30 / 4 for replay (8 / 8 / 2 for OpenHands runs); the window itself is clamped by the caps,
+``experiments/replay/vllm_tool_baseline/run_experiment.py``, ``_fill_active_mars``), except ``H``:
+W_max / init / min = 30 / 30 / 4 for replay (8 / 8 / 2 for OpenHands runs); the window itself is clamped by the caps,
 so after pressure clears it regrows one slot per tick from the cap. The functions here are pure
 (snapshot in, decision out); :mod:`mars_openhands.control.admission` (``AimdWindow``) keeps the state, and
 :mod:`mars_openhands.control.plane` the clock.
@@ -73,8 +74,11 @@ class AdmissionParams(BaseModel):
     """Additive increase per healthy tick, in sessions (default 1)."""
     update_interval_s: float = Field(0.2, gt=0.0)
     """Seconds between window updates (default 0.2)."""
-    cpu_set_backlog_ratio: float = Field(4.0, gt=0.0)
-    """H: CPU overload is set when rho = in-flight tool calls / tool workers >= H (default 4)."""
+    cpu_set_backlog_ratio: float = Field(1.5, gt=0.0)
+    """H: CPU overload is set when rho = in-flight tool calls / tool workers >= H (default 1.5:
+    calls wait at half the workers; ours. The MARS preview's 4 lets three calls per worker queue
+    before the window reacts, and its cap ``C_cpu = ceil(N_tool (L + H) / 2)`` then admits 2.5
+    sessions per worker; ``mars-preview`` keeps 4)."""
     cpu_clear_backlog_ratio: float = Field(1.0, ge=0.0)
     """L: CPU overload clears (and growth is allowed) only when rho <= L (default 1)."""
     cpu_set_wait_s: float = Field(5.0, gt=0.0)

@@ -24,7 +24,8 @@ def updates(sink) -> list:
 
 
 def test_tool_backlog_shrinks_window_with_hysteresis(clean_fakes, gateway_factory) -> None:
-    server, sink = gateway_factory([clean_fakes[0].url], admission=WINDOW, num_tool_workers=4)
+    server, sink = gateway_factory([clean_fakes[0].url], admission={**WINDOW, "cpu_set_backlog_ratio": 4.0},
+                                        num_tool_workers=4)  # the preview's H = 4
     with httpx.Client(base_url=server.url, timeout=10) as client:
         client.post("/v1/chat/completions", json=chat("cpu-a"))
         # rho = 16 in-flight tool calls / 4 workers >= 4: overload (C_cpu = ceil(4 * 2.5) = 10).

@@ -487,3 +487,13 @@ def test_measured_ideal_is_each_sessions_fastest_round() -> None:
     assert ideal == pytest.approx({"s0": 1.1, "s1": 0.9})
     assert [sid for sid, _ in calls] == ["s0", "s1"] * 3 and len(ticks) == 6
     assert len({seed for _, seed in calls}) == 3 and calls[0][1] == calls[1][1] == 5
+
+
+def test_mars_preview_keeps_the_preview_cpu_threshold_and_mars_has_ours() -> None:
+    from eval.compare import _sim_config, live_policy_config
+
+    options = CompareOptions(num_gpu_blocks=64)
+    preview = _sim_config(options, "mars-preview", True).admission
+    ours = _sim_config(options, "mars", True).admission
+    assert preview.cpu_set_backlog_ratio == 4.0 and ours.cpu_set_backlog_ratio == 1.5
+    assert live_policy_config()["mars-preview"][3] == {"cpu_set_backlog_ratio": 4.0}

@@ -14,6 +14,7 @@ pytest.importorskip("vllm")
 from eval.sim import FAST_PATHS_ENV, LinearStepTimeModel, SimConfig, SimResult, Simulator  # noqa: E402
 from eval.workloads.format import Session, Turn, Workload, WorkloadMeta  # noqa: E402
 from mars_openhands.engine.inproc import InprocEngineParams  # noqa: E402
+from mars_openhands.policy.admission import AdmissionParams  # noqa: E402
 from mars_openhands.stream.transport import ListSink  # noqa: E402
 
 NUM_BLOCKS = 160
@@ -78,7 +79,10 @@ def test_fast_paths_are_exact(monkeypatch: pytest.MonkeyPatch, policy: str, engi
                               admission: bool, merges: bool) -> None:
     """Every request's schedule, token and finish times, cached tokens and preemptions, every
     non-snapshot event, the KV at the end: equal with and without the fast paths."""
+    # The preview's CPU threshold (H = 4): ours (1.5) would cap the window at 4 sessions for 3 tool
+    # workers, and the workload would no longer be KV-bound.
     config = SimConfig(policy=policy, num_tool_workers=3, is_admission_enabled=admission,
+                       admission=AdmissionParams(cpu_set_backlog_ratio=4.0),
                        engine=InprocEngineParams(num_gpu_blocks=NUM_BLOCKS, max_model_len=4096,
                                                  **engine))
     slow, fast, slow_print, fast_print, engine_ = _both_ways(monkeypatch, config, _kv_bound_workload())

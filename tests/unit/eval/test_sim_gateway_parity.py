@@ -70,7 +70,7 @@ CONFIG = SimConfig(
     engine=InprocEngineParams(num_gpu_blocks=NUM_GPU_BLOCKS, max_model_len=8192),
     num_tool_workers=1, is_admission_enabled=True,
     admission=AdmissionParams(window_max=4, window_init=4, window_min=1, cpu_set_wait_s=1.0,
-                              cpu_clear_wait_s=0.5),
+                              cpu_clear_wait_s=0.5, cpu_set_backlog_ratio=4.0),
     reorder=ReorderParams(starvation_s=3.0),
 )
 TIMER = LinearStepTimeModel(overhead_s=0.02)

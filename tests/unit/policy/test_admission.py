@@ -20,7 +20,7 @@ from mars_openhands.policy.admission import (
     update_window,
 )
 
-P = AdmissionParams()  # design defaults: 30/30/4, x0.7, +1, rho 4/1, wait 5/2 s, kv 0.90/0.85
+P = AdmissionParams(cpu_set_backlog_ratio=4.0)  # the design values: 30/30/4, x0.7, +1, rho 4/1, wait 5/2 s, kv 0.90/0.85
 
 
 def snap(rho: float = 0.0, wait: float | None = None, kv: float | None = None, workers: int = 100):
@@ -28,7 +28,16 @@ def snap(rho: float = 0.0, wait: float | None = None, kv: float | None = None, w
                             num_tool_workers=workers)
 
 
-def test_defaults_are_the_design_values() -> None:
+def test_defaults_are_the_design_values_but_h() -> None:
+    """Ours: overload once calls wait at half the workers (H = 1.5), C_cpu = ceil(1.25 N_tool)."""
+    d = AdmissionParams()
+    assert (d.cpu_set_backlog_ratio, d.cpu_clear_backlog_ratio) == (1.5, 1.0)
+    assert cpu_window_cap(6, d) == 8 and cpu_window_cap(16, d) == 20
+    assert d.model_dump(exclude={"cpu_set_backlog_ratio"}) == P.model_dump(exclude={"cpu_set_backlog_ratio"})
+    assert is_cpu_overloaded(False, snap(rho=1.5), d) and not is_cpu_overloaded(False, snap(rho=1.4), d)
+
+
+def test_preview_values() -> None:
     assert (P.window_max, P.window_init, P.window_min) == (30, 30, 4)
     assert (P.decrease_factor, P.increase_step, P.update_interval_s) == (0.7, 1, 0.2)
     assert (P.cpu_set_backlog_ratio, P.cpu_clear_backlog_ratio) == (4.0, 1.0)
