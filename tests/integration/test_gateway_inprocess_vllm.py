@@ -97,41 +97,47 @@ def _run(factory, tmp_path: Path, gpu: str, inbox: str) -> None:
     client.post("/mars/v1/events", json={"events": [event("session_end", "b")]})
 
     # A client that hangs up mid-stream: vLLM aborts the request, the session has nothing in flight.
-    with httpx.Client(base_url=server.url, timeout=60, headers=key) as hangup, hangup.stream(
-            "POST", "/v1/completions", json={"model": server.model, "prompt": [1, 40, 41], "max_tokens": 900,
-                                             "ignore_eos": True, "mars_session": "c", "stream": True}) as resp:
-        assert resp.status_code == 200
-        next(resp.iter_raw())  # the first chunk arrived: the request runs in the engine
-    wait_until(lambda: (parse_vllm_metrics(client.get("/metrics").text).num_running or 0) == 0,
-               what="vLLM to abort the hung-up request")
-    state = client.get("/mars/v1/state").json()
-    assert state["sessions"]["c"]["in_flight"] == 0 and state["sessions"]["c"]["turns"] == 1
-    # The same for a whole (non-streamed) response: vLLM runs it under with_cancellation, in a task
-    # of its own that only a disconnect on receive() stops. Hang up once the engine runs it; on a
-    # loaded machine the 900 tokens can still finish before the hang-up is seen ("length"), which
-    # tests nothing, so such an attempt is made again as the session's next turn (at most 3).
-    body = json.dumps({"model": server.model, "prompt": [1, 40, 41], "max_tokens": 900,
-                       "ignore_eos": True, "mars_session": "c"}).encode()
-    url = httpx.URL(server.url)
-
+    # On a loaded machine the 900 tokens can all be generated before the hang-up is seen ("length"),
+    # which tests nothing, so such an attempt is made again as the session's next turn (at most 3).
     def of_c() -> list[dict[str, Any]]:
         rows = [json.loads(line) for line in stream_path.read_text().splitlines()]
         return [r for r in rows if r["kind"] == "finished" and r["session_id"] == "c"]
 
+    for attempt in range(3):
+        with httpx.Client(base_url=server.url, timeout=60, headers=key) as hangup, hangup.stream(
+                "POST", "/v1/completions", json={"model": server.model, "prompt": [1, 40, 41], "max_tokens": 900,
+                                                 "ignore_eos": True, "mars_session": "c", "stream": True}) as resp:
+            assert resp.status_code == 200
+            next(resp.iter_raw())  # the first chunk arrived: the request runs in the engine
+        streamed = wait_until(lambda n=1 + attempt: len(of_c()) == n and of_c(),
+                              what="c's streamed request to end in the engine")
+        if streamed[-1]["finish_reason"] == "abort":
+            break
+    wait_until(lambda: (parse_vllm_metrics(client.get("/metrics").text).num_running or 0) == 0,
+               what="vLLM to abort the hung-up request")
+    state = client.get("/mars/v1/state").json()
+    assert state["sessions"]["c"]["in_flight"] == 0 and state["sessions"]["c"]["turns"] == len(streamed)
+    # The same for a whole (non-streamed) response: vLLM runs it under with_cancellation, in a task
+    # of its own that only a disconnect on receive() stops. Hang up once the engine runs it (at most
+    # 3 attempts, as above).
+    body = json.dumps({"model": server.model, "prompt": [1, 40, 41], "max_tokens": 900,
+                       "ignore_eos": True, "mars_session": "c"}).encode()
+    url = httpx.URL(server.url)
     for attempt in range(3):
         with socket.create_connection((url.host, url.port), timeout=30) as raw:
             raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k-int\r\n"
                         b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
             wait_until(lambda: (parse_vllm_metrics(client.get("/metrics").text).num_running or 0) >= 1,
                        what="the whole-response request to run in the engine")
-        rows = wait_until(lambda n=2 + attempt: len(of_c()) == n and of_c(),
+        rows = wait_until(lambda n=len(streamed) + 1 + attempt: len(of_c()) == n and of_c(),
                           what="c's requests to end in the engine")
         if rows[-1]["finish_reason"] == "abort":
             break
     print(f"  hung-up requests: {[(r['finish_reason'], r['num_output_tokens']) for r in rows]}")
     assert [r["turn"] for r in rows] == list(range(len(rows)))
+    last_streamed = rows[len(streamed) - 1]
     assert all(r["finish_reason"] == "abort" and r["num_output_tokens"] < 900
-               for r in (rows[0], rows[-1])), rows  # the streamed one and the last whole one
+               for r in (last_streamed, rows[-1])), rows  # the last streamed one and the last whole one
     wanted = {"admission_update", "queued", "first_token", "finished", "tool_start", "tool_end", "session_end"}
     wait_until(lambda: wanted <= {json.loads(line)["kind"] for line in stream_path.read_text().splitlines()},
                what=f"{sorted(wanted)} in the recorded stream (flushed every second)")
