@@ -446,8 +446,12 @@ def _metrics_row(run: _Run, stream: pd.DataFrame, ideal_s: Mapping[str, float],
     return row, table
 
 
-class _Unstable(Exception):
-    """Raised by :class:`_SlowdownGuard` inside a probe: the mean slowdown already exceeds the bound."""
+class _Unstable(BaseException):
+    """Raised by :class:`_SlowdownGuard` inside a probe: the mean slowdown already exceeds the bound.
+
+    A ``BaseException``: the guard is also the schedulers' telemetry sink, whose ``except Exception``
+    (telemetry must never break scheduling) would otherwise drop it and let the probe run on.
+    """
 
 
 class _SlowdownGuard:

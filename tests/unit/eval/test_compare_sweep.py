@@ -155,6 +155,29 @@ def test_probe_of_an_overloaded_run_is_unstable_without_finishing_it(sim, monkey
     assert wall_s > 0
 
 
+
+def test_the_guard_stops_a_plugin_policy_at_its_first_raise(sim, monkeypatch) -> None:
+    # The guard is also the scheduler's telemetry sink, which drops what its sink raises as an
+    # Exception; the first raise must end the probe, not the next one from the simulator's own events.
+    monkeypatch.setattr(compare._SlowdownGuard, "_CHECK_EVERY", 1)
+    raises: list[str] = []
+    emit = compare._SlowdownGuard.emit
+
+    def counting_emit(self, event) -> None:
+        try:
+            emit(self, event)
+        except compare._Unstable:
+            raises.append(event.kind)
+            raise
+
+    monkeypatch.setattr(compare._SlowdownGuard, "emit", counting_emit)
+    workload = small_workload(6, 4)
+    options = CompareOptions(num_gpu_blocks=512, knee_slowdown=1.05)
+    ideal = {s.session_id: 0.05 for s in workload.sessions}
+    slowdown, _ = compare._probe_task(workload, options, "mars", False, 100.0, sim.LinearStepTimeModel(), 512,
+                                      ideal)
+    assert slowdown == math.inf and len(raises) == 1, raises
+
 # ----------------------------------------------------------------------------- GPUs, jobs, cache
 def _two_gpus(sim) -> tuple[GpuSetup, GpuSetup]:
     fast = sim.LinearStepTimeModel()
