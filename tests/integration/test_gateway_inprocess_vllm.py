@@ -123,19 +123,20 @@ def _run(factory, tmp_path: Path, gpu: str, inbox: str) -> None:
     body = json.dumps({"model": server.model, "prompt": [1, 40, 41], "max_tokens": 900,
                        "ignore_eos": True, "mars_session": "c"}).encode()
     url = httpx.URL(server.url)
+    num_streamed = len(streamed)
     for attempt in range(3):
         with socket.create_connection((url.host, url.port), timeout=30) as raw:
             raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k-int\r\n"
                         b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
             wait_until(lambda: (parse_vllm_metrics(client.get("/metrics").text).num_running or 0) >= 1,
                        what="the whole-response request to run in the engine")
-        rows = wait_until(lambda n=len(streamed) + 1 + attempt: len(of_c()) == n and of_c(),
+        rows = wait_until(lambda n=num_streamed + 1 + attempt: len(of_c()) == n and of_c(),
                           what="c's requests to end in the engine")
         if rows[-1]["finish_reason"] == "abort":
             break
     print(f"  hung-up requests: {[(r['finish_reason'], r['num_output_tokens']) for r in rows]}")
     assert [r["turn"] for r in rows] == list(range(len(rows)))
-    last_streamed = rows[len(streamed) - 1]
+    last_streamed = rows[num_streamed - 1]
     assert all(r["finish_reason"] == "abort" and r["num_output_tokens"] < 900
                for r in (last_streamed, rows[-1])), rows  # the last streamed one and the last whole one
     wanted = {"admission_update", "queued", "first_token", "finished", "tool_start", "tool_end", "session_end"}
