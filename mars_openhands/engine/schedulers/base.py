@@ -61,9 +61,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -71,12 +71,13 @@ from vllm.v1.request import Request, RequestStatus
 
 from mars_openhands.engine import seams
 from mars_openhands.engine.queues import PolicyRequestQueue
+from mars_openhands.engine.schedulers.retained import RetainedKv, RetainedKvPool
 from mars_openhands.engine.telemetry import EngineTelemetry, make_telemetry
 from mars_openhands.policy.admission import ema
 from mars_openhands.policy.estimators import Ema, ToolDurationEstimator
 from mars_openhands.policy.levels import quantum_tokens
 from mars_openhands.policy.params import SchedulerParams, parse_scheduler_params
-from mars_openhands.policy.retention import RetentionDecision, reclaim_order_key
+from mars_openhands.policy.retention import RetentionDecision
 from mars_openhands.policy.session import (
     SessionState,
     context_checkpoints,
@@ -125,29 +126,6 @@ class RequestState:
     arrived: the part of the prompt the session already had, as opposed to new work."""
 
 
-@dataclass(slots=True)
-class RetainedKv:
-    """KV blocks of a finished turn pinned for the session's next turn."""
-
-    session_id: str
-    request_id: str
-    turn: int | None
-    blocks: list[Any]
-    num_tokens: int
-    retained_s: float
-    expires_s: float
-    value_s: float
-    reason: str
-    extra: dict[str, Any] = field(default_factory=dict)
-    """Free slot for subclasses (e.g. the baseline's own bookkeeping)."""
-
-    @property
-    def num_blocks(self) -> int:
-        """Blocks pinned."""
-        return len(self.blocks)
-
-
-
 def finished_request_ids(engine_outputs: dict[int, Any]) -> list[str]:
     """Request ids that finished in one ``update_from_output`` result (vLLM's public outputs)."""
     return [o.request_id for eco in engine_outputs.values() for o in eco.outputs
@@ -186,7 +164,8 @@ class MarsBaseScheduler(AsyncScheduler):
         self.waiting = PolicyRequestQueue()
         self.req_state: dict[str, RequestState] = {}
         self.sessions: dict[str, SessionState] = {}
-        self.retained: dict[str, RetainedKv] = {}
+        self.retained = RetainedKvPool()
+        """Finished turns' KV pinned for their sessions' next turns (expiry, reclaim, counters)."""
         rp = self.params.retention
         self.tool_durations = ToolDurationEstimator(rp.min_tool_samples, rp.max_samples_per_tool)
         self.queue_delay = Ema(rp.queue_delay_ema_alpha, rp.default_queue_delay_s)
@@ -214,7 +193,6 @@ class MarsBaseScheduler(AsyncScheduler):
         self._last_step_counts: tuple[int, int, int, int, int] | None = None
         self._last_gc_s = 0.0
         self._last_waiting_sort_s = float("-inf")
-        self._next_expiry_s = float("inf")
         self._step_prefills: list[str] = []
         self.prefill_s_per_token = Ema(0.2, rp.reload_linear_s_per_token)
         """Measured seconds per prefill token (step time / prefill tokens of steps with at least
@@ -223,15 +201,6 @@ class MarsBaseScheduler(AsyncScheduler):
         self._pending_prefill_steps: deque[tuple[float, int]] = deque()
         self.prefilling: set[str] = set()
         """Running requests still inside their prompt (kept up to date after each step)."""
-        self.num_reclaimed_blocks = 0
-        self.num_released_blocks = 0
-        """Retained blocks released for any reason but shutdown (resolved retentions)."""
-        self.num_reused_blocks = 0
-        """Of those, blocks the session's next turn actually reused: the retention hit ratio is
-        ``num_reused_blocks / num_released_blocks`` (tokens: times ``block_size``)."""
-        self._held_expired: set[str] = set()
-        """Sessions whose retained KV expired but is kept: their next turn waits (or the policy's
-        ``can_release_expired`` said no). Re-checked every step."""
         self.telemetry: EngineTelemetry = make_telemetry(self.params.telemetry)
         self._init_seams()
 
@@ -292,11 +261,11 @@ class MarsBaseScheduler(AsyncScheduler):
 
     def _watch_expiry(self) -> None:
         """Background thread: wake the engine once per retained-KV expiry that comes due (reads
-        ``_next_expiry_s`` without a lock: a float, rewritten whole by the engine thread; a stale
+        ``retained.next_expiry_s`` without a lock: a float, rewritten whole by the engine thread; a stale
         read at worst wakes a busy engine once, or checks again ``_EXPIRY_POLL_S`` later)."""
         woken_for = float("inf")
         while not self._stop_watcher.is_set():
-            due = self._next_expiry_s
+            due = self.retained.next_expiry_s
             now = self.clock()
             if due <= now and due != woken_for and self._wake_engine is not None:
                 self._wake_engine()
@@ -308,7 +277,7 @@ class MarsBaseScheduler(AsyncScheduler):
         """vLLM: whether the engine must step: requests (vLLM's rule), or CPU-plane events to
         apply, or retained KV past its expiry (an idle engine then runs one empty step)."""
         return (super().has_requests(**kwargs) or bool(self._inbox)
-                or self.clock() >= self._next_expiry_s)
+                or self.clock() >= self.retained.next_expiry_s)
 
     def set_telemetry_sink(self, sink: EventSink | None, *, engine_steps: bool = True) -> None:
         """Replace the telemetry sink (tests, simulator; ``engine_steps=False``: no
@@ -401,7 +370,7 @@ class MarsBaseScheduler(AsyncScheduler):
         """Scheduler-clock seconds by which a merged run must have ended: the next retained-KV
         expiry, the next session GC, and (with a waiting order over several requests) the next
         periodic re-sort, each of which :meth:`schedule` does at the first step past it. Pure."""
-        t = min(self._next_expiry_s, self._last_gc_s + _GC_INTERVAL_S - _RUN_MARGIN_S)
+        t = min(self.retained.next_expiry_s, self._last_gc_s + _GC_INTERVAL_S - _RUN_MARGIN_S)
         if self._has_waiting_key and len(self.waiting) > 1:
             t = min(t, self._last_waiting_sort_s + self.params.reorder_interval_s - _RUN_MARGIN_S)
         return t
@@ -493,7 +462,7 @@ class MarsBaseScheduler(AsyncScheduler):
         """vLLM: one scheduling step (see the module docstring for the order of work)."""
         now = self.clock()
         self._drain_inbox(now)
-        if now >= self._next_expiry_s or self._held_expired:
+        if self.retained.is_expiry_due(now):
             self._expire_retained(now)
         if self._rejected:
             self._reject_invalid()
@@ -881,12 +850,11 @@ class MarsBaseScheduler(AsyncScheduler):
             self.release_retained(session.session_id, "resumed", now)
         seams.pin_blocks(self, blocks)
         self._allocate_wrapper.enable()
-        self.retained[session.session_id] = RetainedKv(
+        self.retained.add(RetainedKv(
             session.session_id, request.request_id, state.meta.turn, blocks,
             len(blocks) * self.block_size, now, now + decision.ttl_s, decision.value_s,
             decision.reason,
-        )
-        self._next_expiry_s = min(self._next_expiry_s, now + decision.ttl_s)
+        ))
         if self.telemetry.enabled:
             self.telemetry.kv_retained(request.request_id, session.session_id, state.meta.turn,
                                        len(blocks), decision.ttl_s, decision.reason)
@@ -904,62 +872,67 @@ class MarsBaseScheduler(AsyncScheduler):
         Returns:
             Blocks released (0 when nothing was retained).
         """
-        entry = self.retained.pop(session_id, None)
+        entry = self.retained.pop(session_id)
         if entry is None:
             return 0
-        self._held_expired.discard(session_id)
         seams.free_pinned(self, entry.blocks)
         if not self.retained:
             self._allocate_wrapper.disable()
-        reused: int | None = entry.extra.get("num_reused_blocks", 0)
-        if reason == "resumed" and "num_reused_blocks" not in entry.extra:
-            reused = None  # a subclass resumed it without a measurement: unknown, not a hit
-        if reason != "shutdown":
-            self.num_released_blocks += entry.num_blocks
-            self.num_reused_blocks += reused or 0
+        reused = self.retained.record_release(entry, reason)
         if self.telemetry.enabled:
             now = self.clock() if now_s is None else now_s
             self.telemetry.kv_released(session_id, entry.num_blocks, reason, now - entry.retained_s,
                                        reused)
         return entry.num_blocks
 
+    def reclaim(self, session_id: str, now_s: float | None = None) -> int:
+        """Release a session's retained KV for another's allocation (reason "reclaimed") and
+        count it in :attr:`num_reclaimed_blocks`. Returns the blocks released. Mutates."""
+        released = self.release_retained(session_id, "reclaimed", now_s)
+        self.retained.num_reclaimed_blocks += released
+        return released
+
+    @property
+    def num_reclaimed_blocks(self) -> int:
+        """Retained blocks released because an allocation failed (:meth:`reclaim`)."""
+        return self.retained.num_reclaimed_blocks
+
+    @property
+    def num_released_blocks(self) -> int:
+        """Retained blocks released for any reason but shutdown (resolved retentions)."""
+        return self.retained.num_released_blocks
+
+    @property
+    def num_reused_blocks(self) -> int:
+        """Of those, blocks the session's next turn actually reused: the retention hit ratio is
+        ``num_reused_blocks / num_released_blocks`` (tokens: times ``block_size``)."""
+        return self.retained.num_reused_blocks
+
     def _measure_reuse(self, entry: RetainedKv, request_id: str) -> int:
         """Blocks of ``entry`` that ``request_id`` (the session's next turn, just allocated, or
-        its finishing turn) holds: what the retention actually gave it. Recorded in
-        ``entry.extra["num_reused_blocks"]`` for the release. O(blocks)."""
-        pinned = {b.block_id for b in entry.blocks}
-        reused = sum(1 for b in seams.request_blocks(self, request_id) if b.block_id in pinned)
-        entry.extra["num_reused_blocks"] = reused
-        return reused
+        its finishing turn) holds (:meth:`RetainedKvPool.measure_reuse`). Mutates ``entry``."""
+        return self.retained.measure_reuse(
+            entry, [b.block_id for b in seams.request_blocks(self, request_id)])
 
     def _expire_retained(self, now: float) -> None:
         """Release every retained entry past its expiry, within the step it expires in, unless
         its own session's next turn waits (or ``can_release_expired`` says no): those are held
         and re-checked every step, O(held), without delaying anyone else's expiry."""
-        due = list(self.retained) if now >= self._next_expiry_s else list(self._held_expired)
-        for sid in due:
-            entry = self.retained.get(sid)
-            if entry is None or entry.expires_s > now:
-                self._held_expired.discard(sid)
+        pool = self.retained
+        for sid in pool.expiry_candidates(now):
+            if not pool.is_expired(sid, now):
                 continue
             session = self.sessions.get(sid)
             if (session is not None and session.active_request_ids) or not self.can_release_expired(
-                    entry, now):
-                self._held_expired.add(sid)  # the next turn is waiting: keep until scheduled
+                    pool[sid], now):
+                pool.hold_expired(sid)  # the next turn is waiting: keep until scheduled
                 continue
             self.release_retained(sid, "expired", now)
-        self._update_next_expiry(now)
-
-    def _update_next_expiry(self, now: float | None = None) -> None:
-        """Earliest expiry still to act on among the entries not held past theirs (held ones are
-        re-checked every step through ``_held_expired``)."""
-        self._next_expiry_s = min((e.expires_s for sid, e in self.retained.items()
-                                   if sid not in self._held_expired), default=float("inf"))
+        pool.update_next_expiry()
 
     def _reclaimable_blocks(self, request: Request) -> int:
         own = self.req_state.get(request.request_id)
-        own_sid = own.session_id if own else None
-        return sum(e.num_blocks for sid, e in self.retained.items() if sid != own_sid)
+        return self.retained.reclaimable_blocks(own.session_id if own else None)
 
     def _reclaim_for(self, request: Request) -> bool:
         """Allocation for ``request`` failed: release the lowest-value retained entry of another
@@ -971,15 +944,14 @@ class MarsBaseScheduler(AsyncScheduler):
         if not self.retained:
             return False
         own = self.req_state.get(request.request_id)
-        own_sid = own.session_id if own else None
         now = self.clock()
         is_stuck = not self.running
-        candidates = [e for sid, e in self.retained.items()
-                      if sid != own_sid and (is_stuck or self.can_reclaim_for(e, request, now))]
-        if not candidates:
+        victim = self.retained.reclaim_victim(
+            own.session_id if own else None,
+            lambda e: is_stuck or self.can_reclaim_for(e, request, now))
+        if victim is None:
             return False
-        victim = min(candidates, key=lambda e: (reclaim_order_key(e.value_s, e.num_blocks), -e.retained_s))
-        self.num_reclaimed_blocks += self.release_retained(victim.session_id, "reclaimed")
+        self.reclaim(victim.session_id)
         return True
 
     # ------------------------------------------------------------------ CPU-plane events
@@ -1038,8 +1010,7 @@ class MarsBaseScheduler(AsyncScheduler):
             session.tool_ended = True
             entry = self.retained.get(sid)
             if entry is not None:
-                entry.expires_s = max(entry.expires_s, now + self.params.retention.imminent_grace_s)
-                self._update_next_expiry()
+                self.retained.extend_expiry(entry, now + self.params.retention.imminent_grace_s)
 
     def _apply_refinement(self, entry: RetainedKv, session: SessionState, tool: str, now: float) -> None:
         decision = self.refine_retention(entry, session, tool, now)
@@ -1051,7 +1022,7 @@ class MarsBaseScheduler(AsyncScheduler):
         entry.expires_s = now + decision.ttl_s
         entry.value_s = decision.value_s
         entry.reason = decision.reason
-        self._update_next_expiry()
+        self.retained.update_next_expiry()
         if self.telemetry.enabled:
             self.telemetry.kv_retained(entry.request_id, entry.session_id, entry.turn,
                                        entry.num_blocks, decision.ttl_s, decision.reason)
@@ -1066,22 +1037,9 @@ class MarsBaseScheduler(AsyncScheduler):
         a full walk of the requests' blocks.
         """
         free = seams.num_free_blocks(self)
-        retained_only = self._retained_only_blocks()
+        retained_only = self.retained.retained_only_blocks(seams.num_blocks_referenced_once,
+                                                           seams.block_ref_count)
         return free, retained_only, seams.num_gpu_blocks(self) - 1 - free - retained_only
-
-    def _retained_only_blocks(self) -> int:
-        entries = self.retained.values()
-        num_pins = sum(len(e.blocks) for e in entries)
-        if len({b.block_id for e in entries for b in e.blocks}) == num_pins:
-            # Every block pinned once (the usual case): retained-only iff its one reference is ours.
-            return sum(seams.num_blocks_referenced_once(e.blocks) for e in entries)
-        pins: dict[int, int] = {}
-        by_id: dict[int, Any] = {}
-        for entry in self.retained.values():
-            for b in entry.blocks:
-                pins[b.block_id] = pins.get(b.block_id, 0) + 1
-                by_id[b.block_id] = b
-        return sum(1 for bid, n in pins.items() if seams.block_ref_count(by_id[bid]) == n)
 
     def assert_no_leaks(self) -> dict[str, int]:
         """Integrity check: every block's ref count equals request refs + our pins, and
@@ -1094,7 +1052,7 @@ class MarsBaseScheduler(AsyncScheduler):
             AssertionError: printing the numbers and the first mismatching blocks.
         """
         refs = seams.referenced_block_counts(self)
-        pins = Counter(b.block_id for e in self.retained.values() for b in e.blocks)
+        pins = self.retained.pin_counts()
         bad = []
         num_zero = 0
         for b in seams.all_blocks(self):

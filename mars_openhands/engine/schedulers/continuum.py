@@ -148,7 +148,7 @@ class ContinuumScheduler(MarsBaseScheduler):
         )
         if not order:
             return False
-        self.num_reclaimed_blocks += self.release_retained(order[0], "reclaimed")
+        self.reclaim(order[0])
         return True
 
     def on_preempted(self, request: Request) -> None:
