@@ -24,6 +24,7 @@ blocks are enough to measure the kept prefix to 1/8 of the context, in O(1) memo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["NUM_REUSE_CHECKPOINTS", "SessionState", "context_checkpoints",
            "inferred_tool_duration_s", "measured_reuse_fraction"]
@@ -75,6 +76,9 @@ class SessionState:
     """Full blocks of that context."""
     reuse_fraction_ema: float | None = None
     """EMA of the measured share of its context each next turn reused; None: never measured."""
+    program: Any = None
+    """The scheduling policy's per-program state (Autellix's PLAS program, Continuum's program
+    arrival and turn counts); None: none yet. It lives and dies with this record."""
 
 
 def inferred_tool_duration_s(

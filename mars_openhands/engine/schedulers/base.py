@@ -72,6 +72,7 @@ from vllm.v1.request import Request, RequestStatus
 from mars_openhands.engine import seams
 from mars_openhands.engine.queues import PolicyRequestQueue
 from mars_openhands.engine.schedulers.retained import RetainedKv, RetainedKvPool
+from mars_openhands.engine.schedulers.sessions import SessionTable
 from mars_openhands.engine.telemetry import EngineTelemetry, make_telemetry
 from mars_openhands.policy.admission import ema
 from mars_openhands.policy.estimators import Ema, ToolDurationEstimator
@@ -163,7 +164,8 @@ class MarsBaseScheduler(AsyncScheduler):
         self.clock: Callable[[], float] = time.monotonic
         self.waiting = PolicyRequestQueue()
         self.req_state: dict[str, RequestState] = {}
-        self.sessions: dict[str, SessionState] = {}
+        self.sessions = SessionTable()
+        """Per-session records (and the policy's per-program slot)."""
         self.retained = RetainedKvPool()
         """Finished turns' KV pinned for their sessions' next turns (expiry, reclaim, counters)."""
         rp = self.params.retention
@@ -431,9 +433,7 @@ class MarsBaseScheduler(AsyncScheduler):
                                              self.params.retention.reuse_ema_alpha)
 
     def _on_session_request(self, sid: str, request_id: str, meta: TurnMeta, now: float) -> None:
-        session = self.sessions.get(sid)
-        if session is None:
-            session = self.sessions[sid] = SessionState(sid, first_arrival_s=now)
+        session = self.sessions.open(sid, now)
         if session.num_turns_finished and not session.tool_ended:
             duration = inferred_tool_duration_s(session.last_finish_s, now, meta.prev_tool_s)
             if duration is not None:
@@ -452,9 +452,7 @@ class MarsBaseScheduler(AsyncScheduler):
     def _on_side_request(self, sid: str, request_id: str, now: float) -> None:
         """A side request (``mars_side=1``) joins its session's requests and nothing else: the
         session's tool phase, turn count and retained KV stay as they are."""
-        session = self.sessions.get(sid)
-        if session is None:
-            session = self.sessions[sid] = SessionState(sid, first_arrival_s=now)
+        session = self.sessions.open(sid, now)
         session.last_activity_s = now
         session.active_request_ids.add(request_id)
 
@@ -820,10 +818,7 @@ class MarsBaseScheduler(AsyncScheduler):
 
     def _gc_sessions(self, now: float) -> None:
         self._last_gc_s = now
-        timeout = self.params.session_idle_timeout_s
-        for sid, s in list(self.sessions.items()):
-            if not s.active_request_ids and sid not in self.retained and now - s.last_activity_s > timeout:
-                del self.sessions[sid]
+        self.sessions.forget_idle(now, self.params.session_idle_timeout_s, self.retained)
 
     def session_service_tokens(self, session: SessionState) -> int:
         """Attained service of a session: computed tokens of its finished requests plus those of
@@ -987,7 +982,7 @@ class MarsBaseScheduler(AsyncScheduler):
             self.release_retained(sid, "session_end", now)
             session = self.sessions.get(sid)
             if session is not None and not session.active_request_ids:
-                del self.sessions[sid]
+                self.sessions.forget(sid)
             return
         if kind == "tool_start":  # CPU-plane congestion, whichever session it comes from
             self.tool_queue_wait.observe(event.queue_wait_s)
