@@ -75,15 +75,16 @@ from mars_openhands.engine.schedulers.retained import RetainedKv, RetainedKvPool
 from mars_openhands.engine.schedulers.sessions import SessionTable
 from mars_openhands.engine.telemetry import EngineTelemetry, make_telemetry
 from mars_openhands.policy.admission import ema
-from mars_openhands.policy.estimators import Ema, ToolDurationEstimator
+from mars_openhands.policy.chunking import blocks_for_tokens, context_fits, shrunk_chunk_tokens
+from mars_openhands.policy.estimators import Ema, PrefillRate, ToolDurationEstimator
 from mars_openhands.policy.levels import quantum_tokens
 from mars_openhands.policy.params import SchedulerParams, parse_scheduler_params
 from mars_openhands.policy.retention import RetentionDecision
 from mars_openhands.policy.session import (
     SessionState,
     context_checkpoints,
-    inferred_tool_duration_s,
     measured_reuse_fraction,
+    tool_sample_at_arrival,
 )
 from mars_openhands.policy.types import TurnMeta, parse_turn_meta
 from mars_openhands.stream.transport import EventSink
@@ -196,11 +197,10 @@ class MarsBaseScheduler(AsyncScheduler):
         self._last_gc_s = 0.0
         self._last_waiting_sort_s = float("-inf")
         self._step_prefills: list[str] = []
-        self.prefill_s_per_token = Ema(0.2, rp.reload_linear_s_per_token)
+        self.prefill_s_per_token = PrefillRate(rp.reload_linear_s_per_token, _MIN_PREFILL_SAMPLE_TOKENS)
         """Measured seconds per prefill token (step time / prefill tokens of steps with at least
         ``_MIN_PREFILL_SAMPLE_TOKENS``; includes the decodes batched with them, so an upper
         bound). Prior: ``retention.reload_linear_s_per_token``."""
-        self._pending_prefill_steps: deque[tuple[float, int]] = deque()
         self.prefilling: set[str] = set()
         """Running requests still inside their prompt (kept up to date after each step)."""
         self.telemetry: EngineTelemetry = make_telemetry(self.params.telemetry)
@@ -434,12 +434,9 @@ class MarsBaseScheduler(AsyncScheduler):
 
     def _on_session_request(self, sid: str, request_id: str, meta: TurnMeta, now: float) -> None:
         session = self.sessions.open(sid, now)
-        if session.num_turns_finished and not session.tool_ended:
-            duration = inferred_tool_duration_s(session.last_finish_s, now, meta.prev_tool_s)
-            if duration is not None:
-                self.tool_durations.observe(meta.prev_tool or session.pending_tool, duration)
-        elif meta.prev_tool_s is not None and not session.tool_ended:
-            self.tool_durations.observe(meta.prev_tool, meta.prev_tool_s)
+        sample = tool_sample_at_arrival(session, now, meta.prev_tool, meta.prev_tool_s)
+        if sample is not None:
+            self.tool_durations.observe(*sample)
         session.pending_tool = None
         session.tool_started_s = None
         session.tool_enqueued_s = None
@@ -473,7 +470,7 @@ class MarsBaseScheduler(AsyncScheduler):
         self._step_prefills.clear()
         out = super().schedule(*args, **kwargs)
         self._after_schedule(out, now, was_running)
-        self._pending_prefill_steps.append((now, self._step_prefill_tokens(out)))
+        self.prefill_s_per_token.step_scheduled(now, self._step_prefill_tokens(out))
         if self.telemetry.enabled and (self.telemetry.should_emit_step() or self._is_idle_snapshot_due()):
             self._emit_engine_step()
         if now - self._last_gc_s > _GC_INTERVAL_S:
@@ -484,10 +481,7 @@ class MarsBaseScheduler(AsyncScheduler):
                            **kwargs: Any) -> Any:
         """vLLM: apply one step's output (wrapped for first-token telemetry and finish hooks)."""
         outputs = super().update_from_output(scheduler_output, model_runner_output, **kwargs)
-        if self._pending_prefill_steps:
-            t0, num_prefill = self._pending_prefill_steps.popleft()
-            if num_prefill >= _MIN_PREFILL_SAMPLE_TOKENS:
-                self.prefill_s_per_token.observe((self.clock() - t0) / num_prefill)
+        self.prefill_s_per_token.step_done(self.clock())
         if self.telemetry.enabled:
             self._first_tokens(outputs)
         finished = finished_request_ids(outputs)
@@ -657,29 +651,21 @@ class MarsBaseScheduler(AsyncScheduler):
         if not self.running:
             return True
         bs = self.block_size
-        unallocated = sum(max(0, -(-r.num_tokens // bs) - seams.num_request_blocks(self, r.request_id))
+        unallocated = sum(max(0, blocks_for_tokens(r.num_tokens, bs) - seams.num_request_blocks(self, r.request_id))
                           for r in self.running)
         avail = (seams.num_free_blocks(self) + self._reclaimable_blocks(request)
                  - self.kv_cache_manager.watermark_blocks - unallocated)
-        return -(-request.num_tokens // bs) <= avail
+        return context_fits(request.num_tokens, bs, avail)
 
     def _shrink_to_fit(self, request: Request, n: int, start: int, waiting: bool) -> int:
-        """Halve a prefill chunk (not below block_size) until its new blocks fit.
-
-        Region diagram (tokens)::
-
-            |<--- start (computed + hit) --->|<--- n (this chunk) --->|
-            |<- covered blocks ->|           |<- need new blocks ---->|
-        """
+        """Halve a prefill chunk (not below block_size) until its new blocks fit
+        (:func:`~mars_openhands.policy.chunking.shrunk_chunk_tokens`, which has the diagram)."""
         bs = self.block_size
         held = 0 if waiting else seams.num_request_blocks(self, request.request_id)
-        covered = max(held, start // bs)
         avail = seams.num_free_blocks(self) + self._reclaimable_blocks(request)
         if waiting:
             avail -= self.kv_cache_manager.watermark_blocks
-        while n > bs and -(-(start + n) // bs) - covered > avail:
-            n = max(bs, n // 2)
-        return n
+        return shrunk_chunk_tokens(n, start, bs, max(held, start // bs), avail)
 
     # ------------------------------------------------------------------ step phases
     def _reorder(self, now: float) -> None:

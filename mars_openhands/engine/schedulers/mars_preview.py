@@ -27,7 +27,7 @@ from vllm.v1.request import Request
 from mars_openhands.engine.schedulers.base import MarsBaseScheduler, RequestState
 from mars_openhands.policy.levels import (
     bucket_level,
-    feedback_after_step,
+    feedback_after_scheduled,
     preview_effective_level,
     preview_remaining_level,
 )
@@ -40,19 +40,16 @@ __all__ = ["MarsPreviewScheduler", "update_mlfq_feedback"]
 def update_mlfq_feedback(
     state: RequestState, request: Request, num_tokens: int, now_s: float, params: LevelParams
 ) -> None:
-    """Apply one running-path step to the request's MLFQ feedback (preview's ``_mars_on_scheduled``).
+    """Apply one running-path step to the request's MLFQ feedback (preview's ``_mars_on_scheduled``;
+    the rule is :func:`~mars_openhands.policy.levels.feedback_after_scheduled`).
 
     Called after ``schedule()``, when vLLM has already advanced ``num_computed_tokens`` by
     ``num_tokens``. Mutates ``state``.
     """
     state.mlfq_last_scheduled_s = now_s
-    computed_before = request.num_computed_tokens - num_tokens
-    is_decode = computed_before >= request.num_prompt_tokens
-    quantum = state.quantum_tokens if state.quantum_tokens is not None else num_tokens
-    remaining_after = max(0, request.num_tokens - request.num_computed_tokens)
-    state.feedback_level = feedback_after_step(
-        state.feedback_level, is_decode, num_tokens, quantum, remaining_after, params
-    )
+    state.feedback_level = feedback_after_scheduled(
+        state.feedback_level, state.quantum_tokens, num_tokens, request.num_prompt_tokens,
+        request.num_computed_tokens, request.num_tokens, params)
 
 
 class MarsPreviewScheduler(MarsBaseScheduler):
