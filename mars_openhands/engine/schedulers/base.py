@@ -71,6 +71,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from mars_openhands.engine import seams
 from mars_openhands.engine.queues import PolicyRequestQueue
+from mars_openhands.engine.schedulers.inbox import CpuEventInbox
 from mars_openhands.engine.schedulers.retained import RetainedKv, RetainedKvPool
 from mars_openhands.engine.schedulers.sessions import SessionTable
 from mars_openhands.engine.telemetry import EngineTelemetry, make_telemetry
@@ -187,9 +188,8 @@ class MarsBaseScheduler(AsyncScheduler):
         self.resume_when_context_fits = (self.default_resume_when_context_fits if whole is None
                                          else whole)
         self._rejected: dict[str, str] = {}
-        self._inbox: deque[Any] = deque()
-        self._inbox_lock = threading.Lock()
-        self._inbox_collector: Any = None
+        self.inbox = CpuEventInbox(self.params.max_inbox_events_per_step)
+        """CPU-plane events posted or received between steps (applied by :meth:`_drain_inbox`)."""
         self._wake_engine: Callable[[], None] | None = None
         self._expiry_watcher: threading.Thread | None = None
         self._stop_watcher = threading.Event()
@@ -231,9 +231,7 @@ class MarsBaseScheduler(AsyncScheduler):
         # expiry need a step (None in-process: the simulator and tests step by themselves).
         self.set_engine_waker(seams.engine_core_waker())
         if self.params.inbox_addr:
-            from mars_openhands.stream.transport import ZmqEventCollector
-
-            self._inbox_collector = ZmqEventCollector(self.params.inbox_addr, self._on_inbox_event)
+            self.inbox.listen(self.params.inbox_addr, self._wake)
 
     def set_engine_waker(self, wake: Callable[[], None] | None) -> None:
         """Use ``wake`` (thread-safe, non-blocking) to have the engine run a step while it is
@@ -255,9 +253,8 @@ class MarsBaseScheduler(AsyncScheduler):
                                                 name="mars-expiry-watcher")
         self._expiry_watcher.start()
 
-    def _on_inbox_event(self, event: Any) -> None:
-        """Inbox thread: queue the event for the next step and wake an idle engine."""
-        self.post_event(event)
+    def _wake(self) -> None:
+        """Inbox thread: an event was queued for the next step; wake an idle engine."""
         if self._wake_engine is not None:
             self._wake_engine()
 
@@ -278,7 +275,7 @@ class MarsBaseScheduler(AsyncScheduler):
     def has_requests(self, **kwargs: Any) -> bool:
         """vLLM: whether the engine must step: requests (vLLM's rule), or CPU-plane events to
         apply, or retained KV past its expiry (an idle engine then runs one empty step)."""
-        return (super().has_requests(**kwargs) or bool(self._inbox)
+        return (super().has_requests(**kwargs) or bool(self.inbox)
                 or self.clock() >= self.retained.next_expiry_s)
 
     def set_telemetry_sink(self, sink: EventSink | None, *, engine_steps: bool = True) -> None:
@@ -356,7 +353,7 @@ class MarsBaseScheduler(AsyncScheduler):
         :meth:`blocked_run_until_s` and the counters of :meth:`blocked_run_max_tokens`: the
         class certified its hooks (:attr:`coalescible_blocked_runs`), nothing is in the inbox,
         no request is rejected, none waits in the window's overflow, and no re-sort is due. Pure."""
-        return (self.coalescible_blocked_runs and not self._inbox and self._inbox_collector is None
+        return (self.coalescible_blocked_runs and not self.inbox and not self.inbox.is_listening
                 and not self._rejected and not self.overflow and not self._is_resort_due())
 
     def blocked_run_max_tokens(self, limit: int) -> int:
@@ -554,9 +551,7 @@ class MarsBaseScheduler(AsyncScheduler):
             self.release_retained(sid, "shutdown", now)
         self.telemetry.close()
         self._stop_watcher.set()
-        if self._inbox_collector is not None:
-            self._inbox_collector.stop()
-            self._inbox_collector = None
+        self.inbox.close()
         super().shutdown(**kwargs)
 
     # ------------------------------------------------------------------ seams
@@ -938,18 +933,13 @@ class MarsBaseScheduler(AsyncScheduler):
     # ------------------------------------------------------------------ CPU-plane events
     def post_event(self, event: Any) -> None:
         """Thread-safe: queue a CPU-plane event, applied at the next step or request arrival."""
-        with self._inbox_lock:
-            self._inbox.append(event)
+        self.inbox.post(event)
 
     def _drain_inbox(self, now: float) -> None:
         """Apply up to ``max_inbox_events_per_step`` queued CPU-plane events (posted, or received
         by the inbox thread from ``mars.inbox_addr``), oldest first. Mutates."""
-        if self._inbox:
-            with self._inbox_lock:
-                num = min(self.params.max_inbox_events_per_step, len(self._inbox))
-                batch = [self._inbox.popleft() for _ in range(num)]
-            for event in batch:
-                self.on_stream_event(event, now)
+        for event in self.inbox.drain():
+            self.on_stream_event(event, now)
 
     def on_stream_event(self, event: Any, now_s: float | None = None) -> None:
         """Consume one CPU-plane event of this engine's sessions. Mutates.
