@@ -21,28 +21,11 @@ re-sorted when a running request is prefilling or memory is tight, the waiting q
 changed or ``reorder_interval_s`` passed, and session service is computed lazily
 (:meth:`MarsBaseScheduler.session_service_tokens`).
 
-Subclasses override only the hooks below; each hook should call one ``policy`` function:
-
-=====================================  ==========================================================
-hook                                   default (stock vLLM behaviour)
-=====================================  ==========================================================
-``waiting_key(request, now_s)``        not overridden -> FCFS order kept
-``running_key(request, now_s)``        not overridden -> order kept (victim = last, stock)
-``victim_key(request, now_s)``         not overridden -> stock victim; else argmax key evicted
-``chunk_tokens(request, n, start)``    not overridden -> n
-``retention_decision(request, s, t)``  None (no retention)
-``refine_retention(entry, s, tool, t)``None (keep the provisional decision)
-``can_release_expired(entry, t)``      True
-``can_reclaim_for(entry, request, t)`` True (reclaim lowest value/block first on alloc failure)
-``on_prefill_scheduled(request, n, was_running, now_s)``  no-op; after schedule, per scheduled
-                                       prefill chunk (cheap: O(prefills) per step)
-``on_scheduled(request, n, was_running, now_s)``  no-op; per scheduled request, O(running) per
-                                       step, only called if overridden (avoid on the hot path)
-``on_preempted(request)``              no-op
-``on_step_start(now_s)``               not overridden -> not called; once per step after the
-                                       inbox is drained, before vLLM's schedule() (a policy
-                                       that moves requests in or out of ``waiting``)
-=====================================  ==========================================================
+Subclasses override only the hooks of :class:`~mars_openhands.engine.schedulers.hooks.PolicyHooks`
+(the table there); each hook should call one ``policy`` function. The parts the base composes:
+:class:`~.retained.RetainedKvPool` (retained KV), :class:`~.sessions.SessionTable` (sessions and
+their program slot), :class:`~.inbox.CpuEventInbox` (CPU-plane events), :class:`~.request_state.RequestState`
+(per-request policy state).
 
 Side requests (``vllm_xargs`` ``mars_side=1``; the gateway tags chat requests without tools, such
 as a conversation title or a condenser summary): they are scheduled as requests of their session
@@ -63,7 +46,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -71,7 +53,13 @@ from vllm.v1.request import Request, RequestStatus
 
 from mars_openhands.engine import seams
 from mars_openhands.engine.queues import PolicyRequestQueue
+from mars_openhands.engine.schedulers.hooks import PolicyHooks, is_overridden
 from mars_openhands.engine.schedulers.inbox import CpuEventInbox
+from mars_openhands.engine.schedulers.request_state import (
+    RequestState,
+    finished_request_ids,
+    reset_mlfq,
+)
 from mars_openhands.engine.schedulers.retained import RetainedKv, RetainedKvPool
 from mars_openhands.engine.schedulers.sessions import SessionTable
 from mars_openhands.engine.telemetry import EngineTelemetry, make_telemetry
@@ -80,7 +68,6 @@ from mars_openhands.policy.chunking import blocks_for_tokens, context_fits, shru
 from mars_openhands.policy.estimators import Ema, PrefillRate, ToolDurationEstimator
 from mars_openhands.policy.levels import quantum_tokens
 from mars_openhands.policy.params import SchedulerParams, parse_scheduler_params
-from mars_openhands.policy.retention import RetentionDecision
 from mars_openhands.policy.session import (
     SessionState,
     context_checkpoints,
@@ -105,36 +92,7 @@ _MIN_PREFILL_SAMPLE_TOKENS = 512
 """Steps with fewer prefill tokens say more about decode than about prefill speed."""
 
 
-@dataclass(slots=True)
-class RequestState:
-    """What the plugin tracks per request (policy state lives here, not on vLLM's Request)."""
-
-    session_id: str | None
-    meta: TurnMeta
-    arrival_s: float
-    """Scheduler clock when the request entered the engine."""
-    user_priority: int = 0
-    first_scheduled_s: float | None = None
-    first_token_s: float | None = None
-    feedback_level: int = 0
-    """MLFQ feedback level (policies that use one)."""
-    mlfq_last_scheduled_s: float | None = None
-    """When an MLFQ policy last counted this request as scheduled (its aging clock)."""
-    cached_at_arrival_tokens: int = 0
-    """Prefix-cache hit length when the request arrived (only measured if a policy asks)."""
-    quantum_tokens: int | None = None
-    """Quantum applied by the chunk hook in the current step (MLFQ feedback)."""
-    session_context_tokens: int = 0
-    """Context of the session's previous turn (prompt + output tokens) when this request
-    arrived: the part of the prompt the session already had, as opposed to new work."""
-
-
-def finished_request_ids(engine_outputs: dict[int, Any]) -> list[str]:
-    """Request ids that finished in one ``update_from_output`` result (vLLM's public outputs)."""
-    return [o.request_id for eco in engine_outputs.values() for o in eco.outputs
-            if o.finish_reason is not None]
-
-class MarsBaseScheduler(AsyncScheduler):
+class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
     """Stock vLLM ``AsyncScheduler`` with policy hooks, KV retention and telemetry.
 
     Works whether async scheduling is on or off (on CPU vLLM forces it off; the AsyncScheduler
@@ -208,7 +166,7 @@ class MarsBaseScheduler(AsyncScheduler):
 
     # ------------------------------------------------------------------ wiring
     def _overrides(self, name: str) -> bool:
-        return getattr(type(self), name) is not getattr(MarsBaseScheduler, name)
+        return is_overridden(type(self), name)
 
     def _init_seams(self) -> None:
         self._has_waiting_key = self._overrides("waiting_key")
@@ -286,66 +244,6 @@ class MarsBaseScheduler(AsyncScheduler):
             self.params.telemetry.engine_step_interval_ms if engine_steps else None,
         )
 
-    # ------------------------------------------------------------------ hooks (override)
-    def waiting_key(self, request: Request, now_s: float) -> Any:
-        """Sort key of a waiting request (smallest first). Default: FCFS (not called)."""
-        raise NotImplementedError
-
-    def running_key(self, request: Request, now_s: float) -> Any:
-        """Sort key of a running request (smallest scheduled first). Default: keep order."""
-        raise NotImplementedError
-
-    def victim_key(self, request: Request, now_s: float) -> Any:
-        """Preemption key; the largest is evicted first. Default: vLLM's (last running)."""
-        raise NotImplementedError
-
-    def chunk_tokens(self, request: Request, num_new_tokens: int, num_computed_tokens: int) -> int:
-        """Tokens to schedule for ``request`` this step (<= num_new_tokens, >= 1).
-
-        ``num_computed_tokens`` includes this step's prefix-cache hit for a waiting request.
-        """
-        return num_new_tokens
-
-    def retention_decision(
-        self, request: Request, session: SessionState, now_s: float
-    ) -> RetentionDecision | None:
-        """Whether to retain a finished non-final turn's KV, and for how long. Default: never."""
-        return None
-
-    def refine_retention(
-        self, entry: RetainedKv, session: SessionState, tool_name: str, now_s: float
-    ) -> RetentionDecision | None:
-        """At ``tool_start``: a new decision (ttl 0 = release now), or None to keep. Default None."""
-        return None
-
-    def can_release_expired(self, entry: RetainedKv, now_s: float) -> bool:
-        """Whether an expired entry may be released now. Default: yes."""
-        return True
-
-    def can_reclaim_for(self, entry: RetainedKv, request: Request, now_s: float) -> bool:
-        """Whether ``entry`` may be reclaimed because ``request``'s allocation failed.
-        Default: yes (never the requesting session's own entry; the base filters that)."""
-        return True
-
-    def on_scheduled(
-        self, request: Request, num_tokens: int, was_running: bool, now_s: float
-    ) -> None:
-        """Called after ``schedule()`` for each scheduled request (only if overridden; O(running))."""
-
-    def on_prefill_scheduled(
-        self, request: Request, num_tokens: int, was_running: bool, now_s: float
-    ) -> None:
-        """Called after ``schedule()`` for each scheduled prefill chunk (``was_running``: it was
-        already running before this step, i.e. not admitted from the waiting queue)."""
-
-    def on_preempted(self, request: Request) -> None:
-        """Called when vLLM preempts ``request`` (after its blocks were freed)."""
-
-    def on_step_start(self, now_s: float) -> None:
-        """Called once per step before vLLM's ``schedule()`` (only if overridden), after the inbox
-        was drained and expired KV released; may add requests to or remove them from
-        ``self.waiting``."""
-
     # ------------------------------------------------------------------ simulator hooks
     def blocked_run_is_safe(self) -> bool:
         """Whether the next pure-decode steps, while every waiting request stays blocked on KV,
@@ -355,11 +253,6 @@ class MarsBaseScheduler(AsyncScheduler):
         no request is rejected, none waits in the window's overflow, and no re-sort is due. Pure."""
         return (self.coalescible_blocked_runs and not self.inbox and not self.inbox.is_listening
                 and not self._rejected and not self.overflow and not self._is_resort_due())
-
-    def blocked_run_max_tokens(self, limit: int) -> int:
-        """Most decode tokens per request (<= ``limit``) a merged run may take before a per-step
-        counter of the policy would change a decision (default: none). Pure."""
-        return limit
 
     def _is_resort_due(self) -> bool:
         """Whether the next step re-sorts the waiting queue because it changed (see _reorder)."""
@@ -506,13 +399,6 @@ class MarsBaseScheduler(AsyncScheduler):
         if state is not None:
             state.quantum_tokens = quantum
         return min(num_new_tokens, quantum)
-
-    def on_requests_finished(self, request_ids: list[str]) -> None:
-        """Hook: requests that finished in this step's output or were aborted. Default: nothing.
-
-        Called after vLLM has applied the output (or the abort); subclasses fold per-call
-        bookkeeping into their programs here (Autellix, Continuum).
-        """
 
     def finish_requests(self, request_ids: Any, finished_status: RequestStatus,
                         **kwargs: Any) -> list[Request]:
@@ -770,8 +656,7 @@ class MarsBaseScheduler(AsyncScheduler):
             request = self.overflow.popleft()
             state = self.req_state.get(request.request_id)
             if state is not None:
-                state.feedback_level = 0
-                state.mlfq_last_scheduled_s = None
+                reset_mlfq(state)
             self.waiting.add_request(request)
 
     def _emit_engine_step(self) -> None:

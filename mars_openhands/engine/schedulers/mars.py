@@ -32,7 +32,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from mars_openhands.engine import seams
 from mars_openhands.engine.schedulers.base import MarsBaseScheduler, RetainedKv
-from mars_openhands.engine.schedulers.mars_preview import update_mlfq_feedback
+from mars_openhands.engine.schedulers.request_state import update_mlfq_feedback
 from mars_openhands.policy.estimators import EmpiricalCdf
 from mars_openhands.policy.levels import DECODE_VICTIM_LEVEL, mars_level
 from mars_openhands.policy.residency import SessionDemand, plan_residency
