@@ -135,16 +135,7 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         """EMA of the seconds tool calls waited for a tool worker (``tool_start.queue_wait_s``):
         the CPU plane's congestion as the engine sees it."""
         self.overflow: deque[Request] = deque()
-        window_on = self.params.window.enabled
-        self.window_size: int | None = (
-            self.params.window.size
-            if (self.default_window_enabled if window_on is None else window_on) else None
-        )
-        shrink = self.params.chunk_shrinking
-        self.chunk_shrinking = self.default_chunk_shrinking if shrink is None else shrink
-        whole = self.params.resume_when_context_fits
-        self.resume_when_context_fits = (self.default_resume_when_context_fits if whole is None
-                                         else whole)
+        self._init_switches()
         self._rejected: dict[str, str] = {}
         self.inbox = CpuEventInbox(self.params.max_inbox_events_per_step)
         """CPU-plane events posted or received between steps (applied by :meth:`_drain_inbox`)."""
@@ -165,6 +156,20 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         self._init_seams()
 
     # ------------------------------------------------------------------ wiring
+    def _init_switches(self) -> None:
+        """The window size and the chunk switches: the ``--additional-config`` value when given,
+        else the class default (``default_*``)."""
+        window_on = self.params.window.enabled
+        self.window_size: int | None = (
+            self.params.window.size
+            if (self.default_window_enabled if window_on is None else window_on) else None
+        )
+        shrink = self.params.chunk_shrinking
+        self.chunk_shrinking = self.default_chunk_shrinking if shrink is None else shrink
+        whole = self.params.resume_when_context_fits
+        self.resume_when_context_fits = (self.default_resume_when_context_fits if whole is None
+                                         else whole)
+
     def _overrides(self, name: str) -> bool:
         return is_overridden(type(self), name)
 
@@ -840,10 +845,7 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
             return
         kind = event.kind
         if kind == "session_end":
-            self.release_retained(sid, "session_end", now)
-            session = self.sessions.get(sid)
-            if session is not None and not session.active_request_ids:
-                self.sessions.forget(sid)
+            self._on_session_end(sid, now)
             return
         if kind == "tool_start":  # CPU-plane congestion, whichever session it comes from
             self.tool_queue_wait.observe(event.queue_wait_s)
@@ -855,18 +857,33 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
             session.pending_tool = event.tool_name
             session.tool_enqueued_s = now
         elif kind == "tool_start":
-            session.pending_tool = event.tool_name
-            session.tool_started_s = now
-            entry = self.retained.get(sid)
-            if entry is not None:
-                self._apply_refinement(entry, session, event.tool_name, now)
+            self._on_tool_start(session, event.tool_name, now)
         elif kind == "tool_end":
-            if not session.tool_ended:
-                self.tool_durations.observe(event.tool_name, event.duration_s)
-            session.tool_ended = True
-            entry = self.retained.get(sid)
-            if entry is not None:
-                self.retained.extend_expiry(entry, now + self.params.retention.imminent_grace_s)
+            self._on_tool_end(session, event.tool_name, event.duration_s, now)
+
+    def _on_session_end(self, sid: str, now: float) -> None:
+        """Release the session's retained KV; forget it unless a request of it is still in."""
+        self.release_retained(sid, "session_end", now)
+        session = self.sessions.get(sid)
+        if session is not None and not session.active_request_ids:
+            self.sessions.forget(sid)
+
+    def _on_tool_start(self, session: SessionState, tool_name: str, now: float) -> None:
+        """The tool is named: refine the retained KV's TTL with its durations."""
+        session.pending_tool = tool_name
+        session.tool_started_s = now
+        entry = self.retained.get(session.session_id)
+        if entry is not None:
+            self._apply_refinement(entry, session, tool_name, now)
+
+    def _on_tool_end(self, session: SessionState, tool_name: str, duration_s: float, now: float) -> None:
+        """Record the duration (once per tool phase); keep retained KV for the imminent turn."""
+        if not session.tool_ended:
+            self.tool_durations.observe(tool_name, duration_s)
+        session.tool_ended = True
+        entry = self.retained.get(session.session_id)
+        if entry is not None:
+            self.retained.extend_expiry(entry, now + self.params.retention.imminent_grace_s)
 
     def _apply_refinement(self, entry: RetainedKv, session: SessionState, tool: str, now: float) -> None:
         decision = self.refine_retention(entry, session, tool, now)
