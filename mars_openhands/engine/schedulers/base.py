@@ -24,8 +24,8 @@ changed or ``reorder_interval_s`` passed, and session service is computed lazily
 Subclasses override only the hooks of :class:`~mars_openhands.engine.schedulers.hooks.PolicyHooks`
 (the table there); each hook should call one ``policy`` function. The parts the base composes:
 :class:`~.retained.RetainedKvPool` (retained KV), :class:`~.sessions.SessionTable` (sessions and
-their program slot), :class:`~.inbox.CpuEventInbox` (CPU-plane events), :class:`~.request_state.RequestState`
-(per-request policy state).
+their program slot), :class:`~.inbox.CpuEventInbox` (CPU-plane events), :class:`~.waker.EngineWaker`
+(waking an idle engine core), :class:`~.request_state.RequestState` (per-request policy state).
 
 Side requests (``vllm_xargs`` ``mars_side=1``; the gateway tags chat requests without tools, such
 as a conversation title or a condenser summary): they are scheduled as requests of their session
@@ -42,7 +42,6 @@ problem is logged naming the key; the gateway rejects the same input earlier wit
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -62,6 +61,7 @@ from mars_openhands.engine.schedulers.request_state import (
 )
 from mars_openhands.engine.schedulers.retained import RetainedKv, RetainedKvPool
 from mars_openhands.engine.schedulers.sessions import SessionTable
+from mars_openhands.engine.schedulers.waker import EngineWaker
 from mars_openhands.engine.telemetry import EngineTelemetry, make_telemetry
 from mars_openhands.policy.admission import ema
 from mars_openhands.policy.chunking import blocks_for_tokens, context_fits, shrunk_chunk_tokens
@@ -86,8 +86,6 @@ _GC_INTERVAL_S = 10.0
 _RUN_MARGIN_S = 1e-6
 """A merged run ends this much before a timer tested as ``now - t0 >= interval`` (rounding of
 ``t0 + interval`` must not let a step past it)."""
-_EXPIRY_POLL_S = 0.25
-"""Longest the expiry watcher sleeps: a retention made while it slept is noticed this late."""
 _MIN_PREFILL_SAMPLE_TOKENS = 512
 """Steps with fewer prefill tokens say more about decode than about prefill speed."""
 
@@ -139,9 +137,8 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         self._rejected: dict[str, str] = {}
         self.inbox = CpuEventInbox(self.params.max_inbox_events_per_step)
         """CPU-plane events posted or received between steps (applied by :meth:`_drain_inbox`)."""
-        self._wake_engine: Callable[[], None] | None = None
-        self._expiry_watcher: threading.Thread | None = None
-        self._stop_watcher = threading.Event()
+        self.waker = EngineWaker(lambda: self.clock(), lambda: self.retained.next_expiry_s)
+        """Wakes an idle engine core for inbox events and retained-KV expiries."""
         self._last_step_counts: tuple[int, int, int, int, int] | None = None
         self._last_gc_s = 0.0
         self._last_waiting_sort_s = float("-inf")
@@ -194,46 +191,15 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         # expiry need a step (None in-process: the simulator and tests step by themselves).
         self.set_engine_waker(seams.engine_core_waker())
         if self.params.inbox_addr:
-            self.inbox.listen(self.params.inbox_addr, self._wake)
+            self.inbox.listen(self.params.inbox_addr, self.waker.wake)
 
     def set_engine_waker(self, wake: Callable[[], None] | None) -> None:
         """Use ``wake`` (thread-safe, non-blocking) to have the engine run a step while it is
-        idle: at once when a CPU-plane event arrives, and when retained KV expires (a background
-        thread watches the earliest expiry, :meth:`_watch_expiry`). ``None``: no waking (the
-        caller steps the scheduler). Mutates; call once, at construction or from a test.
-
-        Why: vLLM's engine core blocks on its input queue while no request is unfinished
-        (``has_requests()`` False), so without a wake a ``session_end`` posted after a session's
-        last turn, or a TTL that runs out while nothing runs, would keep the session's retained
-        blocks pinned until the next request arrives. :meth:`has_requests` says True while such
-        work is due, so the woken loop steps once (nothing scheduled) and ``schedule()`` applies
-        it.
-        """
-        self._wake_engine = wake
-        if wake is None or self._expiry_watcher is not None:
-            return
-        self._expiry_watcher = threading.Thread(target=self._watch_expiry, daemon=True,
-                                                name="mars-expiry-watcher")
-        self._expiry_watcher.start()
-
-    def _wake(self) -> None:
-        """Inbox thread: an event was queued for the next step; wake an idle engine."""
-        if self._wake_engine is not None:
-            self._wake_engine()
-
-    def _watch_expiry(self) -> None:
-        """Background thread: wake the engine once per retained-KV expiry that comes due (reads
-        ``retained.next_expiry_s`` without a lock: a float, rewritten whole by the engine thread; a stale
-        read at worst wakes a busy engine once, or checks again ``_EXPIRY_POLL_S`` later)."""
-        woken_for = float("inf")
-        while not self._stop_watcher.is_set():
-            due = self.retained.next_expiry_s
-            now = self.clock()
-            if due <= now and due != woken_for and self._wake_engine is not None:
-                self._wake_engine()
-                woken_for = due
-            wait_s = _EXPIRY_POLL_S if due <= now else min(_EXPIRY_POLL_S, due - now)
-            self._stop_watcher.wait(wait_s)
+        idle: at once when a CPU-plane event arrives, and when retained KV expires
+        (:class:`~mars_openhands.engine.schedulers.waker.EngineWaker`, which says why).
+        ``None``: no waking (the caller steps the scheduler). Mutates; call once, at
+        construction or from a test."""
+        self.waker.set(wake)
 
     def has_requests(self, **kwargs: Any) -> bool:
         """vLLM: whether the engine must step: requests (vLLM's rule), or CPU-plane events to
@@ -441,7 +407,7 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         for sid in list(self.retained):
             self.release_retained(sid, "shutdown", now)
         self.telemetry.close()
-        self._stop_watcher.set()
+        self.waker.stop()
         self.inbox.close()
         super().shutdown(**kwargs)
 
