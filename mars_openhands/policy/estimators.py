@@ -21,7 +21,7 @@ from __future__ import annotations
 import bisect
 from collections import deque
 
-__all__ = ["Ema", "EmpiricalCdf", "ToolDurationEstimator"]
+__all__ = ["Ema", "EmpiricalCdf", "PrefillRate", "ToolDurationEstimator"]
 
 
 class EmpiricalCdf:
@@ -175,3 +175,55 @@ class Ema:
         self.value = x if self.num_samples == 0 else (1 - self.alpha) * self.value + self.alpha * x
         self.num_samples += 1
         return self.value
+
+
+class PrefillRate:
+    """Measured seconds per prefill token, from step durations (an EMA over sampled steps).
+
+    A step is recorded when it is scheduled (:meth:`step_scheduled`: its start and its prefill
+    tokens) and sampled when its output comes back (:meth:`step_done`), in the same order.
+    Steps with fewer than ``min_sample_tokens`` prefill tokens say more about decode than about
+    prefill speed and are not sampled; the decodes batched with a sampled step are included, so
+    the rate is an upper bound.
+
+    Args:
+        prior_s_per_token: the value before any sample (``retention.reload_linear_s_per_token``).
+        min_sample_tokens: smallest prefill a step needs to be a sample (default 512).
+        alpha: EMA weight of a new sample, in (0, 1].
+
+    Raises:
+        ValueError: ``alpha`` outside (0, 1].
+
+    >>> rate = PrefillRate(0.0002, min_sample_tokens=512)
+    >>> rate.step_scheduled(10.0, 1000); rate.step_scheduled(10.5, 10)
+    >>> rate.step_done(10.5); rate.step_done(10.6)
+    >>> rate.value, rate.num_samples
+    (0.0005, 1)
+    """
+
+    def __init__(self, prior_s_per_token: float, min_sample_tokens: int = 512, alpha: float = 0.2) -> None:
+        self._ema = Ema(alpha, prior_s_per_token)
+        self.min_sample_tokens = min_sample_tokens
+        self._pending: deque[tuple[float, int]] = deque()
+
+    @property
+    def value(self) -> float:
+        """Seconds per prefill token (the prior until the first sample)."""
+        return self._ema.value
+
+    @property
+    def num_samples(self) -> int:
+        """Steps sampled so far."""
+        return self._ema.num_samples
+
+    def step_scheduled(self, start_s: float, num_prefill_tokens: int) -> None:
+        """A step started at ``start_s`` with ``num_prefill_tokens`` prefill tokens. Mutates."""
+        self._pending.append((start_s, num_prefill_tokens))
+
+    def step_done(self, now_s: float) -> None:
+        """The oldest pending step's output came back at ``now_s``: sample it if it qualifies.
+        No-op without a pending step. Mutates."""
+        if self._pending:
+            t0, num_prefill = self._pending.popleft()
+            if num_prefill >= self.min_sample_tokens:
+                self._ema.observe((now_s - t0) / num_prefill)

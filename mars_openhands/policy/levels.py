@@ -35,8 +35,10 @@ __all__ = [
     "DECODE_VICTIM_LEVEL",
     "bucket_level",
     "effective_level",
+    "feedback_after_scheduled",
     "feedback_after_step",
     "mars_base_level",
+    "mars_level",
     "preview_effective_level",
     "preview_remaining_level",
     "quantum_tokens",
@@ -157,3 +159,95 @@ def effective_level(base_level: int, wait_s: float, params: LevelParams, mars: M
     """
     boost = min(mars.max_promotion_levels, _aging_boost(wait_s, params.aging_interval_s))
     return max(0, base_level - boost)
+
+
+def feedback_after_scheduled(
+    feedback_level: int,
+    quantum_tokens: int | None,
+    num_scheduled_tokens: int,
+    num_prompt_tokens: int,
+    num_computed_tokens: int,
+    num_tokens: int,
+    params: LevelParams,
+) -> int:
+    """MLFQ feedback after a request was scheduled for ``num_scheduled_tokens`` in one step. Pure.
+
+    The preview's ``_mars_on_scheduled`` rule (:func:`feedback_after_step`) from the request's
+    counts as vLLM leaves them after ``schedule()``: ``num_computed_tokens`` already includes this
+    step's tokens. The step was a decode when the computed tokens before it covered the prompt::
+
+        |<------------------ num_tokens (prompt + outputs so far) ------------------>|
+        |<-- computed before -->|<-- num_scheduled_tokens -->|<-- remaining after -->|
+                                                  num_computed_tokens ^
+
+    Args:
+        feedback_level: the request's level before the step.
+        quantum_tokens: the quantum the chunk hook applied this step; None (not capped): the
+            step's own tokens count as a full quantum.
+        num_scheduled_tokens: tokens scheduled this step (>= 1).
+        num_prompt_tokens, num_computed_tokens, num_tokens: vLLM's counts after ``schedule()``.
+        params: level parameters.
+
+    Returns:
+        The new feedback level, in ``[0, params.num_levels - 1]``.
+
+    >>> feedback_after_scheduled(0, 2048, 2048, 10000, 2048, 10000, LevelParams())  # full quantum, work left
+    1
+    >>> feedback_after_scheduled(2, None, 1, 100, 101, 102, LevelParams())  # a decode resets
+    0
+    """
+    is_decode = num_computed_tokens - num_scheduled_tokens >= num_prompt_tokens
+    quantum = quantum_tokens if quantum_tokens is not None else num_scheduled_tokens
+    remaining_after = max(0, num_tokens - num_computed_tokens)
+    return feedback_after_step(feedback_level, is_decode, num_scheduled_tokens, quantum,
+                               remaining_after, params)
+
+
+def mars_level(
+    *,
+    num_prompt_tokens: int,
+    num_computed_tokens: int,
+    num_cached_at_arrival_tokens: int,
+    num_session_context_tokens: int,
+    session_service_tokens: int,
+    feedback_level: int,
+    wait_s: float,
+    params: LevelParams,
+    mars: MarsLevelParams,
+) -> int:
+    """Our effective MLFQ level of a request (0 = highest priority). Pure.
+
+    The prefill work still to do is the prompt beyond what is computed, beyond the prefix hit
+    measured at arrival (which includes retained KV) and, with ``mars.level_from_new_work``,
+    beyond the session's previous context (re-prefilling a lost context is not new work)::
+
+        |<------------------------- num_prompt_tokens -------------------------->|
+        |<- max(computed, cached at arrival[, session context]) ->|<- uncached ->|
+
+    The base level is :func:`mars_base_level` of that and the session's attained service; the
+    effective level subtracts the bounded aging promotion for ``wait_s`` (:func:`effective_level`).
+    A decode (``num_computed_tokens >= num_prompt_tokens``) is level 0 (design.md §4).
+
+    Args:
+        num_prompt_tokens, num_computed_tokens: vLLM's counts (computed may include this step's
+            prefix hit, for a waiting request).
+        num_cached_at_arrival_tokens: prefix-cache hit measured when the request arrived.
+        num_session_context_tokens: the session's previous context (prompt + output) at arrival.
+        session_service_tokens: the session's attained service, tokens.
+        feedback_level: the request's MLFQ feedback level.
+        wait_s: seconds since the request was last scheduled (or arrived).
+        params, mars: level parameters.
+
+    >>> mars_level(num_prompt_tokens=9000, num_computed_tokens=0, num_cached_at_arrival_tokens=8000,
+    ...            num_session_context_tokens=0, session_service_tokens=0, feedback_level=0,
+    ...            wait_s=0.0, params=LevelParams(), mars=MarsLevelParams())
+    0
+    """
+    if num_computed_tokens >= num_prompt_tokens:
+        return 0
+    done = max(num_computed_tokens, num_cached_at_arrival_tokens)
+    if mars.level_from_new_work:
+        done = max(done, num_session_context_tokens)
+    uncached = max(0, num_prompt_tokens - done)
+    base = mars_base_level(feedback_level, uncached, session_service_tokens, params, mars)
+    return effective_level(base, wait_s, params, mars)

@@ -30,6 +30,7 @@ from mars_openhands.policy.params import RetentionParams
 __all__ = [
     "RetentionDecision",
     "choose_ttl",
+    "is_reclaimable_by_value",
     "net_value_s",
     "reclaim_order_key",
     "reload_time_s",
@@ -143,3 +144,28 @@ def choose_ttl(
 def reclaim_order_key(value_s: float, num_blocks: int) -> float:
     """Reclaim retained KV in increasing order of this key (value per block, seconds). Pure."""
     return value_s / max(1, num_blocks)
+
+
+def is_reclaimable_by_value(value_s: float, expires_s: float, num_blocks: int, now_s: float,
+                            params: RetentionParams) -> bool:
+    """Whether a retained entry no longer pays for its remaining TTL at full-pressure price. Pure.
+
+    Used when an allocation just failed, so KV is the binding constraint and usage counts as 1:
+    reclaim when ``value_s < remaining_s * num_blocks * price(1)``, with ``remaining_s`` the
+    seconds left until ``expires_s`` (0 once past it: then any positive value is kept only if
+    the price is 0).
+
+    Args:
+        value_s: the entry's expected saving, seconds (its :class:`RetentionDecision` value).
+        expires_s: when it expires, scheduler clock seconds.
+        num_blocks: blocks it pins.
+        now_s: the scheduler clock now.
+        params: retention parameters (``price_*``).
+
+    >>> p = RetentionParams()
+    >>> is_reclaimable_by_value(0.1, 100.0, 10, 0.0, p), is_reclaimable_by_value(10.0, 100.0, 10, 0.0, p)
+    (True, False)
+    """
+    price = shadow_price_s_per_block_s(1.0, params)
+    remaining_s = max(0.0, expires_s - now_s)
+    return value_s < remaining_s * num_blocks * price

@@ -24,9 +24,10 @@ blocks are enough to measure the kept prefix to 1/8 of the context, in O(1) memo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["NUM_REUSE_CHECKPOINTS", "SessionState", "context_checkpoints",
-           "inferred_tool_duration_s", "measured_reuse_fraction"]
+           "inferred_tool_duration_s", "measured_reuse_fraction", "tool_sample_at_arrival"]
 
 NUM_REUSE_CHECKPOINTS = 8
 """Blocks of a finished turn's context whose hashes are kept to measure the next turn's reuse."""
@@ -75,6 +76,9 @@ class SessionState:
     """Full blocks of that context."""
     reuse_fraction_ema: float | None = None
     """EMA of the measured share of its context each next turn reused; None: never measured."""
+    program: Any = None
+    """The scheduling policy's per-program state (Autellix's PLAS program, Continuum's program
+    arrival and turn counts); None: none yet. It lives and dies with this record."""
 
 
 def inferred_tool_duration_s(
@@ -95,6 +99,40 @@ def inferred_tool_duration_s(
     if last_finish_s is None:
         return None
     return max(0.0, arrival_s - last_finish_s)
+
+
+def tool_sample_at_arrival(
+    session: SessionState, arrival_s: float, prev_tool: str | None, prev_tool_s: float | None
+) -> tuple[str | None, float] | None:
+    """The tool-duration sample a session's next turn brings, if any. Pure (reads ``session``).
+
+    A ``tool_end`` event already reported the tool since the last finish: no sample (it was
+    counted then). Otherwise, after a finished turn, the duration is ``mars_prev_tool_s`` if sent,
+    else the gap since the finish (:func:`inferred_tool_duration_s`), for ``mars_prev_tool`` or
+    the tool a ``tool_start`` named; before any finished turn in this engine, only a reported
+    ``mars_prev_tool_s`` counts.
+
+    Args:
+        session: the session's state before the arrival.
+        arrival_s: when the next turn arrived (monotonic s).
+        prev_tool: ``mars_prev_tool`` of the request, if sent.
+        prev_tool_s: ``mars_prev_tool_s`` of the request, if sent.
+
+    Returns:
+        ``(tool name or None for unknown, seconds)``, or None.
+
+    >>> s = SessionState("s", num_turns_finished=1, last_finish_s=10.0, pending_tool="bash")
+    >>> tool_sample_at_arrival(s, 12.5, None, None)
+    ('bash', 2.5)
+    """
+    if session.tool_ended:
+        return None
+    if session.num_turns_finished:
+        duration = inferred_tool_duration_s(session.last_finish_s, arrival_s, prev_tool_s)
+        return None if duration is None else (prev_tool or session.pending_tool, duration)
+    if prev_tool_s is not None:
+        return prev_tool, prev_tool_s
+    return None
 
 
 def context_checkpoints(block_hashes: list[object],

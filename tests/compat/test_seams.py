@@ -234,7 +234,7 @@ def test_engine_core_waker_finds_the_engine_core_building_the_scheduler() -> Non
     from vllm.v1.engine.core import EngineCoreProc
 
     assert seams.engine_core_waker() is None  # a test (or the simulator) builds it: no engine core
-    assert Harness(MarsBaseScheduler, num_blocks=16).scheduler._wake_engine is None
+    assert Harness(MarsBaseScheduler, num_blocks=16).scheduler.waker.wake_fn is None
 
     class _Core(EngineCoreProc):
         def __init__(self) -> None:  # what EngineCoreProc.__init__ does before the scheduler

@@ -19,8 +19,10 @@ finish / abort             :func:`plas.on_call_finished` (fold into the program'
 =========================  ==================================================================
 
 A program is a session (``Request.session_id``); a request without one is a one-call program.
-A program's state is dropped after its last call (``mars_last_step=1``), at ``session_end``, or
-when the base class forgets the idle session.
+A program's attained service between its calls lives in its session's ``program`` slot
+(:class:`~mars_openhands.engine.schedulers.sessions.SessionTable`); it is dropped after its last
+call (``mars_last_step=1``), at ``session_end``, or with the session when the base class forgets
+it idle.
 
 Difference from the MARS preview: the preview computed "work left" from tokens already known
 (prompt and sampled tokens) only, so with synchronous scheduling a decoding call was never demoted
@@ -68,7 +70,6 @@ class AutellixScheduler(MarsBaseScheduler):
         self.plas_params: PlasParams = self.params.autellix
         self._budget_tokens = seams.max_num_scheduled_tokens(self)
         self._calls: dict[str, _Call] = {}
-        self._programs: dict[str, PlasProgram] = {}
 
     # ------------------------------------------------------------------ read access
     def plas_call(self, request_id: str) -> PlasCall | None:
@@ -78,7 +79,12 @@ class AutellixScheduler(MarsBaseScheduler):
 
     def plas_program(self, program_id: str) -> PlasProgram | None:
         """Attained service / wait of a program between its calls, else None. Pure."""
-        return self._programs.get(program_id)
+        return self.sessions.program(program_id)
+
+    def _program(self, program_id: str) -> PlasProgram:
+        """The program's PLAS state (a fresh one for a new or session-less program). Pure."""
+        program = self.sessions.program(program_id)
+        return _NO_PROGRAM if program is None else program
 
     # ------------------------------------------------------------------ request lifecycle
     def add_request(self, request: Request, **kwargs: Any) -> None:
@@ -89,7 +95,7 @@ class AutellixScheduler(MarsBaseScheduler):
             return
         state = self.req_state.get(request.request_id)
         program_id = request.session_id or request.request_id
-        program = self._programs.get(program_id, _NO_PROGRAM)
+        program = self._program(program_id)
         self._calls[request.request_id] = _Call(
             program_id, bool(state and state.meta.is_last_step),
             plas.new_call(program, self.plas_params, self._budget_tokens),
@@ -105,8 +111,6 @@ class AutellixScheduler(MarsBaseScheduler):
             for rid, entry in self._calls.items():
                 if rid not in scheduled:
                     entry.plas = plas.accrue_wait(entry.plas, total)
-        if len(self._programs) > 2 * len(self.sessions) + 64:
-            self._forget_idle_programs()
         return out
 
     def on_requests_finished(self, request_ids: list[str]) -> None:
@@ -117,7 +121,7 @@ class AutellixScheduler(MarsBaseScheduler):
         """Base event handling; ``session_end`` also drops the program's PLAS state."""
         super().on_stream_event(event, now_s)
         if event.kind == "session_end" and event.session_id is not None:
-            self._programs.pop(event.session_id, None)
+            self.sessions.set_program(event.session_id, None)
 
     # ------------------------------------------------------------------ simulator hooks
     coalescible_blocked_runs = True
@@ -147,7 +151,7 @@ class AutellixScheduler(MarsBaseScheduler):
             entry = self._calls.get(request.request_id)
             if entry is None or k <= 1:
                 continue
-            program = self._programs.get(entry.program_id, _NO_PROGRAM)
+            program = self._program(entry.program_id)
             call = entry.plas
 
             def promoted_after(i: int, call: PlasCall = call, program: PlasProgram = program) -> bool:
@@ -209,7 +213,7 @@ class AutellixScheduler(MarsBaseScheduler):
     # ------------------------------------------------------------------ internals
     def _promote_starving(self) -> None:
         for entry in self._calls.values():
-            program = self._programs.get(entry.program_id, _NO_PROGRAM)
+            program = self._program(entry.program_id)
             if plas.should_promote(entry.plas, program, self.plas_params):
                 entry.plas = plas.promote(entry.plas, self.plas_params, self._budget_tokens)
                 self.waiting.is_dirty = True  # a waiting key changed: re-sort this step
@@ -219,15 +223,7 @@ class AutellixScheduler(MarsBaseScheduler):
             entry = self._calls.pop(rid, None)
             if entry is None:
                 continue
-            program = plas.on_call_finished(
-                self._programs.get(entry.program_id, _NO_PROGRAM), entry.plas
-            )
-            if entry.is_last_step or entry.program_id == rid:
-                self._programs.pop(entry.program_id, None)
-            else:
-                self._programs[entry.program_id] = program
-
-    def _forget_idle_programs(self) -> None:
-        live = {e.program_id for e in self._calls.values()}
-        for pid in [p for p in self._programs if p not in self.sessions and p not in live]:
-            del self._programs[pid]
+            if entry.program_id == rid:
+                continue  # a one-call program: nothing to keep
+            program = plas.on_call_finished(self._program(entry.program_id), entry.plas)
+            self.sessions.set_program(entry.program_id, None if entry.is_last_step else program)

@@ -21,28 +21,11 @@ re-sorted when a running request is prefilling or memory is tight, the waiting q
 changed or ``reorder_interval_s`` passed, and session service is computed lazily
 (:meth:`MarsBaseScheduler.session_service_tokens`).
 
-Subclasses override only the hooks below; each hook should call one ``policy`` function:
-
-=====================================  ==========================================================
-hook                                   default (stock vLLM behaviour)
-=====================================  ==========================================================
-``waiting_key(request, now_s)``        not overridden -> FCFS order kept
-``running_key(request, now_s)``        not overridden -> order kept (victim = last, stock)
-``victim_key(request, now_s)``         not overridden -> stock victim; else argmax key evicted
-``chunk_tokens(request, n, start)``    not overridden -> n
-``retention_decision(request, s, t)``  None (no retention)
-``refine_retention(entry, s, tool, t)``None (keep the provisional decision)
-``can_release_expired(entry, t)``      True
-``can_reclaim_for(entry, request, t)`` True (reclaim lowest value/block first on alloc failure)
-``on_prefill_scheduled(request, n, was_running, now_s)``  no-op; after schedule, per scheduled
-                                       prefill chunk (cheap: O(prefills) per step)
-``on_scheduled(request, n, was_running, now_s)``  no-op; per scheduled request, O(running) per
-                                       step, only called if overridden (avoid on the hot path)
-``on_preempted(request)``              no-op
-``on_step_start(now_s)``               not overridden -> not called; once per step after the
-                                       inbox is drained, before vLLM's schedule() (a policy
-                                       that moves requests in or out of ``waiting``)
-=====================================  ==========================================================
+Subclasses override only the hooks of :class:`~mars_openhands.engine.schedulers.hooks.PolicyHooks`
+(the table there); each hook should call one ``policy`` function. The parts the base composes:
+:class:`~.retained.RetainedKvPool` (retained KV), :class:`~.sessions.SessionTable` (sessions and
+their program slot), :class:`~.inbox.CpuEventInbox` (CPU-plane events), :class:`~.waker.EngineWaker`
+(waking an idle engine core), :class:`~.request_state.RequestState` (per-request policy state).
 
 Side requests (``vllm_xargs`` ``mars_side=1``; the gateway tags chat requests without tools, such
 as a conversation title or a condenser summary): they are scheduled as requests of their session
@@ -59,11 +42,9 @@ problem is logged naming the key; the gateway rejects the same input earlier wit
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -71,17 +52,27 @@ from vllm.v1.request import Request, RequestStatus
 
 from mars_openhands.engine import seams
 from mars_openhands.engine.queues import PolicyRequestQueue
+from mars_openhands.engine.schedulers.hooks import PolicyHooks, is_overridden
+from mars_openhands.engine.schedulers.inbox import CpuEventInbox
+from mars_openhands.engine.schedulers.request_state import (
+    RequestState,
+    finished_request_ids,
+    reset_mlfq,
+)
+from mars_openhands.engine.schedulers.retained import RetainedKv, RetainedKvPool
+from mars_openhands.engine.schedulers.sessions import SessionTable
+from mars_openhands.engine.schedulers.waker import EngineWaker
 from mars_openhands.engine.telemetry import EngineTelemetry, make_telemetry
 from mars_openhands.policy.admission import ema
-from mars_openhands.policy.estimators import Ema, ToolDurationEstimator
+from mars_openhands.policy.chunking import blocks_for_tokens, context_fits, shrunk_chunk_tokens
+from mars_openhands.policy.estimators import Ema, PrefillRate, ToolDurationEstimator
 from mars_openhands.policy.levels import quantum_tokens
 from mars_openhands.policy.params import SchedulerParams, parse_scheduler_params
-from mars_openhands.policy.retention import RetentionDecision, reclaim_order_key
 from mars_openhands.policy.session import (
     SessionState,
     context_checkpoints,
-    inferred_tool_duration_s,
     measured_reuse_fraction,
+    tool_sample_at_arrival,
 )
 from mars_openhands.policy.types import TurnMeta, parse_turn_meta
 from mars_openhands.stream.transport import EventSink
@@ -95,65 +86,11 @@ _GC_INTERVAL_S = 10.0
 _RUN_MARGIN_S = 1e-6
 """A merged run ends this much before a timer tested as ``now - t0 >= interval`` (rounding of
 ``t0 + interval`` must not let a step past it)."""
-_EXPIRY_POLL_S = 0.25
-"""Longest the expiry watcher sleeps: a retention made while it slept is noticed this late."""
 _MIN_PREFILL_SAMPLE_TOKENS = 512
 """Steps with fewer prefill tokens say more about decode than about prefill speed."""
 
 
-@dataclass(slots=True)
-class RequestState:
-    """What the plugin tracks per request (policy state lives here, not on vLLM's Request)."""
-
-    session_id: str | None
-    meta: TurnMeta
-    arrival_s: float
-    """Scheduler clock when the request entered the engine."""
-    user_priority: int = 0
-    first_scheduled_s: float | None = None
-    first_token_s: float | None = None
-    feedback_level: int = 0
-    """MLFQ feedback level (policies that use one)."""
-    mlfq_last_scheduled_s: float | None = None
-    """When an MLFQ policy last counted this request as scheduled (its aging clock)."""
-    cached_at_arrival_tokens: int = 0
-    """Prefix-cache hit length when the request arrived (only measured if a policy asks)."""
-    quantum_tokens: int | None = None
-    """Quantum applied by the chunk hook in the current step (MLFQ feedback)."""
-    session_context_tokens: int = 0
-    """Context of the session's previous turn (prompt + output tokens) when this request
-    arrived: the part of the prompt the session already had, as opposed to new work."""
-
-
-@dataclass(slots=True)
-class RetainedKv:
-    """KV blocks of a finished turn pinned for the session's next turn."""
-
-    session_id: str
-    request_id: str
-    turn: int | None
-    blocks: list[Any]
-    num_tokens: int
-    retained_s: float
-    expires_s: float
-    value_s: float
-    reason: str
-    extra: dict[str, Any] = field(default_factory=dict)
-    """Free slot for subclasses (e.g. the baseline's own bookkeeping)."""
-
-    @property
-    def num_blocks(self) -> int:
-        """Blocks pinned."""
-        return len(self.blocks)
-
-
-
-def finished_request_ids(engine_outputs: dict[int, Any]) -> list[str]:
-    """Request ids that finished in one ``update_from_output`` result (vLLM's public outputs)."""
-    return [o.request_id for eco in engine_outputs.values() for o in eco.outputs
-            if o.finish_reason is not None]
-
-class MarsBaseScheduler(AsyncScheduler):
+class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
     """Stock vLLM ``AsyncScheduler`` with policy hooks, KV retention and telemetry.
 
     Works whether async scheduling is on or off (on CPU vLLM forces it off; the AsyncScheduler
@@ -185,8 +122,10 @@ class MarsBaseScheduler(AsyncScheduler):
         self.clock: Callable[[], float] = time.monotonic
         self.waiting = PolicyRequestQueue()
         self.req_state: dict[str, RequestState] = {}
-        self.sessions: dict[str, SessionState] = {}
-        self.retained: dict[str, RetainedKv] = {}
+        self.sessions = SessionTable()
+        """Per-session records (and the policy's per-program slot)."""
+        self.retained = RetainedKvPool()
+        """Finished turns' KV pinned for their sessions' next turns (expiry, reclaim, counters)."""
         rp = self.params.retention
         self.tool_durations = ToolDurationEstimator(rp.min_tool_samples, rp.max_samples_per_tool)
         self.queue_delay = Ema(rp.queue_delay_ema_alpha, rp.default_queue_delay_s)
@@ -194,6 +133,29 @@ class MarsBaseScheduler(AsyncScheduler):
         """EMA of the seconds tool calls waited for a tool worker (``tool_start.queue_wait_s``):
         the CPU plane's congestion as the engine sees it."""
         self.overflow: deque[Request] = deque()
+        self._init_switches()
+        self._rejected: dict[str, str] = {}
+        self.inbox = CpuEventInbox(self.params.max_inbox_events_per_step)
+        """CPU-plane events posted or received between steps (applied by :meth:`_drain_inbox`)."""
+        self.waker = EngineWaker(lambda: self.clock(), lambda: self.retained.next_expiry_s)
+        """Wakes an idle engine core for inbox events and retained-KV expiries."""
+        self._last_step_counts: tuple[int, int, int, int, int] | None = None
+        self._last_gc_s = 0.0
+        self._last_waiting_sort_s = float("-inf")
+        self._step_prefills: list[str] = []
+        self.prefill_s_per_token = PrefillRate(rp.reload_linear_s_per_token, _MIN_PREFILL_SAMPLE_TOKENS)
+        """Measured seconds per prefill token (step time / prefill tokens of steps with at least
+        ``_MIN_PREFILL_SAMPLE_TOKENS``; includes the decodes batched with them, so an upper
+        bound). Prior: ``retention.reload_linear_s_per_token``."""
+        self.prefilling: set[str] = set()
+        """Running requests still inside their prompt (kept up to date after each step)."""
+        self.telemetry: EngineTelemetry = make_telemetry(self.params.telemetry)
+        self._init_seams()
+
+    # ------------------------------------------------------------------ wiring
+    def _init_switches(self) -> None:
+        """The window size and the chunk switches: the ``--additional-config`` value when given,
+        else the class default (``default_*``)."""
         window_on = self.params.window.enabled
         self.window_size: int | None = (
             self.params.window.size
@@ -204,40 +166,9 @@ class MarsBaseScheduler(AsyncScheduler):
         whole = self.params.resume_when_context_fits
         self.resume_when_context_fits = (self.default_resume_when_context_fits if whole is None
                                          else whole)
-        self._rejected: dict[str, str] = {}
-        self._inbox: deque[Any] = deque()
-        self._inbox_lock = threading.Lock()
-        self._inbox_collector: Any = None
-        self._wake_engine: Callable[[], None] | None = None
-        self._expiry_watcher: threading.Thread | None = None
-        self._stop_watcher = threading.Event()
-        self._last_step_counts: tuple[int, int, int, int, int] | None = None
-        self._last_gc_s = 0.0
-        self._last_waiting_sort_s = float("-inf")
-        self._next_expiry_s = float("inf")
-        self._step_prefills: list[str] = []
-        self.prefill_s_per_token = Ema(0.2, rp.reload_linear_s_per_token)
-        """Measured seconds per prefill token (step time / prefill tokens of steps with at least
-        ``_MIN_PREFILL_SAMPLE_TOKENS``; includes the decodes batched with them, so an upper
-        bound). Prior: ``retention.reload_linear_s_per_token``."""
-        self._pending_prefill_steps: deque[tuple[float, int]] = deque()
-        self.prefilling: set[str] = set()
-        """Running requests still inside their prompt (kept up to date after each step)."""
-        self.num_reclaimed_blocks = 0
-        self.num_released_blocks = 0
-        """Retained blocks released for any reason but shutdown (resolved retentions)."""
-        self.num_reused_blocks = 0
-        """Of those, blocks the session's next turn actually reused: the retention hit ratio is
-        ``num_reused_blocks / num_released_blocks`` (tokens: times ``block_size``)."""
-        self._held_expired: set[str] = set()
-        """Sessions whose retained KV expired but is kept: their next turn waits (or the policy's
-        ``can_release_expired`` said no). Re-checked every step."""
-        self.telemetry: EngineTelemetry = make_telemetry(self.params.telemetry)
-        self._init_seams()
 
-    # ------------------------------------------------------------------ wiring
     def _overrides(self, name: str) -> bool:
-        return getattr(type(self), name) is not getattr(MarsBaseScheduler, name)
+        return is_overridden(type(self), name)
 
     def _init_seams(self) -> None:
         self._has_waiting_key = self._overrides("waiting_key")
@@ -260,55 +191,21 @@ class MarsBaseScheduler(AsyncScheduler):
         # expiry need a step (None in-process: the simulator and tests step by themselves).
         self.set_engine_waker(seams.engine_core_waker())
         if self.params.inbox_addr:
-            from mars_openhands.stream.transport import ZmqEventCollector
-
-            self._inbox_collector = ZmqEventCollector(self.params.inbox_addr, self._on_inbox_event)
+            self.inbox.listen(self.params.inbox_addr, self.waker.wake)
 
     def set_engine_waker(self, wake: Callable[[], None] | None) -> None:
         """Use ``wake`` (thread-safe, non-blocking) to have the engine run a step while it is
-        idle: at once when a CPU-plane event arrives, and when retained KV expires (a background
-        thread watches the earliest expiry, :meth:`_watch_expiry`). ``None``: no waking (the
-        caller steps the scheduler). Mutates; call once, at construction or from a test.
-
-        Why: vLLM's engine core blocks on its input queue while no request is unfinished
-        (``has_requests()`` False), so without a wake a ``session_end`` posted after a session's
-        last turn, or a TTL that runs out while nothing runs, would keep the session's retained
-        blocks pinned until the next request arrives. :meth:`has_requests` says True while such
-        work is due, so the woken loop steps once (nothing scheduled) and ``schedule()`` applies
-        it.
-        """
-        self._wake_engine = wake
-        if wake is None or self._expiry_watcher is not None:
-            return
-        self._expiry_watcher = threading.Thread(target=self._watch_expiry, daemon=True,
-                                                name="mars-expiry-watcher")
-        self._expiry_watcher.start()
-
-    def _on_inbox_event(self, event: Any) -> None:
-        """Inbox thread: queue the event for the next step and wake an idle engine."""
-        self.post_event(event)
-        if self._wake_engine is not None:
-            self._wake_engine()
-
-    def _watch_expiry(self) -> None:
-        """Background thread: wake the engine once per retained-KV expiry that comes due (reads
-        ``_next_expiry_s`` without a lock: a float, rewritten whole by the engine thread; a stale
-        read at worst wakes a busy engine once, or checks again ``_EXPIRY_POLL_S`` later)."""
-        woken_for = float("inf")
-        while not self._stop_watcher.is_set():
-            due = self._next_expiry_s
-            now = self.clock()
-            if due <= now and due != woken_for and self._wake_engine is not None:
-                self._wake_engine()
-                woken_for = due
-            wait_s = _EXPIRY_POLL_S if due <= now else min(_EXPIRY_POLL_S, due - now)
-            self._stop_watcher.wait(wait_s)
+        idle: at once when a CPU-plane event arrives, and when retained KV expires
+        (:class:`~mars_openhands.engine.schedulers.waker.EngineWaker`, which says why).
+        ``None``: no waking (the caller steps the scheduler). Mutates; call once, at
+        construction or from a test."""
+        self.waker.set(wake)
 
     def has_requests(self, **kwargs: Any) -> bool:
         """vLLM: whether the engine must step: requests (vLLM's rule), or CPU-plane events to
         apply, or retained KV past its expiry (an idle engine then runs one empty step)."""
-        return (super().has_requests(**kwargs) or bool(self._inbox)
-                or self.clock() >= self._next_expiry_s)
+        return (super().has_requests(**kwargs) or bool(self.inbox)
+                or self.clock() >= self.retained.next_expiry_s)
 
     def set_telemetry_sink(self, sink: EventSink | None, *, engine_steps: bool = True) -> None:
         """Replace the telemetry sink (tests, simulator; ``engine_steps=False``: no
@@ -318,66 +215,6 @@ class MarsBaseScheduler(AsyncScheduler):
             self.params.telemetry.engine_step_interval_ms if engine_steps else None,
         )
 
-    # ------------------------------------------------------------------ hooks (override)
-    def waiting_key(self, request: Request, now_s: float) -> Any:
-        """Sort key of a waiting request (smallest first). Default: FCFS (not called)."""
-        raise NotImplementedError
-
-    def running_key(self, request: Request, now_s: float) -> Any:
-        """Sort key of a running request (smallest scheduled first). Default: keep order."""
-        raise NotImplementedError
-
-    def victim_key(self, request: Request, now_s: float) -> Any:
-        """Preemption key; the largest is evicted first. Default: vLLM's (last running)."""
-        raise NotImplementedError
-
-    def chunk_tokens(self, request: Request, num_new_tokens: int, num_computed_tokens: int) -> int:
-        """Tokens to schedule for ``request`` this step (<= num_new_tokens, >= 1).
-
-        ``num_computed_tokens`` includes this step's prefix-cache hit for a waiting request.
-        """
-        return num_new_tokens
-
-    def retention_decision(
-        self, request: Request, session: SessionState, now_s: float
-    ) -> RetentionDecision | None:
-        """Whether to retain a finished non-final turn's KV, and for how long. Default: never."""
-        return None
-
-    def refine_retention(
-        self, entry: RetainedKv, session: SessionState, tool_name: str, now_s: float
-    ) -> RetentionDecision | None:
-        """At ``tool_start``: a new decision (ttl 0 = release now), or None to keep. Default None."""
-        return None
-
-    def can_release_expired(self, entry: RetainedKv, now_s: float) -> bool:
-        """Whether an expired entry may be released now. Default: yes."""
-        return True
-
-    def can_reclaim_for(self, entry: RetainedKv, request: Request, now_s: float) -> bool:
-        """Whether ``entry`` may be reclaimed because ``request``'s allocation failed.
-        Default: yes (never the requesting session's own entry; the base filters that)."""
-        return True
-
-    def on_scheduled(
-        self, request: Request, num_tokens: int, was_running: bool, now_s: float
-    ) -> None:
-        """Called after ``schedule()`` for each scheduled request (only if overridden; O(running))."""
-
-    def on_prefill_scheduled(
-        self, request: Request, num_tokens: int, was_running: bool, now_s: float
-    ) -> None:
-        """Called after ``schedule()`` for each scheduled prefill chunk (``was_running``: it was
-        already running before this step, i.e. not admitted from the waiting queue)."""
-
-    def on_preempted(self, request: Request) -> None:
-        """Called when vLLM preempts ``request`` (after its blocks were freed)."""
-
-    def on_step_start(self, now_s: float) -> None:
-        """Called once per step before vLLM's ``schedule()`` (only if overridden), after the inbox
-        was drained and expired KV released; may add requests to or remove them from
-        ``self.waiting``."""
-
     # ------------------------------------------------------------------ simulator hooks
     def blocked_run_is_safe(self) -> bool:
         """Whether the next pure-decode steps, while every waiting request stays blocked on KV,
@@ -385,13 +222,8 @@ class MarsBaseScheduler(AsyncScheduler):
         :meth:`blocked_run_until_s` and the counters of :meth:`blocked_run_max_tokens`: the
         class certified its hooks (:attr:`coalescible_blocked_runs`), nothing is in the inbox,
         no request is rejected, none waits in the window's overflow, and no re-sort is due. Pure."""
-        return (self.coalescible_blocked_runs and not self._inbox and self._inbox_collector is None
+        return (self.coalescible_blocked_runs and not self.inbox and not self.inbox.is_listening
                 and not self._rejected and not self.overflow and not self._is_resort_due())
-
-    def blocked_run_max_tokens(self, limit: int) -> int:
-        """Most decode tokens per request (<= ``limit``) a merged run may take before a per-step
-        counter of the policy would change a decision (default: none). Pure."""
-        return limit
 
     def _is_resort_due(self) -> bool:
         """Whether the next step re-sorts the waiting queue because it changed (see _reorder)."""
@@ -401,7 +233,7 @@ class MarsBaseScheduler(AsyncScheduler):
         """Scheduler-clock seconds by which a merged run must have ended: the next retained-KV
         expiry, the next session GC, and (with a waiting order over several requests) the next
         periodic re-sort, each of which :meth:`schedule` does at the first step past it. Pure."""
-        t = min(self._next_expiry_s, self._last_gc_s + _GC_INTERVAL_S - _RUN_MARGIN_S)
+        t = min(self.retained.next_expiry_s, self._last_gc_s + _GC_INTERVAL_S - _RUN_MARGIN_S)
         if self._has_waiting_key and len(self.waiting) > 1:
             t = min(t, self._last_waiting_sort_s + self.params.reorder_interval_s - _RUN_MARGIN_S)
         return t
@@ -462,15 +294,10 @@ class MarsBaseScheduler(AsyncScheduler):
                                              self.params.retention.reuse_ema_alpha)
 
     def _on_session_request(self, sid: str, request_id: str, meta: TurnMeta, now: float) -> None:
-        session = self.sessions.get(sid)
-        if session is None:
-            session = self.sessions[sid] = SessionState(sid, first_arrival_s=now)
-        if session.num_turns_finished and not session.tool_ended:
-            duration = inferred_tool_duration_s(session.last_finish_s, now, meta.prev_tool_s)
-            if duration is not None:
-                self.tool_durations.observe(meta.prev_tool or session.pending_tool, duration)
-        elif meta.prev_tool_s is not None and not session.tool_ended:
-            self.tool_durations.observe(meta.prev_tool, meta.prev_tool_s)
+        session = self.sessions.open(sid, now)
+        sample = tool_sample_at_arrival(session, now, meta.prev_tool, meta.prev_tool_s)
+        if sample is not None:
+            self.tool_durations.observe(*sample)
         session.pending_tool = None
         session.tool_started_s = None
         session.tool_enqueued_s = None
@@ -483,9 +310,7 @@ class MarsBaseScheduler(AsyncScheduler):
     def _on_side_request(self, sid: str, request_id: str, now: float) -> None:
         """A side request (``mars_side=1``) joins its session's requests and nothing else: the
         session's tool phase, turn count and retained KV stay as they are."""
-        session = self.sessions.get(sid)
-        if session is None:
-            session = self.sessions[sid] = SessionState(sid, first_arrival_s=now)
+        session = self.sessions.open(sid, now)
         session.last_activity_s = now
         session.active_request_ids.add(request_id)
 
@@ -493,7 +318,7 @@ class MarsBaseScheduler(AsyncScheduler):
         """vLLM: one scheduling step (see the module docstring for the order of work)."""
         now = self.clock()
         self._drain_inbox(now)
-        if now >= self._next_expiry_s or self._held_expired:
+        if self.retained.is_expiry_due(now):
             self._expire_retained(now)
         if self._rejected:
             self._reject_invalid()
@@ -506,7 +331,7 @@ class MarsBaseScheduler(AsyncScheduler):
         self._step_prefills.clear()
         out = super().schedule(*args, **kwargs)
         self._after_schedule(out, now, was_running)
-        self._pending_prefill_steps.append((now, self._step_prefill_tokens(out)))
+        self.prefill_s_per_token.step_scheduled(now, self._step_prefill_tokens(out))
         if self.telemetry.enabled and (self.telemetry.should_emit_step() or self._is_idle_snapshot_due()):
             self._emit_engine_step()
         if now - self._last_gc_s > _GC_INTERVAL_S:
@@ -517,10 +342,7 @@ class MarsBaseScheduler(AsyncScheduler):
                            **kwargs: Any) -> Any:
         """vLLM: apply one step's output (wrapped for first-token telemetry and finish hooks)."""
         outputs = super().update_from_output(scheduler_output, model_runner_output, **kwargs)
-        if self._pending_prefill_steps:
-            t0, num_prefill = self._pending_prefill_steps.popleft()
-            if num_prefill >= _MIN_PREFILL_SAMPLE_TOKENS:
-                self.prefill_s_per_token.observe((self.clock() - t0) / num_prefill)
+        self.prefill_s_per_token.step_done(self.clock())
         if self.telemetry.enabled:
             self._first_tokens(outputs)
         finished = finished_request_ids(outputs)
@@ -548,13 +370,6 @@ class MarsBaseScheduler(AsyncScheduler):
         if state is not None:
             state.quantum_tokens = quantum
         return min(num_new_tokens, quantum)
-
-    def on_requests_finished(self, request_ids: list[str]) -> None:
-        """Hook: requests that finished in this step's output or were aborted. Default: nothing.
-
-        Called after vLLM has applied the output (or the abort); subclasses fold per-call
-        bookkeeping into their programs here (Autellix, Continuum).
-        """
 
     def finish_requests(self, request_ids: Any, finished_status: RequestStatus,
                         **kwargs: Any) -> list[Request]:
@@ -592,10 +407,8 @@ class MarsBaseScheduler(AsyncScheduler):
         for sid in list(self.retained):
             self.release_retained(sid, "shutdown", now)
         self.telemetry.close()
-        self._stop_watcher.set()
-        if self._inbox_collector is not None:
-            self._inbox_collector.stop()
-            self._inbox_collector = None
+        self.waker.stop()
+        self.inbox.close()
         super().shutdown(**kwargs)
 
     # ------------------------------------------------------------------ seams
@@ -690,29 +503,21 @@ class MarsBaseScheduler(AsyncScheduler):
         if not self.running:
             return True
         bs = self.block_size
-        unallocated = sum(max(0, -(-r.num_tokens // bs) - seams.num_request_blocks(self, r.request_id))
+        unallocated = sum(max(0, blocks_for_tokens(r.num_tokens, bs) - seams.num_request_blocks(self, r.request_id))
                           for r in self.running)
         avail = (seams.num_free_blocks(self) + self._reclaimable_blocks(request)
                  - self.kv_cache_manager.watermark_blocks - unallocated)
-        return -(-request.num_tokens // bs) <= avail
+        return context_fits(request.num_tokens, bs, avail)
 
     def _shrink_to_fit(self, request: Request, n: int, start: int, waiting: bool) -> int:
-        """Halve a prefill chunk (not below block_size) until its new blocks fit.
-
-        Region diagram (tokens)::
-
-            |<--- start (computed + hit) --->|<--- n (this chunk) --->|
-            |<- covered blocks ->|           |<- need new blocks ---->|
-        """
+        """Halve a prefill chunk (not below block_size) until its new blocks fit
+        (:func:`~mars_openhands.policy.chunking.shrunk_chunk_tokens`, which has the diagram)."""
         bs = self.block_size
         held = 0 if waiting else seams.num_request_blocks(self, request.request_id)
-        covered = max(held, start // bs)
         avail = seams.num_free_blocks(self) + self._reclaimable_blocks(request)
         if waiting:
             avail -= self.kv_cache_manager.watermark_blocks
-        while n > bs and -(-(start + n) // bs) - covered > avail:
-            n = max(bs, n // 2)
-        return n
+        return shrunk_chunk_tokens(n, start, bs, max(held, start // bs), avail)
 
     # ------------------------------------------------------------------ step phases
     def _reorder(self, now: float) -> None:
@@ -822,8 +627,7 @@ class MarsBaseScheduler(AsyncScheduler):
             request = self.overflow.popleft()
             state = self.req_state.get(request.request_id)
             if state is not None:
-                state.feedback_level = 0
-                state.mlfq_last_scheduled_s = None
+                reset_mlfq(state)
             self.waiting.add_request(request)
 
     def _emit_engine_step(self) -> None:
@@ -851,10 +655,7 @@ class MarsBaseScheduler(AsyncScheduler):
 
     def _gc_sessions(self, now: float) -> None:
         self._last_gc_s = now
-        timeout = self.params.session_idle_timeout_s
-        for sid, s in list(self.sessions.items()):
-            if not s.active_request_ids and sid not in self.retained and now - s.last_activity_s > timeout:
-                del self.sessions[sid]
+        self.sessions.forget_idle(now, self.params.session_idle_timeout_s, self.retained)
 
     def session_service_tokens(self, session: SessionState) -> int:
         """Attained service of a session: computed tokens of its finished requests plus those of
@@ -881,12 +682,11 @@ class MarsBaseScheduler(AsyncScheduler):
             self.release_retained(session.session_id, "resumed", now)
         seams.pin_blocks(self, blocks)
         self._allocate_wrapper.enable()
-        self.retained[session.session_id] = RetainedKv(
+        self.retained.add(RetainedKv(
             session.session_id, request.request_id, state.meta.turn, blocks,
             len(blocks) * self.block_size, now, now + decision.ttl_s, decision.value_s,
             decision.reason,
-        )
-        self._next_expiry_s = min(self._next_expiry_s, now + decision.ttl_s)
+        ))
         if self.telemetry.enabled:
             self.telemetry.kv_retained(request.request_id, session.session_id, state.meta.turn,
                                        len(blocks), decision.ttl_s, decision.reason)
@@ -904,62 +704,67 @@ class MarsBaseScheduler(AsyncScheduler):
         Returns:
             Blocks released (0 when nothing was retained).
         """
-        entry = self.retained.pop(session_id, None)
+        entry = self.retained.pop(session_id)
         if entry is None:
             return 0
-        self._held_expired.discard(session_id)
         seams.free_pinned(self, entry.blocks)
         if not self.retained:
             self._allocate_wrapper.disable()
-        reused: int | None = entry.extra.get("num_reused_blocks", 0)
-        if reason == "resumed" and "num_reused_blocks" not in entry.extra:
-            reused = None  # a subclass resumed it without a measurement: unknown, not a hit
-        if reason != "shutdown":
-            self.num_released_blocks += entry.num_blocks
-            self.num_reused_blocks += reused or 0
+        reused = self.retained.record_release(entry, reason)
         if self.telemetry.enabled:
             now = self.clock() if now_s is None else now_s
             self.telemetry.kv_released(session_id, entry.num_blocks, reason, now - entry.retained_s,
                                        reused)
         return entry.num_blocks
 
+    def reclaim(self, session_id: str, now_s: float | None = None) -> int:
+        """Release a session's retained KV for another's allocation (reason "reclaimed") and
+        count it in :attr:`num_reclaimed_blocks`. Returns the blocks released. Mutates."""
+        released = self.release_retained(session_id, "reclaimed", now_s)
+        self.retained.num_reclaimed_blocks += released
+        return released
+
+    @property
+    def num_reclaimed_blocks(self) -> int:
+        """Retained blocks released because an allocation failed (:meth:`reclaim`)."""
+        return self.retained.num_reclaimed_blocks
+
+    @property
+    def num_released_blocks(self) -> int:
+        """Retained blocks released for any reason but shutdown (resolved retentions)."""
+        return self.retained.num_released_blocks
+
+    @property
+    def num_reused_blocks(self) -> int:
+        """Of those, blocks the session's next turn actually reused: the retention hit ratio is
+        ``num_reused_blocks / num_released_blocks`` (tokens: times ``block_size``)."""
+        return self.retained.num_reused_blocks
+
     def _measure_reuse(self, entry: RetainedKv, request_id: str) -> int:
         """Blocks of ``entry`` that ``request_id`` (the session's next turn, just allocated, or
-        its finishing turn) holds: what the retention actually gave it. Recorded in
-        ``entry.extra["num_reused_blocks"]`` for the release. O(blocks)."""
-        pinned = {b.block_id for b in entry.blocks}
-        reused = sum(1 for b in seams.request_blocks(self, request_id) if b.block_id in pinned)
-        entry.extra["num_reused_blocks"] = reused
-        return reused
+        its finishing turn) holds (:meth:`RetainedKvPool.measure_reuse`). Mutates ``entry``."""
+        return self.retained.measure_reuse(
+            entry, [b.block_id for b in seams.request_blocks(self, request_id)])
 
     def _expire_retained(self, now: float) -> None:
         """Release every retained entry past its expiry, within the step it expires in, unless
         its own session's next turn waits (or ``can_release_expired`` says no): those are held
         and re-checked every step, O(held), without delaying anyone else's expiry."""
-        due = list(self.retained) if now >= self._next_expiry_s else list(self._held_expired)
-        for sid in due:
-            entry = self.retained.get(sid)
-            if entry is None or entry.expires_s > now:
-                self._held_expired.discard(sid)
+        pool = self.retained
+        for sid in pool.expiry_candidates(now):
+            if not pool.is_expired(sid, now):
                 continue
             session = self.sessions.get(sid)
             if (session is not None and session.active_request_ids) or not self.can_release_expired(
-                    entry, now):
-                self._held_expired.add(sid)  # the next turn is waiting: keep until scheduled
+                    pool[sid], now):
+                pool.hold_expired(sid)  # the next turn is waiting: keep until scheduled
                 continue
             self.release_retained(sid, "expired", now)
-        self._update_next_expiry(now)
-
-    def _update_next_expiry(self, now: float | None = None) -> None:
-        """Earliest expiry still to act on among the entries not held past theirs (held ones are
-        re-checked every step through ``_held_expired``)."""
-        self._next_expiry_s = min((e.expires_s for sid, e in self.retained.items()
-                                   if sid not in self._held_expired), default=float("inf"))
+        pool.update_next_expiry()
 
     def _reclaimable_blocks(self, request: Request) -> int:
         own = self.req_state.get(request.request_id)
-        own_sid = own.session_id if own else None
-        return sum(e.num_blocks for sid, e in self.retained.items() if sid != own_sid)
+        return self.retained.reclaimable_blocks(own.session_id if own else None)
 
     def _reclaim_for(self, request: Request) -> bool:
         """Allocation for ``request`` failed: release the lowest-value retained entry of another
@@ -971,32 +776,26 @@ class MarsBaseScheduler(AsyncScheduler):
         if not self.retained:
             return False
         own = self.req_state.get(request.request_id)
-        own_sid = own.session_id if own else None
         now = self.clock()
         is_stuck = not self.running
-        candidates = [e for sid, e in self.retained.items()
-                      if sid != own_sid and (is_stuck or self.can_reclaim_for(e, request, now))]
-        if not candidates:
+        victim = self.retained.reclaim_victim(
+            own.session_id if own else None,
+            lambda e: is_stuck or self.can_reclaim_for(e, request, now))
+        if victim is None:
             return False
-        victim = min(candidates, key=lambda e: (reclaim_order_key(e.value_s, e.num_blocks), -e.retained_s))
-        self.num_reclaimed_blocks += self.release_retained(victim.session_id, "reclaimed")
+        self.reclaim(victim.session_id)
         return True
 
     # ------------------------------------------------------------------ CPU-plane events
     def post_event(self, event: Any) -> None:
         """Thread-safe: queue a CPU-plane event, applied at the next step or request arrival."""
-        with self._inbox_lock:
-            self._inbox.append(event)
+        self.inbox.post(event)
 
     def _drain_inbox(self, now: float) -> None:
         """Apply up to ``max_inbox_events_per_step`` queued CPU-plane events (posted, or received
         by the inbox thread from ``mars.inbox_addr``), oldest first. Mutates."""
-        if self._inbox:
-            with self._inbox_lock:
-                num = min(self.params.max_inbox_events_per_step, len(self._inbox))
-                batch = [self._inbox.popleft() for _ in range(num)]
-            for event in batch:
-                self.on_stream_event(event, now)
+        for event in self.inbox.drain():
+            self.on_stream_event(event, now)
 
     def on_stream_event(self, event: Any, now_s: float | None = None) -> None:
         """Consume one CPU-plane event of this engine's sessions. Mutates.
@@ -1012,10 +811,7 @@ class MarsBaseScheduler(AsyncScheduler):
             return
         kind = event.kind
         if kind == "session_end":
-            self.release_retained(sid, "session_end", now)
-            session = self.sessions.get(sid)
-            if session is not None and not session.active_request_ids:
-                del self.sessions[sid]
+            self._on_session_end(sid, now)
             return
         if kind == "tool_start":  # CPU-plane congestion, whichever session it comes from
             self.tool_queue_wait.observe(event.queue_wait_s)
@@ -1027,19 +823,33 @@ class MarsBaseScheduler(AsyncScheduler):
             session.pending_tool = event.tool_name
             session.tool_enqueued_s = now
         elif kind == "tool_start":
-            session.pending_tool = event.tool_name
-            session.tool_started_s = now
-            entry = self.retained.get(sid)
-            if entry is not None:
-                self._apply_refinement(entry, session, event.tool_name, now)
+            self._on_tool_start(session, event.tool_name, now)
         elif kind == "tool_end":
-            if not session.tool_ended:
-                self.tool_durations.observe(event.tool_name, event.duration_s)
-            session.tool_ended = True
-            entry = self.retained.get(sid)
-            if entry is not None:
-                entry.expires_s = max(entry.expires_s, now + self.params.retention.imminent_grace_s)
-                self._update_next_expiry()
+            self._on_tool_end(session, event.tool_name, event.duration_s, now)
+
+    def _on_session_end(self, sid: str, now: float) -> None:
+        """Release the session's retained KV; forget it unless a request of it is still in."""
+        self.release_retained(sid, "session_end", now)
+        session = self.sessions.get(sid)
+        if session is not None and not session.active_request_ids:
+            self.sessions.forget(sid)
+
+    def _on_tool_start(self, session: SessionState, tool_name: str, now: float) -> None:
+        """The tool is named: refine the retained KV's TTL with its durations."""
+        session.pending_tool = tool_name
+        session.tool_started_s = now
+        entry = self.retained.get(session.session_id)
+        if entry is not None:
+            self._apply_refinement(entry, session, tool_name, now)
+
+    def _on_tool_end(self, session: SessionState, tool_name: str, duration_s: float, now: float) -> None:
+        """Record the duration (once per tool phase); keep retained KV for the imminent turn."""
+        if not session.tool_ended:
+            self.tool_durations.observe(tool_name, duration_s)
+        session.tool_ended = True
+        entry = self.retained.get(session.session_id)
+        if entry is not None:
+            self.retained.extend_expiry(entry, now + self.params.retention.imminent_grace_s)
 
     def _apply_refinement(self, entry: RetainedKv, session: SessionState, tool: str, now: float) -> None:
         decision = self.refine_retention(entry, session, tool, now)
@@ -1051,7 +861,7 @@ class MarsBaseScheduler(AsyncScheduler):
         entry.expires_s = now + decision.ttl_s
         entry.value_s = decision.value_s
         entry.reason = decision.reason
-        self._update_next_expiry()
+        self.retained.update_next_expiry()
         if self.telemetry.enabled:
             self.telemetry.kv_retained(entry.request_id, entry.session_id, entry.turn,
                                        entry.num_blocks, decision.ttl_s, decision.reason)
@@ -1066,22 +876,9 @@ class MarsBaseScheduler(AsyncScheduler):
         a full walk of the requests' blocks.
         """
         free = seams.num_free_blocks(self)
-        retained_only = self._retained_only_blocks()
+        retained_only = self.retained.retained_only_blocks(seams.num_blocks_referenced_once,
+                                                           seams.block_ref_count)
         return free, retained_only, seams.num_gpu_blocks(self) - 1 - free - retained_only
-
-    def _retained_only_blocks(self) -> int:
-        entries = self.retained.values()
-        num_pins = sum(len(e.blocks) for e in entries)
-        if len({b.block_id for e in entries for b in e.blocks}) == num_pins:
-            # Every block pinned once (the usual case): retained-only iff its one reference is ours.
-            return sum(seams.num_blocks_referenced_once(e.blocks) for e in entries)
-        pins: dict[int, int] = {}
-        by_id: dict[int, Any] = {}
-        for entry in self.retained.values():
-            for b in entry.blocks:
-                pins[b.block_id] = pins.get(b.block_id, 0) + 1
-                by_id[b.block_id] = b
-        return sum(1 for bid, n in pins.items() if seams.block_ref_count(by_id[bid]) == n)
 
     def assert_no_leaks(self) -> dict[str, int]:
         """Integrity check: every block's ref count equals request refs + our pins, and
@@ -1094,7 +891,7 @@ class MarsBaseScheduler(AsyncScheduler):
             AssertionError: printing the numbers and the first mismatching blocks.
         """
         refs = seams.referenced_block_counts(self)
-        pins = Counter(b.block_id for e in self.retained.values() for b in e.blocks)
+        pins = self.retained.pin_counts()
         bad = []
         num_zero = 0
         for b in seams.all_blocks(self):

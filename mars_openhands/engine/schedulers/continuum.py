@@ -31,6 +31,7 @@ preemption handles that case.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.v1.request import Request, RequestStatus
@@ -55,6 +56,26 @@ __all__ = ["ContinuumScheduler"]
 _WAITING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
+@dataclass(slots=True)
+class _Program:
+    """A session's program (its ``SessionState.program`` slot), from its first call to its end."""
+
+    arrival_s: float
+    """The program's first arrival, scheduler clock (program-level FCFS)."""
+    ks: list[int] = field(default_factory=list)
+    """``k`` (turns finished) at each of its turns' arrivals, for eta."""
+
+
+@dataclass(slots=True)
+class _Call:
+    """A request while it is in the engine."""
+
+    session_id: str | None
+    is_last_step: bool
+    arrival_s: float
+    """Its arrival: the program arrival of a request without a session (a one-call program)."""
+
+
 class ContinuumScheduler(MarsBaseScheduler):
     """Continuum / Continuum-dy: program-level FCFS with TTL-pinned KV between turns."""
 
@@ -68,12 +89,8 @@ class ContinuumScheduler(MarsBaseScheduler):
         self.continuum_params: ContinuumParams = self.params.continuum
         self.evicted_queue_delay = QueueDelayWindow(self.continuum_params.queue_delay_window)
         self.memoryfulness = MemoryfulnessEstimator(self.continuum_params.eta_default)
-        self._program_arrival_s: dict[str, float] = {}
-        """Program (session, or request without one) -> its first arrival, scheduler clock."""
-        self._program_ks: dict[str, list[int]] = {}
-        """Session -> ``k`` (turns finished) at each of its calls' arrivals, for eta."""
-        self._live: dict[str, tuple[str | None, bool]] = {}
-        """Request -> (session, known last step) while it is in the engine."""
+        self._live: dict[str, _Call] = {}
+        """Request -> its session, known last step and arrival, while it is in the engine."""
         self._evicted_at_s: dict[str, float] = {}
 
     # ------------------------------------------------------------------ request lifecycle
@@ -85,21 +102,35 @@ class ContinuumScheduler(MarsBaseScheduler):
             return
         rid, sid = request.request_id, request.session_id
         state = self.req_state.get(rid)
-        self._program_arrival_s.setdefault(sid or rid, state.arrival_s if state else self.clock())
-        self._live[rid] = (sid, bool(state and state.meta.is_last_step))
+        arrival_s = state.arrival_s if state else self.clock()
+        self._live[rid] = _Call(sid, bool(state and state.meta.is_last_step), arrival_s)
         session = self.sessions.get(sid) if sid is not None else None
-        if session is not None and not (state and state.meta.is_side):  # a side call is no turn
-            self._program_ks.setdefault(sid, []).append(session.num_turns_finished)
+        if session is None:
+            return
+        if session.program is None:
+            session.program = _Program(arrival_s)
+        if not (state and state.meta.is_side):  # a side call is no turn
+            session.program.ks.append(session.num_turns_finished)
 
     def on_requests_finished(self, request_ids: list[str]) -> None:
         """Base hook: finished or aborted calls end their bookkeeping (aborted ones count too)."""
         self._finish_calls(request_ids)
 
     def on_stream_event(self, event: Any, now_s: float | None = None) -> None:
-        """Base event handling; ``session_end`` also ends the program (eta sample)."""
-        super().on_stream_event(event, now_s)
+        """Base event handling; ``session_end`` also ends the program (eta sample), first: the
+        base may forget the session, and its program slot with it."""
         if event.kind == "session_end" and event.session_id is not None:
             self._end_program(event.session_id)
+        super().on_stream_event(event, now_s)
+
+    def _program_arrival_s(self, session_id: str | None, request_id: str, default_s: float) -> float:
+        """Program-level arrival: the session's program's, or the session-less request's own;
+        ``default_s`` when neither is known. Pure."""
+        if session_id is not None:
+            program = self.sessions.program(session_id)
+            return default_s if program is None else program.arrival_s
+        call = self._live.get(request_id)
+        return default_s if call is None else call.arrival_s
 
     # ------------------------------------------------------------------ ordering hooks
     def waiting_key(self, request: Request, now_s: float) -> Any:
@@ -107,16 +138,15 @@ class ContinuumScheduler(MarsBaseScheduler):
         sid = request.session_id
         return waiting_order_key(
             sid is not None and sid in self.retained,
-            self._program_arrival_s.get(sid or request.request_id, now_s),
+            self._program_arrival_s(sid, request.request_id, now_s),
             self.waiting.order_of(request),
         )
 
     def victim_key(self, request: Request, now_s: float) -> Any:
         """Non-final calls first, latest program arrival first (largest key evicted)."""
-        sid, is_last = self._live.get(request.request_id, (request.session_id, False))
-        return running_victim_key(
-            is_last, self._program_arrival_s.get(sid or request.request_id, now_s)
-        )
+        call = self._live.get(request.request_id)
+        sid, is_last = (request.session_id, False) if call is None else (call.session_id, call.is_last_step)
+        return running_victim_key(is_last, self._program_arrival_s(sid, request.request_id, now_s))
 
     # ------------------------------------------------------------------ retention hooks
     def retention_decision(
@@ -144,11 +174,11 @@ class ContinuumScheduler(MarsBaseScheduler):
         """
         own = request.session_id
         order = pin_release_order(
-            (sid, self._program_arrival_s.get(sid, 0.0)) for sid in self.retained if sid != own
+            (sid, self._program_arrival_s(sid, "", 0.0)) for sid in self.retained if sid != own
         )
         if not order:
             return False
-        self.num_reclaimed_blocks += self.release_retained(order[0], "reclaimed")
+        self.reclaim(order[0])
         return True
 
     def on_preempted(self, request: Request) -> None:
@@ -198,22 +228,13 @@ class ContinuumScheduler(MarsBaseScheduler):
     def _finish_calls(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
             self._evicted_at_s.pop(rid, None)
-            sid, is_last = self._live.pop(rid, (None, False))
-            if sid is None:
-                self._program_arrival_s.pop(rid, None)
-            elif is_last:
-                self._end_program(sid)
-        if len(self._program_arrival_s) > 2 * len(self.sessions) + 64:
-            self._forget_idle_programs()
+            call = self._live.pop(rid, None)
+            if call is not None and call.session_id is not None and call.is_last_step:
+                self._end_program(call.session_id)
 
     def _end_program(self, session_id: str) -> None:
-        ks = self._program_ks.pop(session_id, None)
-        if ks:
-            self.memoryfulness.observe_program(ks, len(ks))
-        self._program_arrival_s.pop(session_id, None)
-
-    def _forget_idle_programs(self) -> None:
-        live = {sid for sid, _ in self._live.values()} | set(self._live)
-        for pid in [p for p in self._program_arrival_s if p not in self.sessions and p not in live]:
-            self._program_arrival_s.pop(pid, None)
-            self._program_ks.pop(pid, None)
+        """The program ended (last step or ``session_end``): one eta sample, slot cleared."""
+        program = self.sessions.program(session_id)
+        if program is not None and program.ks:
+            self.memoryfulness.observe_program(program.ks, len(program.ks))
+        self.sessions.set_program(session_id, None)

@@ -32,14 +32,14 @@ from vllm.v1.request import Request, RequestStatus
 
 from mars_openhands.engine import seams
 from mars_openhands.engine.schedulers.base import MarsBaseScheduler, RetainedKv
-from mars_openhands.engine.schedulers.mars_preview import update_mlfq_feedback
+from mars_openhands.engine.schedulers.request_state import update_mlfq_feedback
 from mars_openhands.policy.estimators import EmpiricalCdf
-from mars_openhands.policy.levels import DECODE_VICTIM_LEVEL, effective_level, mars_base_level
+from mars_openhands.policy.levels import DECODE_VICTIM_LEVEL, mars_level
 from mars_openhands.policy.residency import SessionDemand, plan_residency
 from mars_openhands.policy.retention import (
     RetentionDecision,
     choose_ttl,
-    shadow_price_s_per_block_s,
+    is_reclaimable_by_value,
 )
 from mars_openhands.policy.session import SessionState
 from mars_openhands.policy.victim import victim_key
@@ -271,17 +271,16 @@ class MarsScheduler(MarsBaseScheduler):
         state = self.req_state.get(request.request_id)
         computed = request.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
         if state is None or computed >= request.num_prompt_tokens:
-            return 0  # decode is level 0 (design.md §4)
-        done = max(computed, state.cached_at_arrival_tokens)
-        if self.params.mars.level_from_new_work:
-            done = max(done, state.session_context_tokens)
-        uncached = max(0, request.num_prompt_tokens - done)
+            return 0  # decode is level 0 (design.md §4); no need to sum the session's service
         session = self.sessions.get(state.session_id) if state.session_id else None
-        service = self.session_service_tokens(session) if session else 0
-        base = mars_base_level(state.feedback_level, uncached, service, self.params.levels,
-                               self.params.mars)
         since = state.mlfq_last_scheduled_s if state.mlfq_last_scheduled_s is not None else state.arrival_s
-        return effective_level(base, now_s - since, self.params.levels, self.params.mars)
+        return mars_level(
+            num_prompt_tokens=request.num_prompt_tokens, num_computed_tokens=computed,
+            num_cached_at_arrival_tokens=state.cached_at_arrival_tokens,
+            num_session_context_tokens=state.session_context_tokens,
+            session_service_tokens=self.session_service_tokens(session) if session else 0,
+            feedback_level=state.feedback_level, wait_s=now_s - since,
+            params=self.params.levels, mars=self.params.mars)
 
     def _session_arrival_s(self, state: Any) -> float:
         """Program-level arrival of the request's session (its own arrival without a session)."""
@@ -398,9 +397,8 @@ class MarsScheduler(MarsBaseScheduler):
                 return True
         elif request.status == RequestStatus.RUNNING:
             return True
-        price = shadow_price_s_per_block_s(1.0, self.params.retention)
-        remaining_s = max(0.0, entry.expires_s - now_s)
-        return entry.value_s < remaining_s * entry.num_blocks * price
+        return is_reclaimable_by_value(entry.value_s, entry.expires_s, entry.num_blocks, now_s,
+                                       self.params.retention)
 
     def refine_retention(
         self, entry: RetainedKv, session: SessionState, tool_name: str, now_s: float

@@ -24,35 +24,16 @@ from typing import Any, ClassVar
 
 from vllm.v1.request import Request
 
-from mars_openhands.engine.schedulers.base import MarsBaseScheduler, RequestState
+from mars_openhands.engine.schedulers.base import MarsBaseScheduler
+from mars_openhands.engine.schedulers.request_state import reset_mlfq, update_mlfq_feedback
 from mars_openhands.policy.levels import (
     bucket_level,
-    feedback_after_step,
     preview_effective_level,
     preview_remaining_level,
 )
-from mars_openhands.policy.params import LevelParams
 from mars_openhands.policy.victim import victim_key
 
 __all__ = ["MarsPreviewScheduler", "update_mlfq_feedback"]
-
-
-def update_mlfq_feedback(
-    state: RequestState, request: Request, num_tokens: int, now_s: float, params: LevelParams
-) -> None:
-    """Apply one running-path step to the request's MLFQ feedback (preview's ``_mars_on_scheduled``).
-
-    Called after ``schedule()``, when vLLM has already advanced ``num_computed_tokens`` by
-    ``num_tokens``. Mutates ``state``.
-    """
-    state.mlfq_last_scheduled_s = now_s
-    computed_before = request.num_computed_tokens - num_tokens
-    is_decode = computed_before >= request.num_prompt_tokens
-    quantum = state.quantum_tokens if state.quantum_tokens is not None else num_tokens
-    remaining_after = max(0, request.num_tokens - request.num_computed_tokens)
-    state.feedback_level = feedback_after_step(
-        state.feedback_level, is_decode, num_tokens, quantum, remaining_after, params
-    )
 
 
 class MarsPreviewScheduler(MarsBaseScheduler):
@@ -116,5 +97,4 @@ class MarsPreviewScheduler(MarsBaseScheduler):
         """Preview: a preempted request restarts at level 0 with no aging clock."""
         state = self.req_state.get(request.request_id)
         if state is not None:
-            state.feedback_level = 0
-            state.mlfq_last_scheduled_s = None
+            reset_mlfq(state)

@@ -338,7 +338,7 @@ class ThunderAgentScheduler(MarsBaseScheduler):
         if not others:
             return False
         victim = min(others, key=lambda e: (e.num_blocks, -e.retained_s))
-        self.num_reclaimed_blocks += self.release_retained(victim.session_id, "reclaimed")
+        self.reclaim(victim.session_id)
         return True
 
     def on_stream_event(self, event: Any, now_s: float | None = None) -> None:

@@ -248,3 +248,26 @@ def test_session_end_releases_the_pin() -> None:
     h.step()
     assert not h.scheduler.retained
     h.assert_no_leaks()
+
+
+def test_session_end_ends_the_program_before_the_session_is_forgotten() -> None:
+    # No mars_last_step: the program ends only at session_end, which also forgets the idle
+    # session (and its program slot): the eta sample must be taken first.
+    h = Harness(ContinuumScheduler, num_blocks=128)
+    s = h.scheduler
+    for sid, num_calls in (("a", 2), ("b", 4)):
+        prev = None
+        for k in range(num_calls):
+            r = (h.make_request(sid, h.tokens(32), max_tokens=2, extra_args={"mars_turn": k})
+                 if prev is None else h.next_turn(prev, 8, extra_args={"mars_turn": k}))
+            h.add(r)
+            h.run_until_finished(r.request_id)
+            prev = r
+        s.post_event(SessionEnd(**now_stamps(), session_id=sid, source="test"))
+        h.step()
+        assert sid not in s.sessions
+    ks = [0, 1, 0, 1, 2, 3]
+    n = [2, 2, 4, 4, 4, 4]
+    expected = -statistics.correlation([float(k) for k in ks], [float(a - b) for a, b in zip(n, ks, strict=True)])
+    assert s.eta() == pytest.approx(expected)
+    h.assert_no_leaks()

@@ -9,8 +9,10 @@ from hypothesis import strategies as st
 from mars_openhands.policy.levels import (
     bucket_level,
     effective_level,
+    feedback_after_scheduled,
     feedback_after_step,
     mars_base_level,
+    mars_level,
     preview_effective_level,
     preview_remaining_level,
     quantum_tokens,
@@ -93,3 +95,54 @@ def test_no_starvation_beyond_bound(base: int, aging: float) -> None:
     lp = LevelParams(aging_interval_s=aging)
     mp = MarsLevelParams(max_promotion_levels=lp.num_levels - 1)
     assert effective_level(base, (lp.num_levels - 1) * aging * 1.0001, lp, mp) == 0
+
+
+# ---------------------------------------------------------------- mars_level / feedback_after_scheduled
+
+
+def _mars_level(**kw: object) -> int:
+    args = dict(num_prompt_tokens=10_000, num_computed_tokens=0, num_cached_at_arrival_tokens=0,
+                num_session_context_tokens=0, session_service_tokens=0, feedback_level=0,
+                wait_s=0.0, params=LevelParams(), mars=MarsLevelParams())
+    args.update(kw)
+    return mars_level(**args)  # type: ignore[arg-type]
+
+
+def test_mars_level_ranks_by_uncached_new_work() -> None:
+    assert _mars_level() == 2                                  # 10k fresh tokens: bucket 2
+    assert _mars_level(num_cached_at_arrival_tokens=9_000) == 0  # 1k left after the hit
+    assert _mars_level(num_computed_tokens=3_000) == 1         # 7k left
+    assert _mars_level(num_computed_tokens=10_000) == 0        # decode
+    assert _mars_level(num_computed_tokens=20_000, feedback_level=3) == 0  # decode beats feedback
+
+
+def test_mars_level_session_context_counts_only_with_level_from_new_work() -> None:
+    on = MarsLevelParams(level_from_new_work=True)
+    off = MarsLevelParams(level_from_new_work=False)
+    assert _mars_level(num_session_context_tokens=9_500, mars=on) == 0
+    assert _mars_level(num_session_context_tokens=9_500, mars=off) == 2
+
+
+def test_mars_level_feedback_service_and_bounded_aging() -> None:
+    mars = MarsLevelParams(max_promotion_levels=1)
+    assert _mars_level(num_computed_tokens=9_000, feedback_level=3, mars=mars) == 3
+    assert _mars_level(num_computed_tokens=9_000, feedback_level=3, wait_s=1e6, mars=mars) == 2
+    heavy = _mars_level(num_computed_tokens=9_999, session_service_tokens=10**9)
+    assert heavy > 0
+    assert heavy == _mars_level(num_computed_tokens=9_999, session_service_tokens=10**9,
+                                mars=MarsLevelParams(use_session_service=True))
+    assert _mars_level(num_computed_tokens=9_999, session_service_tokens=10**9,
+                       mars=MarsLevelParams(use_session_service=False)) == 0
+
+
+@pytest.mark.parametrize(("fb", "quantum", "n", "prompt", "computed", "total", "out"), [
+    (0, 2048, 2048, 10_000, 2048, 10_000, 1),   # full quantum, prompt left: demote
+    (3, 256, 256, 10_000, 9_000, 10_000, 3),    # demotion capped at the last level
+    (1, 2048, 1000, 10_000, 10_000, 10_000, 1), # chunk smaller than the quantum: unchanged
+    (1, 512, 512, 1_000, 1_000, 1_000, 1),      # full quantum but nothing left: unchanged
+    (2, None, 1, 100, 101, 102, 0),             # decode (computed before >= prompt): reset
+    (1, None, 64, 10_000, 64, 10_000, 2),       # no quantum applied: the step counts as full
+])
+def test_feedback_after_scheduled(fb: int, quantum: int | None, n: int, prompt: int, computed: int,
+                                  total: int, out: int) -> None:
+    assert feedback_after_scheduled(fb, quantum, n, prompt, computed, total, LevelParams()) == out

@@ -6,15 +6,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mars_openhands.policy.estimators import Ema, EmpiricalCdf, ToolDurationEstimator
+from mars_openhands.policy.estimators import Ema, EmpiricalCdf, PrefillRate, ToolDurationEstimator
 from mars_openhands.policy.params import RetentionParams
 from mars_openhands.policy.retention import (
     choose_ttl,
+    is_reclaimable_by_value,
     net_value_s,
     reclaim_order_key,
     reload_time_s,
     shadow_price_s_per_block_s,
 )
+from mars_openhands.policy.session import SessionState, tool_sample_at_arrival
 
 RP = RetentionParams()
 
@@ -120,3 +122,50 @@ def test_ema() -> None:
     assert e.observe(2.0) == 2.0 and e.observe(4.0) == 3.0
     with pytest.raises(ValueError):
         Ema(0.0, 1.0)
+
+
+# ---------------------------------------------------------------- reclaim test, prefill rate, tool samples
+
+
+def test_is_reclaimable_by_value_compares_value_with_the_remaining_holding_cost() -> None:
+    p = RetentionParams()
+    price = p.price_max_s_per_block_s  # full pressure: usage counts as 1
+    cost = 10.0 * 4 * price            # 10 s left, 4 blocks
+    assert is_reclaimable_by_value(cost * 0.99, 20.0, 4, 10.0, p)
+    assert not is_reclaimable_by_value(cost, 20.0, 4, 10.0, p)  # strict: equal value is kept
+    assert not is_reclaimable_by_value(1e-9, 5.0, 4, 10.0, p)   # expired: nothing left to pay for
+    free = RetentionParams(price_max_s_per_block_s=0.0)
+    assert not is_reclaimable_by_value(1e-9, 1e9, 1000, 0.0, free)
+
+
+def test_prefill_rate_samples_only_large_prefills_in_order() -> None:
+    rate = PrefillRate(0.001, min_sample_tokens=100, alpha=0.5)
+    rate.step_done(5.0)  # nothing pending: no-op
+    assert rate.value == 0.001 and rate.num_samples == 0
+    rate.step_scheduled(0.0, 99)    # too small
+    rate.step_scheduled(1.0, 1000)
+    rate.step_scheduled(2.0, 2000)
+    rate.step_done(1.0)
+    assert rate.num_samples == 0
+    rate.step_done(2.0)             # (2 - 1) / 1000
+    assert rate.value == pytest.approx(0.001) and rate.num_samples == 1
+    rate.step_done(4.0)             # (4 - 2) / 2000 = 0.001 again; EMA of equal samples
+    assert rate.value == pytest.approx(0.001) and rate.num_samples == 2
+    with pytest.raises(ValueError, match="alpha"):
+        PrefillRate(0.001, alpha=0.0)
+
+
+@pytest.mark.parametrize(("session", "prev_tool", "prev_tool_s", "out"), [
+    (SessionState("s", num_turns_finished=1, last_finish_s=10.0, pending_tool="bash"), None, None,
+     ("bash", 2.5)),
+    (SessionState("s", num_turns_finished=1, last_finish_s=10.0, pending_tool="bash"), "edit", 1.0,
+     ("edit", 1.0)),                                                     # the report wins
+    (SessionState("s", num_turns_finished=1, last_finish_s=10.0, tool_ended=True), None, None, None),
+    (SessionState("s", num_turns_finished=1), None, None, None),        # no finish known
+    (SessionState("s"), "edit", 3.0, ("edit", 3.0)),                    # first turn here: report only
+    (SessionState("s"), "edit", None, None),
+    (SessionState("s", tool_ended=True), "edit", 3.0, None),            # tool_end counted it
+])
+def test_tool_sample_at_arrival(session: SessionState, prev_tool: str | None, prev_tool_s: float | None,
+                                out: tuple[str | None, float] | None) -> None:
+    assert tool_sample_at_arrival(session, 12.5, prev_tool, prev_tool_s) == out

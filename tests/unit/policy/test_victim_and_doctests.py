@@ -26,7 +26,7 @@ def test_decodes_are_evicted_last_then_level_blocks_arrival() -> None:
 @pytest.mark.parametrize("module", [
     "mars_openhands.policy.params", "mars_openhands.policy.types", "mars_openhands.policy.levels",
     "mars_openhands.policy.retention", "mars_openhands.policy.estimators",
-    "mars_openhands.policy.victim",
+    "mars_openhands.policy.victim", "mars_openhands.policy.chunking", "mars_openhands.policy.session",
 ])
 def test_docstring_examples(module: str) -> None:
     failures, tried = doctest.testmod(importlib.import_module(module))

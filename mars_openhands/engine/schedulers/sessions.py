@@ -1,0 +1,83 @@
+"""``SessionTable``: the engine's per-session records, with one slot for the policy's program.
+
+Mental model: a session (``Request.session_id``) is a sequence of LLM calls separated by tool
+runs (:mod:`mars_openhands.policy.session`). The base scheduler opens a session's record at its
+first request and forgets it at ``session_end`` (once nothing of it is in the engine) or after
+``session_idle_timeout_s`` without a request or event (when it holds no retained KV). Program-level
+policies keep their per-program state in the record's ``program`` slot (Autellix's PLAS program,
+Continuum's program arrival and turn counts), so it lives and dies with the session instead of in
+a dictionary of their own that needs its own garbage collection. A request without a session is
+a one-call program; its state stays with the request, not here.
+
+Owned by one scheduler; not thread-safe (the engine thread only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Iterator, Mapping
+from typing import Any
+
+from mars_openhands.policy.session import SessionState
+
+__all__ = ["SessionTable"]
+
+
+class SessionTable(Mapping[str, SessionState]):
+    """Session id -> :class:`SessionState`; a read-only mapping to its users.
+
+    Changed only through :meth:`open`, :meth:`forget` and :meth:`forget_idle`.
+    """
+
+    def __init__(self) -> None:
+        self._sessions: dict[str, SessionState] = {}
+
+    def __getitem__(self, session_id: str) -> SessionState:
+        return self._sessions[session_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._sessions)
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._sessions
+
+    def get(self, session_id: str, default: Any = None) -> Any:
+        """The session's record, else ``default``. Pure."""
+        return self._sessions.get(session_id, default)
+
+    def open(self, session_id: str, now_s: float) -> SessionState:
+        """The session's record, created with ``first_arrival_s = now_s`` if it has none.
+        Mutates."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            session = self._sessions[session_id] = SessionState(session_id, first_arrival_s=now_s)
+        return session
+
+    def forget(self, session_id: str) -> SessionState | None:
+        """Drop the session's record (and its program); returns it, or None. Mutates."""
+        return self._sessions.pop(session_id, None)
+
+    def forget_idle(self, now_s: float, timeout_s: float, keep: Container[str]) -> list[str]:
+        """Drop every session with no request in the engine, not in ``keep`` (e.g. holding
+        retained KV), and idle for more than ``timeout_s`` seconds. Returns their ids. Mutates."""
+        idle = [sid for sid, s in self._sessions.items()
+                if not s.active_request_ids and sid not in keep and now_s - s.last_activity_s > timeout_s]
+        for sid in idle:
+            del self._sessions[sid]
+        return idle
+
+    def program(self, session_id: str | None) -> Any:
+        """The policy's program state of the session (None: no session, or none yet). Pure."""
+        session = self._sessions.get(session_id) if session_id is not None else None
+        return session.program if session is not None else None
+
+    def set_program(self, session_id: str, program: Any) -> bool:
+        """Store ``program`` in the session's slot (None clears it). Returns False, storing
+        nothing, when the session has no record (it was forgotten: so is its program). Mutates."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            return False
+        session.program = program
+        return True
