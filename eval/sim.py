@@ -634,7 +634,7 @@ class Simulator:
     def _on_scheduled(self, record: EngineStepRecord, t_start: float) -> None:
         """First schedules and preemptions (stamped at the step start)."""
         stock = not self.engine.is_plugin
-        for rid in record.preempted_ids:
+        for rid in sorted(record.preempted_ids):  # a set's order follows the per-process hash
             run, turn = self._by_request[rid]
             turn.num_preemptions += 1
             self.num_preemptions += 1

@@ -147,7 +147,8 @@ class MarsScheduler(MarsBaseScheduler):
             return
         views = []
         num_busy = 0
-        for sid in list(self.resident) + [h for h in self.held if h not in self.resident]:
+        # sorted: a set's order follows the per-process string hash (runs differed between processes)
+        for sid in sorted(self.resident) + [h for h in self.held if h not in self.resident]:
             session = self.sessions.get(sid)
             if session is None and sid not in self.held:
                 self.resident.discard(sid)

@@ -63,9 +63,11 @@ class RetainedKvPool(Mapping[str, RetainedKv]):
 
     def __init__(self) -> None:
         self._entries: dict[str, RetainedKv] = {}
-        self.held_expired: set[str] = set()
+        self.held_expired: dict[str, None] = {}
         """Sessions whose entry expired but is kept: their next turn waits (or the policy's
-        ``can_release_expired`` said no). Re-checked every step."""
+        ``can_release_expired`` said no). Re-checked every step, in the order they were held (a dict
+        as an ordered set: a set's order follows the per-process string hash, so runs differed
+        between processes)."""
         self.next_expiry_s = float("inf")
         """Earliest expiry still to act on among the entries not held past theirs."""
         self.num_reclaimed_blocks = 0
@@ -111,7 +113,7 @@ class RetainedKvPool(Mapping[str, RetainedKv]):
         pins. :attr:`next_expiry_s` may stay early (one harmless extra check). Mutates."""
         entry = self._entries.pop(session_id, None)
         if entry is not None:
-            self.held_expired.discard(session_id)
+            self.held_expired.pop(session_id, None)
         return entry
 
     def record_release(self, entry: RetainedKv, reason: str) -> int | None:
@@ -160,13 +162,13 @@ class RetainedKvPool(Mapping[str, RetainedKv]):
         :attr:`held_expired` only."""
         entry = self._entries.get(session_id)
         if entry is None or entry.expires_s > now_s:
-            self.held_expired.discard(session_id)
+            self.held_expired.pop(session_id, None)
             return False
         return True
 
     def hold_expired(self, session_id: str) -> None:
         """Keep an expired entry (its next turn waits); re-checked every step. Mutates."""
-        self.held_expired.add(session_id)
+        self.held_expired[session_id] = None
 
     def update_next_expiry(self) -> None:
         """Recompute :attr:`next_expiry_s` over the entries not held past theirs. O(entries).
