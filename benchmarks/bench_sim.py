@@ -70,6 +70,10 @@ KNEE_H100_PER_S = 0.010
 0.010/s, 10.1 at 0.012/s)."""
 TARGET_PER_CPU_X = 150.0
 """Issue 12 §5: simulated seconds per CPU second, every policy."""
+DEFAULT_POLICIES: tuple[str, ...] = ("fcfs", "vllm-tuned", "autellix", "infercept", "continuum",
+                                     "thunderagent", "mars-preview", "mars")
+"""The policies the target is for: the baselines of issue 12 (continuum-dy, the ablations and the
+``unbounded-kv`` reference are ``compare`` policies too; pass them with ``--policies``)."""
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -77,8 +81,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--traces", default=None, help="trace folder (default: compare's bundled traces)")
-    p.add_argument("--policies", default=",".join(n for n in POLICIES if n != "continuum-dy"),
-                   help="comma-separated compare policy names (default: the eight of issue 12)")
+    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                   help=f"comma-separated compare policy names (default: {','.join(DEFAULT_POLICIES)}; "
+                        f"any of {', '.join(POLICIES)})")
     p.add_argument("--gpu", default="h100_sxm", help="GPU profile key (default h100_sxm)")
     p.add_argument("--model", default="qwen3-30b-a3b", help="model profile key")
     p.add_argument("--base-rate", type=float, default=KNEE_H100_PER_S,

@@ -31,6 +31,9 @@ vLLM private                                      what we do with it
 ``BlockPool.free_block_queue`` (linked list)     the next blocks an allocation evicts (simulator:
                                                  a coalesced run must not evict a waiting hit)
 ``Scheduler.prefill_capacity_bound``             kept as k single steps leave it (simulator)
+``Scheduler.max_num_scheduled_tokens``,          scaled by ``m`` for one ``schedule()`` that stands
+``SchedulerConfig.max_num_batched_tokens`` /     for ``m`` chunked-prefill steps (simulator:
+``.long_prefill_token_threshold``                :func:`scaled_step_budget`)
 ``BlockPool.cached_block_hash_to_block``         watched (insert/pop call back) so the simulator
                                                  can memoize prefix-hit lookups exactly
 ``EngineCoreProc.input_queue``,                  put a WAKEUP (vLLM's own no-op, used at shutdown)
@@ -45,7 +48,8 @@ import inspect
 import logging
 import queue
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.block_pool import BlockHashToBlockMap
@@ -80,6 +84,7 @@ __all__ = [
     "pin_blocks",
     "request_blocks",
     "referenced_block_counts",
+    "scaled_step_budget",
     "set_victim_ranks",
     "wrap_allocate_slots",
     "AllocateSlotsWrapper",
@@ -161,6 +166,10 @@ def check_compat() -> None:
     if "req_to_blocks" not in inspect.getsource(SingleTypeKVCacheManager.__init__):
         problems.append("SingleTypeKVCacheManager.req_to_blocks")
     sched_src = inspect.getsource(Scheduler.schedule)
+    for read in ("self.max_num_scheduled_tokens", "self.scheduler_config.max_num_batched_tokens",
+                 "self.scheduler_config.long_prefill_token_threshold"):
+        if read not in sched_src:
+            problems.append(f"Scheduler.schedule reads {read}")
     if "key=lambda r: (r.priority, r.arrival_time)" not in sched_src:
         problems.append("Scheduler.schedule: PRIORITY victim = max(priority, arrival_time)")
     problems += _engine_core_problems()
@@ -460,3 +469,29 @@ def finish_with_error_next_step(sched: Scheduler, request_id: str) -> None:
 def max_num_scheduled_tokens(sched: Scheduler) -> int:
     """Token budget of one step."""
     return int(sched.max_num_scheduled_tokens)
+
+
+@contextmanager
+def scaled_step_budget(sched: Scheduler, factor: int, budget_tokens: int) -> Iterator[None]:
+    """While open, one step's token budget (``max_num_scheduled_tokens`` and the input budget
+    ``max_num_batched_tokens``) is ``budget_tokens`` and vLLM's long-prefill chunk cap is
+    ``factor`` times its value. Mutates ``sched`` and its ``scheduler_config``; restored on exit,
+    even on error.
+
+    The simulator's merged chunked-prefill run (``InprocEngine.max_prefill_run``): one
+    ``schedule()`` that gives each capped prefill ``factor`` chunks and each decode ``factor``
+    tokens (drafts), as ``factor`` single steps would; ``budget_tokens`` is exactly their sum
+    (vLLM lifts the cap when one request is eligible, e.g. with the waiting queue hidden: the
+    budget then cuts the chunk). ``schedule()`` reads all three afresh.
+    """
+    config = sched.scheduler_config
+    saved = (sched.max_num_scheduled_tokens, config.max_num_batched_tokens,
+             config.long_prefill_token_threshold)
+    sched.max_num_scheduled_tokens = budget_tokens
+    config.max_num_batched_tokens = budget_tokens
+    config.long_prefill_token_threshold = saved[2] * factor
+    try:
+        yield
+    finally:
+        (sched.max_num_scheduled_tokens, config.max_num_batched_tokens,
+         config.long_prefill_token_threshold) = saved
