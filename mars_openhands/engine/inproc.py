@@ -361,8 +361,10 @@ class PrefixHitMemo:
         self._sched = sched
         self._manager = sched.kv_cache_manager
         self._inner = self._manager.get_computed_blocks
-        self._memo: dict[str, tuple[int, int, tuple[list[Any], ...], int, int, list[Any]]] = {}
-        """request id -> (num_tokens, len(block_hashes), hit blocks, hit tokens, boundary, keys)."""
+        self._memo: dict[str, tuple[int, int, tuple[list[Any], ...], int, int, list[Any],
+                                    dict[Any, int]]] = {}
+        """request id -> (num_tokens, len(block_hashes), hit blocks, hit tokens, boundary, keys,
+        key -> its first index in the untruncated keys: ``keys.index`` in O(1))."""
         self._reader: dict[Any, str] = {}
         """pool key -> the request whose memo read it."""
         self._map = seams.watch_prefix_cache(sched, self._on_change)
@@ -377,7 +379,8 @@ class PrefixHitMemo:
         memo = self._memo.get(rid)
         keys = memo[5] if memo is not None else ()
         hit = len(memo[2][0]) if memo is not None else 0
-        j = keys.index(key) if is_gone and memo is not None and memo[4] == 0 else hit
+        # The reader maps only keys still in this memo's (maybe truncated) keys to it.
+        j = memo[6][key] if is_gone and memo is not None and memo[4] == 0 else hit
         if j >= hit:  # an insert, a duplicate left, or the missed key: the walk may go further
             del self._reader[key]
             self.forget(rid)
@@ -388,7 +391,8 @@ class PrefixHitMemo:
             if self._reader.get(dropped) == rid:
                 del self._reader[dropped]
         truncated = (memo[2][0][:j],)
-        self._memo[rid] = (memo[0], memo[1], truncated, j * self._block_size, 0, keys[:j + 1])
+        self._memo[rid] = (memo[0], memo[1], truncated, j * self._block_size, 0, keys[:j + 1],
+                           memo[6])
 
     def forget(self, request_id: str) -> None:
         """Drop ``request_id``'s memo (a finished request). Mutates."""
@@ -419,8 +423,11 @@ class PrefixHitMemo:
             keys.append(seams.pool_block_hash_key(request.block_hashes[hit]))
         if any(k is None for k in keys) or len(groups) != 1:
             return blocks, num_tokens, boundary  # not a plain full-attention hit: no memo
+        positions: dict[Any, int] = {}
+        for i, key in enumerate(keys):
+            positions.setdefault(key, i)
         self._memo[rid] = (request.num_tokens, len(request.block_hashes), groups, num_tokens,
-                           boundary, keys)
+                           boundary, keys, positions)
         for key in keys:
             self._reader[key] = rid
         return blocks, num_tokens, boundary
@@ -793,7 +800,7 @@ class InprocEngine:
             c = r.num_computed_tokens
             step = 1 if self._is_decoding(r) else cap
             total += max(0, -(-(c + k * step) // bs)
-                         - seams.num_request_blocks(self.scheduler, r.request_id))
+                         - seams.num_block_table_entries(self.scheduler, r.request_id))
         return total
 
     def prefill_run_shapes(self, k: int) -> Iterator[tuple[list[tuple[int, int]], list[int]]]:

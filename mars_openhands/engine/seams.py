@@ -71,6 +71,7 @@ __all__ = [
     "enable_victim_ranks",
     "finish_with_error_next_step",
     "is_cached_block",
+    "num_block_table_entries",
     "num_blocks_referenced_once",
     "num_free_blocks",
     "num_gpu_blocks",
@@ -265,6 +266,13 @@ def request_blocks(sched: Scheduler, request_id: str) -> list[KVCacheBlock]:
 def num_request_blocks(sched: Scheduler, request_id: str) -> int:
     """Number of non-null blocks held by ``request_id``."""
     return sum(1 for b in request_blocks(sched, request_id) if not b.is_null)
+
+
+def num_block_table_entries(sched: Scheduler, request_id: str, group_id: int = 0) -> int:
+    """Length of ``request_id``'s block table in one KV cache group, O(1) (with full attention,
+    which never puts the null block in a table, the blocks it holds there)."""
+    manager = sched.kv_cache_manager.coordinator.single_type_managers[group_id]
+    return len(manager.req_to_blocks.get(request_id, ()))
 
 
 def is_cached_block(block: KVCacheBlock) -> bool:
