@@ -51,6 +51,12 @@ finish times, cached tokens, preemptions and events):
   eviction of the head's cached blocks, and for our schedulers none of their own timers or
   counters, certified by their ``blocked_run_*`` hooks); the end time is the single steps' chain
   of additions, and with the admission window on the run also ends at the next tick;
+* chunked-prefill runs (:meth:`InprocEngine.max_prefill_run` / ``max_blocked_prefill_run``,
+  stock vLLM with ``long_prefill_token_threshold``: vllm-tuned): ``k`` steps of capped prefill
+  chunks beside the decodes are one ``schedule()`` with the chunk cap and the token budget scaled
+  by ``k`` (decodes advance through drafts), while nothing waits or, after a probe step that
+  scheduled as many tokens, the waiting head stays blocked; nobody is preempted or finishes
+  inside, and the end time is the single steps' chain of additions;
 * a memo of vLLM's prefix-hit lookup (:class:`~mars_openhands.engine.inproc.PrefixHitMemo`),
   dropped whenever the prefix cache changes a key it read;
 * our schedulers' wall-clock ``engine_step`` telemetry (dropped by the sink) is not computed.
