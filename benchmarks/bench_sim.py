@@ -3,7 +3,7 @@
 Scenario: every bundled mini-swe-agent session (``eval.compare``'s default trace folder, 74
 sessions, full length: no turn or context cap, no KV scaling) arriving as a Poisson process at
 1.2x FCFS's knee on one H100 SXM (Qwen3-30B-A3B, the profile's whole KV: 7,396 blocks), replayed by
-:mod:`eval.sim` for each ``compare`` policy exactly as the main job runs it (``eval.compare.POLICIES``:
+:mod:`eval.sim` for each policy of ``DEFAULT_POLICIES`` (any ``compare`` policy with ``--policies``) exactly as the main job runs it (``eval.compare.POLICIES``:
 scheduler, ``additional_config``, engine settings, and the admission window for the policies that
 come with the control plane), with events going to an in-memory sink as in ``compare``. At this
 load FCFS is past its knee: requests wait for KV most of the run (the KV-blocked regime).
@@ -11,40 +11,45 @@ load FCFS is past its knee: requests wait for KV most of the run (the KV-blocked
 Target: >= 150x simulated seconds per CPU second for every policy. CPU seconds
 (``time.process_time``) rather than wall seconds, because the 2-core dev box is shared.
 
-Measured 2026-12-02 (commit 21b645a; 2-core box shared with 4-5 other jobs, load 8-20, five
-bench processes at once; CPU seconds vary by ~10% between runs at this load: fcfs at 0bdf2f3
-took 59.4 s, same 34,462 calls). Before the fast paths fcfs made 255,847 ``schedule()`` calls
-(26x under cProfile, 309 s); mars ran at 37x under cProfile (178 s CPU unprofiled).
+Measured 2026-12-02 (commit 8a6634c; 2-core box shared with another engineer's benchmarks, load
+2.2-4.4, two bench processes at once; CPU seconds vary by ~10-20% between runs at this load). Before
+the fast paths fcfs made 255,847 ``schedule()`` calls (26x under cProfile, 309 s); mars ran at 37x
+under cProfile (178 s CPU unprofiled).
 
 =============  ===  ======  ======  =====  =======  =========  =======  =======
 policy         adm   sim s  wall s  CPU s  sim/CPU  schedule()   steps  preempt
 =============  ===  ======  ======  =====  =======  =========  =======  =======
-fcfs           off   7,963     603   54.9     145x     34,462  396,328       50
-vllm-tuned     off  10,971   1,275  176.8      62x    149,463  431,371   11,394
-autellix       off  14,974   2,054  317.9      47x    230,169  502,406    6,452
-infercept      off   7,950     398   62.8     127x     40,648  396,444       54
-continuum      off   6,948      96   74.2      94x    102,890  397,797       42
-thunderagent   off   6,545     440   41.3     159x     24,525  550,483       14
-mars-preview   on   11,899   1,887  279.6      43x    334,924  471,719    3,586
-mars           on    6,545     182   47.7     137x     21,842  548,151        2
+fcfs           off   7,963      82   55.2     144x     34,462  396,328       50
+vllm-tuned     off  10,971     196  136.3      81x    127,669  431,371   11,394
+autellix       off  12,283     386  221.4      55x    202,546  487,472    2,051
+infercept      off   7,950      86   58.0     137x     40,648  396,444       54
+continuum      off   6,948      80   79.3      88x    102,890  397,797       42
+thunderagent   off   6,545      43   43.0     152x     24,525  550,483       14
+mars-preview   on   11,222     373  214.6      52x    329,152  469,184    2,725
+mars           on    6,545      48   48.1     136x     21,948  545,752        0
+continuum-dy   off   6,972      88   87.7      79x    104,083  398,879       55
 =============  ===  ======  ======  =====  =======  =========  =======  =======
 
-Below 150x, and why: vllm-tuned's 512-token prefill chunks make a 60k-token re-prefill ~120
-real steps (prefill steps are never merged) and its 11,394 preemptions reset the probe;
-autellix (6,452 preemptions) and mars-preview (3,586; not certified for blocked runs: its
-``on_scheduled`` counts steps, and with the window on a run ends at every 0.2 s tick) spend most
-steps in prefill or preemption churn; continuum's runs end at its 2 s pin expiries and 1 s
-re-sorts. fcfs, infercept and mars are within 5-15% of the target: what is left is vLLM's own
-per-token output handling and per-turn KV walks.
+vllm-tuned was 57x at 21b645a's code (191.9 s CPU, 149,463 calls): its 512-token prefill chunks are
+now merged into one ``schedule()`` per run (``InprocEngine.max_prefill_run``), and the prefix-hit
+memo finds a dropped key in O(1) (autellix 290 -> 221 s, mars-preview 314 -> 215 s CPU, same
+results). Below 150x, and why: vllm-tuned's 11,394 preemptions and each arrival or finish reset the
+probe, and a run needs one single probe step first; autellix (2,051 preemptions) and mars-preview
+(not certified for blocked runs: its ``on_scheduled`` stamps every running request's aging clock
+each step, and with the window on a run ends at every 0.2 s tick) spend most steps in single
+``schedule()`` calls; continuum's runs end at its 2 s pin expiries and 1 s re-sorts (a re-sort
+moves ``_last_waiting_sort_s``, so skipping one needs the run's step times in the scheduler).
+fcfs, infercept and mars are within 5-10% of the target: what is left is vLLM's own per-token
+output handling and per-turn KV walks.
 
 Prints one row per policy (simulated s, wall s, CPU s, simulated s per CPU s, ``schedule()``
 calls, engine steps, preemptions) and appends the rows to
 ``benchmarks/results/bench_sim.parquet`` (git sha, vLLM version, machine, parameters).
 
-    python benchmarks/bench_sim.py                         # every policy, ~1 min each
+    python benchmarks/bench_sim.py                         # DEFAULT_POLICIES, ~1-4 min each
     python benchmarks/bench_sim.py --policies fcfs,mars    # a subset
     python benchmarks/bench_sim.py --profile 25            # + cProfile's top 25 per policy
-    MARS_SIM_EXACT=1 python benchmarks/bench_sim.py        # fast paths off (the reference)
+    MARS_SIM_FAST_PATHS=0 python benchmarks/bench_sim.py   # fast paths off (the reference)
     python benchmarks/bench_sim.py --smoke                 # CI: 4 sessions x 10 turns
 """
 
@@ -70,6 +75,10 @@ KNEE_H100_PER_S = 0.010
 0.010/s, 10.1 at 0.012/s)."""
 TARGET_PER_CPU_X = 150.0
 """Issue 12 §5: simulated seconds per CPU second, every policy."""
+DEFAULT_POLICIES: tuple[str, ...] = ("fcfs", "vllm-tuned", "autellix", "infercept", "continuum",
+                                     "thunderagent", "mars-preview", "mars")
+"""The policies the target is for: the baselines of issue 12 (continuum-dy, the ablations and the
+``unbounded-kv`` reference are ``compare`` policies too; pass them with ``--policies``)."""
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -77,8 +86,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--traces", default=None, help="trace folder (default: compare's bundled traces)")
-    p.add_argument("--policies", default=",".join(n for n in POLICIES if n != "continuum-dy"),
-                   help="comma-separated compare policy names (default: the eight of issue 12)")
+    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                   help=f"comma-separated compare policy names (default: {','.join(DEFAULT_POLICIES)}; "
+                        f"any of {', '.join(POLICIES)})")
     p.add_argument("--gpu", default="h100_sxm", help="GPU profile key (default h100_sxm)")
     p.add_argument("--model", default="qwen3-30b-a3b", help="model profile key")
     p.add_argument("--base-rate", type=float, default=KNEE_H100_PER_S,

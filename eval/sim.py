@@ -51,6 +51,12 @@ finish times, cached tokens, preemptions and events):
   eviction of the head's cached blocks, and for our schedulers none of their own timers or
   counters, certified by their ``blocked_run_*`` hooks); the end time is the single steps' chain
   of additions, and with the admission window on the run also ends at the next tick;
+* chunked-prefill runs (:meth:`InprocEngine.max_prefill_run` / ``max_blocked_prefill_run``,
+  stock vLLM with ``long_prefill_token_threshold``: vllm-tuned): ``k`` steps of capped prefill
+  chunks beside the decodes are one ``schedule()`` with the chunk cap and the token budget scaled
+  by ``k`` (decodes advance through drafts), while nothing waits or, after a probe step that
+  scheduled as many tokens, the waiting head stays blocked; nobody is preempted or finishes
+  inside, and the end time is the single steps' chain of additions;
 * a memo of vLLM's prefix-hit lookup (:class:`~mars_openhands.engine.inproc.PrefixHitMemo`),
   dropped whenever the prefix cache changes a key it read;
 * our schedulers' wall-clock ``engine_step`` telemetry (dropped by the sink) is not computed.
@@ -544,14 +550,17 @@ class Simulator:
     def _engine_step(self) -> bool:
         """One (possibly coalesced) engine step. Returns False if nothing was scheduled."""
         t_start = self.now_s
-        k, planned_end_s, hide = self._coalesce_factor()
-        record = self.engine.schedule(k, hide_waiting=hide)
+        k, planned_end_s, run = self._coalesce_factor()
+        record = self.engine.schedule(k, hide_waiting=run in ("blocked", "blocked-prefill"),
+                                      prefill_run=run in ("prefill", "blocked-prefill"))
         if record.is_empty:
             self.engine.update(record)
             return False
-        if planned_end_s is None or record.prefill or any(
+        if run in ("prefill", "blocked-prefill"):
+            assert planned_end_s is not None, "a chunked-prefill run is fully determined"
+        elif planned_end_s is None or record.prefill or any(
                 n != k for n in record.num_scheduled_tokens.values()):
-            assert not hide, "a blocked decode run is fully determined"
+            assert run != "blocked", "a blocked decode run is fully determined"
             planned_end_s = t_start + self._step_time_s(record)  # the scheduler changed the plan
         t_end = planned_end_s
         dt_s = t_end - t_start
@@ -571,23 +580,60 @@ class Simulator:
         self._maybe_snapshot()
         return True
 
-    def _coalesce_factor(self) -> tuple[int, float | None, bool]:
-        """``(k, its end time or None, hide_waiting)``: decode tokens for the next step, bounded
+    def _coalesce_factor(self) -> tuple[int, float | None, str]:
+        """``(k, its end time or None, kind)``: decode tokens (steps) for the next step, bounded
         by the next event that matters (a steady decode run is fully determined, so its time is
-        known before ``schedule()``)."""
+        known before ``schedule()``); kind ``steady``, ``blocked`` (:meth:`_blocked_run`),
+        ``prefill`` or ``blocked-prefill`` (:meth:`_prefill_run`) or ``single``."""
         k = self.engine.max_decode_run(self.config.coalesce_max_steps)
         if k <= 1:
-            blocked = self._blocked_run() if self._fast_paths else None
-            return blocked if blocked is not None else (1, None, False)
+            merged = None
+            if self._fast_paths:
+                merged = self._blocked_run() or self._prefill_run()
+            return merged if merged is not None else (1, None, "single")
         gap_s = self._next_hard_event_s() - self.now_s
         contexts = [r.num_computed_tokens + 1 for r in self.engine.scheduler.running]
         dt_s = decode_run_step_time_s(self.timer.step_time_s, contexts, k)
         if dt_s > gap_s:
             k = max(1, min(k - 1, int(gap_s / (dt_s / k))))
             dt_s = decode_run_step_time_s(self.timer.step_time_s, contexts, k)
-        return k, (self.now_s + dt_s if k > 1 else None), False
+        return k, (self.now_s + dt_s if k > 1 else None), "steady"
 
-    def _blocked_run(self) -> tuple[int, float, bool] | None:
+    def _run_bound_s(self) -> float:
+        """Time by which an exact merged run must have ended: the next event that can change the
+        engine's input, and with the admission window on every tick (its KV report)."""
+        bound_s = self._next_hard_event_s()
+        if self.config.is_admission_enabled:
+            bound_s = min(bound_s, self._next_tick_s)
+        return bound_s
+
+    def _prefill_run(self) -> tuple[int, float, str] | None:
+        """A run of ``k`` chunked-prefill steps (capped prefills beside decodes; nothing waits, or
+        the waiting requests are blocked) as one ``schedule()``
+        (:meth:`InprocEngine.max_prefill_run`, :meth:`InprocEngine.max_blocked_prefill_run`), or
+        None.
+
+        Exact: the end time is the single steps' chain of additions (``t += step(shape_i)``,
+        each step's shape as the single step would record it), and the run ends before the
+        first event that can change the engine's input (see :meth:`_run_bound_s`).
+        """
+        hide = False
+        k_max = self.engine.max_prefill_run(self.config.coalesce_max_steps)
+        if k_max <= 1:
+            hide = True
+            k_max = self.engine.max_blocked_prefill_run(self.config.coalesce_max_steps)
+        if k_max <= 1:
+            return None
+        bound_s = self._run_bound_s()
+        t_s, k = self.now_s, 0
+        for prefill, decode in self.engine.prefill_run_shapes(k_max):
+            t_next = t_s + self.timer.step_time_s(prefill, decode)
+            if t_next > bound_s:
+                break
+            t_s, k = t_next, k + 1
+        return (k, t_s, "blocked-prefill" if hide else "prefill") if k > 1 else None
+
+    def _blocked_run(self) -> tuple[int, float, str] | None:
         """A run of ``k`` pure-decode steps while requests wait for KV, as one ``schedule()``
         (:meth:`InprocEngine.max_blocked_decode_run`), or None.
 
@@ -599,9 +645,7 @@ class Simulator:
         k_max = self.engine.max_blocked_decode_run(self.config.coalesce_max_steps)
         if k_max <= 1:
             return None
-        bound_s = self._next_hard_event_s()
-        if self.config.is_admission_enabled:
-            bound_s = min(bound_s, self._next_tick_s)
+        bound_s = self._run_bound_s()
         until = getattr(self.engine.scheduler, "blocked_run_until_s", None)
         if until is not None:
             bound_s = min(bound_s, until(self.now_s))
@@ -615,7 +659,7 @@ class Simulator:
             if t_next > bound_s:
                 break
             t_s, k = t_next, k + 1
-        return (k, t_s, True) if k > 1 else None
+        return (k, t_s, "blocked") if k > 1 else None
 
     def _step_time_s(self, record: EngineStepRecord) -> float:
         """Modelled seconds of the step; a coalesced step of ``k`` tokens counts ``k`` steps."""

@@ -35,7 +35,7 @@ import hashlib
 import importlib
 import logging
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -361,8 +361,10 @@ class PrefixHitMemo:
         self._sched = sched
         self._manager = sched.kv_cache_manager
         self._inner = self._manager.get_computed_blocks
-        self._memo: dict[str, tuple[int, int, tuple[list[Any], ...], int, int, list[Any]]] = {}
-        """request id -> (num_tokens, len(block_hashes), hit blocks, hit tokens, boundary, keys)."""
+        self._memo: dict[str, tuple[int, int, tuple[list[Any], ...], int, int, list[Any],
+                                    dict[Any, int]]] = {}
+        """request id -> (num_tokens, len(block_hashes), hit blocks, hit tokens, boundary, keys,
+        key -> its first index in the untruncated keys: ``keys.index`` in O(1))."""
         self._reader: dict[Any, str] = {}
         """pool key -> the request whose memo read it."""
         self._map = seams.watch_prefix_cache(sched, self._on_change)
@@ -377,7 +379,8 @@ class PrefixHitMemo:
         memo = self._memo.get(rid)
         keys = memo[5] if memo is not None else ()
         hit = len(memo[2][0]) if memo is not None else 0
-        j = keys.index(key) if is_gone and memo is not None and memo[4] == 0 else hit
+        # The reader maps only keys still in this memo's (maybe truncated) keys to it.
+        j = memo[6][key] if is_gone and memo is not None and memo[4] == 0 else hit
         if j >= hit:  # an insert, a duplicate left, or the missed key: the walk may go further
             del self._reader[key]
             self.forget(rid)
@@ -388,7 +391,8 @@ class PrefixHitMemo:
             if self._reader.get(dropped) == rid:
                 del self._reader[dropped]
         truncated = (memo[2][0][:j],)
-        self._memo[rid] = (memo[0], memo[1], truncated, j * self._block_size, 0, keys[:j + 1])
+        self._memo[rid] = (memo[0], memo[1], truncated, j * self._block_size, 0, keys[:j + 1],
+                           memo[6])
 
     def forget(self, request_id: str) -> None:
         """Drop ``request_id``'s memo (a finished request). Mutates."""
@@ -419,8 +423,11 @@ class PrefixHitMemo:
             keys.append(seams.pool_block_hash_key(request.block_hashes[hit]))
         if any(k is None for k in keys) or len(groups) != 1:
             return blocks, num_tokens, boundary  # not a plain full-attention hit: no memo
+        positions: dict[Any, int] = {}
+        for i, key in enumerate(keys):
+            positions.setdefault(key, i)
         self._memo[rid] = (request.num_tokens, len(request.block_hashes), groups, num_tokens,
-                           boundary, keys)
+                           boundary, keys, positions)
         for key in keys:
             self._reader[key] = rid
         return blocks, num_tokens, boundary
@@ -499,6 +506,8 @@ class InprocEngine:
         self._kv_counts: tuple[int, int, int] | None = None
         """Memo of :meth:`kv_block_counts`; cleared by every call that can change the KV state."""
         self._is_waiting_blocked = False
+        self._probe_num_tokens = 0
+        """Tokens the probe step scheduled: its waiting queue saw the budget less these."""
         """The last probe (see :meth:`max_blocked_decode_run`) left every waiting request
         unscheduled, and nothing that could change that has happened since."""
         self._hash_keys: dict[str, tuple[int, frozenset[Any]]] = {}
@@ -507,6 +516,8 @@ class InprocEngine:
         """``schedule()`` calls so far."""
         self.num_decode_substeps = 0
         """Engine steps represented so far (a coalesced step of ``k`` tokens counts ``k``)."""
+        self.num_prefill_runs = 0
+        """Merged chunked-prefill runs so far (:meth:`max_prefill_run`; the simulator's speed)."""
 
     # ------------------------------------------------------------------ plumbing
     def set_clock(self, clock: Callable[[], float]) -> None:
@@ -587,7 +598,8 @@ class InprocEngine:
         """
         return self.update(self.schedule(num_decode_tokens))
 
-    def schedule(self, num_decode_tokens: int = 1, *, hide_waiting: bool = False) -> EngineStepRecord:
+    def schedule(self, num_decode_tokens: int = 1, *, hide_waiting: bool = False,
+                 prefill_run: bool = False) -> EngineStepRecord:
         """``schedule()`` and the synthetic model output for it (not yet applied).
 
         Args:
@@ -596,6 +608,8 @@ class InprocEngine:
             hide_waiting: a blocked decode run (:meth:`max_blocked_decode_run`): the scheduler
                 runs with an empty waiting queue, as each of the ``k`` single steps would leave
                 every waiting request unscheduled.
+            prefill_run: a chunked-prefill run of ``k`` steps (:meth:`max_prefill_run`): each
+                capped prefill gets ``k`` chunks and each decode ``k`` tokens in one call.
 
         Returns:
             The step's record (``is_empty`` when nothing was scheduled); pass it to
@@ -603,9 +617,12 @@ class InprocEngine:
 
         Raises:
             ValueError: ``num_decode_tokens`` > 1 outside a steady decode state, or
-                ``hide_waiting`` outside a blocked decode run of that length.
+                ``hide_waiting`` (``prefill_run``) outside a blocked decode run (a chunked-prefill
+                run) of that length.
         """
-        if hide_waiting:
+        if prefill_run:
+            out = self._schedule_prefill_run(num_decode_tokens, hide_waiting)
+        elif hide_waiting:
             out = self._schedule_hiding_waiting(num_decode_tokens)
         else:
             if num_decode_tokens > 1:
@@ -624,22 +641,30 @@ class InprocEngine:
                 record.new_request_cached_tokens[rid] = num_computed
         record.sampled_token_ids = [self._sample(rid, out, record) for rid in out.num_scheduled_tokens]
         if record.num_scheduled_tokens:
-            self.num_decode_substeps += 1 if record.prefill else num_decode_tokens
+            self.num_decode_substeps += (num_decode_tokens if prefill_run or not record.prefill
+                                         else 1)
         if not hide_waiting:
             self._is_waiting_blocked = self._is_blocked_probe(record)
         return record
 
     def _is_blocked_probe(self, record: EngineStepRecord) -> bool:
         """Whether this single step proves the waiting requests blocked (see
-        :meth:`max_blocked_decode_run`): requests wait, every scheduled request decoded one
-        token (so vLLM looked at the waiting queue with the step's full remaining budget), and
-        none was admitted, resumed or preempted."""
+        :meth:`max_blocked_decode_run`): requests wait, every running request was scheduled (so
+        vLLM looked at the waiting queue with what the step's budget had left, remembered in
+        ``_probe_num_tokens``), and none was admitted, resumed or preempted. With stock vLLM the
+        step may hold prefill chunks (:meth:`max_blocked_prefill_run`); with our schedulers every
+        scheduled request decoded one token."""
         s = self.scheduler
-        if (record.num_decode_tokens != 1 or not s.waiting or record.prefill
+        if (record.num_decode_tokens != 1 or not s.waiting
                 or record.preempted_ids or record.new_request_cached_tokens
-                or getattr(s, "kv_holding_waiting", ())):
+                or getattr(s, "kv_holding_waiting", ())
+                or len(record.num_scheduled_tokens) != len(s.running)):
             return False
-        return all(n == 1 for n in record.num_scheduled_tokens.values())
+        if self.is_plugin and (record.prefill
+                               or any(n != 1 for n in record.num_scheduled_tokens.values())):
+            return False
+        self._probe_num_tokens = sum(record.num_scheduled_tokens.values())
+        return True
 
     def _schedule_hiding_waiting(self, k: int) -> Any:
         """One ``schedule()`` of a blocked decode run of ``k`` tokens, the waiting queue hidden."""
@@ -656,6 +681,143 @@ class InprocEngine:
             return s.schedule()
         finally:
             s.waiting, s.prefill_capacity_bound = hidden, bound
+
+    def _schedule_prefill_run(self, k: int, hide_waiting: bool) -> Any:
+        """One ``schedule()`` standing for ``k`` chunked-prefill steps (:meth:`max_prefill_run`;
+        ``hide_waiting``: :meth:`max_blocked_prefill_run`)."""
+        limit = self.max_blocked_prefill_run(k) if hide_waiting else self.max_prefill_run(k)
+        if limit < k:
+            raise ValueError(f"prefill_run with num_decode_tokens={k} but the engine allows a "
+                             f"chunked-prefill run of at most {limit}; call max_prefill_run() "
+                             "or max_blocked_prefill_run()")
+        s = self.scheduler
+        req_ids, drafts = [], []
+        for request in s.running:
+            if request.num_computed_tokens == request.num_tokens - 1:  # decoding
+                index = request.num_output_tokens
+                req_ids.append(request.request_id)
+                drafts.append(list(self._planned[request.request_id][index:index + k - 1]))
+        s.update_draft_token_ids(DraftTokenIds(req_ids, drafts))
+        self.num_prefill_runs += 1
+        cap = self.params.long_prefill_token_threshold
+        budget = k * sum(1 if self._is_decoding(r) else cap for r in s.running)
+        if not hide_waiting:
+            with seams.scaled_step_budget(s, k, budget):
+                return s.schedule()
+        hidden, bound = s.waiting, s.prefill_capacity_bound
+        s.waiting = create_request_queue(s.policy)
+        try:
+            with seams.scaled_step_budget(s, k, budget):
+                return s.schedule()
+        finally:
+            s.waiting, s.prefill_capacity_bound = hidden, bound
+
+    def max_prefill_run(self, limit: int) -> int:
+        """Largest ``k <= limit`` for which one ``schedule()`` with the step's token budget and
+        vLLM's long-prefill chunk cap ``T`` scaled by ``k`` (:func:`seams.scaled_step_budget`)
+        equals ``k`` single steps, else 1. Pure.
+
+        Mental model: vllm-tuned (``long_prefill_token_threshold`` 512) re-prefills a 60k-token
+        context in ~120 steps of one 512-token chunk beside the decodes. While nothing waits,
+        every step schedules the running requests in their order, each capped prefill gets ``T``
+        tokens (its remainder is larger than ``T``) and each decode one token, within the budget,
+        and nobody is preempted if the ``k`` steps' new blocks fit in the free blocks (no block
+        is freed inside the run: nobody finishes before its last step, and the free blocks only
+        shrink). So the same requests get the same tokens in every step, and a run's end state
+        equals ``k`` steps' (the blocks taken are the same first ones of the free queue, in
+        another order among the requests: no decision reads block ids). Stock vLLM only (our
+        schedulers size chunks and count steps themselves), async scheduling only.
+
+        Region diagram of one prefilling request (``c`` computed tokens, cap ``T``)::
+
+            | computed c | k chunks of T (this run) | rest > 0 |
+            |<-------------------- num_tokens --------------------->|
+        """
+        s = self.scheduler
+        if s.waiting or s.kv_holding_waiting:
+            return 1
+        return self._prefill_run_len(limit)
+
+    def max_blocked_prefill_run(self, limit: int) -> int:
+        """:meth:`max_prefill_run` while requests wait for KV: largest ``k <= limit`` for which
+        one ``schedule()`` with the waiting queue hidden and the budget scaled by ``k`` equals
+        ``k`` single steps, else 1. Pure.
+
+        The probe (:meth:`max_blocked_decode_run`) was a single step that scheduled every
+        running request, left every waiting one waiting and scheduled as many tokens as each
+        step of the run does (the same requests, the same chunks): so vLLM asks the waiting head
+        with the same budget left in every step, with fewer free blocks, and the same prefix hit
+        (:meth:`_keep_head_hit`); it stays blocked.
+        """
+        s = self.scheduler
+        cap = self.params.long_prefill_token_threshold
+        if (limit <= 1 or not self._is_waiting_blocked or not s.waiting or s.kv_holding_waiting
+                or cap <= 0):
+            return 1
+        k = self._prefill_run_len(limit)
+        if k <= 1 or self._probe_num_tokens != sum(
+                1 if self._is_decoding(r) else cap for r in s.running):
+            return 1
+        return self._keep_head_hit(k, lambda k_: self._prefill_run_new_blocks(k_, cap))
+
+    @staticmethod
+    def _is_decoding(r: Request) -> bool:
+        c = r.num_computed_tokens
+        return c == r.num_tokens - 1 and c >= r.num_prompt_tokens
+
+    def _prefill_run_len(self, limit: int) -> int:
+        """:meth:`max_prefill_run` without its empty-waiting condition. Pure."""
+        s = self.scheduler
+        cap = self.params.long_prefill_token_threshold
+        if (limit <= 1 or cap <= 0 or self.is_plugin or not isinstance(s, AsyncScheduler)
+                or len(s.running) + len(s.waiting) < 2):
+            return 1
+        k, num_decode, num_prefill = limit, 0, 0
+        for r in s.running:
+            c = r.num_computed_tokens
+            if r.num_output_placeholders or r.spec_token_ids or r.request_id not in self._planned:
+                return 1
+            if self._is_decoding(r):
+                num_decode += 1
+                k = min(k, r.max_tokens - r.num_output_tokens, self.params.max_model_len - c - 1)
+            elif r.num_tokens - c > cap:
+                num_prefill += 1
+                k = min(k, (r.num_tokens - c - 1) // cap)  # k chunks leave >= 1 token to prefill
+            else:
+                return 1
+        if num_prefill == 0 or num_decode + num_prefill * cap > min(
+                self.params.max_num_batched_tokens, seams.max_num_scheduled_tokens(s)):
+            return 1
+        while k > 1 and self._prefill_run_new_blocks(k, cap) > seams.num_free_blocks(s):
+            k //= 2
+        return max(1, k)
+
+    def _prefill_run_new_blocks(self, k: int, cap: int) -> int:
+        """New KV blocks the running requests take over ``k`` steps (chunks of ``cap``). Pure."""
+        bs = self.params.block_size
+        total = 0
+        for r in self.scheduler.running:
+            c = r.num_computed_tokens
+            step = 1 if self._is_decoding(r) else cap
+            total += max(0, -(-(c + k * step) // bs)
+                         - seams.num_block_table_entries(self.scheduler, r.request_id))
+        return total
+
+    def prefill_run_shapes(self, k: int) -> Iterator[tuple[list[tuple[int, int]], list[int]]]:
+        """The step-time model's input of each of the ``k`` single steps a chunked-prefill run
+        stands for: ``(prefill (new, cached) chunks, decode contexts)`` in the running order, as
+        :meth:`schedule` would record them step by step (lazily). Pure."""
+        cap = self.params.long_prefill_token_threshold
+        for i in range(k):
+            prefill: list[tuple[int, int]] = []
+            decode: list[int] = []
+            for r in self.scheduler.running:
+                before = r.num_computed_tokens + i * (1 if self._is_decoding(r) else cap)
+                if before >= r.num_prompt_tokens:
+                    decode.append(before + 1)
+                else:
+                    prefill.append((cap, before))
+            yield prefill, decode
 
     def update(self, record: EngineStepRecord) -> EngineStepRecord:
         """Apply the step's synthetic model output (``update_from_output``). Mutates ``record``.
@@ -794,7 +956,7 @@ class InprocEngine:
         """
         s = self.scheduler
         if (limit <= 1 or not self._is_waiting_blocked or not s.running or not s.waiting
-                or getattr(s, "kv_holding_waiting", ())):
+                or getattr(s, "kv_holding_waiting", ()) or self._probe_num_tokens != len(s.running)):
             return 1
         if self.is_plugin and not (hasattr(s, "blocked_run_is_safe") and s.blocked_run_is_safe()):
             return 1
@@ -805,20 +967,29 @@ class InprocEngine:
             k = s.blocked_run_max_tokens(k)
         if k <= 1:
             return 1
-        # vLLM stops at the first waiting request it cannot allocate: only the head is asked.
+        return self._keep_head_hit(k, self._run_new_blocks)
+
+    def _keep_head_hit(self, k: int, new_blocks: Callable[[int], int]) -> int:
+        """Largest ``k' <= k`` whose run (taking ``new_blocks(k')`` blocks off the free queue)
+        leaves the waiting head's prefix hit as it is, or 1. Pure.
+
+        vLLM stops at the first waiting request it cannot allocate: only the head is asked. Its
+        hit stays while the run evicts none of its blocks and no running request of its session
+        caches one (sessions' streams never share a block)."""
+        s = self.scheduler
         head = s.waiting.peek_request()
         if any(r.session_id == head.session_id for r in s.running):
             return 1
         keys = self._pool_hash_keys(head)
-        evicted = seams.next_evicted_blocks(s, self._run_new_blocks(k))
+        evicted = seams.next_evicted_blocks(s, new_blocks(k))
         first_hit = next((i for i, b in enumerate(evicted)
                           if b.block_hash is not None and b.block_hash in keys), None)
         if first_hit is None:
             return k
-        lo, hi = 1, k  # largest k' with _run_new_blocks(k') <= first_hit (monotone in k')
+        lo, hi = 1, k  # largest k' with new_blocks(k') <= first_hit (monotone in k')
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self._run_new_blocks(mid) <= first_hit:
+            if new_blocks(mid) <= first_hit:
                 lo = mid
             else:
                 hi = mid - 1

@@ -31,6 +31,9 @@ vLLM private                                      what we do with it
 ``BlockPool.free_block_queue`` (linked list)     the next blocks an allocation evicts (simulator:
                                                  a coalesced run must not evict a waiting hit)
 ``Scheduler.prefill_capacity_bound``             kept as k single steps leave it (simulator)
+``Scheduler.max_num_scheduled_tokens``,          scaled by ``m`` for one ``schedule()`` that stands
+``SchedulerConfig.max_num_batched_tokens`` /     for ``m`` chunked-prefill steps (simulator:
+``.long_prefill_token_threshold``                :func:`scaled_step_budget`)
 ``BlockPool.cached_block_hash_to_block``         watched (insert/pop call back) so the simulator
                                                  can memoize prefix-hit lookups exactly
 ``EngineCoreProc.input_queue``,                  put a WAKEUP (vLLM's own no-op, used at shutdown)
@@ -45,7 +48,8 @@ import inspect
 import logging
 import queue
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.block_pool import BlockHashToBlockMap
@@ -67,6 +71,7 @@ __all__ = [
     "enable_victim_ranks",
     "finish_with_error_next_step",
     "is_cached_block",
+    "num_block_table_entries",
     "num_blocks_referenced_once",
     "num_free_blocks",
     "num_gpu_blocks",
@@ -80,6 +85,7 @@ __all__ = [
     "pin_blocks",
     "request_blocks",
     "referenced_block_counts",
+    "scaled_step_budget",
     "set_victim_ranks",
     "wrap_allocate_slots",
     "AllocateSlotsWrapper",
@@ -161,6 +167,10 @@ def check_compat() -> None:
     if "req_to_blocks" not in inspect.getsource(SingleTypeKVCacheManager.__init__):
         problems.append("SingleTypeKVCacheManager.req_to_blocks")
     sched_src = inspect.getsource(Scheduler.schedule)
+    for read in ("self.max_num_scheduled_tokens", "self.scheduler_config.max_num_batched_tokens",
+                 "self.scheduler_config.long_prefill_token_threshold"):
+        if read not in sched_src:
+            problems.append(f"Scheduler.schedule reads {read}")
     if "key=lambda r: (r.priority, r.arrival_time)" not in sched_src:
         problems.append("Scheduler.schedule: PRIORITY victim = max(priority, arrival_time)")
     problems += _engine_core_problems()
@@ -256,6 +266,13 @@ def request_blocks(sched: Scheduler, request_id: str) -> list[KVCacheBlock]:
 def num_request_blocks(sched: Scheduler, request_id: str) -> int:
     """Number of non-null blocks held by ``request_id``."""
     return sum(1 for b in request_blocks(sched, request_id) if not b.is_null)
+
+
+def num_block_table_entries(sched: Scheduler, request_id: str, group_id: int = 0) -> int:
+    """Length of ``request_id``'s block table in one KV cache group, O(1) (with full attention,
+    which never puts the null block in a table, the blocks it holds there)."""
+    manager = sched.kv_cache_manager.coordinator.single_type_managers[group_id]
+    return len(manager.req_to_blocks.get(request_id, ()))
 
 
 def is_cached_block(block: KVCacheBlock) -> bool:
@@ -460,3 +477,29 @@ def finish_with_error_next_step(sched: Scheduler, request_id: str) -> None:
 def max_num_scheduled_tokens(sched: Scheduler) -> int:
     """Token budget of one step."""
     return int(sched.max_num_scheduled_tokens)
+
+
+@contextmanager
+def scaled_step_budget(sched: Scheduler, factor: int, budget_tokens: int) -> Iterator[None]:
+    """While open, one step's token budget (``max_num_scheduled_tokens`` and the input budget
+    ``max_num_batched_tokens``) is ``budget_tokens`` and vLLM's long-prefill chunk cap is
+    ``factor`` times its value. Mutates ``sched`` and its ``scheduler_config``; restored on exit,
+    even on error.
+
+    The simulator's merged chunked-prefill run (``InprocEngine.max_prefill_run``): one
+    ``schedule()`` that gives each capped prefill ``factor`` chunks and each decode ``factor``
+    tokens (drafts), as ``factor`` single steps would; ``budget_tokens`` is exactly their sum
+    (vLLM lifts the cap when one request is eligible, e.g. with the waiting queue hidden: the
+    budget then cuts the chunk). ``schedule()`` reads all three afresh.
+    """
+    config = sched.scheduler_config
+    saved = (sched.max_num_scheduled_tokens, config.max_num_batched_tokens,
+             config.long_prefill_token_threshold)
+    sched.max_num_scheduled_tokens = budget_tokens
+    config.max_num_batched_tokens = budget_tokens
+    config.long_prefill_token_threshold = saved[2] * factor
+    try:
+        yield
+    finally:
+        (sched.max_num_scheduled_tokens, config.max_num_batched_tokens,
+         config.long_prefill_token_threshold) = saved

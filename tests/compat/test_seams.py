@@ -249,3 +249,22 @@ def test_engine_core_waker_finds_the_engine_core_building_the_scheduler() -> Non
     core.wake()
     assert core.input_queue.get_nowait() == (EngineCoreRequestType.WAKEUP, None)
     assert not seams._engine_core_problems()  # vLLM still wakes on WAKEUP, queue before scheduler
+
+
+def test_scaled_step_budget_scales_one_schedule_and_restores() -> None:
+    """A capped prefill gets ``factor`` chunks in one ``schedule()``; the three settings come back
+    even when the step raises."""
+    h = Harness(AsyncScheduler, num_blocks=64)
+    s = h.scheduler
+    s.scheduler_config.long_prefill_token_threshold = 32
+    for _ in range(2):
+        h.add(h.make_request(None, h.tokens(400), max_tokens=4))
+    before = (s.max_num_scheduled_tokens, s.scheduler_config.max_num_batched_tokens, 32)
+    with seams.scaled_step_budget(s, 3, 192):
+        out = s.schedule()
+    assert sorted(out.num_scheduled_tokens.values()) == [96, 96]
+    with pytest.raises(RuntimeError), seams.scaled_step_budget(s, 2, 64):
+        raise RuntimeError("step failed")
+    assert (s.max_num_scheduled_tokens, s.scheduler_config.max_num_batched_tokens,
+            s.scheduler_config.long_prefill_token_threshold) == before
+    assert seams.num_block_table_entries(s, next(iter(out.num_scheduled_tokens))) == 96 // 16

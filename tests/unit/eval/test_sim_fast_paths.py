@@ -97,3 +97,5 @@ def test_fast_paths_are_exact(monkeypatch: pytest.MonkeyPatch, policy: str, engi
     if merges:
         assert fast.num_schedule_calls < 0.8 * slow.num_schedule_calls, (
             f"blocked runs unused: {fast.num_schedule_calls} vs {slow.num_schedule_calls} calls")
+    if engine.get("long_prefill_token_threshold"):
+        assert engine_.num_prefill_runs > 0, "chunked-prefill runs unused"
