@@ -181,9 +181,9 @@ POLICIES: Mapping[str, PolicySpec] = {
     "continuum": PolicySpec("ContinuumScheduler", {"mars": {"continuum": {"mode": "continuum"}}}),
     "continuum-dy": PolicySpec("ContinuumScheduler", {"mars": {"continuum": {"mode": "continuum-dy"}}}),
     "thunderagent": PolicySpec("ThunderAgentScheduler"),
-    # The preview's own CPU overload threshold (a faithful port; ours is 1.5, policy/admission.py).
+    # The preview's own CPU overload threshold and no wait bound (a faithful port; ours: 1.5 and 1800 s).
     "mars-preview": PolicySpec("MarsPreviewScheduler", is_baseline=False, has_control_plane=True,
-                               admission={"cpu_set_backlog_ratio": 4.0}),
+                               admission={"cpu_set_backlog_ratio": 4.0, "max_admission_wait_s": None}),
     "mars": PolicySpec("MarsScheduler", is_baseline=False, has_control_plane=True),
     # Ablations (MARS §6): mars with one part switched off (docs/compare.md "Ablations").
     "mars-no-priority": PolicySpec("MarsScheduler", _NO_PRIORITY, is_baseline=False, has_control_plane=True,

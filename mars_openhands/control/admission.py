@@ -29,6 +29,7 @@ from mars_openhands.policy.admission import (
     AdmissionState,
     PressureSnapshot,
     initial_state,
+    overdue_sessions,
     update_window,
 )
 from mars_openhands.policy.reorder import (
@@ -109,7 +110,8 @@ class AimdWindow:
 
     def select(self, waiting: Sequence[WaitingSession], num_admitted: int, now_s: float,
                kv_budget_blocks: int | None) -> list[str]:
-        """Fill the free slots, best first (:func:`~mars_openhands.policy.reorder.select_admissions`).
+        """Fill the free slots, best first (:func:`~mars_openhands.policy.reorder.select_admissions`),
+        then admit every session that has waited ``max_admission_wait_s`` (window or not).
 
         Mutates :attr:`last_mode`.
         """
@@ -120,6 +122,8 @@ class AimdWindow:
             is_kv_overloaded=self.state.is_kv_overloaded, kv_budget_blocks=kv_budget_blocks,
         )
         self.last_mode, chosen = select_admissions(waiting, ctx, self.reorder)
+        if self.is_enforced:  # forced admission past the wait bound, beyond the window
+            chosen += [sid for sid in overdue_sessions(waiting, now_s, self.params) if sid not in chosen]
         return chosen
 
 

@@ -36,9 +36,12 @@ so after pressure clears it regrows one slot per tick from the cap. The function
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from mars_openhands.policy.reorder import WaitingSession
 
 __all__ = [
     "AdmissionDecision",
@@ -53,6 +56,7 @@ __all__ = [
     "is_kv_healthy",
     "is_kv_overloaded",
     "kv_window_cap",
+    "overdue_sessions",
     "update_window",
 ]
 
@@ -91,6 +95,10 @@ class AdmissionParams(BaseModel):
     """KV overload clears, and C_kv = W_max, when u <= this (default 0.85)."""
     tool_wait_ema_alpha: float = Field(0.2, gt=0.0, le=1.0)
     """Weight of the newest tool queue-wait sample in the EMA (default 0.2)."""
+    max_admission_wait_s: float | None = Field(1800.0, gt=0.0)
+    """Forced admission: a session that has waited this many seconds is admitted whatever the
+    window (the bound on admission wait; ``None``: unbounded). Default 1800 s, ThunderAgent's
+    forced-admission bound (arXiv 2602.13692)."""
 
     @model_validator(mode="after")
     def _check_order(self) -> Self:
@@ -206,6 +214,18 @@ def is_kv_overloaded(was_overloaded: bool, snapshot: PressureSnapshot, params: A
     if was_overloaded:
         return usage > params.kv_clear_usage
     return usage >= params.kv_set_usage
+
+
+def overdue_sessions(waiting: Sequence[WaitingSession], now_s: float, params: AdmissionParams) -> list[str]:
+    """Ids of the waiting sessions that have waited ``max_admission_wait_s`` or longer, oldest first.
+
+    Pure. ``now_s`` is on the clock of ``WaitingSession.arrival_s``; none when the bound is ``None``.
+    """
+    bound = params.max_admission_wait_s
+    if bound is None:
+        return []
+    overdue = [s for s in waiting if now_s - s.arrival_s >= bound]
+    return [s.session_id for s in sorted(overdue, key=lambda s: s.arrival_s)]
 
 
 def cpu_window_cap(num_tool_workers: int, params: AdmissionParams) -> int:

@@ -75,3 +75,22 @@ def test_disabled_admits_everyone_but_still_computes_window() -> None:
         assert ac.request(view(f"s{i}", 0.0, 1))
     assert len(ac.admitted) == 10
     assert ac.tick(OVERLOADED, 1.0)[0].state.window == 1
+
+
+def test_a_session_waiting_past_the_bound_is_admitted_whatever_the_window() -> None:
+    params = PARAMS.model_copy(update={"max_admission_wait_s": 100.0})
+    ac = AdmissionController(AimdWindow(params, ReorderParams()))
+    for sid in ("a", "b"):
+        assert ac.request(view(sid, 0.0, 1))
+    assert not ac.request(view("old", 10.0, 1)) and not ac.request(view("young", 50.0, 1))
+    _, admitted = ac.tick(OVERLOADED, 109.0)  # window at its minimum, nobody has waited 100 s
+    assert admitted == [] and ac.num_waiting == 2
+    _, admitted = ac.tick(OVERLOADED, 110.0)  # "old" has: admitted beyond the window
+    assert admitted == ["old"] and ac.is_admitted("old") and ac.is_waiting("young")
+    assert len(ac.admitted) > ac.policy.state.window
+    unbounded = AdmissionController(AimdWindow(PARAMS.model_copy(update={"max_admission_wait_s": None}),
+                                               ReorderParams()))
+    for sid in ("a", "b"):
+        unbounded.request(view(sid, 0.0, 1))
+    unbounded.request(view("old", 10.0, 1))
+    assert unbounded.tick(OVERLOADED, 1e6)[1] == []

@@ -496,4 +496,5 @@ def test_mars_preview_keeps_the_preview_cpu_threshold_and_mars_has_ours() -> Non
     preview = _sim_config(options, "mars-preview", True).admission
     ours = _sim_config(options, "mars", True).admission
     assert preview.cpu_set_backlog_ratio == 4.0 and ours.cpu_set_backlog_ratio == 1.5
-    assert live_policy_config()["mars-preview"][3] == {"cpu_set_backlog_ratio": 4.0}
+    assert preview.max_admission_wait_s is None and ours.max_admission_wait_s == 1800.0
+    assert live_policy_config()["mars-preview"][3] == {"cpu_set_backlog_ratio": 4.0, "max_admission_wait_s": None}
