@@ -110,8 +110,12 @@ def simulated_schedule(coalesce_max_steps: int) -> tuple[Schedule, Any]:
     steps: list[tuple[int, list[tuple[str, int, int]]]] = []  # (k, [(rid, n, before)])
     inner_schedule = sim.engine.schedule
 
-    def recording_schedule(num_decode_tokens: int = 1, *, hide_waiting: bool = False) -> Any:
-        record = inner_schedule(num_decode_tokens, hide_waiting=hide_waiting)
+    def recording_schedule(num_decode_tokens: int = 1, *, hide_waiting: bool = False,
+                           prefill_run: bool = False) -> Any:
+        # Chunked-prefill runs fire only under a long-prefill chunk cap (vllm-tuned), not here;
+        # their k-step calls would need expanding below as the decode runs are.
+        assert not prefill_run, "a chunked-prefill run in an uncapped fcfs-sync run"
+        record = inner_schedule(num_decode_tokens, hide_waiting=hide_waiting, prefill_run=prefill_run)
         out = record.scheduler_output
         before = {n.req_id: n.num_computed_tokens for n in out.scheduled_new_reqs}
         cached = out.scheduled_cached_reqs
