@@ -130,22 +130,28 @@ def test_gateway_with_two_vllm_replicas(vllm_server_factory) -> None:
         wait_until(lambda: state()["window"] == cpu_cap, what="window back at its CPU cap (tool backlog)")
 
         # 4. Real KV pressure: one ~2k-token request on a 2k-token KV cache. The engines report
-        #    KV blocks at every scheduler step (engine_step), so the gateway sees the pressure for
-        #    the whole prefill + 150-token decode, however fast the machine.
+        #    KV blocks at every scheduler step (engine_step), so the gateway sees the pressure
+        #    during the prefill + 150-token decode if one of its ticks falls in it.
         wait_until(lambda: any(e.kind == "engine_step" for e in sink.events),
                    what="engine_step telemetry from the replicas")
-        mark = len(sink.events)
-        r = client.post("/v1/chat/completions", json=chat(
-            "kv-heavy", "x" * 1850, max_tokens=150, ignore_eos=True, stream=True))
-        assert r.status_code == 200
-        wait_until(lambda: state()["window"] == cpu_cap and not state()["is_kv_overloaded"],
-                   what="window back after the KV request")
-        events = sink.events[mark:]
+        # A tick (every 0.05 s) must land while the request holds the KV; on a loaded machine the
+        # whole request can fall between two ticks (its last engine_step, idle, reports 0 used
+        # blocks), which tests nothing, so such an attempt is made again as the next turn (at most 3).
+        for attempt in range(3):
+            mark = len(sink.events)
+            r = client.post("/v1/chat/completions", json=chat(
+                "kv-heavy", "xyz"[attempt] * 1850, max_tokens=150, ignore_eos=True, stream=True))
+            assert r.status_code == 200
+            wait_until(lambda: state()["window"] == cpu_cap and not state()["is_kv_overloaded"],
+                       what="window back after the KV request")
+            events = sink.events[mark:]
+            kv_updates = [e for e in events if e.kind == "admission_update"]
+            if any(u.kv_overloaded for u in kv_updates):
+                break
         heavy_steps = [e for e in events if e.kind == "engine_step"
                        and e.num_used_blocks / e.num_gpu_blocks >= 0.90]
         assert heavy_steps, "no engine_step saw the KV-heavy request"
-        kv_updates = [e for e in events if e.kind == "admission_update"]
-        assert any(u.kv_overloaded for u in kv_updates), max(u.kv_usage for u in kv_updates)
+        assert any(u.kv_overloaded for u in kv_updates), (attempt, max(u.kv_usage or 0.0 for u in kv_updates))
         assert min(u.window for u in kv_updates) < cpu_cap
         assert not kv_updates[-1].kv_overloaded and kv_updates[-1].window == cpu_cap
         # s1-s4 and kv-heavy now fill the window of 5: the KV-heavy session ends, freeing its slot.
