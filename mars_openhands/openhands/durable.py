@@ -127,7 +127,9 @@ class DurableExecutor(ToolExecutor):
         return _denied_observation(self.observation_type, action, result.get("text", result["status"]))
 
     def _edit_already_applied(self, arguments: dict[str, Any], workspace: Path) -> bool:
-        """A repeated ``str_replace`` whose edit is in the file already (idempotent by content)."""
+        """A repeated ``str_replace`` whose edit is in the file already (idempotent by content): the
+        new text is there once and every ``old_str`` left is part of it (a ``new_str`` that contains
+        its ``old_str``, e.g. an appended line, still has it after the edit)."""
         if self.tool_name != "file_editor" or arguments.get("command") != "str_replace":
             return False
         path = Path(os.path.normpath(workspace / str(arguments.get("path", ""))))
@@ -136,7 +138,7 @@ class DurableExecutor(ToolExecutor):
         except OSError:
             return False
         old, new = str(arguments.get("old_str", "")), str(arguments.get("new_str", ""))
-        return bool(new) and old not in text and text.count(new) == 1
+        return bool(new) and bool(old) and text.count(new) == 1 and text.count(old) == new.count(old)
 
     def close(self) -> None:
         """Close the inner executor (it flushes its events)."""
