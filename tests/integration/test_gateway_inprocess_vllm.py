@@ -14,6 +14,7 @@ import shutil
 import socket
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -103,37 +104,43 @@ def _run(factory, tmp_path: Path, gpu: str, inbox: str) -> None:
         rows = [json.loads(line) for line in stream_path.read_text().splitlines()]
         return [r for r in rows if r["kind"] == "finished" and r["session_id"] == "c"]
 
-    for attempt in range(3):
+    def hang_up_until_aborted(hang_up: Callable[[], None], what: str) -> list[dict[str, Any]]:
+        """Hang up as the session's next turn until one ends as an abort (at most 3 turns)."""
+        num_before = len(of_c())
+        for attempt in range(3):
+            hang_up()
+            rows = wait_until(lambda n=num_before + 1 + attempt: len(of_c()) == n and of_c(),
+                              what=f"c's {what} request to end in the engine")
+            if rows[-1]["finish_reason"] == "abort":
+                break
+        return rows
+
+    def streamed() -> None:
         with httpx.Client(base_url=server.url, timeout=60, headers=key) as hangup, hangup.stream(
                 "POST", "/v1/completions", json={"model": server.model, "prompt": [1, 40, 41], "max_tokens": 900,
                                                  "ignore_eos": True, "mars_session": "c", "stream": True}) as resp:
             assert resp.status_code == 200
             next(resp.iter_raw())  # the first chunk arrived: the request runs in the engine
-        streamed = wait_until(lambda n=1 + attempt: len(of_c()) == n and of_c(),
-                              what="c's streamed request to end in the engine")
-        if streamed[-1]["finish_reason"] == "abort":
-            break
+
+    num_streamed = len(hang_up_until_aborted(streamed, "streamed"))
     wait_until(lambda: (parse_vllm_metrics(client.get("/metrics").text).num_running or 0) == 0,
                what="vLLM to abort the hung-up request")
     state = client.get("/mars/v1/state").json()
-    assert state["sessions"]["c"]["in_flight"] == 0 and state["sessions"]["c"]["turns"] == len(streamed)
+    assert state["sessions"]["c"]["in_flight"] == 0 and state["sessions"]["c"]["turns"] == num_streamed
     # The same for a whole (non-streamed) response: vLLM runs it under with_cancellation, in a task
-    # of its own that only a disconnect on receive() stops. Hang up once the engine runs it (at most
-    # 3 attempts, as above).
+    # of its own that only a disconnect on receive() stops. Hang up once the engine runs it.
     body = json.dumps({"model": server.model, "prompt": [1, 40, 41], "max_tokens": 900,
                        "ignore_eos": True, "mars_session": "c"}).encode()
     url = httpx.URL(server.url)
-    num_streamed = len(streamed)
-    for attempt in range(3):
+
+    def whole() -> None:
         with socket.create_connection((url.host, url.port), timeout=30) as raw:
             raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k-int\r\n"
                         b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
             wait_until(lambda: (parse_vllm_metrics(client.get("/metrics").text).num_running or 0) >= 1,
                        what="the whole-response request to run in the engine")
-        rows = wait_until(lambda n=num_streamed + 1 + attempt: len(of_c()) == n and of_c(),
-                          what="c's requests to end in the engine")
-        if rows[-1]["finish_reason"] == "abort":
-            break
+
+    rows = hang_up_until_aborted(whole, "whole-response")
     print(f"  hung-up requests: {[(r['finish_reason'], r['num_output_tokens']) for r in rows]}")
     assert [r["turn"] for r in rows] == list(range(len(rows)))
     last_streamed = rows[num_streamed - 1]
