@@ -367,7 +367,7 @@ class PrefixHitMemo:
         key -> its first index in the untruncated keys: ``keys.index`` in O(1))."""
         self._reader: dict[Any, str] = {}
         """pool key -> the request whose memo read it."""
-        self._map = seams.watch_prefix_cache(sched, self._on_change)
+        self._map = seams.watch_prefix_cache(sched, self._on_change, self._reader)
         self._manager.get_computed_blocks = self
         self._block_size = sched.block_size
         self.num_hits = 0
@@ -407,7 +407,7 @@ class PrefixHitMemo:
         if seams.prefix_cache_map(self._sched) is not self._map:  # reset_prefix_cache
             for rid in list(self._memo):
                 self.forget(rid)
-            self._map = seams.watch_prefix_cache(self._sched, self._on_change)
+            self._map = seams.watch_prefix_cache(self._sched, self._on_change, self._reader)
         rid = request.request_id
         memo = self._memo.get(rid)
         if memo is not None and memo[0] == request.num_tokens and memo[1] == len(request.block_hashes):

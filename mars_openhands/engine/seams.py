@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.core.block_pool import BlockHashToBlockMap
 from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -264,8 +265,18 @@ def request_blocks(sched: Scheduler, request_id: str) -> list[KVCacheBlock]:
 
 
 def num_request_blocks(sched: Scheduler, request_id: str) -> int:
-    """Number of non-null blocks held by ``request_id``."""
-    return sum(1 for b in request_blocks(sched, request_id) if not b.is_null)
+    """Number of non-null blocks held by ``request_id`` over all KV cache groups.
+
+    O(1) per full-attention group (vLLM never puts the null block in a full-attention block
+    table), O(blocks) for the others (sliding window and Mamba tables hold null blocks)."""
+    total = 0
+    for manager in sched.kv_cache_manager.coordinator.single_type_managers:
+        blocks = manager.req_to_blocks.get(request_id, ())
+        if type(manager) is FullAttentionManager:
+            total += len(blocks)
+        else:
+            total += sum(1 for b in blocks if not b.is_null)
+    return total
 
 
 def num_block_table_entries(sched: Scheduler, request_id: str, group_id: int = 0) -> int:
@@ -334,30 +345,45 @@ def next_evicted_blocks(sched: Scheduler, num_blocks: int) -> list[KVCacheBlock]
 class _WatchedBlockHashToBlockMap(BlockHashToBlockMap):
     """vLLM's prefix-cache map (hash + group id -> block) that reports every insert and pop."""
 
-    def __init__(self, on_change: Any) -> None:
+    def __init__(self, on_change: Any, watched: Any) -> None:
         super().__init__()
         self._on_change = on_change
+        self._watched = watched
 
     def insert(self, key: Any, block: KVCacheBlock) -> None:
         super().insert(key, block)
-        self._on_change(key, False)
+        if key in self._watched:
+            self._on_change(key, False)
 
     def pop(self, key: Any, block_id: int) -> KVCacheBlock | None:
         block = super().pop(key, block_id)
-        self._on_change(key, self._cache.get(key) is None)
+        if key in self._watched:
+            self._on_change(key, self._cache.get(key) is None)
         return block
 
 
-def watch_prefix_cache(sched: Scheduler, on_change: Any) -> Any:
+class _Everything:
+    def __contains__(self, key: object) -> bool:
+        return True
+
+
+def watch_prefix_cache(sched: Scheduler, on_change: Any, keys: Any = None) -> Any:
     """Make ``on_change(key, is_gone)`` run after every insert into or pop from the pool's
     prefix-cache map (``key``: a ``KVCacheBlock.block_hash``; ``is_gone``: a pop left no block
     under it). Mutates the pool (its entries are kept).
+
+    Args:
+        sched: the scheduler whose pool is watched.
+        on_change: the callback.
+        keys: a live container (e.g. a dict the caller mutates): only keys in it are reported,
+            tested inline (the pool inserts and evicts one key per KV block, millions per run).
+            ``None``: every key.
 
     Returns:
         The watched map (the pool replaces it on ``reset_prefix_cache``: compare identities).
     """
     pool = block_pool(sched)
-    watched = _WatchedBlockHashToBlockMap(on_change)
+    watched = _WatchedBlockHashToBlockMap(on_change, _Everything() if keys is None else keys)
     watched._cache = pool.cached_block_hash_to_block._cache
     pool.cached_block_hash_to_block = watched
     return watched

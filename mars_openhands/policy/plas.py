@@ -215,24 +215,21 @@ def on_scheduled(
     quantum_left = call.quantum_left_tokens
     if quantum_left <= 0:
         quantum_left = level_quantum_tokens(call.level, params, max_num_scheduled_tokens)
-    charged = replace(
-        call,
-        service_tokens=call.service_tokens + num_scheduled_tokens,
-        quantum_left_tokens=quantum_left - num_scheduled_tokens,
-    )
+    # The constructor, not dataclasses.replace: this runs per scheduled request per step.
+    service = call.service_tokens + num_scheduled_tokens
     if num_scheduled_tokens >= cap and num_remaining_tokens > 0:
         level = min(call.level + 1, params.max_level)
-        return replace(
-            charged,
-            level=level,
-            quantum_left_tokens=level_quantum_tokens(level, params, max_num_scheduled_tokens),
-        )
-    return charged
+        return PlasCall(level, level_quantum_tokens(level, params, max_num_scheduled_tokens),
+                        service, call.wait_tokens, call.program_service_at_arrival_tokens)
+    return PlasCall(call.level, quantum_left - num_scheduled_tokens, service, call.wait_tokens,
+                    call.program_service_at_arrival_tokens)
 
 
 def accrue_wait(call: PlasCall, num_tokens_scheduled_for_others: int) -> PlasCall:
     """Add a step's tokens scheduled for *other* requests to the call's wait. Pure."""
-    return replace(call, wait_tokens=call.wait_tokens + num_tokens_scheduled_for_others)
+    return PlasCall(call.level, call.quantum_left_tokens, call.service_tokens,
+                    call.wait_tokens + num_tokens_scheduled_for_others,
+                    call.program_service_at_arrival_tokens)
 
 
 def should_promote(call: PlasCall, program: PlasProgram, params: PlasParams) -> bool:

@@ -221,7 +221,29 @@ def test_free_queue_order_hash_keys_and_watched_prefix_cache() -> None:
     # chain's tail; vLLM frees tail-first) left the cache, the chain's first block is still there.
     assert gone == keys - {seams.pool_block_hash_key(first.block_hashes[0])}
     assert seams.num_blocks_referenced_once(seams.request_blocks(h.scheduler, filler.request_id)) == 30
+    assert seams.num_request_blocks(h.scheduler, filler.request_id) == 30
     h.run_until_done()
+    h.assert_no_leaks()
+
+
+def test_watched_prefix_cache_reports_only_the_keys_asked_for() -> None:
+    # The simulator's memo watches the keys it read (a live dict): the pool's other inserts and
+    # evictions (one per KV block) must not call it, and a key added later is reported.
+    h = Harness(Scheduler, num_blocks=32)
+    first = h.add(h.make_request(None, h.tokens(64), max_tokens=1))
+    h.run_until_done()
+    last = seams.pool_block_hash_key(first.block_hashes[-1])  # the chain's tail: evicted first
+    asked: dict[object, str] = {last: "memo"}
+    changes: list[tuple[object, bool]] = []
+    seams.watch_prefix_cache(h.scheduler, lambda key, is_gone: changes.append((key, is_gone)), asked)
+    h.add(h.make_request(None, h.tokens(16 * 30), max_tokens=3))  # evicts 3 of the 4 cached blocks
+    h.step()
+    assert changes == [(last, True)]
+    second = h.make_request(None, h.tokens(48), max_tokens=1)
+    asked[seams.pool_block_hash_key(second.block_hashes[0])] = "memo"
+    h.add(second)
+    h.run_until_done()
+    assert (seams.pool_block_hash_key(second.block_hashes[0]), False) in changes
     h.assert_no_leaks()
 
 
