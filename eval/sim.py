@@ -399,6 +399,8 @@ class Simulator:
         self._runs: dict[str, _SessionRun] = {}
         self._by_request: dict[str, tuple[_SessionRun, TurnRecord]] = {}
         self._deferred: list[tuple[_SessionRun, float]] = []
+        self._run_last_step_s: float | None = None
+        """Start of the last single step of the blocked run being planned (its per-step clocks)."""
         self._in_step = False
         self._num_open = 0
         self._next_tick_s = 0.0
@@ -552,7 +554,8 @@ class Simulator:
         t_start = self.now_s
         k, planned_end_s, run = self._coalesce_factor()
         record = self.engine.schedule(k, hide_waiting=run in ("blocked", "blocked-prefill"),
-                                      prefill_run=run in ("prefill", "blocked-prefill"))
+                                      prefill_run=run in ("prefill", "blocked-prefill"),
+                                      last_step_s=self._run_last_step_s if run == "blocked" else None)
         if record.is_empty:
             self.engine.update(record)
             return False
@@ -652,13 +655,14 @@ class Simulator:
         contexts = [r.num_computed_tokens + 1 for r in self.engine.scheduler.running]
         by_shape = getattr(self.timer, "decode_step_time_s", None)  # same value, no list per step
         num_decode, total = len(contexts), sum(contexts)
-        t_s, k = self.now_s, 0
+        t_s, k, last_start_s = self.now_s, 0, self.now_s
         while k < k_max:
             t_next = t_s + (by_shape(num_decode, total + k * num_decode) if by_shape is not None
                             else self.timer.step_time_s((), [c + k for c in contexts]))
             if t_next > bound_s:
                 break
-            t_s, k = t_next, k + 1
+            last_start_s, t_s, k = t_s, t_next, k + 1
+        self._run_last_step_s = last_start_s  # the per-step clocks the run's last step sets
         return (k, t_s, "blocked") if k > 1 else None
 
     def _step_time_s(self, record: EngineStepRecord) -> float:

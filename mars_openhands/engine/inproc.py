@@ -599,7 +599,7 @@ class InprocEngine:
         return self.update(self.schedule(num_decode_tokens))
 
     def schedule(self, num_decode_tokens: int = 1, *, hide_waiting: bool = False,
-                 prefill_run: bool = False) -> EngineStepRecord:
+                 prefill_run: bool = False, last_step_s: float | None = None) -> EngineStepRecord:
         """``schedule()`` and the synthetic model output for it (not yet applied).
 
         Args:
@@ -610,6 +610,8 @@ class InprocEngine:
                 every waiting request unscheduled.
             prefill_run: a chunked-prefill run of ``k`` steps (:meth:`max_prefill_run`): each
                 capped prefill gets ``k`` chunks and each decode ``k`` tokens in one call.
+            last_step_s: with ``hide_waiting``, the scheduler-clock start of the run's last
+                single step (our schedulers stamp per-step clocks with it: ``run_last_step_s``).
 
         Returns:
             The step's record (``is_empty`` when nothing was scheduled); pass it to
@@ -623,7 +625,7 @@ class InprocEngine:
         if prefill_run:
             out = self._schedule_prefill_run(num_decode_tokens, hide_waiting)
         elif hide_waiting:
-            out = self._schedule_hiding_waiting(num_decode_tokens)
+            out = self._schedule_hiding_waiting(num_decode_tokens, last_step_s)
         else:
             if num_decode_tokens > 1:
                 self._propose_drafts(num_decode_tokens, self.max_decode_run(num_decode_tokens))
@@ -666,7 +668,7 @@ class InprocEngine:
         self._probe_num_tokens = sum(record.num_scheduled_tokens.values())
         return True
 
-    def _schedule_hiding_waiting(self, k: int) -> Any:
+    def _schedule_hiding_waiting(self, k: int, last_step_s: float | None) -> Any:
         """One ``schedule()`` of a blocked decode run of ``k`` tokens, the waiting queue hidden."""
         s = self.scheduler
         limit = self.max_blocked_decode_run(k)
@@ -677,10 +679,15 @@ class InprocEngine:
             self._propose_drafts(k, limit)
         hidden, bound = s.waiting, s.prefill_capacity_bound
         s.waiting = create_request_queue(s.policy)
+        stamps = self.is_plugin and last_step_s is not None
+        if stamps:
+            s.run_last_step_s = last_step_s
         try:
             return s.schedule()
         finally:
             s.waiting, s.prefill_capacity_bound = hidden, bound
+            if stamps:
+                s.run_last_step_s = None
 
     def _schedule_prefill_run(self, k: int, hide_waiting: bool) -> Any:
         """One ``schedule()`` standing for ``k`` chunked-prefill steps (:meth:`max_prefill_run`;

@@ -133,6 +133,10 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         """EMA of the seconds tool calls waited for a tool worker (``tool_start.queue_wait_s``):
         the CPU plane's congestion as the engine sees it."""
         self.overflow: deque[Request] = deque()
+        self.run_last_step_s: float | None = None
+        """Simulator (a merged blocked decode run, ``InprocEngine.schedule``): scheduler-clock
+        start of the last single step the run stands for; ``on_scheduled`` gets it as ``now_s``,
+        as that step would have. ``None`` (every real step): the step's own clock."""
         self._init_switches()
         self._rejected: dict[str, str] = {}
         self.inbox = CpuEventInbox(self.params.max_inbox_events_per_step)
@@ -223,7 +227,16 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         class certified its hooks (:attr:`coalescible_blocked_runs`), nothing is in the inbox,
         no request is rejected, none waits in the window's overflow, and no re-sort is due. Pure."""
         return (self.coalescible_blocked_runs and not self.inbox and not self.inbox.is_listening
-                and not self._rejected and not self.overflow and not self._is_resort_due())
+                and not self._rejected and not self._is_overflow_admission_due()
+                and not self._is_resort_due())
+
+    def _is_overflow_admission_due(self) -> bool:
+        """Whether the next step admits from the window's overflow queue (a slot is free). Pure.
+
+        In a blocked run nobody finishes, arrives or is admitted, so the window's count of
+        running and waiting requests stays where it is: a full window stays full."""
+        return bool(self.overflow) and (self.window_size is None
+                                        or len(self.running) + len(self.waiting) < self.window_size)
 
     def _is_resort_due(self) -> bool:
         """Whether the next step re-sorts the waiting queue because it changed (see _reorder)."""
@@ -563,10 +576,11 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
                 self._measure_reuse(self.retained[sid], rid)
                 self.release_retained(sid, "resumed", now)  # the hit already took its references
         if self._has_on_scheduled and was_running is not None:
+            stamp = now if self.run_last_step_s is None else self.run_last_step_s
             for rid, n in scheduled.items():
                 request = self.requests.get(rid)
                 if request is not None:
-                    self.on_scheduled(request, n, rid in was_running, now)
+                    self.on_scheduled(request, n, rid in was_running, stamp)
         if self._step_prefills:
             self._after_prefills(scheduled, set(new_ids), out, now)
 

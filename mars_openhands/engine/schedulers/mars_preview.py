@@ -41,6 +41,11 @@ class MarsPreviewScheduler(MarsBaseScheduler):
 
     default_window_enabled: ClassVar[bool] = True
     default_chunk_shrinking: ClassVar[bool] = True
+    coalescible_blocked_runs: ClassVar[bool] = True
+    """In a blocked decode run every running request decodes (feedback 0, effective level 0) and
+    was stamped by the probe step, so the running order is arrival order in every step; the
+    stamps the run's steps would leave are its last step's (``run_last_step_s``), and the waiting
+    order has no clock."""
 
     def _effective_level(self, request: Request, now_s: float, num_computed_tokens: int) -> int:
         state = self.req_state.get(request.request_id)

@@ -72,7 +72,7 @@ _CONTINUUM = {"additional_config": {"mars": {"continuum": {"mode": "continuum"}}
     ("ContinuumScheduler", _CONTINUUM, False, True),
     ("AutellixScheduler", {}, False, True),
     ("ThunderAgentScheduler", {}, False, True),
-    ("MarsPreviewScheduler", {}, True, False),
+    ("MarsPreviewScheduler", {}, True, True),
     ("MarsScheduler", {}, True, False),
 ])
 def test_fast_paths_are_exact(monkeypatch: pytest.MonkeyPatch, policy: str, engine: dict[str, Any],
@@ -99,3 +99,30 @@ def test_fast_paths_are_exact(monkeypatch: pytest.MonkeyPatch, policy: str, engi
             f"blocked runs unused: {fast.num_schedule_calls} vs {slow.num_schedule_calls} calls")
     if engine.get("long_prefill_token_threshold"):
         assert engine_.num_prefill_runs > 0, "chunked-prefill runs unused"
+
+
+def test_merged_blocked_run_leaves_the_preview_aging_clocks_of_its_last_step(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The preview stamps each scheduled request's aging clock every step; a merged blocked run of
+    ``k`` steps must leave the stamp its last single step would (not the run's first step's)."""
+    monkeypatch.setenv(FAST_PATHS_ENV, "1")
+    config = SimConfig(policy="MarsPreviewScheduler", num_tool_workers=3, is_admission_enabled=True,
+                       admission=AdmissionParams(cpu_set_backlog_ratio=4.0),
+                       engine=InprocEngineParams(num_gpu_blocks=NUM_BLOCKS, max_model_len=4096))
+    sim = Simulator(_kv_bound_workload(), config, LinearStepTimeModel(), ListSink(), ORIGIN)
+    schedule = sim.engine.schedule
+    runs: list[tuple[float, float, set[float | None]]] = []
+
+    def recording(k: int = 1, **kwargs: Any) -> Any:
+        record = schedule(k, **kwargs)
+        if kwargs.get("hide_waiting") and k > 1:
+            s = sim.engine.scheduler
+            runs.append((sim.now_s, kwargs["last_step_s"],
+                         {s.req_state[r.request_id].mlfq_last_scheduled_s for r in s.running}))
+        return record
+
+    sim.engine.schedule = recording
+    sim.run()
+    assert runs, "no merged blocked run: the preview's runs are certified"
+    for start_s, last_s, stamps in runs:
+        assert last_s > start_s and stamps == {last_s}
