@@ -512,6 +512,8 @@ class InprocEngine:
         unscheduled, and nothing that could change that has happened since."""
         self._hash_keys: dict[str, tuple[int, frozenset[Any]]] = {}
         """request id -> (len(block_hashes), pool keys of its full blocks): memo for waiting ones."""
+        self._hash_positions: dict[str, dict[Any, int]] = {}
+        """request id -> pool key -> first block index (stock vLLM's head, same lifetime)."""
         self.num_steps = 0
         """``schedule()`` calls so far."""
         self.num_decode_substeps = 0
@@ -882,6 +884,7 @@ class InprocEngine:
         self._planned.pop(request_id, None)
         self._requests.pop(request_id, None)
         self._hash_keys.pop(request_id, None)
+        self._hash_positions.pop(request_id, None)
         self.hasher.forget(request_id)
         if self.prefix_memo is not None:
             self.prefix_memo.forget(request_id)
@@ -987,10 +990,8 @@ class InprocEngine:
         head = s.waiting.peek_request()
         if any(r.session_id == head.session_id for r in s.running):
             return 1
-        keys = self._pool_hash_keys(head)
         evicted = seams.next_evicted_blocks(s, new_blocks(k))
-        first_hit = next((i for i, b in enumerate(evicted)
-                          if b.block_hash is not None and b.block_hash in keys), None)
+        first_hit = self._first_unsafe_eviction(head, evicted)
         if first_hit is None:
             return k
         lo, hi = 1, k  # largest k' with new_blocks(k') <= first_hit (monotone in k')
@@ -1002,6 +1003,50 @@ class InprocEngine:
                 hi = mid - 1
         return lo
 
+    def _first_unsafe_eviction(self, head: Request, evicted: Sequence[Any]) -> int | None:
+        """Index of the first of ``evicted`` (the blocks a run takes, in order) whose eviction
+        may let the blocked waiting ``head`` in, or None. Pure.
+
+        Our schedulers: the first block holding one of the head's keys. Stock vLLM: a block
+        evicted from the *end* of the head's prefix hit keeps it blocked, so the walk goes on.
+        vLLM needs ``R = blocks(hit + chunk) - hit + evictable hit blocks`` free blocks; losing
+        the last hit block takes one off ``R`` (or none, when the chunk is the prompt's rest and
+        grows by a block), while the run took that block (and maybe more) off the free ones: the
+        shortfall only grows. A block past the hit, or one whose key another cached block still
+        holds, changes nothing. A block inside the hit cuts it short and may drop several
+        evictable hits from ``R`` at once: the walk stops there. ::
+
+            head's keys : | k0 | k1 | ... | k(h-2) | k(h-1) | k(h) miss ...
+            evicted     :   stop  stop      stop     ok: h -> h - 1      ok (past the hit)
+        """
+        keys = self._pool_hash_keys(head)
+        pool = seams.block_pool(self.scheduler)
+        stock = (not self.is_plugin and len(self.scheduler.kv_cache_config.kv_cache_groups) == 1
+                 and not pool.cached_block_hashes_by_block)
+        hit = -1  # looked up at the first block of the head's
+        copies: dict[Any, int] = {}
+        for i, block in enumerate(evicted):
+            key = block.block_hash
+            if key is None or key not in keys:
+                continue
+            if not stock:
+                return i
+            if hit < 0:
+                hit = seams.prefix_hit_tokens(self.scheduler, head) // self.params.block_size
+            position = self._hash_key_positions(head)[key]
+            if position >= hit:
+                continue  # past the hit: the walk stopped before it
+            if key not in copies:
+                entry = pool.cached_block_hash_to_block._cache.get(key)
+                copies[key] = len(entry) if isinstance(entry, dict) else int(entry is not None)
+            copies[key] -= 1
+            if copies[key] > 0:
+                continue  # another cached block still serves this key
+            if position != hit - 1:
+                return i
+            hit -= 1
+        return None
+
     def _pool_hash_keys(self, request: Request) -> frozenset[Any]:
         """Memo of :func:`seams.pool_block_hash_keys` for a waiting request."""
         memo = self._hash_keys.get(request.request_id)
@@ -1009,7 +1054,19 @@ class InprocEngine:
             groups = len(self.scheduler.kv_cache_config.kv_cache_groups)
             memo = (len(request.block_hashes), seams.pool_block_hash_keys(request, groups))
             self._hash_keys[request.request_id] = memo
+            self._hash_positions.pop(request.request_id, None)
         return memo[1]
+
+    def _hash_key_positions(self, request: Request) -> dict[Any, int]:
+        """Pool key (group 0) -> its first block index in ``request``: memo beside
+        :meth:`_pool_hash_keys` (call that first)."""
+        positions = self._hash_positions.get(request.request_id)
+        if positions is None:
+            positions = {}
+            for i, h in enumerate(request.block_hashes):
+                positions.setdefault(seams.pool_block_hash_key(h), i)
+            self._hash_positions[request.request_id] = positions
+        return positions
 
     # ------------------------------------------------------------------ KV state
     def kv_block_counts(self) -> tuple[int, int, int]:

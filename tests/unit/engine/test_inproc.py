@@ -151,3 +151,28 @@ def test_plugin_scheduler_gets_the_clock() -> None:
     eng.shutdown()
     eng.assert_no_leaks()
     assert eng.kv_block_counts()[1:] == (0, 0)
+
+
+def test_blocked_run_may_evict_the_waiting_heads_hit_from_its_end_only() -> None:
+    """A run that evicts the blocked head's prefix hit from its end keeps the head blocked (stock
+    vLLM needs one block fewer, the run took at least one); a block inside the hit cuts it and
+    may free the way: the run must stop before it."""
+    from mars_openhands.engine import seams
+
+    engine = _engine()
+    stream = engine.stream("a")
+    _add_turn(engine, stream, "a#0", 480, 10)
+    _drain(engine)
+    _add_turn(engine, stream, "a#1", 100, 5, t_s=1.0)
+    head = engine.scheduler.waiting.peek_request()
+    hit = seams.prefix_hit_tokens(engine.scheduler, head) // BS
+    assert hit == 30
+    cache = seams.block_pool(engine.scheduler).cached_block_hash_to_block
+
+    def block(i: int) -> object:
+        return cache.get_one_block(seams.pool_block_hash_key(head.block_hashes[i]))
+
+    other = next(b for b in seams.next_evicted_blocks(engine.scheduler, 512) if b.block_hash is None)
+    assert engine._first_unsafe_eviction(head, [block(hit - 1), other, block(hit - 2)]) is None
+    assert engine._first_unsafe_eviction(head, [other, block(hit - 2)]) == 1
+    assert engine._first_unsafe_eviction(head, [block(hit - 1), block(0)]) == 1
