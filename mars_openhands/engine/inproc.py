@@ -1007,8 +1007,9 @@ class InprocEngine:
         """Index of the first of ``evicted`` (the blocks a run takes, in order) whose eviction
         may let the blocked waiting ``head`` in, or None. Pure.
 
-        Our schedulers: the first block holding one of the head's keys. Stock vLLM: a block
-        evicted from the *end* of the head's prefix hit keeps it blocked, so the walk goes on.
+        Our schedulers: the first block holding one of the head's keys, unless the scheduler's
+        ``head_blocked_like_stock()``. Stock vLLM: a block evicted from the *end* of the head's
+        prefix hit keeps it blocked, so the walk goes on.
         vLLM needs ``R = blocks(hit + chunk) - hit + evictable hit blocks`` free blocks; losing
         the last hit block takes one off ``R`` (or none, when the chunk is the prompt's rest and
         grows by a block), while the run took that block (and maybe more) off the free ones: the
@@ -1021,7 +1022,9 @@ class InprocEngine:
         """
         keys = self._pool_hash_keys(head)
         pool = seams.block_pool(self.scheduler)
-        stock = (not self.is_plugin and len(self.scheduler.kv_cache_config.kv_cache_groups) == 1
+        s = self.scheduler
+        stock = ((not self.is_plugin or s.head_blocked_like_stock())
+                 and len(s.kv_cache_config.kv_cache_groups) == 1
                  and not pool.cached_block_hashes_by_block)
         hit = -1  # looked up at the first block of the head's
         copies: dict[Any, int] = {}

@@ -128,6 +128,8 @@ class AutellixScheduler(MarsBaseScheduler):
     """Per step: waiting calls accrue the step's tokens, running calls are charged theirs (both
     additive), and the running order ``(level, arrival)`` is constant while no level changes;
     :meth:`blocked_run_max_tokens` ends a merged run before a demotion or a promotion."""
+    hit_free_chunk_cap = True
+    """The chunk cap is the call's remaining quantum (:meth:`chunk_tokens`), whatever its hit."""
 
     def blocked_run_max_tokens(self, limit: int) -> int:
         """Most decode tokens before a level would change. Pure.

@@ -114,6 +114,12 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
     requests wait for KV may be merged (``InprocEngine.max_blocked_decode_run``). Off unless a
     subclass checked its hooks."""
 
+    hit_free_chunk_cap: ClassVar[bool] = False
+    """Simulator speed: the policy's ``chunk_tokens`` (if any) caps a chunk by a value that does
+    not depend on the request's prefix hit, so (without chunk shrinking) a waiting request is
+    admitted by vLLM's own allocation of ``min(rest of the prompt, cap)`` tokens, or by a
+    whole-context fit (:meth:`head_blocked_like_stock`)."""
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         seams.check_compat()
@@ -229,6 +235,14 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         return (self.coalescible_blocked_runs and not self.inbox and not self.inbox.is_listening
                 and not self._rejected and not self._is_overflow_admission_due()
                 and not self._is_resort_due())
+
+    def head_blocked_like_stock(self) -> bool:
+        """Whether a blocked waiting head stays blocked, as under stock vLLM, while a run evicts
+        its prefix hit from the end (``InprocEngine._first_unsafe_eviction``): the class
+        certified its chunk cap (:attr:`hit_free_chunk_cap`) and chunks are not shrunk to fit
+        (a shrunk chunk's size depends on the hit and the free blocks). A failed allocation may
+        release retained KV first; the probe step's failure left none that could help. Pure."""
+        return self.hit_free_chunk_cap and not self.chunk_shrinking
 
     def _is_overflow_admission_due(self) -> bool:
         """Whether the next step admits from the window's overflow queue (a slot is free). Pure.

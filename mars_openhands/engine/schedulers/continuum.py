@@ -83,6 +83,8 @@ class ContinuumScheduler(MarsBaseScheduler):
     """Per-step work beyond the base timers: ``on_scheduled`` acts only on a request scheduled
     again after an eviction (never inside a run of decodes), and the victim ranks are rewritten
     before any step that could preempt."""
+    hit_free_chunk_cap = True
+    """No chunk hook: vLLM's own chunking."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

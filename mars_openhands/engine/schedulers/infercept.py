@@ -32,6 +32,7 @@ class InferceptScheduler(MarsBaseScheduler):
     """FCFS with InferCept's break-even KV retention at the end of non-final turns."""
 
     coalescible_blocked_runs = True  # no per-step hook: only the base class's timers
+    hit_free_chunk_cap = True  # no chunk hook
 
     def retention_decision(
         self, request: Request, session: SessionState, now_s: float

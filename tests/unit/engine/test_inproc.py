@@ -153,13 +153,17 @@ def test_plugin_scheduler_gets_the_clock() -> None:
     assert eng.kv_block_counts()[1:] == (0, 0)
 
 
-def test_blocked_run_may_evict_the_waiting_heads_hit_from_its_end_only() -> None:
+@pytest.mark.parametrize(("policy", "like_stock"), [
+    ("fcfs", True), ("AutellixScheduler", True), ("ContinuumScheduler", True),
+    ("MarsPreviewScheduler", False),  # chunks shrunk to fit: sized by the hit and the free blocks
+])
+def test_blocked_run_may_evict_the_waiting_heads_hit_from_its_end_only(policy: str, like_stock: bool) -> None:
     """A run that evicts the blocked head's prefix hit from its end keeps the head blocked (stock
     vLLM needs one block fewer, the run took at least one); a block inside the hit cuts it and
     may free the way: the run must stop before it."""
     from mars_openhands.engine import seams
 
-    engine = _engine()
+    engine = _engine(policy)
     stream = engine.stream("a")
     _add_turn(engine, stream, "a#0", 480, 10)
     _drain(engine)
@@ -173,6 +177,9 @@ def test_blocked_run_may_evict_the_waiting_heads_hit_from_its_end_only() -> None
         return cache.get_one_block(seams.pool_block_hash_key(head.block_hashes[i]))
 
     other = next(b for b in seams.next_evicted_blocks(engine.scheduler, 512) if b.block_hash is None)
+    if not like_stock:
+        assert engine._first_unsafe_eviction(head, [other, block(hit - 1)]) == 1
+        return
     assert engine._first_unsafe_eviction(head, [block(hit - 1), other, block(hit - 2)]) is None
     assert engine._first_unsafe_eviction(head, [other, block(hit - 2)]) == 1
     assert engine._first_unsafe_eviction(head, [block(hit - 1), block(0)]) == 1
