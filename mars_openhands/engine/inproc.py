@@ -484,7 +484,8 @@ class InprocEngine:
             reads no clock that matters with ``log_stats=False`` (request arrival times are set
             by the caller).
         model_dir: tiny model folder (default: written under the temp dir).
-        memoize_prefix_hits: install a :class:`PrefixHitMemo` (exact; the simulator's speed).
+        memoize_prefix_hits: install a :class:`PrefixHitMemo` and the fused block allocation
+            (:func:`seams.install_fused_block_allocation`): exact; the simulator's speed.
     """
 
     def __init__(
@@ -501,6 +502,8 @@ class InprocEngine:
         self.hasher = StreamBlockHasher(params.block_size, params.prefix_caching_hash_algo)
         self.prefix_memo = (PrefixHitMemo(self.scheduler)
                             if memoize_prefix_hits and params.enable_prefix_caching else None)
+        if memoize_prefix_hits:
+            seams.install_fused_block_allocation(self.scheduler)
         self._planned: dict[str, list[int]] = {}
         self._requests: dict[str, Request] = {}
         self._kv_counts: tuple[int, int, int] | None = None

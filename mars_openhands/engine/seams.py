@@ -80,6 +80,7 @@ __all__ = [
     "free_pinned",
     "next_evicted_blocks",
     "watch_prefix_cache",
+    "install_fused_block_allocation",
     "pool_block_hash_key",
     "pool_block_hash_keys",
     "prefix_cache_map",
@@ -387,6 +388,89 @@ def watch_prefix_cache(sched: Scheduler, on_change: Any, keys: Any = None) -> An
     watched._cache = pool.cached_block_hash_to_block._cache
     pool.cached_block_hash_to_block = watched
     return watched
+
+
+def install_fused_block_allocation(sched: Scheduler) -> bool:
+    """Simulator speed: the pool's ``get_new_blocks`` evicts each block's prefix-cache entry in one
+    inline step instead of vLLM's four calls per block (``_maybe_evict_cached_block`` ->
+    ``_remove_cached_block_hashes`` -> pop, ``reset_hash``), with the same effects in the same
+    order; ``cache_full_blocks`` likewise (:func:`_fused_cache_full_blocks`). Past the KV knee every turn re-prefills its context: millions of block allocations
+    per run. Falls back to vLLM's method whenever a feature it would handle is on (metrics
+    collector, KV cache events, no prefix caching, blocks with extra hashes). Mutates the pool
+    (an instance attribute; the class is untouched).
+
+    Returns:
+        False (nothing installed) if the pool lacks an attribute the fused path reads.
+    """
+    pool = block_pool(sched)
+    needed = ("free_block_queue", "_reuse_watchers", "metrics_collector", "enable_kv_cache_events",
+              "cached_block_hashes_by_block", "cached_block_hash_to_block", "enable_caching")
+    if not all(hasattr(pool, name) for name in needed) or not hasattr(pool.null_block, "_block_hash"):
+        return False
+    original = pool.get_new_blocks
+
+    def get_new_blocks(num_blocks: int) -> list[KVCacheBlock]:
+        if (pool.metrics_collector or pool.enable_kv_cache_events or not pool.enable_caching
+                or pool.cached_block_hashes_by_block):
+            return original(num_blocks)
+        if num_blocks > pool.get_num_free_blocks():
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+        blocks = pool.free_block_queue.popleft_n(num_blocks)
+        if pool._reuse_watchers:
+            pool._notify_reuse(blocks)
+        cache = pool.cached_block_hash_to_block
+        for block in blocks:
+            key = block._block_hash
+            if key is not None:
+                cache.pop(key, block.block_id)
+                block._block_hash = None
+                block._block_hash_num_tokens = None
+            block.ref_cnt += 1
+        return blocks
+
+    pool.get_new_blocks = get_new_blocks
+    pool.cache_full_blocks = _fused_cache_full_blocks(pool, pool.cache_full_blocks)
+    return True
+
+
+def _fused_cache_full_blocks(pool: Any, original: Any) -> Any:
+    """``BlockPool.cache_full_blocks`` with the common case inline: a block with no hash yet whose
+    key is not cached gets its hash and its map entry directly (vLLM: ``_insert_block_hash`` ->
+    ``contain``, ``set_block_hash``, ``insert``); any other block takes vLLM's own steps, in the
+    same order. KV cache events or a block mask: vLLM's method."""
+    from vllm.v1.core.block_pool import resolve_block_hashes
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    def cache_full_blocks(request: Any, blocks: list[KVCacheBlock], num_cached_blocks: int,
+                          num_full_blocks: int, block_size: int, kv_cache_group_id: int,
+                          block_mask: list[bool] | None = None) -> None:
+        if pool.enable_kv_cache_events or block_mask is not None:
+            original(request, blocks, num_cached_blocks, num_full_blocks, block_size,
+                     kv_cache_group_id, block_mask)
+            return
+        if num_cached_blocks >= num_full_blocks:
+            return
+        new_hashes = resolve_block_hashes(request.block_hashes, pool.hash_block_size,
+                                          block_size)[num_cached_blocks:]
+        cache = pool.cached_block_hash_to_block
+        raw = cache._cache
+        for i, block in enumerate(blocks[num_cached_blocks:num_full_blocks]):
+            if block.is_null:
+                continue
+            key = make_block_hash_with_group_id(new_hashes[i], kv_cache_group_id)
+            num_tokens = (num_cached_blocks + i + 1) * block_size
+            if block._block_hash is None and key not in raw:
+                block._block_hash = key
+                block._block_hash_num_tokens = num_tokens
+                cache.insert(key, block)
+                continue
+            if block._block_hash is not None:
+                assert (block.block_hash_num_tokens is not None
+                        and block.block_hash_num_tokens < num_tokens)
+                pool._emit_block_removed_events(pool._remove_cached_block_hashes(block))
+            pool._insert_block_hash(key, block, num_tokens=num_tokens)
+
+    return cache_full_blocks
 
 
 def prefix_cache_map(sched: Scheduler) -> Any:

@@ -290,3 +290,33 @@ def test_scaled_step_budget_scales_one_schedule_and_restores() -> None:
     assert (s.max_num_scheduled_tokens, s.scheduler_config.max_num_batched_tokens,
             s.scheduler_config.long_prefill_token_threshold) == before
     assert seams.num_block_table_entries(s, next(iter(out.num_scheduled_tokens))) == 96 // 16
+
+
+def test_fused_block_allocation_leaves_the_pool_as_vllms_own() -> None:
+    # Same requests on two pools, one with the simulator's fused get_new_blocks/cache_full_blocks:
+    # every block's hash, token count and references, the free queue's order and the prefix-cache
+    # map must be equal after each step (evictions of cached blocks and repeated prefixes included).
+    def pool_state(h: Harness) -> tuple[object, ...]:
+        pool = seams.block_pool(h.scheduler)
+        blocks = [(b.block_id, b.block_hash, b.block_hash_num_tokens, b.ref_cnt) for b in pool.blocks]
+        free = [b.block_id for b in seams.next_evicted_blocks(h.scheduler, len(pool.blocks))]
+        cached = {k: sorted(v) if isinstance(v, dict) else v.block_id
+                  for k, v in pool.cached_block_hash_to_block._cache.items()}
+        return blocks, free, cached
+
+    plain, fused = Harness(Scheduler, num_blocks=24), Harness(Scheduler, num_blocks=24)
+    assert seams.install_fused_block_allocation(fused.scheduler)
+    shared = plain.tokens(80)
+    fused.tokens(80)
+    for step, n in enumerate((0, 40, 200, 0, 120, 260)):
+        for h in (plain, fused):
+            prompt = shared + (h.tokens(n) if n else [])
+            h.add(h.make_request(None, prompt, max_tokens=3 + step))
+        for _ in range(40):
+            plain.step()
+            fused.step()
+            assert pool_state(fused) == pool_state(plain)
+    plain.run_until_done()
+    fused.run_until_done()
+    assert pool_state(fused) == pool_state(plain)
+    fused.assert_no_leaks()
