@@ -11,36 +11,43 @@ load FCFS is past its knee: requests wait for KV most of the run (the KV-blocked
 Target: >= 150x simulated seconds per CPU second for every policy. CPU seconds
 (``time.process_time``) rather than wall seconds, because the 2-core dev box is shared.
 
-Measured 2026-12-02 (commit 8a6634c; 2-core box shared with another engineer's benchmarks, load
-2.2-4.4, two bench processes at once; CPU seconds vary by ~10-20% between runs at this load). Before
-the fast paths fcfs made 255,847 ``schedule()`` calls (26x under cProfile, 309 s); mars ran at 37x
-under cProfile (178 s CPU unprofiled).
+Measured 2026-12-02, side by side: each policy's old (2f11b5f) and new (e8c9b96) code run at the
+same time, one process each, on the 2-core box (load 1.5-3.1: CPU seconds of the same code vary by
+up to ~40% between calls here, so only the pairs compare). Results (makespan, preemptions) are
+equal both ways.
 
-=============  ===  ======  ======  =====  =======  =========  =======  =======
-policy         adm   sim s  wall s  CPU s  sim/CPU  schedule()   steps  preempt
-=============  ===  ======  ======  =====  =======  =========  =======  =======
-fcfs           off   7,963      82   55.2     144x     34,462  396,328       50
-vllm-tuned     off  10,971     196  136.3      81x    127,669  431,371   11,394
-autellix       off  12,283     386  221.4      55x    202,546  487,472    2,051
-infercept      off   7,950      86   58.0     137x     40,648  396,444       54
-continuum      off   6,948      80   79.3      88x    102,890  397,797       42
-thunderagent   off   6,545      43   43.0     152x     24,525  550,483       14
-mars-preview   on   11,222     373  214.6      52x    329,152  469,184    2,725
-mars           on    6,545      48   48.1     136x     21,948  545,752        0
-continuum-dy   off   6,972      88   87.7      79x    104,083  398,879       55
-=============  ===  ======  ======  =====  =======  =========  =======  =======
+=============  ==========================  ==========================  =======
+policy         old: CPU s, sim/CPU, calls  new: CPU s, sim/CPU, calls  speedup
+=============  ==========================  ==========================  =======
+fcfs           62.9, 127x, 34,462          62.8, 127x, 29,087          1.00x
+continuum      86.8,  80x, 102,890         70.5,  99x, 36,630          1.23x
+autellix       243.6, 50x, 202,546         156.1, 79x, 193,990         1.56x
+mars-preview   215.6, 52x, 329,651         147.7, 76x, 213,947         1.46x
+vllm-tuned     147.0, 75x, 127,669         120.5, 91x, 61,971          1.22x
+=============  ==========================  ==========================  =======
 
-vllm-tuned was 57x at 21b645a's code (191.9 s CPU, 149,463 calls): its 512-token prefill chunks are
-now merged into one ``schedule()`` per run (``InprocEngine.max_prefill_run``), and the prefix-hit
-memo finds a dropped key in O(1) (autellix 290 -> 221 s, mars-preview 314 -> 215 s CPU, same
-results). Below 150x, and why: vllm-tuned's 11,394 preemptions and each arrival or finish reset the
-probe, and a run needs one single probe step first; autellix (2,051 preemptions) and mars-preview
-(not certified for blocked runs: its ``on_scheduled`` stamps every running request's aging clock
-each step, and with the window on a run ends at every 0.2 s tick) spend most steps in single
-``schedule()`` calls; continuum's runs end at its 2 s pin expiries and 1 s re-sorts (a re-sort
-moves ``_last_waiting_sort_s``, so skipping one needs the run's step times in the scheduler).
-fcfs, infercept and mars are within 5-10% of the target: what is left is vLLM's own per-token
-output handling and per-turn KV walks.
+Unpaired at e8c9b96 (two benches at once, load ~2): infercept 56-71 s (111-143x), thunderagent
+46-55 s (119-142x), mars 52 s (126x); on a quiet box earlier fcfs/infercept/mars ran at 215-237x.
+After e8c9b96, the KV pool's per-block bookkeeping runs inline
+(``seams.install_fused_block_allocation``): get_new_blocks 1.68 -> 0.98 s and cache_full_blocks
+1.64 -> 1.13 s under cProfile on 20 sessions x 40 turns (fcfs); unprofiled the gain is within the
+noise (``farm-bench`` A/B CPU 0.94-1.01 over 3 pairs of fcfs + autellix on that workload).
+
+What changed (all exact: 12 policies x 2 KV-bound workloads give bit-identical per-request times
+and events, and ``tests/unit/eval/test_sim_fast_paths.py`` compares every policy with the fast
+paths off): a request's block count is O(1) (autellix and mars-preview counted every running
+request's blocks each step: 10^9 generator steps per run); the watched prefix-cache map calls back
+only for keys the memo read; PLAS state is updated by constructor; mars-preview's blocked decode
+runs are certified (its aging clocks take the run's last step start, ``run_last_step_s``); a
+blocked run may evict the waiting head's prefix hit from its *end* (stock vLLM, infercept,
+continuum, autellix: the head's need drops by at most the blocks the run took, so it stays
+blocked), which halved fcfs's and vllm-tuned's ``schedule()`` calls.
+
+Below 150x, and why: the calls are no longer the cost. What is left is vLLM's own per-block work:
+past the knee every turn re-prefills its context (fcfs: 6.0 M blocks allocated, evicted from and
+inserted into the prefix cache per run; autellix 8.1 M), plus ``update_from_output``'s per-token
+handling. autellix and mars-preview also run their quantum-capped prefill chunks (256-2,048
+tokens) one ``schedule()`` each, because chunked-prefill runs are certified for stock vLLM only.
 
 Prints one row per policy (simulated s, wall s, CPU s, simulated s per CPU s, ``schedule()``
 calls, engine steps, preemptions) and appends the rows to
