@@ -513,10 +513,9 @@ class InprocEngine:
         """Tokens the probe step scheduled: its waiting queue saw the budget less these."""
         """The last probe (see :meth:`max_blocked_decode_run`) left every waiting request
         unscheduled, and nothing that could change that has happened since."""
-        self._hash_keys: dict[str, tuple[int, frozenset[Any]]] = {}
-        """request id -> (len(block_hashes), pool keys of its full blocks): memo for waiting ones."""
-        self._hash_positions: dict[str, dict[Any, int]] = {}
-        """request id -> pool key -> first block index (stock vLLM's head, same lifetime)."""
+        self._hash_keys: dict[str, tuple[int, dict[Any, int]]] = {}
+        """request id -> (len(block_hashes), pool key of each full block -> its index): memo for
+        waiting ones."""
         self.num_steps = 0
         """``schedule()`` calls so far."""
         self.num_decode_substeps = 0
@@ -887,7 +886,6 @@ class InprocEngine:
         self._planned.pop(request_id, None)
         self._requests.pop(request_id, None)
         self._hash_keys.pop(request_id, None)
-        self._hash_positions.pop(request_id, None)
         self.hasher.forget(request_id)
         if self.prefix_memo is not None:
             self.prefix_memo.forget(request_id)
@@ -1024,8 +1022,8 @@ class InprocEngine:
             evicted     :   stop  stop      stop     ok: h -> h - 1      ok (past the hit)
         """
         keys = self._pool_hash_keys(head)
-        pool = seams.block_pool(self.scheduler)
         s = self.scheduler
+        pool = seams.block_pool(s)
         stock = ((not self.is_plugin or s.head_blocked_like_stock())
                  and len(s.kv_cache_config.kv_cache_groups) == 1
                  and not pool.cached_block_hashes_by_block)
@@ -1038,8 +1036,8 @@ class InprocEngine:
             if not stock:
                 return i
             if hit < 0:
-                hit = seams.prefix_hit_tokens(self.scheduler, head) // self.params.block_size
-            position = self._hash_key_positions(head)[key]
+                hit = seams.prefix_hit_tokens(s, head) // self.params.block_size
+            position = keys[key]
             if position >= hit:
                 continue  # past the hit: the walk stopped before it
             if key not in copies:
@@ -1053,26 +1051,14 @@ class InprocEngine:
             hit -= 1
         return None
 
-    def _pool_hash_keys(self, request: Request) -> frozenset[Any]:
+    def _pool_hash_keys(self, request: Request) -> dict[Any, int]:
         """Memo of :func:`seams.pool_block_hash_keys` for a waiting request."""
         memo = self._hash_keys.get(request.request_id)
         if memo is None or memo[0] != len(request.block_hashes):
             groups = len(self.scheduler.kv_cache_config.kv_cache_groups)
             memo = (len(request.block_hashes), seams.pool_block_hash_keys(request, groups))
             self._hash_keys[request.request_id] = memo
-            self._hash_positions.pop(request.request_id, None)
         return memo[1]
-
-    def _hash_key_positions(self, request: Request) -> dict[Any, int]:
-        """Pool key (group 0) -> its first block index in ``request``: memo beside
-        :meth:`_pool_hash_keys` (call that first)."""
-        positions = self._hash_positions.get(request.request_id)
-        if positions is None:
-            positions = {}
-            for i, h in enumerate(request.block_hashes):
-                positions.setdefault(seams.pool_block_hash_key(h), i)
-            self._hash_positions[request.request_id] = positions
-        return positions
 
     # ------------------------------------------------------------------ KV state
     def kv_block_counts(self) -> tuple[int, int, int]:

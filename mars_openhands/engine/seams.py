@@ -394,8 +394,8 @@ def install_fused_block_allocation(sched: Scheduler) -> bool:
     """Simulator speed: the pool's ``get_new_blocks`` evicts each block's prefix-cache entry in one
     inline step instead of vLLM's four calls per block (``_maybe_evict_cached_block`` ->
     ``_remove_cached_block_hashes`` -> pop, ``reset_hash``), with the same effects in the same
-    order; ``cache_full_blocks`` likewise (:func:`_fused_cache_full_blocks`). Past the KV knee every turn re-prefills its context: millions of block allocations
-    per run. Falls back to vLLM's method whenever a feature it would handle is on (metrics
+    order; ``cache_full_blocks`` likewise (:func:`_fused_cache_full_blocks`). Past the KV knee
+    every turn re-prefills its context: millions of block allocations per run. Falls back to vLLM's method whenever a feature it would handle is on (metrics
     collector, KV cache events, no prefix caching, blocks with extra hashes). Mutates the pool
     (an instance attribute; the class is untouched).
 
@@ -485,14 +485,14 @@ def pool_block_hash_key(block_hash: Any, group_id: int = 0) -> Any:
     return make_block_hash_with_group_id(block_hash, group_id)
 
 
-def pool_block_hash_keys(request: Request, num_groups: int = 1) -> frozenset[Any]:
+def pool_block_hash_keys(request: Request, num_groups: int = 1) -> dict[Any, int]:
     """The pool-side keys (``KVCacheBlock.block_hash``: hash + group id) of ``request``'s full
-    blocks in KV cache groups ``0..num_groups-1``: a block whose key is here may serve its prefix
-    hit. Pure."""
+    blocks in KV cache groups ``0..num_groups-1``, each with its block's index in the request (a
+    block whose key is here may serve its prefix hit up to that block). Pure."""
     from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
-    return frozenset(make_block_hash_with_group_id(h, g)
-                     for g in range(num_groups) for h in request.block_hashes)
+    return {make_block_hash_with_group_id(h, g): i
+            for g in range(num_groups) for i, h in enumerate(request.block_hashes)}
 
 
 def prefix_hit_tokens(sched: Scheduler, request: Request) -> int:

@@ -208,7 +208,7 @@ def test_free_queue_order_hash_keys_and_watched_prefix_cache() -> None:
     evicted = seams.next_evicted_blocks(h.scheduler, 40)
     assert len(evicted) == seams.num_free_blocks(h.scheduler)  # capped at the free blocks
     cached = [b for b in evicted if b.block_hash is not None]
-    assert {b.block_hash for b in cached} == keys
+    assert {b.block_hash for b in cached} == set(keys)
     changes: list[tuple[object, bool]] = []
     watched = seams.watch_prefix_cache(h.scheduler, lambda key, is_gone: changes.append((key, is_gone)))
     assert seams.prefix_cache_map(h.scheduler) is watched
@@ -219,7 +219,7 @@ def test_free_queue_order_hash_keys_and_watched_prefix_cache() -> None:
     gone = {key for key, is_gone in changes if is_gone}
     # 30 of the 31 free blocks taken from the free queue's head: the 3 blocks freed first (the
     # chain's tail; vLLM frees tail-first) left the cache, the chain's first block is still there.
-    assert gone == keys - {seams.pool_block_hash_key(first.block_hashes[0])}
+    assert gone == set(keys) - {seams.pool_block_hash_key(first.block_hashes[0])}
     assert seams.num_blocks_referenced_once(seams.request_blocks(h.scheduler, filler.request_id)) == 30
     assert seams.num_request_blocks(h.scheduler, filler.request_id) == 30
     h.run_until_done()
