@@ -231,7 +231,8 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         would do no per-step work of this scheduler's own beyond the timers of
         :meth:`blocked_run_until_s` and the counters of :meth:`blocked_run_max_tokens`: the
         class certified its hooks (:attr:`coalescible_blocked_runs`), nothing is in the inbox,
-        no request is rejected, none waits in the window's overflow, and no re-sort is due. Pure."""
+        no request is rejected, the window admits none from its overflow, and no re-sort is due.
+        Pure."""
         return (self.coalescible_blocked_runs and not self.inbox and not self.inbox.is_listening
                 and not self._rejected and not self._is_overflow_admission_due()
                 and not self._is_resort_due())
