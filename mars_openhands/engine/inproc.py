@@ -484,8 +484,9 @@ class InprocEngine:
             reads no clock that matters with ``log_stats=False`` (request arrival times are set
             by the caller).
         model_dir: tiny model folder (default: written under the temp dir).
-        memoize_prefix_hits: install a :class:`PrefixHitMemo` and the fused block allocation
-            (:func:`seams.install_fused_block_allocation`): exact; the simulator's speed.
+        memoize_prefix_hits: install a :class:`PrefixHitMemo`, the fused block allocation
+            (:func:`seams.install_fused_block_allocation`) and the batched token append
+            (:func:`seams.install_batched_token_append`): exact; the simulator's speed.
     """
 
     def __init__(
@@ -504,6 +505,7 @@ class InprocEngine:
                             if memoize_prefix_hits and params.enable_prefix_caching else None)
         if memoize_prefix_hits:
             seams.install_fused_block_allocation(self.scheduler)
+            seams.install_batched_token_append(self.scheduler)
         self._planned: dict[str, list[int]] = {}
         self._requests: dict[str, Request] = {}
         self._kv_counts: tuple[int, int, int] | None = None

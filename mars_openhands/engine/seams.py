@@ -36,6 +36,8 @@ vLLM private                                      what we do with it
 ``.long_prefill_token_threshold``                :func:`scaled_step_budget`)
 ``BlockPool.cached_block_hash_to_block``         watched (insert/pop call back) so the simulator
                                                  can memoize prefix-hit lookups exactly
+``Scheduler._update_request_with_output``        simulator: one append + one stop check for a
+(instance; ``AsyncScheduler``'s, unmodified)     coalesced decode run's tokens (same state)
 ``EngineCoreProc.input_queue``,                  put a WAKEUP (vLLM's own no-op, used at shutdown)
 ``EngineCoreRequestType.WAKEUP``                 to wake an idle engine-core loop for work only the
                                                  scheduler knows of (CPU-plane events, KV expiry)
@@ -81,6 +83,7 @@ __all__ = [
     "next_evicted_blocks",
     "watch_prefix_cache",
     "install_fused_block_allocation",
+    "install_batched_token_append",
     "pool_block_hash_key",
     "pool_block_hash_keys",
     "prefix_cache_map",
@@ -390,6 +393,17 @@ def watch_prefix_cache(sched: Scheduler, on_change: Any, keys: Any = None) -> An
     return watched
 
 
+def _inline_map(cache: Any) -> tuple[dict[Any, Any], Any, Any] | None:
+    """``(entries, watched keys, on_change)`` of a prefix-cache map whose insert / pop the fused
+    allocation may do inline (vLLM's map, or :func:`watch_prefix_cache`'s with its callback);
+    ``None`` for any other map class (its own methods are called). Pure."""
+    if type(cache) is _WatchedBlockHashToBlockMap:
+        return cache._cache, cache._watched, cache._on_change
+    if type(cache) is BlockHashToBlockMap:
+        return cache._cache, (), None
+    return None
+
+
 def install_fused_block_allocation(sched: Scheduler) -> bool:
     """Simulator speed: the pool's ``get_new_blocks`` evicts each block's prefix-cache entry in one
     inline step instead of vLLM's four calls per block (``_maybe_evict_cached_block`` ->
@@ -419,10 +433,26 @@ def install_fused_block_allocation(sched: Scheduler) -> bool:
         if pool._reuse_watchers:
             pool._notify_reuse(blocks)
         cache = pool.cached_block_hash_to_block
+        inline = _inline_map(cache)
+        if inline is None:
+            for block in blocks:
+                key = block._block_hash
+                if key is not None:
+                    cache.pop(key, block.block_id)
+                    block._block_hash = None
+                    block._block_hash_num_tokens = None
+                block.ref_cnt += 1
+            return blocks
+        raw, watched, on_change = inline
         for block in blocks:
             key = block._block_hash
             if key is not None:
-                cache.pop(key, block.block_id)
+                entry = raw.pop(key, None)
+                if entry is not block and entry is not None:  # shared key or another block: vLLM's pop
+                    raw[key] = entry
+                    BlockHashToBlockMap.pop(cache, key, block.block_id)
+                if key in watched:
+                    on_change(key, key not in raw)
                 block._block_hash = None
                 block._block_hash_num_tokens = None
             block.ref_cnt += 1
@@ -441,6 +471,8 @@ def _fused_cache_full_blocks(pool: Any, original: Any) -> Any:
     from vllm.v1.core.block_pool import resolve_block_hashes
     from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
+    is_key_concat = make_block_hash_with_group_id(b"h", 3) == b"h" + (3).to_bytes(4, "big", signed=False)
+
     def cache_full_blocks(request: Any, blocks: list[KVCacheBlock], num_cached_blocks: int,
                           num_full_blocks: int, block_size: int, kv_cache_group_id: int,
                           block_mask: list[bool] | None = None) -> None:
@@ -453,16 +485,24 @@ def _fused_cache_full_blocks(pool: Any, original: Any) -> Any:
         new_hashes = resolve_block_hashes(request.block_hashes, pool.hash_block_size,
                                           block_size)[num_cached_blocks:]
         cache = pool.cached_block_hash_to_block
-        raw = cache._cache
+        inline = _inline_map(cache)
+        raw, watched, on_change = inline if inline is not None else (cache._cache, (), None)
+        suffix = kv_cache_group_id.to_bytes(4, "big", signed=False) if is_key_concat else None
         for i, block in enumerate(blocks[num_cached_blocks:num_full_blocks]):
             if block.is_null:
                 continue
-            key = make_block_hash_with_group_id(new_hashes[i], kv_cache_group_id)
+            key = (new_hashes[i] + suffix if suffix is not None
+                   else make_block_hash_with_group_id(new_hashes[i], kv_cache_group_id))
             num_tokens = (num_cached_blocks + i + 1) * block_size
             if block._block_hash is None and key not in raw:
                 block._block_hash = key
                 block._block_hash_num_tokens = num_tokens
-                cache.insert(key, block)
+                if inline is None:
+                    cache.insert(key, block)
+                    continue
+                raw[key] = block
+                if key in watched:
+                    on_change(key, False)
                 continue
             if block._block_hash is not None:
                 assert (block.block_hash_num_tokens is not None
@@ -471,6 +511,62 @@ def _fused_cache_full_blocks(pool: Any, original: Any) -> Any:
             pool._insert_block_hash(key, block, num_tokens=num_tokens)
 
     return cache_full_blocks
+
+
+def install_batched_token_append(sched: Scheduler) -> bool:
+    """Simulator speed: ``update_from_output`` appends a request's sampled tokens in one call and
+    checks for a stop once, instead of vLLM's append + ``check_stop`` per token (a coalesced
+    decode run hands each request its run's tokens in one update: 1.3 M tokens per full-workload
+    run). Exact: the tokens kept are those before the first stop vLLM's loop would find (EOS, or
+    the ``max_tokens`` / ``max_model_len`` cap), appended at once (the block hasher then sees the
+    same tokens), and ``check_stop`` on the last one sets the same status; the rest of
+    ``AsyncScheduler._update_request_with_output`` (placeholders, ``cache_blocks``) is unchanged.
+    Requests with stop token ids, repetition detection or pooling take vLLM's loop. Mutates
+    ``sched`` (an instance attribute; the class is untouched).
+
+    Returns:
+        False (nothing installed) unless ``sched``'s method is ``AsyncScheduler``'s over
+        ``Scheduler``'s (a subclass that overrides either keeps its own).
+    """
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.utils import check_stop
+    from vllm.v1.request import RequestStatus
+
+    if not isinstance(sched, AsyncScheduler) or any(
+            "_update_request_with_output" in vars(c) for c in type(sched).__mro__
+            if c not in (AsyncScheduler, Scheduler)):
+        return False
+    original = sched._update_request_with_output
+    max_model_len = sched.max_model_len
+    running = RequestStatus.RUNNING
+
+    def update(request: Request, new_token_ids: list[int], is_stale: bool = False) -> tuple[list[int], bool]:
+        params = request.sampling_params
+        if (len(new_token_ids) < 2 or request.pooling_params or params is None or params.stop_token_ids
+                or params.repetition_detection is not None):
+            return original(request, new_token_ids, is_stale)
+        status_before = request.status
+        # vLLM's loop stops after token k (1-based) at EOS or once num_tokens >= max_model_len or
+        # num_output_tokens >= max_tokens; the length caps hold from k = their distance on.
+        cut = max(1, min(len(new_token_ids), max_model_len - request.num_tokens,
+                         request.max_tokens - request.num_output_tokens))
+        eos = params.eos_token_id
+        if eos is not None and eos in new_token_ids:
+            cut = min(cut, new_token_ids.index(eos) + 1)
+        request.append_output_token_ids(new_token_ids[:cut] if cut < len(new_token_ids) else new_token_ids)
+        stopped = check_stop(request, max_model_len)
+        if stopped:
+            del new_token_ids[cut:]
+        if not is_stale:
+            request.num_output_placeholders -= len(new_token_ids)
+            assert request.num_output_placeholders >= 0
+        if status_before == running:
+            sched.kv_cache_manager.cache_blocks(
+                request, request.num_computed_tokens - request.num_output_placeholders)
+        return new_token_ids, stopped
+
+    sched._update_request_with_output = update
+    return True
 
 
 def prefix_cache_map(sched: Scheduler) -> Any:

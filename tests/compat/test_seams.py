@@ -292,10 +292,12 @@ def test_scaled_step_budget_scales_one_schedule_and_restores() -> None:
     assert seams.num_block_table_entries(s, next(iter(out.num_scheduled_tokens))) == 96 // 16
 
 
-def test_fused_block_allocation_leaves_the_pool_as_vllms_own() -> None:
+@pytest.mark.parametrize("is_watched", [False, True])
+def test_fused_block_allocation_leaves_the_pool_as_vllms_own(is_watched: bool) -> None:
     # Same requests on two pools, one with the simulator's fused get_new_blocks/cache_full_blocks:
     # every block's hash, token count and references, the free queue's order and the prefix-cache
-    # map must be equal after each step (evictions of cached blocks and repeated prefixes included).
+    # map must be equal after each step (evictions of cached blocks and repeated prefixes included);
+    # with a watched map (the simulator's prefix-hit memo) the callbacks must be the same too.
     def pool_state(h: Harness) -> tuple[object, ...]:
         pool = seams.block_pool(h.scheduler)
         blocks = [(b.block_id, b.block_hash, b.block_hash_num_tokens, b.ref_cnt) for b in pool.blocks]
@@ -306,6 +308,10 @@ def test_fused_block_allocation_leaves_the_pool_as_vllms_own() -> None:
 
     plain, fused = Harness(Scheduler, num_blocks=24), Harness(Scheduler, num_blocks=24)
     assert seams.install_fused_block_allocation(fused.scheduler)
+    calls: dict[str, list[tuple[object, bool]]] = {"plain": [], "fused": []}
+    if is_watched:
+        for name, h in (("plain", plain), ("fused", fused)):
+            seams.watch_prefix_cache(h.scheduler, lambda k, gone, out=calls[name]: out.append((k, gone)))
     shared = plain.tokens(80)
     fused.tokens(80)
     for step, n in enumerate((0, 40, 200, 0, 120, 260)):
@@ -316,7 +322,61 @@ def test_fused_block_allocation_leaves_the_pool_as_vllms_own() -> None:
             plain.step()
             fused.step()
             assert pool_state(fused) == pool_state(plain)
+            assert calls["fused"] == calls["plain"]
     plain.run_until_done()
     fused.run_until_done()
     assert pool_state(fused) == pool_state(plain)
+    assert calls["fused"] == calls["plain"]
+    assert not is_watched or any(gone for _, gone in calls["plain"]) and any(not g for _, g in calls["plain"])
     fused.assert_no_leaks()
+
+
+EOS = 7
+
+
+@pytest.mark.parametrize(("max_tokens", "tokens", "eos", "stop_ids", "max_model_len"), [
+    (64, [11] * 12, None, None, 4096),            # all kept, no stop
+    (6, [11] * 12, None, None, 4096),             # max_tokens reached inside the run
+    (64, [11, 11, 11, EOS, 11, 11], EOS, None, 4096),   # EOS inside the run
+    (5, [11] * 6 + [EOS], EOS, None, 4096),       # the length cap before a later EOS
+    (5, [11, 11, 11, EOS, 11], EOS, None, 4096),  # EOS on the capped token: stopped, not capped
+    (64, [11, 11, 12, 11], None, [12], 4096),     # stop token ids: vLLM's loop
+    (64, [11] * 12, None, None, 48),              # max_model_len reached inside the run
+    (64, [EOS], EOS, None, 4096),                 # one token: vLLM's loop
+])
+def test_batched_token_append_matches_vllms_loop(max_tokens: int, tokens: list[int], eos: int | None,
+                                                 stop_ids: list[int] | None, max_model_len: int) -> None:
+    # A coalesced decode run hands a request several tokens in one update: the batched append must
+    # keep the same tokens, status, stop reason, block hashes, placeholders and cached blocks.
+    def state(h: Harness, request: object, result: object) -> tuple[object, ...]:
+        pool = seams.block_pool(h.scheduler)
+        return (result, list(request.output_token_ids), request.status, request.stop_reason,
+                list(request.block_hashes), request.num_output_placeholders,
+                [(b.block_id, b.block_hash) for b in pool.blocks])
+
+    states = []
+    for is_batched in (False, True):
+        h = Harness(AsyncScheduler, num_blocks=32, seed=3)
+        h.scheduler.max_model_len = max_model_len
+        if is_batched:
+            assert seams.install_batched_token_append(h.scheduler)
+        request = h.make_request(None, h.tokens(40), max_tokens=max_tokens)
+        request.sampling_params.ignore_eos = eos is None
+        request.sampling_params._eos_token_id = eos
+        request.sampling_params.stop_token_ids = stop_ids or []
+        h.add(request)
+        h.step()  # the prefill: one sampled token
+        request.num_output_placeholders = len(tokens)
+        result = h.scheduler._update_request_with_output(request, list(tokens))
+        states.append(state(h, request, result))
+    assert states[1] == states[0]
+
+
+def test_batched_token_append_leaves_an_overriding_subclass_alone() -> None:
+    class Overrides(AsyncScheduler):
+        def _update_request_with_output(self, request, new_token_ids, is_stale=False):  # noqa: ANN001, ANN202
+            return super()._update_request_with_output(request, new_token_ids, is_stale)
+
+    assert not seams.install_batched_token_append(Harness(Overrides, num_blocks=16).scheduler)
+    assert not seams.install_batched_token_append(Harness(Scheduler, num_blocks=16).scheduler)
+    assert seams.install_batched_token_append(Harness(MarsBaseScheduler, num_blocks=16).scheduler)
