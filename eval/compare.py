@@ -467,7 +467,9 @@ class _SlowdownGuard:
 
     _CHECK_EVERY = 256
 
-    def __init__(self, ideal_s: Mapping[str, float], bound: float) -> None:
+    def __init__(self, ideal_s: Mapping[str, float], bound: float, *, is_keeping_events: bool = False) -> None:
+        self.events: list[Any] | None = [] if is_keeping_events else None
+        """Every event seen, when kept (a stable probe's stream is a run's: see ``_runs``)."""
         self._inv_ideal = {sid: 1.0 / max(v, 1e-9) for sid, v in ideal_s.items()}
         self._limit = bound * len(ideal_s)
         self._arrival_s: dict[str, float] = {}
@@ -475,6 +477,8 @@ class _SlowdownGuard:
         self._num_events = 0
 
     def emit(self, event: Any) -> None:
+        if self.events is not None:
+            self.events.append(event)
         now_s = event.t_mono_ns / 1e9
         sid = event.session_id
         if event.kind == "session_start" and sid in self._inv_ideal:
@@ -499,13 +503,18 @@ class _SlowdownGuard:
 
 def _probe_task(workload: Workload, options: CompareOptions, policy: str, is_admission_enabled: bool,
                 rate_per_s: float, timer: Any, num_gpu_blocks: int, ideal_s: Mapping[str, float],
-                simulate_fn: Callable[..., Any] | None = None) -> tuple[float, float]:
-    """One knee-search probe (worker side): ``(mean slowdown at rate_per_s, wall seconds)``; the
-    slowdown is ``inf`` if a session did not finish, the virtual clock passed ``max_virtual_s`` or the
-    guard proved it unstable (see :class:`_SlowdownGuard`)."""
+                simulate_fn: Callable[..., Any] | None = None,
+                is_keeping_stream: bool = False) -> tuple[float, float, pd.DataFrame | None]:
+    """One knee-search probe (worker side): ``(mean slowdown at rate_per_s, wall seconds, stream)``;
+    the slowdown is ``inf`` if a session did not finish, the virtual clock passed ``max_virtual_s``
+    or the guard proved it unstable (see :class:`_SlowdownGuard`). ``stream``: with
+    ``is_keeping_stream``, a stable probe's metric events (:func:`_stream_frame`: the stream a
+    sweep run with the same policy, rate and seed records); else ``None``."""
     t0 = time.monotonic()
-    return _probe_slowdown(workload, options, policy, is_admission_enabled, rate_per_s, timer, num_gpu_blocks,
-                           ideal_s, simulate_fn), time.monotonic() - t0
+    slowdown, events = _probe_slowdown(workload, options, policy, is_admission_enabled, rate_per_s, timer,
+                                       num_gpu_blocks, ideal_s, simulate_fn, is_keeping_stream)
+    stream = (_stream_frame(events) if events is not None and slowdown <= options.knee_slowdown else None)
+    return slowdown, time.monotonic() - t0, stream
 
 
 def _slowdown_text(slowdown: float, bound: float) -> str:
@@ -520,23 +529,24 @@ def _slowdown_text(slowdown: float, bound: float) -> str:
 
 def _probe_slowdown(workload: Workload, options: CompareOptions, policy: str, is_admission_enabled: bool,
                     rate_per_s: float, timer: Any, num_gpu_blocks: int, ideal_s: Mapping[str, float],
-                    simulate_fn: Callable[..., Any] | None) -> float:
+                    simulate_fn: Callable[..., Any] | None,
+                    is_keeping_events: bool = False) -> tuple[float, list[Any] | None]:
     from eval import sim
 
     arrived = with_arrivals(workload, PoissonArrivals(rate_per_s=rate_per_s), seed=options.seed)
     config = _sim_config(options, policy, is_admission_enabled, num_gpu_blocks)
-    guard = _SlowdownGuard(ideal_s, options.knee_slowdown)
+    guard = _SlowdownGuard(ideal_s, options.knee_slowdown, is_keeping_events=is_keeping_events)
     try:
         result = (simulate_fn or sim.simulate)(arrived, config, _real_timer(timer), guard)
     except _Unstable:
-        return math.inf
+        return math.inf, None
     except RuntimeError as e:  # a run past max_virtual_s (or stalled) is unstable, not an error
         logging.getLogger(__name__).debug("probe at %.4g/s: %s", rate_per_s, e)
-        return math.inf
+        return math.inf, None
     e2e = {sid: rec.e2e_s for sid, rec in result.sessions.items()}
     if any(v is None for v in e2e.values()):
-        return math.inf
-    return sum(v / ideal_s[sid] for sid, v in e2e.items()) / len(e2e)
+        return math.inf, None
+    return sum(v / ideal_s[sid] for sid, v in e2e.items()) / len(e2e), guard.events
 
 
 def _ideal_task(workload: Workload, config: Any, timer: Any) -> dict[str, float]:
@@ -561,6 +571,17 @@ def _run_task(run: _Run, workload: Workload, options: CompareOptions, timer: Any
         return sink.events
 
     return _one_run(run, workload, options, ideal_s, execute, out_dir)
+
+
+def _probe_run_task(run: _Run, workload: Workload, stream: pd.DataFrame, probe_wall_s: float,
+                    options: CompareOptions, ideal_s: Mapping[str, float], out_dir: Path) -> dict[str, Any]:
+    """A sweep run that a stable knee probe already ran (same policy, admission, GPU, rate and
+    seed: the same simulation): its row and per-session Parquet from the probe's ``stream``;
+    ``wall_s`` is the probe's."""
+    row = _one_run(run, workload, options, ideal_s, lambda _: stream, out_dir)
+    if row.get("status") != "failed":
+        row["wall_s"] = probe_wall_s + row["wall_s"]
+    return row
 
 
 def _plan(options: CompareOptions, base_rate_per_s: float | None, gpu: str = "",
@@ -696,9 +717,12 @@ class _Sweep:
         self._phase_s: dict[str, float] = {}
         self._phase_t0 = self.t0
         self._fcfs_knee: dict[tuple[str, str], BaseRateSearch] = {}
+        """FCFS's knee search per GPU (reused as FCFS's capacity)."""
         self._probe_wall_s: dict[tuple[tuple[str, str], float], float] = {}
         """Wall seconds of each knee probe, by ((gpu, label), rate)."""
-        """FCFS's knee search per GPU (reused as FCFS's capacity)."""
+        self._probe_streams: dict[tuple[tuple[str, str], float], pd.DataFrame] = {}
+        """Metric events of the FCFS knee search's stable probes, by ((gpu, label), rate): the run
+        at the same rate (load 1.0 x the knee) is that probe, so ``_runs`` does not simulate it again."""
 
     # -- helpers ----------------------------------------------------------------------------
     def _key(self, kind: str, setup: GpuSetup, *extra: Any) -> str | None:
@@ -801,10 +825,11 @@ class _Sweep:
                          o.search_max_runs, o.knee_tolerance)
 
     def _searches(self, pool: _Pool, wanted: Sequence[tuple[GpuSetup, str, float]],
-                  description: str) -> dict[tuple[str, str], BaseRateSearch]:
+                  description: str, is_keeping_streams: bool = False) -> dict[tuple[str, str], BaseRateSearch]:
         """Knee searches of ``(gpu, run label, start rate)``, interleaved on ``pool``; cached by content.
 
         Each round gives every open search ``max(1, jobs // open searches)`` parallel probes.
+        ``is_keeping_streams``: keep stable probes' metric events in ``_probe_streams``.
         """
         o = self.options
         done: dict[tuple[str, str], BaseRateSearch] = {}
@@ -830,15 +855,17 @@ class _Sweep:
                     calls.append((_probe_task, (self.workload, o, policy, ident[1].endswith("+adm"), rate,
                                                 setup.step_timer, self._num_blocks(setup, policy),
                                                 self.ideal[setup.gpu],
-                                                self.simulate_fn)))
+                                                self.simulate_fn, is_keeping_streams)))
                     owners.append((ident, rate))
             for index, value in pool.run(calls):
                 ident, rate = owners[index]
                 if isinstance(value, BaseException):
                     raise value
-                slowdown, wall_s = value
+                slowdown, wall_s, stream = value
                 open_[ident][1].record(rate, slowdown)
                 self._probe_wall_s[(ident, rate)] = wall_s
+                if stream is not None:
+                    self._probe_streams[(ident, rate)] = stream
                 self._advance(task, description=f"{description}: {ident[1]} @ {rate:.3g}/s")
             for ident in [i for i, (_, s, _) in open_.items() if s.is_done]:
                 setup, search, key = open_.pop(ident)
@@ -861,7 +888,7 @@ class _Sweep:
             self.base = {g.gpu: o.base_rate_per_s for g in self.gpus}
             return
         wanted = [(g, "fcfs", 1.0 / (sum(self.ideal[g.gpu].values()) / len(self.ideal[g.gpu]))) for g in self.gpus]
-        found = self._searches(pool, wanted, "FCFS knee search")
+        found = self._searches(pool, wanted, "FCFS knee search", is_keeping_streams=self.live is None)
         for setup in self.gpus:
             search = found[(setup.gpu, "fcfs")]
             self.base[setup.gpu] = search.rate_per_s
@@ -876,6 +903,8 @@ class _Sweep:
                 f"{r:.4g}/s→{_slowdown_text(s, self.options.knee_slowdown)}" + (f" in {w:.0f} s" if w is not None else "")
                 for (r, s, _), w in zip(search.probes, walls, strict=True)) + ")"
         self._fcfs_knee = found
+        planned = {((r.gpu, r.label), r.rate_per_s) for g in self.gpus for r in _plan(o, self.base[g.gpu], g.gpu)}
+        self._probe_streams = {k: v for k, v in self._probe_streams.items() if k in planned}
 
     def _capacities(self, pool: _Pool) -> pd.DataFrame:
         """Capacity at SLO of every run label on every GPU (the knee search run for each policy)."""
@@ -912,10 +941,7 @@ class _Sweep:
         task = self._task("runs", len(runs))
         rows: list[dict[str, Any]] = []
         e2e_by_run: dict[str, list[float]] = {}
-        calls = [] if self.live is not None else [
-            (_run_task, (run, self.workload, o, setups[run.gpu].step_timer,
-                         self._num_blocks(setups[run.gpu], run.policy), self.ideal[run.gpu], self.out_dir,
-                         self.simulate_fn)) for run in runs]
+        calls = [] if self.live is not None else [self._run_call(run, setups[run.gpu]) for run in runs]
         results = (self._live_results(runs) if self.live is not None else pool.run(calls))
         order = {id(run): i for i, run in enumerate(sorted(runs, key=self._plan_rank))}
         by_rank: dict[int, dict[str, Any]] = {}
@@ -939,6 +965,18 @@ class _Sweep:
         results_frame = _results_frame(rows, o.alphas)
         self._plots(results_frame, e2e_by_run)
         return results_frame
+
+    def _run_call(self, run: _Run, setup: GpuSetup) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        """The pool call of one simulated run: the simulation, or the stable knee probe that was it."""
+        o = self.options
+        stream = self._probe_streams.pop(((run.gpu, run.label), run.rate_per_s), None)
+        if stream is not None:
+            wall_s = self._probe_wall_s[((run.gpu, run.label), run.rate_per_s)]
+            key = "runs taken from the knee search (its stable probe at the same rate and seed)"
+            self.info[key] = ", ".join(filter(None, (self.info.get(key, ""), run.run_id)))
+            return _probe_run_task, (run, self.workload, stream, wall_s, o, self.ideal[run.gpu], self.out_dir)
+        return _run_task, (run, self.workload, o, setup.step_timer, self._num_blocks(setup, run.policy),
+                           self.ideal[run.gpu], self.out_dir, self.simulate_fn)
 
     def _live_results(self, runs: Sequence[_Run]) -> Iterator[tuple[int, dict[str, Any]]]:
         for index, run in enumerate(runs):
@@ -981,8 +1019,11 @@ def _live_execute(live: Any, run: _Run, seed: int) -> Callable[[Workload], Seque
 
 
 def _one_run(run: _Run, workload: Workload, options: CompareOptions, ideal_s: Mapping[str, float],
-             execute: Callable[[Workload], Sequence[Any]], out_dir: Path) -> dict[str, Any]:
+             execute: Callable[[Workload], Sequence[Any] | pd.DataFrame], out_dir: Path) -> dict[str, Any]:
     """Execute one run, write its per-session Parquet; a raised error becomes a failed row.
+
+    ``execute`` maps the workload with arrivals to the run's events, or to their metric-event
+    frame (:func:`_stream_frame`).
 
     Returns:
         The row's metric fields, ``wall_s`` and ``"_e2e"`` (completed sessions' E2E, for the CDF
@@ -991,7 +1032,10 @@ def _one_run(run: _Run, workload: Workload, options: CompareOptions, ideal_s: Ma
     t0 = time.monotonic()
     try:
         arrived = with_arrivals(workload, PoissonArrivals(rate_per_s=run.rate_per_s), seed=options.seed)
-        row, table = _metrics_row(run, _stream_frame(execute(arrived)), ideal_s, options.alphas)
+        stream = execute(arrived)
+        if not isinstance(stream, pd.DataFrame):
+            stream = _stream_frame(stream)
+        row, table = _metrics_row(run, stream, ideal_s, options.alphas)
         table.reset_index().to_parquet(out_dir / f"{run.run_id}.parquet", index=False)
         row["_e2e"] = table.loc[table["is_complete"], "e2e_s"].tolist()
         row["wall_s"] = time.monotonic() - t0

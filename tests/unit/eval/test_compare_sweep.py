@@ -22,6 +22,7 @@ from eval.compare import (
     CompareOptions,
     GpuSetup,
     add_compare_subcommand,
+    run_compare,
     run_sweep,
     trim_note,
 )
@@ -149,10 +150,41 @@ def test_probe_of_an_overloaded_run_is_unstable_without_finishing_it(sim, monkey
         results.append(sim.simulate(w, config, timer, sink))  # not reached: the guard raises inside
         return results[-1]
 
-    slowdown, wall_s = compare._probe_task(workload, options, "fcfs", False, 100.0, sim.LinearStepTimeModel(), 512, ideal,
-                                   counting)
+    slowdown, wall_s, stream = compare._probe_task(workload, options, "fcfs", False, 100.0,
+                                                   sim.LinearStepTimeModel(), 512, ideal, counting, True)
     assert slowdown == math.inf and isinstance(calls[0], compare._SlowdownGuard) and not results
-    assert wall_s > 0
+    assert wall_s > 0 and stream is None  # an unstable probe's events are not a run's
+
+
+def test_the_fcfs_run_at_the_knee_is_the_knee_searchs_probe_not_a_second_simulation(tmp_path, sim) -> None:
+    # Load 1.0 x the FCFS knee is the rate of the search's largest stable probe (same policy, seed and
+    # settings): the sweep takes that probe's stream instead of simulating it again, and the row and
+    # per-session Parquet are what a simulated run gives (a sweep with the rate given as --base-rate).
+    workload = small_workload()
+    runs: list[tuple[str, float]] = []
+
+    def counting(w, config, timer, sink=None):
+        runs.append((config.policy, w.sessions[-1].arrival_s))
+        return sim.simulate(w, config, timer, sink)
+
+    options = CompareOptions(policies=("fcfs", "continuum"), loads=(1.0, 1.5), num_gpu_blocks=512,
+                             search_max_runs=3, knee_slowdown=1.5)
+    searched = run_compare(workload, options, sim.LinearStepTimeModel(), tmp_path / "a", simulate_fn=counting)
+    num_probes = len(runs) - 3  # the sweep simulated 3 of its 4 runs
+    assert num_probes == 3
+    base = searched.loc[searched["label"] == "fcfs", "rate_per_s"].iloc[0]
+    given = run_compare(workload, options.model_copy(update={"base_rate_per_s": base}), sim.LinearStepTimeModel(),
+                        tmp_path / "b", simulate_fn=counting)
+    assert len(runs) == num_probes + 3 + 4
+    a, b = (f.set_index("run_id").drop(columns=["wall_s"]) for f in (searched, given))
+    # Equal up to the metrics' sub-microsecond rounding (times pass through wall-clock stamps of
+    # each run's start): relative for the rest, absolute for the millisecond admission waits.
+    waits = [c for c in a.columns if c.startswith("admission_wait")]
+    pd.testing.assert_frame_equal(a.drop(columns=waits), b.drop(columns=waits), rtol=1e-5)
+    pd.testing.assert_frame_equal(a[waits], b[waits], rtol=0, atol=1e-5)
+    pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "a" / "fcfs__load1.parquet"),
+                                  pd.read_parquet(tmp_path / "b" / "fcfs__load1.parquet"), rtol=1e-5, atol=1e-5)
+    assert "fcfs__load1" in (tmp_path / "a" / "summary.md").read_text()
 
 
 
