@@ -485,8 +485,9 @@ class InprocEngine:
             by the caller).
         model_dir: tiny model folder (default: written under the temp dir).
         memoize_prefix_hits: install a :class:`PrefixHitMemo`, the fused block allocation
-            (:func:`seams.install_fused_block_allocation`) and the batched token append
-            (:func:`seams.install_batched_token_append`): exact; the simulator's speed.
+            (:func:`seams.install_fused_block_allocation`), the batched token append
+            (:func:`seams.install_batched_token_append`) and the fused prefix lookup
+            (:func:`seams.install_fused_prefix_lookup`): exact; the simulator's speed.
     """
 
     def __init__(
@@ -506,6 +507,7 @@ class InprocEngine:
         if memoize_prefix_hits:
             seams.install_fused_block_allocation(self.scheduler)
             seams.install_batched_token_append(self.scheduler)
+            seams.install_fused_prefix_lookup(self.scheduler)
         self._planned: dict[str, list[int]] = {}
         self._requests: dict[str, Request] = {}
         self._kv_counts: tuple[int, int, int] | None = None

@@ -36,6 +36,8 @@ vLLM private                                      what we do with it
 ``.long_prefill_token_threshold``                :func:`scaled_step_budget`)
 ``BlockPool.cached_block_hash_to_block``         watched (insert/pop call back) so the simulator
                                                  can memoize prefix-hit lookups exactly
+``UnitaryKVCacheCoordinator.find_longest_cache_hit`` simulator: one inline walk of the map
+(instance)                                       (single full-attention group)
 ``Scheduler._update_request_with_output``        simulator: one append + one stop check for a
 (instance; ``AsyncScheduler``'s, unmodified)     coalesced decode run's tokens (same state)
 ``EngineCoreProc.input_queue``,                  put a WAKEUP (vLLM's own no-op, used at shutdown)
@@ -47,6 +49,7 @@ vLLM private                                      what we do with it
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 import queue
 import sys
@@ -84,6 +87,7 @@ __all__ = [
     "watch_prefix_cache",
     "install_fused_block_allocation",
     "install_batched_token_append",
+    "install_fused_prefix_lookup",
     "pool_block_hash_key",
     "pool_block_hash_keys",
     "prefix_cache_map",
@@ -511,6 +515,56 @@ def _fused_cache_full_blocks(pool: Any, original: Any) -> Any:
             pool._insert_block_hash(key, block, num_tokens=num_tokens)
 
     return cache_full_blocks
+
+
+def install_fused_prefix_lookup(sched: Scheduler) -> bool:
+    """Simulator speed: the prefix-cache lookup of a single full-attention group walks the request's
+    block hashes against the pool's map inline (vLLM: ``get_cached_block`` ->
+    ``make_block_hash_with_group_id`` + ``get_one_block`` per block; a whole context's walk for
+    every new turn). Same blocks (the first of a shared key's blocks, as vLLM), same hit length,
+    same EAGLE drop. Installed only on vLLM's ``UnitaryKVCacheCoordinator`` with a
+    ``FullAttentionManager``, no context parallelism, hashes at the block size, and vLLM's (or
+    :func:`watch_prefix_cache`'s) map class; any other map at call time takes vLLM's method.
+    Mutates the coordinator (an instance attribute).
+
+    Returns:
+        False (nothing installed) when the layout is not that one.
+    """
+    from vllm.v1.core.kv_cache_coordinator import UnitaryKVCacheCoordinator
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock, make_block_hash_with_group_id
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    coordinator = sched.kv_cache_manager.coordinator
+    if type(coordinator) is not UnitaryKVCacheCoordinator:
+        return False
+    manager = coordinator.single_type_managers[0]
+    pool = coordinator.block_pool
+    block_size = coordinator.block_size
+    if (type(manager) is not FullAttentionManager or type(coordinator.kv_cache_spec) is not FullAttentionSpec
+            or coordinator.dcp_world_size != 1 or coordinator.pcp_world_size != 1
+            or pool.hash_block_size != block_size
+            or make_block_hash_with_group_id(b"h", 0) != b"h" + bytes(4)):
+        return False
+    original = coordinator.find_longest_cache_hit
+    suffix = bytes(4)  # group 0
+
+    def find_longest_cache_hit(block_hashes: Any, max_cache_hit_length: int) -> Any:
+        cache = pool.cached_block_hash_to_block
+        if type(cache) not in (BlockHashToBlockMap, _WatchedBlockHashToBlockMap):
+            return original(block_hashes, max_cache_hit_length)
+        get = cache._cache.get
+        blocks: list[KVCacheBlock] = []
+        for block_hash in itertools.islice(block_hashes, max_cache_hit_length // block_size):
+            entry = get(block_hash + suffix)
+            if entry is None:
+                break
+            blocks.append(entry if type(entry) is KVCacheBlock else next(iter(entry.values())))
+        if blocks and 0 in coordinator.eagle_group_ids:  # vLLM's drop_eagle_block
+            blocks.pop()
+        return (blocks,), len(blocks) * block_size, 0
+
+    coordinator.find_longest_cache_hit = find_longest_cache_hit
+    return True
 
 
 def install_batched_token_append(sched: Scheduler) -> bool:

@@ -380,3 +380,36 @@ def test_batched_token_append_leaves_an_overriding_subclass_alone() -> None:
     assert not seams.install_batched_token_append(Harness(Overrides, num_blocks=16).scheduler)
     assert not seams.install_batched_token_append(Harness(Scheduler, num_blocks=16).scheduler)
     assert seams.install_batched_token_append(Harness(MarsBaseScheduler, num_blocks=16).scheduler)
+
+
+def test_fused_prefix_lookup_finds_vllms_blocks_and_length() -> None:
+    # After every step of a run with shared prefixes, evictions and one key cached twice (two
+    # requests prefilling the same prompt at once), the inline walk returns vLLM's blocks (the first
+    # of a shared key's) and hit length for prompts that hit fully, partly and not at all, at any
+    # length cap, with and without the EAGLE drop.
+    from vllm.v1.core.kv_cache_coordinator import UnitaryKVCacheCoordinator
+
+    h = Harness(Scheduler, num_blocks=24)
+    coordinator = h.scheduler.kv_cache_manager.coordinator
+    assert seams.install_fused_prefix_lookup(h.scheduler)
+    shared = h.tokens(80)
+    probes = [h.make_request(None, shared + h.tokens(n)) for n in (0, 17, 150)] + [h.make_request(None, h.tokens(64))]
+    seen_shared_key = seen_hit = False
+    for step, n in enumerate((0, 0, 40, 200, 0, 120)):
+        for _ in range(2 if step == 0 else 1):
+            h.add(h.make_request(None, shared + (h.tokens(n) if n else []), max_tokens=3 + step))
+        for _ in range(30):
+            h.step()
+            cache = seams.block_pool(h.scheduler).cached_block_hash_to_block._cache
+            seen_shared_key |= any(isinstance(v, dict) for v in cache.values())
+            for request in probes + [h.make_request(None, shared + h.tokens(5))]:
+                for cap in (0, 40, 79, 96, 10_000):
+                    for eagle in (set(), {0}):
+                        coordinator.eagle_group_ids = eagle
+                        theirs = UnitaryKVCacheCoordinator.find_longest_cache_hit(coordinator, request.block_hashes, cap)
+                        ours = coordinator.find_longest_cache_hit(request.block_hashes, cap)
+                        assert [[b.block_id for b in g] for g in ours[0]] == [[b.block_id for b in g] for g in theirs[0]]
+                        assert ours[1:] == theirs[1:]
+                        seen_hit |= ours[1] > 0
+            coordinator.eagle_group_ids = set()
+    assert seen_shared_key and seen_hit

@@ -137,6 +137,21 @@ def test_max_decode_run_respects_free_blocks() -> None:
     assert -(-(121 + k) // BS) - -(-121 // BS) <= free
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "MarsScheduler", "AutellixScheduler"])
+def test_the_simulators_engine_gets_every_exact_fast_path(policy: str) -> None:
+    # Each install_* returns False when vLLM's layout differs; the simulator's engine must get them
+    # all (a silent False would only make it slower), and an engine without them gets none.
+    fast = InprocEngine(policy, InprocEngineParams(num_gpu_blocks=256, max_model_len=8192),
+                        memoize_prefix_hits=True)
+    plain = _engine(policy, 256)
+    for eng, expected in ((fast, True), (plain, False)):
+        s = eng.scheduler
+        installed = {"_update_request_with_output" in vars(s), "get_new_blocks" in vars(s.kv_cache_manager.block_pool),
+                     "find_longest_cache_hit" in vars(s.kv_cache_manager.coordinator)}
+        assert installed == {expected}
+        eng.shutdown()
+
+
 def test_plugin_scheduler_gets_the_clock() -> None:
     from mars_openhands import engine as engine_pkg
 
