@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import logging
+import operator
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -340,6 +341,9 @@ class StreamBlockHasher:
         return new
 
 
+_BLOCK_HASH = operator.attrgetter("block_hash")
+
+
 class PrefixHitMemo:
     """Exact memo of vLLM's prefix-cache lookup (``KVCacheManager.get_computed_blocks``).
 
@@ -417,19 +421,19 @@ class PrefixHitMemo:
         self.forget(rid)
         blocks, num_tokens, boundary = self._inner(request)
         groups = tuple(list(g) for g in blocks.blocks)
-        keys = [b.block_hash for g in groups for b in g]
-        hit = len(groups[0]) if groups else 0
+        if len(groups) != 1:
+            return blocks, num_tokens, boundary  # not a plain full-attention hit: no memo
+        keys = list(map(_BLOCK_HASH, groups[0]))
+        hit = len(keys)
         if hit < len(request.block_hashes):
             keys.append(seams.pool_block_hash_key(request.block_hashes[hit]))
-        if any(k is None for k in keys) or len(groups) != 1:
-            return blocks, num_tokens, boundary  # not a plain full-attention hit: no memo
-        positions: dict[Any, int] = {}
-        for i, key in enumerate(keys):
-            positions.setdefault(key, i)
+        if None in keys:
+            return blocks, num_tokens, boundary
+        # key -> its first index (assigned last-to-first, so the first occurrence wins)
+        positions = dict(zip(reversed(keys), range(len(keys) - 1, -1, -1), strict=True))
         self._memo[rid] = (request.num_tokens, len(request.block_hashes), groups, num_tokens,
                            boundary, keys, positions)
-        for key in keys:
-            self._reader[key] = rid
+        self._reader.update(dict.fromkeys(keys, rid))
         return blocks, num_tokens, boundary
 
 

@@ -51,6 +51,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import logging
+import operator
 import queue
 import sys
 from collections.abc import Iterable, Iterator, Sequence
@@ -77,6 +78,7 @@ __all__ = [
     "enable_victim_ranks",
     "finish_with_error_next_step",
     "is_cached_block",
+    "cached_blocks",
     "num_block_table_entries",
     "num_blocks_referenced_once",
     "num_free_blocks",
@@ -299,6 +301,11 @@ def is_cached_block(block: KVCacheBlock) -> bool:
     return not block.is_null and block.block_hash is not None
 
 
+def cached_blocks(blocks: Iterable[KVCacheBlock]) -> list[KVCacheBlock]:
+    """The blocks of ``blocks`` that :func:`is_cached_block` accepts, in order (one pass). Pure."""
+    return [b for b in blocks if not b.is_null and b.block_hash is not None]
+
+
 def pin_blocks(sched: Scheduler, blocks: Sequence[KVCacheBlock]) -> None:
     """Take one reference on each block so it is neither freed nor evicted. Mutates the pool."""
     block_pool(sched).touch(blocks)
@@ -331,7 +338,11 @@ def block_ref_count(block: KVCacheBlock) -> int:
 
 def num_blocks_referenced_once(blocks: Iterable[KVCacheBlock]) -> int:
     """How many of ``blocks`` hold exactly one reference. Pure."""
-    return sum(1 for b in blocks if b.ref_cnt == 1)
+    return list(map(_REF_CNT, blocks)).count(1)
+
+
+_REF_CNT = operator.attrgetter("ref_cnt")
+_IS_NULL = operator.attrgetter("is_null")
 
 
 def all_blocks(sched: Scheduler) -> list[KVCacheBlock]:
@@ -522,7 +533,8 @@ def install_fused_prefix_lookup(sched: Scheduler) -> bool:
     block hashes against the pool's map inline (vLLM: ``get_cached_block`` ->
     ``make_block_hash_with_group_id`` + ``get_one_block`` per block; a whole context's walk for
     every new turn). Same blocks (the first of a shared key's blocks, as vLLM), same hit length,
-    same EAGLE drop. Installed only on vLLM's ``UnitaryKVCacheCoordinator`` with a
+    same EAGLE drop. The manager's count of evictable blocks in a hit (vLLM: a generator over
+    the hit, for every allocation attempt of a waiting request) counts in one C-level pass. Installed only on vLLM's ``UnitaryKVCacheCoordinator`` with a
     ``FullAttentionManager``, no context parallelism, hashes at the block size, and vLLM's (or
     :func:`watch_prefix_cache`'s) map class; any other map at call time takes vLLM's method.
     Mutates the coordinator (an instance attribute).
@@ -563,7 +575,14 @@ def install_fused_prefix_lookup(sched: Scheduler) -> bool:
             blocks.pop()
         return (blocks,), len(blocks) * block_size, 0
 
+    def num_evictable_blocks(blocks: Sequence[KVCacheBlock]) -> int:
+        if any(map(_IS_NULL, blocks)):
+            return original_evictable(blocks)
+        return list(map(_REF_CNT, blocks)).count(0)
+
+    original_evictable = manager._get_num_evictable_blocks
     coordinator.find_longest_cache_hit = find_longest_cache_hit
+    manager._get_num_evictable_blocks = num_evictable_blocks
     return True
 
 

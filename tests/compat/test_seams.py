@@ -382,7 +382,7 @@ def test_batched_token_append_leaves_an_overriding_subclass_alone() -> None:
     assert seams.install_batched_token_append(Harness(MarsBaseScheduler, num_blocks=16).scheduler)
 
 
-def test_fused_prefix_lookup_finds_vllms_blocks_and_length() -> None:
+def test_fused_prefix_lookup_finds_vllms_blocks_length_and_evictable_count() -> None:
     # After every step of a run with shared prefixes, evictions and one key cached twice (two
     # requests prefilling the same prompt at once), the inline walk returns vLLM's blocks (the first
     # of a shared key's) and hit length for prompts that hit fully, partly and not at all, at any
@@ -394,7 +394,7 @@ def test_fused_prefix_lookup_finds_vllms_blocks_and_length() -> None:
     assert seams.install_fused_prefix_lookup(h.scheduler)
     shared = h.tokens(80)
     probes = [h.make_request(None, shared + h.tokens(n)) for n in (0, 17, 150)] + [h.make_request(None, h.tokens(64))]
-    seen_shared_key = seen_hit = False
+    seen_shared_key = seen_hit = seen_evictable = False
     for step, n in enumerate((0, 0, 40, 200, 0, 120)):
         for _ in range(2 if step == 0 else 1):
             h.add(h.make_request(None, shared + (h.tokens(n) if n else []), max_tokens=3 + step))
@@ -411,5 +411,10 @@ def test_fused_prefix_lookup_finds_vllms_blocks_and_length() -> None:
                         assert [[b.block_id for b in g] for g in ours[0]] == [[b.block_id for b in g] for g in theirs[0]]
                         assert ours[1:] == theirs[1:]
                         seen_hit |= ours[1] > 0
+                    hit = theirs[0][0] + [seams.block_pool(h.scheduler).null_block]
+                    manager = coordinator.single_type_managers[0]
+                    for blocks in (hit[:-1], hit):
+                        assert manager._get_num_evictable_blocks(blocks) == type(manager)._get_num_evictable_blocks(blocks)
+                    seen_evictable |= type(manager)._get_num_evictable_blocks(hit) > 0
             coordinator.eagle_group_ids = set()
-    assert seen_shared_key and seen_hit
+    assert seen_shared_key and seen_hit and seen_evictable

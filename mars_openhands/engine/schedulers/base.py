@@ -703,7 +703,7 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         decision = self.retention_decision(request, session, now)
         if decision is None or decision.ttl_s <= 0:
             return 0
-        blocks = [b for b in seams.request_blocks(self, request.request_id) if seams.is_cached_block(b)]
+        blocks = seams.cached_blocks(seams.request_blocks(self, request.request_id))
         if not blocks:
             return 0
         if session.session_id in self.retained:

@@ -63,6 +63,8 @@ class RetainedKvPool(Mapping[str, RetainedKv]):
 
     def __init__(self) -> None:
         self._entries: dict[str, RetainedKv] = {}
+        self._is_each_block_pinned_once: bool | None = True
+        """Whether no block is in two entries (None: not known since the last add or pop)."""
         self.held_expired: dict[str, None] = {}
         """Sessions whose entry expired but is kept: their next turn waits (or the policy's
         ``can_release_expired`` said no). Re-checked every step, in the order they were held (a dict
@@ -106,6 +108,7 @@ class RetainedKvPool(Mapping[str, RetainedKv]):
             raise ValueError(f"session {entry.session_id!r} already holds retained KV "
                              f"(request {self._entries[entry.session_id].request_id}); release it first")
         self._entries[entry.session_id] = entry
+        self._is_each_block_pinned_once = None
         self.next_expiry_s = min(self.next_expiry_s, entry.expires_s)
 
     def pop(self, session_id: str) -> RetainedKv | None:
@@ -114,6 +117,8 @@ class RetainedKvPool(Mapping[str, RetainedKv]):
         entry = self._entries.pop(session_id, None)
         if entry is not None:
             self.held_expired.pop(session_id, None)
+            if self._is_each_block_pinned_once is False:
+                self._is_each_block_pinned_once = None
         return entry
 
     def record_release(self, entry: RetainedKv, reason: str) -> int | None:
@@ -213,11 +218,14 @@ class RetainedKvPool(Mapping[str, RetainedKv]):
             ref_count: a block's ref count (:func:`seams.block_ref_count`).
 
         Returns:
-            A block count. O(pinned blocks).
+            A block count. O(pinned blocks); whether a block is pinned twice is recomputed only
+            after an :meth:`add` or :meth:`pop` (an entry's blocks never change).
         """
         entries = self._entries.values()
-        num_pins = sum(len(e.blocks) for e in entries)
-        if len({b.block_id for e in entries for b in e.blocks}) == num_pins:
+        if self._is_each_block_pinned_once is None:
+            num_pins = sum(len(e.blocks) for e in entries)
+            self._is_each_block_pinned_once = len({b.block_id for e in entries for b in e.blocks}) == num_pins
+        if self._is_each_block_pinned_once:
             # Every block pinned once (the usual case): retained-only iff its one reference is ours.
             return sum(num_referenced_once(e.blocks) for e in entries)
         pins: dict[int, int] = {}
