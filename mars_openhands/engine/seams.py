@@ -534,10 +534,11 @@ def install_fused_prefix_lookup(sched: Scheduler) -> bool:
     ``make_block_hash_with_group_id`` + ``get_one_block`` per block; a whole context's walk for
     every new turn). Same blocks (the first of a shared key's blocks, as vLLM), same hit length,
     same EAGLE drop. The manager's count of evictable blocks in a hit (vLLM: a generator over
-    the hit, for every allocation attempt of a waiting request) counts in one C-level pass. Installed only on vLLM's ``UnitaryKVCacheCoordinator`` with a
-    ``FullAttentionManager``, no context parallelism, hashes at the block size, and vLLM's (or
-    :func:`watch_prefix_cache`'s) map class; any other map at call time takes vLLM's method.
-    Mutates the coordinator (an instance attribute).
+    the hit, for every allocation attempt of a waiting request) counts in one C-level pass.
+    Installed only on vLLM's ``UnitaryKVCacheCoordinator`` with a ``FullAttentionManager``, no
+    context parallelism, hashes at the block size, and vLLM's (or :func:`watch_prefix_cache`'s)
+    map class; any other map at call time takes vLLM's method. Mutates the coordinator and the
+    manager (instance attributes).
 
     Returns:
         False (nothing installed) when the layout is not that one.
@@ -610,7 +611,6 @@ def install_batched_token_append(sched: Scheduler) -> bool:
             if c not in (AsyncScheduler, Scheduler)):
         return False
     original = sched._update_request_with_output
-    max_model_len = sched.max_model_len
     running = RequestStatus.RUNNING
 
     def update(request: Request, new_token_ids: list[int], is_stale: bool = False) -> tuple[list[int], bool]:
@@ -619,6 +619,7 @@ def install_batched_token_append(sched: Scheduler) -> bool:
                 or params.repetition_detection is not None):
             return original(request, new_token_ids, is_stale)
         status_before = request.status
+        max_model_len = sched.max_model_len
         # vLLM's loop stops after token k (1-based) at EOS or once num_tokens >= max_model_len or
         # num_output_tokens >= max_tokens; the length caps hold from k = their distance on.
         cut = max(1, min(len(new_token_ids), max_model_len - request.num_tokens,
