@@ -423,7 +423,8 @@ def install_fused_block_allocation(sched: Scheduler) -> bool:
     """Simulator speed: the pool's ``get_new_blocks`` evicts each block's prefix-cache entry in one
     inline step instead of vLLM's four calls per block (``_maybe_evict_cached_block`` ->
     ``_remove_cached_block_hashes`` -> pop, ``reset_hash``), with the same effects in the same
-    order; ``cache_full_blocks`` likewise (:func:`_fused_cache_full_blocks`). Past the KV knee
+    order; ``cache_full_blocks``, ``touch`` and ``free_blocks`` likewise
+    (:func:`_fused_cache_full_blocks`, :func:`_fused_touch_and_free`). Past the KV knee
     every turn re-prefills its context: millions of block allocations per run. Falls back to vLLM's method whenever a feature it would handle is on (metrics
     collector, KV cache events, no prefix caching, blocks with extra hashes). Mutates the pool
     (an instance attribute; the class is untouched).
@@ -475,7 +476,57 @@ def install_fused_block_allocation(sched: Scheduler) -> bool:
 
     pool.get_new_blocks = get_new_blocks
     pool.cache_full_blocks = _fused_cache_full_blocks(pool, pool.cache_full_blocks)
+    pool.touch, pool.free_blocks = _fused_touch_and_free(pool, pool.touch, pool.free_blocks)
     return True
+
+
+def _fused_touch_and_free(pool: Any, original_touch: Any, original_free: Any) -> tuple[Any, Any]:
+    """``BlockPool.touch`` and ``.free_blocks`` with the free queue's unlink inline and the block's
+    hash read directly (vLLM: a ``remove`` call and two properties per block): same references,
+    same free-queue order (freed blocks without a hash to the front, with one to the back, each in
+    the given order; other pools' blocks to their pool). A metrics collector: vLLM's methods."""
+
+    def touch(blocks: Sequence[KVCacheBlock]) -> None:
+        if pool.metrics_collector:
+            original_touch(blocks)
+            return
+        queue = pool.free_block_queue
+        for block in blocks:
+            if block.ref_cnt == 0 and not block.is_null:
+                prev_block, next_block = block.prev_free_block, block.next_free_block
+                if prev_block is None or next_block is None:
+                    raise RuntimeError(f"remove() called on an invalid block: {block}")
+                prev_block.next_free_block = next_block
+                next_block.prev_free_block = prev_block
+                block.prev_free_block = block.next_free_block = None
+                queue.num_free_blocks -= 1
+            block.ref_cnt += 1
+
+    def free_blocks(ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        if pool.metrics_collector:
+            original_free(ordered_blocks)
+            return
+        caching = pool.enable_caching
+        evict_first: list[KVCacheBlock] = []
+        evict_last: list[KVCacheBlock] = []
+        other_pools: dict[Any, list[KVCacheBlock]] = {}
+        for block in ordered_blocks:
+            owner = block.pool
+            if owner is not None and owner is not pool:
+                other_pools.setdefault(owner, []).append(block)
+                continue
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0 and not block.is_null:
+                if block._block_hash is None or not caching:
+                    evict_first.append(block)
+                else:
+                    evict_last.append(block)
+        pool.free_block_queue.prepend_n(evict_first)
+        pool.free_block_queue.append_n(evict_last)
+        for owner, blocks in other_pools.items():
+            owner.free_blocks(blocks)
+
+    return touch, free_blocks
 
 
 def _fused_cache_full_blocks(pool: Any, original: Any) -> Any:

@@ -292,8 +292,8 @@ def test_scaled_step_budget_scales_one_schedule_and_restores() -> None:
     assert seams.num_block_table_entries(s, next(iter(out.num_scheduled_tokens))) == 96 // 16
 
 
-@pytest.mark.parametrize("is_watched", [False, True])
-def test_fused_block_allocation_leaves_the_pool_as_vllms_own(is_watched: bool) -> None:
+@pytest.mark.parametrize(("is_watched", "is_caching"), [(False, True), (True, True), (False, False)])
+def test_fused_block_allocation_leaves_the_pool_as_vllms_own(is_watched: bool, is_caching: bool) -> None:
     # Same requests on two pools, one with the simulator's fused get_new_blocks/cache_full_blocks:
     # every block's hash, token count and references, the free queue's order and the prefix-cache
     # map must be equal after each step (evictions of cached blocks and repeated prefixes included);
@@ -304,9 +304,9 @@ def test_fused_block_allocation_leaves_the_pool_as_vllms_own(is_watched: bool) -
         free = [b.block_id for b in seams.next_evicted_blocks(h.scheduler, len(pool.blocks))]
         cached = {k: sorted(v) if isinstance(v, dict) else v.block_id
                   for k, v in pool.cached_block_hash_to_block._cache.items()}
-        return blocks, free, cached
+        return blocks, free, cached, pool.get_num_free_blocks()
 
-    plain, fused = Harness(Scheduler, num_blocks=24), Harness(Scheduler, num_blocks=24)
+    plain, fused = (Harness(Scheduler, num_blocks=24, enable_prefix_caching=is_caching) for _ in range(2))
     assert seams.install_fused_block_allocation(fused.scheduler)
     calls: dict[str, list[tuple[object, bool]]] = {"plain": [], "fused": []}
     if is_watched:
@@ -329,6 +329,13 @@ def test_fused_block_allocation_leaves_the_pool_as_vllms_own(is_watched: bool) -
     assert calls["fused"] == calls["plain"]
     assert not is_watched or any(gone for _, gone in calls["plain"]) and any(not g for _, g in calls["plain"])
     fused.assert_no_leaks()
+    # Several hash-less blocks freed at once go to the free queue's front in the given order (a
+    # finished request frees one at most; with caching off, every freed block is one).
+    pool, theirs = seams.block_pool(fused.scheduler), seams.block_pool(plain.scheduler)
+    for p in (pool, theirs):
+        taken = p.get_new_blocks(5)
+        p.free_blocks(taken)
+    assert pool_state(fused) == pool_state(plain)
 
 
 EOS = 7
