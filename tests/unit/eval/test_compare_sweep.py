@@ -187,7 +187,6 @@ def test_the_fcfs_run_at_the_knee_is_the_knee_searchs_probe_not_a_second_simulat
     assert "fcfs__load1" in (tmp_path / "a" / "summary.md").read_text()
 
 
-
 def test_the_guard_stops_a_plugin_policy_at_its_first_raise(sim, monkeypatch) -> None:
     # The guard is also the scheduler's telemetry sink, which drops what its sink raises as an
     # Exception; the first raise must end the probe, not the next one from the simulator's own events.
@@ -206,9 +205,10 @@ def test_the_guard_stops_a_plugin_policy_at_its_first_raise(sim, monkeypatch) ->
     workload = small_workload(6, 4)
     options = CompareOptions(num_gpu_blocks=512, knee_slowdown=1.05)
     ideal = {s.session_id: 0.05 for s in workload.sessions}
-    slowdown, _ = compare._probe_task(workload, options, "mars", False, 100.0, sim.LinearStepTimeModel(), 512,
-                                      ideal)
-    assert slowdown == math.inf and len(raises) == 1, raises
+    slowdown, _, stream = compare._probe_task(workload, options, "mars", False, 100.0, sim.LinearStepTimeModel(),
+                                              512, ideal)
+    assert slowdown == math.inf and len(raises) == 1 and stream is None, raises
+
 
 # ----------------------------------------------------------------------------- GPUs, jobs, cache
 def _two_gpus(sim) -> tuple[GpuSetup, GpuSetup]:
