@@ -43,6 +43,28 @@ blocked run may evict the waiting head's prefix hit from its *end* (stock vLLM, 
 continuum, autellix: the head's need drops by at most the blocks the run took, so it stays
 blocked), which halved fcfs's and vllm-tuned's ``schedule()`` calls.
 
+Measured again 2026-12-02 evening, side by side the same way (old 2f35bef, new 966f950: the
+prefix-cache map's inserts and pops inline in the fused allocation, and a coalesced decode run's
+tokens appended in one call, ``seams.install_batched_token_append``), load 1.6-2.7:
+
+=============  ==================  ==================  =======
+policy         old: CPU s, sim/CPU  new: CPU s, sim/CPU  speedup
+=============  ==================  ==================  =======
+fcfs           51.8, 154x          40.3, 198x          1.29x
+autellix       183.4, 67x          159.7, 77x          1.15x
+mars-preview   270.1, 42x          252.3, 45x          1.07x
+=============  ==================  ==================  =======
+
+(mars-preview's old figure here is 1.8x the earlier 147.7 s of nearly the same code: this box's CPU
+seconds differ between sessions as well; e8c9b96 and 2f35bef side by side on 20 sessions x 40
+turns: 27.0 vs 22.5 s, so no regression in between.) 8350953 then walks the prefix-cache map
+inline on lookups (``seams.install_fused_prefix_lookup``): the ideal times, where every turn
+re-reads its whole context, 7.97 -> 3.37 CPU s for 16 sessions side by side (2.4x). b3090ef: our
+schedulers' KV bookkeeping (``kv_block_counts`` built a set over every pinned block each step):
+thunderagent 56.4 -> 44.9 CPU s (1.26x, 146x), continuum 64.4 -> 54.4 (1.18x, 128x), side by side
+with 2f35bef at load ~4. 4f6bd99 fuses vLLM's ``touch``/``free_blocks`` (every turn touches and
+frees its whole context); not benchmarked separately.
+
 Below 150x, and why: the calls are no longer the cost. What is left is vLLM's own per-block work:
 past the knee every turn re-prefills its context (fcfs: 6.0 M blocks allocated, evicted from and
 inserted into the prefix cache per run; autellix 8.1 M), plus ``update_from_output``'s per-token
