@@ -48,6 +48,7 @@ vLLM private                                      what we do with it
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import logging
@@ -419,6 +420,16 @@ def _inline_map(cache: Any) -> tuple[dict[Any, Any], Any, Any] | None:
     return None
 
 
+@functools.cache
+def _group_key_suffix(group_id: int) -> bytes | None:
+    """The bytes vLLM's ``make_block_hash_with_group_id`` appends to a block hash for ``group_id``,
+    or ``None`` if it builds keys some other way (the caller then calls it). Pure."""
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    suffix = group_id.to_bytes(4, "big", signed=False)
+    return suffix if make_block_hash_with_group_id(b"h", group_id) == b"h" + suffix else None
+
+
 def install_fused_block_allocation(sched: Scheduler) -> bool:
     """Simulator speed: the pool's ``get_new_blocks`` evicts each block's prefix-cache entry in one
     inline step instead of vLLM's four calls per block (``_maybe_evict_cached_block`` ->
@@ -537,8 +548,6 @@ def _fused_cache_full_blocks(pool: Any, original: Any) -> Any:
     from vllm.v1.core.block_pool import resolve_block_hashes
     from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
-    is_key_concat = make_block_hash_with_group_id(b"h", 3) == b"h" + (3).to_bytes(4, "big", signed=False)
-
     def cache_full_blocks(request: Any, blocks: list[KVCacheBlock], num_cached_blocks: int,
                           num_full_blocks: int, block_size: int, kv_cache_group_id: int,
                           block_mask: list[bool] | None = None) -> None:
@@ -553,7 +562,7 @@ def _fused_cache_full_blocks(pool: Any, original: Any) -> Any:
         cache = pool.cached_block_hash_to_block
         inline = _inline_map(cache)
         raw, watched, on_change = inline if inline is not None else (cache._cache, (), None)
-        suffix = kv_cache_group_id.to_bytes(4, "big", signed=False) if is_key_concat else None
+        suffix = _group_key_suffix(kv_cache_group_id)
         for i, block in enumerate(blocks[num_cached_blocks:num_full_blocks]):
             if block.is_null:
                 continue
@@ -595,7 +604,7 @@ def install_fused_prefix_lookup(sched: Scheduler) -> bool:
         False (nothing installed) when the layout is not that one.
     """
     from vllm.v1.core.kv_cache_coordinator import UnitaryKVCacheCoordinator
-    from vllm.v1.core.kv_cache_utils import KVCacheBlock, make_block_hash_with_group_id
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     coordinator = sched.kv_cache_manager.coordinator
@@ -607,14 +616,14 @@ def install_fused_prefix_lookup(sched: Scheduler) -> bool:
     if (type(manager) is not FullAttentionManager or type(coordinator.kv_cache_spec) is not FullAttentionSpec
             or coordinator.dcp_world_size != 1 or coordinator.pcp_world_size != 1
             or pool.hash_block_size != block_size
-            or make_block_hash_with_group_id(b"h", 0) != b"h" + bytes(4)):
+            or _group_key_suffix(0) is None):
         return False
     original = coordinator.find_longest_cache_hit
-    suffix = bytes(4)  # group 0
+    suffix = _group_key_suffix(0)
 
     def find_longest_cache_hit(block_hashes: Any, max_cache_hit_length: int) -> Any:
         cache = pool.cached_block_hash_to_block
-        if type(cache) not in (BlockHashToBlockMap, _WatchedBlockHashToBlockMap):
+        if _inline_map(cache) is None:
             return original(block_hashes, max_cache_hit_length)
         get = cache._cache.get
         blocks: list[KVCacheBlock] = []
