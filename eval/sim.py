@@ -555,7 +555,8 @@ class Simulator:
         k, planned_end_s, run = self._coalesce_factor()
         record = self.engine.schedule(k, hide_waiting=run in ("blocked", "blocked-prefill"),
                                       prefill_run=run in ("prefill", "blocked-prefill"),
-                                      last_step_s=self._run_last_step_s if run == "blocked" else None)
+                                      last_step_s=(self._run_last_step_s
+                                                   if run in ("blocked", "blocked-prefill") else None))
         if record.is_empty:
             self.engine.update(record)
             return False
@@ -628,12 +629,18 @@ class Simulator:
         if k_max <= 1:
             return None
         bound_s = self._run_bound_s()
-        t_s, k = self.now_s, 0
+        until = getattr(self.engine.scheduler, "blocked_run_until_s", None)
+        if hide and until is not None:  # our schedulers' own next decision time
+            bound_s = min(bound_s, until(self.now_s))
+        max_step = getattr(self.engine.scheduler, "prefill_run_max_step_s", None)
+        max_step_s = max_step() if hide and max_step is not None else math.inf
+        t_s, k, last_start_s = self.now_s, 0, self.now_s
         for prefill, decode in self.engine.prefill_run_shapes(k_max):
             t_next = t_s + self.timer.step_time_s(prefill, decode)
-            if t_next > bound_s:
+            if t_next > bound_s or t_next - t_s >= max_step_s:
                 break
-            t_s, k = t_next, k + 1
+            last_start_s, t_s, k = t_s, t_next, k + 1
+        self._run_last_step_s = last_start_s  # the per-step clocks the run's last step sets
         return (k, t_s, "blocked-prefill" if hide else "prefill") if k > 1 else None
 
     def _blocked_run(self) -> tuple[int, float, str] | None:

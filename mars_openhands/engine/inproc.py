@@ -529,6 +529,7 @@ class InprocEngine:
         self.num_decode_substeps = 0
         """Engine steps represented so far (a coalesced step of ``k`` tokens counts ``k``)."""
         self.num_prefill_runs = 0
+        self._probe_has_prefill = False  # our schedulers: the last probe step held a prefill chunk
         """Merged chunked-prefill runs so far (:meth:`max_prefill_run`; the simulator's speed)."""
 
     # ------------------------------------------------------------------ plumbing
@@ -623,7 +624,8 @@ class InprocEngine:
             prefill_run: a chunked-prefill run of ``k`` steps (:meth:`max_prefill_run`): each
                 capped prefill gets ``k`` chunks and each decode ``k`` tokens in one call.
             last_step_s: with ``hide_waiting``, the scheduler-clock start of the run's last
-                single step (our schedulers stamp per-step clocks with it: ``run_last_step_s``).
+                single step (our schedulers stamp per-step clocks with it: ``run_last_step_s``;
+                a blocked chunked-prefill run too).
 
         Returns:
             The step's record (``is_empty`` when nothing was scheduled); pass it to
@@ -635,7 +637,7 @@ class InprocEngine:
                 run) of that length.
         """
         if prefill_run:
-            out = self._schedule_prefill_run(num_decode_tokens, hide_waiting)
+            out = self._schedule_prefill_run(num_decode_tokens, hide_waiting, last_step_s)
         elif hide_waiting:
             out = self._schedule_hiding_waiting(num_decode_tokens, last_step_s)
         else:
@@ -666,17 +668,20 @@ class InprocEngine:
         :meth:`max_blocked_decode_run`): requests wait, every running request was scheduled (so
         vLLM looked at the waiting queue with what the step's budget had left, remembered in
         ``_probe_num_tokens``), and none was admitted, resumed or preempted. With stock vLLM the
-        step may hold prefill chunks (:meth:`max_blocked_prefill_run`); with our schedulers every
-        scheduled request decoded one token."""
+        step may hold prefill chunks (:meth:`max_blocked_prefill_run`); with our schedulers only
+        if the class certifies merged prefill runs (``coalescible_prefill_runs``; such a probe
+        starts no blocked decode run), else every scheduled request decoded one token."""
         s = self.scheduler
         if (record.num_decode_tokens != 1 or not s.waiting
                 or record.preempted_ids or record.new_request_cached_tokens
                 or getattr(s, "kv_holding_waiting", ())
                 or len(record.num_scheduled_tokens) != len(s.running)):
             return False
-        if self.is_plugin and (record.prefill
-                               or any(n != 1 for n in record.num_scheduled_tokens.values())):
-            return False
+        if self.is_plugin:
+            self._probe_has_prefill = bool(record.prefill) or any(
+                n != 1 for n in record.num_scheduled_tokens.values())
+            if self._probe_has_prefill and not s.coalescible_prefill_runs:
+                return False
         self._probe_num_tokens = sum(record.num_scheduled_tokens.values())
         return True
 
@@ -701,9 +706,9 @@ class InprocEngine:
             if stamps:
                 s.run_last_step_s = None
 
-    def _schedule_prefill_run(self, k: int, hide_waiting: bool) -> Any:
+    def _schedule_prefill_run(self, k: int, hide_waiting: bool, last_step_s: float | None = None) -> Any:
         """One ``schedule()`` standing for ``k`` chunked-prefill steps (:meth:`max_prefill_run`;
-        ``hide_waiting``: :meth:`max_blocked_prefill_run`)."""
+        ``hide_waiting``: :meth:`max_blocked_prefill_run`; ``last_step_s``: see :meth:`schedule`)."""
         limit = self.max_blocked_prefill_run(k) if hide_waiting else self.max_prefill_run(k)
         if limit < k:
             raise ValueError(f"prefill_run with num_decode_tokens={k} but the engine allows a "
@@ -718,18 +723,21 @@ class InprocEngine:
                 drafts.append(list(self._planned[request.request_id][index:index + k - 1]))
         s.update_draft_token_ids(DraftTokenIds(req_ids, drafts))
         self.num_prefill_runs += 1
-        cap = self.params.long_prefill_token_threshold
-        budget = k * sum(1 if self._is_decoding(r) else cap for r in s.running)
+        budget = k * sum(self._run_step_tokens(r) for r in s.running)
         if not hide_waiting:
             with seams.scaled_step_budget(s, k, budget):
                 return s.schedule()
         hidden, bound = s.waiting, s.prefill_capacity_bound
         s.waiting = create_request_queue(s.policy)
+        if self.is_plugin:
+            s.run_num_steps, s.run_last_step_s = k, last_step_s
         try:
             with seams.scaled_step_budget(s, k, budget):
                 return s.schedule()
         finally:
             s.waiting, s.prefill_capacity_bound = hidden, bound
+            if self.is_plugin:
+                s.run_num_steps, s.run_last_step_s = 1, None
 
     def max_prefill_run(self, limit: int) -> int:
         """Largest ``k <= limit`` for which one ``schedule()`` with the step's token budget and
@@ -745,7 +753,7 @@ class InprocEngine:
         shrink). So the same requests get the same tokens in every step, and a run's end state
         equals ``k`` steps' (the blocks taken are the same first ones of the free queue, in
         another order among the requests: no decision reads block ids). Stock vLLM only (our
-        schedulers size chunks and count steps themselves), async scheduling only.
+        schedulers: :meth:`max_blocked_prefill_run`), async scheduling only.
 
         Region diagram of one prefilling request (``c`` computed tokens, cap ``T``)::
 
@@ -753,7 +761,7 @@ class InprocEngine:
             |<-------------------- num_tokens --------------------->|
         """
         s = self.scheduler
-        if s.waiting or s.kv_holding_waiting:
+        if self.is_plugin or s.waiting or s.kv_holding_waiting:
             return 1
         return self._prefill_run_len(limit)
 
@@ -767,58 +775,82 @@ class InprocEngine:
         step of the run does (the same requests, the same chunks): so vLLM asks the waiting head
         with the same budget left in every step, with fewer free blocks, and the same prefix hit
         (:meth:`_keep_head_hit`); it stays blocked.
+
+        Our schedulers: a class that certifies its hooks (``coalescible_prefill_runs``; today
+        Autellix) gives each running prefill's chunk (``prefill_run_chunk_tokens``: the same in
+        every step), its own per-step decisions are bounded as in a blocked decode run
+        (``blocked_run_is_safe``, ``blocked_run_max_tokens`` with the step's tokens, and the
+        simulator's ``blocked_run_until_s``), no decode finishes inside the run, and the chunk
+        hook scales each chunk by ``k`` (``run_num_steps``).
         """
         s = self.scheduler
-        cap = self.params.long_prefill_token_threshold
         if (limit <= 1 or not self._is_waiting_blocked or not s.waiting or s.kv_holding_waiting
-                or cap <= 0):
+                or (not self.is_plugin and self.params.long_prefill_token_threshold <= 0)):
+            return 1
+        if self.is_plugin and not (s.coalescible_prefill_runs and s.blocked_run_is_safe()):
             return 1
         k = self._prefill_run_len(limit)
-        if k <= 1 or self._probe_num_tokens != sum(
-                1 if self._is_decoding(r) else cap for r in s.running):
+        if k <= 1 or self._probe_num_tokens != sum(self._run_step_tokens(r) for r in s.running):
             return 1
-        return self._keep_head_hit(k, lambda k_: self._prefill_run_new_blocks(k_, cap))
+        if self.is_plugin:
+            k = s.blocked_run_max_tokens(k, step_tokens=self._probe_num_tokens)
+            if k <= 1:
+                return 1
+        return self._keep_head_hit(k, self._prefill_run_new_blocks)
 
     @staticmethod
     def _is_decoding(r: Request) -> bool:
         c = r.num_computed_tokens
         return c == r.num_tokens - 1 and c >= r.num_prompt_tokens
 
+    def _run_step_tokens(self, r: Request) -> int:
+        """Tokens the running ``r`` takes in each step of a chunked-prefill run: 1 if decoding,
+        else its prefill chunk (stock vLLM: the long-prefill cap; our schedulers:
+        ``prefill_run_chunk_tokens``, 0 when the chunk may change after a step). Pure."""
+        if self._is_decoding(r):
+            return 1
+        if self.is_plugin:
+            return self.scheduler.prefill_run_chunk_tokens(r) or 0
+        return self.params.long_prefill_token_threshold
+
     def _prefill_run_len(self, limit: int) -> int:
         """:meth:`max_prefill_run` without its empty-waiting condition. Pure."""
         s = self.scheduler
-        cap = self.params.long_prefill_token_threshold
-        if (limit <= 1 or cap <= 0 or self.is_plugin or not isinstance(s, AsyncScheduler)
+        if (limit <= 1 or not isinstance(s, AsyncScheduler)
                 or len(s.running) + len(s.waiting) < 2):
             return 1
-        k, num_decode, num_prefill = limit, 0, 0
+        # Our schedulers decide on a finish: a decode's last token takes a single step.
+        keep_last = int(self.is_plugin)
+        k, num_prefill, total = limit, 0, 0
         for r in s.running:
             c = r.num_computed_tokens
             if r.num_output_placeholders or r.spec_token_ids or r.request_id not in self._planned:
                 return 1
+            n = self._run_step_tokens(r)
+            total += n
             if self._is_decoding(r):
-                num_decode += 1
-                k = min(k, r.max_tokens - r.num_output_tokens, self.params.max_model_len - c - 1)
-            elif r.num_tokens - c > cap:
+                k = min(k, r.max_tokens - r.num_output_tokens - keep_last,
+                        self.params.max_model_len - c - 1)
+            elif n > 0 and r.num_tokens - c > n:
                 num_prefill += 1
-                k = min(k, (r.num_tokens - c - 1) // cap)  # k chunks leave >= 1 token to prefill
+                k = min(k, (r.num_tokens - c - 1) // n)  # k chunks leave >= 1 token to prefill
             else:
                 return 1
-        if num_prefill == 0 or num_decode + num_prefill * cap > min(
+        if num_prefill == 0 or total > min(
                 self.params.max_num_batched_tokens, seams.max_num_scheduled_tokens(s)):
             return 1
-        while k > 1 and self._prefill_run_new_blocks(k, cap) > seams.num_free_blocks(s):
+        while k > 1 and self._prefill_run_new_blocks(k) > seams.num_free_blocks(s):
             k //= 2
         return max(1, k)
 
-    def _prefill_run_new_blocks(self, k: int, cap: int) -> int:
-        """New KV blocks the running requests take over ``k`` steps (chunks of ``cap``). Pure."""
+    def _prefill_run_new_blocks(self, k: int) -> int:
+        """New KV blocks the running requests take over ``k`` steps (:meth:`_run_step_tokens`
+        each). Pure."""
         bs = self.params.block_size
         total = 0
         for r in self.scheduler.running:
             c = r.num_computed_tokens
-            step = 1 if self._is_decoding(r) else cap
-            total += max(0, -(-(c + k * step) // bs)
+            total += max(0, -(-(c + k * self._run_step_tokens(r)) // bs)
                          - seams.num_block_table_entries(self.scheduler, r.request_id))
         return total
 
@@ -826,16 +858,16 @@ class InprocEngine:
         """The step-time model's input of each of the ``k`` single steps a chunked-prefill run
         stands for: ``(prefill (new, cached) chunks, decode contexts)`` in the running order, as
         :meth:`schedule` would record them step by step (lazily). Pure."""
-        cap = self.params.long_prefill_token_threshold
+        steps = [(r, self._run_step_tokens(r)) for r in self.scheduler.running]
         for i in range(k):
             prefill: list[tuple[int, int]] = []
             decode: list[int] = []
-            for r in self.scheduler.running:
-                before = r.num_computed_tokens + i * (1 if self._is_decoding(r) else cap)
+            for r, n in steps:
+                before = r.num_computed_tokens + i * n
                 if before >= r.num_prompt_tokens:
                     decode.append(before + 1)
                 else:
-                    prefill.append((cap, before))
+                    prefill.append((n, before))
             yield prefill, decode
 
     def update(self, record: EngineStepRecord) -> EngineStepRecord:
@@ -977,7 +1009,8 @@ class InprocEngine:
         if (limit <= 1 or not self._is_waiting_blocked or not s.running or not s.waiting
                 or getattr(s, "kv_holding_waiting", ()) or self._probe_num_tokens != len(s.running)):
             return 1
-        if self.is_plugin and not (hasattr(s, "blocked_run_is_safe") and s.blocked_run_is_safe()):
+        if self.is_plugin and (self._probe_has_prefill or not (
+                hasattr(s, "blocked_run_is_safe") and s.blocked_run_is_safe())):
             return 1
         # Our schedulers decide on a finish (retained KV from the other requests' lengths): the
         # finishing token takes a single step, where every other request is one token further.

@@ -128,27 +128,55 @@ class AutellixScheduler(MarsBaseScheduler):
     """Per step: waiting calls accrue the step's tokens, running calls are charged theirs (both
     additive), and the running order ``(level, arrival)`` is constant while no level changes;
     :meth:`blocked_run_max_tokens` ends a merged run before a demotion or a promotion."""
+    coalescible_prefill_runs = True
+    """A long call at the last level is charged its level's whole quantum each step and refilled
+    (demotion stays at the last level), so its chunk is the same in every step
+    (:meth:`prefill_run_chunk_tokens`); charges and waits add up, and
+    :meth:`blocked_run_max_tokens` ends a run before any other level change."""
     hit_free_chunk_cap = True
     """The chunk cap is the call's remaining quantum (:meth:`chunk_tokens`), whatever its hit."""
 
-    def blocked_run_max_tokens(self, limit: int) -> int:
-        """Most decode tokens before a level would change. Pure.
+    def prefill_run_chunk_tokens(self, request: Request) -> int | None:
+        """The last level's quantum for a running call at the last level with a full quantum and
+        no promotion due, else None. Pure.
 
-        A running call is demoted at the step it starts with one quantum token left: ``k`` single
-        steps keep its level iff ``k <= quantum - 1``. A waiting call's wait grows by the running
-        count per step; the check before step ``i + 1`` sees ``i`` steps of it, so a promotion at
-        ``i`` (the first, found by bisection: the ratio only grows) ends the run at ``i`` steps.
+        Each single step then caps its chunk at that quantum, charges it (:func:`plas.on_scheduled`:
+        the quantum is used with work left, so the call is "demoted" to the last level again with
+        a full quantum) and its wait ratio only falls (it is scheduled every step). ::
+
+            level:  max | max | max | ...     chunk: q | q | q | ...   (q = last level's quantum)
+        """
+        entry = self._calls.get(request.request_id)
+        if entry is None:
+            return None
+        call, params = entry.plas, self.plas_params
+        quantum = plas.level_quantum_tokens(call.level, params, self._budget_tokens)
+        if (call.level != params.max_level
+                or plas.step_token_cap(call, params, self._budget_tokens) != quantum
+                or plas.should_promote(call, self._program(entry.program_id), params)):
+            return None
+        return quantum
+
+    def blocked_run_max_tokens(self, limit: int, step_tokens: int | None = None) -> int:
+        """Most steps (decode tokens each) before a level would change. Pure.
+
+        A running decoding call is demoted at the step it starts with one quantum token left:
+        ``k`` single steps keep its level iff ``k <= quantum - 1`` (a running prefill in a merged
+        run keeps the last level: :meth:`prefill_run_chunk_tokens`). A waiting call's wait grows
+        by the step's tokens (``step_tokens``; default the running count: one token each); the
+        check before step ``i + 1`` sees ``i`` steps of it, so a promotion at ``i`` (the first,
+        found by bisection: the ratio only grows) ends the run at ``i`` steps.
         """
         k = limit
         for request in self.running:
             entry = self._calls.get(request.request_id)
-            if entry is not None:
+            if entry is not None and request.num_computed_tokens >= request.num_tokens - 1:
                 quantum = entry.plas.quantum_left_tokens
                 if quantum <= 0:
                     quantum = plas.level_quantum_tokens(entry.plas.level, self.plas_params,
                                                         self._budget_tokens)
                 k = min(k, quantum - 1)
-        num_running = len(self.running)
+        per_step = len(self.running) if step_tokens is None else step_tokens
         for request in self.waiting:
             entry = self._calls.get(request.request_id)
             if entry is None or k <= 1:
@@ -157,7 +185,7 @@ class AutellixScheduler(MarsBaseScheduler):
             call = entry.plas
 
             def promoted_after(i: int, call: PlasCall = call, program: PlasProgram = program) -> bool:
-                waited = replace(call, wait_tokens=call.wait_tokens + i * num_running)
+                waited = replace(call, wait_tokens=call.wait_tokens + i * per_step)
                 return plas.should_promote(waited, program, self.plas_params)
 
             if promoted_after(k - 1):

@@ -114,6 +114,14 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
     requests wait for KV may be merged (``InprocEngine.max_blocked_decode_run``). Off unless a
     subclass checked its hooks."""
 
+    coalescible_prefill_runs: ClassVar[bool] = False
+    """Simulator speed: as :attr:`coalescible_blocked_runs`, for blocked steps that also hold
+    prefill chunks (``InprocEngine.max_blocked_prefill_run``): :meth:`prefill_run_chunk_tokens`
+    gives each running prefill's chunk, the same in every step of the run, and the hooks'
+    per-step effects add up over the run (:meth:`blocked_run_max_tokens` with the step's tokens).
+    The class must not read :attr:`prefill_s_per_token` (a merged run is one sample, not ``k``).
+    Off unless a subclass checked its hooks."""
+
     hit_free_chunk_cap: ClassVar[bool] = False
     """Simulator speed: the policy's ``chunk_tokens`` (if any) caps a chunk by a value that does
     not depend on the request's prefix hit, so (without chunk shrinking) a waiting request is
@@ -140,6 +148,9 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         the CPU plane's congestion as the engine sees it."""
         self.overflow: deque[Request] = deque()
         self.run_last_step_s: float | None = None
+        self.run_num_steps = 1
+        """Single steps the current ``schedule()`` stands for (the simulator's merged
+        chunked-prefill run scales each prefill chunk by it); 1 outside the simulator."""
         """Simulator (a merged blocked decode run, ``InprocEngine.schedule``): scheduler-clock
         start of the last single step the run stands for; ``on_scheduled`` gets it as ``now_s``,
         as that step would have. ``None`` (every real step): the step's own clock."""
@@ -236,6 +247,12 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         return (self.coalescible_blocked_runs and not self.inbox and not self.inbox.is_listening
                 and not self._rejected and not self._is_overflow_admission_due()
                 and not self._is_resort_due())
+
+    def prefill_run_chunk_tokens(self, request: Request) -> int | None:
+        """Tokens the running prefill ``request`` would be given in each of the next single steps
+        while its chunk cap stays what it is now (:attr:`coalescible_prefill_runs`), or None when
+        the cap may change after one step. Pure. Default: None (no merged prefill runs)."""
+        return None
 
     def head_blocked_like_stock(self) -> bool:
         """Whether a blocked waiting head stays blocked, as under stock vLLM, while a run evicts
@@ -508,7 +525,7 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
                 and not self._can_resume(request)):
             return 0  # vLLM admits nothing more this step; the request stays first in line
         self._step_prefills.append(request.request_id)
-        n = self.chunk_tokens(request, num_new_tokens, start)
+        n = self.chunk_tokens(request, num_new_tokens, start) * self.run_num_steps
         if self.chunk_shrinking:
             n = self._shrink_to_fit(request, n, start, waiting=waiting)
         return max(1, min(n, num_new_tokens))

@@ -20,6 +20,7 @@ behaviour on stock vLLM's hooks, not copied:
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 from vllm.v1.request import Request
@@ -30,6 +31,7 @@ from mars_openhands.policy.levels import (
     bucket_level,
     preview_effective_level,
     preview_remaining_level,
+    quantum_tokens,
 )
 from mars_openhands.policy.victim import victim_key
 
@@ -46,6 +48,48 @@ class MarsPreviewScheduler(MarsBaseScheduler):
     was stamped by the probe step, so the running order is arrival order in every step; the
     stamps the run's steps would leave are its last step's (``run_last_step_s``), and the waiting
     order has no clock."""
+
+    coalescible_prefill_runs: ClassVar[bool] = True
+    """A long prompt at the last level (feedback and effective level) is given the last level's
+    quantum each step and stays there (a full quantum with work left demotes to the last level
+    again); every running request is stamped each step, so the running order is fixed, as in a
+    blocked decode run. The run stays inside the prompt (:meth:`blocked_run_max_tokens`: past
+    it the preview counts a step as decode) and each step is shorter than the aging interval
+    (``prefill_run_max_step_s``: no aging boost between two steps)."""
+
+    def prefill_run_chunk_tokens(self, request: Request) -> int | None:
+        """The last level's quantum for a running prompt whose feedback and effective level are
+        the last level, with more than one quantum of prompt left, else None. Pure."""
+        state = self.req_state.get(request.request_id)
+        lp = self.params.levels
+        last = lp.num_levels - 1
+        if state is None or state.feedback_level != last or state.mlfq_last_scheduled_s is None:
+            return None
+        c = request.num_computed_tokens
+        quantum = quantum_tokens(last, lp, self.max_num_scheduled_tokens)
+        if (quantum != lp.quanta_tokens[last] or request.num_prompt_tokens - c <= quantum
+                or self._effective_level(request, self.clock(), c) != last):
+            return None
+        return quantum
+
+    def prefill_run_max_step_s(self) -> float:
+        """Longest single step a merged prefill run may hold: the aging interval (a longer one
+        would age a prompt by a level before its next step). Pure."""
+        interval = self.params.levels.aging_interval_s
+        return interval if interval > 0 else math.inf
+
+    def blocked_run_max_tokens(self, limit: int, step_tokens: int | None = None) -> int:
+        """Most steps a merged run may take: a running prompt's chunks stay inside its prompt,
+        with a token to spare (``(prompt - computed - 1) // quantum``). Pure."""
+        k = limit
+        for request in self.running:
+            c = request.num_computed_tokens
+            if c < request.num_prompt_tokens:
+                quantum = self.prefill_run_chunk_tokens(request)
+                if quantum is None:
+                    return 1
+                k = min(k, (request.num_prompt_tokens - c - 1) // quantum)
+        return max(1, k)
 
     def _effective_level(self, request: Request, now_s: float, num_computed_tokens: int) -> int:
         state = self.req_state.get(request.request_id)

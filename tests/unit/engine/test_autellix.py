@@ -67,6 +67,39 @@ def test_prefill_chunks_follow_the_level_quanta_and_demote() -> None:
     h.assert_no_leaks()
 
 
+def test_a_merged_prefill_run_certifies_only_a_chunk_that_stays_the_same() -> None:
+    """The simulator merges a long call's chunks only at the last level with a full quantum: each
+    single step then gives it that quantum; above the last level, or with a part of the quantum
+    used, the next chunk differs, so it certifies nothing."""
+    h = Harness(AutellixScheduler, num_blocks=512, max_num_batched_tokens=4096)
+    s = h.scheduler
+    r = h.add(h.make_request("s", h.tokens(5000), max_tokens=2, extra_args={"mars_turn": 0}))
+    certified, chunks = [], []
+    for _ in range(6):
+        certified.append(s.prefill_run_chunk_tokens(r) if r.num_computed_tokens else None)
+        chunks.append(h.step().num_scheduled_tokens[r.request_id])
+    assert chunks == [2048, 1024, 512, 256, 256, 256]
+    # levels 0..2 before the first three steps; the last level with a full quantum after that
+    assert certified == [None, None, None, 256, 256, 256]
+    assert s.blocked_run_max_tokens(50, step_tokens=256) == 50  # nothing waits: no promotion bound
+    h.run_until_done()
+    h.assert_no_leaks()
+
+
+def test_a_waiting_call_due_for_promotion_ends_a_merged_prefill_run() -> None:
+    """A waiting call's wait grows by the step's tokens: a run ends before the step whose check
+    would promote it, sooner the more tokens each step schedules."""
+    h = Harness(AutellixScheduler, num_blocks=512, max_num_batched_tokens=4096)
+    s = h.scheduler
+    first = _finish_first_turn(h, 2100)  # program service 2101: its next call arrives at level 1
+    waiting = h.add(h.next_turn(first, 50, max_tokens=2, extra_args={"mars_turn": 1}))
+    call = s.plas_call(waiting.request_id)
+    assert call.level == 1
+    # promoted once (wait) / (service 2101) >= 2: after 4,202 tokens scheduled for others
+    assert s.blocked_run_max_tokens(100, step_tokens=256) == -(-4202 // 256)
+    assert s.blocked_run_max_tokens(100, step_tokens=512) == -(-4202 // 512)
+
+
 def test_custom_quanta_come_from_additional_config() -> None:
     h = Harness(AutellixScheduler, num_blocks=512, max_num_batched_tokens=4096,
                 mars={"autellix": {"service_thresholds_tokens": [1000],

@@ -62,6 +62,15 @@ def _both_ways(monkeypatch: pytest.MonkeyPatch, config: SimConfig,
 
 
 _CONTINUUM = {"additional_config": {"mars": {"continuum": {"mode": "continuum"}}}}
+_AUTELLIX_SMALL = {"additional_config": {"mars": {"autellix": {
+    "service_thresholds_tokens": [64, 256, 1024], "level_quanta_tokens": [128, 64, 32, 16]}}}}
+"""Autellix scaled to these sessions: programs reach the last level (16-token quantum), so every
+re-prefill after a preemption runs as chunks of one quantum while others wait (merged runs)."""
+_PREVIEW_SMALL = {"additional_config": {"mars": {"levels": {
+    "prompt_thresholds_tokens": [64, 256, 1024], "quanta_tokens": [128, 64, 32, 16],
+    "aging_interval_s": 0.006}}}}
+"""The preview scaled the same way, with an aging interval near the step times (a run must not
+hold a step that ages a prompt)."""
 
 
 @pytest.mark.parametrize(("policy", "engine", "admission", "merges"), [
@@ -71,8 +80,10 @@ _CONTINUUM = {"additional_config": {"mars": {"continuum": {"mode": "continuum"}}
     ("InferceptScheduler", {}, False, True),
     ("ContinuumScheduler", _CONTINUUM, False, True),
     ("AutellixScheduler", {}, False, True),
+    ("AutellixScheduler", _AUTELLIX_SMALL, False, True),
     ("ThunderAgentScheduler", {}, False, True),
     ("MarsPreviewScheduler", {}, True, True),
+    ("MarsPreviewScheduler", _PREVIEW_SMALL, True, True),
     ("MarsScheduler", {}, True, False),
 ])
 def test_fast_paths_are_exact(monkeypatch: pytest.MonkeyPatch, policy: str, engine: dict[str, Any],
@@ -97,7 +108,7 @@ def test_fast_paths_are_exact(monkeypatch: pytest.MonkeyPatch, policy: str, engi
     if merges:
         assert fast.num_schedule_calls < 0.8 * slow.num_schedule_calls, (
             f"blocked runs unused: {fast.num_schedule_calls} vs {slow.num_schedule_calls} calls")
-    if engine.get("long_prefill_token_threshold"):
+    if engine.get("long_prefill_token_threshold") or engine in (_AUTELLIX_SMALL, _PREVIEW_SMALL):
         assert engine_.num_prefill_runs > 0, "chunked-prefill runs unused"
 
 
