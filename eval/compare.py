@@ -37,6 +37,7 @@ the metrics from the recorded stream exactly as for ``sim`` (:mod:`eval.backends
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import logging
 import math
@@ -358,6 +359,16 @@ class _Pool:
         if executor is not None:
             executor.shutdown(wait=exc_type is None, cancel_futures=True)
 
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Start ``fn(*args)`` on a worker; returns its ``concurrent.futures.Future``.
+
+        Raises:
+            RuntimeError: the pool runs calls in this process (``jobs == 1``): use :meth:`run`.
+        """
+        if self._executor is None:
+            raise RuntimeError("an in-process pool (jobs=1) has no workers to submit to; use run()")
+        return self._executor.submit(fn, *args)
+
     def run(self, calls: Sequence[tuple[Callable[..., Any], tuple[Any, ...]]]) -> Iterator[tuple[int, Any]]:
         """Run ``fn(*args)`` for each call; yield ``(index, value or Exception)`` as each finishes."""
         if self._executor is None:
@@ -374,6 +385,93 @@ class _Pool:
         for future in as_completed(futures):
             error = future.exception()
             yield futures[future], (error if error is not None else future.result())
+
+
+class _Probes:
+    """Knee probes by ``(search, rate)`` on a :class:`_Pool`: started once, each result kept.
+
+    A probe is a pure function of its search and rate (same workload, policy, seed), so a round
+    may take the result of a probe started earlier on a guess (:meth:`_Sweep._speculate`); a
+    started probe that no round will need is cancelled (:meth:`cancel_except`: the worker's
+    guard sees a file and stops it). In-process (``jobs == 1``) probes run one at a time in
+    :meth:`wait` and none is speculative.
+    """
+
+    def __init__(self, pool: _Pool, make_call: Callable[[Any, float, str | None], tuple[Callable[..., Any], tuple[Any, ...]]]) -> None:
+        self._pool, self._make_call = pool, make_call
+        self.results: dict[tuple[Any, float], Any] = {}
+        """Finished probes' values, by ``(search, rate)``."""
+        self._running: dict[tuple[Any, float], Any] = {}  # key -> Future (workers) or None (queued)
+        self._cancel_dir: str | None = None
+        self._num_started = 0
+        self.num_cancelled = 0
+        """Probes stopped (or never run) because no round needed them."""
+
+    @property
+    def jobs(self) -> int:
+        """Worker processes of the pool (1: in-process)."""
+        return self._pool.jobs
+
+    @property
+    def num_running(self) -> int:
+        """Probes started and not finished."""
+        return len(self._running)
+
+    def is_known(self, key: tuple[Any, float]) -> bool:
+        """Whether the probe is finished or started."""
+        return key in self.results or key in self._running
+
+    def start(self, key: tuple[Any, float]) -> None:
+        """Start the probe unless it is finished or running. Mutates."""
+        if self.is_known(key):
+            return
+        if self._pool.jobs <= 1:
+            self._running[key] = None
+            return
+        import tempfile
+
+        if self._cancel_dir is None:
+            self._cancel_dir = tempfile.mkdtemp(prefix="mars-knee-")
+        self._num_started += 1
+        path = os.path.join(self._cancel_dir, f"{self._num_started}.cancel")
+        fn, args = self._make_call(key[0], key[1], path)
+        future = self._pool.submit(fn, *args)
+        future.cancel_path = path
+        self._running[key] = future
+
+    def cancel_except(self, keep: set[tuple[Any, float]]) -> None:
+        """Stop every running probe not in ``keep``. Mutates."""
+        for key in [k for k in self._running if k not in keep]:
+            future = self._running.pop(key)
+            if future is not None and not future.cancel():
+                Path(future.cancel_path).touch()
+            self.num_cancelled += 1
+
+    def wait(self) -> None:
+        """Block until at least one running probe finishes and keep its value (re-raises a probe's
+        exception). Mutates."""
+        if self._pool.jobs <= 1:
+            key = next(iter(self._running))
+            del self._running[key]
+            fn, args = self._make_call(key[0], key[1], None)
+            self.results[key] = fn(*args)
+            return
+        from concurrent.futures import FIRST_COMPLETED
+        from concurrent.futures import wait as wait_futures
+
+        finished, _ = wait_futures(list(self._running.values()), return_when=FIRST_COMPLETED)
+        for key in [k for k, f in self._running.items() if f in finished]:
+            future = self._running.pop(key)
+            error = future.exception()
+            if error is not None:
+                raise error
+            self.results[key] = future.result()
+
+    def close(self) -> None:
+        """Cancel what still runs and remove the cancel files. Mutates."""
+        self.cancel_except(set())
+        if self._cancel_dir is not None:
+            shutil.rmtree(self._cancel_dir, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- runs
@@ -467,8 +565,11 @@ class _SlowdownGuard:
 
     _CHECK_EVERY = 256
 
-    def __init__(self, ideal_s: Mapping[str, float], bound: float, *, is_keeping_events: bool = False) -> None:
+    def __init__(self, ideal_s: Mapping[str, float], bound: float, *, is_keeping_events: bool = False,
+                 cancel_path: str | None = None) -> None:
         self.events: list[Any] | None = [] if is_keeping_events else None
+        self._cancel_path = cancel_path
+        """A file whose existence stops the probe (a speculative probe no round needs any more)."""
         """Every event seen, when kept (a stable probe's stream is a run's: see ``_runs``)."""
         self._inv_ideal = {sid: 1.0 / max(v, 1e-9) for sid, v in ideal_s.items()}
         self._limit = bound * len(ideal_s)
@@ -496,6 +597,8 @@ class _SlowdownGuard:
             lower_bound = self._done + now_s * self._open_inv - self._open_arrival
             if lower_bound > self._limit:
                 raise _Unstable(f"mean slowdown > {lower_bound / len(self._inv_ideal):.3g} at {now_s:.0f} s")
+            if self._cancel_path is not None and os.path.exists(self._cancel_path):
+                raise _Unstable("cancelled: no knee-search round needs this probe")
 
     def close(self) -> None:
         """Nothing to release."""
@@ -503,16 +606,17 @@ class _SlowdownGuard:
 
 def _probe_task(workload: Workload, options: CompareOptions, policy: str, is_admission_enabled: bool,
                 rate_per_s: float, timer: Any, num_gpu_blocks: int, ideal_s: Mapping[str, float],
-                simulate_fn: Callable[..., Any] | None = None,
-                is_keeping_stream: bool = False) -> tuple[float, float, pd.DataFrame | None]:
+                simulate_fn: Callable[..., Any] | None = None, is_keeping_stream: bool = False,
+                cancel_path: str | None = None) -> tuple[float, float, pd.DataFrame | None]:
     """One knee-search probe (worker side): ``(mean slowdown at rate_per_s, wall seconds, stream)``;
     the slowdown is ``inf`` if a session did not finish, the virtual clock passed ``max_virtual_s``
     or the guard proved it unstable (see :class:`_SlowdownGuard`). ``stream``: with
     ``is_keeping_stream``, a stable probe's metric events (:func:`_stream_frame`: the stream a
-    sweep run with the same policy, rate and seed records); else ``None``."""
+    sweep run with the same policy, rate and seed records); else ``None``. ``cancel_path``: stop
+    early (slowdown ``inf``, to be discarded) once this file exists."""
     t0 = time.monotonic()
     slowdown, events = _probe_slowdown(workload, options, policy, is_admission_enabled, rate_per_s, timer,
-                                       num_gpu_blocks, ideal_s, simulate_fn, is_keeping_stream)
+                                       num_gpu_blocks, ideal_s, simulate_fn, is_keeping_stream, cancel_path)
     stream = (_stream_frame(events) if events is not None and slowdown <= options.knee_slowdown else None)
     return slowdown, time.monotonic() - t0, stream
 
@@ -530,12 +634,13 @@ def _slowdown_text(slowdown: float, bound: float) -> str:
 def _probe_slowdown(workload: Workload, options: CompareOptions, policy: str, is_admission_enabled: bool,
                     rate_per_s: float, timer: Any, num_gpu_blocks: int, ideal_s: Mapping[str, float],
                     simulate_fn: Callable[..., Any] | None,
-                    is_keeping_events: bool = False) -> tuple[float, list[Any] | None]:
+                    is_keeping_events: bool = False, cancel_path: str | None = None) -> tuple[float, list[Any] | None]:
     from eval import sim
 
     arrived = with_arrivals(workload, PoissonArrivals(rate_per_s=rate_per_s), seed=options.seed)
     config = _sim_config(options, policy, is_admission_enabled, num_gpu_blocks)
-    guard = _SlowdownGuard(ideal_s, options.knee_slowdown, is_keeping_events=is_keeping_events)
+    guard = _SlowdownGuard(ideal_s, options.knee_slowdown, is_keeping_events=is_keeping_events,
+                           cancel_path=cancel_path)
     try:
         result = (simulate_fn or sim.simulate)(arrived, config, _real_timer(timer), guard)
     except _Unstable:
@@ -846,36 +951,79 @@ class _Sweep:
             open_[(setup.gpu, label)] = (setup, KneeSearch(start, o.knee_slowdown, o.search_max_runs,
                                                            o.knee_tolerance, name), key)
         task = self._task(description, o.search_max_runs * len(open_)) if open_ else None
-        while open_:
-            width = max(1, pool.jobs // len(open_))
-            calls, owners = [], []
-            for ident, (setup, search, _) in open_.items():
-                policy = ident[1].removesuffix("+adm")
-                for rate in search.next_rates(width):
-                    calls.append((_probe_task, (self.workload, o, policy, ident[1].endswith("+adm"), rate,
-                                                setup.step_timer, self._num_blocks(setup, policy),
-                                                self.ideal[setup.gpu],
-                                                self.simulate_fn, is_keeping_streams)))
-                    owners.append((ident, rate))
-            for index, value in pool.run(calls):
-                ident, rate = owners[index]
-                if isinstance(value, BaseException):
-                    raise value
-                slowdown, wall_s, stream = value
-                open_[ident][1].record(rate, slowdown)
-                self._probe_wall_s[(ident, rate)] = wall_s
-                if stream is not None:
-                    self._probe_streams[(ident, rate)] = stream
-                self._advance(task, description=f"{description}: {ident[1]} @ {rate:.3g}/s")
-            for ident in [i for i, (_, s, _) in open_.items() if s.is_done]:
-                setup, search, key = open_.pop(ident)
-                done[ident] = result = search.result()
-                if self.progress is not None and task is not None:  # the budget not spent
-                    self.progress.update(task, advance=o.search_max_runs - len(search.probes))
-                if key:
-                    self.cache.put("knee", key, {"rate_per_s": result.rate_per_s,
-                                                 "probes": [list(p) for p in result.probes], "how": result.how})
+
+        def make_call(ident: tuple[str, str], rate: float, cancel_path: str | None) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+            setup, policy = open_[ident][0], ident[1].removesuffix("+adm")
+            return _probe_task, (self.workload, o, policy, ident[1].endswith("+adm"), rate, setup.step_timer,
+                                 self._num_blocks(setup, policy), self.ideal[setup.gpu], self.simulate_fn,
+                                 is_keeping_streams, cancel_path)
+
+        probes = _Probes(pool, make_call)
+        rounds: dict[tuple[str, str], list[float]] = {}  # each open search's round in progress
+        try:
+            while open_:
+                width = max(1, pool.jobs // len(open_))
+                for ident, (_, search, _) in open_.items():
+                    if ident not in rounds:
+                        rounds[ident] = search.next_rates(width)
+                        for rate in rounds[ident]:
+                            probes.start((ident, rate))
+                wanted = {(ident, rate) for ident, rates in rounds.items() for rate in rates}
+                if pool.jobs > 1:
+                    wanted |= self._speculate(probes, open_, rounds, width)
+                probes.cancel_except(wanted)
+                probes.wait()
+                for ident in [i for i, rates in rounds.items() if all((i, r) in probes.results for r in rates)]:
+                    search = open_[ident][1]
+                    for rate in rounds.pop(ident):  # the round's order: results do not depend on timing
+                        slowdown, wall_s, stream = probes.results.pop((ident, rate))
+                        search.record(rate, slowdown)
+                        self._probe_wall_s[(ident, rate)] = wall_s
+                        if stream is not None:
+                            self._probe_streams[(ident, rate)] = stream
+                        self._advance(task, description=f"{description}: {ident[1]} @ {rate:.3g}/s")
+                    if search.is_done:
+                        setup, search, key = open_.pop(ident)
+                        done[ident] = result = search.result()
+                        if self.progress is not None and task is not None:  # the budget not spent
+                            self.progress.update(task, advance=o.search_max_runs - len(search.probes))
+                        if key:
+                            self.cache.put("knee", key, {"rate_per_s": result.rate_per_s,
+                                                         "probes": [list(p) for p in result.probes],
+                                                         "how": result.how})
+        finally:
+            probes.close()
         return done
+
+    @staticmethod
+    def _speculate(probes: _Probes, open_: Mapping[tuple[str, str], tuple[GpuSetup, KneeSearch, str | None]],
+                   rounds: Mapping[tuple[str, str], list[float]], width: int) -> set[tuple[tuple[str, str], float]]:
+        """Start, on idle workers, the probes each search's next round would ask for if its
+        running probes end as guessed; returns every such probe (running ones stay wanted).
+
+        Exact: the searches still record only their own rounds, in order; a guess only decides
+        what runs early. The guess: unstable if a probe at a rate no higher was unstable, else
+        stable (unstable probes are stopped early, so one still running is likely stable).
+        Mutates ``probes``.
+        """
+        speculative: set[tuple[tuple[str, str], float]] = set()
+        for ident, rates in rounds.items():
+            if all((ident, r) in probes.results for r in rates):
+                continue
+            clone = copy.deepcopy(open_[ident][1])
+            known = [(r, probes.results[(ident, r)][0]) for r in rates if (ident, r) in probes.results]
+            for rate, slowdown in known:
+                clone.record(rate, slowdown)
+            unstable = [r for r, _, is_stable in clone.probes if not is_stable]
+            for rate in rates:
+                if (ident, rate) not in probes.results:
+                    clone.record(rate, math.inf if any(u <= rate for u in unstable) else 0.0)
+            for rate in clone.next_rates(width):
+                key = (ident, rate)
+                speculative.add(key)
+                if not probes.is_known(key) and probes.num_running < probes.jobs:
+                    probes.start(key)
+        return speculative
 
     def _base_rates(self, pool: _Pool) -> None:
         o = self.options

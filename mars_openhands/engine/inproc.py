@@ -36,7 +36,7 @@ import importlib
 import logging
 import operator
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -723,7 +723,7 @@ class InprocEngine:
                 drafts.append(list(self._planned[request.request_id][index:index + k - 1]))
         s.update_draft_token_ids(DraftTokenIds(req_ids, drafts))
         self.num_prefill_runs += 1
-        budget = k * sum(self._run_step_tokens(r) for r in s.running)
+        budget = k * sum(self._run_steps())
         if not hide_waiting:
             with seams.scaled_step_budget(s, k, budget):
                 return s.schedule()
@@ -763,7 +763,7 @@ class InprocEngine:
         s = self.scheduler
         if self.is_plugin or s.waiting or s.kv_holding_waiting:
             return 1
-        return self._prefill_run_len(limit)
+        return self._prefill_run_len(limit, self._run_steps())
 
     def max_blocked_prefill_run(self, limit: int) -> int:
         """:meth:`max_prefill_run` while requests wait for KV: largest ``k <= limit`` for which
@@ -789,14 +789,15 @@ class InprocEngine:
             return 1
         if self.is_plugin and not (s.coalescible_prefill_runs and s.blocked_run_is_safe()):
             return 1
-        k = self._prefill_run_len(limit)
-        if k <= 1 or self._probe_num_tokens != sum(self._run_step_tokens(r) for r in s.running):
+        steps = self._run_steps()
+        k = self._prefill_run_len(limit, steps)
+        if k <= 1 or self._probe_num_tokens != sum(steps):
             return 1
         if self.is_plugin:
             k = s.blocked_run_max_tokens(k, step_tokens=self._probe_num_tokens)
             if k <= 1:
                 return 1
-        return self._keep_head_hit(k, self._prefill_run_new_blocks)
+        return self._keep_head_hit(k, lambda k_: self._prefill_run_new_blocks(k_, steps))
 
     @staticmethod
     def _is_decoding(r: Request) -> bool:
@@ -813,8 +814,13 @@ class InprocEngine:
             return self.scheduler.prefill_run_chunk_tokens(r) or 0
         return self.params.long_prefill_token_threshold
 
-    def _prefill_run_len(self, limit: int) -> int:
-        """:meth:`max_prefill_run` without its empty-waiting condition. Pure."""
+    def _run_steps(self) -> list[int]:
+        """:meth:`_run_step_tokens` of each running request, in the running order. Pure."""
+        return [self._run_step_tokens(r) for r in self.scheduler.running]
+
+    def _prefill_run_len(self, limit: int, steps: Sequence[int]) -> int:
+        """:meth:`max_prefill_run` without its empty-waiting condition (``steps``:
+        :meth:`_run_steps`). Pure."""
         s = self.scheduler
         if (limit <= 1 or not isinstance(s, AsyncScheduler)
                 or len(s.running) + len(s.waiting) < 2):
@@ -822,11 +828,10 @@ class InprocEngine:
         # Our schedulers decide on a finish: a decode's last token takes a single step.
         keep_last = int(self.is_plugin)
         k, num_prefill, total = limit, 0, 0
-        for r in s.running:
+        for r, n in zip(s.running, steps, strict=True):
             c = r.num_computed_tokens
             if r.num_output_placeholders or r.spec_token_ids or r.request_id not in self._planned:
                 return 1
-            n = self._run_step_tokens(r)
             total += n
             if self._is_decoding(r):
                 k = min(k, r.max_tokens - r.num_output_tokens - keep_last,
@@ -839,18 +844,17 @@ class InprocEngine:
         if num_prefill == 0 or total > min(
                 self.params.max_num_batched_tokens, seams.max_num_scheduled_tokens(s)):
             return 1
-        while k > 1 and self._prefill_run_new_blocks(k) > seams.num_free_blocks(s):
+        while k > 1 and self._prefill_run_new_blocks(k, steps) > seams.num_free_blocks(s):
             k //= 2
         return max(1, k)
 
-    def _prefill_run_new_blocks(self, k: int) -> int:
-        """New KV blocks the running requests take over ``k`` steps (:meth:`_run_step_tokens`
-        each). Pure."""
+    def _prefill_run_new_blocks(self, k: int, steps: Sequence[int]) -> int:
+        """New KV blocks the running requests take over ``k`` steps of ``steps`` tokens each
+        (:meth:`_run_steps`). Pure."""
         bs = self.params.block_size
         total = 0
-        for r in self.scheduler.running:
-            c = r.num_computed_tokens
-            total += max(0, -(-(c + k * self._run_step_tokens(r)) // bs)
+        for r, n in zip(self.scheduler.running, steps, strict=True):
+            total += max(0, -(-(r.num_computed_tokens + k * n) // bs)
                          - seams.num_block_table_entries(self.scheduler, r.request_id))
         return total
 
@@ -858,7 +862,7 @@ class InprocEngine:
         """The step-time model's input of each of the ``k`` single steps a chunked-prefill run
         stands for: ``(prefill (new, cached) chunks, decode contexts)`` in the running order, as
         :meth:`schedule` would record them step by step (lazily). Pure."""
-        steps = [(r, self._run_step_tokens(r)) for r in self.scheduler.running]
+        steps = list(zip(self.scheduler.running, self._run_steps(), strict=True))
         for i in range(k):
             prefill: list[tuple[int, int]] = []
             decode: list[int] = []
@@ -1032,8 +1036,7 @@ class InprocEngine:
         head = s.waiting.peek_request()
         if any(r.session_id == head.session_id for r in s.running):
             return 1
-        evicted = seams.next_evicted_blocks(s, new_blocks(k))
-        first_hit = self._first_unsafe_eviction(head, evicted)
+        first_hit = self._first_unsafe_eviction(head, seams.iter_next_evicted_blocks(s, new_blocks(k)))
         if first_hit is None:
             return k
         lo, hi = 1, k  # largest k' with new_blocks(k') <= first_hit (monotone in k')
@@ -1045,7 +1048,7 @@ class InprocEngine:
                 hi = mid - 1
         return lo
 
-    def _first_unsafe_eviction(self, head: Request, evicted: Sequence[Any]) -> int | None:
+    def _first_unsafe_eviction(self, head: Request, evicted: Iterable[Any]) -> int | None:
         """Index of the first of ``evicted`` (the blocks a run takes, in order) whose eviction
         may let the blocked waiting ``head`` in, or None. Pure.
 

@@ -86,6 +86,7 @@ __all__ = [
     "num_gpu_blocks",
     "prefix_hit_tokens",
     "free_pinned",
+    "iter_next_evicted_blocks",
     "next_evicted_blocks",
     "watch_prefix_cache",
     "install_fused_block_allocation",
@@ -360,6 +361,17 @@ def next_evicted_blocks(sched: Scheduler, num_blocks: int) -> list[KVCacheBlock]
         out.append(block)
         block = block.next_free_block
     return out
+
+
+def iter_next_evicted_blocks(sched: Scheduler, num_blocks: int) -> Iterator[KVCacheBlock]:
+    """:func:`next_evicted_blocks`, lazily (a caller that stops at the first block it looks for
+    walks no further). Pure while iterated with no allocation in between."""
+    block = block_pool(sched).free_block_queue.fake_free_list_head.next_free_block
+    for _ in range(num_blocks):
+        if block is None or block.block_id < 0:
+            return
+        yield block
+        block = block.next_free_block
 
 
 class _WatchedBlockHashToBlockMap(BlockHashToBlockMap):

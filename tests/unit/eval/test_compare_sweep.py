@@ -107,6 +107,68 @@ def test_parallel_knee_search_brackets_in_fewer_rounds_and_stops_at_the_toleranc
     assert parallel < serial and len(one.probes) == 7 + 3  # doublings to 0.64, then 2 -> 1.41 -> 1.19 -> 1.09
 
 
+def _fake_probe(log: list[tuple[str, float, float]], knee: float):
+    """A knee probe of the linear slowdown ``rate / knee + 1``: unstable probes return fast (the
+    guard stops them), stable ones slowly; a cancel file stops one at once."""
+    import os
+    import time
+
+    def probe(workload, options, policy, is_admission_enabled, rate, timer, num_blocks, ideal, simulate_fn,
+              is_keeping_stream, cancel_path=None):
+        log.append(("start", rate, time.monotonic()))
+        slowdown = 1.0 + rate / knee
+        deadline = time.monotonic() + (0.3 if slowdown <= 2.0 else 0.1)
+        while time.monotonic() < deadline:
+            if cancel_path is not None and os.path.exists(cancel_path):
+                log.append(("cancelled", rate, time.monotonic()))
+                return math.inf, 0.0, None
+            time.sleep(0.005)
+        log.append(("end", rate, time.monotonic()))
+        return slowdown, 0.1, None
+
+    return probe
+
+
+def test_idle_workers_run_the_next_rounds_probes_early_and_the_knee_is_the_same(tmp_path, monkeypatch) -> None:
+    """With two workers, a round's fast (unstable) probe frees a worker while the slow one runs:
+    that worker starts a probe the next round asks for if the slow one ends as guessed. The
+    search records the same rounds, so its knee and probes equal the search without guessing."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    workload = small_workload(2, 2)
+    options = CompareOptions(policies=("fcfs",), loads=(1.0,), num_gpu_blocks=64, search_max_runs=8,
+                             knee_tolerance=1.05)
+    setup = GpuSetup("g", object(), 64)
+    searches, logs = {}, {}
+    for mode in ("plain", "speculative"):
+        logs[mode] = log = []
+        monkeypatch.setattr(compare, "_probe_task", _fake_probe(log, knee=0.3))
+        if mode == "plain":
+            monkeypatch.setattr(compare._Sweep, "_speculate", staticmethod(lambda *args: set()))
+        else:
+            monkeypatch.undo()
+            monkeypatch.setattr(compare, "_probe_task", _fake_probe(log, knee=0.3))
+        sweep = compare._Sweep(workload, options, (setup,), tmp_path, None, None, None, ResultCache(None), {})
+        sweep.ideal = {"g": {s.session_id: 1.0 for s in workload.sessions}}
+        pool = compare._Pool(2)
+        pool._executor = ThreadPoolExecutor(2)
+        try:
+            searches[mode] = sweep._searches(pool, [(setup, "fcfs", 0.1)], "knee")[("g", "fcfs")]
+        finally:
+            pool._executor.shutdown(wait=True)
+    plain, fast = searches["plain"], searches["speculative"]
+    assert len(plain.probes) > 3 and 0.25 < plain.rate_per_s <= 0.3
+    assert fast == plain  # the same rounds, recorded in the same order, the same sentence
+    # some probe started before the round it belongs to had begun (its predecessor still running)
+    starts = {rate: t for kind, rate, t in logs["speculative"] if kind == "start"}
+    ends = {rate: t for kind, rate, t in logs["speculative"] if kind == "end"}
+    rounds = [[r for r, _, _ in plain.probes[i:i + 2]] for i in range(0, len(plain.probes), 2)]
+    early = [r for prev, cur in zip(rounds, rounds[1:], strict=False) for r in cur
+             if starts[r] < max(ends[p] for p in prev)]
+    assert early, f"no probe ran ahead of its round: {logs['speculative']}"
+    assert sum(kind == "start" for kind, _, _ in logs["plain"]) == len(plain.probes)  # no guessing
+
+
 def test_knee_search_budget_counts_pending_probes_and_bad_parameters_are_named() -> None:
     search = KneeSearch(1.0, bound=2.0, max_runs=3)
     assert search.next_rates(8) == [1.0, 2.0, 4.0] and search.is_done
