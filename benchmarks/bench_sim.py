@@ -65,11 +65,26 @@ thunderagent 56.4 -> 44.9 CPU s (1.26x, 146x), continuum 64.4 -> 54.4 (1.18x, 12
 with 2f35bef at load ~4. 4f6bd99 fuses vLLM's ``touch``/``free_blocks`` (every turn touches and
 frees its whole context); not benchmarked separately.
 
-Below 150x, and why: the calls are no longer the cost. What is left is vLLM's own per-block work:
-past the knee every turn re-prefills its context (fcfs: 6.0 M blocks allocated, evicted from and
-inserted into the prefix cache per run; autellix 8.1 M), plus ``update_from_output``'s per-token
-handling. autellix and mars-preview also run their quantum-capped prefill chunks (256-2,048
-tokens) one ``schedule()`` each, because chunked-prefill runs are certified for stock vLLM only.
+Measured 2026-12-03, side by side the same way (old 70022ca, new 294d39d: blocked chunked-prefill
+runs for our schedulers that certify them, ``InprocEngine.max_blocked_prefill_run``), load ~2:
+
+=============  ==========================  ==========================  =======
+policy         old: CPU s, sim/CPU, calls  new: CPU s, sim/CPU, calls  speedup
+=============  ==========================  ==========================  =======
+autellix       178.5, 69x, 193,990         125.5, 98x, 74,508          1.42x
+mars-preview   285.3, 39x, 213,947         316.0, 36x, 194,355         0.90x
+=============  ==========================  ==========================  =======
+
+Same makespan, engine steps and preemptions both ways. Autellix's long calls sit at its last
+level, whose 256-token quantum is the same every step, so their re-prefills merge. The preview's
+merge rarely: with chunk shrinking a blocked head stays blocked only until the run would evict a
+block of its prefix hit, which a run of 256-token chunks reaches at once (its pair above is
+within this box's noise: profiled on 20 sessions x 40 turns the two take 43.3 and 44.4 CPU s).
+
+Below 150x, and why: what is left is vLLM's own per-block work: past the knee every turn
+re-prefills its context (fcfs: 6.0 M blocks allocated, evicted from and inserted into the prefix
+cache per run; autellix 8.1 M), plus ``update_from_output``'s per-token handling; and the
+preview's single steps (above).
 
 Prints one row per policy (simulated s, wall s, CPU s, simulated s per CPU s, ``schedule()``
 calls, engine steps, preemptions) and appends the rows to

@@ -450,6 +450,8 @@ class _Probes:
     def wait(self) -> None:
         """Block until at least one running probe finishes and keep its value (re-raises a probe's
         exception). Mutates."""
+        if not self._running:
+            return
         if self._pool.jobs <= 1:
             key = next(iter(self._running))
             del self._running[key]
@@ -960,11 +962,12 @@ class _Sweep:
 
         probes = _Probes(pool, make_call)
         rounds: dict[tuple[str, str], list[float]] = {}  # each open search's round in progress
+        width = 1
         try:
             while open_:
-                width = max(1, pool.jobs // len(open_))
-                for ident, (_, search, _) in open_.items():
-                    if ident not in rounds:
+                if not rounds:  # every search's round closed: the next ones (widths as in a barrier)
+                    width = max(1, pool.jobs // len(open_))
+                    for ident, (_, search, _) in open_.items():
                         rounds[ident] = search.next_rates(width)
                         for rate in rounds[ident]:
                             probes.start((ident, rate))
@@ -1001,16 +1004,20 @@ class _Sweep:
         """Start, on idle workers, the probes each search's next round would ask for if its
         running probes end as guessed; returns every such probe (running ones stay wanted).
 
-        Exact: the searches still record only their own rounds, in order; a guess only decides
-        what runs early. The guess: unstable if a probe at a rate no higher was unstable, else
-        stable (unstable probes are stopped early, so one still running is likely stable).
+        Exact: the searches still record only their own rounds, in order, and a new round starts
+        when every search's round has closed (its width, ``jobs // open searches``, as before);
+        a guess only decides what runs early. The guess: unstable if a probe at a rate no higher
+        was unstable, else stable (unstable probes are stopped early, so one still running is
+        likely stable); a search whose round closed before the others' gets its next round at
+        the current width.
         Mutates ``probes``.
         """
         speculative: set[tuple[tuple[str, str], float]] = set()
-        for ident, rates in rounds.items():
-            if all((ident, r) in probes.results for r in rates):
+        for ident, (_, search, _) in open_.items():
+            rates = rounds.get(ident, [])  # none: its round closed, the others' still run
+            if rates and all((ident, r) in probes.results for r in rates):
                 continue
-            clone = copy.deepcopy(open_[ident][1])
+            clone = copy.deepcopy(search)
             known = [(r, probes.results[(ident, r)][0]) for r in rates if (ident, r) in probes.results]
             for rate, slowdown in known:
                 clone.record(rate, slowdown)
@@ -1018,7 +1025,7 @@ class _Sweep:
             for rate in rates:
                 if (ident, rate) not in probes.results:
                     clone.record(rate, math.inf if any(u <= rate for u in unstable) else 0.0)
-            for rate in clone.next_rates(width):
+            for rate in clone.next_rates(width):  # the width if every search stays open
                 key = (ident, rate)
                 speculative.add(key)
                 if not probes.is_known(key) and probes.num_running < probes.jobs:

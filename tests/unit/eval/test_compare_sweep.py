@@ -109,15 +109,17 @@ def test_parallel_knee_search_brackets_in_fewer_rounds_and_stops_at_the_toleranc
 
 def _fake_probe(log: list[tuple[str, float, float]], knee: float):
     """A knee probe of the linear slowdown ``rate / knee + 1``: unstable probes return fast (the
-    guard stops them), stable ones slowly; a cancel file stops one at once."""
+    guard stops them), stable ones slowly; a cancel file stops one at once. A float timer is
+    the GPU's knee and speed factor."""
     import os
     import time
 
     def probe(workload, options, policy, is_admission_enabled, rate, timer, num_blocks, ideal, simulate_fn,
               is_keeping_stream, cancel_path=None):
         log.append(("start", rate, time.monotonic()))
-        slowdown = 1.0 + rate / knee
-        deadline = time.monotonic() + (0.3 if slowdown <= 2.0 else 0.1)
+        slowdown = 1.0 + rate / (timer if isinstance(timer, float) else knee)  # a GPU's own knee
+        scale = timer if isinstance(timer, float) else 1.0  # a GPU's own speed
+        deadline = time.monotonic() + (0.3 if slowdown <= 2.0 else 0.1) * scale
         while time.monotonic() < deadline:
             if cancel_path is not None and os.path.exists(cancel_path):
                 log.append(("cancelled", rate, time.monotonic()))
@@ -167,6 +169,45 @@ def test_idle_workers_run_the_next_rounds_probes_early_and_the_knee_is_the_same(
              if starts[r] < max(ends[p] for p in prev)]
     assert early, f"no probe ran ahead of its round: {logs['speculative']}"
     assert sum(kind == "start" for kind, _, _ in logs["plain"]) == len(plain.probes)  # no guessing
+
+
+def test_two_searches_keep_their_round_widths_while_idle_workers_guess(tmp_path, monkeypatch) -> None:
+    """Two GPUs' searches share two workers (one probe each per round, two once one is done): a
+    search whose round closed first may only guess ahead; its next round starts with the other's,
+    so each knee equals the search without guessing whichever probe ends first."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    workload = small_workload(2, 2)
+    options = CompareOptions(policies=("fcfs",), loads=(1.0,), num_gpu_blocks=64, search_max_runs=8,
+                             knee_tolerance=1.05)
+    setups = (GpuSetup("a", 0.3, 64), GpuSetup("b", 0.9, 64))
+    found = {}
+    for mode in ("plain", "speculative"):
+        log: list = []
+        monkeypatch.setattr(compare, "_probe_task", _fake_probe(log, knee=1.0))
+        if mode == "plain":
+            monkeypatch.setattr(compare._Sweep, "_speculate", staticmethod(lambda *args: set()))
+        sweep = compare._Sweep(workload, options, setups, tmp_path, None, None, None, ResultCache(None), {})
+        sweep.ideal = {g.gpu: {s.session_id: 1.0 for s in workload.sessions} for g in setups}
+        pool = compare._Pool(2)
+        pool._executor = ThreadPoolExecutor(2)
+        try:
+            found[mode] = sweep._searches(pool, [(g, "fcfs", 0.1) for g in setups], "knee")
+        finally:
+            pool._executor.shutdown(wait=True)
+            monkeypatch.undo()
+    assert found["speculative"] == found["plain"]
+    # the rounds of a barrier: both searches one probe each until one is done, then two
+    replay = {g.gpu: KneeSearch(0.1, 2.0, 8, 1.05) for g in setups}
+    while open_ := [g for g in setups if not replay[g.gpu].is_done]:
+        rates = {g.gpu: replay[g.gpu].next_rates(max(1, 2 // len(open_))) for g in open_}
+        for g in open_:
+            for rate in rates[g.gpu]:
+                replay[g.gpu].record(rate, 1.0 + rate / g.step_timer)
+    for g in setups:
+        assert list(found["plain"][(g.gpu, "fcfs")].probes) == replay[g.gpu].probes
+    assert 0.25 < found["plain"][("a", "fcfs")].rate_per_s <= 0.3
+    assert 0.75 < found["plain"][("b", "fcfs")].rate_per_s <= 0.9
 
 
 def test_knee_search_budget_counts_pending_probes_and_bad_parameters_are_named() -> None:
