@@ -404,6 +404,7 @@ class _Probes:
         self._running: dict[tuple[Any, float], Any] = {}  # key -> Future (workers) or None (queued)
         self._cancel_dir: str | None = None
         self._num_started = 0
+        self._stopping: list[Any] = []  # cancelled futures still running (close() waits for them)
         self.num_cancelled = 0
         """Probes stopped (or never run) because no round needed them."""
 
@@ -445,11 +446,12 @@ class _Probes:
             future = self._running.pop(key)
             if future is not None and not future.cancel():
                 Path(future.cancel_path).touch()
+                self._stopping.append(future)
             self.num_cancelled += 1
 
     def wait(self) -> None:
-        """Block until at least one running probe finishes and keep its value (re-raises a probe's
-        exception). Mutates."""
+        """Block until at least one running probe finishes and keep its value (or its exception,
+        which the caller raises when a round needs that probe). Mutates."""
         if not self._running:
             return
         if self._pool.jobs <= 1:
@@ -464,14 +466,16 @@ class _Probes:
         finished, _ = wait_futures(list(self._running.values()), return_when=FIRST_COMPLETED)
         for key in [k for k, f in self._running.items() if f in finished]:
             future = self._running.pop(key)
-            error = future.exception()
-            if error is not None:
-                raise error
-            self.results[key] = future.result()
+            error = future.exception()  # raised when a round records it: a guess may fail unneeded
+            self.results[key] = error if error is not None else future.result()
 
     def close(self) -> None:
         """Cancel what still runs and remove the cancel files. Mutates."""
         self.cancel_except(set())
+        if self._stopping:  # they stop at their guard's next check; the pool is needed next
+            from concurrent.futures import wait as wait_futures
+
+            wait_futures(self._stopping)
         if self._cancel_dir is not None:
             shutil.rmtree(self._cancel_dir, ignore_errors=True)
 
@@ -570,9 +574,9 @@ class _SlowdownGuard:
     def __init__(self, ideal_s: Mapping[str, float], bound: float, *, is_keeping_events: bool = False,
                  cancel_path: str | None = None) -> None:
         self.events: list[Any] | None = [] if is_keeping_events else None
+        """Every event seen, when kept (a stable probe's stream is a run's: see ``_runs``)."""
         self._cancel_path = cancel_path
         """A file whose existence stops the probe (a speculative probe no round needs any more)."""
-        """Every event seen, when kept (a stable probe's stream is a run's: see ``_runs``)."""
         self._inv_ideal = {sid: 1.0 / max(v, 1e-9) for sid, v in ideal_s.items()}
         self._limit = bound * len(ideal_s)
         self._arrival_s: dict[str, float] = {}
@@ -979,7 +983,10 @@ class _Sweep:
                 for ident in [i for i, rates in rounds.items() if all((i, r) in probes.results for r in rates)]:
                     search = open_[ident][1]
                     for rate in rounds.pop(ident):  # the round's order: results do not depend on timing
-                        slowdown, wall_s, stream = probes.results.pop((ident, rate))
+                        value = probes.results.pop((ident, rate))
+                        if isinstance(value, BaseException):
+                            raise value
+                        slowdown, wall_s, stream = value
                         search.record(rate, slowdown)
                         self._probe_wall_s[(ident, rate)] = wall_s
                         if stream is not None:
@@ -1017,8 +1024,11 @@ class _Sweep:
             rates = rounds.get(ident, [])  # none: its round closed, the others' still run
             if rates and all((ident, r) in probes.results for r in rates):
                 continue
+            values = [(r, probes.results[(ident, r)]) for r in rates if (ident, r) in probes.results]
+            if any(isinstance(v, BaseException) for _, v in values):
+                continue  # the round raises when it closes
             clone = copy.deepcopy(search)
-            known = [(r, probes.results[(ident, r)][0]) for r in rates if (ident, r) in probes.results]
+            known = [(r, v[0]) for r, v in values]
             for rate, slowdown in known:
                 clone.record(rate, slowdown)
             unstable = [r for r, _, is_stable in clone.probes if not is_stable]

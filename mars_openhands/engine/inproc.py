@@ -529,8 +529,8 @@ class InprocEngine:
         self.num_decode_substeps = 0
         """Engine steps represented so far (a coalesced step of ``k`` tokens counts ``k``)."""
         self.num_prefill_runs = 0
-        self._probe_has_prefill = False  # our schedulers: the last probe step held a prefill chunk
         """Merged chunked-prefill runs so far (:meth:`max_prefill_run`; the simulator's speed)."""
+        self._probe_has_prefill = False  # our schedulers: the last probe step held a prefill chunk
 
     # ------------------------------------------------------------------ plumbing
     def set_clock(self, clock: Callable[[], float]) -> None:
@@ -699,10 +699,14 @@ class InprocEngine:
         stamps = self.is_plugin and last_step_s is not None
         if stamps:
             s.run_last_step_s = last_step_s
+        if self.is_plugin:
+            s.is_waiting_hidden = True
         try:
             return s.schedule()
         finally:
             s.waiting, s.prefill_capacity_bound = hidden, bound
+            if self.is_plugin:
+                s.is_waiting_hidden = False
             if stamps:
                 s.run_last_step_s = None
 
@@ -730,14 +734,14 @@ class InprocEngine:
         hidden, bound = s.waiting, s.prefill_capacity_bound
         s.waiting = create_request_queue(s.policy)
         if self.is_plugin:
-            s.run_num_steps, s.run_last_step_s = k, last_step_s
+            s.run_num_steps, s.run_last_step_s, s.is_waiting_hidden = k, last_step_s, True
         try:
             with seams.scaled_step_budget(s, k, budget):
                 return s.schedule()
         finally:
             s.waiting, s.prefill_capacity_bound = hidden, bound
             if self.is_plugin:
-                s.run_num_steps, s.run_last_step_s = 1, None
+                s.run_num_steps, s.run_last_step_s, s.is_waiting_hidden = 1, None, False
 
     def max_prefill_run(self, limit: int) -> int:
         """Largest ``k <= limit`` for which one ``schedule()`` with the step's token budget and
@@ -776,8 +780,8 @@ class InprocEngine:
         with the same budget left in every step, with fewer free blocks, and the same prefix hit
         (:meth:`_keep_head_hit`); it stays blocked.
 
-        Our schedulers: a class that certifies its hooks (``coalescible_prefill_runs``; today
-        Autellix) gives each running prefill's chunk (``prefill_run_chunk_tokens``: the same in
+        Our schedulers: a class that certifies its hooks (``coalescible_prefill_runs``: Autellix,
+        the MARS preview) gives each running prefill's chunk (``prefill_run_chunk_tokens``: the same in
         every step), its own per-step decisions are bounded as in a blocked decode run
         (``blocked_run_is_safe``, ``blocked_run_max_tokens`` with the step's tokens, and the
         simulator's ``blocked_run_until_s``), no decode finishes inside the run, and the chunk
@@ -835,7 +839,7 @@ class InprocEngine:
             total += n
             if self._is_decoding(r):
                 k = min(k, r.max_tokens - r.num_output_tokens - keep_last,
-                        self.params.max_model_len - c - 1)
+                        self.params.max_model_len - c - 1 - keep_last)
             elif n > 0 and r.num_tokens - c > n:
                 num_prefill += 1
                 k = min(k, (r.num_tokens - c - 1) // n)  # k chunks leave >= 1 token to prefill
@@ -971,7 +975,7 @@ class InprocEngine:
                     or r.request_id not in self._planned):
                 return 1
             k = min(k, r.max_tokens - r.num_output_tokens - keep_last,
-                    self.params.max_model_len - c - 1)
+                    self.params.max_model_len - c - 1 - keep_last)
         while k > 1:
             if self._run_new_blocks(k) <= seams.num_free_blocks(s):
                 break

@@ -177,7 +177,7 @@ class AutellixScheduler(MarsBaseScheduler):
                                                         self._budget_tokens)
                 k = min(k, quantum - 1)
         per_step = len(self.running) if step_tokens is None else step_tokens
-        for request in self.waiting:
+        for request in [*self.waiting, *self.overflow]:  # the window's overflow calls wait too
             entry = self._calls.get(request.request_id)
             if entry is None or k <= 1:
                 continue

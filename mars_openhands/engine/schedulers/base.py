@@ -148,12 +148,16 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         the CPU plane's congestion as the engine sees it."""
         self.overflow: deque[Request] = deque()
         self.run_last_step_s: float | None = None
-        self.run_num_steps = 1
-        """Single steps the current ``schedule()`` stands for (the simulator's merged
-        chunked-prefill run scales each prefill chunk by it); 1 outside the simulator."""
         """Simulator (a merged blocked decode run, ``InprocEngine.schedule``): scheduler-clock
         start of the last single step the run stands for; ``on_scheduled`` gets it as ``now_s``,
         as that step would have. ``None`` (every real step): the step's own clock."""
+        self.run_num_steps = 1
+        """Single steps the current ``schedule()`` stands for (the simulator's merged
+        chunked-prefill run scales each prefill chunk by it); 1 outside the simulator."""
+        self.is_waiting_hidden = False
+        """Simulator: the waiting queue is hidden for a merged blocked run (its requests stay
+        blocked); the window then admits nothing from its overflow, as none was due
+        (:meth:`blocked_run_is_safe`) and the hidden queue's length would say otherwise."""
         self._init_switches()
         self._rejected: dict[str, str] = {}
         self.inbox = CpuEventInbox(self.params.max_inbox_events_per_step)
@@ -369,7 +373,7 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
             self._reject_invalid()
         if self._has_on_step_start:
             self.on_step_start(now)
-        if self.overflow:
+        if self.overflow and not self.is_waiting_hidden:
             self._admit_overflow()
         self._reorder(now)
         was_running = {r.request_id for r in self.running} if self._has_on_scheduled else None

@@ -134,7 +134,7 @@ class PolicyHooks:
 
 
     def blocked_run_max_tokens(self, limit: int, step_tokens: int | None = None) -> int:
-        """Most decode tokens per request (<= ``limit``) a merged run may take before a per-step
+        """Most steps (<= ``limit``; a decode token each) a merged run may take before a per-step
         counter of the policy would change a decision (default: none). ``step_tokens``: tokens
         each step schedules in all (a merged chunked-prefill run; default: one per running
         request). Pure."""

@@ -76,7 +76,7 @@ def test_a_merged_prefill_run_certifies_only_a_chunk_that_stays_the_same() -> No
     r = h.add(h.make_request("s", h.tokens(5000), max_tokens=2, extra_args={"mars_turn": 0}))
     certified, chunks = [], []
     for _ in range(6):
-        certified.append(s.prefill_run_chunk_tokens(r) if r.num_computed_tokens else None)
+        certified.append(s.prefill_run_chunk_tokens(r))
         chunks.append(h.step().num_scheduled_tokens[r.request_id])
     assert chunks == [2048, 1024, 512, 256, 256, 256]
     # levels 0..2 before the first three steps; the last level with a full quantum after that

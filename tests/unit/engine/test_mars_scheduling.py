@@ -146,6 +146,24 @@ def test_preview_window_overflow_is_fcfs_and_counted() -> None:
     h.assert_no_leaks()
 
 
+def test_a_step_with_the_waiting_queue_hidden_admits_nothing_from_the_overflow() -> None:
+    """The simulator's merged blocked run hides the waiting queue (its requests stay blocked): the
+    window is as full as before, so the overflow must stay where it is (it did not, once: the
+    hidden queue's length made room)."""
+    h = Harness(MarsPreviewScheduler, num_blocks=512, mars={"window": {"size": 2}})
+    for i in range(4):
+        h.add(h.make_request(None, h.tokens(50), 3, request_id=f"r{i}"))
+    s = h.scheduler
+    hidden, s.waiting = s.waiting, type(s.waiting)()
+    s.is_waiting_hidden = True
+    try:
+        s.schedule()
+    finally:
+        s.waiting, s.is_waiting_hidden = hidden, False
+    assert [r.request_id for r in s.overflow] == ["r2", "r3"]
+    assert [r.request_id for r in s.waiting] == ["r0", "r1"]
+
+
 def test_mars_has_no_window_by_default() -> None:
     h = Harness(MarsScheduler, num_blocks=512)
     for _ in range(40):
