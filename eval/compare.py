@@ -405,8 +405,6 @@ class _Probes:
         self._cancel_dir: str | None = None
         self._num_started = 0
         self._stopping: list[Any] = []  # cancelled futures still running (close() waits for them)
-        self.num_cancelled = 0
-        """Probes stopped (or never run) because no round needed them."""
 
     @property
     def jobs(self) -> int:
@@ -447,7 +445,6 @@ class _Probes:
             if future is not None and not future.cancel():
                 Path(future.cancel_path).touch()
                 self._stopping.append(future)
-            self.num_cancelled += 1
 
     def wait(self) -> None:
         """Block until at least one running probe finishes and keep its value (or its exception,

@@ -31,6 +31,7 @@ decoding. Over a steady run this gives the same KV state as ``k`` single steps.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import logging
@@ -694,21 +695,26 @@ class InprocEngine:
                              f"blocked decode run of at most {limit}; call max_blocked_decode_run()")
         if k > 1:
             self._propose_drafts(k, limit)
+        with self._waiting_hidden(1, last_step_s):
+            return s.schedule()
+
+    @contextlib.contextmanager
+    def _waiting_hidden(self, num_steps: int, last_step_s: float | None) -> Iterator[None]:
+        """While open, the scheduler sees an empty waiting queue (a merged blocked run: every
+        waiting request stays blocked in each step it stands for); our schedulers also get the
+        run's step count (``run_num_steps``), its last step's start (``run_last_step_s``) and
+        ``is_waiting_hidden``. Everything is restored on exit, even on error."""
+        s = self.scheduler
         hidden, bound = s.waiting, s.prefill_capacity_bound
         s.waiting = create_request_queue(s.policy)
-        stamps = self.is_plugin and last_step_s is not None
-        if stamps:
-            s.run_last_step_s = last_step_s
         if self.is_plugin:
-            s.is_waiting_hidden = True
+            s.run_num_steps, s.run_last_step_s, s.is_waiting_hidden = num_steps, last_step_s, True
         try:
-            return s.schedule()
+            yield
         finally:
             s.waiting, s.prefill_capacity_bound = hidden, bound
             if self.is_plugin:
-                s.is_waiting_hidden = False
-            if stamps:
-                s.run_last_step_s = None
+                s.run_num_steps, s.run_last_step_s, s.is_waiting_hidden = 1, None, False
 
     def _schedule_prefill_run(self, k: int, hide_waiting: bool, last_step_s: float | None = None) -> Any:
         """One ``schedule()`` standing for ``k`` chunked-prefill steps (:meth:`max_prefill_run`;
@@ -731,17 +737,8 @@ class InprocEngine:
         if not hide_waiting:
             with seams.scaled_step_budget(s, k, budget):
                 return s.schedule()
-        hidden, bound = s.waiting, s.prefill_capacity_bound
-        s.waiting = create_request_queue(s.policy)
-        if self.is_plugin:
-            s.run_num_steps, s.run_last_step_s, s.is_waiting_hidden = k, last_step_s, True
-        try:
-            with seams.scaled_step_budget(s, k, budget):
-                return s.schedule()
-        finally:
-            s.waiting, s.prefill_capacity_bound = hidden, bound
-            if self.is_plugin:
-                s.run_num_steps, s.run_last_step_s, s.is_waiting_hidden = 1, None, False
+        with self._waiting_hidden(k, last_step_s), seams.scaled_step_budget(s, k, budget):
+            return s.schedule()
 
     def max_prefill_run(self, limit: int) -> int:
         """Largest ``k <= limit`` for which one ``schedule()`` with the step's token budget and
