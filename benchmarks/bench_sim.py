@@ -3,9 +3,11 @@
 Scenario: every bundled mini-swe-agent session (``eval.compare``'s default trace folder, 74
 sessions, full length: no turn or context cap, no KV scaling) arriving as a Poisson process at
 1.2x FCFS's knee on one H100 SXM (Qwen3-30B-A3B, the profile's whole KV: 7,396 blocks), replayed by
-:mod:`eval.sim` for each policy of ``DEFAULT_POLICIES`` (any ``compare`` policy with ``--policies``) exactly as the main job runs it (``eval.compare.POLICIES``:
-scheduler, ``additional_config``, engine settings, and the admission window for the policies that
-come with the control plane), with events going to an in-memory sink as in ``compare``. At this
+:mod:`eval.sim` for each policy of ``DEFAULT_POLICIES`` (any ``compare`` policy with
+``--policies``) exactly as the main job runs it (``eval.compare.POLICIES``: scheduler,
+``additional_config``, engine settings, and the admission window for the policies that come with
+the control plane), with events going to an in-memory sink that keeps the kinds the metrics read,
+as in ``compare`` (``--all-events``: every kind, as before 2026-12-03). At this
 load FCFS is past its knee: requests wait for KV most of the run (the KV-blocked regime).
 
 Target: >= 150x simulated seconds per CPU second for every policy. CPU seconds
@@ -140,6 +142,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--load", type=float, default=1.2, help="multiple of --base-rate (default 1.2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-events", action="store_true", help="run without an event sink")
+    p.add_argument("--all-events", action="store_true",
+                   help="keep every event kind (compare keeps only the kinds its metrics read)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="cProfile each run and print its top N functions by cumulative time")
     p.add_argument("--smoke", action="store_true", help="tiny size for CI (4 sessions x 10 turns)")
@@ -195,11 +199,14 @@ def _record(rows: list[dict[str, Any]]) -> None:
 
 def _run_one(policy: str, workload: Any, timer: Any, num_blocks: int,
              args: argparse.Namespace) -> dict[str, Any]:
+    from eval.compare import _METRIC_KINDS
     from eval.sim import Simulator, fast_paths_enabled
     from mars_openhands.stream.transport import ListSink
 
     config = _config(policy, num_blocks, args.seed)
-    sim = Simulator(workload, config, timer, None if args.no_events else ListSink())
+    # compare's runs keep the kinds the metrics read; the simulator builds no others.
+    sink = None if args.no_events else ListSink(kinds=None if args.all_events else _METRIC_KINDS)
+    sim = Simulator(workload, config, timer, sink)
     profiler = cProfile.Profile() if args.profile else None
     cpu0 = time.process_time()
     if profiler is not None:
@@ -243,7 +250,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "machine": f"{platform.node()} {platform.machine()} cpus={os.cpu_count()}",
         "gpu": args.gpu, "model": args.model, "num_gpu_blocks": num_blocks, "rate_per_s": rate,
         "load_x": args.load, "num_sessions": len(workload.sessions), "num_turns": workload.num_turns,
-        "events": not args.no_events,
+        "events": "none" if args.no_events else "all" if args.all_events else "metric kinds",
     }
     length = "trimmed to 4 sessions x 10 turns (--smoke)" if args.smoke else "full length"
     print(f"bench_sim: {common['num_sessions']} sessions / {common['num_turns']} turns, {length}, "

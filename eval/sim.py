@@ -277,7 +277,7 @@ class SimResult:
         num_admissions_over_window: admissions that left more admitted sessions than the window
             (must be 0).
         kv_blocks_at_end: ``(free, retained, used)`` after the engine's shutdown.
-        num_events: events emitted to the sink.
+        num_events: events emitted to the sink (of its ``kinds``).
     """
 
     sessions: dict[str, SessionRecord]
@@ -364,7 +364,9 @@ class Simulator:
         workload: sessions with arrival times (apply an arrival process first).
         config: the run's configuration.
         step_timer: the step-time model.
-        sink: where events go (``None``: no stream, faster).
+        sink: where events go (``None``: no stream, faster). A sink with a ``kinds`` attribute
+            (a set of event kinds, e.g. :class:`~mars_openhands.stream.transport.ListSink`'s) gets
+            only those; the others are not built (``engine_step`` snapshots are not taken).
         wall_origin: ``t_wall`` of virtual time 0 (default: now, UTC).
 
     Raises:
@@ -379,6 +381,8 @@ class Simulator:
         self.workload = workload
         self.timer = step_timer
         self.sink = sink
+        self._kinds: frozenset[str] | None = getattr(sink, "kinds", None)
+        self._is_wanted: dict[type[Any], bool] = {}
         self.wall_origin = wall_origin if wall_origin is not None else datetime.now(UTC)
         self.now_s = 0.0
         self._fast_paths = fast_paths_enabled()
@@ -417,14 +421,23 @@ class Simulator:
         return {"t_mono_ns": int(round(self.now_s * 1e9)),
                 "t_wall": self.wall_origin + timedelta(seconds=self.now_s)}
 
+    def _wants(self, cls: type[Any]) -> bool:
+        """Whether the sink takes events of class ``cls``."""
+        is_wanted = self._is_wanted.get(cls)
+        if is_wanted is None:
+            is_wanted = self.sink is not None and (
+                self._kinds is None or cls.model_fields["kind"].default in self._kinds)
+            self._is_wanted[cls] = is_wanted
+        return is_wanted
+
     def _emit_event(self, event: ev.Event) -> None:
-        self.num_events += 1
-        if self.sink is not None:
+        if self.sink is not None and (self._kinds is None or event.kind in self._kinds):
+            self.num_events += 1
             self.sink.emit(event)
 
     def _emit(self, cls: type[Any], source: str, session_id: str | None, turn: int | None,
               **fields: Any) -> None:
-        if self.sink is not None:
+        if self._wants(cls):
             # Trusted fields: skip pydantic validation (~10 us per event on the hot path).
             self._emit_event(cls.model_construct(**self._stamps(), source=source,
                                                  session_id=session_id, turn=turn, **fields))
@@ -733,8 +746,8 @@ class Simulator:
 
     def _maybe_snapshot(self) -> None:
         last = self._last_snapshot_s
-        if self.sink is None or (last is not None
-                                 and self.now_s - last < self.config.engine_step_interval_s):
+        if not self._wants(ev.EngineStep) or (
+                last is not None and self.now_s - last < self.config.engine_step_interval_s):
             return
         self._last_snapshot_s = self.now_s
         free, retained, used = self.engine.kv_block_counts()
@@ -871,8 +884,9 @@ class Simulator:
         self.plane.router.observe_engine_step(self.config.engine_source, used,
                                               self.engine.num_gpu_blocks())
         tick = self.plane.tick()
-        self._emit(ev.AdmissionUpdate, self.config.gateway_source, None, None,
-                   **tick.report._asdict())
+        if self._wants(ev.AdmissionUpdate):
+            self._emit(ev.AdmissionUpdate, self.config.gateway_source, None, None,
+                       **tick.report._asdict())
         self._start_admitted(tick.admitted)
 
     # ------------------------------------------------------------------ end

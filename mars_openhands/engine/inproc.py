@@ -355,8 +355,10 @@ class PrefixHitMemo:
     first missed key. The pool's map reports every insert and pop
     (:func:`seams.watch_prefix_cache`): a pop that leaves no block under hit ``j``'s key cuts the
     memo to its first ``j`` blocks (the walk now stops there), any other change to a key a memo
-    read drops the memo. So a memo that is still there is what the walk would return now. Installed on one scheduler's
-    KV cache manager (an instance attribute, as our ``allocate_slots`` wrapper).
+    read drops the memo. So a memo that is still there is what the walk would return now. A memo
+    is built at a request's second lookup in the same state (most requests are looked up once:
+    their KV is there, and building and dropping a memo costs more than the walk). Installed on
+    one scheduler's KV cache manager (an instance attribute, as our ``allocate_slots`` wrapper).
 
     Args:
         sched: the scheduler (one KV cache group with full attention).
@@ -372,6 +374,8 @@ class PrefixHitMemo:
         key -> its first index in the untruncated keys: ``keys.index`` in O(1))."""
         self._reader: dict[Any, str] = {}
         """pool key -> the request whose memo read it."""
+        self._looked_up: dict[str, tuple[int, int]] = {}
+        """request id -> (num_tokens, len(block_hashes)) at its last lookup, when it has no memo."""
         self._map = seams.watch_prefix_cache(sched, self._on_change, self._reader)
         self._manager.get_computed_blocks = self
         self._block_size = sched.block_size
@@ -389,6 +393,8 @@ class PrefixHitMemo:
         if j >= hit:  # an insert, a duplicate left, or the missed key: the walk may go further
             del self._reader[key]
             self.forget(rid)
+            if memo is not None:  # a memo again at its next lookup
+                self._looked_up[rid] = (memo[0], memo[1])
             return
         # Hit block j left the cache and no other block has its key: the walk now stops at j
         # (blocks 0..j-1 are untouched, or their own change would have come first).
@@ -401,6 +407,7 @@ class PrefixHitMemo:
 
     def forget(self, request_id: str) -> None:
         """Drop ``request_id``'s memo (a finished request). Mutates."""
+        self._looked_up.pop(request_id, None)
         memo = self._memo.pop(request_id, None)
         if memo is not None:
             for key in memo[5]:
@@ -414,13 +421,18 @@ class PrefixHitMemo:
                 self.forget(rid)
             self._map = seams.watch_prefix_cache(self._sched, self._on_change, self._reader)
         rid = request.request_id
+        state = (request.num_tokens, len(request.block_hashes))
         memo = self._memo.get(rid)
-        if memo is not None and memo[0] == request.num_tokens and memo[1] == len(request.block_hashes):
+        if memo is not None and memo[0] == state[0] and memo[1] == state[1]:
             self.num_hits += 1
             return (self._manager.create_kv_cache_blocks(tuple(list(g) for g in memo[2])),
                     memo[3], memo[4])
+        is_repeat = self._looked_up.get(rid) == state
         self.forget(rid)
         blocks, num_tokens, boundary = self._inner(request)
+        if not is_repeat:
+            self._looked_up[rid] = state
+            return blocks, num_tokens, boundary
         groups = tuple(list(g) for g in blocks.blocks)
         if len(groups) != 1:
             return blocks, num_tokens, boundary  # not a plain full-attention hit: no memo

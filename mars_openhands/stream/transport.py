@@ -43,14 +43,22 @@ class EventSink(Protocol):
 
 
 class ListSink:
-    """In-process sink keeping every event in :attr:`events` (tests and the simulator)."""
+    """In-process sink keeping every event in :attr:`events` (tests and the simulator).
 
-    def __init__(self) -> None:
+    Args:
+        kinds: event kinds wanted (``None``: all). ``emit`` keeps only those; a producer may read
+            :attr:`kinds` and not build the others (the simulator does).
+    """
+
+    def __init__(self, kinds: frozenset[str] | None = None) -> None:
         self.events: list[Event] = []
+        self.kinds = kinds
         self._lock = threading.Lock()
 
     def emit(self, event: Event) -> None:
-        """Append ``event`` to :attr:`events`. Thread-safe."""
+        """Append ``event`` to :attr:`events` (if of a wanted kind). Thread-safe."""
+        if self.kinds is not None and event.kind not in self.kinds:
+            return
         with self._lock:
             self.events.append(event)
 

@@ -20,6 +20,7 @@ Life of an entry (scheduler clock, seconds)::
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -213,7 +214,7 @@ class RetainedKvPool(Mapping[str, RetainedKv]):
         """Pinned blocks nothing but these pins references (vLLM ref count == pins). Pure.
 
         Args:
-            num_referenced_once: blocks of a list whose ref count is 1
+            num_referenced_once: blocks of an iterable whose ref count is 1
                 (:func:`seams.num_blocks_referenced_once`).
             ref_count: a block's ref count (:func:`seams.block_ref_count`).
 
@@ -227,7 +228,7 @@ class RetainedKvPool(Mapping[str, RetainedKv]):
             self._is_each_block_pinned_once = len({b.block_id for e in entries for b in e.blocks}) == num_pins
         if self._is_each_block_pinned_once:
             # Every block pinned once (the usual case): retained-only iff its one reference is ours.
-            return sum(num_referenced_once(e.blocks) for e in entries)
+            return num_referenced_once(itertools.chain.from_iterable(e.blocks for e in entries))
         pins: dict[int, int] = {}
         by_id: dict[int, Any] = {}
         for entry in entries:

@@ -137,3 +137,39 @@ def test_merged_blocked_run_leaves_the_preview_aging_clocks_of_its_last_step(
     assert runs, "no merged blocked run: the preview's runs are certified"
     for start_s, last_s, stamps in runs:
         assert last_s > start_s and stamps == {last_s}
+
+
+@pytest.mark.parametrize(("policy", "engine", "admission"), [
+    ("fcfs", {}, True),
+    ("ThunderAgentScheduler", {}, False),
+    ("MarsScheduler", {}, True),
+])
+def test_a_sink_with_kinds_gets_those_events_and_the_others_are_not_built(
+        monkeypatch: pytest.MonkeyPatch, policy: str, engine: dict[str, Any], admission: bool) -> None:
+    """compare's sinks take only the metrics' kinds: they must get exactly the events of those
+    kinds a full sink gets, from the same run, and no snapshot or admission update is built."""
+    from eval.compare import _METRIC_KINDS
+    from mars_openhands.stream import events as ev
+
+    monkeypatch.setenv(FAST_PATHS_ENV, "1")
+    config = SimConfig(policy=policy, num_tool_workers=3, is_admission_enabled=admission,
+                       admission=AdmissionParams(cpu_set_backlog_ratio=4.0),
+                       engine=InprocEngineParams(num_gpu_blocks=NUM_BLOCKS, max_model_len=4096, **engine))
+    full = ListSink()
+    full_result = Simulator(_kv_bound_workload(), config, LinearStepTimeModel(), full, ORIGIN).run()
+    built: list[str] = []
+    for cls in (ev.EngineStep, ev.AdmissionUpdate):
+        original = cls.model_construct
+        monkeypatch.setattr(cls, "model_construct",
+                            lambda *a, _o=original, **kw: built.append("x") or _o(*a, **kw))
+    part = ListSink(kinds=_METRIC_KINDS)
+    part_result = Simulator(_kv_bound_workload(), config, LinearStepTimeModel(), part, ORIGIN).run()
+    assert {e.kind for e in full.events} >= {"engine_step", "admission_update", *_METRIC_KINDS} - {
+        "kv_retained", "kv_released", "preempted"}
+    assert [e.model_dump() for e in part.events] == [
+        e.model_dump() for e in full.events if e.kind in _METRIC_KINDS]
+    assert {s: r.end_s for s, r in part_result.sessions.items()} == {
+        s: r.end_s for s, r in full_result.sessions.items()}
+    assert part_result.num_preemptions == full_result.num_preemptions > 0
+    assert part_result.num_events == len(part.events) < full_result.num_events
+    assert not built, f"{len(built)} filtered events built"
