@@ -647,8 +647,10 @@ def install_fused_prefix_lookup(sched: Scheduler) -> bool:
         hashes = list(itertools.islice(block_hashes, max_cache_hit_length // block_size))
         blocks = list(map(cache._cache.get, map(operator.add, hashes,
                                                 itertools.repeat(suffix, len(hashes)))))
-        if None in blocks:
-            del blocks[blocks.index(None):]
+        # (Not ``None in blocks``: that calls the blocks' Python ``__eq__``.)
+        is_hit = list(map(operator.is_not, blocks, itertools.repeat(None, len(blocks))))
+        if not all(is_hit):
+            del blocks[is_hit.index(False):]
         if not all(map(KVCacheBlock.__instancecheck__, blocks)):  # a key shared by several blocks
             blocks = [e if type(e) is KVCacheBlock else next(iter(e.values())) for e in blocks]
         if blocks and 0 in coordinator.eagle_group_ids:  # vLLM's drop_eagle_block
