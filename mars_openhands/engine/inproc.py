@@ -343,6 +343,8 @@ class StreamBlockHasher:
 
 
 _BLOCK_HASH = operator.attrgetter("block_hash")
+_MEMO_AT_LOOKUP = 2
+"""A request's lookup (in one state) at which :class:`PrefixHitMemo` builds its memo."""
 
 
 class PrefixHitMemo:
@@ -356,9 +358,11 @@ class PrefixHitMemo:
     (:func:`seams.watch_prefix_cache`): a pop that leaves no block under hit ``j``'s key cuts the
     memo to its first ``j`` blocks (the walk now stops there), any other change to a key a memo
     read drops the memo. So a memo that is still there is what the walk would return now. A memo
-    is built at a request's second lookup in the same state (most requests are looked up once:
-    their KV is there, and building and dropping a memo costs more than the walk). Installed on
-    one scheduler's KV cache manager (an instance attribute, as our ``allocate_slots`` wrapper).
+    is built at a request's second lookup in the same state: building and dropping one costs about
+    two walks, most requests are looked up once before their KV is allocated, and one waiting for
+    KV is looked up every step. Our schedulers' look at arrival (:meth:`peek`) does not count.
+    Installed on one scheduler's KV cache manager (an instance attribute, as our
+    ``allocate_slots`` wrapper).
 
     Args:
         sched: the scheduler (one KV cache group with full attention).
@@ -374,8 +378,9 @@ class PrefixHitMemo:
         key -> its first index in the untruncated keys: ``keys.index`` in O(1))."""
         self._reader: dict[Any, str] = {}
         """pool key -> the request whose memo read it."""
-        self._looked_up: dict[str, tuple[int, int]] = {}
-        """request id -> (num_tokens, len(block_hashes)) at its last lookup, when it has no memo."""
+        self._looked_up: dict[str, tuple[int, int, int]] = {}
+        """request id -> (num_tokens, len(block_hashes), lookups in that state) while it has no
+        memo."""
         self._map = seams.watch_prefix_cache(sched, self._on_change, self._reader)
         self._manager.get_computed_blocks = self
         self._block_size = sched.block_size
@@ -394,7 +399,7 @@ class PrefixHitMemo:
             del self._reader[key]
             self.forget(rid)
             if memo is not None:  # a memo again at its next lookup
-                self._looked_up[rid] = (memo[0], memo[1])
+                self._looked_up[rid] = (memo[0], memo[1], _MEMO_AT_LOOKUP - 1)
             return
         # Hit block j left the cache and no other block has its key: the walk now stops at j
         # (blocks 0..j-1 are untouched, or their own change would have come first).
@@ -414,6 +419,14 @@ class PrefixHitMemo:
                 if self._reader.get(key) == request_id:
                     del self._reader[key]
 
+    def peek(self, request: Request) -> int:
+        """Tokens the prefix cache would serve ``request`` now (:func:`seams.prefix_hit_tokens`),
+        from the memo when it is still valid; a walk does not count toward the memo. Pure."""
+        memo = self._memo.get(request.request_id)
+        if memo is not None and memo[0] == request.num_tokens and memo[1] == len(request.block_hashes):
+            return memo[3]
+        return self._inner(request)[1]
+
     def __call__(self, request: Request) -> tuple[Any, int, int]:
         """vLLM's ``get_computed_blocks(request)``, from the memo when it is still valid."""
         if seams.prefix_cache_map(self._sched) is not self._map:  # reset_prefix_cache
@@ -427,11 +440,12 @@ class PrefixHitMemo:
             self.num_hits += 1
             return (self._manager.create_kv_cache_blocks(tuple(list(g) for g in memo[2])),
                     memo[3], memo[4])
-        is_repeat = self._looked_up.get(rid) == state
+        seen = self._looked_up.get(rid)
+        num_lookups = seen[2] + 1 if seen is not None and seen[:2] == state else 1
         self.forget(rid)
         blocks, num_tokens, boundary = self._inner(request)
-        if not is_repeat:
-            self._looked_up[rid] = state
+        if num_lookups < _MEMO_AT_LOOKUP:
+            self._looked_up[rid] = (*state, num_lookups)
             return blocks, num_tokens, boundary
         groups = tuple(list(g) for g in blocks.blocks)
         if len(groups) != 1:

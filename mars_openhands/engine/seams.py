@@ -747,8 +747,15 @@ def pool_block_hash_keys(request: Request, num_groups: int = 1) -> dict[Any, int
 
 
 def prefix_hit_tokens(sched: Scheduler, request: Request) -> int:
-    """Tokens of ``request`` the prefix cache would serve now (0 if caching is off). Pure."""
-    _, num_tokens, *_ = sched.kv_cache_manager.get_computed_blocks(request)
+    """Tokens of ``request`` the prefix cache would serve now (0 if caching is off). Pure.
+
+    A lookup memo installed as ``get_computed_blocks`` (the simulator's ``PrefixHitMemo``) is
+    asked through its ``peek``: this look does not count toward building a memo."""
+    lookup = sched.kv_cache_manager.get_computed_blocks
+    peek = getattr(lookup, "peek", None)
+    if peek is not None:
+        return int(peek(request))
+    _, num_tokens, *_ = lookup(request)
     return int(num_tokens)
 
 

@@ -198,3 +198,34 @@ def test_blocked_run_may_evict_the_waiting_heads_hit_from_its_end_only(policy: s
     assert engine._first_unsafe_eviction(head, [block(hit - 1), other, block(hit - 2)]) is None
     assert engine._first_unsafe_eviction(head, [other, block(hit - 2)]) == 1
     assert engine._first_unsafe_eviction(head, [block(hit - 1), block(0)]) == 1
+
+
+def test_prefix_memo_is_built_at_a_requests_second_lookup_and_a_peek_does_not_count() -> None:
+    """Building and dropping a memo costs about two walks: a request looked up once (its KV was
+    there) gets none, one looked up again in the same state does, and our schedulers' look at
+    arrival (``seams.prefix_hit_tokens``) neither counts nor changes what a lookup returns."""
+    from mars_openhands.engine import seams
+
+    eng = InprocEngine("fcfs", InprocEngineParams(num_gpu_blocks=256, max_model_len=8192),
+                       memoize_prefix_hits=True)
+    memo = eng.prefix_memo
+    assert memo is not None
+    st = eng.stream("s")
+    _add_turn(eng, st, "s#0", 20 * BS, 4)
+    _drain(eng)
+    _add_turn(eng, st, "s#1", 3 * BS, 4)
+    request = eng.scheduler.waiting.peek_request()
+    lookup = eng.scheduler.kv_cache_manager.get_computed_blocks
+    hit_tokens = seams.prefix_hit_tokens(eng.scheduler, request)
+    assert hit_tokens >= 20 * BS and "s#1" not in memo._memo  # a peek walks, builds nothing
+    first = lookup(request)
+    assert first[1] == hit_tokens and "s#1" not in memo._memo and memo.num_hits == 0
+    second = lookup(request)
+    assert second[1] == hit_tokens and "s#1" in memo._memo and memo.num_hits == 0
+    third = lookup(request)
+    assert memo.num_hits == 1 and [b.block_id for b in third[0].blocks[0]] == [
+        b.block_id for b in first[0].blocks[0]]
+    assert seams.prefix_hit_tokens(eng.scheduler, request) == hit_tokens and memo.num_hits == 1
+    _drain(eng)
+    assert not memo._memo and not memo._looked_up  # a finished request leaves nothing behind
+    eng.shutdown()
