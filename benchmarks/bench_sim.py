@@ -83,6 +83,29 @@ merge rarely: with chunk shrinking a blocked head stays blocked only until the r
 block of its prefix hit, which a run of 256-token chunks reaches at once (its pair above is
 within this box's noise: profiled on 20 sessions x 40 turns the two take 43.3 and 44.4 CPU s).
 
+Measured 2026-12-03 (later), side by side the same way (old f594893, new 9038120), load ~2. New:
+compare's sinks take only the kinds its metrics read and the simulator builds no others (no
+``engine_step`` snapshot, with its KV count, and no ``admission_update`` per tick; the old code
+kept every kind, as this script did then); the prefix-hit memo is built at a request's second
+lookup (our schedulers' look at arrival not counted); the prefix walk, ``cached_blocks`` and the
+retained-only count run as C-level passes:
+
+=============  ==================  ==================  =======
+policy         old: CPU s, sim/CPU  new: CPU s, sim/CPU  speedup
+=============  ==================  ==================  =======
+thunderagent   51.4, 127x          44.3, 148x          1.16x
+mars           66.5,  98x          60.2, 109x          1.10x
+fcfs           59.2, 134x          56.9, 140x          1.04x
+vllm-tuned     171.3, 64x          166.3, 66x          1.03x
+autellix       175.7, 70x          171.7, 72x          1.02x
+continuum      67.9, 102x          68.7, 101x          0.99x
+=============  ==================  ==================  =======
+
+Same makespan, ``schedule()`` calls, engine steps and preemptions both ways (golden runs with
+every event kind bit-identical). vllm-tuned's pair ran on an intermediate version (memo at the
+third lookup, peeks counted); the others on 9038120's code. The box's own speed moved ~25%
+since yesterday's figures (continuum's same code: 54.4 then, 67.9 now).
+
 Below 150x, and why: what is left is vLLM's own per-block work: past the knee every turn
 re-prefills its context (fcfs: 6.0 M blocks allocated, evicted from and inserted into the prefix
 cache per run; autellix 8.1 M), plus ``update_from_output``'s per-token handling; and the

@@ -58,8 +58,9 @@ finish times, cached tokens, preemptions and events):
   scheduled as many tokens, the waiting head stays blocked; nobody is preempted or finishes
   inside, and the end time is the single steps' chain of additions;
 * a memo of vLLM's prefix-hit lookup (:class:`~mars_openhands.engine.inproc.PrefixHitMemo`),
-  dropped whenever the prefix cache changes a key it read;
-* our schedulers' wall-clock ``engine_step`` telemetry (dropped by the sink) is not computed.
+  built at a request's second lookup and dropped whenever the prefix cache changes a key it read;
+* our schedulers' wall-clock ``engine_step`` telemetry (dropped by the sink) is not computed, and
+  events of kinds the sink does not want (its ``kinds``) are not built.
 
 ``benchmarks/bench_sim.py`` reports the speed per policy on the full bundled workload at 1.2x the
 FCFS knee on one H100.
