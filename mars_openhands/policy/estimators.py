@@ -19,6 +19,8 @@ Example:
 from __future__ import annotations
 
 import bisect
+import itertools
+import operator
 from collections import deque
 
 __all__ = ["Ema", "EmpiricalCdf", "PrefillRate", "ToolDurationEstimator"]
@@ -90,10 +92,9 @@ class EmpiricalCdf:
         n = len(self._sorted)
         if not n:
             return None
-        if self._tail_sums is None:
-            sums = [0.0] * (n + 1)
-            for i in range(n - 1, -1, -1):
-                sums[i] = sums[i + 1] + self._sorted[i]
+        if self._tail_sums is None:  # sums[i] = sums[i + 1] + sorted[i], summed from the end (C-level)
+            sums = list(itertools.accumulate(reversed(self._sorted), operator.add, initial=0.0))
+            sums.reverse()
             self._tail_sums = sums
         i = bisect.bisect_right(self._sorted, elapsed_s)
         alive = n - i

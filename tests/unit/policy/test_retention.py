@@ -169,3 +169,23 @@ def test_prefill_rate_samples_only_large_prefills_in_order() -> None:
 def test_tool_sample_at_arrival(session: SessionState, prev_tool: str | None, prev_tool_s: float | None,
                                 out: tuple[str | None, float] | None) -> None:
     assert tool_sample_at_arrival(session, 12.5, prev_tool, prev_tool_s) == out
+
+
+@given(values=st.lists(st.floats(0, 1e4), min_size=1, max_size=80), window=st.integers(1, 40),
+       elapsed=st.lists(st.floats(0, 1e4), min_size=1, max_size=5))
+def test_mean_remaining_is_the_conditional_mean(values, window, elapsed) -> None:
+    """E[D - e | D > e] over the window, with the tail sums rebuilt after every observe."""
+    cdf = EmpiricalCdf(max_samples=window)
+    for i, v in enumerate(values):
+        cdf.observe(v)
+        kept = sorted(values[max(0, i + 1 - window):i + 1])
+        for e in elapsed:
+            alive = [d for d in kept if d > e]
+            got = cdf.mean_remaining_s(e)
+            if not alive:
+                assert got is None
+            else:
+                tail = 0.0
+                for d in reversed(alive):  # the same summation order: exact
+                    tail += d
+                assert got == tail / len(alive) - e
