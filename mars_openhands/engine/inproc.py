@@ -37,7 +37,7 @@ import importlib
 import logging
 import operator
 import tempfile
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -343,6 +343,7 @@ class StreamBlockHasher:
 
 
 _BLOCK_HASH = operator.attrgetter("block_hash")
+_RAW_BLOCK_HASH = operator.attrgetter("_block_hash")
 _MEMO_AT_LOOKUP = 2
 """A request's lookup (in one state) at which :class:`PrefixHitMemo` builds its memo."""
 
@@ -1069,7 +1070,7 @@ class InprocEngine:
         head = s.waiting.peek_request()
         if any(r.session_id == head.session_id for r in s.running):
             return 1
-        first_hit = self._first_unsafe_eviction(head, seams.iter_next_evicted_blocks(s, new_blocks(k)))
+        first_hit = self._first_unsafe_eviction(head, seams.next_evicted_blocks(s, new_blocks(k)))
         if first_hit is None:
             return k
         lo, hi = 1, k  # largest k' with new_blocks(k') <= first_hit (monotone in k')
@@ -1081,7 +1082,7 @@ class InprocEngine:
                 hi = mid - 1
         return lo
 
-    def _first_unsafe_eviction(self, head: Request, evicted: Iterable[Any]) -> int | None:
+    def _first_unsafe_eviction(self, head: Request, evicted: Sequence[Any]) -> int | None:
         """Index of the first of ``evicted`` (the blocks a run takes, in order) whose eviction
         may let the blocked waiting ``head`` in, or None. Pure.
 
@@ -1106,10 +1107,15 @@ class InprocEngine:
                  and not pool.cached_block_hashes_by_block)
         hit = -1  # looked up at the first block of the head's
         copies: dict[Any, int] = {}
-        for i, block in enumerate(evicted):
-            key = block.block_hash
-            if key is None or key not in keys:
-                continue
+        # C-level passes: which evicted blocks hold one of the head's keys (None is no key).
+        holds = list(map(keys.__contains__, map(_RAW_BLOCK_HASH, evicted)))
+        i = -1
+        while True:
+            try:
+                i = holds.index(True, i + 1)
+            except ValueError:
+                return None
+            key = evicted[i]._block_hash
             if not stock:
                 return i
             if hit < 0:
@@ -1126,7 +1132,6 @@ class InprocEngine:
             if position != hit - 1:
                 return i
             hit -= 1
-        return None
 
     def _pool_hash_keys(self, request: Request) -> dict[Any, int]:
         """Memo of :func:`seams.pool_block_hash_keys` for a waiting request."""
