@@ -330,6 +330,25 @@ def _quiet_worker() -> None:
     logging.getLogger("vllm").setLevel(logging.ERROR)
 
 
+def start_worker_server() -> str:
+    """Start the forkserver that sweep workers fork from, importing vLLM once (``eval.sim``), in
+    the background: call it early and the ~20 s import overlaps the workload's loading. Idempotent.
+
+    Returns:
+        The start method the pool uses: ``"forkserver"``, or ``"spawn"`` where there is none (then
+        nothing is started).
+    """
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    from multiprocessing import forkserver
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(["eval.compare", "eval.sim"])
+    forkserver.ensure_running()
+    return "forkserver"
+
+
 class _Pool:
     """``jobs`` worker processes (forkserver where available, else spawn: safe with threads and
     CUDA-free, never fork), or the calling process itself for ``jobs == 1``.
@@ -347,10 +366,7 @@ class _Pool:
             import multiprocessing
             from concurrent.futures import ProcessPoolExecutor
 
-            method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-            context = multiprocessing.get_context(method)
-            if method == "forkserver":
-                context.set_forkserver_preload(["eval.compare", "eval.sim"])  # import vLLM once
+            context = multiprocessing.get_context(start_worker_server())
             self._executor = ProcessPoolExecutor(self.jobs, mp_context=context, initializer=_quiet_worker)
         return self
 
@@ -659,11 +675,12 @@ def _probe_slowdown(workload: Workload, options: CompareOptions, policy: str, is
     return sum(v / ideal_s[sid] for sid, v in e2e.items()) / len(e2e), guard.events
 
 
-def _ideal_task(workload: Workload, config: Any, timer: Any) -> dict[str, float]:
-    """Ideal E2E of a chunk of sessions (worker side; :func:`eval.sim.ideal_times_s`)."""
+def _ideal_task(workload: Workload, options: CompareOptions, num_gpu_blocks: int, timer: Any) -> dict[str, float]:
+    """Ideal E2E of a chunk of sessions under FCFS without admission (worker side;
+    :func:`eval.sim.ideal_times_s`). The config is built here: the parent need not import vLLM."""
     from eval import sim
 
-    return sim.ideal_times_s(workload, config, _real_timer(timer))
+    return sim.ideal_times_s(workload, _sim_config(options, "fcfs", False, num_gpu_blocks), _real_timer(timer))
 
 
 def _run_task(run: _Run, workload: Workload, options: CompareOptions, timer: Any, num_gpu_blocks: int,
@@ -897,11 +914,10 @@ class _Sweep:
                 continue
             self.ideal[setup.gpu] = {}
             todo.append((setup, key))
-            config = _sim_config(self.options, "fcfs", False, setup.num_gpu_blocks)
             size = max(1, -(-len(self.workload.sessions) // (4 * pool.jobs)))  # ~4 chunks per worker
             for i in range(0, len(self.workload.sessions), size):
                 chunk = self.workload.model_copy(update={"sessions": self.workload.sessions[i:i + size]})
-                calls.append((_ideal_task, (chunk, config, setup.step_timer)))
+                calls.append((_ideal_task, (chunk, self.options, setup.num_gpu_blocks, setup.step_timer)))
                 owners.append(setup.gpu)
         if self.live is not None:
             self.info["ideal E2E from"] = ("simulator, each session alone under FCFS on the same GPU model "
@@ -1303,7 +1319,8 @@ def add_compare_subcommand(subparsers: Any) -> argparse.ArgumentParser:
                         "session's ideal is its fastest round (default 2)")
     p.add_argument("--quick", action="store_true",
                    help=f"a smaller grid on the same full sessions: --gpu {DEFAULT_GPUS[0]}, --policies "
-                        f"{','.join(QUICK_POLICIES)}, --loads 1.0,1.2 (explicit flags still win)")
+                        f"{','.join(QUICK_POLICIES)}, --loads 1.0,1.2, no {REFERENCE} reference (explicit "
+                        f"flags still win: add {REFERENCE} to --policies for it)")
     p.add_argument("--policies", default=None,
                    help=f"comma-separated, or 'all' = {','.join(DEFAULT_POLICIES)} (default: all); also "
                         f"the ablation variants {','.join(ABLATIONS)}")
@@ -1328,7 +1345,7 @@ def add_compare_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--no-reference", action="store_true",
                    help=f"sim: do not add the {REFERENCE} reference (the same arrivals on an engine with KV "
                         "for every session at once: what is left to gain by managing KV; one fast run per "
-                        "load, its capacity with --capacity)")
+                        "load, its capacity with --capacity; --quick leaves it out)")
     p.add_argument("--admission", choices=("auto", "off", "on", "both"), default="auto",
                    help="gateway AIMD admission window: auto (default) = on for mars and mars-preview "
                         "(MARS's external control plane), off for the baselines, as the paper ran "
@@ -1591,6 +1608,15 @@ def clear_previous_results(out_dir: str | Path) -> bool:
     return True
 
 
+def with_reference(policies: tuple[str, ...], args: argparse.Namespace, spec: Any) -> tuple[str, ...]:
+    """``policies`` plus the unbounded-KV reference for a simulated sweep, unless
+    ``--no-reference`` or ``--quick`` (whose grid is the issue's four policies; naming the
+    reference in ``--policies`` still runs it). Pure."""
+    if spec.is_live or args.no_reference or args.quick:
+        return policies
+    return tuple(dict.fromkeys((*policies, REFERENCE)))
+
+
 def _error(message: str) -> int:
     print(f"error: {message}", file=sys.stderr)
     return 2
@@ -1660,8 +1686,7 @@ def _main(args: argparse.Namespace, flags: Mapping[str, str] | None = None) -> i
         if spec.is_live and REFERENCE in policies:
             raise ValueError(f"--policies {REFERENCE}: the unbounded-KV reference runs only in the simulator "
                              "(--backend sim); drop it for a live backend")
-        if not spec.is_live and not args.no_reference:
-            policies = tuple(dict.fromkeys((*policies, REFERENCE)))
+        policies = with_reference(policies, args, spec)
         if spec.kind == "url" and args.admission == "auto":
             args.admission = "off"  # the server at the URL is what it is: label it as given
         _check_profile_keys(args.gpu, args.model)
@@ -1712,6 +1737,8 @@ def _load_and_run(args: argparse.Namespace, spec: Any, options: CompareOptions, 
 
     console = Console(stderr=True)
     t0 = time.monotonic()
+    if not spec.is_live and (args.jobs or default_jobs()) > 1:
+        start_worker_server()  # workers' vLLM import, alongside the loading below
     try:
         with console.status("loading workload and GPU profiles"):
             workload, auto_scale, skipped, loaded = _load_workload(args)

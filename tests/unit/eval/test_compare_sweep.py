@@ -55,6 +55,13 @@ def test_no_flags_is_the_real_regime_and_quick_is_a_smaller_grid_of_the_same_wor
     assert (quick.gpu, quick.loads, compare.parse_policies(quick.policies)) == (
         ("h100_sxm",), (1.0, 1.2), QUICK_POLICIES)
     assert (quick.sessions, quick.max_turns, quick.max_context_tokens, quick.kv_scale) == (0, 0, 0, "1")
+    sim = parse_backend("sim")
+    assert compare.with_reference(DEFAULT_POLICIES, args, sim)[-1] == compare.REFERENCE
+    assert compare.with_reference(QUICK_POLICIES, quick, sim) == QUICK_POLICIES  # the grid only
+    asked = _args(["--quick", "--policies", f"fcfs,{compare.REFERENCE}"])
+    compare._apply_defaults(asked, sim)
+    assert compare.with_reference(compare.parse_policies(asked.policies), asked, sim) == ("fcfs", compare.REFERENCE)
+    assert compare.with_reference(DEFAULT_POLICIES, _args(["--no-reference"]), sim) == DEFAULT_POLICIES
     live = _args(["--backend", "emulated"])
     compare._apply_defaults(live, parse_backend("emulated"))
     assert live.gpu == ("h100_sxm",)
