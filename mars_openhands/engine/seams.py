@@ -459,6 +459,10 @@ def group0_keys(block_hashes: Sequence[Any]) -> list[Any]:
     if suffix is None:
         raise ValueError("this vLLM builds prefix-cache keys other than hash + group suffix")
     memo = _GROUP0_KEYS
+    try:  # every key known (the common case): one C-level pass, no scan for misses
+        return list(map(memo.__getitem__, block_hashes))
+    except KeyError:
+        pass
     keys = list(map(memo.get, block_hashes))
     if None in keys:
         if len(memo) + len(keys) > _GROUP0_KEYS_MAX:
@@ -677,11 +681,9 @@ def install_fused_prefix_lookup(sched: Scheduler) -> bool:
             return original(block_hashes, max_cache_hit_length)
         # C-level passes: every key's entry (past the first miss too), then cut.
         hashes = list(itertools.islice(block_hashes, max_cache_hit_length // block_size))
-        blocks = list(map(cache._cache.get, group0_keys(hashes)))
-        # (Not ``None in blocks``: that calls the blocks' Python ``__eq__``.)
-        is_hit = list(map(operator.is_not, blocks, itertools.repeat(None, len(blocks))))
-        if not all(is_hit):
-            del blocks[is_hit.index(False):]
+        # Entries up to the first miss (None): a block, or a dict of a key's blocks, both true
+        # (``bool`` of a block is C-level: no ``__bool__``/``__len__``; never its ``__eq__``).
+        blocks = list(itertools.takewhile(bool, map(cache._cache.get, group0_keys(hashes))))
         if not all(map(KVCacheBlock.__instancecheck__, blocks)):  # a key shared by several blocks
             blocks = [e if type(e) is KVCacheBlock else next(iter(e.values())) for e in blocks]
         if blocks and 0 in coordinator.eagle_group_ids:  # vLLM's drop_eagle_block

@@ -21,11 +21,14 @@ Life of an entry (scheduler clock, seconds)::
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from mars_openhands.policy.retention import reclaim_order_key
+
+_BLOCK_ID = operator.attrgetter("block_id")
 
 __all__ = ["RetainedKv", "RetainedKvPool"]
 
@@ -225,7 +228,8 @@ class RetainedKvPool(Mapping[str, RetainedKv]):
         entries = self._entries.values()
         if self._is_each_block_pinned_once is None:
             num_pins = sum(len(e.blocks) for e in entries)
-            self._is_each_block_pinned_once = len({b.block_id for e in entries for b in e.blocks}) == num_pins
+            ids = map(_BLOCK_ID, itertools.chain.from_iterable(e.blocks for e in entries))  # C-level
+            self._is_each_block_pinned_once = len(set(ids)) == num_pins
         if self._is_each_block_pinned_once:
             # Every block pinned once (the usual case): retained-only iff its one reference is ours.
             return num_referenced_once(itertools.chain.from_iterable(e.blocks for e in entries))
