@@ -203,7 +203,7 @@ DEFAULT_POLICIES: tuple[str, ...] = tuple(n for n, p in POLICIES.items()
 """``--policies all``: every policy except the ablation variants and the reference."""
 REFERENCE = "unbounded-kv"
 """The unbounded-KV reference (``PolicySpec.is_kv_unbounded``): ``compare`` adds it to every
-simulator sweep unless ``--no-reference``."""
+simulator sweep unless ``--no-reference`` or ``--quick`` (:func:`with_reference`)."""
 ABLATIONS: tuple[str, ...] = tuple(n for n, p in POLICIES.items() if p.ablates is not None)
 """The ablation variants (``--ablations`` adds them to the policies)."""
 QUICK_POLICIES: tuple[str, ...] = ("fcfs", "continuum", "thunderagent", "mars")
@@ -332,7 +332,8 @@ def _quiet_worker() -> None:
 
 def start_worker_server() -> str:
     """Start the forkserver that sweep workers fork from, importing vLLM once (``eval.sim``), in
-    the background: call it early and the ~20 s import overlaps the workload's loading. Idempotent.
+    the background: call it early and the ~20 s import overlaps the parent's set-up (the pool
+    would start it at its first task). Idempotent; the server exits with this process.
 
     Returns:
         The start method the pool uses: ``"forkserver"``, or ``"spawn"`` where there is none (then
@@ -1319,8 +1320,8 @@ def add_compare_subcommand(subparsers: Any) -> argparse.ArgumentParser:
                         "session's ideal is its fastest round (default 2)")
     p.add_argument("--quick", action="store_true",
                    help=f"a smaller grid on the same full sessions: --gpu {DEFAULT_GPUS[0]}, --policies "
-                        f"{','.join(QUICK_POLICIES)}, --loads 1.0,1.2, no {REFERENCE} reference (explicit "
-                        f"flags still win: add {REFERENCE} to --policies for it)")
+                        f"{','.join(QUICK_POLICIES)}, --loads 1.0,1.2 (explicit flags still win), and no "
+                        f"{REFERENCE} reference unless --policies names it")
     p.add_argument("--policies", default=None,
                    help=f"comma-separated, or 'all' = {','.join(DEFAULT_POLICIES)} (default: all); also "
                         f"the ablation variants {','.join(ABLATIONS)}")
@@ -1737,11 +1738,12 @@ def _load_and_run(args: argparse.Namespace, spec: Any, options: CompareOptions, 
 
     console = Console(stderr=True)
     t0 = time.monotonic()
-    if not spec.is_live and (args.jobs or default_jobs()) > 1:
-        start_worker_server()  # workers' vLLM import, alongside the loading below
     try:
         with console.status("loading workload and GPU profiles"):
             workload, auto_scale, skipped, loaded = _load_workload(args)
+            if not spec.is_live and (args.jobs or default_jobs()) > 1:
+                start_worker_server()  # the workers' vLLM import, alongside the set-up below and
+                # the parent's own work (after the workload loaded: a bad path leaves nothing behind)
             setups, live, scope = _setups(args, spec, workload, auto_scale, loaded)
         options = options.model_copy(update={"num_gpu_blocks": setups[0].num_gpu_blocks})
     except ValidationError as e:

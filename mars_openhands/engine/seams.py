@@ -86,7 +86,6 @@ __all__ = [
     "num_gpu_blocks",
     "prefix_hit_tokens",
     "free_pinned",
-    "iter_next_evicted_blocks",
     "next_evicted_blocks",
     "watch_prefix_cache",
     "install_fused_block_allocation",
@@ -351,6 +350,7 @@ def num_blocks_referenced_once(blocks: Iterable[KVCacheBlock]) -> int:
 _REF_CNT = operator.attrgetter("ref_cnt")
 _IS_NULL = operator.attrgetter("is_null")
 _RAW_BLOCK_HASH = operator.attrgetter("_block_hash")
+_IS_NOT_NONE = functools.partial(operator.is_not, None)
 
 
 def all_blocks(sched: Scheduler) -> list[KVCacheBlock]:
@@ -367,17 +367,6 @@ def next_evicted_blocks(sched: Scheduler, num_blocks: int) -> list[KVCacheBlock]
         out.append(block)
         block = block.next_free_block
     return out
-
-
-def iter_next_evicted_blocks(sched: Scheduler, num_blocks: int) -> Iterator[KVCacheBlock]:
-    """:func:`next_evicted_blocks`, lazily (a caller that stops at the first block it looks for
-    walks no further). Pure while iterated with no allocation in between."""
-    block = block_pool(sched).free_block_queue.fake_free_list_head.next_free_block
-    for _ in range(num_blocks):
-        if block is None or block.block_id < 0:
-            return
-        yield block
-        block = block.next_free_block
 
 
 class _WatchedBlockHashToBlockMap(BlockHashToBlockMap):
@@ -614,15 +603,12 @@ def _fused_cache_full_blocks(pool: Any, original: Any) -> Any:
         cache = pool.cached_block_hash_to_block
         inline = _inline_map(cache)
         raw, watched, on_change = inline if inline is not None else (cache._cache, (), None)
-        todo = blocks[num_cached_blocks:num_full_blocks]
-        if kv_cache_group_id == 0 and _group_key_suffix(0) is not None:
-            keys = group0_keys(new_hashes[:len(todo)])
-        else:
-            keys = [make_block_hash_with_group_id(h, kv_cache_group_id) for h in new_hashes[:len(todo)]]
-        for i, block in enumerate(todo):
+        suffix = _group_key_suffix(kv_cache_group_id)
+        for i, block in enumerate(blocks[num_cached_blocks:num_full_blocks]):
             if block.is_null:
                 continue
-            key = keys[i]
+            key = (new_hashes[i] + suffix if suffix is not None
+                   else make_block_hash_with_group_id(new_hashes[i], kv_cache_group_id))
             num_tokens = (num_cached_blocks + i + 1) * block_size
             if block._block_hash is None and key not in raw:
                 block._block_hash = key
@@ -681,9 +667,8 @@ def install_fused_prefix_lookup(sched: Scheduler) -> bool:
             return original(block_hashes, max_cache_hit_length)
         # C-level passes: every key's entry (past the first miss too), then cut.
         hashes = list(itertools.islice(block_hashes, max_cache_hit_length // block_size))
-        # Entries up to the first miss (None): a block, or a dict of a key's blocks, both true
-        # (``bool`` of a block is C-level: no ``__bool__``/``__len__``; never its ``__eq__``).
-        blocks = list(itertools.takewhile(bool, map(cache._cache.get, group0_keys(hashes))))
+        # Entries up to the first miss (None; never the blocks' Python ``__eq__``).
+        blocks = list(itertools.takewhile(_IS_NOT_NONE, map(cache._cache.get, group0_keys(hashes))))
         if not all(map(KVCacheBlock.__instancecheck__, blocks)):  # a key shared by several blocks
             blocks = [e if type(e) is KVCacheBlock else next(iter(e.values())) for e in blocks]
         if blocks and 0 in coordinator.eagle_group_ids:  # vLLM's drop_eagle_block
