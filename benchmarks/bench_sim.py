@@ -106,6 +106,24 @@ every event kind bit-identical). vllm-tuned's pair ran on an intermediate versio
 third lookup, peeks counted); the others on 9038120's code. The box's own speed moved ~25%
 since yesterday's figures (continuum's same code: 54.4 then, 67.9 now).
 
+Measured 2026-12-03 (third session), side by side the same way (old 888fdfc; new: mars's
+output-length tail sums by a C-level accumulate, the prefix walk as one lazy pass that stops at
+the first miss, the blocked run's eviction check and the retained pool's pinned-once test in C
+passes), one pair at a time, load ~2:
+
+=============  ==================  ==================  =======
+policy         old: CPU s, sim/CPU  new: CPU s, sim/CPU  speedup
+=============  ==================  ==================  =======
+mars           53.9, 122x          53.7, 122x          1.00x
+continuum      71.8,  97x          80.8,  86x          0.89x
+=============  ==================  ==================  =======
+
+Within this box's noise (an earlier pair of nearly the same code, four processes at once, gave
+continuum 1.06x and mars 0.96x; A/B runs of one 30-session workload varied 23-34 CPU s for the same
+code). Two tries that measured slower were dropped: a memo of the pool keys (hash + group suffix)
+and ``free_blocks`` with its loop as C-level ``setattr`` passes (2.5x slower than the loop on
+3,000 blocks, by ``timeit`` on vLLM's ``BlockPool``).
+
 Below 150x, and why: what is left is vLLM's own per-block work: past the knee every turn
 re-prefills its context (fcfs: 6.0 M blocks allocated, evicted from and inserted into the prefix
 cache per run; autellix 8.1 M), plus ``update_from_output``'s per-token handling; and the

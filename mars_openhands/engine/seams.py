@@ -427,40 +427,6 @@ def _inline_map(cache: Any) -> tuple[dict[Any, Any], Any, Any] | None:
     return None
 
 
-_GROUP0_KEYS: dict[bytes, bytes] = {}
-"""Memo of group-0 pool keys (block hash -> hash + group-0 suffix): a turn's lookup, caching and
-eviction checks read the keys of its whole context, which the session's previous turns built
-already. Pure function of the hash, so a plain memo; cleared at :data:`_GROUP0_KEYS_MAX`."""
-_GROUP0_KEYS_MAX = 1 << 19
-
-
-def group0_keys(block_hashes: Sequence[Any]) -> list[Any]:
-    """The pool keys (``make_block_hash_with_group_id(h, 0)``) of ``block_hashes``, from a memo.
-
-    A new ``bytes`` object and its hash cost more than a lookup whose hash is cached: the walk
-    over a 5,000-block context takes ~0.6x the time. Same keys (equal bytes).
-
-    Raises:
-        ValueError: vLLM builds group keys other than by appending a suffix (see
-            :func:`_group_key_suffix`).
-    """
-    suffix = _group_key_suffix(0)
-    if suffix is None:
-        raise ValueError("this vLLM builds prefix-cache keys other than hash + group suffix")
-    memo = _GROUP0_KEYS
-    try:  # every key known (the common case): one C-level pass, no scan for misses
-        return list(map(memo.__getitem__, block_hashes))
-    except KeyError:
-        pass
-    keys = list(map(memo.get, block_hashes))
-    if None in keys:
-        if len(memo) + len(keys) > _GROUP0_KEYS_MAX:
-            memo.clear()
-        for i in [i for i, key in enumerate(keys) if key is None]:
-            keys[i] = memo[block_hashes[i]] = block_hashes[i] + suffix
-    return keys
-
-
 @functools.cache
 def _group_key_suffix(group_id: int) -> bytes | None:
     """The bytes vLLM's ``make_block_hash_with_group_id`` appends to a block hash for ``group_id``,
@@ -660,15 +626,17 @@ def install_fused_prefix_lookup(sched: Scheduler) -> bool:
             or _group_key_suffix(0) is None):
         return False
     original = coordinator.find_longest_cache_hit
+    suffix = _group_key_suffix(0)
 
     def find_longest_cache_hit(block_hashes: Any, max_cache_hit_length: int) -> Any:
         cache = pool.cached_block_hash_to_block
         if _inline_map(cache) is None:
             return original(block_hashes, max_cache_hit_length)
-        # C-level passes: every key's entry (past the first miss too), then cut.
+        # One lazy C-level pass: keys, entries, cut at the first miss.
         hashes = list(itertools.islice(block_hashes, max_cache_hit_length // block_size))
         # Entries up to the first miss (None; never the blocks' Python ``__eq__``).
-        blocks = list(itertools.takewhile(_IS_NOT_NONE, map(cache._cache.get, group0_keys(hashes))))
+        keys = map(operator.add, hashes, itertools.repeat(suffix, len(hashes)))
+        blocks = list(itertools.takewhile(_IS_NOT_NONE, map(cache._cache.get, keys)))
         if not all(map(KVCacheBlock.__instancecheck__, blocks)):  # a key shared by several blocks
             blocks = [e if type(e) is KVCacheBlock else next(iter(e.values())) for e in blocks]
         if blocks and 0 in coordinator.eagle_group_ids:  # vLLM's drop_eagle_block
@@ -760,8 +728,6 @@ def pool_block_hash_keys(request: Request, num_groups: int = 1) -> dict[Any, int
     block whose key is here may serve its prefix hit up to that block). Pure."""
     from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
-    if num_groups == 1 and _group_key_suffix(0) is not None:  # the same dict (a later index wins)
-        return dict(zip(group0_keys(request.block_hashes), range(len(request.block_hashes)), strict=True))
     return {make_block_hash_with_group_id(h, g): i
             for g in range(num_groups) for i, h in enumerate(request.block_hashes)}
 

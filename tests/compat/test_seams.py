@@ -425,17 +425,3 @@ def test_fused_prefix_lookup_finds_vllms_blocks_length_and_evictable_count() -> 
                     seen_evictable |= type(manager)._get_num_evictable_blocks(hit) > 0
             coordinator.eagle_group_ids = set()
     assert seen_shared_key and seen_hit and seen_evictable
-
-
-def test_group0_keys_are_vllms_and_the_memo_is_bounded(monkeypatch) -> None:
-    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
-
-    monkeypatch.setattr(seams, "_GROUP0_KEYS", {})
-    monkeypatch.setattr(seams, "_GROUP0_KEYS_MAX", 5)
-    hashes = [bytes([i]) * 32 for i in range(4)]
-    keys = seams.group0_keys(hashes)
-    assert keys == [make_block_hash_with_group_id(h, 0) for h in hashes]
-    assert seams.group0_keys(hashes[:2])[1] is keys[1]  # served from the memo, not rebuilt
-    more = [bytes([9]) * 32, bytes([10]) * 32]
-    assert seams.group0_keys(more) == [make_block_hash_with_group_id(h, 0) for h in more]
-    assert set(seams._GROUP0_KEYS) == set(more)  # 4 + 2 > 5: cleared before the new ones went in
