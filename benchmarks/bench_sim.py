@@ -109,20 +109,22 @@ since yesterday's figures (continuum's same code: 54.4 then, 67.9 now).
 Measured 2026-12-03 (third session), side by side the same way (old 888fdfc; new: mars's
 output-length tail sums by a C-level accumulate, the prefix walk as one lazy pass that stops at
 the first miss, the blocked run's eviction check and the retained pool's pinned-once test in C
-passes), one pair at a time, load ~2:
+passes), one pair at a time: new 9d44434 with a clean-clone CI run alongside (load ~5), mars's
+pair on 2682edc (the same plus a pool-key memo, since dropped) at load ~2:
 
 =============  ==================  ==================  =======
 policy         old: CPU s, sim/CPU  new: CPU s, sim/CPU  speedup
 =============  ==================  ==================  =======
+fcfs           65.9, 121x          61.2, 130x          1.08x
+continuum      96.3,  72x          92.1,  75x          1.05x
 mars           53.9, 122x          53.7, 122x          1.00x
-continuum      71.8,  97x          80.8,  86x          0.89x
 =============  ==================  ==================  =======
 
-Within this box's noise (an earlier pair of nearly the same code, four processes at once, gave
-continuum 1.06x and mars 0.96x; A/B runs of one 30-session workload varied 23-34 CPU s for the same
-code). Two tries that measured slower were dropped: a memo of the pool keys (hash + group suffix)
-and ``free_blocks`` with its loop as C-level ``setattr`` passes (2.5x slower than the loop on
-3,000 blocks, by ``timeit`` on vLLM's ``BlockPool``).
+Within this box's noise: continuum's pair on 2682edc gave 0.89x, and A/B runs of one 30-session
+workload varied 23-34 CPU s for the same code. Two tries that measured slower were dropped: the
+pool-key memo (block caching took a miss on every new block) and ``free_blocks`` with its loop as
+C-level ``setattr`` passes (2.5x slower than the loop on 3,000 blocks, by ``timeit`` on vLLM's
+``BlockPool``).
 
 Below 150x, and why: what is left is vLLM's own per-block work: past the knee every turn
 re-prefills its context (fcfs: 6.0 M blocks allocated, evicted from and inserted into the prefix
