@@ -428,25 +428,30 @@ class PrefixHitMemo:
             self._looked_up.clear()
             self._map = seams.watch_prefix_cache(self._sched, self._on_change, self._reader)
 
-    def peek(self, request: Request) -> int:
-        """Tokens the prefix cache would serve ``request`` now (:func:`seams.prefix_hit_tokens`),
-        from the memo when it is still valid; a walk does not count toward the memo."""
+    def _valid_memo(self, request: Request) -> tuple[Any, ...] | None:
+        """``request``'s memo if it is for the request's current state (token count and block
+        hashes) and the current map, else None."""
         self._check_map()
         memo = self._memo.get(request.request_id)
         if memo is not None and memo[0] == request.num_tokens and memo[1] == len(request.block_hashes):
-            return memo[3]
-        return self._inner(request)[1]
+            return memo
+        return None
+
+    def peek(self, request: Request) -> int:
+        """Tokens the prefix cache would serve ``request`` now (:func:`seams.prefix_hit_tokens`),
+        from the memo when it is still valid; a walk does not count toward the memo."""
+        memo = self._valid_memo(request)
+        return memo[3] if memo is not None else self._inner(request)[1]
 
     def __call__(self, request: Request) -> tuple[Any, int, int]:
         """vLLM's ``get_computed_blocks(request)``, from the memo when it is still valid."""
-        self._check_map()
-        rid = request.request_id
-        state = (request.num_tokens, len(request.block_hashes))
-        memo = self._memo.get(rid)
-        if memo is not None and memo[0] == state[0] and memo[1] == state[1]:
+        memo = self._valid_memo(request)
+        if memo is not None:
             self.num_hits += 1
             return (self._manager.create_kv_cache_blocks(tuple(list(g) for g in memo[2])),
                     memo[3], memo[4])
+        rid = request.request_id
+        state = (request.num_tokens, len(request.block_hashes))
         seen = self._looked_up.get(rid)
         num_lookups = seen[2] + 1 if seen is not None and seen[:2] == state else 1
         self.forget(rid)
