@@ -19,13 +19,16 @@ vLLM private                                      what we do with it
                                                  paths), used for MLFQ quanta and chunk shrinking
 ``KVCacheManager.allocate_slots`` (instance)     wrapped: on failure reclaim retained KV and retry,
                                                  before vLLM preempts anyone
-``Scheduler._free_blocks``                       overridden: pin (touch) a finished turn's blocks
+``Scheduler._free_blocks``                       overridden: pin (touch) a finished turn's blocks,
+                                                 or take over its table's references on them
 ``Scheduler._preempt_request``                   overridden: telemetry + policy state reset
 ``Scheduler.grammar_compile_error_reqs``         requests listed there are finished with
                                                  FINISHED_ERROR (and an output) in update_from_output
 ``BlockPool.touch`` / ``.free_blocks``           take / drop one reference per retained block
 ``BlockPool.get_num_free_blocks``, ``.blocks``   integrity check, pressure
-``SingleTypeKVCacheManager.req_to_blocks``       the blocks a request holds
+``SingleTypeKVCacheManager.req_to_blocks``       the blocks a request holds; a finished request's
+                                                 table is cut after its pinned prefix (the pin
+                                                 keeps those references)
 ``KVCacheManager.get_computed_blocks``           prefix-cache hit length of a waiting request
 ``KVCacheBlock.ref_cnt/.block_hash/.is_null``    which blocks are worth pinning
 ``BlockPool.free_block_queue`` (linked list)     the next blocks an allocation evicts (simulator:
@@ -95,6 +98,7 @@ __all__ = [
     "pool_block_hash_keys",
     "prefix_cache_map",
     "pin_blocks",
+    "pin_finishing_request_blocks",
     "request_blocks",
     "referenced_block_counts",
     "scaled_step_budget",
@@ -315,6 +319,31 @@ def cached_blocks(blocks: Iterable[KVCacheBlock]) -> list[KVCacheBlock]:
 def pin_blocks(sched: Scheduler, blocks: Sequence[KVCacheBlock]) -> None:
     """Take one reference on each block so it is neither freed nor evicted. Mutates the pool."""
     block_pool(sched).touch(blocks)
+
+
+def pin_finishing_request_blocks(sched: Scheduler, request_id: str, blocks: Sequence[KVCacheBlock]) -> None:
+    """Pin ``blocks`` of a finished request whose blocks vLLM frees next (``Scheduler._free_blocks``):
+    as :func:`pin_blocks`, or, when ``blocks`` are the first blocks of the request's one block
+    table (one full-attention group, the usual case), by moving the request's own references to
+    the pin: its table is cut to the blocks after them, which vLLM then frees. Mutates the table or
+    the pool.
+
+    Same reference counts and free-queue order as a touch followed by vLLM's free of the whole
+    table: the pinned blocks hold two references between the two, so neither path frees them, and
+    the rest are freed in the same (reversed) order. Saves two passes over a finished turn's
+    whole context (a touch, and the pinned part of the free) on every retained turn.
+
+    Raises:
+        Nothing of its own; only valid right before vLLM frees ``request_id``'s blocks.
+    """
+    managers = sched.kv_cache_manager.coordinator.single_type_managers
+    if len(managers) == 1 and type(managers[0]) is FullAttentionManager:
+        table = managers[0].req_to_blocks.get(request_id)
+        num = len(blocks)
+        if table is not None and num <= len(table) and all(map(operator.is_, blocks, table)):
+            managers[0].req_to_blocks[request_id] = table[num:]
+            return
+    pin_blocks(sched, blocks)
 
 
 def free_pinned(sched: Scheduler, blocks: Sequence[KVCacheBlock]) -> None:

@@ -65,6 +65,38 @@ def test_pin_and_free_adjust_ref_counts() -> None:
     assert seams.num_free_blocks(h.scheduler) == seams.num_gpu_blocks(h.scheduler) - 1
 
 
+def _finish_and_pin(pin: str, which: slice) -> tuple[list[int], list[int], list[int]]:
+    """Two requests sharing a prefix; the first finishes with ``which`` of its cached blocks pinned
+    (``pin``: "touch" = pin_blocks, "transfer" = pin_finishing_request_blocks), then vLLM frees
+    its table. Returns every block's ref count, the free queue's block ids, and the table left."""
+    h = Harness(Scheduler, num_blocks=32)
+    prompt = h.tokens(40)
+    a = h.add(h.make_request(None, prompt, max_tokens=2))
+    h.add(h.make_request(None, prompt[:16] + h.tokens(30), max_tokens=2))
+    h.step()
+    cached = seams.cached_blocks(seams.request_blocks(h.scheduler, a.request_id))[which]
+    if pin == "touch":
+        seams.pin_blocks(h.scheduler, cached)
+    else:
+        seams.pin_finishing_request_blocks(h.scheduler, a.request_id, cached)
+    left = [b.block_id for b in seams.request_blocks(h.scheduler, a.request_id)]
+    h.scheduler.kv_cache_manager.free(a)
+    pool = seams.all_blocks(h.scheduler)
+    queue = [b.block_id for b in seams.next_evicted_blocks(h.scheduler, len(pool))]
+    return [b.ref_cnt for b in pool], queue, left
+
+
+@pytest.mark.parametrize("which", [slice(None), slice(0, 1), slice(1, None)])
+def test_pin_of_a_finishing_request_equals_touch_then_free(which: slice) -> None:
+    touched = _finish_and_pin("touch", which)
+    moved = _finish_and_pin("transfer", which)
+    assert moved[:2] == touched[:2]  # same references, same eviction order
+    is_prefix = which.start in (None, 0)
+    # A prefix moves the request's references (its table is cut); otherwise a touch, table kept.
+    assert (len(moved[2]) < len(touched[2])) == is_prefix
+    assert sum(moved[0]) > 0
+
+
 def test_prefix_hit_tokens_sees_cached_prefix() -> None:
     h = Harness(Scheduler, num_blocks=32)
     prompt = h.tokens(64)

@@ -68,7 +68,10 @@ class RetainedKvPool(Mapping[str, RetainedKv]):
     def __init__(self) -> None:
         self._entries: dict[str, RetainedKv] = {}
         self._is_each_block_pinned_once: bool | None = True
-        """Whether no block is in two entries (None: not known since the last add or pop)."""
+        """Whether no block is in two entries (None: not known since a pop after False)."""
+        self._pinned_ids: set[int] | None = set()
+        """Every pinned block id while :attr:`_is_each_block_pinned_once` is True (kept by
+        :meth:`add` and :meth:`pop` in C-level set passes over the one entry), else None."""
         self.held_expired: dict[str, None] = {}
         """Sessions whose entry expired but is kept: their next turn waits (or the policy's
         ``can_release_expired`` said no). Re-checked every step, in the order they were held (a dict
@@ -112,7 +115,12 @@ class RetainedKvPool(Mapping[str, RetainedKv]):
             raise ValueError(f"session {entry.session_id!r} already holds retained KV "
                              f"(request {self._entries[entry.session_id].request_id}); release it first")
         self._entries[entry.session_id] = entry
-        self._is_each_block_pinned_once = None
+        if self._pinned_ids is not None:
+            ids = set(map(_BLOCK_ID, entry.blocks))
+            if len(ids) == len(entry.blocks) and self._pinned_ids.isdisjoint(ids):
+                self._pinned_ids |= ids
+            else:
+                self._is_each_block_pinned_once, self._pinned_ids = False, None
         self.next_expiry_s = min(self.next_expiry_s, entry.expires_s)
 
     def pop(self, session_id: str) -> RetainedKv | None:
@@ -121,7 +129,9 @@ class RetainedKvPool(Mapping[str, RetainedKv]):
         entry = self._entries.pop(session_id, None)
         if entry is not None:
             self.held_expired.pop(session_id, None)
-            if self._is_each_block_pinned_once is False:
+            if self._pinned_ids is not None:
+                self._pinned_ids.difference_update(map(_BLOCK_ID, entry.blocks))
+            elif self._is_each_block_pinned_once is False:
                 self._is_each_block_pinned_once = None
         return entry
 
@@ -141,12 +151,12 @@ class RetainedKvPool(Mapping[str, RetainedKv]):
         return reused
 
     @staticmethod
-    def measure_reuse(entry: RetainedKv, request_block_ids: Iterator[int] | list[int]) -> int:
+    def measure_reuse(entry: RetainedKv, request_block_ids: Iterable[int]) -> int:
         """Blocks of ``entry`` among ``request_block_ids`` (the blocks the session's next turn
         holds): what the retention actually gave it. Recorded in
         ``entry.extra["num_reused_blocks"]`` for the release. O(blocks). Mutates ``entry``."""
-        pinned = {b.block_id for b in entry.blocks}
-        reused = sum(1 for bid in request_block_ids if bid in pinned)
+        pinned = set(map(_BLOCK_ID, entry.blocks))
+        reused = sum(map(pinned.__contains__, request_block_ids))  # C-level: a whole context
         entry.extra["num_reused_blocks"] = reused
         return reused
 
@@ -222,14 +232,16 @@ class RetainedKvPool(Mapping[str, RetainedKv]):
             ref_count: a block's ref count (:func:`seams.block_ref_count`).
 
         Returns:
-            A block count. O(pinned blocks); whether a block is pinned twice is recomputed only
-            after an :meth:`add` or :meth:`pop` (an entry's blocks never change).
+            A block count. O(pinned blocks); whether a block is pinned twice is kept by
+            :meth:`add` and :meth:`pop` (an entry's blocks never change), and recomputed over
+            every entry only after a pop once it was not so.
         """
         entries = self._entries.values()
         if self._is_each_block_pinned_once is None:
             num_pins = sum(len(e.blocks) for e in entries)
-            ids = map(_BLOCK_ID, itertools.chain.from_iterable(e.blocks for e in entries))  # C-level
-            self._is_each_block_pinned_once = len(set(ids)) == num_pins
+            ids = set(map(_BLOCK_ID, itertools.chain.from_iterable(e.blocks for e in entries)))  # C-level
+            self._is_each_block_pinned_once = len(ids) == num_pins
+            self._pinned_ids = ids if self._is_each_block_pinned_once else None
         if self._is_each_block_pinned_once:
             # Every block pinned once (the usual case): retained-only iff its one reference is ours.
             return num_referenced_once(itertools.chain.from_iterable(e.blocks for e in entries))

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mars_openhands.engine.schedulers.retained import RetainedKv, RetainedKvPool
 
@@ -104,3 +107,29 @@ def test_retained_only_blocks_and_pin_counts() -> None:
     pool.add(shared)
     assert pool.pin_counts() == {1: 1, 2: 1, 3: 2}
     assert pool.retained_only_blocks(once, lambda x: x.ref_cnt) == 2
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 3),
+                          st.lists(st.integers(0, 11), min_size=1, max_size=5)), max_size=25),
+       st.lists(st.integers(1, 4), min_size=12, max_size=12))
+@settings(max_examples=200, deadline=None)
+def test_retained_only_blocks_matches_definition_over_adds_and_pops(
+        ops: list[tuple[bool, int, list[int]]], ref_counts: list[int]) -> None:
+    """The pinned-once bookkeeping kept across adds and pops (shared and repeated blocks, pops
+    of absent sessions) counts what the definition counts: pinned blocks whose ref count is
+    exactly their pins."""
+    blocks = [_Block(i, n) for i, n in enumerate(ref_counts)]
+    pool = RetainedKvPool()
+
+    def once(xs: Any) -> int:
+        return sum(1 for x in xs if x.ref_cnt == 1)
+
+    for is_add, sid, ids in ops:
+        if is_add and str(sid) not in pool:
+            pool.add(RetainedKv(str(sid), "r", 0, [blocks[i] for i in ids], 16 * len(ids), 0.0, 10.0,
+                                1.0, "test"))
+        elif not is_add:
+            pool.pop(str(sid))
+        pins = pool.pin_counts()
+        expected = sum(1 for bid, n in pins.items() if blocks[bid].ref_cnt == n)
+        assert pool.retained_only_blocks(once, lambda x: x.ref_cnt) == expected
