@@ -116,10 +116,9 @@ class RetainedKvPool(Mapping[str, RetainedKv]):
                              f"(request {self._entries[entry.session_id].request_id}); release it first")
         self._entries[entry.session_id] = entry
         if self._pinned_ids is not None:
-            ids = set(map(_BLOCK_ID, entry.blocks))
-            if len(ids) == len(entry.blocks) and self._pinned_ids.isdisjoint(ids):
-                self._pinned_ids |= ids
-            else:
+            num_before = len(self._pinned_ids)
+            self._pinned_ids.update(map(_BLOCK_ID, entry.blocks))  # one C-level pass
+            if len(self._pinned_ids) != num_before + len(entry.blocks):  # a block pinned twice
                 self._is_each_block_pinned_once, self._pinned_ids = False, None
         self.next_expiry_s = min(self.next_expiry_s, entry.expires_s)
 
