@@ -126,6 +126,21 @@ pool-key memo (block caching took a miss on every new block) and ``free_blocks``
 C-level ``setattr`` passes (2.5x slower than the loop on 3,000 blocks, by ``timeit`` on vLLM's
 ``BlockPool``).
 
+Measured 2026-12-03 (fourth session), old 96a8d85 and new 4d74f6a side by side. New: a finishing
+turn's pin takes over the request's references on its cached prefix
+(``seams.pin_finishing_request_blocks``) instead of touching the whole prefix and then freeing it
+with the rest; the retained pool keeps its pinned block ids through ``add``/``pop`` (one C-level
+pass over the one entry) instead of rebuilding a set over every entry after each add; and the
+retention hit count runs in C passes. Under cProfile (mars, full workload at 1.2x, both at once):
+112.0 -> 94.4 profiled CPU s, 33.6 M -> 25.8 M function calls; ``free_blocks`` 6.4 -> 3.0 s,
+``touch`` 4.1 -> 1.8 s, the reuse measurement 5.7 -> 2.2 s. Unprofiled, within the noise: mars
+55.0 -> 53.8 and 53.8 -> 59.9 CPU s (the two cores swapped between the pairs), thunderagent 45.5 ->
+45.8, continuum 64.1 -> 68.0; ``compare --quick --no-cache``, old and new at once: 672 and 678 s,
+the same tables. Tried and dropped: the knee guard also counting each session's tool calls not
+yet started (valid, but paired probes stopped no sooner: 25.7 / 17.2 / 24.6 s against 25.2 / 16.2
+/ 24.4 s; tools are ~27% of an ideal E2E), and vLLM's free queue as an ``OrderedDict`` (a
+touch-and-free cycle of 3,000 blocks took 0.40-0.60 us per block against the linked list's 0.31).
+
 Below 150x, and why: what is left is vLLM's own per-block work: past the knee every turn
 re-prefills its context (fcfs: 6.0 M blocks allocated, evicted from and inserted into the prefix
 cache per run; autellix 8.1 M), plus ``update_from_output``'s per-token handling; and the
