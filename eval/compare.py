@@ -907,11 +907,12 @@ class _Sweep:
             self.ideal[self.gpus[0].gpu] = self._live_ideal()
             return
         calls, owners, todo = [], [], []
+        order = [s.session_id for s in self.workload.sessions]
         for setup in self.gpus:
             key = self._key("ideal", setup, POLICIES["fcfs"].engine)
             cached = self.cache.get("ideal", key) if key else None
-            if isinstance(cached, dict) and set(cached) == {s.session_id for s in self.workload.sessions}:
-                self.ideal[setup.gpu] = {k: float(v) for k, v in cached.items()}
+            if isinstance(cached, dict) and set(cached) == set(order):
+                self.ideal[setup.gpu] = {sid: float(cached[sid]) for sid in order}
                 continue
             self.ideal[setup.gpu] = {}
             todo.append((setup, key))
@@ -930,6 +931,10 @@ class _Sweep:
             self.ideal[owners[index]].update(value)
             self._advance(task)
         for setup, key in todo:
+            # Workload order, not the chunks' finishing order: sums over the ideal times (the knee
+            # search's start rate) then round the same in every run, so results are bit-identical.
+            chunks = self.ideal[setup.gpu]
+            self.ideal[setup.gpu] = {sid: chunks[sid] for sid in order}
             if key:
                 self.cache.put("ideal", key, self.ideal[setup.gpu])
 

@@ -29,6 +29,8 @@ vLLM private                                      what we do with it
 ``SingleTypeKVCacheManager.req_to_blocks``       the blocks a request holds; a finished request's
                                                  table is cut after its pinned prefix (the pin
                                                  keeps those references)
+``Scheduler.defer_block_free``,                  read: with either, a finished turn is pinned by
+``BlockPool.metrics_collector``                  touch (frees come later / accesses are reported)
 ``KVCacheManager.get_computed_blocks``           prefix-cache hit length of a waiting request
 ``KVCacheBlock.ref_cnt/.block_hash/.is_null``    which blocks are worth pinning
 ``BlockPool.free_block_queue`` (linked list)     the next blocks an allocation evicts (simulator:
@@ -333,11 +335,16 @@ def pin_finishing_request_blocks(sched: Scheduler, request_id: str, blocks: Sequ
     the rest are freed in the same (reversed) order. Saves two passes over a finished turn's
     whole context (a touch, and the pinned part of the free) on every retained turn.
 
-    Raises:
-        Nothing of its own; only valid right before vLLM frees ``request_id``'s blocks.
+    Only valid right before vLLM frees ``request_id``'s blocks. A pin by touch (as
+    :func:`pin_blocks`) with deferred frees (``Scheduler.defer_block_free``) or a KV metrics
+    collector on the pool.
     """
     managers = sched.kv_cache_manager.coordinator.single_type_managers
-    if len(managers) == 1 and type(managers[0]) is FullAttentionManager:
+    # Not with deferred frees (a KV connector's in-flight writes: the table returns to the pool
+    # steps later, and the touch keeps the prefix referenced until then) or a KV metrics
+    # collector (vLLM's touch reports each access to it).
+    if (len(managers) == 1 and type(managers[0]) is FullAttentionManager
+            and not getattr(sched, "defer_block_free", False) and not block_pool(sched).metrics_collector):
         table = managers[0].req_to_blocks.get(request_id)
         num = len(blocks)
         if table is not None and num <= len(table) and all(map(operator.is_, blocks, table)):

@@ -65,11 +65,13 @@ def test_pin_and_free_adjust_ref_counts() -> None:
     assert seams.num_free_blocks(h.scheduler) == seams.num_gpu_blocks(h.scheduler) - 1
 
 
-def _finish_and_pin(pin: str, which: slice) -> tuple[list[int], list[int], list[int]]:
+def _finish_and_pin(pin: str, which: slice, defer: bool = False) -> tuple[list[int], list[int], list[int]]:
     """Two requests sharing a prefix; the first finishes with ``which`` of its cached blocks pinned
     (``pin``: "touch" = pin_blocks, "transfer" = pin_finishing_request_blocks), then vLLM frees
-    its table. Returns every block's ref count, the free queue's block ids, and the table left."""
+    its table. Returns every block's ref count, the free queue's block ids, and the table left.
+    ``defer``: the scheduler defers frees (a KV connector's)."""
     h = Harness(Scheduler, num_blocks=32)
+    h.scheduler.defer_block_free = defer
     prompt = h.tokens(40)
     a = h.add(h.make_request(None, prompt, max_tokens=2))
     h.add(h.make_request(None, prompt[:16] + h.tokens(30), max_tokens=2))
@@ -95,6 +97,11 @@ def test_pin_of_a_finishing_request_equals_touch_then_free(which: slice) -> None
     # A prefix moves the request's references (its table is cut); otherwise a touch, table kept.
     assert (len(moved[2]) < len(touched[2])) == is_prefix
     assert sum(moved[0]) > 0
+
+
+def test_pin_of_a_finishing_request_touches_when_frees_are_deferred() -> None:
+    # Deferred frees return the table steps later: the prefix must stay referenced until then.
+    assert _finish_and_pin("transfer", slice(None), defer=True) == _finish_and_pin("touch", slice(None), defer=True)
 
 
 def test_prefix_hit_tokens_sees_cached_prefix() -> None:

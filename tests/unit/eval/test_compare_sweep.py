@@ -438,3 +438,32 @@ def test_ablation_table_ratios_are_variant_over_mars_and_mars_over_variant_for_g
     text = render_summary(results.assign(run_id="r", gpu="g", is_baseline=False, rate_per_s=1.0, error="",
                                          wall_s=1.0, num_completed=1, num_sessions=1), {})
     assert "| mars-no-control-plane | external control plane | 1 | 2.50× |" in text
+
+
+def test_ideal_times_are_in_workload_order_whatever_order_the_chunks_finish(tmp_path, monkeypatch) -> None:
+    # Workers finish chunks in any order; the sweep's sums over the ideal times (the knee search's
+    # start rate) must round the same in every run, so the dict is in the workload's order, also
+    # when it comes from a cache written in another order.
+    workload = small_workload(9, 2)
+    order = [s.session_id for s in workload.sessions]
+    monkeypatch.setattr(compare, "_ideal_task",
+                        lambda chunk, *args: {s.session_id: 1.0 + 0.1 * order.index(s.session_id) for s in chunk.sessions})
+
+    class Backwards:
+        jobs = 2
+
+        def run(self, calls):
+            yield from reversed([(i, fn(*args)) for i, (fn, args) in enumerate(calls)])
+
+    setup = GpuSetup("g", object(), 64)
+    cache = ResultCache(tmp_path / "cache")
+    sweep = compare._Sweep(workload, CompareOptions(num_gpu_blocks=64), (setup,), tmp_path, None, None, None,
+                           ResultCache(None), {})
+    sweep._ideal_times(Backwards(), None)
+    assert list(sweep.ideal["g"]) == order and len(set(sweep.ideal["g"].values())) == len(order)
+    monkeypatch.setattr(compare._Sweep, "_key", lambda self, *args: "k")
+    cache.put("ideal", "k", dict(reversed(list(sweep.ideal["g"].items()))))
+    cached = compare._Sweep(workload, CompareOptions(num_gpu_blocks=64), (setup,), tmp_path, None, None, None,
+                            cache, {})
+    cached._ideal_times(Backwards(), None)
+    assert cached.ideal["g"] == sweep.ideal["g"] and list(cached.ideal["g"]) == order
