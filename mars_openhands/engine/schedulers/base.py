@@ -42,7 +42,6 @@ problem is logged naming the key; the gateway rejects the same input earlier wit
 from __future__ import annotations
 
 import logging
-import operator
 import time
 from collections import deque
 from collections.abc import Callable
@@ -84,7 +83,6 @@ logger = logging.getLogger(__name__)
 
 _RETAINABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 _GC_INTERVAL_S = 10.0
-_BLOCK_ID = operator.attrgetter("block_id")
 _RUN_MARGIN_S = 1e-6
 """A merged run ends this much before a timer tested as ``now - t0 >= interval`` (rounding of
 ``t0 + interval`` must not let a step past it)."""
@@ -796,7 +794,7 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         """Blocks of ``entry`` that ``request_id`` (the session's next turn, just allocated, or
         its finishing turn) holds (:meth:`RetainedKvPool.measure_reuse`). Mutates ``entry``."""
         return self.retained.measure_reuse(
-            entry, map(_BLOCK_ID, seams.request_blocks(self, request_id)))
+            entry, seams.request_blocks(self, request_id))
 
     def _expire_retained(self, now: float) -> None:
         """Release every retained entry past its expiry, within the step it expires in, unless

@@ -150,12 +150,12 @@ class RetainedKvPool(Mapping[str, RetainedKv]):
         return reused
 
     @staticmethod
-    def measure_reuse(entry: RetainedKv, request_block_ids: Iterable[int]) -> int:
-        """Blocks of ``entry`` among ``request_block_ids`` (the blocks the session's next turn
-        holds): what the retention actually gave it. Recorded in
+    def measure_reuse(entry: RetainedKv, request_blocks: Iterable[Any]) -> int:
+        """Blocks of ``entry`` among ``request_blocks`` (the KV blocks the session's next turn
+        holds, matched by ``block_id``): what the retention actually gave it. Recorded in
         ``entry.extra["num_reused_blocks"]`` for the release. O(blocks). Mutates ``entry``."""
         pinned = set(map(_BLOCK_ID, entry.blocks))
-        reused = sum(map(pinned.__contains__, request_block_ids))  # C-level: a whole context
+        reused = sum(map(pinned.__contains__, map(_BLOCK_ID, request_blocks)))  # C-level: a whole context
         entry.extra["num_reused_blocks"] = reused
         return reused
 

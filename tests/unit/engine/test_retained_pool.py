@@ -81,7 +81,7 @@ def test_reclaim_victim_lowest_value_per_block_then_latest_retained() -> None:
 def test_release_counters_and_reuse_measurement() -> None:
     pool = RetainedKvPool()
     measured = _entry("a", [1, 2, 3])
-    assert RetainedKvPool.measure_reuse(measured, [2, 3, 7]) == 2
+    assert RetainedKvPool.measure_reuse(measured, [_Block(b) for b in (2, 3, 7)]) == 2
     assert pool.record_release(measured, "resumed") == 2
     unmeasured = _entry("b", [4, 5])
     assert pool.record_release(unmeasured, "resumed") is None  # unknown, not a hit
