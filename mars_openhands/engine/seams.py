@@ -764,8 +764,15 @@ def pool_block_hash_keys(request: Request, num_groups: int = 1) -> dict[Any, int
     block whose key is here may serve its prefix hit up to that block). Pure."""
     from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
-    return {make_block_hash_with_group_id(h, g): i
-            for g in range(num_groups) for i, h in enumerate(request.block_hashes)}
+    hashes = request.block_hashes
+    keys: dict[Any, int] = {}
+    for g in range(num_groups):
+        suffix = _group_key_suffix(g)
+        if suffix is None:
+            keys.update({make_block_hash_with_group_id(h, g): i for i, h in enumerate(hashes)})
+        else:  # C-level passes (a whole context's blocks per waiting head)
+            keys.update(zip(map(operator.add, hashes, itertools.repeat(suffix, len(hashes))), range(len(hashes)), strict=True))
+    return keys
 
 
 def prefix_hit_tokens(sched: Scheduler, request: Request) -> int:

@@ -243,7 +243,11 @@ def test_free_queue_order_hash_keys_and_watched_prefix_cache() -> None:
     first = h.add(h.make_request(None, prompt, max_tokens=1))
     h.run_until_done()
     keys = seams.pool_block_hash_keys(first)
-    assert len(keys) == 4 and seams.pool_block_hash_key(first.block_hashes[0]) in keys
+    assert keys == {seams.pool_block_hash_key(h_, 0): i for i, h_ in enumerate(first.block_hashes)}
+    assert len(keys) == 4
+    two_groups = seams.pool_block_hash_keys(first, num_groups=2)  # each group's keys, same indices
+    assert two_groups == {**keys, **{seams.pool_block_hash_key(h_, 1): i for i, h_ in enumerate(first.block_hashes)}}
+    assert len(two_groups) == 8
     evicted = seams.next_evicted_blocks(h.scheduler, 40)
     assert len(evicted) == seams.num_free_blocks(h.scheduler)  # capped at the free blocks
     cached = [b for b in evicted if b.block_hash is not None]
