@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib
+import itertools
 import logging
 import operator
 import tempfile
@@ -374,9 +375,11 @@ class PrefixHitMemo:
         self._manager = sched.kv_cache_manager
         self._inner = self._manager.get_computed_blocks
         self._memo: dict[str, tuple[int, int, tuple[list[Any], ...], int, int, list[Any],
-                                    dict[Any, int]]] = {}
-        """request id -> (num_tokens, len(block_hashes), hit blocks, hit tokens, boundary, keys,
-        key -> its first index in the untruncated keys: ``keys.index`` in O(1))."""
+                                    dict[Any, int], int]] = {}
+        """request id -> (num_tokens, len(block_hashes), blocks, hit tokens, boundary, keys,
+        key -> its first index in the keys: ``keys.index`` in O(1), hit blocks ``h``). A cut
+        leaves the lists as they were: the hit is ``blocks[0][:h]``, the keys read ``keys[:h + 1]``
+        (a cut per evicted block, tail first, would copy O(context) each time)."""
         self._reader: dict[Any, str] = {}
         """pool key -> the request whose memo read it."""
         self._looked_up: dict[str, tuple[int, int, int]] = {}
@@ -392,9 +395,8 @@ class PrefixHitMemo:
         if rid is None:
             return
         memo = self._memo.get(rid)
-        keys = memo[5] if memo is not None else ()
-        hit = len(memo[2][0]) if memo is not None else 0
-        # The reader maps only keys still in this memo's (maybe truncated) keys to it.
+        hit = memo[7] if memo is not None else 0
+        # The reader maps only keys still in this memo's (maybe cut) keys to it.
         j = memo[6][key] if is_gone and memo is not None and memo[4] == 0 else hit
         if j >= hit:  # an insert, a duplicate left, or the missed key: the walk may go further
             del self._reader[key]
@@ -404,19 +406,17 @@ class PrefixHitMemo:
             return
         # Hit block j left the cache and no other block has its key: the walk now stops at j
         # (blocks 0..j-1 are untouched, or their own change would have come first).
-        for dropped in keys[j + 1:]:
+        for dropped in itertools.islice(memo[5], j + 1, hit + 1):
             if self._reader.get(dropped) == rid:
                 del self._reader[dropped]
-        truncated = (memo[2][0][:j],)
-        self._memo[rid] = (memo[0], memo[1], truncated, j * self._block_size, 0, keys[:j + 1],
-                           memo[6])
+        self._memo[rid] = (*memo[:3], j * self._block_size, 0, memo[5], memo[6], j)
 
     def forget(self, request_id: str) -> None:
         """Drop ``request_id``'s memo (a finished request). Mutates."""
         self._looked_up.pop(request_id, None)
         memo = self._memo.pop(request_id, None)
         if memo is not None:
-            for key in memo[5]:
+            for key in itertools.islice(memo[5], memo[7] + 1):
                 if self._reader.get(key) == request_id:
                     del self._reader[key]
 
@@ -448,7 +448,8 @@ class PrefixHitMemo:
         memo = self._valid_memo(request)
         if memo is not None:
             self.num_hits += 1
-            return (self._manager.create_kv_cache_blocks(tuple(list(g) for g in memo[2])),
+            hit = memo[7]
+            return (self._manager.create_kv_cache_blocks(tuple(g[:hit] for g in memo[2])),
                     memo[3], memo[4])
         rid = request.request_id
         state = (request.num_tokens, len(request.block_hashes))
@@ -471,7 +472,7 @@ class PrefixHitMemo:
         # key -> its first index (assigned last-to-first, so the first occurrence wins)
         positions = dict(zip(reversed(keys), range(len(keys) - 1, -1, -1), strict=True))
         self._memo[rid] = (request.num_tokens, len(request.block_hashes), groups, num_tokens,
-                           boundary, keys, positions)
+                           boundary, keys, positions, hit)
         self._reader.update(dict.fromkeys(keys, rid))
         return blocks, num_tokens, boundary
 

@@ -397,10 +397,13 @@ def all_blocks(sched: Scheduler) -> list[KVCacheBlock]:
 def next_evicted_blocks(sched: Scheduler, num_blocks: int) -> list[KVCacheBlock]:
     """The first ``num_blocks`` blocks of the free queue: the blocks the next allocations take (and
     evict from the prefix cache), in order (vLLM's ``get_new_blocks`` pops from the head). Pure."""
+    queue = block_pool(sched).free_block_queue
     out: list[KVCacheBlock] = []
-    block = block_pool(sched).free_block_queue.fake_free_list_head.next_free_block
-    while block is not None and block.block_id >= 0 and len(out) < num_blocks:
-        out.append(block)
+    append = out.append
+    block = queue.fake_free_list_head.next_free_block
+    # The queue holds num_free_blocks blocks before its fake tail: no end test per block.
+    for _ in range(max(0, min(num_blocks, queue.num_free_blocks))):
+        append(block)
         block = block.next_free_block
     return out
 
