@@ -1076,7 +1076,10 @@ class InprocEngine:
         head = s.waiting.peek_request()
         if any(r.session_id == head.session_id for r in s.running):
             return 1
-        first_hit = self._first_unsafe_eviction(head, seams.next_evicted_blocks(s, new_blocks(k)))
+        if self._is_head_rule_stock():
+            first_hit = self._first_unsafe_eviction(head, seams.next_evicted_blocks(s, new_blocks(k)))
+        else:  # the first block with one of the head's keys: one walk, no list
+            first_hit = seams.first_free_block_holding(s, new_blocks(k), self._pool_hash_keys(head))
         if first_hit is None:
             return k
         lo, hi = 1, k  # largest k' with new_blocks(k') <= first_hit (monotone in k')
@@ -1108,9 +1111,7 @@ class InprocEngine:
         keys = self._pool_hash_keys(head)
         s = self.scheduler
         pool = seams.block_pool(s)
-        stock = ((not self.is_plugin or s.head_blocked_like_stock())
-                 and len(s.kv_cache_config.kv_cache_groups) == 1
-                 and not pool.cached_block_hashes_by_block)
+        stock = self._is_head_rule_stock()
         hit = -1  # looked up at the first block of the head's
         copies: dict[Any, int] = {}
         # C-level passes: which evicted blocks hold one of the head's keys (None is no key).
@@ -1138,6 +1139,15 @@ class InprocEngine:
             if position != hit - 1:
                 return i
             hit -= 1
+
+    def _is_head_rule_stock(self) -> bool:
+        """Whether a blocked head stays blocked while a run evicts its hit from the end
+        (:meth:`_first_unsafe_eviction`'s stock rule); else any block with one of its keys is
+        unsafe. Pure."""
+        s = self.scheduler
+        return ((not self.is_plugin or s.head_blocked_like_stock())
+                and len(s.kv_cache_config.kv_cache_groups) == 1
+                and not seams.block_pool(s).cached_block_hashes_by_block)
 
     def _pool_hash_keys(self, request: Request) -> dict[Any, int]:
         """Memo of :func:`seams.pool_block_hash_keys` for a waiting request."""

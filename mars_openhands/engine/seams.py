@@ -91,6 +91,7 @@ __all__ = [
     "num_gpu_blocks",
     "prefix_hit_tokens",
     "free_pinned",
+    "first_free_block_holding",
     "next_evicted_blocks",
     "watch_prefix_cache",
     "install_fused_block_allocation",
@@ -406,6 +407,19 @@ def next_evicted_blocks(sched: Scheduler, num_blocks: int) -> list[KVCacheBlock]
         append(block)
         block = block.next_free_block
     return out
+
+
+def first_free_block_holding(sched: Scheduler, num_blocks: int, keys: Any) -> int | None:
+    """Index, among :func:`next_evicted_blocks` ``(sched, num_blocks)``, of the first block whose
+    prefix-cache key (``KVCacheBlock.block_hash``) is in ``keys``, or None. One walk that stops
+    there, without building the list. Pure."""
+    queue = block_pool(sched).free_block_queue
+    block = queue.fake_free_list_head.next_free_block
+    for i in range(max(0, min(num_blocks, queue.num_free_blocks))):
+        if block._block_hash in keys:
+            return i
+        block = block.next_free_block
+    return None
 
 
 class _WatchedBlockHashToBlockMap(BlockHashToBlockMap):

@@ -192,8 +192,17 @@ def test_blocked_run_may_evict_the_waiting_heads_hit_from_its_end_only(policy: s
         return cache.get_one_block(seams.pool_block_hash_key(head.block_hashes[i]))
 
     other = next(b for b in seams.next_evicted_blocks(engine.scheduler, 512) if b.block_hash is None)
+    assert engine._is_head_rule_stock() == like_stock
     if not like_stock:
         assert engine._first_unsafe_eviction(head, [other, block(hit - 1)]) == 1
+        # The run's one-walk check: the first of the queue's blocks holding a key of the head's.
+        queue = seams.next_evicted_blocks(engine.scheduler, 10 ** 6)
+        first = next(i for i, b in enumerate(queue) if b.block_hash in engine._pool_hash_keys(head))
+        assert first == engine._first_unsafe_eviction(head, queue)
+        keys = engine._pool_hash_keys(head)
+        assert seams.first_free_block_holding(engine.scheduler, len(queue), keys) == first
+        assert seams.first_free_block_holding(engine.scheduler, first, keys) is None  # stops short
+        assert seams.first_free_block_holding(engine.scheduler, first + 1, keys) == first
         return
     assert engine._first_unsafe_eviction(head, [block(hit - 1), other, block(hit - 2)]) is None
     assert engine._first_unsafe_eviction(head, [other, block(hit - 2)]) == 1
