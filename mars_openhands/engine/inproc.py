@@ -406,7 +406,7 @@ class PrefixHitMemo:
             return
         # Hit block j left the cache and no other block has its key: the walk now stops at j
         # (blocks 0..j-1 are untouched, or their own change would have come first).
-        for dropped in itertools.islice(memo[5], j + 1, hit + 1):
+        for dropped in memo[5][j + 1:hit + 1]:  # the keys read past j (islice would walk from 0)
             if self._reader.get(dropped) == rid:
                 del self._reader[dropped]
         self._memo[rid] = (*memo[:3], j * self._block_size, 0, memo[5], memo[6], j)
@@ -1112,24 +1112,22 @@ class InprocEngine:
         s = self.scheduler
         pool = seams.block_pool(s)
         stock = self._is_head_rule_stock()
-        hit = -1  # looked up at the first block of the head's
+        if not stock:  # C-level passes: the first evicted block holding a key of the head's
+            holds = list(map(keys.__contains__, map(_RAW_BLOCK_HASH, evicted)))
+            return holds.index(True) if True in holds else None
+        # C-level passes: each evicted block's position among the head's keys (none: past all).
+        past = 1 << 62  # beyond any hit (an int: ``int.__gt__`` below)
+        positions = list(map(keys.get, map(_RAW_BLOCK_HASH, evicted), itertools.repeat(past)))
+        if positions.count(past) == len(positions):
+            return None
+        hit = seams.prefix_hit_tokens(s, head) // self.params.block_size  # a block of the head's
         copies: dict[Any, int] = {}
-        # C-level passes: which evicted blocks hold one of the head's keys (None is no key).
-        holds = list(map(keys.__contains__, map(_RAW_BLOCK_HASH, evicted)))
-        i = -1
-        while True:
-            try:
-                i = holds.index(True, i + 1)
-            except ValueError:
-                return None
-            key = evicted[i]._block_hash
-            if not stock:
-                return i
-            if hit < 0:
-                hit = seams.prefix_hit_tokens(s, head) // self.params.block_size
-            position = keys[key]
+        # Blocks past the hit change nothing, and the hit only shrinks: only those inside it.
+        for i in itertools.compress(range(len(positions)), map(hit.__gt__, positions)):
+            position = positions[i]
             if position >= hit:
-                continue  # past the hit: the walk stopped before it
+                continue  # past the (shortened) hit: the walk stopped before it
+            key = evicted[i]._block_hash
             if key not in copies:
                 entry = pool.cached_block_hash_to_block._cache.get(key)
                 copies[key] = len(entry) if isinstance(entry, dict) else int(entry is not None)
@@ -1139,6 +1137,7 @@ class InprocEngine:
             if position != hit - 1:
                 return i
             hit -= 1
+        return None
 
     def _is_head_rule_stock(self) -> bool:
         """Whether a blocked head stays blocked while a run evicts its hit from the end

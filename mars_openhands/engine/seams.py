@@ -516,11 +516,13 @@ def install_fused_block_allocation(sched: Scheduler) -> bool:
             return original(num_blocks)
         if num_blocks > pool.get_num_free_blocks():
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+        cache = pool.cached_block_hash_to_block
+        inline = _inline_map(cache)
+        if inline is not None and not pool._reuse_watchers and num_blocks > 0:
+            return _pop_and_evict(pool.free_block_queue, num_blocks, cache, *inline)
         blocks = pool.free_block_queue.popleft_n(num_blocks)
         if pool._reuse_watchers:
             pool._notify_reuse(blocks)
-        cache = pool.cached_block_hash_to_block
-        inline = _inline_map(cache)
         if inline is None:
             for block in blocks:
                 key = block._block_hash
@@ -549,6 +551,40 @@ def install_fused_block_allocation(sched: Scheduler) -> bool:
     pool.cache_full_blocks = _fused_cache_full_blocks(pool, pool.cache_full_blocks)
     pool.touch, pool.free_blocks = _fused_touch_and_free(pool, pool.touch, pool.free_blocks)
     return True
+
+
+def _pop_and_evict(queue: Any, num_blocks: int, cache: Any, raw: dict[Any, Any], watched: Any,
+                   on_change: Any) -> list[KVCacheBlock]:
+    """``popleft_n`` and the eviction loop of :func:`install_fused_block_allocation`'s
+    ``get_new_blocks`` in one pass over the ``0 < num_blocks <= free`` blocks: each block is
+    unlinked, evicted from the prefix-cache map (``cache``; ``raw``, its entries; ``on_change`` for
+    ``watched`` keys, after the block's own pop, as before) and referenced, in queue order; the
+    fake head is linked to the next free block at the end (``on_change`` must not read the free
+    queue: :class:`PrefixHitMemo`'s does not). No reuse watchers. Mutates."""
+    queue.num_free_blocks -= num_blocks
+    head = queue.fake_free_list_head
+    block = head.next_free_block
+    blocks: list[KVCacheBlock] = []
+    append = blocks.append
+    for _ in range(num_blocks):
+        append(block)
+        following = block.next_free_block
+        block.prev_free_block = block.next_free_block = None
+        key = block._block_hash
+        if key is not None:
+            entry = raw.pop(key, None)
+            if entry is not block and entry is not None:  # shared key or another block: vLLM's pop
+                raw[key] = entry
+                BlockHashToBlockMap.pop(cache, key, block.block_id)
+            if key in watched:
+                on_change(key, key not in raw)
+            block._block_hash = None
+            block._block_hash_num_tokens = None
+        block.ref_cnt += 1
+        block = following
+    head.next_free_block = block  # the fake tail when the queue is now empty
+    block.prev_free_block = head
+    return blocks
 
 
 def _fused_touch_and_free(pool: Any, original_touch: Any, original_free: Any) -> tuple[Any, Any]:

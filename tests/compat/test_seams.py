@@ -379,6 +379,12 @@ def test_fused_block_allocation_leaves_the_pool_as_vllms_own(is_watched: bool, i
         taken = p.get_new_blocks(5)
         p.free_blocks(taken)
     assert pool_state(fused) == pool_state(plain)
+    taken = [p.get_new_blocks(p.get_num_free_blocks()) for p in (pool, theirs)]  # the queue emptied
+    assert [b.block_id for b in taken[0]] == [b.block_id for b in taken[1]]
+    assert pool_state(fused) == pool_state(plain) and pool.get_num_free_blocks() == 0
+    for p, blocks in zip((pool, theirs), taken, strict=True):
+        p.free_blocks(blocks)
+    assert pool_state(fused) == pool_state(plain)
 
 
 EOS = 7
