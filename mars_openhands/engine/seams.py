@@ -654,7 +654,7 @@ def _fused_cache_full_blocks(pool: Any, original: Any) -> Any:
         if num_cached_blocks >= num_full_blocks:
             return
         new_hashes = resolve_block_hashes(request.block_hashes, pool.hash_block_size,
-                                          block_size)[num_cached_blocks:]
+                                          block_size)[num_cached_blocks:num_full_blocks]
         cache = pool.cached_block_hash_to_block
         inline = _inline_map(cache)
         raw, watched, on_change = inline if inline is not None else (cache._cache, (), None)
