@@ -141,10 +141,46 @@ yet started (valid, but paired probes stopped no sooner: 25.7 / 17.2 / 24.6 s ag
 / 24.4 s; tools are ~27% of an ideal E2E), and vLLM's free queue as an ``OrderedDict`` (a
 touch-and-free cycle of 3,000 blocks took 0.40-0.60 us per block against the linked list's 0.31).
 
+Measured 2026-12-03 (fifth session), after profiling fcfs, vllm-tuned and mars-preview on the
+full workload (cProfile, tottime): a blocked run's check of the waiting head's prefix hit built
+the head's pool keys through ``make_block_hash_with_group_id`` per block (fcfs: 4.8 M calls, 7.4 of
+101 profiled s), listed the run's blocks with a ``len()`` per block (mars-preview: 45 M calls) and,
+under the stock rule, looped in Python over every evicted block of the head's past its hit
+(vllm-tuned: 600 us per call); the prefix-hit memo copied its blocks and keys at every evicted hit
+block (mars-preview: 2.9 M callbacks, 26 s); ``popleft_n`` and our eviction loop were two passes;
+``cache_full_blocks`` copied the request's remaining hashes for every chunk. Now: C-level key and
+position passes, one walk that stops at the first unsafe block, a memo cut that records its
+length, one pop-and-evict pass. Golden runs bit-identical. Side by side (old on one core, new on
+the other, at once; the cores differ by up to ~10%):
+
+=============  ============================  ================  =======
+policy         old                           old -> new CPU s  speedup
+=============  ============================  ================  =======
+fcfs           f2bfa39 (session start)       48.3 -> 43.5      1.11x
+vllm-tuned     f2bfa39 (session start)       115.3 -> 106.6    1.08x
+mars-preview   fd018b6 (first change only)   283.0 -> 256.1    1.11x
+=============  ============================  ================  =======
+
+Then every policy at 4c4a706, two benches at once (load ~2), quiet box:
+
+=============  ======  =======  ========  =========  ========
+policy         CPU s   sim/CPU  sched     steps      preempt
+=============  ======  =======  ========  =========  ========
+thunderagent   31.3    209x     24,525    550,483    14
+fcfs           42.8    186x     29,087    396,328    50
+infercept      51.0    156x     35,604    396,444    54
+mars           43.9    149x     21,948    545,752    0
+continuum      48.7    143x     36,630    397,797    42
+autellix       105.2   117x     76,508    487,472    2,051
+vllm-tuned     106.7   103x     61,971    431,371    11,394
+mars-preview   191.5    59x     194,355   469,545    2,784
+=============  ======  =======  ========  =========  ========
+
 Below 150x, and why: what is left is vLLM's own per-block work: past the knee every turn
 re-prefills its context (fcfs: 6.0 M blocks allocated, evicted from and inserted into the prefix
-cache per run; autellix 8.1 M), plus ``update_from_output``'s per-token handling; and the
-preview's single steps (above).
+cache per run; autellix 8.1 M), plus ``update_from_output``'s per-token handling; vllm-tuned's
+11,394 preemptions (each frees and later re-prefills a context in 512-token chunks); and the
+preview's single steps (above: 194 k ``schedule()`` calls).
 
 Prints one row per policy (simulated s, wall s, CPU s, simulated s per CPU s, ``schedule()``
 calls, engine steps, preemptions) and appends the rows to

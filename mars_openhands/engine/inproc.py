@@ -346,6 +346,8 @@ class StreamBlockHasher:
 _BLOCK_HASH = operator.attrgetter("block_hash")
 _RAW_BLOCK_HASH = operator.attrgetter("_block_hash")
 _MEMO_AT_LOOKUP = 2
+_HASH_KEY_SESSIONS = 32
+"""Sessions whose waiting heads' pool keys ``InprocEngine`` keeps (the least recent goes)."""
 """A request's lookup (in one state) at which :class:`PrefixHitMemo` builds its memo."""
 
 
@@ -561,9 +563,9 @@ class InprocEngine:
         """Tokens the probe step scheduled: its waiting queue saw the budget less these."""
         """The last probe (see :meth:`max_blocked_decode_run`) left every waiting request
         unscheduled, and nothing that could change that has happened since."""
-        self._hash_keys: dict[str, tuple[int, dict[Any, int]]] = {}
-        """request id -> (len(block_hashes), pool key of each full block -> its index): memo for
-        waiting ones."""
+        self._hash_keys: dict[str, tuple[int, Any, dict[Any, int]]] = {}
+        """session id -> (len(block_hashes), the last hash, pool key of each full block -> its
+        index) of its last waiting head looked at; the last ``_HASH_KEY_SESSIONS`` sessions."""
         self.num_steps = 0
         """``schedule()`` calls so far."""
         self.num_decode_substeps = 0
@@ -969,7 +971,6 @@ class InprocEngine:
     def _forget(self, request_id: str) -> None:
         self._planned.pop(request_id, None)
         self._requests.pop(request_id, None)
-        self._hash_keys.pop(request_id, None)
         self.hasher.forget(request_id)
         if self.prefix_memo is not None:
             self.prefix_memo.forget(request_id)
@@ -1149,13 +1150,28 @@ class InprocEngine:
                 and not seams.block_pool(s).cached_block_hashes_by_block)
 
     def _pool_hash_keys(self, request: Request) -> dict[Any, int]:
-        """Memo of :func:`seams.pool_block_hash_keys` for a waiting request."""
-        memo = self._hash_keys.get(request.request_id)
-        if memo is None or memo[0] != len(request.block_hashes):
+        """:func:`seams.pool_block_hash_keys` of a waiting request, memoized per session: a turn's
+        context extends the session's previous one, so its keys extend the memo's. Block hashes
+        are chained (each covers its whole prefix): the memo's ``m`` keys are the request's first
+        ``m`` when its hash ``m - 1`` equals the memo's last; otherwise the keys are rebuilt. The
+        returned dict is the memo's (callers read it). Mutates the memo."""
+        hashes = request.block_hashes
+        n = len(hashes)
+        sid = request.session_id or request.request_id
+        memo = self._hash_keys.pop(sid, None)  # re-inserted last: the most recent session
+        keys = None
+        if memo is not None and memo[0] <= n and (memo[0] == 0 or hashes[memo[0] - 1] == memo[1]):
+            keys = memo[2]
+            if memo[0] < n:
+                groups = len(self.scheduler.kv_cache_config.kv_cache_groups)
+                keys.update(seams.pool_block_hash_keys(request, groups, start=memo[0]))
+        if keys is None:
             groups = len(self.scheduler.kv_cache_config.kv_cache_groups)
-            memo = (len(request.block_hashes), seams.pool_block_hash_keys(request, groups))
-            self._hash_keys[request.request_id] = memo
-        return memo[1]
+            keys = seams.pool_block_hash_keys(request, groups)
+        self._hash_keys[sid] = (n, hashes[n - 1] if n else None, keys)
+        if len(self._hash_keys) > _HASH_KEY_SESSIONS:
+            del self._hash_keys[next(iter(self._hash_keys))]
+        return keys
 
     # ------------------------------------------------------------------ KV state
     def kv_block_counts(self) -> tuple[int, int, int]:

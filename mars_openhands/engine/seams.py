@@ -811,20 +811,22 @@ def pool_block_hash_key(block_hash: Any, group_id: int = 0) -> Any:
     return make_block_hash_with_group_id(block_hash, group_id)
 
 
-def pool_block_hash_keys(request: Request, num_groups: int = 1) -> dict[Any, int]:
+def pool_block_hash_keys(request: Request, num_groups: int = 1, start: int = 0) -> dict[Any, int]:
     """The pool-side keys (``KVCacheBlock.block_hash``: hash + group id) of ``request``'s full
-    blocks in KV cache groups ``0..num_groups-1``, each with its block's index in the request (a
-    block whose key is here may serve its prefix hit up to that block). Pure."""
+    blocks from index ``start`` on, in KV cache groups ``0..num_groups-1``, each with its block's
+    index in the request (a block whose key is here may serve its prefix hit up to that block).
+    Pure."""
     from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
-    hashes = request.block_hashes
+    hashes = request.block_hashes[start:] if start else request.block_hashes
+    indices = range(start, start + len(hashes))
     keys: dict[Any, int] = {}
     for g in range(num_groups):
         suffix = _group_key_suffix(g)
         if suffix is None:
-            keys.update({make_block_hash_with_group_id(h, g): i for i, h in enumerate(hashes)})
+            keys.update({make_block_hash_with_group_id(h, g): i for i, h in zip(indices, hashes, strict=True)})
         else:  # C-level passes (a whole context's blocks per waiting head)
-            keys.update(zip(map(operator.add, hashes, itertools.repeat(suffix, len(hashes))), range(len(hashes)), strict=True))
+            keys.update(zip(map(operator.add, hashes, itertools.repeat(suffix, len(hashes))), indices, strict=True))
     return keys
 
 

@@ -209,6 +209,37 @@ def test_blocked_run_may_evict_the_waiting_heads_hit_from_its_end_only(policy: s
     assert engine._first_unsafe_eviction(head, [block(hit - 1), block(0)]) == 1
 
 
+def test_waiting_heads_pool_keys_extend_per_session_and_rebuild_when_the_prefix_differs() -> None:
+    """A session's next turn extends its context: its pool keys extend the memo's (the same
+    dict). A request whose hashes do not extend the memo's (shorter, or another last hash)
+    gets its own keys. Every answer equals the keys built from scratch."""
+    import hashlib
+    from types import SimpleNamespace
+
+    from mars_openhands.engine import seams
+
+    def hashes(tag: str, n: int) -> list[bytes]:
+        return [hashlib.sha256(f"{tag}{i}".encode()).digest() for i in range(n)]
+
+    def request(rid: str, block_hashes: list[bytes], session: str = "s") -> SimpleNamespace:
+        return SimpleNamespace(request_id=rid, session_id=session, block_hashes=block_hashes)
+
+    engine = _engine()
+    first = request("s#0", hashes("a", 5))
+    keys = engine._pool_hash_keys(first)
+    assert keys == seams.pool_block_hash_keys(first) and len(keys) == 5
+    second = request("s#1", hashes("a", 9))  # the same 5 first hashes, 4 more
+    assert engine._pool_hash_keys(second) is keys  # extended in place
+    assert keys == seams.pool_block_hash_keys(second) and len(keys) == 9
+    shorter = request("s#2", hashes("a", 3))
+    assert engine._pool_hash_keys(shorter) == seams.pool_block_hash_keys(shorter)  # no key past 3
+    other = request("s#3", hashes("b", 3) + hashes("a", 9)[3:])  # same length as a prefix, other hashes
+    assert engine._pool_hash_keys(other) == seams.pool_block_hash_keys(other)
+    assert engine._pool_hash_keys(request("t#0", hashes("c", 2), session="t")) == \
+        seams.pool_block_hash_keys(request("t#0", hashes("c", 2), session="t"))
+    assert seams.pool_block_hash_keys(second, start=5) == {k: i for k, i in keys.items() if i >= 5}
+
+
 def test_prefix_memo_is_built_at_a_requests_second_lookup_and_a_peek_does_not_count() -> None:
     """Building and dropping a memo costs about two walks: a request looked up once (its KV was
     there) gets none, one looked up again in the same state does, and our schedulers' look at
