@@ -496,8 +496,10 @@ def install_fused_block_allocation(sched: Scheduler) -> bool:
     ``_remove_cached_block_hashes`` -> pop, ``reset_hash``), with the same effects in the same
     order; ``cache_full_blocks``, ``touch`` and ``free_blocks`` likewise
     (:func:`_fused_cache_full_blocks`, :func:`_fused_touch_and_free`). Past the KV knee
-    every turn re-prefills its context: millions of block allocations per run. Falls back to vLLM's method whenever a feature it would handle is on (metrics
-    collector, KV cache events, no prefix caching, blocks with extra hashes). Mutates the pool
+    every turn re-prefills its context: millions of block allocations per run. Falls back to
+    vLLM's method whenever a feature it would handle is on (metrics collector, KV cache events,
+    no prefix caching, blocks with extra hashes, reuse watchers of ``unpin_blocks``, another map
+    class). Mutates the pool
     (an instance attribute; the class is untouched).
 
     Returns:
@@ -511,41 +513,15 @@ def install_fused_block_allocation(sched: Scheduler) -> bool:
     original = pool.get_new_blocks
 
     def get_new_blocks(num_blocks: int) -> list[KVCacheBlock]:
+        cache = pool.cached_block_hash_to_block
+        inline = _inline_map(cache)
         if (pool.metrics_collector or pool.enable_kv_cache_events or not pool.enable_caching
-                or pool.cached_block_hashes_by_block):
+                or pool.cached_block_hashes_by_block or pool._reuse_watchers or inline is None
+                or num_blocks <= 0):
             return original(num_blocks)
         if num_blocks > pool.get_num_free_blocks():
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
-        cache = pool.cached_block_hash_to_block
-        inline = _inline_map(cache)
-        if inline is not None and not pool._reuse_watchers and num_blocks > 0:
-            return _pop_and_evict(pool.free_block_queue, num_blocks, cache, *inline)
-        blocks = pool.free_block_queue.popleft_n(num_blocks)
-        if pool._reuse_watchers:
-            pool._notify_reuse(blocks)
-        if inline is None:
-            for block in blocks:
-                key = block._block_hash
-                if key is not None:
-                    cache.pop(key, block.block_id)
-                    block._block_hash = None
-                    block._block_hash_num_tokens = None
-                block.ref_cnt += 1
-            return blocks
-        raw, watched, on_change = inline
-        for block in blocks:
-            key = block._block_hash
-            if key is not None:
-                entry = raw.pop(key, None)
-                if entry is not block and entry is not None:  # shared key or another block: vLLM's pop
-                    raw[key] = entry
-                    BlockHashToBlockMap.pop(cache, key, block.block_id)
-                if key in watched:
-                    on_change(key, key not in raw)
-                block._block_hash = None
-                block._block_hash_num_tokens = None
-            block.ref_cnt += 1
-        return blocks
+        return _pop_and_evict(pool.free_block_queue, num_blocks, cache, *inline)
 
     pool.get_new_blocks = get_new_blocks
     pool.cache_full_blocks = _fused_cache_full_blocks(pool, pool.cache_full_blocks)
