@@ -346,9 +346,9 @@ class StreamBlockHasher:
 _BLOCK_HASH = operator.attrgetter("block_hash")
 _RAW_BLOCK_HASH = operator.attrgetter("_block_hash")
 _MEMO_AT_LOOKUP = 2
+"""A request's lookup (in one state) at which :class:`PrefixHitMemo` builds its memo."""
 _HASH_KEY_SESSIONS = 32
 """Sessions whose waiting heads' pool keys ``InprocEngine`` keeps (the least recent goes)."""
-"""A request's lookup (in one state) at which :class:`PrefixHitMemo` builds its memo."""
 
 
 class PrefixHitMemo:

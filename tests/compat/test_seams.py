@@ -347,6 +347,13 @@ def test_fused_block_allocation_leaves_the_pool_as_vllms_own(is_watched: bool, i
         free = [b.block_id for b in seams.next_evicted_blocks(h.scheduler, len(pool.blocks))]
         cached = {k: sorted(v) if isinstance(v, dict) else v.block_id
                   for k, v in pool.cached_block_hash_to_block._cache.items()}
+        queue = pool.free_block_queue  # the links both ways (next_evicted_blocks only counts forward)
+        backward, block = [], queue.fake_free_list_tail.prev_free_block
+        while block is not queue.fake_free_list_head:
+            backward.append(block.block_id)
+            block = block.prev_free_block
+        assert backward[::-1] == free and queue.fake_free_list_head.next_free_block.prev_free_block is \
+            queue.fake_free_list_head
         return blocks, free, cached, pool.get_num_free_blocks()
 
     plain, fused = (Harness(Scheduler, num_blocks=24, enable_prefix_caching=is_caching) for _ in range(2))

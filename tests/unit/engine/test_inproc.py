@@ -240,6 +240,47 @@ def test_waiting_heads_pool_keys_extend_per_session_and_rebuild_when_the_prefix_
     assert seams.pool_block_hash_keys(second, start=5) == {k: i for k, i in keys.items() if i >= 5}
 
 
+def test_prefix_memo_cut_block_by_block_answers_as_vllms_walk_and_forgets_cleanly() -> None:
+    """The waiting request's hit blocks leave the cache from the end, one allocation at a time
+    (vLLM frees a finished request's blocks tail first): after every cut the memo answers as
+    vLLM's own walk, and only the keys it still reads (hit + the missed one) map to it."""
+    from mars_openhands.engine import seams
+
+    eng = InprocEngine("fcfs", InprocEngineParams(num_gpu_blocks=64, max_model_len=8192),
+                       memoize_prefix_hits=True)
+    memo = eng.prefix_memo
+    assert memo is not None
+    st = eng.stream("s")
+    _add_turn(eng, st, "s#0", 20 * BS, 4)
+    _drain(eng)
+    _add_turn(eng, st, "s#1", 3 * BS, 4)
+    request = eng.scheduler.waiting.peek_request()
+    lookup = eng.scheduler.kv_cache_manager.get_computed_blocks
+    lookup(request)
+    lookup(request)  # the second lookup builds the memo
+    hit = lookup(request)[1] // BS
+    assert hit >= 20 and memo.num_hits == 1
+    pool = seams.block_pool(eng.scheduler)
+    cuts = memo_cuts = 0
+    while hit > 0:
+        pool.get_new_blocks(1)  # evicts the free queue's head
+        answer, walk = lookup(request), memo._inner(request)
+        assert [b.block_id for b in answer[0].blocks[0]] == [b.block_id for b in walk[0].blocks[0]]
+        assert answer[1:] == walk[1:]
+        if answer[1] // BS < hit:
+            cuts += 1
+            hit = answer[1] // BS
+            entry = memo._memo.get("s#1")
+            if entry is not None:
+                memo_cuts += 1
+                read = {k for k, rid in memo._reader.items() if rid == "s#1"}
+                assert entry[7] == hit and read == set(entry[5][:hit + 1])
+    assert cuts >= 2 and memo_cuts >= 2  # the memo was cut, not only dropped
+    memo.forget("s#1")
+    assert "s#1" not in memo._reader.values() and "s#1" not in memo._memo
+    eng.shutdown()
+
+
 def test_prefix_memo_is_built_at_a_requests_second_lookup_and_a_peek_does_not_count() -> None:
     """Building and dropping a memo costs about two walks: a request looked up once (its KV was
     there) gets none, one looked up again in the same state does, and our schedulers' look at
