@@ -240,13 +240,10 @@ def test_waiting_heads_pool_keys_extend_per_session_and_rebuild_when_the_prefix_
     assert seams.pool_block_hash_keys(second, start=5) == {k: i for k, i in keys.items() if i >= 5}
 
 
-def test_prefix_memo_cut_block_by_block_answers_as_vllms_walk_and_forgets_cleanly() -> None:
-    """The waiting request's hit blocks leave the cache from the end, one allocation at a time
-    (vLLM frees a finished request's blocks tail first): after every cut the memo answers as
-    vLLM's own walk, and only the keys it still reads (hit + the missed one) map to it."""
-    from mars_openhands.engine import seams
-
-    eng = InprocEngine("fcfs", InprocEngineParams(num_gpu_blocks=64, max_model_len=8192),
+def _memo_engine_with_waiting_turn(num_gpu_blocks: int) -> tuple[InprocEngine, object, Request, object]:
+    """An fcfs engine with the prefix-hit memo, session "s" after a 20-block turn, and its next
+    turn "s#1" waiting: (engine, memo, that request, the manager's lookup)."""
+    eng = InprocEngine("fcfs", InprocEngineParams(num_gpu_blocks=num_gpu_blocks, max_model_len=8192),
                        memoize_prefix_hits=True)
     memo = eng.prefix_memo
     assert memo is not None
@@ -254,8 +251,16 @@ def test_prefix_memo_cut_block_by_block_answers_as_vllms_walk_and_forgets_cleanl
     _add_turn(eng, st, "s#0", 20 * BS, 4)
     _drain(eng)
     _add_turn(eng, st, "s#1", 3 * BS, 4)
-    request = eng.scheduler.waiting.peek_request()
-    lookup = eng.scheduler.kv_cache_manager.get_computed_blocks
+    return eng, memo, eng.scheduler.waiting.peek_request(), eng.scheduler.kv_cache_manager.get_computed_blocks
+
+
+def test_prefix_memo_cut_block_by_block_answers_as_vllms_walk_and_forgets_cleanly() -> None:
+    """The waiting request's hit blocks leave the cache from the end, one allocation at a time
+    (vLLM frees a finished request's blocks tail first): after every cut the memo answers as
+    vLLM's own walk, and only the keys it still reads (hit + the missed one) map to it."""
+    from mars_openhands.engine import seams
+
+    eng, memo, request, lookup = _memo_engine_with_waiting_turn(num_gpu_blocks=64)
     lookup(request)
     lookup(request)  # the second lookup builds the memo
     hit = lookup(request)[1] // BS
@@ -287,16 +292,7 @@ def test_prefix_memo_is_built_at_a_requests_second_lookup_and_a_peek_does_not_co
     arrival (``seams.prefix_hit_tokens``) neither counts nor changes what a lookup returns."""
     from mars_openhands.engine import seams
 
-    eng = InprocEngine("fcfs", InprocEngineParams(num_gpu_blocks=256, max_model_len=8192),
-                       memoize_prefix_hits=True)
-    memo = eng.prefix_memo
-    assert memo is not None
-    st = eng.stream("s")
-    _add_turn(eng, st, "s#0", 20 * BS, 4)
-    _drain(eng)
-    _add_turn(eng, st, "s#1", 3 * BS, 4)
-    request = eng.scheduler.waiting.peek_request()
-    lookup = eng.scheduler.kv_cache_manager.get_computed_blocks
+    eng, memo, request, lookup = _memo_engine_with_waiting_turn(num_gpu_blocks=256)
     hit_tokens = seams.prefix_hit_tokens(eng.scheduler, request)
     assert hit_tokens >= 20 * BS and "s#1" not in memo._memo  # a peek walks, builds nothing
     first = lookup(request)
