@@ -635,27 +635,36 @@ class Simulator:
         each step's shape as the single step would record it), and the run ends before the
         first event that can change the engine's input (see :meth:`_run_bound_s`).
         """
+        times: list[float] = []  # end of each single step, as the chain of additions makes it
+
+        def within(k_max: int) -> int:  # steps that end by the bound (an event; our schedulers' own)
+            bound_s = self._run_bound_s()
+            until = getattr(self.engine.scheduler, "blocked_run_until_s", None)
+            if hide and until is not None:  # our schedulers' own next decision time
+                bound_s = min(bound_s, until(self.now_s))
+            max_step = getattr(self.engine.scheduler, "prefill_run_max_step_s", None)
+            max_step_s = max_step() if hide and max_step is not None else math.inf
+            times.clear()
+            t_s = self.now_s
+            for prefill, decode in self.engine.prefill_run_shapes(k_max):
+                t_next = t_s + self.timer.step_time_s(prefill, decode)
+                if t_next > bound_s or t_next - t_s >= max_step_s:
+                    break
+                times.append(t_next)
+                t_s = t_next
+            return len(times)
+
         hide = False
-        k_max = self.engine.max_prefill_run(self.config.coalesce_max_steps)
-        if k_max <= 1:
+        k = self.engine.max_prefill_run(self.config.coalesce_max_steps)
+        if k > 1:
+            k = within(k)
+        else:
             hide = True
-            k_max = self.engine.max_blocked_prefill_run(self.config.coalesce_max_steps)
-        if k_max <= 1:
+            k = self.engine.max_blocked_prefill_run(self.config.coalesce_max_steps, within)
+        if k <= 1:
             return None
-        bound_s = self._run_bound_s()
-        until = getattr(self.engine.scheduler, "blocked_run_until_s", None)
-        if hide and until is not None:  # our schedulers' own next decision time
-            bound_s = min(bound_s, until(self.now_s))
-        max_step = getattr(self.engine.scheduler, "prefill_run_max_step_s", None)
-        max_step_s = max_step() if hide and max_step is not None else math.inf
-        t_s, k, last_start_s = self.now_s, 0, self.now_s
-        for prefill, decode in self.engine.prefill_run_shapes(k_max):
-            t_next = t_s + self.timer.step_time_s(prefill, decode)
-            if t_next > bound_s or t_next - t_s >= max_step_s:
-                break
-            last_start_s, t_s, k = t_s, t_next, k + 1
-        self._run_last_step_s = last_start_s  # the per-step clocks the run's last step sets
-        return (k, t_s, "blocked-prefill" if hide else "prefill") if k > 1 else None
+        self._run_last_step_s = times[k - 2]  # the per-step clocks the run's last step sets
+        return k, times[k - 1], "blocked-prefill" if hide else "prefill"
 
     def _blocked_run(self) -> tuple[int, float, str] | None:
         """A run of ``k`` pure-decode steps while requests wait for KV, as one ``schedule()``
@@ -666,25 +675,32 @@ class Simulator:
         the first event that can change the engine's input (arrival, tool end; with the
         admission window on, every tick; for our schedulers, their own next decision time).
         """
-        k_max = self.engine.max_blocked_decode_run(self.config.coalesce_max_steps)
-        if k_max <= 1:
+        times: list[float] = []  # end of each single step
+
+        def within(k_max: int) -> int:  # steps that end by the bound
+            bound_s = self._run_bound_s()
+            until = getattr(self.engine.scheduler, "blocked_run_until_s", None)
+            if until is not None:
+                bound_s = min(bound_s, until(self.now_s))
+            contexts = [r.num_computed_tokens + 1 for r in self.engine.scheduler.running]
+            by_shape = getattr(self.timer, "decode_step_time_s", None)  # same value, no list per step
+            num_decode, total = len(contexts), sum(contexts)
+            times.clear()
+            t_s, k = self.now_s, 0
+            while k < k_max:
+                t_next = t_s + (by_shape(num_decode, total + k * num_decode) if by_shape is not None
+                                else self.timer.step_time_s((), [c + k for c in contexts]))
+                if t_next > bound_s:
+                    break
+                times.append(t_next)
+                t_s, k = t_next, k + 1
+            return k
+
+        k = self.engine.max_blocked_decode_run(self.config.coalesce_max_steps, within)
+        if k <= 1:
             return None
-        bound_s = self._run_bound_s()
-        until = getattr(self.engine.scheduler, "blocked_run_until_s", None)
-        if until is not None:
-            bound_s = min(bound_s, until(self.now_s))
-        contexts = [r.num_computed_tokens + 1 for r in self.engine.scheduler.running]
-        by_shape = getattr(self.timer, "decode_step_time_s", None)  # same value, no list per step
-        num_decode, total = len(contexts), sum(contexts)
-        t_s, k, last_start_s = self.now_s, 0, self.now_s
-        while k < k_max:
-            t_next = t_s + (by_shape(num_decode, total + k * num_decode) if by_shape is not None
-                            else self.timer.step_time_s((), [c + k for c in contexts]))
-            if t_next > bound_s:
-                break
-            last_start_s, t_s, k = t_s, t_next, k + 1
-        self._run_last_step_s = last_start_s  # the per-step clocks the run's last step sets
-        return (k, t_s, "blocked") if k > 1 else None
+        self._run_last_step_s = times[k - 2]  # the per-step clocks the run's last step sets
+        return k, times[k - 1], "blocked"
 
     def _step_time_s(self, record: EngineStepRecord) -> float:
         """Modelled seconds of the step; a coalesced step of ``k`` tokens counts ``k`` steps."""

@@ -807,7 +807,7 @@ class InprocEngine:
             return 1
         return self._prefill_run_len(limit, self._run_steps())
 
-    def max_blocked_prefill_run(self, limit: int) -> int:
+    def max_blocked_prefill_run(self, limit: int, within: Callable[[int], int] | None = None) -> int:
         """:meth:`max_prefill_run` while requests wait for KV: largest ``k <= limit`` for which
         one ``schedule()`` with the waiting queue hidden and the budget scaled by ``k`` equals
         ``k`` single steps, else 1. Pure.
@@ -823,7 +823,8 @@ class InprocEngine:
         every step), its own per-step decisions are bounded as in a blocked decode run
         (``blocked_run_is_safe``, ``blocked_run_max_tokens`` with the step's tokens, and the
         simulator's ``blocked_run_until_s``), no decode finishes inside the run, and the chunk
-        hook scales each chunk by ``k`` (``run_num_steps``).
+        hook scales each chunk by ``k`` (``run_num_steps``). ``within``: as in
+        :meth:`max_blocked_decode_run`.
         """
         s = self.scheduler
         if (limit <= 1 or not self._is_waiting_blocked or not s.waiting or s.kv_holding_waiting
@@ -837,8 +838,10 @@ class InprocEngine:
             return 1
         if self.is_plugin:
             k = s.blocked_run_max_tokens(k, step_tokens=self._probe_num_tokens)
-            if k <= 1:
-                return 1
+        if within is not None and k > 1:
+            k = within(k)
+        if k <= 1:
+            return 1
         return self._keep_head_hit(k, lambda k_: self._prefill_run_new_blocks(k_, steps))
 
     @staticmethod
@@ -1025,7 +1028,7 @@ class InprocEngine:
         return sum(-(-(r.num_computed_tokens + k) // bs) - -(-r.num_computed_tokens // bs)
                    for r in self.scheduler.running)
 
-    def max_blocked_decode_run(self, limit: int) -> int:
+    def max_blocked_decode_run(self, limit: int, within: Callable[[int], int] | None = None) -> int:
         """Largest ``k <= limit`` for which one ``schedule()`` with the waiting queue hidden
         (:meth:`schedule` ``hide_waiting=True``) equals ``k`` single steps. Pure.
 
@@ -1062,26 +1065,51 @@ class InprocEngine:
         k = self._steady_decode_run(limit, keep_last=self.is_plugin)
         if self.is_plugin and k > 1:
             k = s.blocked_run_max_tokens(k)
+        if within is not None and k > 1:
+            k = within(k)
         if k <= 1:
             return 1
         return self._keep_head_hit(k, self._run_new_blocks)
 
     def _keep_head_hit(self, k: int, new_blocks: Callable[[int], int]) -> int:
         """Largest ``k' <= k`` whose run (taking ``new_blocks(k')`` blocks off the free queue)
-        leaves the waiting head's prefix hit as it is, or 1. Pure.
+        leaves the waiting head blocked, or 1. Pure.
 
-        vLLM stops at the first waiting request it cannot allocate: only the head is asked. Its
-        hit stays while the run evicts none of its blocks and no running request of its session
-        caches one (sessions' streams never share a block)."""
+        vLLM stops at the first waiting request it cannot allocate: only the head is asked. No
+        running request of its session may cache one of its blocks (sessions' streams never
+        share a block). Which evictions keep it blocked:
+
+        * with vLLM's full-sequence gate (``scheduler_reserve_full_isl``, vLLM's default) any:
+          a waiting request is admitted only if its whole context fits, ``R = blocks(context) -
+          hit + evictable hit (+ 1 for a hit ending inside a block) <= F`` (its chunk's own
+          check needs no more). ``hit - evictable`` are the hit blocks in use (ref count > 0),
+          which no eviction touches: evicting a hit block from the free queue takes it off the
+          hit and off the evictable hits (a cut inside the hit takes the blocks after it off
+          both, and may drop in-use ones: ``R`` grows), so ``R`` stays (or loses the partial
+          block with the eviction that cut it) while ``F`` loses every block the run takes::
+
+              R = blocks(context) - (hit blocks in use) [+ 1]    F - taken
+        * without the gate its chunk decides. Stock rule (:meth:`_is_head_rule_stock`):
+          evictions from the end of its hit (:meth:`_first_unsafe_eviction`). Otherwise none of
+          its blocks, and a scheduler that shrinks chunks to fit also keeps the free blocks at or
+          above the most its chunk can need (:meth:`_unshrunk_free_floor`), so the chunk it was
+          refused stays what it is (without that floor a chunk halved to the fewer free blocks
+          fits: ``test_blocked_run_ends_before_the_step_that_admits_the_head``)."""
         s = self.scheduler
         head = s.waiting.peek_request()
         if any(r.session_id == head.session_id for r in s.running):
             return 1
+        if getattr(s, "scheduler_reserve_full_isl", False):
+            return k  # vLLM's full-sequence gate: no eviction lets the head in (docstring)
+        num_taken = new_blocks(k)
         if self._is_head_rule_stock():
-            first_hit = self._first_unsafe_eviction(head, seams.next_evicted_blocks(s, new_blocks(k)))
+            first_hit = self._first_unsafe_eviction(head, seams.next_evicted_blocks(s, num_taken))
         else:  # the first block with one of the head's keys: one walk, no list
-            first_hit = seams.first_free_block_holding(s, new_blocks(k), self._pool_hash_keys(head))
-        if first_hit is None:
+            first_hit = seams.first_free_block_holding(s, num_taken, self._pool_hash_keys(head))
+            if getattr(s, "chunk_shrinking", False):
+                floor = max(0, seams.num_free_blocks(s) - self._unshrunk_free_floor())
+                first_hit = floor if first_hit is None else min(first_hit, floor)
+        if first_hit is None or num_taken <= first_hit:
             return k
         lo, hi = 1, k  # largest k' with new_blocks(k') <= first_hit (monotone in k')
         while lo < hi:
@@ -1092,13 +1120,24 @@ class InprocEngine:
                 hi = mid - 1
         return lo
 
+    def _unshrunk_free_floor(self) -> int:
+        """Free blocks below which a waiting head's chunk may be shrunk further in a step of the
+        run: the most new blocks a chunk of the step's leftover token budget can take, plus the
+        watermark. Pure.
+
+        Shrinking halves a chunk until its new blocks fit in the free blocks (minus the
+        watermark): while those stay at or above the unshrunk chunk's blocks the chunk is the
+        one the probe step was refused, which fewer free blocks still refuse."""
+        s = self.scheduler
+        budget = max(0, seams.max_num_scheduled_tokens(s) - self._probe_num_tokens)
+        return -(-budget // self.params.block_size) + 1 + s.kv_cache_manager.watermark_blocks
+
     def _first_unsafe_eviction(self, head: Request, evicted: Sequence[Any]) -> int | None:
         """Index of the first of ``evicted`` (the blocks a run takes, in order) whose eviction
-        may let the blocked waiting ``head`` in, or None. Pure.
+        may let the blocked waiting ``head`` in, or None, for a head whose chunk does not depend
+        on its hit or the free blocks (:meth:`_is_head_rule_stock`), without vLLM's full-sequence
+        gate (:meth:`_keep_head_hit`). Pure.
 
-        Our schedulers: the first block holding one of the head's keys, unless the scheduler's
-        ``head_blocked_like_stock()``. Stock vLLM: a block evicted from the *end* of the head's
-        prefix hit keeps it blocked, so the walk goes on.
         vLLM needs ``R = blocks(hit + chunk) - hit + evictable hit blocks`` free blocks; losing
         the last hit block takes one off ``R`` (or none, when the chunk is the prompt's rest and
         grows by a block), while the run took that block (and maybe more) off the free ones: the
@@ -1112,10 +1151,6 @@ class InprocEngine:
         keys = self._pool_hash_keys(head)
         s = self.scheduler
         pool = seams.block_pool(s)
-        stock = self._is_head_rule_stock()
-        if not stock:  # C-level passes: the first evicted block holding a key of the head's
-            holds = list(map(keys.__contains__, map(_RAW_BLOCK_HASH, evicted)))
-            return holds.index(True) if True in holds else None
         # C-level passes: each evicted block's position among the head's keys (none: past all).
         past = 1 << 62  # beyond any hit (an int: ``int.__gt__`` below)
         positions = list(map(keys.get, map(_RAW_BLOCK_HASH, evicted), itertools.repeat(past)))

@@ -194,11 +194,9 @@ def test_blocked_run_may_evict_the_waiting_heads_hit_from_its_end_only(policy: s
     other = next(b for b in seams.next_evicted_blocks(engine.scheduler, 512) if b.block_hash is None)
     assert engine._is_head_rule_stock() == like_stock
     if not like_stock:
-        assert engine._first_unsafe_eviction(head, [other, block(hit - 1)]) == 1
         # The run's one-walk check: the first of the queue's blocks holding a key of the head's.
         queue = seams.next_evicted_blocks(engine.scheduler, 10 ** 6)
         first = next(i for i, b in enumerate(queue) if b.block_hash in engine._pool_hash_keys(head))
-        assert first == engine._first_unsafe_eviction(head, queue)
         keys = engine._pool_hash_keys(head)
         assert seams.first_free_block_holding(engine.scheduler, len(queue), keys) == first
         assert seams.first_free_block_holding(engine.scheduler, first, keys) is None  # stops short
@@ -207,6 +205,53 @@ def test_blocked_run_may_evict_the_waiting_heads_hit_from_its_end_only(policy: s
     assert engine._first_unsafe_eviction(head, [block(hit - 1), other, block(hit - 2)]) is None
     assert engine._first_unsafe_eviction(head, [other, block(hit - 2)]) == 1
     assert engine._first_unsafe_eviction(head, [block(hit - 1), block(0)]) == 1
+
+
+def _preview_head_blocked_by_its_chunk() -> InprocEngine:
+    """The preview (chunks shrunk to fit) with ``a#1`` blocked at the head: its 3-block hit and a
+    304-token chunk (19 new blocks) need 22 of the 20 free blocks, while ``b#0`` decodes 400
+    tokens and takes a block every 16. With 2 free blocks fewer the chunk halves (10 blocks)
+    and fits; its whole context (22 blocks) does not."""
+    engine = InprocEngine("MarsPreviewScheduler", InprocEngineParams(num_gpu_blocks=64, max_model_len=4096),
+                          memoize_prefix_hits=True, clock=lambda: 0.0)
+    a, b = engine.stream("a"), engine.stream("b")
+    _add_turn(engine, a, "a#0", 50, 2)
+    _drain(engine)
+    _add_turn(engine, b, "b#0", 670, 400)
+    for _ in range(6):  # b's prefill (256-token chunks at the preview's last level) and a decode
+        engine.step()
+    _add_turn(engine, a, "a#1", 300, 5)
+    engine.step()  # the probe: a#1 asked and refused
+    return engine
+
+
+@pytest.mark.parametrize("full_sequence_gate", [True, False])
+def test_blocked_run_ends_before_the_step_that_admits_the_head(full_sequence_gate: bool) -> None:
+    """vLLM's full-sequence gate (``scheduler_reserve_full_isl``, its default) admits a waiting
+    request only when its whole context fits: a run may take any free blocks, and every single
+    step of it leaves the head waiting. Without the gate the head's chunk decides, and a chunk
+    shrunk to the fewer free blocks lets it in: the run must end before that step."""
+    from mars_openhands.engine import seams
+
+    engine = _preview_head_blocked_by_its_chunk()
+    s = engine.scheduler
+    if not full_sequence_gate:
+        s.scheduler_reserve_full_isl = False
+        engine.step()  # a new probe under the chunk's check
+    head = s.waiting.peek_request()
+    assert head.request_id == "a#1" and engine._is_waiting_blocked
+    assert seams.prefix_hit_tokens(s, head) == 3 * BS and seams.num_free_blocks(s) == 20
+    k = engine.max_blocked_decode_run(1000)
+    admitted_at = None
+    for i in range(1, 200):  # single steps: when is a#1 first scheduled?
+        if "a#1" in engine.step().num_scheduled_tokens:
+            admitted_at = i
+            break
+    if full_sequence_gate:
+        assert admitted_at is None and k >= 100, (admitted_at, k)  # past 6 blocks taken
+    else:
+        assert admitted_at is not None and seams.num_free_blocks(s) < 20
+        assert 1 <= k < admitted_at, (k, admitted_at)
 
 
 def test_waiting_heads_pool_keys_extend_per_session_and_rebuild_when_the_prefix_differs() -> None:
