@@ -74,6 +74,7 @@ kinds from what it observes. ``engine_step`` snapshots are emitted by the simula
 
 from __future__ import annotations
 
+import bisect
 import gc
 import heapq
 import math
@@ -91,6 +92,7 @@ from eval.workloads.format import Session, Workload
 from mars_openhands.control.config import GatewayConfig, ReplicaConfig
 from mars_openhands.control.plane import ControlPlane
 from mars_openhands.control.sessions import Session as GatewaySession
+from mars_openhands.engine import seams
 from mars_openhands.engine.inproc import (
     EngineStepRecord,
     InprocEngine,
@@ -407,6 +409,10 @@ class Simulator:
         self._run_last_step_s: float | None = None
         """Start of the last single step of the blocked run being planned (its per-step clocks)."""
         self._in_step = False
+        self._run_kv: tuple[list[float], int, list[tuple[int, int, int]]] | None = None
+        """A merged run that spans admission ticks: its single steps' end times, the used KV
+        blocks before it and each running request's (computed tokens, tokens per step, blocks
+        held), from which a tick inside it reads the KV its single steps would have left."""
         self._num_open = 0
         self._next_tick_s = 0.0
         self._quiet_ticks = 0
@@ -588,6 +594,10 @@ class Simulator:
         while self._next_event_s() < t_end:
             self._handle_next_event()
         self._in_step = False
+        if self._run_kv is not None:
+            assert self._kv_used_after(record.num_decode_tokens) == self.engine.kv_block_counts()[2], \
+                "a merged run's KV differs from its single steps'"
+            self._run_kv = None
         self.now_s = t_end
         self.engine.update(record)
         self._on_outputs(record)
@@ -619,11 +629,41 @@ class Simulator:
 
     def _run_bound_s(self) -> float:
         """Time by which an exact merged run must have ended: the next event that can change the
-        engine's input, and with the admission window on every tick (its KV report)."""
-        bound_s = self._next_hard_event_s()
-        if self.config.is_admission_enabled:
-            bound_s = min(bound_s, self._next_tick_s)
-        return bound_s
+        engine's input (:meth:`_next_hard_event_s`: a tick only while a session waits for
+        admission; a tick inside the run reads the KV its single steps would have left,
+        :meth:`_note_run_kv`)."""
+        return self._next_hard_event_s()
+
+    def _note_run_kv(self, times: list[float], steps: Sequence[int]) -> None:
+        """Before a merged run's ``schedule()``: if an admission tick falls inside it, keep what
+        :meth:`_kv_used_after` needs (``times``: its single steps' end times; ``steps``: tokens
+        per step of each running request, in the running order)."""
+        if not self.config.is_admission_enabled or times[-1] <= self._next_tick_s:
+            return
+        engine = self.engine
+        s = engine.scheduler
+        self._run_kv = (times, engine.kv_block_counts()[2], [
+            (r.num_computed_tokens, n, seams.num_block_table_entries(s, r.request_id))
+            for r, n in zip(s.running, steps, strict=True)])
+
+    def _kv_used_after(self, num_steps: int) -> int:
+        """Used KV blocks after the first ``num_steps`` single steps of the merged run
+        (:attr:`_run_kv`): a run frees nothing, and each request holds the blocks of its computed
+        tokens plus this step's. Pure."""
+        assert self._run_kv is not None
+        _, used, requests = self._run_kv
+        bs = self.config.engine.block_size
+        return used + sum(max(0, -(-(c + num_steps * n) // bs) - held) for c, n, held in requests)
+
+    def _kv_used_blocks(self) -> int:
+        """Used KV blocks as the engine would report them now: inside a merged run (:attr:`_run_kv`)
+        those after the single steps scheduled by now (a tick at a step's end comes before the
+        next step's ``schedule()``, one inside a step after its own). Pure."""
+        if self._run_kv is None or not self._in_step:
+            return self.engine.kv_block_counts()[2]
+        times = self._run_kv[0]
+        done = bisect.bisect_right(times, self.now_s)
+        return self._kv_used_after(done if done and times[done - 1] == self.now_s else done + 1)
 
     def _prefill_run(self) -> tuple[int, float, str] | None:
         """A run of ``k`` chunked-prefill steps (capped prefills beside decodes; nothing waits, or
@@ -664,6 +704,7 @@ class Simulator:
         if k <= 1:
             return None
         self._run_last_step_s = times[k - 2]  # the per-step clocks the run's last step sets
+        self._note_run_kv(times[:k], self.engine.run_step_tokens())
         return k, times[k - 1], "blocked-prefill" if hide else "prefill"
 
     def _blocked_run(self) -> tuple[int, float, str] | None:
@@ -700,6 +741,7 @@ class Simulator:
         if k <= 1:
             return None
         self._run_last_step_s = times[k - 2]  # the per-step clocks the run's last step sets
+        self._note_run_kv(times[:k], [1] * len(self.engine.scheduler.running))
         return k, times[k - 1], "blocked"
 
     def _step_time_s(self, record: EngineStepRecord) -> float:
@@ -897,7 +939,7 @@ class Simulator:
         ``admission_update`` (one per tick, unlike the live gateway's recorder)."""
         is_quiet = not (self.admission.admitted or self.admission.num_waiting or self.pool.num_busy)
         self._quiet_ticks = self._quiet_ticks + 1 if is_quiet else 0
-        _, _, used = self.engine.kv_block_counts()
+        used = self._kv_used_blocks()
         self.plane.router.observe_engine_step(self.config.engine_source, used,
                                               self.engine.num_gpu_blocks())
         tick = self.plane.tick()

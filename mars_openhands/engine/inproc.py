@@ -774,7 +774,7 @@ class InprocEngine:
                 drafts.append(list(self._planned[request.request_id][index:index + k - 1]))
         s.update_draft_token_ids(DraftTokenIds(req_ids, drafts))
         self.num_prefill_runs += 1
-        budget = k * sum(self._run_steps())
+        budget = k * sum(self.run_step_tokens())
         if not hide_waiting:
             with seams.scaled_step_budget(s, k, budget):
                 return s.schedule()
@@ -805,7 +805,7 @@ class InprocEngine:
         s = self.scheduler
         if self.is_plugin or s.waiting or s.kv_holding_waiting:
             return 1
-        return self._prefill_run_len(limit, self._run_steps())
+        return self._prefill_run_len(limit, self.run_step_tokens())
 
     def max_blocked_prefill_run(self, limit: int, within: Callable[[int], int] | None = None) -> int:
         """:meth:`max_prefill_run` while requests wait for KV: largest ``k <= limit`` for which
@@ -832,7 +832,7 @@ class InprocEngine:
             return 1
         if self.is_plugin and not (s.coalescible_prefill_runs and s.blocked_run_is_safe()):
             return 1
-        steps = self._run_steps()
+        steps = self.run_step_tokens()
         k = self._prefill_run_len(limit, steps)
         if k <= 1 or self._probe_num_tokens != sum(steps):
             return 1
@@ -859,13 +859,14 @@ class InprocEngine:
             return self.scheduler.prefill_run_chunk_tokens(r) or 0
         return self.params.long_prefill_token_threshold
 
-    def _run_steps(self) -> list[int]:
-        """:meth:`_run_step_tokens` of each running request, in the running order. Pure."""
+    def run_step_tokens(self) -> list[int]:
+        """Tokens each running request takes per step of a merged run (1 if decoding, else its
+        prefill chunk, 0 when the chunk may change after a step), in the running order. Pure."""
         return [self._run_step_tokens(r) for r in self.scheduler.running]
 
     def _prefill_run_len(self, limit: int, steps: Sequence[int]) -> int:
         """:meth:`max_prefill_run` without its empty-waiting condition (``steps``:
-        :meth:`_run_steps`). Pure."""
+        :meth:`run_step_tokens`). Pure."""
         s = self.scheduler
         if (limit <= 1 or not isinstance(s, AsyncScheduler)
                 or len(s.running) + len(s.waiting) < 2):
@@ -895,7 +896,7 @@ class InprocEngine:
 
     def _prefill_run_new_blocks(self, k: int, steps: Sequence[int]) -> int:
         """New KV blocks the running requests take over ``k`` steps of ``steps`` tokens each
-        (:meth:`_run_steps`). Pure."""
+        (:meth:`run_step_tokens`). Pure."""
         bs = self.params.block_size
         total = 0
         for r, n in zip(self.scheduler.running, steps, strict=True):
@@ -907,7 +908,7 @@ class InprocEngine:
         """The step-time model's input of each of the ``k`` single steps a chunked-prefill run
         stands for: ``(prefill (new, cached) chunks, decode contexts)`` in the running order, as
         :meth:`schedule` would record them step by step (lazily). Pure."""
-        steps = list(zip(self.scheduler.running, self._run_steps(), strict=True))
+        steps = list(zip(self.scheduler.running, self.run_step_tokens(), strict=True))
         for i in range(k):
             prefill: list[tuple[int, int]] = []
             decode: list[int] = []

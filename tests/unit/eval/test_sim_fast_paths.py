@@ -173,3 +173,32 @@ def test_a_sink_with_kinds_gets_those_events_and_the_others_are_not_built(
     assert part_result.num_preemptions == full_result.num_preemptions > 0
     assert part_result.num_events == len(part.events) < full_result.num_events
     assert not built, f"{len(built)} filtered events built"
+
+
+def test_a_merged_run_spans_admission_ticks_and_each_tick_reads_its_single_steps_kv(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With nobody waiting for admission a tick admits no one, so a blocked run may span ticks;
+    each tick inside it must report the used KV blocks the single steps would have left by then
+    (the window moves on it): the admission updates, and everything else, equal both ways."""
+    spans: list[int] = []
+    note = Simulator._note_run_kv
+
+    def noting(self: Simulator, times: list[float], steps: Any) -> None:
+        note(self, times, steps)
+        if self._run_kv is not None:
+            spans.append(sum(t > self._next_tick_s for t in times))
+
+    monkeypatch.setattr(Simulator, "_note_run_kv", noting)
+    config = SimConfig(policy="MarsPreviewScheduler", num_tool_workers=3, is_admission_enabled=True,
+                       admission=AdmissionParams(cpu_set_backlog_ratio=4.0, update_interval_s=0.02),
+                       engine=InprocEngineParams(num_gpu_blocks=NUM_BLOCKS, max_model_len=4096))
+    prints = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv(FAST_PATHS_ENV, flag)
+        sink = ListSink()
+        result = Simulator(_kv_bound_workload(), config, LinearStepTimeModel(), sink, ORIGIN).run()
+        updates = [e.model_dump() for e in sink.events if e.kind == "admission_update"]
+        prints.append((_fingerprint(result, sink), updates))
+    assert spans and max(spans) > 0, "no merged run spanned a tick"
+    assert prints[0][1] and prints[1][1] == prints[0][1], "a tick inside a run read other KV"
+    assert prints[1][0] == prints[0][0]
