@@ -122,6 +122,12 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
     The class must not read :attr:`prefill_s_per_token` (a merged run is one sample, not ``k``).
     Off unless a subclass checked its hooks."""
 
+    resort_keeps_order: ClassVar[bool] = False
+    """Simulator speed: the waiting key reads no clock and puts the requests vLLM prepends
+    (preempted or skipped) where vLLM put them, so the waiting queue is always in key order and
+    the periodic re-sort (``reorder_interval_s``) leaves it as it is: a merged run need not end
+    before one (:meth:`blocked_run_until_s`). Off unless a subclass checked its key."""
+
     hit_free_chunk_cap: ClassVar[bool] = False
     """Simulator speed: the policy's ``chunk_tokens`` (if any) caps a chunk by a value that does
     not depend on the request's prefix hit, so (without chunk shrinking) a waiting request is
@@ -281,9 +287,10 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
     def blocked_run_until_s(self, now_s: float) -> float:
         """Scheduler-clock seconds by which a merged run must have ended: the next retained-KV
         expiry, the next session GC, and (with a waiting order over several requests) the next
-        periodic re-sort, each of which :meth:`schedule` does at the first step past it. Pure."""
+        periodic re-sort (unless :attr:`resort_keeps_order`), each of which :meth:`schedule` does
+        at the first step past it. Pure."""
         t = min(self.retained.next_expiry_s, self._last_gc_s + _GC_INTERVAL_S - _RUN_MARGIN_S)
-        if self._has_waiting_key and len(self.waiting) > 1:
+        if self._has_waiting_key and len(self.waiting) > 1 and not self.resort_keeps_order:
             t = min(t, self._last_waiting_sort_s + self.params.reorder_interval_s - _RUN_MARGIN_S)
         return t
 

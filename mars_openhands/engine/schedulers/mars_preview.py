@@ -49,6 +49,10 @@ class MarsPreviewScheduler(MarsBaseScheduler):
     stamps the run's steps would leave are its last step's (``run_last_step_s``), and the waiting
     order has no clock."""
 
+    resort_keeps_order: ClassVar[bool] = True
+    """The waiting key is (full-prompt level, FIFO) with prepended requests first at level 0, most
+    recent first: where vLLM's prepend puts them, and no clock."""
+
     coalescible_prefill_runs: ClassVar[bool] = True
     """A long prompt at the last level (feedback and effective level) is given the last level's
     quantum each step and stays there (a full quantum with work left demotes to the last level

@@ -202,3 +202,28 @@ def test_a_merged_run_spans_admission_ticks_and_each_tick_reads_its_single_steps
     assert spans and max(spans) > 0, "no merged run spanned a tick"
     assert prints[0][1] and prints[1][1] == prints[0][1], "a tick inside a run read other KV"
     assert prints[1][0] == prints[0][0]
+
+
+def test_the_previews_waiting_queue_is_always_in_key_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``resort_keeps_order``: a merged run need not end before the preview's periodic re-sort,
+    because its queue is in key order before every ``schedule()`` (prepended requests included)."""
+    monkeypatch.setenv(FAST_PATHS_ENV, "1")
+    config = SimConfig(policy="MarsPreviewScheduler", num_tool_workers=3, is_admission_enabled=True,
+                       admission=AdmissionParams(cpu_set_backlog_ratio=4.0),
+                       engine=InprocEngineParams(num_gpu_blocks=NUM_BLOCKS, max_model_len=4096))
+    sim = Simulator(_kv_bound_workload(), config, LinearStepTimeModel(), ListSink(), ORIGIN)
+    s = sim.engine.scheduler
+    assert s.resort_keeps_order
+    schedule = sim.engine.schedule
+    checked = []
+
+    def checking(k: int = 1, **kwargs: Any) -> Any:
+        queue = list(s.waiting)
+        if len(queue) > 1 and not s.waiting.is_dirty:
+            assert queue == sorted(queue, key=lambda r: s.waiting_key(r, sim.now_s))
+            checked.append(any(s.waiting.order_of(r) < 0 for r in queue))
+        return schedule(k, **kwargs)
+
+    sim.engine.schedule = checking
+    result = sim.run()
+    assert result.num_preemptions > 0 and checked and any(checked), "no queue with a prepended request"
