@@ -1086,8 +1086,9 @@ class InprocEngine:
           check needs no more). ``hit - evictable`` are the hit blocks in use (ref count > 0),
           which no eviction touches: evicting a hit block from the free queue takes it off the
           hit and off the evictable hits (a cut inside the hit takes the blocks after it off
-          both, and may drop in-use ones: ``R`` grows), so ``R`` stays (or loses the partial
-          block with the eviction that cut it) while ``F`` loses every block the run takes::
+          both, and may drop in-use ones: ``R`` grows). ``R`` drops only by a block the run
+          takes (the partial block of a cut hit; a free copy of a key whose pinned copy then
+          serves the hit), while ``F`` loses every block the run takes::
 
               R = blocks(context) - (hit blocks in use) [+ 1]    F - taken
         * without the gate its chunk decides. Stock rule (:meth:`_is_head_rule_stock`):
