@@ -182,6 +182,40 @@ cache per run; autellix 8.1 M), plus ``update_from_output``'s per-token handling
 11,394 preemptions (each frees and later re-prefills a context in 512-token chunks); and the
 preview's single steps (above: 194 k ``schedule()`` calls).
 
+Measured 2026-12-04 (sixth session, another machine of the same kind: at 79e7812, two benches
+at once on a quiet box, vllm-tuned 227x, continuum 267x, mars 320x, autellix 217x, thunderagent
+359x, fcfs 412x, infercept 338x, and mars-preview 125x, the only one below). The preview's single
+steps, classified: most were blocked runs cut short because the run would evict a block of the
+waiting head's hit (the rule for chunks shrunk to fit), then admission ticks, then its periodic
+re-sort. Now (all exact: golden runs bit-identical, every event kind, 8 policies): under vLLM's
+full-sequence gate (``scheduler_reserve_full_isl``, its default) a blocked head stays blocked
+whatever the run evicts (``InprocEngine._keep_head_hit``); a run spans admission ticks while no
+session waits for admission, each tick inside it reading the KV its single steps would have left;
+the preview's runs span its periodic re-sort (``resort_keeps_order``); the simulator's time bound
+comes before the head check. Side by side (old on one core, new on the other, at once):
+
+=============  ==================  ==================  =======
+policy         old: CPU s, calls   new: CPU s, calls   speedup
+=============  ==================  ==================  =======
+mars-preview   112.2, 194,355      73.2, 103,478       1.53x
+=============  ==================  ==================  =======
+
+(new: 7bed588; the re-sort change then took the preview to 91,024 calls). Every policy at
+aa22117, two benches at once with a review's fuzzer running too (load 1.6-2.9):
+
+=============  ======  =======  ========  =========  ========
+policy         CPU s   sim/CPU  sched     steps      preempt
+=============  ======  =======  ========  =========  ========
+fcfs           22.7    351x     29,087    396,328    50
+thunderagent   21.5    305x     22,028    550,483    14
+mars           25.4    258x     21,948    545,752    0
+infercept      31.2    255x     35,604    396,444    54
+continuum      31.9    218x     36,630    397,797    42
+vllm-tuned     55.9    196x     61,971    431,371    11,394
+autellix       64.8    189x     76,508    487,472    2,051
+mars-preview   72.2    156x     91,024    469,545    2,784
+=============  ======  =======  ========  =========  ========
+
 Prints one row per policy (simulated s, wall s, CPU s, simulated s per CPU s, ``schedule()``
 calls, engine steps, preemptions) and appends the rows to
 ``benchmarks/results/bench_sim.parquet`` (git sha, vLLM version, machine, parameters).
