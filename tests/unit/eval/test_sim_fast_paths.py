@@ -36,6 +36,14 @@ def _kv_bound_workload(num_sessions: int = 7, num_turns: int = 5) -> Workload:
     return Workload(meta=WorkloadMeta(source="test"), sessions=tuple(sessions))
 
 
+def _preview_config(**admission: Any) -> SimConfig:
+    """The MARS preview with its admission window (the preview's CPU threshold, H = 4: ours, 1.5,
+    would cap the window at 4 sessions for 3 tool workers and the workload would not be KV-bound)."""
+    return SimConfig(policy="MarsPreviewScheduler", num_tool_workers=3, is_admission_enabled=True,
+                     admission=AdmissionParams(cpu_set_backlog_ratio=4.0, **admission),
+                     engine=InprocEngineParams(num_gpu_blocks=NUM_BLOCKS, max_model_len=4096))
+
+
 def _fingerprint(result: SimResult, sink: ListSink) -> tuple[Any, ...]:
     sessions = {
         sid: (r.admitted_s, r.end_s, [
@@ -117,9 +125,7 @@ def test_merged_blocked_run_leaves_the_preview_aging_clocks_of_its_last_step(
     """The preview stamps each scheduled request's aging clock every step; a merged blocked run of
     ``k`` steps must leave the stamp its last single step would (not the run's first step's)."""
     monkeypatch.setenv(FAST_PATHS_ENV, "1")
-    config = SimConfig(policy="MarsPreviewScheduler", num_tool_workers=3, is_admission_enabled=True,
-                       admission=AdmissionParams(cpu_set_backlog_ratio=4.0),
-                       engine=InprocEngineParams(num_gpu_blocks=NUM_BLOCKS, max_model_len=4096))
+    config = _preview_config()
     sim = Simulator(_kv_bound_workload(), config, LinearStepTimeModel(), ListSink(), ORIGIN)
     schedule = sim.engine.schedule
     runs: list[tuple[float, float, set[float | None]]] = []
@@ -189,9 +195,7 @@ def test_a_merged_run_spans_admission_ticks_and_each_tick_reads_its_single_steps
             spans.append(sum(t > self._next_tick_s for t in times))
 
     monkeypatch.setattr(Simulator, "_note_run_kv", noting)
-    config = SimConfig(policy="MarsPreviewScheduler", num_tool_workers=3, is_admission_enabled=True,
-                       admission=AdmissionParams(cpu_set_backlog_ratio=4.0, update_interval_s=0.02),
-                       engine=InprocEngineParams(num_gpu_blocks=NUM_BLOCKS, max_model_len=4096))
+    config = _preview_config(update_interval_s=0.02)
     prints = []
     for flag in ("0", "1"):
         monkeypatch.setenv(FAST_PATHS_ENV, flag)
@@ -208,9 +212,7 @@ def test_the_previews_waiting_queue_is_always_in_key_order(monkeypatch: pytest.M
     """``resort_keeps_order``: a merged run need not end before the preview's periodic re-sort,
     because its queue is in key order before every ``schedule()`` (prepended requests included)."""
     monkeypatch.setenv(FAST_PATHS_ENV, "1")
-    config = SimConfig(policy="MarsPreviewScheduler", num_tool_workers=3, is_admission_enabled=True,
-                       admission=AdmissionParams(cpu_set_backlog_ratio=4.0),
-                       engine=InprocEngineParams(num_gpu_blocks=NUM_BLOCKS, max_model_len=4096))
+    config = _preview_config()
     sim = Simulator(_kv_bound_workload(), config, LinearStepTimeModel(), ListSink(), ORIGIN)
     s = sim.engine.scheduler
     assert s.resort_keeps_order
