@@ -189,7 +189,7 @@ steps, classified: most were blocked runs cut short because the run would evict 
 waiting head's hit (the rule for chunks shrunk to fit), then admission ticks, then its periodic
 re-sort. Now (all exact: golden runs bit-identical, every event kind, 8 policies): under vLLM's
 full-sequence gate (``scheduler_reserve_full_isl``, its default) a blocked head stays blocked
-whatever the run evicts (``InprocEngine._keep_head_hit``); a run spans admission ticks while no
+whatever the run evicts (``InprocEngine._keep_head_blocked``); a run spans admission ticks while no
 session waits for admission, each tick inside it reading the KV its single steps would have left;
 the preview's runs span its periodic re-sort (``resort_keeps_order``); the simulator's time bound
 comes before the head check. Side by side (old on one core, new on the other, at once):

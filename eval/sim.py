@@ -48,9 +48,10 @@ finish times, cached tokens, preemptions and events):
 * blocked decode runs (:meth:`InprocEngine.max_blocked_decode_run`): after a single step that
   proved the waiting head blocked, the next pure-decode steps are one ``schedule()`` with the
   waiting queue hidden, as long as nothing can unblock it (no arrival, finish or preemption, no
-  eviction of the head's cached blocks, and for our schedulers none of their own timers or
-  counters, certified by their ``blocked_run_*`` hooks); the end time is the single steps' chain
-  of additions, and with the admission window on the run also ends at the next tick;
+  eviction that lets the head in, and for our schedulers none of their own timers or counters,
+  certified by their ``blocked_run_*`` hooks); the end time is the single steps' chain of
+  additions, and the run ends at the next admission tick only while a session waits for
+  admission (a tick inside it reports the KV its single steps would have left);
 * chunked-prefill runs (:meth:`InprocEngine.max_prefill_run` / ``max_blocked_prefill_run``,
   stock vLLM with ``long_prefill_token_threshold``: vllm-tuned): ``k`` steps of capped prefill
   chunks beside the decodes are one ``schedule()`` with the chunk cap and the token budget scaled
@@ -627,12 +628,17 @@ class Simulator:
             dt_s = decode_run_step_time_s(self.timer.step_time_s, contexts, k)
         return k, (self.now_s + dt_s if k > 1 else None), "steady"
 
-    def _run_bound_s(self) -> float:
+    def _run_bound_s(self, hidden: bool) -> float:
         """Time by which an exact merged run must have ended: the next event that can change the
         engine's input (:meth:`_next_hard_event_s`: a tick only while a session waits for
         admission; a tick inside the run reads the KV its single steps would have left,
-        :meth:`_note_run_kv`)."""
-        return self._next_hard_event_s()
+        :meth:`_note_run_kv`) and, for a run with the waiting queue ``hidden``, our schedulers'
+        own next decision time (``blocked_run_until_s``)."""
+        bound_s = self._next_hard_event_s()
+        until = getattr(self.engine.scheduler, "blocked_run_until_s", None)
+        if hidden and until is not None:
+            bound_s = min(bound_s, until(self.now_s))
+        return bound_s
 
     def _note_run_kv(self, times: list[float], steps: Sequence[int]) -> None:
         """Before a merged run's ``schedule()``: if an admission tick falls inside it, keep what
@@ -677,11 +683,8 @@ class Simulator:
         """
         times: list[float] = []  # end of each single step, as the chain of additions makes it
 
-        def within(k_max: int) -> int:  # steps that end by the bound (an event; our schedulers' own)
-            bound_s = self._run_bound_s()
-            until = getattr(self.engine.scheduler, "blocked_run_until_s", None)
-            if hide and until is not None:  # our schedulers' own next decision time
-                bound_s = min(bound_s, until(self.now_s))
+        def within(k_max: int) -> int:  # steps that end by the bound
+            bound_s = self._run_bound_s(hide)
             max_step = getattr(self.engine.scheduler, "prefill_run_max_step_s", None)
             max_step_s = max_step() if hide and max_step is not None else math.inf
             times.clear()
@@ -713,16 +716,12 @@ class Simulator:
 
         Exact, unlike the steady run's mean-context time: the end time is the same chain of
         additions the single steps make (``t += step(contexts + i)``), and the run ends before
-        the first event that can change the engine's input (arrival, tool end; with the
-        admission window on, every tick; for our schedulers, their own next decision time).
+        the first event that can change the engine's input (:meth:`_run_bound_s`).
         """
         times: list[float] = []  # end of each single step
 
         def within(k_max: int) -> int:  # steps that end by the bound
-            bound_s = self._run_bound_s()
-            until = getattr(self.engine.scheduler, "blocked_run_until_s", None)
-            if until is not None:
-                bound_s = min(bound_s, until(self.now_s))
+            bound_s = self._run_bound_s(hidden=True)
             contexts = [r.num_computed_tokens + 1 for r in self.engine.scheduler.running]
             by_shape = getattr(self.timer, "decode_step_time_s", None)  # same value, no list per step
             num_decode, total = len(contexts), sum(contexts)

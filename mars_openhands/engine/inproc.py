@@ -815,8 +815,8 @@ class InprocEngine:
         The probe (:meth:`max_blocked_decode_run`) was a single step that scheduled every
         running request, left every waiting one waiting and scheduled as many tokens as each
         step of the run does (the same requests, the same chunks): so vLLM asks the waiting head
-        with the same budget left in every step, with fewer free blocks, and the same prefix hit
-        (:meth:`_keep_head_hit`); it stays blocked.
+        with the same budget left in every step and fewer free blocks, which leave it blocked
+        (:meth:`_keep_head_blocked`).
 
         Our schedulers: a class that certifies its hooks (``coalescible_prefill_runs``: Autellix,
         the MARS preview) gives each running prefill's chunk (``prefill_run_chunk_tokens``: the same in
@@ -842,7 +842,7 @@ class InprocEngine:
             k = within(k)
         if k <= 1:
             return 1
-        return self._keep_head_hit(k, lambda k_: self._prefill_run_new_blocks(k_, steps))
+        return self._keep_head_blocked(k, lambda k_: self._prefill_run_new_blocks(k_, steps))
 
     @staticmethod
     def _is_decoding(r: Request) -> bool:
@@ -1043,9 +1043,8 @@ class InprocEngine:
         only shrink (decode allocations, no frees), and each waiting request's need for blocks
         is unchanged as long as its prefix hit is. vLLM stops at the first waiting request it
         cannot allocate (requests are never skipped here: no KV connector, no structured output),
-        so only the head is asked: the run must not evict one of its full blocks (the blocks the
-        run takes are the head of vLLM's free queue, :func:`seams.next_evicted_blocks`), and no
-        running request of its session may fill one (sessions' streams never share a block). So
+        so only the head is asked, and the blocks the run takes (the head of vLLM's free queue,
+        :func:`seams.next_evicted_blocks`) must leave it blocked (:meth:`_keep_head_blocked`). So
         vLLM would leave every waiting request waiting in every step, and hiding them is exact.
         With stock vLLM a request added behind the head leaves the probe valid.
 
@@ -1070,9 +1069,9 @@ class InprocEngine:
             k = within(k)
         if k <= 1:
             return 1
-        return self._keep_head_hit(k, self._run_new_blocks)
+        return self._keep_head_blocked(k, self._run_new_blocks)
 
-    def _keep_head_hit(self, k: int, new_blocks: Callable[[int], int]) -> int:
+    def _keep_head_blocked(self, k: int, new_blocks: Callable[[int], int]) -> int:
         """Largest ``k' <= k`` whose run (taking ``new_blocks(k')`` blocks off the free queue)
         leaves the waiting head blocked, or 1. Pure.
 
@@ -1138,7 +1137,7 @@ class InprocEngine:
         """Index of the first of ``evicted`` (the blocks a run takes, in order) whose eviction
         may let the blocked waiting ``head`` in, or None, for a head whose chunk does not depend
         on its hit or the free blocks (:meth:`_is_head_rule_stock`), without vLLM's full-sequence
-        gate (:meth:`_keep_head_hit`). Pure.
+        gate (:meth:`_keep_head_blocked`). Pure.
 
         vLLM needs ``R = blocks(hit + chunk) - hit + evictable hit blocks`` free blocks; losing
         the last hit block takes one off ``R`` (or none, when the chunk is the prompt's rest and
