@@ -70,6 +70,7 @@ def default_traces_dir(environ: Mapping[str, str], cwd: Path) -> Path:
 
 
 def _context_tokens(session: Any) -> int:
+    """Tokens of ``session``'s final context: every turn's appended prompt and output. Pure."""
     return sum(t.prompt_tokens_appended + t.output_tokens for t in session.turns)
 
 

@@ -115,7 +115,7 @@ PAPER_TASK_TIME_GAIN: tuple[float, float] = (1.20, 1.87)
 OPENHANDS_WINDOW = {"window_max": 8, "window_init": 8, "window_min": 2}
 """The gateway's AIMD window for OpenHands runs (design.md §6: W_max / init / min = 8 / 8 / 2)."""
 _REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_TRACES = _REPO_ROOT.parent / "shared" / "data" / "traces" / "mini-swe-agent" / "deepseek_chat_dev"
+DEFAULT_PLAYBACK_TRACES = _REPO_ROOT.parent / "shared" / "data" / "traces" / "mini-swe-agent" / "deepseek_chat_dev"
 """Recorded agent runs for playback (the bundled mini-swe-agent SWE-bench traces)."""
 _SESSION_NAMESPACE = uuid.UUID("0b9c5a52-6d3c-4f57-9a53-6b7f7d1f1e17")
 _INSTALL = re.compile(r"(?:^|[\s;&|(`])(?:sudo\s+)?(?:pip3?|python[\d.]*\s+-m\s+pip|uv\s+pip|conda|mamba|"
@@ -170,7 +170,7 @@ class BenchOptions(BaseModel):
     """Python with vLLM (the engine env); ``None``: ``.venv/bin/python`` of the repository if it
     exists, else this interpreter."""
     traces_dir: Path | None = None
-    """Recorded runs for playback (``*.traj.json[.gz]``); ``None``: :data:`DEFAULT_TRACES`."""
+    """Recorded runs for playback (``*.traj.json[.gz]``); ``None``: :data:`DEFAULT_PLAYBACK_TRACES`."""
     max_turns: int | None = Field(20, ge=1)
     """Recorded turns per task (emulated); the playback then sends ``finish``."""
     max_prompt_tokens: int = Field(30_000, ge=1)
@@ -757,7 +757,7 @@ def _scripts(tasks: Sequence[BenchTask], options: BenchOptions) -> list[Any]:
     """Each task's playback script, bound to its session id (emulated backend)."""
     from mars_openhands.openhands.playback import load_trace_script  # FastAPI: the control extra
 
-    traces = assign_traces(tasks, find_traces(options.traces_dir or DEFAULT_TRACES))
+    traces = assign_traces(tasks, find_traces(options.traces_dir or DEFAULT_PLAYBACK_TRACES))
     sessions = session_ids(tasks, options.seed)
     scripts = []
     for task in tasks:

@@ -15,7 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from eval.argtypes import positive_float, positive_int
-from eval.ohbench import DEFAULT_TRACES, BenchOptions, assign_traces, find_traces, run_bench
+from eval.ohbench import (
+    DEFAULT_PLAYBACK_TRACES,
+    BenchOptions,
+    assign_traces,
+    find_traces,
+    run_bench,
+)
 from eval.policies import parse_policies
 from eval.task_sources import SOURCES, load_tasks
 
@@ -111,7 +117,7 @@ def bench_from_args(args: argparse.Namespace) -> int:
         if not tasks:
             raise ValueError(f"--tasks {args.tasks}: no tasks in it")
         if options.backend == "emulated":
-            assign_traces(tasks, find_traces(options.traces_dir or DEFAULT_TRACES))
+            assign_traces(tasks, find_traces(options.traces_dir or DEFAULT_PLAYBACK_TRACES))
     except ValueError as e:  # TaskSourceError and pydantic's ValidationError too
         print(f"mars-openhands openhands bench: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2

@@ -1,5 +1,5 @@
-"""``mars-openhands compare`` command-line behaviour (eval/compare.py, eval/compare_setup.py): argument errors, default traces,
-an existing ``--out``, skipped trace files, Ctrl-C, and the help text."""
+"""``mars-openhands compare`` command-line behaviour (eval/compare.py, eval/compare_setup.py): argument
+errors, default traces, an existing ``--out``, skipped trace files, Ctrl-C, and the help text."""
 
 from __future__ import annotations
 

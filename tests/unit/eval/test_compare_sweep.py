@@ -1,7 +1,7 @@
 """The main job's sweep (eval/sweep.py, eval/runs.py, eval/pool.py, eval/compare.py, eval/knee.py,
-eval/cache.py, eval/report.py): defaults and
-the TRIMMED label, the knee search, the early-stop guard, several GPUs, worker processes, the
-cache, capacity at SLO and the ablation variants. Tiny workloads and the linear step-time model."""
+eval/cache.py, eval/report.py): defaults and the TRIMMED label, the knee search, the early-stop
+guard, several GPUs, worker processes, the cache, capacity at SLO and the ablation variants. Tiny
+workloads and the linear step-time model."""
 
 from __future__ import annotations
 
