@@ -110,7 +110,7 @@ class Probes:
     """Knee probes by ``(search, rate)`` on a :class:`Pool`: started once, each result kept.
 
     A probe is a pure function of its search and rate (same workload, policy, seed), so a round
-    may take the result of a probe started earlier on a guess (:meth:`eval.sweep._Sweep._speculate`); a
+    may take the result of a probe started earlier on a guess (the sweep's ``_speculate``); a
     started probe that no round will need is cancelled (:meth:`cancel_except`: the worker's
     guard sees a file and stops it). In-process (``jobs == 1``) probes run one at a time in
     :meth:`wait` and none is speculative.

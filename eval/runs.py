@@ -149,7 +149,7 @@ class _SlowdownGuard:
     def __init__(self, ideal_s: Mapping[str, float], bound: float, *, is_keeping_events: bool = False,
                  cancel_path: str | None = None) -> None:
         self.events: list[Any] | None = [] if is_keeping_events else None
-        """Every event seen, when kept (a stable probe's stream is a run's: see ``_runs``)."""
+        """Every event seen, when kept (a stable probe's stream is a run's: the sweep's ``_runs``)."""
         self._cancel_path = cancel_path
         """A file whose existence stops the probe (a speculative probe no round needs any more)."""
         self._inv_ideal = {sid: 1.0 / max(v, 1e-9) for sid, v in ideal_s.items()}
