@@ -47,6 +47,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from eval.backends import LiveBackend, LiveOptions, parse_backend  # noqa: E402 - after the path
+from eval.compare import add_compare_subcommand  # noqa: E402
+from eval.compare_setup import gpu_setup, workload_from_args  # noqa: E402
+from eval.policies import live_policy_config, parse_policies  # noqa: E402
+from eval.runs import sim_config  # noqa: E402
+from eval.sweep import run_compare  # noqa: E402
+from eval.sweep_options import CompareOptions  # noqa: E402
+
 METRICS = (("e2e_mean_s", "mean E2E (s)"), ("e2e_p95_s", "P95 E2E (s)"),
            ("throughput_per_s", "throughput (sess/s)"), ("goodput_a3_per_s", "goodput a=3 (sess/s)"))
 
@@ -70,8 +78,6 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
 
 def _compare_args(args: argparse.Namespace) -> argparse.Namespace:
     """The ``mars-openhands compare`` arguments of this scenario (same trim and KV as the CLI)."""
-    from eval.compare import add_compare_subcommand
-
     parser = argparse.ArgumentParser()
     add_compare_subcommand(parser.add_subparsers(dest="command"))
     return parser.parse_args(["compare", "--sessions", str(args.sessions), "--max-turns", str(args.max_turns),
@@ -102,26 +108,16 @@ def _step_stats(trace_dir: Path) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
-    from eval import sim
-    from eval.backends import LiveBackend, LiveOptions, parse_backend
-    from eval.compare import (
-        CompareOptions,
-        _gpu_setup,
-        _sim_config,
-        _workload_from_args,
-        live_policy_config,
-        parse_policies,
-        run_compare,
-    )
+    from eval import sim  # vLLM (~20 s): not before the arguments are checked
 
     cargs = _compare_args(args)
-    workload, auto_scale = _workload_from_args(cargs)
-    setup, _, _ = _gpu_setup(cargs, args.gpu, workload, auto_scale)
+    workload, auto_scale, _, _ = workload_from_args(cargs)
+    setup, _, _ = gpu_setup(cargs, args.gpu, workload, auto_scale)
     timer, blocks, timing = setup.step_timer.build(), setup.num_gpu_blocks, setup.timing
     policies = parse_policies(args.policies)
     base = CompareOptions(policies=policies, loads=(1.0,), is_absolute_rates=True, num_gpu_blocks=blocks,
                           num_tool_workers=args.tool_workers, seed=args.seed, admission="off")
-    ideal = sim.ideal_times_s(workload, _sim_config(base, "fcfs", False), timer)
+    ideal = sim.ideal_times_s(workload, sim_config(base, "fcfs", False), timer)
     mean_ideal_s = sum(ideal.values()) / len(ideal)
     rate = args.load / mean_ideal_s
     options = base.model_copy(update={"loads": (rate,)})

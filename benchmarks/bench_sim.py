@@ -1,10 +1,10 @@
 """Simulator speed per policy: simulated seconds per CPU second on the full bundled workload (issue 12 §5).
 
-Scenario: every bundled mini-swe-agent session (``eval.compare``'s default trace folder, 74
+Scenario: every bundled mini-swe-agent session (``compare``'s default trace folder, 74
 sessions, full length: no turn or context cap, no KV scaling) arriving as a Poisson process at
 1.2x FCFS's knee on one H100 SXM (Qwen3-30B-A3B, the profile's whole KV: 7,396 blocks), replayed by
 :mod:`eval.sim` for each policy of ``DEFAULT_POLICIES`` (any ``compare`` policy with
-``--policies``) exactly as the main job runs it (``eval.compare.POLICIES``: scheduler,
+``--policies``) exactly as the main job runs it (``eval.policies.POLICIES``: scheduler,
 ``additional_config``, engine settings, and the admission window for the policies that come with
 the control plane), with events going to an in-memory sink that keeps the kinds the metrics read,
 as in ``compare`` (``--all-events``: every kind, as before 2026-12-03). At this
@@ -243,6 +243,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from eval.compare_setup import default_traces_dir  # noqa: E402 - after the path
+from eval.policies import POLICIES  # noqa: E402
+from eval.runs import METRIC_KINDS  # noqa: E402
+
 KNEE_H100_PER_S = 0.010
 """FCFS's knee on the full bundled workload, one H100 SXM, seed 0 (issue 12's measurement with
 ``compare --sessions 0 --max-turns 0 --max-context-tokens 0 --kv-scale 1``: mean slowdown 6.5 at
@@ -256,8 +260,6 @@ DEFAULT_POLICIES: tuple[str, ...] = ("fcfs", "vllm-tuned", "autellix", "infercep
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
-    from eval.compare import POLICIES
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--traces", default=None, help="trace folder (default: compare's bundled traces)")
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
@@ -280,7 +282,6 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _workload(args: argparse.Namespace) -> Any:
-    from eval.compare import default_traces_dir
     from eval.workloads import PoissonArrivals, load_trace_dir, trim_workload, with_arrivals
 
     traces = args.traces or default_traces_dir(os.environ, Path.cwd())
@@ -293,7 +294,6 @@ def _workload(args: argparse.Namespace) -> Any:
 
 def _config(policy: str, num_gpu_blocks: int, seed: int) -> Any:
     """``SimConfig`` of one compare policy (as ``compare --admission auto`` builds it)."""
-    from eval.compare import POLICIES
     from eval.sim import SimConfig
     from mars_openhands.engine.inproc import InprocEngineParams
 
@@ -327,13 +327,12 @@ def _record(rows: list[dict[str, Any]]) -> None:
 
 def _run_one(policy: str, workload: Any, timer: Any, num_blocks: int,
              args: argparse.Namespace) -> dict[str, Any]:
-    from eval.compare import _METRIC_KINDS
     from eval.sim import Simulator, fast_paths_enabled
     from mars_openhands.stream.transport import ListSink
 
     config = _config(policy, num_blocks, args.seed)
     # compare's runs keep the kinds the metrics read; the simulator builds no others.
-    sink = None if args.no_events else ListSink(kinds=None if args.all_events else _METRIC_KINDS)
+    sink = None if args.no_events else ListSink(kinds=None if args.all_events else METRIC_KINDS)
     sim = Simulator(workload, config, timer, sink)
     profiler = cProfile.Profile() if args.profile else None
     cpu0 = time.process_time()

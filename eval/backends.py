@@ -57,8 +57,17 @@ from typing import Any, Literal
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
+from eval.metrics import session_table
+from eval.replay import ReplayConfig, run_replay
 from eval.workloads import Workload
+from mars_openhands.control.config import GatewayConfig, ReplicaConfig
+from mars_openhands.engine.launch import VllmServer, VllmServerOptions
+from mars_openhands.policy.admission import AdmissionParams
+from mars_openhands.policy.params import parse_scheduler_params
+from mars_openhands.policy.reorder import ReorderParams
 from mars_openhands.stream import events as ev
+from mars_openhands.stream.reader import events_to_frame
+from mars_openhands.stream.transport import ListSink
 
 __all__ = [
     "BACKEND_KINDS",
@@ -66,15 +75,18 @@ __all__ = [
     "BackendSpec",
     "LiveBackend",
     "LiveOptions",
+    "LiveServer",
     "check_live_options",
     "client_side_gpu_events",
     "engine_flags",
     "scale_time_fields",
     "first_served_model",
     "live_scheduler",
+    "merge_config",
     "order_for_servers",
     "parse_backend",
     "scale_workload_time",
+    "telemetry_handshake",
     "unscale_events",
 ]
 
@@ -174,7 +186,7 @@ def order_for_servers(runs: Sequence[Any], policies: Sequence[str]) -> list[Any]
     """Runs grouped by policy (in ``policies`` order; stable otherwise): one server start each. Pure.
 
     Args:
-        runs: objects with a ``policy`` attribute (``eval.compare._Run``).
+        runs: objects with a ``policy`` attribute (``eval.runs.Run``).
         policies: the policy order.
     """
     rank = {p: i for i, p in enumerate(policies)}
@@ -187,11 +199,11 @@ def live_scheduler(scheduler: str) -> str:
     return name if "." in name or ":" in name else f"mars_openhands.engine.{name}"
 
 
-def _merge(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+def merge_config(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
     """Deep merge of two JSON-like dicts (``extra`` wins). Pure."""
     out = dict(base)
     for key, value in extra.items():
-        out[key] = (_merge(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), Mapping)
+        out[key] = (merge_config(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), Mapping)
                     else value)
     return out
 
@@ -367,7 +379,10 @@ class LiveOptions(BaseModel):
 
 
 @dataclass
-class _Server:
+class LiveServer:
+    """A started (or, for a URL backend, given) OpenAI server of one policy: its URL and served model,
+    the scheduler's telemetry and inbox addresses (``None`` at a URL) and how to stop it."""
+
     policy: str
     url: str
     model: str
@@ -402,7 +417,7 @@ class LiveBackend:
         self.spec = spec
         self.options = options
         self.policy_config = dict(policy_config)
-        self._server: _Server | None = None
+        self._server: LiveServer | None = None
         self._tmp_dir: Path | None = None
         self._tiny_dir: Path | None = None
         self._num_runs = 0
@@ -434,7 +449,7 @@ class LiveBackend:
             server.stop()
 
     # -- servers ---------------------------------------------------------------------------
-    def server_for(self, policy: str) -> _Server:
+    def server_for(self, policy: str) -> LiveServer:
         """``policy``'s running server (started now if another policy's runs, which is stopped
         first); for callers that drive it themselves (``openhands bench``).
 
@@ -443,23 +458,20 @@ class LiveBackend:
         """
         return self._server_for(policy)
 
-    def _server_for(self, policy: str) -> _Server:
+    def _server_for(self, policy: str) -> LiveServer:
         if self._server is not None and self._server.policy == policy:
             return self._server
         self._stop_server()
         self._server = self._url_server(policy) if self.spec.kind == "url" else self._start_vllm(policy)
         return self._server
 
-    def _url_server(self, policy: str) -> _Server:
+    def _url_server(self, policy: str) -> LiveServer:
         assert self.spec.url is not None
         model = self.options.served_model_name or first_served_model(self.spec.url)
-        return _Server(policy, self.spec.url, model, None, None, lambda: None)
+        return LiveServer(policy, self.spec.url, model, None, None, lambda: None)
 
     def server_options(self, policy: str, model_dir: Path) -> Any:
         """The ``VllmServerOptions`` of ``policy``'s server (pure apart from the addresses)."""
-        from mars_openhands.engine.launch import VllmServerOptions
-        from mars_openhands.policy.params import parse_scheduler_params
-
         scheduler, extra, *rest = self.policy_config[policy]
         o = self.options
         flags = engine_flags(rest[0] if rest else {}, o.max_model_len_tokens)
@@ -469,7 +481,7 @@ class LiveBackend:
         extra = dict(extra)
         if o.time_scale != 1.0:
             extra["mars"] = scale_time_fields(parse_scheduler_params(extra.get("mars")), o.time_scale)
-        additional = _merge(extra, {"mars": mars})
+        additional = merge_config(extra, {"mars": mars})
         common: dict[str, Any] = {
             "model_dir": model_dir, "served_model_name": "mars-compare",
             "scheduler_cls": live_scheduler(scheduler), "num_gpu_blocks_override": o.num_gpu_blocks,
@@ -487,8 +499,8 @@ class LiveBackend:
         return VllmServerOptions(**common, additional_config=additional, block_size=32,
                                  max_num_batched_tokens=max(2048, o.max_model_len_tokens))
 
-    def _start_vllm(self, policy: str) -> _Server:
-        from mars_openhands.engine.launch import VllmServer
+    def _start_vllm(self, policy: str) -> LiveServer:
+        # tokenizers comes with vLLM (the engine env), not with our extras: only the tiny model needs it
         from mars_openhands.engine.tiny_model import write_tiny_model
 
         if self._tiny_dir is None:
@@ -500,7 +512,7 @@ class LiveBackend:
         server = VllmServer(options).start()
         self.server_startup_s[policy] = server.startup_s or math.nan
         mars = options.additional_config["mars"]
-        return _Server(policy, server.url, server.model, mars["telemetry"]["addr"], mars["inbox_addr"],
+        return LiveServer(policy, server.url, server.model, mars["telemetry"]["addr"], mars["inbox_addr"],
                        server.stop)
 
     # -- one run ---------------------------------------------------------------------------
@@ -518,7 +530,7 @@ class LiveBackend:
             self._warm_up(server, workload, seed)
         return self._run_once(server, is_admission_enabled, workload, seed)
 
-    def _warm_up(self, server: _Server, workload: Workload, seed: int) -> None:
+    def _warm_up(self, server: LiveServer, workload: Workload, seed: int) -> None:
         """Replay the workload's first session once, unrecorded, under another id and seed.
 
         A fresh server's first real requests pay one-time costs (first prefill shapes, lazy
@@ -531,7 +543,7 @@ class LiveBackend:
         self._run_once(server, False, workload.model_copy(update={"sessions": (first,)}), seed + 99_991)
         server.is_warm = True
 
-    def _run_once(self, server: _Server, is_admission_enabled: bool, workload: Workload,
+    def _run_once(self, server: LiveServer, is_admission_enabled: bool, workload: Workload,
                   seed: int) -> list[ev.Event]:
         scaled = scale_workload_time(workload, self.options.time_scale)
         if server.telemetry_addr is None:
@@ -563,9 +575,6 @@ class LiveBackend:
         Raises:
             RuntimeError: a session did not complete alone (names it).
         """
-        from eval.metrics import session_table
-        from mars_openhands.stream.reader import events_to_frame
-
         ideal: dict[str, float] = {}
         for round_ in range(self.options.ideal_repeats):
             for session in workload.sessions:
@@ -583,9 +592,6 @@ class LiveBackend:
 
     def _replay(self, url: str, workload: Workload, seed: int,
                 endpoint_kind: Literal["engine", "gateway"]) -> tuple[Any, list[ev.Event]]:
-        from eval.replay import ReplayConfig, run_replay
-        from mars_openhands.stream.transport import ListSink
-
         server = self._server
         assert server is not None
         config = ReplayConfig(
@@ -599,12 +605,9 @@ class LiveBackend:
         return result, [e for e in sink.events if e.kind in CPU_PLANE_KINDS]
 
     @contextlib.contextmanager
-    def _gateway(self, server: _Server, is_admission_enabled: bool) -> Iterator[tuple[str, list[ev.Event]]]:
-        from mars_openhands.control.config import GatewayConfig, ReplicaConfig
+    def _gateway(self, server: LiveServer, is_admission_enabled: bool) -> Iterator[tuple[str, list[ev.Event]]]:
+        # uvicorn + FastAPI (the control extra, ~1 s to import): only live runs start a gateway
         from mars_openhands.control.server import GatewayServer
-        from mars_openhands.policy.admission import AdmissionParams
-        from mars_openhands.policy.reorder import ReorderParams
-        from mars_openhands.stream.transport import ListSink
 
         scale = self.options.time_scale
         policy_config = self.policy_config[server.policy]
@@ -622,7 +625,7 @@ class LiveBackend:
             session_idle_timeout_s=max(300.0, self.options.request_timeout_s))
         sink = ListSink()
         with GatewayServer(config, sink) as gateway:
-            _handshake(server, sink.events)
+            telemetry_handshake(server, sink.events)
             yield gateway.url, sink.events
 
 
@@ -644,7 +647,7 @@ def first_served_model(url: str) -> str:
     return str(models[0])
 
 
-def _handshake(server: _Server, gateway_events: list[ev.Event], timeout_s: float = 60.0) -> None:
+def telemetry_handshake(server: LiveServer, gateway_events: list[ev.Event], timeout_s: float = 60.0) -> None:
     """Send 1-token requests straight to the engine until its telemetry reaches the new gateway.
 
     The engine's publisher (PUSH, connect) drops events while no collector is bound, so a run may

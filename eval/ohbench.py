@@ -59,7 +59,11 @@ import math
 import os
 import random
 import re
+import shutil
+import socket
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -68,11 +72,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import httpx
 import numpy as np
 import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field
 
+from eval.backends import (
+    BackendSpec,
+    LiveBackend,
+    LiveOptions,
+    LiveServer,
+    engine_flags,
+    live_scheduler,
+    merge_config,
+    telemetry_handshake,
+)
+from eval.policies import POLICIES, live_policy_config, parse_policies
 from eval.task_sources import BenchTask, materialize, safe_dir_name
+from mars_openhands.control.config import GatewayConfig, ReplicaConfig
+from mars_openhands.engine.launch import VllmServer, VllmServerOptions
+from mars_openhands.openhands.policy_check import is_safe_to_replay
+from mars_openhands.policy.admission import AdmissionParams
+from mars_openhands.stream.transport import ListSink
 
 __all__ = [
     "PAPER_TASK_TIME_GAIN",
@@ -94,7 +115,7 @@ PAPER_TASK_TIME_GAIN: tuple[float, float] = (1.20, 1.87)
 OPENHANDS_WINDOW = {"window_max": 8, "window_init": 8, "window_min": 2}
 """The gateway's AIMD window for OpenHands runs (design.md §6: W_max / init / min = 8 / 8 / 2)."""
 _REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_TRACES = _REPO_ROOT.parent / "shared" / "data" / "traces" / "mini-swe-agent" / "deepseek_chat_dev"
+DEFAULT_PLAYBACK_TRACES = _REPO_ROOT.parent / "shared" / "data" / "traces" / "mini-swe-agent" / "deepseek_chat_dev"
 """Recorded agent runs for playback (the bundled mini-swe-agent SWE-bench traces)."""
 _SESSION_NAMESPACE = uuid.UUID("0b9c5a52-6d3c-4f57-9a53-6b7f7d1f1e17")
 _INSTALL = re.compile(r"(?:^|[\s;&|(`])(?:sudo\s+)?(?:pip3?|python[\d.]*\s+-m\s+pip|uv\s+pip|conda|mamba|"
@@ -123,7 +144,7 @@ class BenchOptions(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     policies: tuple[str, ...] = ("fcfs", "mars")
-    """Policies of :data:`eval.compare.POLICIES`, run one after the other."""
+    """Policies of :data:`eval.policies.POLICIES`, run one after the other."""
     backend: Literal["emulated", "gpu"] = "emulated"
     """``emulated``: emulated-GPU vLLM + playback; ``gpu``: vLLM with ``real_model``."""
     rps: float | None = Field(0.2, gt=0)
@@ -149,7 +170,7 @@ class BenchOptions(BaseModel):
     """Python with vLLM (the engine env); ``None``: ``.venv/bin/python`` of the repository if it
     exists, else this interpreter."""
     traces_dir: Path | None = None
-    """Recorded runs for playback (``*.traj.json[.gz]``); ``None``: :data:`DEFAULT_TRACES`."""
+    """Recorded runs for playback (``*.traj.json[.gz]``); ``None``: :data:`DEFAULT_PLAYBACK_TRACES`."""
     max_turns: int | None = Field(20, ge=1)
     """Recorded turns per task (emulated); the playback then sends ``finish``."""
     max_prompt_tokens: int = Field(30_000, ge=1)
@@ -455,7 +476,7 @@ def write_report(out_dir: Path, tasks: pd.DataFrame, baselines: Sequence[str],
 def write_plots(out_dir: Path, tasks: pd.DataFrame, summary: pd.DataFrame) -> dict[str, Path]:
     """``task_time_cdf.png`` (finished tasks' time, per policy) and ``task_phases.png`` (mean
     queue / LLM / tool / framework seconds per policy, stacked)."""
-    import matplotlib
+    import matplotlib  # ~1 s to import, and only the report draws: not at module level
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -510,9 +531,7 @@ class _PlaybackThread:
     """The playback engine on a uvicorn server in a background thread (port chosen free)."""
 
     def __init__(self, app: Any) -> None:
-        import socket
-
-        import uvicorn
+        import uvicorn  # the control extra; only the emulated backend serves a playback engine
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -547,18 +566,13 @@ def default_engine_python() -> str:
 
 def admission_for(policy: str, admission: str) -> bool:
     """Whether ``policy`` runs behind the gateway's admission window (``auto``: as deployed)."""
-    from eval.compare import POLICIES
-
     return admission == "on" or (admission == "auto" and POLICIES[policy].has_control_plane)
 
 
 @contextlib.contextmanager
 def _engine(policy: str, options: BenchOptions, log_dir: Path,
             num_gpu_blocks: int | None) -> Iterator[Any]:
-    """``policy``'s vLLM server (emulated or real), stopped on exit; yields its ``_Server``."""
-    from eval.backends import BackendSpec, LiveBackend, LiveOptions
-    from eval.compare import live_policy_config
-
+    """``policy``'s vLLM server (emulated or real), stopped on exit; yields its ``LiveServer``."""
     python = options.engine_python or default_engine_python()
     if options.backend == "emulated":
         live = LiveOptions(num_gpu_blocks=num_gpu_blocks or 2, gpu=options.gpu, model=options.model,
@@ -574,17 +588,12 @@ def _engine(policy: str, options: BenchOptions, log_dir: Path,
 
 @contextlib.contextmanager
 def _gpu_server(policy: str, options: BenchOptions, python: str, log_dir: Path) -> Iterator[Any]:
-    import tempfile
-
-    from eval.backends import _Server
-    from mars_openhands.engine.launch import VllmServer
-
     with tempfile.TemporaryDirectory(prefix="mbench-") as tmp:
         server_options = gpu_server_options(policy, options, python, Path(tmp), log_dir)
         server = VllmServer(server_options).start()
         mars = server_options.additional_config["mars"]
         try:
-            yield _Server(policy, server.url, server.model, mars["telemetry"]["addr"],
+            yield LiveServer(policy, server.url, server.model, mars["telemetry"]["addr"],
                           mars["inbox_addr"], server.stop)
         finally:
             server.stop()
@@ -601,10 +610,6 @@ def gpu_server_options(policy: str, options: BenchOptions, python: str, sockets_
     Raises:
         ValueError: ``real_model`` is not set.
     """
-    from eval.backends import _merge, engine_flags, live_scheduler
-    from eval.compare import POLICIES
-    from mars_openhands.engine.launch import VllmServerOptions
-
     if not options.real_model:
         raise ValueError("--backend gpu needs --real-model (e.g. Qwen/Qwen3-Coder-30B-A3B-Instruct)")
     spec = POLICIES[policy]
@@ -614,7 +619,7 @@ def gpu_server_options(policy: str, options: BenchOptions, python: str, sockets_
     return VllmServerOptions(
         model_dir=Path(options.real_model), served_model_name=options.real_model,
         python_executable=python, scheduler_cls=live_scheduler(spec.scheduler),
-        additional_config=_merge(dict(spec.additional_config), {"mars": mars}),
+        additional_config=merge_config(dict(spec.additional_config), {"mars": mars}),
         max_model_len=options.max_model_len_tokens, enable_prefix_caching=True, dtype="auto",
         enforce_eager=False, load_format="auto", startup_timeout_s=options.startup_timeout_s,
         extra_args=("--enable-auto-tool-choice", "--tool-call-parser", options.tool_call_parser,
@@ -624,9 +629,6 @@ def gpu_server_options(policy: str, options: BenchOptions, python: str, sockets_
 
 def _gateway_config(replica_url: str, server: Any, is_admission_enabled: bool,
                     options: BenchOptions) -> Any:
-    from mars_openhands.control.config import GatewayConfig, ReplicaConfig
-    from mars_openhands.policy.admission import AdmissionParams
-
     return GatewayConfig(
         port=0, replicas=(ReplicaConfig(url=replica_url, events_address=server.inbox_addr),),
         is_admission_enabled=is_admission_enabled, admission=AdmissionParams(**OPENHANDS_WINDOW),
@@ -637,7 +639,7 @@ def _gateway_config(replica_url: str, server: Any, is_admission_enabled: bool,
 
 
 def _task_specs(tasks: Sequence[BenchTask], sessions: Mapping[str, str], work_dir: Path) -> list[Any]:
-    from mars_openhands.openhands.runner import TaskSpec
+    from mars_openhands.openhands.runner import TaskSpec  # the OpenHands SDK (.venv-openhands only)
 
     specs = []
     for task in tasks:
@@ -676,19 +678,17 @@ def run_policy(policy: str, tasks: Sequence[BenchTask], scripts: Sequence[Any],
         mars_openhands.engine.launch.VllmServerError: the engine did not start.
         RuntimeError: its telemetry never reached the gateway.
     """
-    from eval.backends import _handshake
+    # Not at module level: uvicorn + FastAPI (the control extra, ~1 s) and the OpenHands SDK
+    # (.venv-openhands only), which the report functions above do without.
     from mars_openhands.control.server import GatewayServer
     from mars_openhands.openhands.llm import LLMSettings
     from mars_openhands.openhands.playback import PlaybackConfig, build_playback_app
     from mars_openhands.openhands.runner import RunConfig, run_tasks
-    from mars_openhands.stream.transport import ListSink
 
     is_admission = admission_for(policy, options.admission)
     run = PolicyRun(policy, is_admission)
     sessions = session_ids(tasks, options.seed)
     t_start = time.monotonic()
-    import shutil
-
     shutil.rmtree(out_dir / "workspaces", ignore_errors=True)  # a rerun starts from fresh copies
     with contextlib.ExitStack() as stack:
         server = stack.enter_context(_engine(policy, options, out_dir.parent / "server-logs",
@@ -707,7 +707,7 @@ def run_policy(policy: str, tasks: Sequence[BenchTask], scripts: Sequence[Any],
         sink = ListSink()
         gateway = stack.enter_context(GatewayServer(
             _gateway_config(replica_url, server, is_admission, options), sink))
-        _handshake(server, sink.events)
+        telemetry_handshake(server, sink.events)
         log(f"[{policy}] engine ready in {run.server_startup_s:.0f} s; gateway {gateway.url} "
             f"(admission {'on' if is_admission else 'off'}); running {len(tasks)} tasks")
         specs = _task_specs(tasks, sessions, out_dir / "workspaces")
@@ -725,8 +725,6 @@ def run_policy(policy: str, tasks: Sequence[BenchTask], scripts: Sequence[Any],
         run.run_s = time.monotonic() - t_run
         _wait_for_telemetry(sink.events)
         if playback is not None:
-            import httpx
-
             run.requests = httpx.get(f"{playback.url}/playback/requests", timeout=30).json()["requests"]
         run.admission_waits = dict(gateway.gateway.admission_wait_s)
         run.results = [r.model_dump(mode="json") for r in results]
@@ -743,8 +741,6 @@ def profile_kv_blocks(python: str, gpu: str, model: str) -> int:
     Raises:
         RuntimeError: the estimate failed (names the interpreter and its error).
     """
-    import subprocess
-
     code = ("from mars_openhands.engine.executor.profiles import GpuProfile, estimate_kv_capacity\n"
             f"c = estimate_kv_capacity(GpuProfile(gpu={gpu!r}, model={model!r}))\n"
             "print(c.kv_bytes // (c.bytes_per_token * c.block_size))")
@@ -759,10 +755,9 @@ def profile_kv_blocks(python: str, gpu: str, model: str) -> int:
 
 def _scripts(tasks: Sequence[BenchTask], options: BenchOptions) -> list[Any]:
     """Each task's playback script, bound to its session id (emulated backend)."""
-    from mars_openhands.openhands.playback import load_trace_script
-    from mars_openhands.openhands.policy_check import is_safe_to_replay
+    from mars_openhands.openhands.playback import load_trace_script  # FastAPI: the control extra
 
-    traces = assign_traces(tasks, find_traces(options.traces_dir or DEFAULT_TRACES))
+    traces = assign_traces(tasks, find_traces(options.traces_dir or DEFAULT_PLAYBACK_TRACES))
     sessions = session_ids(tasks, options.seed)
     scripts = []
     for task in tasks:
@@ -783,8 +778,6 @@ def run_bench(tasks: Sequence[BenchTask], options: BenchOptions, out_dir: Path,
     Raises:
         ValueError: no tasks, an unknown policy, or no recorded runs for ``emulated``.
     """
-    from eval.compare import POLICIES, parse_policies
-
     if not tasks:
         raise ValueError("no tasks to run (check --tasks and --limit)")
     policies = parse_policies(options.policies)

@@ -1,6 +1,6 @@
 """``mars-openhands workload ...``: build, synthesize and inspect workload files.
 
-Wiring (in ``mars_openhands/cli.py``)::
+Wiring (in ``eval/cli.py``)::
 
     from eval.workloads.cli import add_workload_subcommand
     add_workload_subcommand(subparsers)        # subparsers = parser.add_subparsers(...)

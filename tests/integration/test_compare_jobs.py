@@ -15,12 +15,14 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[1] / "unit" / "eval"))
 from compare_helpers import small_workload  # noqa: E402
 
+from eval.sweep import run_sweep  # noqa: E402
+from eval.sweep_options import CompareOptions, GpuSetup  # noqa: E402
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 
 def test_worker_processes_give_the_serial_results(tmp_path: Path) -> None:
     sim = pytest.importorskip("eval.sim", reason="needs the engine env")
-    from eval.compare import CompareOptions, GpuSetup, run_sweep
 
     workload = small_workload(3, 3)
     ideal = {s.session_id: 1.0 for s in workload.sessions}

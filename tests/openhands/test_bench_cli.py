@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("openhands.sdk", reason="needs the OpenHands env (.venv-openhands)")
 
-from mars_openhands.cli import main  # noqa: E402
+from eval.cli import main  # noqa: E402
 
 pytestmark = pytest.mark.openhands
 

@@ -129,7 +129,7 @@ def test_a_request_without_tools_is_answered_with_text_and_takes_no_turn() -> No
 
 
 def test_playback_is_reachable_from_the_cli_with_help(capsys) -> None:
-    from mars_openhands.cli import main as top_main
+    from eval.cli import main as top_main
 
     with pytest.raises(SystemExit) as done:
         top_main(["openhands", "playback", "--help"])
@@ -139,7 +139,7 @@ def test_playback_is_reachable_from_the_cli_with_help(capsys) -> None:
 
 
 def test_a_missing_script_is_one_line_naming_where_the_traces_are(tmp_path: Path, capsys) -> None:
-    from mars_openhands.cli import main as top_main
+    from eval.cli import main as top_main
 
     assert top_main(["openhands", "playback", "--script", str(tmp_path / "nope.traj.json.gz"),
                      "--check"]) == 2
@@ -164,7 +164,7 @@ def test_the_documented_playback_command_finds_its_trace_from_the_repo_root(tmp_
                                                                            monkeypatch, capsys) -> None:
     """The docs' command, run from a repository root whose ../shared holds the traces (the layout
     the README describes), loads its trace (it named a path that did not exist: a traceback)."""
-    from mars_openhands.cli import main as top_main
+    from eval.cli import main as top_main
 
     argv = _documented_playback_argv()
     script = Path(argv[argv.index("--script") + 1])

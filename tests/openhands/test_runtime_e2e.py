@@ -40,7 +40,7 @@ def _turn(name: str, **arguments: object) -> RecordedTurn:
 
 
 def _tasks(*args: str, db: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "mars_openhands.cli", "tasks", *args, "--db", db],
+    return subprocess.run([sys.executable, "-m", "eval.cli", "tasks", *args, "--db", db],
                           cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, **env})
 
 

@@ -8,11 +8,17 @@ Allowed (may import →):
   openhands → stream, runtime, OpenHands SDK (never vllm, torch, control internals)
   runtime   → stream, policy, DBOS (+ its SQLAlchemy) (never vllm, torch, OpenHands, control, engine)
   eval      → anything
+Nothing in mars_openhands imports eval (the top-level CLI lives in eval/cli.py for that reason).
+
+Imports by name count too: ``importlib.import_module("pkg.mod")``, ``__import__("pkg.mod")`` and a
+dotted string that names a module (``"pkg.mod"``, ``"pkg.mod:attr"``: a lazy loader's registry entry)
+are checked like ``import pkg.mod`` inside a function, so a registry cannot hide an upward import.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +46,13 @@ FORBIDDEN: dict[str, set[str]] = {
 # Third-party modules a layer may import only inside functions (lazily), never at module level.
 LAZY_ONLY: dict[str, set[str]] = {"stream": {"zmq", "pandas", "pyarrow", "numpy"},
                                    "runtime": {"pandas", "pyarrow", "matplotlib", "rich"}}
+# Upward imports by name that are known and listed here until they are inverted: (file, module) ->
+# why. An entry names one file and one module, so any other string import of a higher layer fails.
+KNOWN_STRING_IMPORTS: dict[tuple[str, str], str] = {
+    ("mars_openhands/runtime/engine.py", "mars_openhands.openhands.durable"):
+        "DRIVERS resolves the 'openhands' task kind's driver by name (runtime -> openhands); to invert "
+        "it the OpenHands layer would register its driver (e.g. a package entry point)",
+}
 # The only modules the runtime may import at all, besides the standard library and itself.
 RUNTIME_ALLOWED = ("mars_openhands.runtime", "mars_openhands.stream", "mars_openhands.policy",
                    "mars_openhands", "pydantic", "dbos", "sqlalchemy", "pandas", "pyarrow",
@@ -55,8 +68,36 @@ def _is_type_checking(node: ast.stmt) -> bool:
     )
 
 
-def _imports(path: Path, root: Path = ROOT) -> list[tuple[str, bool]]:
-    """Return (module, is_module_level) for every import in `path`; relative imports resolved."""
+_DOTTED = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+(?::[A-Za-z_]\w*)?")
+"""A string that names a module by its dotted path, optionally ``:attribute``."""
+_LOADERS = frozenset({"import_module", "__import__"})
+
+
+def _string_imports(tree: ast.AST) -> list[str]:
+    """Modules named by string: the literal argument of ``import_module``/``__import__``, and every
+    string constant that is a whole dotted path (``"pkg.mod"``, ``"pkg.mod:attr"``); docstrings and
+    prose never match (they hold spaces), nor do the pieces of an f-string."""
+    in_fstring = {id(c) for node in ast.walk(tree) if isinstance(node, ast.JoinedStr)
+                  for c in ast.walk(node)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if name in _LOADERS and isinstance(node.args[0].value, str):
+                found.append(node.args[0].value)
+                continue
+        if (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in in_fstring
+                and _DOTTED.fullmatch(node.value)):
+            found.append(node.value.partition(":")[0])
+    return found
+
+
+def _imports(path: Path, root: Path = ROOT, *, by_name: bool = True) -> list[tuple[str, bool]]:
+    """Return (module, is_module_level) for every import in `path`; relative imports resolved.
+
+    With ``by_name``, imports by name (:func:`_string_imports`) too, as not module level (they run
+    when called); any dotted string counts, so only a check against banned names should read them.
+    """
     tree = ast.parse(path.read_text(), filename=str(path))
     pkg_parts = path.relative_to(root).with_suffix("").parts[:-1]
     top_level = {id(n) for n in tree.body}
@@ -74,6 +115,8 @@ def _imports(path: Path, root: Path = ROOT) -> list[tuple[str, bool]]:
             else:
                 mod = node.module or ""
             out.append((mod, id(node) in top_level))
+    if by_name:
+        out += [(module, False) for module in dict.fromkeys(_string_imports(tree))]
     return out
 
 
@@ -85,16 +128,39 @@ def _layer_files(layer: str) -> list[Path]:
     return sorted((PKG / layer).rglob("*.py"))
 
 
+def _violations(paths: list[Path], banned: set[str], lazy_only: set[str] = frozenset(),
+                root: Path = ROOT) -> list[str]:
+    """One line per import in ``paths`` of a ``banned`` module (by statement or by name, unless in
+    :data:`KNOWN_STRING_IMPORTS`) or of a ``lazy_only`` one at module level."""
+    violations = []
+    for path in paths:
+        rel = path.relative_to(root).as_posix()
+        for module, is_top in _imports(path, root):
+            if any(_matches(module, b) for b in banned) and (rel, module) not in KNOWN_STRING_IMPORTS:
+                violations.append(f"{rel} imports {module}")
+            if is_top and any(_matches(module, b) for b in lazy_only):
+                violations.append(f"{rel} imports {module} at module level")
+    return violations
+
+
 @pytest.mark.parametrize("layer", sorted(FORBIDDEN))
 def test_layer_imports_follow_dependency_direction(layer: str) -> None:
-    violations = []
-    for path in _layer_files(layer):
-        for module, is_top in _imports(path):
-            if any(_matches(module, b) for b in FORBIDDEN[layer]):
-                violations.append(f"{path.relative_to(ROOT)} imports {module}")
-            if is_top and any(_matches(module, b) for b in LAZY_ONLY.get(layer, ())):
-                violations.append(f"{path.relative_to(ROOT)} imports {module} at module level")
+    violations = _violations(_layer_files(layer), FORBIDDEN[layer], LAZY_ONLY.get(layer, set()))
     assert not violations, "dependency direction broken (see style.md):\n" + "\n".join(violations)
+
+
+def test_the_package_never_imports_eval() -> None:
+    """``eval`` is the top layer: no file of ``mars_openhands`` (its own top-level modules too, which
+    belong to no layer) imports it, by statement or by name."""
+    violations = _violations(sorted(PKG.rglob("*.py")), {"eval"})
+    assert not violations, "mars_openhands imports the eval layer:\n" + "\n".join(violations)
+
+
+def test_known_string_imports_still_exist() -> None:
+    """An entry of :data:`KNOWN_STRING_IMPORTS` whose import is gone must go too (or it would excuse
+    a new one)."""
+    stale = [key for key in KNOWN_STRING_IMPORTS if key[1] not in dict(_imports(ROOT / key[0]))]
+    assert not stale, f"remove these from KNOWN_STRING_IMPORTS: {stale}"
 
 
 def test_checker_sees_violations(tmp_path: Path) -> None:
@@ -105,6 +171,35 @@ def test_checker_sees_violations(tmp_path: Path) -> None:
     found = dict(_imports(f, root=tmp_path))
     assert found == {"vllm": True, "mars_openhands.engine": True, "zmq": False}
     assert _matches("mars_openhands.engine", "mars_openhands.engine")
+
+
+def test_checker_sees_imports_by_name(tmp_path: Path) -> None:
+    """A registry of dotted names, import_module and __import__ hide an upward import from the
+    import graph; the check above must still fail on each (the top-level CLI once did this)."""
+    cli = tmp_path / "mars_openhands" / "cli.py"
+    cli.parent.mkdir(parents=True)
+    cli.write_text(
+        '"""A top-level CLI. See eval.compare (prose: not an import)."""\n'
+        "import importlib\n"
+        'SUBCOMMANDS = (("mars_openhands.control.cli", "add_gateway_subcommand"),\n'
+        '               ("eval.compare", "add_compare_subcommand"))\n'
+        'DRIVER = "eval.sim:simulate"\n'
+        "def build(name: str) -> None:\n"
+        '    importlib.import_module("eval.replay")\n'
+        '    __import__("eval.workloads")\n'
+        '    print(f"eval.{name}", "not.a module path")\n')
+    found = _imports(cli, root=tmp_path)
+    assert ("eval.compare", False) in found and ("eval.sim", False) in found
+    assert ("eval.replay", False) in found and ("eval.workloads", False) in found
+    assert not any(m.startswith(("eval.name", "not.")) for m, _ in found)
+    violations = _violations([cli], {"eval"}, root=tmp_path)
+    assert sorted(violations) == sorted(f"mars_openhands/cli.py imports eval.{m}"
+                                        for m in ("compare", "sim", "replay", "workloads"))
+    policy = tmp_path / "mars_openhands" / "policy" / "lazy.py"
+    policy.parent.mkdir()
+    policy.write_text('TARGET = "mars_openhands.engine.schedulers.mars:MarsScheduler"\n')
+    assert _violations([policy], FORBIDDEN["policy"], root=tmp_path) == [
+        "mars_openhands/policy/lazy.py imports mars_openhands.engine.schedulers.mars"]
 
 
 def test_stream_and_policy_import_cold_without_vllm_or_torch() -> None:
@@ -134,7 +229,7 @@ def test_runtime_imports_only_its_allowlist() -> None:
     stdlib = sys.stdlib_module_names
     violations = []
     for path in _layer_files("runtime"):
-        for module, _ in _imports(path):
+        for module, _ in _imports(path, by_name=False):  # a file name like "tasks.sqlite" is no import
             top = module.split(".")[0]
             if top in stdlib or top == "__future__":
                 continue

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mars_openhands import cli
+from eval import cli
 
 NEEDS_PY312 = ("the OpenHands SDK needs Python >= 3.12", ".venv-openhands/bin/mars-openhands",
                "scripts/setup.sh")
@@ -61,7 +61,7 @@ def test_openhands_without_the_sdk_says_which_environment_to_use(
         tmp_path: Path, argv: list[str]) -> None:
     # a fresh process outside the repo: under pytest, tests/openhands/ is on sys.path and would
     # pass for the SDK's top-level ``openhands`` package
-    proc = subprocess.run([sys.executable, "-m", "mars_openhands.cli", *argv], cwd=tmp_path,
+    proc = subprocess.run([sys.executable, "-m", "eval.cli", *argv], cwd=tmp_path,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stdout == ""
     (line,) = proc.stderr.splitlines()

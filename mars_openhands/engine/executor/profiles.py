@@ -16,7 +16,9 @@ three things the emulated executor and the simulator need:
 
 Mental model: a profile is a *name plus numbers*. Everything heavy (loading kernel tables, the
 memory model) happens in :mod:`.timing` or :func:`estimate_kv_capacity`, never on import, so this
-module imports with pydantic only.
+module imports with pydantic only. The pinned AIConfigurator release is named here too
+(:data:`AIC_PACKAGE_VERSION`, checked by :func:`require_aiconfigurator`), so :mod:`.timing` depends
+on this module and never the other way round.
 
 KV geometry (one layer, one block; the bytes per token must match what AIConfigurator assumes)::
 
@@ -32,6 +34,7 @@ from __future__ import annotations
 import json
 import tempfile
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from types import MappingProxyType
 from typing import Literal
@@ -52,6 +55,7 @@ __all__ = [
     "ModelSpec",
     "estimate_kv_capacity",
     "materialize_model_config",
+    "require_aiconfigurator",
 ]
 
 AIC_PACKAGE_VERSION = "0.12.0"
@@ -64,6 +68,31 @@ _KV_TOKENS_TOLERANCE = 0.01
 """Allowed relative gap between aiconfigurator's token capacity and the profile geometry's."""
 _GIB = 1 << 30
 _MIB = 1 << 20
+
+
+def require_aiconfigurator() -> None:
+    """Check that the pinned ``aiconfigurator-core`` is importable.
+
+    Raises:
+        ImportError: it is missing or another version is installed; the message gives the
+            install command.
+    """
+    fix = (
+        f"install it with `pip install aiconfigurator-core=={AIC_PACKAGE_VERSION}` "
+        "(the emulated-GPU extra of mars-openhands)"
+    )
+    try:
+        version = metadata.version("aiconfigurator-core")
+    except metadata.PackageNotFoundError as exc:
+        raise ImportError(
+            "the emulated-GPU step-time model needs aiconfigurator-core "
+            f"{AIC_PACKAGE_VERSION}, which is not installed; {fix}"
+        ) from exc
+    if version != AIC_PACKAGE_VERSION:
+        raise ImportError(
+            f"aiconfigurator-core {version} is installed but the step-time model is pinned to "
+            f"{AIC_PACKAGE_VERSION} (its kernel data changes between releases); {fix}"
+        )
 
 
 @dataclass(frozen=True)
@@ -463,8 +492,6 @@ def estimate_kv_capacity(profile: GpuProfile) -> KvCapacity:
     if profile.kv_cache_memory_bytes is not None:
         return KvCapacity(profile.kv_cache_memory_bytes, bytes_per_token, profile.block_size,
                           "explicit")
-    from mars_openhands.engine.executor.timing import require_aiconfigurator
-
     require_aiconfigurator()
     from aiconfigurator_core.sdk.memory import estimate_kv_cache
 

@@ -39,6 +39,7 @@ from mars_openhands.engine.executor.profiles import (
     AIC_PACKAGE_VERSION,
     GpuProfile,
     materialize_model_config,
+    require_aiconfigurator,
 )
 
 __all__ = [
@@ -47,7 +48,6 @@ __all__ = [
     "StepTimeModel",
     "StepTimeModelError",
     "bucket_tokens",
-    "require_aiconfigurator",
 ]
 
 _EXACT_BELOW_TOKENS = 256
@@ -65,33 +65,6 @@ class ForwardPassEstimator(Protocol):
 
     def estimate_forward_pass_time_ms(self, metrics: dict[str, Any]) -> float | None:
         """Kernel-level forward-pass time in ms for one scheduled step."""
-
-
-def require_aiconfigurator() -> None:
-    """Check that the pinned ``aiconfigurator-core`` is importable.
-
-    Raises:
-        ImportError: it is missing or another version is installed; the message gives the
-            install command.
-    """
-    from importlib import metadata
-
-    fix = (
-        f"install it with `pip install aiconfigurator-core=={AIC_PACKAGE_VERSION}` "
-        "(the emulated-GPU extra of mars-openhands)"
-    )
-    try:
-        version = metadata.version("aiconfigurator-core")
-    except metadata.PackageNotFoundError as exc:
-        raise ImportError(
-            "the emulated-GPU step-time model needs aiconfigurator-core "
-            f"{AIC_PACKAGE_VERSION}, which is not installed; {fix}"
-        ) from exc
-    if version != AIC_PACKAGE_VERSION:
-        raise ImportError(
-            f"aiconfigurator-core {version} is installed but the step-time model is pinned to "
-            f"{AIC_PACKAGE_VERSION} (its kernel data changes between releases); {fix}"
-        )
 
 
 @contextlib.contextmanager

@@ -19,13 +19,13 @@ from mars_openhands.engine.executor.profiles import (
     GpuProfile,
     estimate_kv_capacity,
     materialize_model_config,
+    require_aiconfigurator,
 )
 from mars_openhands.engine.executor.timing import (
     StepShape,
     StepTimeModel,
     StepTimeModelError,
     bucket_tokens,
-    require_aiconfigurator,
 )
 
 needs_aic = pytest.mark.skipif(

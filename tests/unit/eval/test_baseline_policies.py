@@ -9,8 +9,10 @@ import pytest
 pytest.importorskip("vllm")
 
 from eval.backends import LiveBackend, LiveOptions, engine_flags, parse_backend  # noqa: E402
-from eval.compare import POLICIES, CompareOptions, _sim_config, live_policy_config  # noqa: E402
+from eval.policies import POLICIES, live_policy_config  # noqa: E402
+from eval.runs import sim_config  # noqa: E402
 from eval.sim import LinearStepTimeModel, simulate  # noqa: E402
+from eval.sweep_options import CompareOptions  # noqa: E402
 from eval.workloads.format import Session, Turn, Workload, WorkloadMeta  # noqa: E402
 from mars_openhands.engine.inproc import resolve_scheduler_cls  # noqa: E402
 from mars_openhands.engine.schedulers.thunderagent import ThunderAgentScheduler  # noqa: E402
@@ -25,7 +27,7 @@ def test_both_are_baselines_without_the_gateway_window() -> None:
 
 def test_vllm_tuned_is_stock_vllm_with_the_512_token_prefill_cap() -> None:
     options = CompareOptions(num_gpu_blocks=512)
-    tuned, stock = _sim_config(options, "vllm-tuned", False), _sim_config(options, "fcfs", False)
+    tuned, stock = sim_config(options, "vllm-tuned", False), sim_config(options, "fcfs", False)
     assert tuned.policy == stock.policy == "fcfs"  # the stock AsyncScheduler in the simulator
     assert (tuned.engine.long_prefill_token_threshold, stock.engine.long_prefill_token_threshold) == (512, 0)
     assert tuned.engine.enable_prefix_caching
@@ -65,7 +67,7 @@ def test_thunderagent_in_the_simulator_holds_a_program_until_its_periodic_check(
     options = CompareOptions(num_gpu_blocks=128)
     waits = {}
     for policy in ("fcfs", "thunderagent"):
-        result = simulate(_three_sessions(), _sim_config(options, policy, False), LinearStepTimeModel())
+        result = simulate(_three_sessions(), sim_config(options, policy, False), LinearStepTimeModel())
         assert all(r.e2e_s is not None for r in result.sessions.values())
         waits[policy] = [r.turns[0].first_scheduled_s - r.turns[0].submit_s for r in result.sessions.values()]
     assert max(waits["fcfs"]) < 0.5

@@ -1,4 +1,5 @@
-"""``mars-openhands compare`` (eval/compare.py) on the sim backend, and the live-backend plumbing (eval/backends.py)."""
+"""``mars-openhands compare`` (eval/compare.py, eval/sweep.py, eval/policies.py) on the sim backend, and the
+live-backend plumbing (eval/backends.py)."""
 
 from __future__ import annotations
 
@@ -16,16 +17,21 @@ except ImportError:  # pragma: no cover - the URL-backend test skips then
 
 from compare_helpers import small_workload
 
-from eval.compare import (
+from eval.compare import add_compare_subcommand
+from eval.compare_setup import kv_scale_for_trim
+from eval.knee import find_base_rate
+from eval.policies import (
     ABLATIONS,
     DEFAULT_POLICIES,
     POLICIES,
     REFERENCE,
-    CompareOptions,
-    add_compare_subcommand,
-    find_base_rate,
+    admission_modes,
+    live_policy_config,
     parse_policies,
 )
+from eval.runs import plan, sim_config
+from eval.sweep import run_compare
+from eval.sweep_options import CompareOptions
 
 
 def test_parse_policies_all_and_dedup() -> None:
@@ -91,8 +97,6 @@ def test_cli_rejects_bad_loads() -> None:
 
 # ----------------------------------------------------------------------------- end to end (sim)
 def test_run_compare_writes_everything_and_survives_a_failing_policy(tmp_path, sim) -> None:
-    from eval.compare import run_compare
-
     def flaky(workload, config, timer, sink=None):
         if config.policy == "MarsScheduler":
             raise RuntimeError("injected failure")
@@ -122,8 +126,6 @@ def test_run_compare_writes_everything_and_survives_a_failing_policy(tmp_path, s
 
 
 def test_run_compare_searches_the_base_rate_and_runs_admission_both(tmp_path, sim) -> None:
-    from eval.compare import run_compare
-
     options = CompareOptions(policies=("fcfs",), loads=(1.0,), num_gpu_blocks=512, admission="both",
                              search_max_runs=3, knee_slowdown=1.5)
     results = run_compare(small_workload(), options, sim.LinearStepTimeModel(), tmp_path)
@@ -136,7 +138,6 @@ def test_run_compare_searches_the_base_rate_and_runs_admission_both(tmp_path, si
 
 
 def test_kv_scale_for_trim_is_the_kept_context_share() -> None:
-    from eval.compare import kv_scale_for_trim
     from eval.workloads import trim_workload
 
     full = small_workload(n=2, turns=3)
@@ -207,11 +208,10 @@ def test_cli_rejects_bad_live_combinations_before_any_work(tmp_path, capsys, arg
 
 def test_live_runs_are_grouped_by_policy_for_one_server_each() -> None:
     from eval.backends import order_for_servers
-    from eval.compare import _plan
 
     options = CompareOptions(policies=("fcfs", "mars"), loads=(0.5, 1.0), num_gpu_blocks=64,
                              admission="both", base_rate_per_s=2.0)
-    sim_order = _plan(options, 2.0)
+    sim_order = plan(options, 2.0)
     assert [r.policy for r in sim_order] == ["fcfs", "fcfs", "mars", "mars"] * 2  # by load (sim)
     live_order = order_for_servers(sim_order, options.policies)
     assert [r.run_id for r in live_order] == [
@@ -369,7 +369,6 @@ def fake_url():
 
 def test_url_backend_runs_the_replay_and_labels_the_one_policy(tmp_path, sim, fake_url) -> None:
     from eval.backends import LiveBackend, LiveOptions, parse_backend
-    from eval.compare import run_compare
 
     url, seen = fake_url
     workload = small_workload(n=3, turns=2)
@@ -449,8 +448,6 @@ def test_scale_time_fields_scales_durations_only() -> None:
 
 
 def test_auto_admission_gives_the_window_to_the_mars_policies_only() -> None:
-    from eval.compare import admission_modes
-
     assert [admission_modes("auto", p) for p in ("fcfs", "continuum", "mars-preview", "mars")] == [
         (False,), (False,), (True,), (True,)]
     assert admission_modes("off", "mars") == (False,) and admission_modes("on", "fcfs") == (True,)
@@ -490,11 +487,9 @@ def test_measured_ideal_is_each_sessions_fastest_round() -> None:
 
 
 def test_mars_preview_keeps_the_preview_cpu_threshold_and_mars_has_ours() -> None:
-    from eval.compare import _sim_config, live_policy_config
-
     options = CompareOptions(num_gpu_blocks=64)
-    preview = _sim_config(options, "mars-preview", True).admission
-    ours = _sim_config(options, "mars", True).admission
+    preview = sim_config(options, "mars-preview", True).admission
+    ours = sim_config(options, "mars", True).admission
     assert preview.cpu_set_backlog_ratio == 4.0 and ours.cpu_set_backlog_ratio == 1.5
     assert preview.max_admission_wait_s is None and ours.max_admission_wait_s == 1800.0
     assert live_policy_config()["mars-preview"][3] == {"cpu_set_backlog_ratio": 4.0, "max_admission_wait_s": None}

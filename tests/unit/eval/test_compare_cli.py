@@ -1,5 +1,5 @@
-"""``mars-openhands compare`` command-line behaviour (eval/compare.py): argument errors, default traces,
-an existing ``--out``, skipped trace files, Ctrl-C, and the help text."""
+"""``mars-openhands compare`` command-line behaviour (eval/compare.py, eval/compare_setup.py): argument
+errors, default traces, an existing ``--out``, skipped trace files, Ctrl-C, and the help text."""
 
 from __future__ import annotations
 
@@ -12,13 +12,11 @@ import pytest
 from compare_helpers import small_workload
 
 import eval.compare as compare
-from eval.compare import (
-    CompareInterrupted,
-    CompareOptions,
-    add_compare_subcommand,
-    clear_previous_results,
-    default_traces_dir,
-)
+import eval.compare_setup as compare_setup
+from eval.compare import add_compare_subcommand
+from eval.compare_setup import DEFAULT_TRACES, clear_previous_results, default_traces_dir
+from eval.sweep import CompareInterrupted, run_compare
+from eval.sweep_options import CompareOptions, GpuSetup
 from eval.workloads.format import save_workload
 
 TRACE_FIXTURES = Path(__file__).parents[2] / "fixtures" / "traces"
@@ -40,24 +38,24 @@ def test_default_traces_prefers_the_env_var_then_the_repo_then_the_cwd(tmp_path,
     repo, cwd = tmp_path / "a" / "repo", tmp_path / "b" / "cwd"
     repo.mkdir(parents=True)
     cwd.mkdir(parents=True)
-    monkeypatch.setattr(compare, "_REPO_ROOT", repo)
+    monkeypatch.setattr(compare_setup, "_REPO_ROOT", repo)
     assert default_traces_dir({"MARS_TRACES_DIR": "/some/where"}, cwd) == Path("/some/where")
-    (cwd / compare.DEFAULT_TRACES).mkdir(parents=True)
-    assert default_traces_dir({}, cwd) == (cwd / compare.DEFAULT_TRACES).resolve()
-    (repo / compare.DEFAULT_TRACES).mkdir(parents=True)
-    assert default_traces_dir({}, cwd) == (repo / compare.DEFAULT_TRACES).resolve()
+    (cwd / DEFAULT_TRACES).mkdir(parents=True)
+    assert default_traces_dir({}, cwd) == (cwd / DEFAULT_TRACES).resolve()
+    (repo / DEFAULT_TRACES).mkdir(parents=True)
+    assert default_traces_dir({}, cwd) == (repo / DEFAULT_TRACES).resolve()
 
 
 def test_no_default_traces_is_one_error_line_naming_the_paths_and_the_fix(tmp_path, monkeypatch,
                                                                           capsys) -> None:
-    monkeypatch.setattr(compare, "_REPO_ROOT", tmp_path / "repo")
+    monkeypatch.setattr(compare_setup, "_REPO_ROOT", tmp_path / "repo")
     monkeypatch.delenv("MARS_TRACES_DIR", raising=False)
     monkeypatch.chdir(tmp_path)
     assert _run(["--policies", "fcfs", "--base-rate", "1", "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ")
-    assert str((tmp_path / "repo" / compare.DEFAULT_TRACES).resolve()) in err
-    assert str((tmp_path / compare.DEFAULT_TRACES).resolve()) in err
+    assert str((tmp_path / "repo" / DEFAULT_TRACES).resolve()) in err
+    assert str((tmp_path / DEFAULT_TRACES).resolve()) in err
     assert "pass --traces DIR (a folder of mini-swe-agent *.traj.json) or set MARS_TRACES_DIR" in err
     assert not (tmp_path / "out").exists()
 
@@ -197,8 +195,6 @@ def test_clear_previous_results_deletes_only_what_compare_writes(tmp_path) -> No
 
 
 def test_ctrl_c_keeps_the_finished_runs_and_raises_with_the_count(tmp_path, sim) -> None:
-    from eval.compare import run_compare
-
     calls = []
 
     def interrupted_on_the_second_run(workload, config, timer, sink=None):
@@ -226,8 +222,8 @@ def test_ctrl_c_at_the_cli_is_one_line_and_exit_130(tmp_path, capsys, monkeypatc
         raise CompareInterrupted(3, 4)
 
     monkeypatch.setattr(compare, "run_sweep", interrupted)
-    monkeypatch.setattr(compare, "_setups", lambda args, spec, w, s, loaded: (
-        [compare.GpuSetup("h100_sxm", None, 64, "test timing")], None, "Full workload"))
+    monkeypatch.setattr(compare, "gpu_setups", lambda args, spec, w, s, loaded: (
+        [GpuSetup("h100_sxm", None, 64, "test timing")], None, "Full workload"))
     out = tmp_path / "out"
     code = _run(["--workload", str(workload), "--policies", "fcfs,mars", "--loads", "1,2",
                  "--base-rate", "1", "--gpu", "h100_sxm", "--no-reference", "--out", str(out)])

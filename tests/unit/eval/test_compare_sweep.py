@@ -1,6 +1,7 @@
-"""The main job's sweep (eval/compare.py, eval/knee.py, eval/cache.py, eval/report.py): defaults and
-the TRIMMED label, the knee search, the early-stop guard, several GPUs, worker processes, the
-cache, capacity at SLO and the ablation variants. Tiny workloads and the linear step-time model."""
+"""The main job's sweep (eval/sweep.py, eval/runs.py, eval/pool.py, eval/compare.py, eval/knee.py,
+eval/cache.py, eval/report.py): defaults and the TRIMMED label, the knee search, the early-stop
+guard, several GPUs, worker processes, the cache, capacity at SLO and the ablation variants. Tiny
+workloads and the linear step-time model."""
 
 from __future__ import annotations
 
@@ -12,22 +13,26 @@ import pytest
 from compare_helpers import small_workload
 
 import eval.compare as compare
+import eval.runs as runs
+import eval.sweep as sweep_module
+from eval.backends import parse_backend
 from eval.cache import ResultCache, content_key
-from eval.compare import (
+from eval.compare import DEFAULT_GPUS, add_compare_subcommand
+from eval.compare_setup import clear_previous_results, trim_note
+from eval.knee import KneeSearch
+from eval.policies import (
     ABLATIONS,
-    DEFAULT_GPUS,
     DEFAULT_POLICIES,
     POLICIES,
     QUICK_POLICIES,
-    CompareOptions,
-    GpuSetup,
-    add_compare_subcommand,
-    run_compare,
-    run_sweep,
-    trim_note,
+    REFERENCE,
+    admission_modes,
+    parse_policies,
 )
-from eval.knee import KneeSearch
+from eval.pool import Pool
 from eval.report import ablation_table, best_baselines, capacity_ratios, render_summary
+from eval.sweep import run_compare, run_sweep
+from eval.sweep_options import CompareOptions, GpuSetup
 from eval.workloads import trim_workload
 
 
@@ -39,28 +44,26 @@ def _args(argv: list[str]) -> argparse.Namespace:
 
 # ----------------------------------------------------------------------------- defaults, TRIMMED
 def test_no_flags_is_the_real_regime_and_quick_is_a_smaller_grid_of_the_same_workload() -> None:
-    from eval.backends import parse_backend
-
     args = _args([])
     assert (args.sessions, args.max_turns, args.max_context_tokens, args.kv_scale, args.kv_blocks) == (
         0, 0, 0, "1", None)
     compare._apply_defaults(args, parse_backend("sim"))
     assert args.gpu == DEFAULT_GPUS == ("h100_sxm", "h200_sxm")
-    assert compare.parse_policies(args.policies) == DEFAULT_POLICIES
+    assert parse_policies(args.policies) == DEFAULT_POLICIES
     assert {"thunderagent", "vllm-tuned", "continuum", "autellix", "infercept", "fcfs", "mars-preview",
             "mars"} <= set(DEFAULT_POLICIES) and not set(ABLATIONS) & set(DEFAULT_POLICIES)
     assert args.loads == (0.5, 0.8, 1.0, 1.2)
     quick = _args(["--quick"])
     compare._apply_defaults(quick, parse_backend("sim"))
-    assert (quick.gpu, quick.loads, compare.parse_policies(quick.policies)) == (
+    assert (quick.gpu, quick.loads, parse_policies(quick.policies)) == (
         ("h100_sxm",), (1.0, 1.2), QUICK_POLICIES)
     assert (quick.sessions, quick.max_turns, quick.max_context_tokens, quick.kv_scale) == (0, 0, 0, "1")
     sim = parse_backend("sim")
-    assert compare.with_reference(DEFAULT_POLICIES, args, sim)[-1] == compare.REFERENCE
+    assert compare.with_reference(DEFAULT_POLICIES, args, sim)[-1] == REFERENCE
     assert compare.with_reference(QUICK_POLICIES, quick, sim) == QUICK_POLICIES  # the issue's grid only
-    asked = _args(["--quick", "--policies", f"fcfs,{compare.REFERENCE}"])
+    asked = _args(["--quick", "--policies", f"fcfs,{REFERENCE}"])
     compare._apply_defaults(asked, sim)
-    assert compare.with_reference(compare.parse_policies(asked.policies), asked, sim) == ("fcfs", compare.REFERENCE)
+    assert compare.with_reference(parse_policies(asked.policies), asked, sim) == ("fcfs", REFERENCE)
     assert compare.with_reference(DEFAULT_POLICIES, _args(["--no-reference"]), sim) == DEFAULT_POLICIES
     live = _args(["--backend", "emulated"])
     compare._apply_defaults(live, parse_backend("emulated"))
@@ -151,15 +154,15 @@ def test_idle_workers_run_the_next_rounds_probes_early_and_the_knee_is_the_same(
     searches, logs = {}, {}
     for mode in ("plain", "speculative"):
         logs[mode] = log = []
-        monkeypatch.setattr(compare, "_probe_task", _fake_probe(log, knee=0.3))
+        monkeypatch.setattr(sweep_module, "probe_task", _fake_probe(log, knee=0.3))
         if mode == "plain":
-            monkeypatch.setattr(compare._Sweep, "_speculate", staticmethod(lambda *args: set()))
+            monkeypatch.setattr(sweep_module._Sweep, "_speculate", staticmethod(lambda *args: set()))
         else:
             monkeypatch.undo()
-            monkeypatch.setattr(compare, "_probe_task", _fake_probe(log, knee=0.3))
-        sweep = compare._Sweep(workload, options, (setup,), tmp_path, None, None, None, ResultCache(None), {})
+            monkeypatch.setattr(sweep_module, "probe_task", _fake_probe(log, knee=0.3))
+        sweep = sweep_module._Sweep(workload, options, (setup,), tmp_path, None, None, None, ResultCache(None), {})
         sweep.ideal = {"g": {s.session_id: 1.0 for s in workload.sessions}}
-        pool = compare._Pool(2)
+        pool = Pool(2)
         pool._executor = ThreadPoolExecutor(2)
         try:
             searches[mode] = sweep._searches(pool, [(setup, "fcfs", 0.1)], "knee")[("g", "fcfs")]
@@ -191,12 +194,12 @@ def test_two_searches_keep_their_round_widths_while_idle_workers_guess(tmp_path,
     found = {}
     for mode in ("plain", "speculative"):
         log: list = []
-        monkeypatch.setattr(compare, "_probe_task", _fake_probe(log, knee=1.0))
+        monkeypatch.setattr(sweep_module, "probe_task", _fake_probe(log, knee=1.0))
         if mode == "plain":
-            monkeypatch.setattr(compare._Sweep, "_speculate", staticmethod(lambda *args: set()))
-        sweep = compare._Sweep(workload, options, setups, tmp_path, None, None, None, ResultCache(None), {})
+            monkeypatch.setattr(sweep_module._Sweep, "_speculate", staticmethod(lambda *args: set()))
+        sweep = sweep_module._Sweep(workload, options, setups, tmp_path, None, None, None, ResultCache(None), {})
         sweep.ideal = {g.gpu: {s.session_id: 1.0 for s in workload.sessions} for g in setups}
-        pool = compare._Pool(2)
+        pool = Pool(2)
         pool._executor = ThreadPoolExecutor(2)
         try:
             found[mode] = sweep._searches(pool, [(g, "fcfs", 0.1) for g in setups], "knee")
@@ -234,14 +237,14 @@ def test_slowdown_guard_stops_a_probe_whose_mean_must_exceed_the_bound() -> None
     def at(t_s: float, cls, sid: str):
         return cls(t_mono_ns=int(t_s * 1e9), t_wall=datetime(2026, 1, 1, tzinfo=UTC), session_id=sid, source="t")
 
-    guard = compare._SlowdownGuard({"a": 1.0, "b": 1.0}, bound=2.0)
+    guard = runs._SlowdownGuard({"a": 1.0, "b": 1.0}, bound=2.0)
     guard._CHECK_EVERY = 1
     guard.emit(at(0.0, ev.SessionStart, "a"))
     guard.emit(at(0.0, ev.SessionStart, "b"))
     guard.emit(at(1.5, ev.SessionEnd, "a"))  # a: 1.5; b open >= 1.5: lower bound 3.0 <= 2 x 2
-    with pytest.raises(compare._Unstable):
+    with pytest.raises(runs._Unstable):
         guard.emit(at(2.6, ev.SessionEnd, "b"))  # b: 2.6, mean 2.05 > 2
-    calm = compare._SlowdownGuard({"a": 1.0, "b": 1.0}, bound=2.0)
+    calm = runs._SlowdownGuard({"a": 1.0, "b": 1.0}, bound=2.0)
     calm._CHECK_EVERY = 1
     for event in (at(0.0, ev.SessionStart, "a"), at(0.0, ev.SessionStart, "b"), at(1.2, ev.SessionEnd, "a"),
                   at(2.7, ev.SessionEnd, "b")):
@@ -249,7 +252,7 @@ def test_slowdown_guard_stops_a_probe_whose_mean_must_exceed_the_bound() -> None
 
 
 def test_probe_of_an_overloaded_run_is_unstable_without_finishing_it(sim, monkeypatch) -> None:
-    monkeypatch.setattr(compare._SlowdownGuard, "_CHECK_EVERY", 1)
+    monkeypatch.setattr(runs._SlowdownGuard, "_CHECK_EVERY", 1)
     workload = small_workload(6, 4)
     options = CompareOptions(num_gpu_blocks=512, knee_slowdown=1.05)
     ideal = {s.session_id: 0.05 for s in workload.sessions}  # far below what they take: unstable early
@@ -260,9 +263,9 @@ def test_probe_of_an_overloaded_run_is_unstable_without_finishing_it(sim, monkey
         results.append(sim.simulate(w, config, timer, sink))  # not reached: the guard raises inside
         return results[-1]
 
-    slowdown, wall_s, stream = compare._probe_task(workload, options, "fcfs", False, 100.0,
-                                                   sim.LinearStepTimeModel(), 512, ideal, counting, True)
-    assert slowdown == math.inf and isinstance(calls[0], compare._SlowdownGuard) and not results
+    slowdown, wall_s, stream = runs.probe_task(workload, options, "fcfs", False, 100.0,
+                                               sim.LinearStepTimeModel(), 512, ideal, counting, True)
+    assert slowdown == math.inf and isinstance(calls[0], runs._SlowdownGuard) and not results
     assert wall_s > 0 and stream is None  # an unstable probe's events are not a run's
 
 
@@ -300,23 +303,23 @@ def test_the_fcfs_run_at_the_knee_is_the_knee_searchs_probe_not_a_second_simulat
 def test_the_guard_stops_a_plugin_policy_at_its_first_raise(sim, monkeypatch) -> None:
     # The guard is also the scheduler's telemetry sink, which drops what its sink raises as an
     # Exception; the first raise must end the probe, not the next one from the simulator's own events.
-    monkeypatch.setattr(compare._SlowdownGuard, "_CHECK_EVERY", 1)
+    monkeypatch.setattr(runs._SlowdownGuard, "_CHECK_EVERY", 1)
     raises: list[str] = []
-    emit = compare._SlowdownGuard.emit
+    emit = runs._SlowdownGuard.emit
 
     def counting_emit(self, event) -> None:
         try:
             emit(self, event)
-        except compare._Unstable:
+        except runs._Unstable:
             raises.append(event.kind)
             raise
 
-    monkeypatch.setattr(compare._SlowdownGuard, "emit", counting_emit)
+    monkeypatch.setattr(runs._SlowdownGuard, "emit", counting_emit)
     workload = small_workload(6, 4)
     options = CompareOptions(num_gpu_blocks=512, knee_slowdown=1.05)
     ideal = {s.session_id: 0.05 for s in workload.sessions}
-    slowdown, _, stream = compare._probe_task(workload, options, "mars", False, 100.0, sim.LinearStepTimeModel(),
-                                              512, ideal)
+    slowdown, _, stream = runs.probe_task(workload, options, "mars", False, 100.0, sim.LinearStepTimeModel(),
+                                          512, ideal)
     assert slowdown == math.inf and len(raises) == 1 and stream is None, raises
 
 
@@ -341,7 +344,7 @@ def test_two_gpus_in_one_report_with_their_own_knees_and_prefixed_files(tmp_path
     assert " s, " in text.split("base rate search (fast)**: ")[1].split("\n")[0]  # each probe's wall
     for name in ("fast__e2e_cdf.png", "slow__goodput_vs_alpha.png", "fast__mars+adm__load1.parquet"):
         assert (tmp_path / name).stat().st_size > 0
-    assert compare.clear_previous_results(tmp_path) and not any(tmp_path.iterdir())
+    assert clear_previous_results(tmp_path) and not any(tmp_path.iterdir())
 
 
 def test_cache_reuses_ideals_and_knees_and_a_changed_input_misses(tmp_path, sim) -> None:
@@ -402,14 +405,14 @@ def test_ablations_are_registered_and_switch_off_what_they_say() -> None:
 
     assert ABLATIONS == ("mars-no-priority", "mars-no-control-plane", "mars-no-coscheduler")
     assert all(POLICIES[a].scheduler == "MarsScheduler" and not POLICIES[a].is_baseline for a in ABLATIONS)
-    assert compare.parse_policies(",".join(ABLATIONS)) == ABLATIONS
+    assert parse_policies(",".join(ABLATIONS)) == ABLATIONS
     no_priority = parse_scheduler_params(POLICIES["mars-no-priority"].additional_config["mars"])
     assert no_priority.levels.num_levels == 1 and not no_priority.mars.session_fifo
     assert no_priority.residency.enabled and no_priority.retention.enabled
     assert not POLICIES["mars-no-control-plane"].has_control_plane and POLICIES["mars"].has_control_plane
     no_co = parse_scheduler_params(POLICIES["mars-no-coscheduler"].additional_config["mars"])
     assert not no_co.residency.enabled and not no_co.retention.enabled and no_co.levels.num_levels == 4
-    assert compare.admission_modes("auto", "mars-no-control-plane") == (False,)
+    assert admission_modes("auto", "mars-no-control-plane") == (False,)
 
 
 def test_ablation_variants_run_and_get_their_section_next_to_the_paper(tmp_path, sim) -> None:
@@ -446,7 +449,7 @@ def test_ideal_times_are_in_workload_order_whatever_order_the_chunks_finish(tmp_
     # when it comes from a cache written in another order.
     workload = small_workload(9, 2)
     order = [s.session_id for s in workload.sessions]
-    monkeypatch.setattr(compare, "_ideal_task",
+    monkeypatch.setattr(sweep_module, "ideal_task",
                         lambda chunk, *args: {s.session_id: 1.0 + 0.1 * order.index(s.session_id) for s in chunk.sessions})
 
     class Backwards:
@@ -457,13 +460,13 @@ def test_ideal_times_are_in_workload_order_whatever_order_the_chunks_finish(tmp_
 
     setup = GpuSetup("g", object(), 64)
     cache = ResultCache(tmp_path / "cache")
-    sweep = compare._Sweep(workload, CompareOptions(num_gpu_blocks=64), (setup,), tmp_path, None, None, None,
+    sweep = sweep_module._Sweep(workload, CompareOptions(num_gpu_blocks=64), (setup,), tmp_path, None, None, None,
                            ResultCache(None), {})
     sweep._ideal_times(Backwards(), None)
     assert list(sweep.ideal["g"]) == order and len(set(sweep.ideal["g"].values())) == len(order)
-    monkeypatch.setattr(compare._Sweep, "_key", lambda self, *args: "k")
+    monkeypatch.setattr(sweep_module._Sweep, "_key", lambda self, *args: "k")
     cache.put("ideal", "k", dict(reversed(list(sweep.ideal["g"].items()))))
-    cached = compare._Sweep(workload, CompareOptions(num_gpu_blocks=64), (setup,), tmp_path, None, None, None,
+    cached = sweep_module._Sweep(workload, CompareOptions(num_gpu_blocks=64), (setup,), tmp_path, None, None, None,
                             cache, {})
     cached._ideal_times(Backwards(), None)
     assert cached.ideal["g"] == sweep.ideal["g"] and list(cached.ideal["g"]) == order

@@ -95,7 +95,7 @@ def test_ctrl_c_prints_one_line_exits_130_and_keeps_the_stream(
         workload_path: Path, tmp_path: Path, hanging_endpoint: str) -> None:
     stream = tmp_path / "run" / "stream.jsonl"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mars_openhands.cli", "replay", str(workload_path), "-o",
+        [sys.executable, "-m", "eval.cli", "replay", str(workload_path), "-o",
          str(stream), "--endpoint-url", hanging_endpoint, "--model", "m",
          "--max-model-len-tokens", "100000", "--no-show-progress"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

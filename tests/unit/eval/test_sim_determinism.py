@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[3]
 RUN = r"""
 import hashlib
 from datetime import UTC, datetime
-from eval.compare import POLICIES
+from eval.policies import POLICIES
 from eval.sim import LinearStepTimeModel, SimConfig, Simulator
 from eval.workloads import PoissonArrivals, with_arrivals
 from eval.workloads.synth import WorkloadCaps, synthesize

@@ -11,6 +11,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from eval.runs import METRIC_KINDS  # noqa: E402
 from eval.sim import FAST_PATHS_ENV, LinearStepTimeModel, SimConfig, SimResult, Simulator  # noqa: E402
 from eval.workloads.format import Session, Turn, Workload, WorkloadMeta  # noqa: E402
 from mars_openhands.engine.inproc import InprocEngineParams  # noqa: E402
@@ -154,7 +155,6 @@ def test_a_sink_with_kinds_gets_those_events_and_the_others_are_not_built(
         monkeypatch: pytest.MonkeyPatch, policy: str, engine: dict[str, Any], admission: bool) -> None:
     """compare's sinks take only the metrics' kinds: they must get exactly the events of those
     kinds a full sink gets, from the same run, and no snapshot or admission update is built."""
-    from eval.compare import _METRIC_KINDS
     from mars_openhands.stream import events as ev
 
     monkeypatch.setenv(FAST_PATHS_ENV, "1")
@@ -168,12 +168,12 @@ def test_a_sink_with_kinds_gets_those_events_and_the_others_are_not_built(
         original = cls.model_construct
         monkeypatch.setattr(cls, "model_construct",
                             lambda *a, _o=original, **kw: built.append("x") or _o(*a, **kw))
-    part = ListSink(kinds=_METRIC_KINDS)
+    part = ListSink(kinds=METRIC_KINDS)
     part_result = Simulator(_kv_bound_workload(), config, LinearStepTimeModel(), part, ORIGIN).run()
-    assert {e.kind for e in full.events} >= {"engine_step", "admission_update", *_METRIC_KINDS} - {
+    assert {e.kind for e in full.events} >= {"engine_step", "admission_update", *METRIC_KINDS} - {
         "kv_retained", "kv_released", "preempted"}
     assert [e.model_dump() for e in part.events] == [
-        e.model_dump() for e in full.events if e.kind in _METRIC_KINDS]
+        e.model_dump() for e in full.events if e.kind in METRIC_KINDS]
     assert {s: r.end_s for s, r in part_result.sessions.items()} == {
         s: r.end_s for s, r in full_result.sessions.items()}
     assert part_result.num_preemptions == full_result.num_preemptions > 0

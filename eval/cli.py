@@ -1,10 +1,14 @@
-"""`mars-openhands <subcommand>`: the command-line entry point.
+"""`mars-openhands <subcommand>`: the command-line entry point (``[project.scripts]``).
 
 Each subcommand lives with its component and registers itself through an ``add_*_subcommand``
-function that adds an argparse sub-parser and sets ``func`` (``args -> exit code``). Components are
-imported lazily so that ``mars-openhands --help`` is fast and works in every environment. A
-component that cannot be imported here (e.g. ``openhands`` without the OpenHands SDK) is still
-listed; running it, with any arguments, prints one line saying where it works and exits 2.
+function that adds an argparse sub-parser and sets ``func`` (``args -> exit code``). This module
+composes every layer's subcommands (the gateway's, the OpenHands adapter's, the runtime's and
+eval's own), so it lives in ``eval``, the one layer that may import all the others: nothing in
+``mars_openhands`` imports ``eval``, by name or by string (tests/unit/test_layering.py).
+
+Components are imported by name (:data:`SUBCOMMANDS`), one by one, so that a component that cannot
+be imported in this environment (e.g. ``openhands`` without the OpenHands SDK) is still listed;
+running it, with any arguments, prints one line saying where it works and exits 2.
 """
 
 from __future__ import annotations

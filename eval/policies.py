@@ -1,0 +1,159 @@
+"""The policy registry: every ``--policies`` name and how it maps onto the engine (design.md §5).
+
+One :class:`PolicySpec` per name: the scheduler class and its ``--additional-config``, other engine
+settings, whether the policy counts as a baseline, whether it comes with the gateway's admission
+window (its control plane), which part an ablation switches off, and whether it is the
+unbounded-KV reference. ``compare``, ``openhands bench`` (:mod:`eval.ohbench`), the live backends
+(:func:`live_policy_config`) and the benchmarks all read policies from here; docs/schedulers.md
+describes the schedulers, docs/compare.md the ablations and the reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from eval.workloads import Workload
+
+__all__ = [
+    "ABLATIONS",
+    "DEFAULT_POLICIES",
+    "POLICIES",
+    "QUICK_POLICIES",
+    "REFERENCE",
+    "PolicySpec",
+    "admission_modes",
+    "live_policy_config",
+    "parse_policies",
+    "unbounded_kv_blocks",
+]
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """How one ``--policies`` name maps onto the simulator.
+
+    Attributes:
+        scheduler: ``SimConfig.policy`` (``"fcfs"`` or a class exported by ``mars_openhands.engine``).
+        additional_config: vLLM ``--additional-config`` (see docs/schedulers.md).
+        is_baseline: counts as a baseline for the "best baseline" ratios.
+    """
+
+    scheduler: str
+    additional_config: Mapping[str, Any] = field(default_factory=dict)
+    is_baseline: bool = True
+    engine: Mapping[str, Any] = field(default_factory=dict)
+    """Engine settings besides the scheduler (``InprocEngineParams`` fields in the simulator; the
+    live backends turn them into server flags, :func:`eval.backends.engine_flags`)."""
+    has_control_plane: bool = False
+    """The policy comes with the gateway's admission window (``--admission auto`` turns it on):
+    MARS is an internal scheduler *and* an external control plane (MARS §4.2, §4.3)."""
+    ablates: str | None = None
+    """For an ablation variant of ``mars``: the part switched off (a key of :data:`eval.report.PAPER_ABLATIONS`);
+    not in ``--policies all``."""
+    admission: Mapping[str, Any] = field(default_factory=dict)
+    """Gateway admission-window settings (``AdmissionParams`` fields) for its runs with the window."""
+    is_kv_unbounded: bool = False
+    """A reference, not a policy: the engine gets KV for every session's whole context at once
+    (:func:`unbounded_kv_blocks`), so nothing ever waits for KV, is preempted or re-prefilled.
+    Simulator only; no admission window; not a baseline."""
+
+
+_NO_PRIORITY: Mapping[str, Any] = {"mars": {
+    "levels": {"prompt_thresholds_tokens": [], "quanta_tokens": [8192], "aging_interval_s": 0.0},
+    "mars": {"quanta_tokens": [8192], "session_service_thresholds_tokens": [], "use_session_service": False,
+             "max_promotion_levels": 0, "session_fifo": False}}}
+"""``mars-no-priority``: one MLFQ level (every request level 0, one 8192-token quantum = the step
+budget, as mars's level 0), no aging, no session service, request-level FIFO instead of
+session-level: vLLM's arrival order with mars's victim rule reduced to "youngest request first".
+KV residency, retention and the control plane stay on."""
+_NO_COSCHEDULER: Mapping[str, Any] = {"mars": {"retention": {"enabled": False}, "residency": {"enabled": False}}}
+"""``mars-no-coscheduler``: no CPU-GPU co-scheduling of KV: neither residency (pinning the
+resident sessions' KV across tool calls, holding the others' turns) nor value-model retention
+(TTL by the tool's duration CDF); a finished turn's KV goes back to vLLM's prefix cache as under
+stock vLLM. Priority levels and the control plane stay on."""
+
+POLICIES: Mapping[str, PolicySpec] = {
+    "fcfs": PolicySpec("fcfs"),
+    # Stock vLLM as vLLM's agentic benchmark tunes it (design.md §5; docs/schedulers.md).
+    "vllm-tuned": PolicySpec("fcfs", engine={"long_prefill_token_threshold": 512}),
+    "autellix": PolicySpec("AutellixScheduler"),
+    "infercept": PolicySpec("InferceptScheduler"),
+    "continuum": PolicySpec("ContinuumScheduler", {"mars": {"continuum": {"mode": "continuum"}}}),
+    "continuum-dy": PolicySpec("ContinuumScheduler", {"mars": {"continuum": {"mode": "continuum-dy"}}}),
+    "thunderagent": PolicySpec("ThunderAgentScheduler"),
+    # The preview's own CPU overload threshold and no wait bound (a faithful port; ours: 1.5 and 1800 s).
+    "mars-preview": PolicySpec("MarsPreviewScheduler", is_baseline=False, has_control_plane=True,
+                               admission={"cpu_set_backlog_ratio": 4.0, "max_admission_wait_s": None}),
+    "mars": PolicySpec("MarsScheduler", is_baseline=False, has_control_plane=True),
+    # Ablations (MARS §6): mars with one part switched off (docs/compare.md "Ablations").
+    "mars-no-priority": PolicySpec("MarsScheduler", _NO_PRIORITY, is_baseline=False, has_control_plane=True,
+                                   ablates="priority"),
+    "mars-no-control-plane": PolicySpec("MarsScheduler", is_baseline=False, has_control_plane=False,
+                                        ablates="control_plane"),
+    "mars-no-coscheduler": PolicySpec("MarsScheduler", _NO_COSCHEDULER, is_baseline=False,
+                                      has_control_plane=True, ablates="coscheduler"),
+    # The reference every KV policy is measured against (docs/compare.md "Headroom").
+    "unbounded-kv": PolicySpec("fcfs", is_baseline=False, is_kv_unbounded=True),
+}
+"""The one policy registry: every ``--policies`` name (design.md §5), in the default order, then
+the ablation variants of ``mars``."""
+DEFAULT_POLICIES: tuple[str, ...] = tuple(n for n, p in POLICIES.items()
+                                          if p.ablates is None and not p.is_kv_unbounded)
+"""``--policies all``: every policy except the ablation variants and the reference."""
+REFERENCE = "unbounded-kv"
+"""The unbounded-KV reference (``PolicySpec.is_kv_unbounded``): ``compare`` adds it to every
+simulator sweep unless ``--no-reference`` or ``--quick`` (:func:`eval.compare.with_reference`)."""
+ABLATIONS: tuple[str, ...] = tuple(n for n, p in POLICIES.items() if p.ablates is not None)
+"""The ablation variants (``--ablations`` adds them to the policies)."""
+QUICK_POLICIES: tuple[str, ...] = ("fcfs", "continuum", "thunderagent", "mars")
+"""``--quick``: FCFS, the two strongest baselines and mars. Continuum was the strongest baseline of
+the full-workload measurements in issue 12 (H100 and H200); ThunderAgent (ICML'26) is the newest
+program-level baseline, built to beat Continuum in exactly this regime."""
+
+
+def parse_policies(text: str | Sequence[str]) -> tuple[str, ...]:
+    """Split a comma-separated policy list (``"all"`` = every one) and check the names.
+
+    Raises:
+        ValueError: an unknown name (the message lists the supported ones) or an empty list.
+    """
+    names = [n.strip() for n in (text.split(",") if isinstance(text, str) else text) if n.strip()]
+    if names == ["all"]:
+        return DEFAULT_POLICIES
+    unknown = [n for n in names if n not in POLICIES]
+    if unknown or not names:
+        problem = f"unknown policy {unknown[0]!r}" if unknown else "no policy given"
+        raise ValueError(f"{problem}; supported: {', '.join(POLICIES)} (or 'all')")
+    return tuple(dict.fromkeys(names))
+
+
+def admission_modes(admission: str, policy: str) -> tuple[bool, ...]:
+    """Admission-window settings to run ``policy`` with under ``--admission``. Pure.
+
+    >>> admission_modes("auto", "mars"), admission_modes("auto", "fcfs"), admission_modes("both", "fcfs")
+    ((True,), (False,), (False, True))
+    """
+    if POLICIES[policy].is_kv_unbounded:
+        return (False,)
+    if admission == "auto":
+        return (POLICIES[policy].has_control_plane,)
+    return {"off": (False,), "on": (True,), "both": (False, True)}[admission]
+
+
+def live_policy_config() -> dict[str, tuple[str, Mapping[str, Any], Mapping[str, Any], Mapping[str, Any]]]:
+    """``LiveBackend``'s ``policy_config``: name -> (scheduler, additional config, engine, admission
+    settings). Pure."""
+    return {name: (p.scheduler, p.additional_config, p.engine, p.admission) for name, p in POLICIES.items()}
+
+
+def unbounded_kv_blocks(workload: Workload, block_size: int = 16) -> int:
+    """KV blocks that hold every session's whole context at once: the unbounded-KV reference. Pure.
+
+    Per session ``ceil(context / block_size) + 1`` blocks (its final context plus the block a
+    decode step may open), summed over the sessions. Shape: one int, blocks of ``block_size``
+    tokens.
+    """
+    return sum(-(-s.max_context_tokens // block_size) + 1 for s in workload.sessions)
+

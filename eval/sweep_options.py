@@ -1,0 +1,106 @@
+"""What a sweep is given besides its workload: :class:`CompareOptions` (policies, loads, admission,
+knee search) and per GPU a :class:`GpuSetup` (its step-time model and KV blocks).
+
+A GPU profile's step-time model (``StepTimeModel``, aiconfigurator's kernel data) cannot be
+pickled, so sweeps hand worker processes a :class:`ProfileTimer` (the profile's keys), which
+each worker builds once (:func:`real_timer`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from eval.metrics import DEFAULT_ALPHAS
+from eval.policies import DEFAULT_POLICIES
+from mars_openhands.engine.executor.profiles import GpuProfile
+from mars_openhands.engine.executor.timing import StepTimeModel
+
+__all__ = ["CompareOptions", "GpuSetup", "ProfileTimer", "real_timer"]
+
+
+class CompareOptions(BaseModel):
+    """Everything one comparison needs besides the workload and the step-time model. Frozen."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    policies: tuple[str, ...] = DEFAULT_POLICIES
+    """Policy names (keys of :data:`eval.policies.POLICIES`)."""
+    loads: tuple[float, ...] = (0.5, 0.8, 1.0, 1.2)
+    """Multipliers of the base rate, or sessions/s with ``is_absolute_rates``."""
+    is_absolute_rates: bool = False
+    admission: Literal["auto", "off", "on", "both"] = "auto"
+    """Gateway admission window: ``auto`` = on for the MARS policies (their control plane), off for
+    the baselines (as published; the MARS paper ran them so); or off / on for every policy, or one
+    run of each (``both``: the fair ablation, design.md §5)."""
+    num_gpu_blocks: int = Field(ge=2)
+    """KV blocks of the simulated GPU."""
+    num_tool_workers: int = Field(16, ge=1)
+    seed: int = 0
+    """Seeds the Poisson arrivals and the simulator."""
+    base_rate_per_s: float | None = Field(None, gt=0.0)
+    """Skip the knee search and use this base rate."""
+    knee_slowdown: float = Field(2.0, gt=1.0)
+    """Stable = every session completes and mean slowdown <= this."""
+    search_max_runs: int = Field(8, ge=1)
+    """Runs one knee search may spend (FCFS's, and each policy's with ``is_capacity``)."""
+    knee_tolerance: float = Field(1.1, gt=1.0)
+    """Stop bisecting once the bracket's ``hi / lo`` is at most this (10%: finer than one seed's noise)."""
+    is_capacity: bool = False
+    """Also search every policy's own knee (capacity at SLO; ``--capacity``)."""
+    alphas: tuple[float, ...] = DEFAULT_ALPHAS
+    max_virtual_s: float | None = Field(None, gt=0.0)
+    """Abort a run whose virtual clock passes this (a guard against runaway overload)."""
+
+
+@dataclass(frozen=True)
+class ProfileTimer:
+    """Picklable step-time model of a GPU profile: ``StepTimeModel(GpuProfile(gpu, model))``.
+
+    aiconfigurator's model is a Rust object that cannot be pickled, so worker processes get this
+    spec and build the model once each (:meth:`build`, cached per process).
+    """
+
+    gpu: str
+    model: str
+
+    def build(self) -> Any:
+        """The ``StepTimeModel`` (built on first use in this process)."""
+        return _profile_step_model(self.gpu, self.model)
+
+    def step_time_s(self, prefill: Sequence[tuple[int, int]] = (),
+                    decode_context_tokens: Sequence[int] = ()) -> float:
+        """Seconds of one step (see ``StepTimeModel.step_time_s``)."""
+        return float(self.build().step_time_s(prefill, decode_context_tokens))
+
+
+@functools.lru_cache(maxsize=8)
+def _profile_step_model(gpu: str, model: str) -> Any:
+    return StepTimeModel(GpuProfile(gpu=gpu, model=model))
+
+
+def real_timer(timer: Any) -> Any:
+    """The model behind a :class:`ProfileTimer` (skips one call per step), else ``timer`` itself."""
+    return timer.build() if isinstance(timer, ProfileTimer) else timer
+
+
+@dataclass(frozen=True)
+class GpuSetup:
+    """One GPU of a sweep.
+
+    Attributes:
+        gpu: profile key (``h100_sxm``) or any label; the ``gpu`` column of the results.
+        step_timer: seconds per engine step; picklable for ``jobs > 1`` (:class:`ProfileTimer`,
+            ``LinearStepTimeModel``).
+        num_gpu_blocks: KV blocks of this GPU.
+        timing: one line describing the step times and KV (for ``summary.md``).
+    """
+
+    gpu: str
+    step_timer: Any
+    num_gpu_blocks: int
+    timing: str = ""
