@@ -256,17 +256,19 @@ class Gateway:
         self.hub.forward(replica, event)
 
     def record_aborted(self, session: Session | None, request_id: str, reason: str, stage: str,
-                       elapsed_s: float, is_slot_released: bool = False) -> None:
+                       elapsed_s: float, is_slot_released: bool = False,
+                       turn: int | None = None) -> None:
         """Record an ``aborted`` event: the gateway gave up a request (client gone, admission
         timeout, replica down) before its response ended. ``session`` ``None``: not known yet
-        (the client hung up while sending the body)."""
+        (the client hung up while sending the body); ``turn``: the agent turn it ran as (``None``:
+        none yet, or a side request)."""
         if self.hub is None:
             return
         is_named = session is not None and not session.is_one_turn
         self.hub.record(RequestAborted(
             **now_stamps(), source="gateway",
             session_id=session.session_id if is_named else None,
-            turn=session.num_turns - 1 if is_named and session.num_turns else None,
+            turn=turn if is_named else None,
             request_id=request_id,
             reason=reason, stage=stage, is_slot_released=is_slot_released,
             elapsed_s=max(0.0, elapsed_s),
@@ -482,6 +484,7 @@ class Gateway:
             "sessions": {
                 s.session_id: {"replica": s.replica, "turns": s.num_turns,
                                "side_requests": s.num_side_requests,
+                               "turn_retries": s.num_turn_retries,
                                "in_flight": s.num_in_flight,
                                "admitted": admission.is_admitted(s.session_id)}
                 for s in self.sessions

@@ -120,6 +120,16 @@ class GatewayConfig(BaseModel):
     """Seconds to connect to a replica before it counts as failed."""
     upstream_read_timeout_s: float = Field(600.0, gt=0.0)
     """Seconds between bytes from a replica before the request fails (HTTP 504)."""
+    stream_hold_s: float = Field(120.0, ge=0.0)
+    """Longest the gateway holds a streamed response's headers back waiting for its first chunk,
+    seconds from the replica's headers. vLLM sends a stream's 200 headers before its first token;
+    while they are held, a replica that dies (the turn queued or prefilling) is invisible to the
+    agent: the turn is re-run on the next replica. Past the bound the headers go out, and a later
+    failure ends the stream with an SSE ``error`` chunk. Default 120 s: past a turn's queueing and
+    prefill on a loaded engine (tens of seconds for a 100k-token prompt), under the 300 s
+    response-header timeout of Node's undici (the OpenAI Node SDK's fetch), the shortest header
+    timeout among common clients (httpx, aiohttp and requests count headers in their read
+    timeout). 0: relay the headers at once (the behaviour before this field)."""
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     """Largest request body accepted, bytes (larger: HTTP 413)."""
     max_events_per_post: int = Field(1024, ge=1)

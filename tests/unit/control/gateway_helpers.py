@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -47,9 +48,17 @@ AGENT_TOOLS = [{"type": "function", "function": {"name": "terminal", "parameters
 """What an agent's turn carries (a chat request without tools is a side request)."""
 
 
+_NUM_BODIES = itertools.count()
+"""Each ``chat()`` body differs (a new turn; the same body again is a retry of the same turn)."""
+
+
 def chat(session: str | None = None, stream: bool = False, **extra: Any) -> dict[str, Any]:
-    """An agent turn (with ``tools``); pass ``tools=None`` for a side request (title, summary)."""
-    body: dict[str, Any] = {"model": "fake", "messages": [{"role": "user", "content": "hi"}],
+    """An agent turn (with ``tools``); pass ``tools=None`` for a side request (title, summary).
+
+    Every call's ``messages`` differ, as an agent's conversation grows from turn to turn (the
+    gateway takes a body equal to the session's last turn for a retry of that turn)."""
+    message = {"role": "user", "content": f"hi {next(_NUM_BODIES)}"}
+    body: dict[str, Any] = {"model": "fake", "messages": [message],
                             "stream": stream, "tools": AGENT_TOOLS, **extra}
     if body["tools"] is None:
         del body["tools"]

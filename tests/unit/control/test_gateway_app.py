@@ -340,7 +340,8 @@ def test_a_client_gone_before_the_first_byte_frees_its_slot_and_is_in_the_stream
         httpx.post(f"{server.url}/v1/chat/completions", json=chat("gone-a"), timeout=0.5,
                    headers={"x-request-id": "req-gone"})
     wait_until(lambda: state(server)["num_admitted"] == 0, timeout_s=3.0, what="slot released")
-    assert state(server)["sessions"]["gone-a"]["turns"] == 1  # still known, keeps its turns
+    assert state(server)["sessions"]["gone-a"]["turns"] == 0  # still known; its aborted turn 0
+    # was given back (the agent's retry is turn 0 again)
     fake.configure(delay_s=0.0)
     r = httpx.post(f"{server.url}/v1/chat/completions", json=chat("gone-b"), timeout=5.0)
     assert r.status_code == 200
@@ -349,3 +350,34 @@ def test_a_client_gone_before_the_first_byte_frees_its_slot_and_is_in_the_stream
             for e in aborted] == [("req-gone", "gone-a", 0, "client_disconnect", "upstream", True)]
     assert 0.4 < aborted[0].elapsed_s < 5.0
     assert "mars_client_gone_releases_total 1" in httpx.get(f"{server.url}/metrics").text
+
+
+def test_retries_and_aborted_tries_of_a_turn_keep_its_number(clean_fakes, gateway_factory) -> None:
+    """Issue 33 item 7: an attempt that ends without an answer (client gone, replica error) does
+    not advance ``mars_turn``, and the same body sent again (a client's retry, even after an
+    answer) is the same turn; the engine sees the turn numbers an agent would count."""
+    fake = clean_fakes[0]
+    server, sink = gateway_factory([fake.url])
+    first, second, third, fourth = (chat("retry") for _ in range(4))
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        assert client.post("/v1/chat/completions", json=first).headers["x-mars-turn"] == "0"
+        fake.configure(delay_s=5.0)
+        num_aborted = fake.seen()["num_aborted"]
+        with pytest.raises(httpx.ReadTimeout):  # the agent gives up on turn 1: aborted
+            httpx.post(f"{server.url}/v1/chat/completions", json=second, timeout=0.3)
+        wait_until(lambda: fake.seen()["num_aborted"] == num_aborted + 1,
+                   what="the engine to abort it")
+        fake.configure(delay_s=0.0)
+        assert client.post("/v1/chat/completions", json=second).headers["x-mars-turn"] == "1"
+        # The same body again after an answer (the client did not take it): still turn 1.
+        assert client.post("/v1/chat/completions", json=second).headers["x-mars-turn"] == "1"
+        fake.configure(fail_status=503)  # the engine fails turn 2; the agent moves on
+        assert client.post("/v1/chat/completions", json=third).status_code == 503
+        fake.configure(fail_status=0)
+        assert client.post("/v1/chat/completions", json=fourth).headers["x-mars-turn"] == "2"
+    turns = [r["vllm_xargs"].get("mars_turn") for r in fake.seen()["requests"]
+             if r["session_id"] == "retry"]
+    assert turns == [0, 1, 1, 1, 2, 2]
+    aborted = [e for e in sink.events if e.kind == "aborted" and e.session_id == "retry"]
+    assert [e.turn for e in aborted] == [1]
+    assert state(server)["sessions"]["retry"]["turns"] == 3

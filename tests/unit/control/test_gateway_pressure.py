@@ -170,3 +170,61 @@ def test_restarted_replica_comes_back(gateway_factory) -> None:
             assert r.status_code == 200 and r.headers["x-mars-turn"] == "1"
     finally:
         a.kill()
+
+
+def _stream_in_thread(client: httpx.Client, body: dict) -> tuple[threading.Thread, dict]:
+    """POST ``body`` as a stream in a thread; the result holds its status, headers and bytes."""
+    result: dict = {}
+
+    def run() -> None:
+        with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            result["status"], result["headers"] = r.status_code, dict(r.headers)
+            result["body"] = b"".join(r.iter_raw())
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, result
+
+
+def test_a_stream_whose_replica_dies_before_its_first_token_is_rerun_elsewhere(gateway_factory) -> None:
+    """vLLM sends a stream's 200 headers before its first token: the gateway holds them until the
+    first chunk, so a replica that dies while the turn queues or prefills is invisible to the agent
+    (one normal stream from the next replica, the same turn)."""
+    with FakeEngineProcess() as a, FakeEngineProcess() as b:
+        server, sink = gateway_factory([a.url, b.url], replica_failure_threshold=1)
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            placed = {sid: client.post("/v1/chat/completions", json=chat(sid)).headers[
+                "x-mars-replica"] for sid in ("pre-1", "pre-2")}
+            victim = next(s for s, r in placed.items() if r == "r0")
+            a.configure(delay_s=60.0)  # headers now, first token in a minute
+            thread, result = _stream_in_thread(client, chat(victim, stream=True))
+            wait_until(lambda: a.seen()["num_active"] == 1, what="the stream in flight on r0")
+            time.sleep(0.2)  # r0's 200 headers have reached the gateway
+            a.kill()
+            thread.join(timeout=15)
+            assert not thread.is_alive(), "stream hung after its replica was killed"
+        assert result["status"] == 200
+        assert result["headers"]["x-mars-replica"] == "r1" and result["headers"]["x-mars-turn"] == "1"
+        body = result["body"]
+        assert b"upstream_error" not in body, body
+        assert body.count(b"data: ") == 4 and body.endswith(b"data: [DONE]\n\n"), body
+        rerun = [r for r in b.seen()["requests"] if r["session_id"] == victim]
+        assert [r["vllm_xargs"]["mars_turn"] for r in rerun] == [1]  # the same turn, once
+        assert not [e for e in sink.events if e.kind == "aborted"]
+
+
+def test_a_stream_past_the_hold_bound_ends_with_an_sse_error(gateway_factory) -> None:
+    """Past ``stream_hold_s`` without a chunk the headers go out; a failure after that is the SSE
+    error chunk naming the replica (the agent has a response under way)."""
+    with FakeEngineProcess() as a, FakeEngineProcess() as b:
+        server, _ = gateway_factory([a.url, b.url], replica_failure_threshold=1, stream_hold_s=0.2)
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            placed = {sid: client.post("/v1/chat/completions", json=chat(sid)).headers[
+                "x-mars-replica"] for sid in ("hold-1", "hold-2")}
+            victim = next(s for s, r in placed.items() if r == "r0")
+            a.configure(delay_s=60.0)
+            with client.stream("POST", "/v1/chat/completions", json=chat(victim, stream=True)) as r:
+                assert r.status_code == 200 and r.headers["x-mars-replica"] == "r0"  # after 0.2 s
+                a.kill()
+                rest = b"".join(r.iter_raw())
+        assert b'"upstream_error"' in rest and b"r0" in rest
