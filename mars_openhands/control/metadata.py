@@ -74,11 +74,13 @@ class BadRequestError(ValueError):
 
     Attributes:
         status_code: the HTTP status to answer with (400 unless stated).
+        kind: the OpenAI error ``type`` of the answer.
     """
 
     def __init__(self, message: str, status_code: int = 400) -> None:
         super().__init__(message)
         self.status_code = status_code
+        self.kind = "invalid_request_error"
 
 
 def validate_session_id(value: Any, field: str) -> str:

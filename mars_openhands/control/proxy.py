@@ -34,6 +34,7 @@ import msgspec
 
 from mars_openhands.control import metadata
 from mars_openhands.control.admission import AdmissionTimeoutError
+from mars_openhands.control.auth import SESSION_TOKEN_HEADER, AuthError
 from mars_openhands.control.metadata import BadRequestError
 from mars_openhands.control.routing import NoReplicaError, ReplicaState
 from mars_openhands.control.sessions import Session
@@ -55,7 +56,7 @@ PROXY_PATHS = frozenset(("/v1/chat/completions", "/v1/completions"))
 
 _HEADERS_READ = {name.encode(): name for name in (
     "x-mars-session", "x-litellm-session-id", "x-mars-last-step", "content-length",
-    "authorization", "content-type", "accept", "x-request-id")}
+    "authorization", "content-type", "accept", "x-request-id", SESSION_TOKEN_HEADER)}
 _FORWARD_HEADERS = ("authorization", "accept", "x-request-id")
 _NEEDS_REWRITE = frozenset(("mars_session", "mars_last_step", "mars_side", "session_id",
                             "vllm_xargs"))
@@ -283,9 +284,9 @@ class ProxyHandler:
                 metadata.check_xargs(fields["vllm_xargs"])
             session, last_step = gateway.session_for(headers, fields)
             is_side = not session.is_one_turn and metadata.is_side_request(scope["path"], fields)
-        except BadRequestError as e:
-            await _send_whole(send, *_json_error(e.status_code, str(e), "invalid_request_error"),
-                              None)
+        except BadRequestError as e:  # AuthError too: refused before anything was counted
+            gateway.num_forbidden += isinstance(e, AuthError)
+            await _send_whole(send, *_json_error(e.status_code, str(e), e.kind), None)
             return
         except _ClientGoneError:
             gateway.num_client_disconnects += 1
@@ -425,6 +426,8 @@ class ProxyHandler:
         client = gateway.client
         assert client is not None, "Gateway.start() must run first"
         call.fail_reason = None
+        if replica.authorization is not None:  # the replica's own key, never the agent's
+            headers = {**headers, "authorization": replica.authorization}
         replica.in_flight.add(call)
         try:
             resp = await client.post(f"{replica.url}{path}", content, headers)

@@ -12,7 +12,7 @@ import threading
 import time
 
 import httpx
-from gateway_helpers import chat, event, state, wait_until
+from gateway_helpers import chat, event, post_events, state, wait_until
 
 from mars_openhands.control.fake_engine import FakeEngineProcess
 
@@ -29,13 +29,13 @@ def test_tool_backlog_shrinks_window_with_hysteresis(clean_fakes, gateway_factor
     with httpx.Client(base_url=server.url, timeout=10) as client:
         client.post("/v1/chat/completions", json=chat("cpu-a"))
         # rho = 16 in-flight tool calls / 4 workers >= 4: overload (C_cpu = ceil(4 * 2.5) = 10).
-        client.post("/mars/v1/events", json=[
+        post_events(client, [
             event("tool_enqueued", "cpu-a", tool_name="bash", tool_call_id=f"c{i}")
             for i in range(16)])
         wait_until(lambda: state(server)["window"] == 2, what="window at W_min")
         assert state(server)["is_cpu_overloaded"]
         # rho = 2: between clear (1) and set (4): stays overloaded, window stays at W_min.
-        client.post("/mars/v1/events", json=[
+        post_events(client, [
             event("tool_end", "cpu-a", tool_name="bash", tool_call_id=f"c{i}", duration_s=0.1)
             for i in range(8)])
         wait_until(lambda: any(u.tool_backlog_ratio == 2.0 for u in updates(sink)),
@@ -46,7 +46,7 @@ def test_tool_backlog_shrinks_window_with_hysteresis(clean_fakes, gateway_factor
         assert state(server)["is_cpu_overloaded"] and state(server)["window"] == 2
         assert len(band) <= 2  # nothing changed in the band: no update per tick
         # rho = 0: cleared; the window grows back one per tick to W_max.
-        client.post("/mars/v1/events", json=[
+        post_events(client, [
             event("tool_end", "cpu-a", tool_name="bash", tool_call_id=f"c{i}", duration_s=0.1)
             for i in range(8, 16)])
         wait_until(lambda: state(server)["window"] == 8, what="window back at W_max")
@@ -65,7 +65,7 @@ def test_tool_wait_ema_sets_cpu_overload(clean_fakes, gateway_factory) -> None:
                                 tool_wait_idle_decay=False)
     with httpx.Client(base_url=server.url, timeout=10) as client:
         client.post("/v1/chat/completions", json=chat("wait-a"))
-        client.post("/mars/v1/events", json=[
+        post_events(client, [
             event("tool_start", "wait-a", tool_name="bash", tool_call_id="w", queue_wait_s=9.0),
             event("tool_end", "wait-a", tool_name="bash", tool_call_id="w", duration_s=0.1)])
         wait_until(lambda: state(server)["is_cpu_overloaded"], what="overload from queue wait")
