@@ -99,8 +99,9 @@ def _secret(value: Any) -> str | None:
     return value.get_secret_value() if value is not None else None
 
 
-def settings_line(config: GatewayConfig) -> str:
-    """``replicas: ...; admission: ...; stream: ...``: the settings of a gateway start-up line. Pure."""
+def settings_line(config: GatewayConfig, is_in_process: bool = False) -> str:
+    """``replicas: ...; admission: ...; stream: ...; auth: ...``: the settings of a gateway start-up
+    line (in-process, vLLM's ``--api-key`` is the API key). Pure."""
     replicas = ", ".join(f"{config.replica_name(i)}={r.url}" for i, r in enumerate(config.replicas))
     p = config.admission
     admission = (f"on (window {p.window_min}..{p.window_max}, starts at {p.window_init})"
@@ -108,6 +109,8 @@ def settings_line(config: GatewayConfig) -> str:
     stream = config.stream_path or "not recorded (--stream-path)"
     keys = ", ".join(f"{name} key {'on' if key is not None else 'off'}"
                      for name, key in (("API", config.api_key), ("admin", config.admin_key)))
+    if is_in_process:
+        keys = keys.replace("API key off", "API key: vLLM's --api-key")
     return f"replicas: {replicas}; admission: {admission}; stream: {stream}; auth: {keys}"
 
 

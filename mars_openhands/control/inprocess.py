@@ -387,9 +387,11 @@ class MarsGatewayMiddleware:
             raise error
 
     async def _start_gateway(self) -> None:
+        from mars_openhands.control.app import settings_line
+
         await self.gateway.start()
         print(f"MARS gateway in-process (vLLM --middleware; OpenAI routes and /mars/v1/* on this "
-              f"server); {self.gateway.settings_line()}", file=sys.stderr, flush=True)
+              f"server); {settings_line(self.config, is_in_process=True)}", file=sys.stderr, flush=True)
 
     async def _is_authorized(self, scope: Mapping[str, Any]) -> bool:
         """Whether vLLM's own API-key check (``--api-key``, ``VLLM_API_KEY``) lets this request's
@@ -479,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from mars_openhands.control.app import settings_line
 
-    print(f"{CONFIG_ENV} ok: {settings_line(config)}")
+    print(f"{CONFIG_ENV} ok: {settings_line(config, is_in_process=True)}")
     return 0
 
 
