@@ -163,17 +163,22 @@ class InProcessResponse:
         """The whole body. Raises UpstreamError."""
         return b"".join([chunk async for chunk in self.iter_chunks()])
 
+    async def read_chunk(self) -> bytes:
+        """The app's next non-empty body bytes, ``b""`` at the end. Cancel-safe (the messages
+        wait in the call's deque). Raises UpstreamError."""
+        while not self._call.is_finished:
+            message = await self._call.next_message()
+            if not message.get("more_body", False):
+                self._call.is_finished = True
+            if body := message.get("body", b""):
+                return body
+        return b""
+
     async def iter_chunks(self) -> AsyncIterator[bytes]:
         """Body bytes as the app sends them (one item per ``http.response.body``). Raises
         UpstreamError."""
-        while True:
-            message = await self._call.next_message()
-            body = message.get("body", b"")
-            if body:
-                yield body
-            if not message.get("more_body", False):
-                self._call.is_finished = True
-                return
+        while chunk := await self.read_chunk():
+            yield chunk
 
     def close(self) -> None:
         """Hang up on the app's request if it has not finished (vLLM aborts it)."""

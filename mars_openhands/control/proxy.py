@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -151,26 +151,13 @@ class _UpstreamFailedError(Exception):
 
 
 class _HeldStream:
-    """A 200 stream whose headers the gateway still holds: the chunks read so far, and the rest.
+    """A 200 stream whose headers the gateway held back: the first chunk it read meanwhile
+    (``None``: none within ``stream_hold_s``; ``b""``: the stream ended without one)."""
 
-    Attributes:
-        chunks: the response's chunk iterator (:meth:`UpstreamResponse.iter_chunks`).
-        head: its first chunk, already read (``None``: not yet, or the stream was empty).
-        pending: the read of the first chunk, still going when ``stream_hold_s`` ran out.
-    """
+    __slots__ = ("head",)
 
-    __slots__ = ("chunks", "head", "pending")
-
-    def __init__(self, chunks: AsyncIterator[bytes], head: bytes | None,
-                 pending: asyncio.Future[bytes | None] | None) -> None:
-        self.chunks = chunks
+    def __init__(self, head: bytes | None) -> None:
         self.head = head
-        self.pending = pending
-
-
-async def _first_chunk(chunks: AsyncIterator[bytes]) -> bytes | None:
-    """The first chunk of a stream (chunks are never empty), or ``None`` if it ends at once."""
-    return await anext(chunks, None)
 
 
 class _Call:
@@ -472,23 +459,18 @@ class ProxyHandler:
     async def _hold(self, resp: UpstreamResponse) -> _HeldStream:
         """Read a 200 stream's first chunk before anything goes to the agent, for at most
         ``stream_hold_s`` (vLLM sends the headers before the first token: a replica that dies
-        while the turn queues or prefills can still be replaced). Past the bound the read goes on
-        in a task the relay awaits.
+        while the turn queues or prefills can still be replaced). The read is cancel-safe
+        (:meth:`UpstreamResponse.read_chunk`): past the bound the relay goes on from where it was.
 
         Raises:
             UpstreamError: the replica failed before the first chunk.
-            asyncio.CancelledError: the request's task was cancelled (the read is cancelled too).
+            asyncio.CancelledError: the request's task was cancelled (client gone, replica down).
         """
-        chunks = resp.iter_chunks()
-        first = asyncio.ensure_future(_first_chunk(chunks))
         try:
-            done, _ = await asyncio.wait((first,), timeout=self.gateway.config.stream_hold_s)
-        except asyncio.CancelledError:
-            first.cancel()
-            raise
-        if not done:
-            return _HeldStream(chunks, None, first)
-        return _HeldStream(chunks, first.result(), None)
+            async with asyncio.timeout(self.gateway.config.stream_hold_s):
+                return _HeldStream(await resp.read_chunk())
+        except TimeoutError:
+            return _HeldStream(None)
 
     async def _relay(self, resp: UpstreamResponse, held: _HeldStream, replica: ReplicaState,
                      call: _Call, extra: list[tuple[bytes, bytes]], send: Any) -> bool:
@@ -509,11 +491,10 @@ class ProxyHandler:
         try:
             await send({"type": "http.response.start", "status": resp.status_code,
                         "headers": [(b"content-type", content_type), *extra]})
-            head = held.head if held.pending is None else await held.pending
-            if head is not None:
-                await send({"type": "http.response.body", "body": head, "more_body": True})
-                async for chunk in held.chunks:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if held.head:
+                await send({"type": "http.response.body", "body": held.head, "more_body": True})
+            async for chunk in resp.iter_chunks():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except asyncio.CancelledError:
             if call.is_gone or call.fail_reason is None:
                 raise
@@ -524,8 +505,6 @@ class ProxyHandler:
         finally:
             replica.in_flight.discard(call)
             resp.close()
-            if held.pending is not None:  # the client left before the first chunk came
-                held.pending.cancel()
         call.is_done = True
         if error is not None:
             gateway.num_upstream_errors += 1

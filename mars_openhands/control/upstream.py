@@ -110,6 +110,15 @@ class UpstreamResponse:
         except _ERRORS as e:
             raise _map(e, self._url) from None
 
+    async def read_chunk(self) -> bytes:
+        """The body bytes that arrived next (de-chunked), ``b""`` at its end. Cancel-safe: a
+        cancelled read loses nothing, :meth:`iter_chunks` goes on from there. Raises
+        UpstreamError."""
+        try:
+            return await self._resp.content.readany()
+        except _ERRORS as e:
+            raise _map(e, self._url) from None
+
     async def iter_chunks(self) -> AsyncIterator[bytes]:
         """Body bytes as they arrive (de-chunked; one item per socket read). Raises UpstreamError."""
         try:
