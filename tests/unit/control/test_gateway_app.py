@@ -387,3 +387,19 @@ def test_retries_and_aborted_tries_of_a_turn_keep_its_number(clean_fakes, gatewa
     aborted = [e for e in sink.events if e.kind == "aborted" and e.session_id == "retry"]
     assert [e.turn for e in aborted] == [1]
     assert state(server)["sessions"]["retry"]["turns"] == 3
+
+
+def test_a_stream_slower_than_the_hold_bound_loses_no_byte(clean_fakes, gateway_factory) -> None:
+    """Past ``stream_hold_s`` the held read is cancelled and the relay goes on from there: the
+    headers come at the bound, every chunk after them, none lost or repeated."""
+    fake = clean_fakes[0]
+    server, _ = gateway_factory([fake.url], stream_hold_s=0.2)
+    fake.configure(delay_s=1.0, num_chunks=3, chunk_delay_s=0.05)
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        t0 = time.monotonic()
+        with client.stream("POST", "/v1/chat/completions", json=chat("slow", stream=True)) as r:
+            headers_s = time.monotonic() - t0
+            body = b"".join(r.iter_raw())
+    assert r.status_code == 200 and 0.15 < headers_s < 0.9, headers_s
+    assert body == b"".join(b'data: {"choices": [{"index": 0, "delta": {"content": "t%d"}}]}\n\n' % i
+                            for i in range(3)) + b"data: [DONE]\n\n"

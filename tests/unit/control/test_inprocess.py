@@ -436,3 +436,16 @@ def test_api_keys_are_refused_in_the_in_process_config() -> None:
         config_from_env({CONFIG_ENV: json.dumps({"replica": {"api_key": "k"}})})
     config = config_from_env({CONFIG_ENV: "{}", "MARS_GATEWAY_ADMIN_KEY": "a-key"})
     assert config.admin_key is not None and config.admin_key.get_secret_value() == "a-key"
+
+
+def test_a_stream_slower_than_the_hold_bound_loses_no_byte_in_process(in_process) -> None:
+    url, _ = in_process({"stream_hold_s": 0.2})
+    httpx.post(f"{url}/fake/config", json={"delay_s": 1.0, "num_chunks": 3, "chunk_delay_s": 0.05})
+    with httpx.Client(base_url=url, timeout=10) as client:
+        t0 = time.monotonic()
+        with client.stream("POST", "/v1/chat/completions", json=chat("slow", stream=True)) as r:
+            headers_s = time.monotonic() - t0
+            body = b"".join(r.iter_raw())
+    assert r.status_code == 200 and 0.15 < headers_s < 0.9, headers_s
+    assert body.count(b"data: ") == 4 and body.endswith(b"data: [DONE]\n\n")
+    assert [body.count(b'"t%d"' % i) for i in range(3)] == [1, 1, 1]
