@@ -60,6 +60,7 @@ import concurrent.futures
 import json
 import os
 import random
+import secrets
 import shutil
 import signal
 import string
@@ -96,6 +97,10 @@ IDLE_TIMEOUT_S = 1.0
 DISCONNECT_MAX_TOKENS = 400
 """Output of a request a client hangs up on: long enough that the hang-up comes first."""
 MAX_MODEL_LEN = 4096
+ADMIN = {"authorization": f"Bearer {secrets.token_urlsafe(24)}"}
+"""The soak gateway's admin key (its state with session ids), made per run."""
+REPLICA_KEY = secrets.token_urlsafe(24)
+"""The emulated replicas' own API key, held by the gateway only (agents cannot reach them)."""
 """Emulated: tokens per request (the longest session context is ~2,600 + 400 output)."""
 
 
@@ -129,6 +134,10 @@ class Replicas:
 
     def events_address(self, index: int) -> str | None:
         """The replica's CPU-plane inbox (the gateway forwards tool/session events there)."""
+        return None
+
+    def api_key(self, index: int) -> str | None:
+        """The replica's own API key, which only the gateway holds (``None``: no key)."""
         return None
 
     def kill(self, index: int) -> None:
@@ -213,6 +222,7 @@ class EmulatedReplicas(Replicas):
             executor_backend=EMULATED_EXECUTOR, num_gpu_blocks_override=args.num_gpu_blocks,
             max_model_len=MAX_MODEL_LEN, enable_prefix_caching=True, max_num_seqs=64,
             max_num_batched_tokens=2048, startup_timeout_s=300.0, log_path=log_dir / f"r{i}.log",
+            api_key=REPLICA_KEY,
             additional_config={
                 "emulated_gpu": {"gpu": "h100_sxm", "model": "qwen3-coder-30b-a3b-instruct",
                                  "time_scale": args.time_scale},
@@ -235,6 +245,9 @@ class EmulatedReplicas(Replicas):
 
     def events_address(self, index: int) -> str | None:
         return self._options[index].additional_config["mars"]["inbox_addr"]
+
+    def api_key(self, index: int) -> str | None:
+        return REPLICA_KEY
 
     def kill(self, index: int) -> None:
         server = self._servers[index]
@@ -376,7 +389,8 @@ def run_session(index: int, url: str, args: argparse.Namespace, model: str, tall
     sid = plan.sid
     messages = [{"role": "user", "content": _text(rng, rng.randint(400, 1200))}]
     outcome, error = "completed", None
-    with httpx.Client(base_url=url, timeout=120.0) as client:
+    token = {"X-Mars-Session-Token": secrets.token_urlsafe(24)}  # on its calls and events
+    with httpx.Client(base_url=url, timeout=120.0, headers=token) as client:
         client.post("/mars/v1/events", json=_event("session_start", sid))
         for turn in range(plan.num_turns):
             body = {"model": model, "messages": messages, "tools": TOOLS, "tool_choice": "none",
@@ -492,7 +506,7 @@ def wait_until_settled(url: str, replicas: Replicas, sink: ListSink, timeout_s: 
     ``timeout_s`` passed; returns the gateway state, its metrics text and the engines' state."""
     deadline = time.monotonic() + timeout_s
     while True:
-        state = httpx.get(f"{url}/mars/v1/state", timeout=5).json()
+        state = httpx.get(f"{url}/mars/v1/state", headers=ADMIN, timeout=5).json()
         metrics = httpx.get(f"{url}/metrics", timeout=5).text
         engines = engines_idle(replicas, sink) if replicas.kind == "emulated" else {}
         gateway_clean = (state["num_admitted"] == 0 and not state["sessions"]
@@ -553,7 +567,8 @@ def _wait_replica_healthy(url: str, index: int, timeout_s: float) -> bool:
     restarted server at its next ``/metrics`` poll)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if httpx.get(f"{url}/mars/v1/state", timeout=5).json()["replicas"][index]["healthy"]:
+        if httpx.get(f"{url}/mars/v1/state", headers=ADMIN,
+                     timeout=5).json()["replicas"][index]["healthy"]:
             return True
         time.sleep(0.05)
     return False
@@ -562,8 +577,10 @@ def _wait_replica_healthy(url: str, index: int, timeout_s: float) -> bool:
 def build_gateway_config(replicas: Replicas, telemetry_addr: str | None) -> GatewayConfig:
     """The soak's gateway: window 8, short tool bound and idle timeout, fast failure marking."""
     return GatewayConfig(
-        port=0, replicas=tuple(ReplicaConfig(url=replicas.url(i), events_address=replicas.events_address(i))
+        port=0, replicas=tuple(ReplicaConfig(url=replicas.url(i), events_address=replicas.events_address(i),
+                                             api_key=replicas.api_key(i))
                                for i in range(replicas.num)),
+        admin_key=ADMIN["authorization"].removeprefix("Bearer "),
         poll_interval_s=0.1, engine_events_address=telemetry_addr,
         admission={"window_max": 8, "window_init": 8, "window_min": 2, "update_interval_s": 0.05},
         num_tool_workers=16, session_idle_timeout_s=IDLE_TIMEOUT_S, tool_call_timeout_s=TOOL_BOUND_S,

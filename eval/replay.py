@@ -24,7 +24,8 @@ byte tokens (:mod:`mars_openhands.engine.tiny_model`), so set the range to the s
 Session metadata (design.md §2): every request carries the native ``session_id`` body field and
 ``vllm_xargs`` ``{"mars_turn": k, "mars_last_step": 0|1, "mars_prev_tool": name,
 "mars_prev_tool_s": measured seconds}`` (the last two from turn 1 on); through the gateway also the
-header ``X-Mars-Session``.
+headers ``X-Mars-Session`` and ``X-Mars-Session-Token`` (a random secret made once per session, as
+the gateway's session binding asks: docs/gateway.md "Threat model"; events carry it too).
 
 CPU-plane events (design.md §3), ``source="replay"``, per session in this order::
 
@@ -37,8 +38,9 @@ run goes on), ``"truncated"`` (``overflow="end_session"`` stopped it before a tu
 ``max_model_len``), ``"timeout"`` (the run's ``run_timeout_s`` passed) or ``"cancelled"`` (Ctrl-C).
 Sessions that had not arrived when the run stopped emit nothing. Events go to a local sink (a
 :class:`~mars_openhands.stream.recorder.StreamRecorder` or a ``ListSink``) and, through the
-gateway, are also POSTed in batches to ``{endpoint}/mars/v1/events`` (``{"events": [...]}``; see
-``mars_openhands/control/hub.py``), where the control plane reads tool backlog and queue wait.
+gateway, are also POSTed in batches to ``{endpoint}/mars/v1/events`` (``{"events": [...]}``, one
+session's per batch, with its token; see ``mars_openhands/control/hub.py``), where the control
+plane reads tool backlog and queue wait.
 
 Long traces: real sessions reach 100k tokens, far past a tiny CPU engine's ``max_model_len``. The
 driver checks every session up front (``overflow="error"``, the default) and names the sessions that
@@ -65,6 +67,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import sys
 import time
 import types
@@ -91,6 +94,7 @@ __all__ = [
     "GatewayEventPoster",
     "ReplayConfig",
     "ReplayResult",
+    "SessionTokens",
     "SessionRecord",
     "SessionStatus",
     "TurnRecord",
@@ -283,22 +287,42 @@ def observation_token_ids(seed: int, session_id: str, turn: int, num_tokens: int
 
 
 # ----------------------------------------------------------------------------- event posting
+class SessionTokens:
+    """The ``X-Mars-Session-Token`` of each session of a run: a random secret (192 bits) made at
+    the session's first use, sent on its LLM calls and event posts (the gateway binds the session
+    to it; nobody else can post its events)."""
+
+    def __init__(self) -> None:
+        self._tokens: dict[str, str] = {}
+
+    def headers(self, session_id: str) -> dict[str, str]:
+        """The session's token header (made on first use)."""
+        token = self._tokens.get(session_id)
+        if token is None:
+            token = self._tokens[session_id] = secrets.token_urlsafe(24)
+        return {"X-Mars-Session-Token": token}
+
+
 class GatewayEventPoster:
-    """Batches events and POSTs them, in order, to the gateway's ``/mars/v1/events``.
+    """Batches events and POSTs them, in order per session, to the gateway's ``/mars/v1/events``.
 
     :meth:`emit` only appends (call it on the loop); a background task posts every
-    ``flush_interval_s`` or once ``batch_size`` events are pending. A failed post (HTTP error or
-    unreachable gateway) is logged and counted, never retried and never fatal: the local stream
-    still has every event.
+    ``flush_interval_s`` or once ``batch_size`` events are pending. Each POST carries one
+    session's events with that session's token (the gateway refuses a batch naming another
+    session). A failed post (HTTP error or unreachable gateway, e.g. 404 for a session that
+    expired there) is logged and counted, never retried and never fatal: the local stream still
+    has every event.
 
     Args:
         client: the run's HTTP client. url: the full events URL.
+        tokens: the run's session tokens (shared with its LLM calls).
         batch_size: events per POST. flush_interval_s: posting period in seconds.
     """
 
-    def __init__(self, client: httpx.AsyncClient, url: str, *, batch_size: int = 256,
-                 flush_interval_s: float = 0.05) -> None:
+    def __init__(self, client: httpx.AsyncClient, url: str, tokens: SessionTokens, *,
+                 batch_size: int = 256, flush_interval_s: float = 0.05) -> None:
         self.url = url
+        self.tokens = tokens
         self.batch_size = batch_size
         self.flush_interval_s = flush_interval_s
         self.num_posted = 0
@@ -329,24 +353,16 @@ class GatewayEventPoster:
             await self.flush()
 
     async def flush(self) -> None:
-        """POST everything pending now, in batches of ``batch_size``.
-
-        The gateway rejects a whole batch (HTTP 404) when one event names a session it no longer
-        knows (e.g. expired after its idle timeout); the batch is then re-posted per session so
-        that the other sessions' events still arrive.
-        """
+        """POST everything pending now: per session, in its order, in batches of ``batch_size``."""
         while self._pending:
-            batch = self._pending[: self.batch_size]
-            del self._pending[: self.batch_size]
-            status = await self._post(batch)
-            if status == 404 and len({e.session_id for e in batch}) > 1:
-                by_session: dict[str | None, list[Event]] = {}
-                for event in batch:
-                    by_session.setdefault(event.session_id, []).append(event)
-                for events in by_session.values():
-                    self._count(events, await self._post(events))
-            else:
-                self._count(batch, status)
+            pending, self._pending = self._pending, []
+            by_session: dict[str | None, list[Event]] = {}
+            for event in pending:
+                by_session.setdefault(event.session_id, []).append(event)
+            for session_id, events in by_session.items():
+                for start in range(0, len(events), self.batch_size):
+                    batch = events[start:start + self.batch_size]
+                    self._count(batch, await self._post(session_id, batch))
 
     def _count(self, batch: list[Event], status: int | None) -> None:
         if status is not None and status < 400:
@@ -354,11 +370,12 @@ class GatewayEventPoster:
         else:
             self.num_failed += len(batch)
 
-    async def _post(self, batch: list[Event]) -> int | None:
-        """POST one batch; return the HTTP status (None: no response). Logs failures."""
+    async def _post(self, session_id: str | None, batch: list[Event]) -> int | None:
+        """POST one session's batch; return the HTTP status (None: no response). Logs failures."""
         payload = {"events": [json.loads(e.model_dump_json()) for e in batch]}
+        headers = self.tokens.headers(session_id) if session_id is not None else {}
         try:
-            response = await self._client.post(self.url, json=payload)
+            response = await self._client.post(self.url, json=payload, headers=headers)
         except httpx.HTTPError as e:
             logger.warning("posting %d events to %s failed: %r", len(batch), self.url, e)
             return None
@@ -429,8 +446,10 @@ class _Replay:
     """State of one run (nothing is shared between runs)."""
 
     def __init__(self, workload: Workload, config: ReplayConfig, emitter: _Emitter,
-                 client: httpx.AsyncClient, pool: ToolPool, max_len: int | None) -> None:
+                 client: httpx.AsyncClient, pool: ToolPool, max_len: int | None,
+                 tokens: SessionTokens) -> None:
         self.workload = workload
+        self.tokens = tokens
         self.config = config
         self.emitter = emitter
         self.client = client
@@ -519,7 +538,8 @@ class _Replay:
         if self.config.stream:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
-        headers = {"X-Mars-Session": session_id} if self.config.endpoint_kind == "gateway" else {}
+        headers = ({"X-Mars-Session": session_id, **self.tokens.headers(session_id)}
+                   if self.config.endpoint_kind == "gateway" else {})
         return body, headers
 
     async def _complete(self, session_id: str, turn: int, prompt_ids: list[int], max_tokens: int,
@@ -657,16 +677,17 @@ async def replay(workload: Workload, config: ReplayConfig, *,
         if max_len is not None and config.overflow == "error":
             check_fits(workload, max_len)
         poster = None
+        tokens = SessionTokens()
         if config.endpoint_kind == "gateway" and config.post_events:
             poster = GatewayEventPoster(
-                client, config.endpoint_url.rstrip("/") + "/mars/v1/events",
+                client, config.endpoint_url.rstrip("/") + "/mars/v1/events", tokens,
                 batch_size=config.event_batch_size, flush_interval_s=config.event_flush_interval_s)
             poster.start()
         emitter = _Emitter(sinks, poster)
         try:
             async with ToolPool(config.num_tool_workers, config.tool_mode, emit=emitter.emit,
                                 source=config.source, burn_clock=config.tool_burn_clock) as pool:
-                run = _Replay(workload, config, emitter, client, pool, max_len)
+                run = _Replay(workload, config, emitter, client, pool, max_len, tokens)
                 with _progress(config.show_progress, len(workload.sessions)) as advance:
                     run.on_session_done = advance
                     await _drive(run, result)

@@ -29,6 +29,9 @@ Failure behaviour (never a hang, never a leaked slot):
   connection to a replica that is still alive is HTTP 502 (the request may have run).
 * bad input: HTTP 400 (malformed JSON, bad session id, bad ``vllm_xargs``, bad event), 404 (event for
   an unknown session), 413 (body larger than ``max_body_bytes``), never 5xx.
+* credentials (:mod:`~mars_openhands.control.auth`): 401 without the API key (``/v1/*``, events) or
+  the admin key (``/mars/v1/state``), 400/403 for a session's token missing or not its own; a
+  refused call changes nothing.
 * a session idle past ``session_idle_timeout_s`` releases its slot, and a ``session_end`` of status
   ``"idle_timeout"`` is recorded and forwarded to its replica (the engine releases its KV).
 """
@@ -49,6 +52,13 @@ from fastapi.responses import JSONResponse, Response
 
 from mars_openhands.control import metadata
 from mars_openhands.control.admission import AdmissionPolicy, AdmissionTimeoutError
+from mars_openhands.control.auth import (
+    SESSION_TOKEN_HEADER,
+    UNAUTHORIZED_BODY,
+    AuthError,
+    Credentials,
+    SessionTokens,
+)
 from mars_openhands.control.config import GatewayConfig
 from mars_openhands.control.hub import EventHub, parse_cpu_batch, validate_cpu_batch
 from mars_openhands.control.metadata import BadRequestError
@@ -80,14 +90,28 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> JS
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status)
 
 
-def settings_line(config: GatewayConfig) -> str:
-    """``replicas: ...; admission: ...; stream: ...``: the settings of a gateway start-up line. Pure."""
+def _unauthorized() -> Response:
+    """vLLM's answer to a missing or wrong key."""
+    return Response(UNAUTHORIZED_BODY, 401, media_type="application/json")
+
+
+def _secret(value: Any) -> str | None:
+    return value.get_secret_value() if value is not None else None
+
+
+def settings_line(config: GatewayConfig, is_in_process: bool = False) -> str:
+    """``replicas: ...; admission: ...; stream: ...; auth: ...``: the settings of a gateway start-up
+    line (in-process, vLLM's ``--api-key`` is the API key). Pure."""
     replicas = ", ".join(f"{config.replica_name(i)}={r.url}" for i, r in enumerate(config.replicas))
     p = config.admission
     admission = (f"on (window {p.window_min}..{p.window_max}, starts at {p.window_init})"
                  if config.is_admission_enabled else "off (window computed, not enforced)")
     stream = config.stream_path or "not recorded (--stream-path)"
-    return f"replicas: {replicas}; admission: {admission}; stream: {stream}"
+    keys = ", ".join(f"{name} key {'on' if key is not None else 'off'}"
+                     for name, key in (("API", config.api_key), ("admin", config.admin_key)))
+    if is_in_process:
+        keys = keys.replace("API key off", "API key: vLLM's --api-key")
+    return f"replicas: {replicas}; admission: {admission}; stream: {stream}; auth: {keys}"
 
 
 class Gateway:
@@ -134,6 +158,11 @@ class Gateway:
         self.sessions = self.plane.sessions
         self.router = self.plane.router
         self._waiters: dict[str, asyncio.Future[None]] = {}
+        self.credentials = Credentials(_secret(config.api_key), _secret(config.admin_key))
+        self.tokens = SessionTokens(config.session_token_keep_s)
+        """Session id → its token's digest (trust on first use; control/auth.py)."""
+        self.num_unauthorized = 0
+        self.num_forbidden = 0
         self.hub: EventHub | None = None
         self.client: UpstreamClient | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -214,13 +243,16 @@ class Gateway:
         records an ``admission_update`` when something changed or a heartbeat is due."""
         tick = self.plane.tick()
         self._wake(tick.admitted)
+        now = self.plane.clock()
+        for session_id in tick.idle_released:
+            self.tokens.release(session_id, now)
+        self.tokens.expire(now)
         if self.hub is None:
             return tick
         for closed in tick.interrupted:
             self._record_interrupted(closed)
         for session_id in tick.idle_released:
             self._record_idle_end(session_id, tick.idle_replicas.get(session_id))
-        now = self.plane.clock()
         last = self._last_update
         if (last is not None and not tick.report.differs_from(last)
                 and now - self._last_update_mono_s < self.config.admission_update_heartbeat_s):
@@ -256,17 +288,19 @@ class Gateway:
         self.hub.forward(replica, event)
 
     def record_aborted(self, session: Session | None, request_id: str, reason: str, stage: str,
-                       elapsed_s: float, is_slot_released: bool = False) -> None:
+                       elapsed_s: float, is_slot_released: bool = False,
+                       turn: int | None = None) -> None:
         """Record an ``aborted`` event: the gateway gave up a request (client gone, admission
         timeout, replica down) before its response ended. ``session`` ``None``: not known yet
-        (the client hung up while sending the body)."""
+        (the client hung up while sending the body); ``turn``: the agent turn it ran as (``None``:
+        none yet, or a side request)."""
         if self.hub is None:
             return
         is_named = session is not None and not session.is_one_turn
         self.hub.record(RequestAborted(
             **now_stamps(), source="gateway",
             session_id=session.session_id if is_named else None,
-            turn=session.num_turns - 1 if is_named and session.num_turns else None,
+            turn=turn if is_named else None,
             request_id=request_id,
             reason=reason, stage=stage, is_slot_released=is_slot_released,
             elapsed_s=max(0.0, elapsed_s),
@@ -345,7 +379,7 @@ class Gateway:
         assert self.client is not None, "Gateway.start() must run first"
         try:
             status, body, _ = await self.client.get(
-                f"{replica.url}/metrics", self.config.upstream_connect_timeout_s
+                f"{replica.url}/metrics", self.config.upstream_connect_timeout_s, _auth(replica)
             )
             if status != 200:
                 raise UpstreamBrokenError(f"HTTP {status}")
@@ -386,15 +420,33 @@ class Gateway:
             self.router.observe_engine_step(event.source, event.num_used_blocks, event.num_gpu_blocks)
 
     # ------------------------------------------------------------------ sessions and events
-    def ingest_events(self, raw: bytes) -> int:
-        """Apply a ``POST /mars/v1/events`` body. Returns the number of events accepted.
+    def ingest_events(self, raw: bytes, token: str | None) -> int:
+        """Apply a ``POST /mars/v1/events`` body, all of whose events name one session, the one
+        whose token ``token`` is. Returns the number of events accepted.
 
         Raises:
-            BadRequestError: the batch is invalid (nothing applied).
+            BadRequestError: the batch is invalid (400, 404 unknown session, 413).
+            AuthError: no token (400), or the batch names another session than the token's, or
+                several sessions (403). Nothing is applied in any of these cases.
         """
         assert self.hub is not None, "Gateway.start() must run first"
         events = parse_cpu_batch(raw, self.config.max_events_per_post)
+        if token is None:
+            raise AuthError("header X-Mars-Session-Token is required on POST /mars/v1/events; send "
+                            "the token of the session the events belong to", 400)
+        named = list(dict.fromkeys(e.session_id for e in events))
+        if len(named) > 1:
+            raise AuthError(f"the events batch names more than one session_id ({named[:4]}); a "
+                            "batch carries the events of one session, the one whose "
+                            "X-Mars-Session-Token is sent: post each session's events separately")
+        if not named:
+            return 0
+        session_id = named[0]
+        assert session_id is not None, "parse_cpu_batch guarantees a session_id"
+        digest = self.tokens.check(session_id, token, self.plane.clock(), is_required=True)
         validate_cpu_batch(events, lambda sid: self.sessions.get(sid) is not None)
+        if digest is not None:
+            self.tokens.bind(session_id, digest)
         for event in events:
             session = self.plane.open_session(event.session_id)
             self.hub.num_cpu_events += 1
@@ -403,21 +455,31 @@ class Gateway:
             self._wake(self.plane.on_cpu_event(session, event))
             if session.has_ended:
                 self._drop_waiter(session.session_id)
+                self.tokens.forget(session.session_id)
         return len(events)
 
     def session_for(self, headers: Mapping[str, str],
                     fields: Mapping[str, Any]) -> tuple[Session, int | None]:
-        """Find or create the request's session; also its ``mars_last_step``.
+        """Find or create the request's session, once its caller may act for it; also its
+        ``mars_last_step``.
 
         Args:
-            headers: request headers with lower-case names.
+            headers: request headers with lower-case names (``x-mars-session-token`` among them).
             fields: the body's gateway fields (``proxy.probe_body``) or the whole body.
 
         Raises:
             BadRequestError: a bad session id or ``mars_last_step``, naming the field.
+            AuthError: the session is bound to another token, or the call has none (403), or the
+                token is malformed (400); nothing is created or counted.
         """
         session_id, _ = metadata.extract_session_id(headers, fields)
         last_step = metadata.extract_last_step(headers, fields)
+        if session_id is None:
+            return self.plane.open_session(None), last_step
+        token = headers.get(SESSION_TOKEN_HEADER)
+        digest = self.tokens.check(session_id, token, self.plane.clock(), is_required=False)
+        if digest is not None:
+            self.tokens.bind(session_id, digest)
         return self.plane.open_session(session_id), last_step
 
     def _finish(self, session: Session, replica: ReplicaState | None,
@@ -442,7 +504,8 @@ class Gateway:
         assert self.client is not None, "Gateway.start() must run first"
         try:
             status, _, _ = await self.client.get(f"{replica.url}/health",
-                                                 self.config.upstream_connect_timeout_s)
+                                                 self.config.upstream_connect_timeout_s,
+                                                 _auth(replica))
         except UpstreamError:
             return False
         return status == 200
@@ -453,7 +516,8 @@ class Gateway:
         for replica in self.router.healthy():
             try:
                 status, body, content_type = await self.client.get(
-                    f"{replica.url}/v1/models", self.config.upstream_read_timeout_s)
+                    f"{replica.url}/v1/models", self.config.upstream_read_timeout_s,
+                    _auth(replica))
             except UpstreamError as e:
                 self.router.record_failure(replica.index, str(e))
                 continue
@@ -462,7 +526,28 @@ class Gateway:
 
     # ------------------------------------------------------------------ introspection
     def state(self) -> dict[str, Any]:
-        """JSON-able view of the control plane (``GET /mars/v1/state``)."""
+        """JSON-able view of the control plane with every session (``GET /mars/v1/state`` with
+        the admin key): :meth:`aggregate_state` plus ``sessions`` and the replicas' URLs and last
+        errors."""
+        view = self.aggregate_state()
+        admission = self.plane.admission
+        now = self.plane.clock()
+        view["sessions"] = {
+            s.session_id: {"replica": s.replica, "turns": s.num_turns,
+                           "side_requests": s.num_side_requests,
+                           "turn_retries": s.num_turn_retries,
+                           "in_flight": s.num_in_flight,
+                           "admitted": admission.is_admitted(s.session_id),
+                           "is_token_bound": self.tokens.is_bound(s.session_id, now)}
+            for s in self.sessions
+        }
+        for replica, row in zip(self.router.replicas, view["replicas"], strict=True):
+            row.update(url=replica.url, last_error=replica.last_error)
+        return view
+
+    def aggregate_state(self) -> dict[str, Any]:
+        """The figures of :meth:`state` that name no session and no replica address: window,
+        flags, pressure, counts (``GET /mars/v1/state`` when no admin key is configured)."""
         plane = self.plane
         admission, policy = plane.admission, plane.admission.policy
         decision = policy.last_decision
@@ -471,6 +556,9 @@ class Gateway:
             "is_admission_enabled": self.config.is_admission_enabled,
             "num_admitted": len(admission.admitted),
             "num_waiting": admission.num_waiting,
+            "num_sessions": len(self.sessions),
+            "num_in_flight": sum(s.num_in_flight for s in self.sessions),
+            "num_token_bindings": len(self.tokens),
             "is_cpu_overloaded": policy.state.is_cpu_overloaded,
             "is_kv_overloaded": policy.state.is_kv_overloaded,
             "cpu_cap": decision.cpu_cap if decision else None,
@@ -479,17 +567,10 @@ class Gateway:
             "tool_backlog_ratio": plane.tools.backlog_ratio,
             "tool_wait_ema_s": plane.tools.wait_ema_s,
             "kv_usage": self.router.kv_usage(),
-            "sessions": {
-                s.session_id: {"replica": s.replica, "turns": s.num_turns,
-                               "side_requests": s.num_side_requests,
-                               "in_flight": s.num_in_flight,
-                               "admitted": admission.is_admitted(s.session_id)}
-                for s in self.sessions
-            },
             "replicas": [
-                {"name": r.name, "url": r.url, "healthy": r.is_healthy, "sessions": r.num_sessions,
+                {"name": r.name, "healthy": r.is_healthy, "sessions": r.num_sessions,
                  "in_flight": r.num_in_flight, "kv_usage": r.kv_usage_polled,
-                 "restarts": r.num_restarts, "last_error": r.last_error}
+                 "restarts": r.num_restarts}
                 for r in self.router.replicas
             ],
         }
@@ -557,6 +638,13 @@ class Gateway:
              [({}, hub.num_forwarded if hub else 0)]),
             ("mars_events_forward_dropped_total", c, "Forwarded events dropped by the channel",
              [({}, hub.num_forward_dropped() if hub else 0)]),
+            ("mars_unauthorized_total", c, "Calls refused for a missing or wrong API or admin key",
+             [({}, self.num_unauthorized)]),
+            ("mars_forbidden_total", c,
+             "Calls refused for a session token missing, malformed or not the session's",
+             [({}, self.num_forbidden)]),
+            ("mars_session_tokens", g, "Sessions bound to a token (live or kept after release)",
+             [({}, len(self.tokens))]),
         ]
         return render_prometheus(rows)
 
@@ -573,10 +661,30 @@ class _ProxyFastPath:
         self.app = app
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] in PROXY_PATHS and scope["method"] == "POST":
-            await self.handler(scope, receive, send)
-            return
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            credentials = self.handler.gateway.credentials
+            if credentials.has_api_key and scope["method"] != "OPTIONS" and not (
+                    credentials.is_api_allowed(_header(scope, b"authorization"))):
+                self.handler.gateway.num_unauthorized += 1
+                await _unauthorized()(scope, receive, send)
+                return
+            if scope["path"] in PROXY_PATHS and scope["method"] == "POST":
+                await self.handler(scope, receive, send)
+                return
         await self.app(scope, receive, send)
+
+
+def _header(scope: Any, name: bytes) -> str | None:
+    """An ASGI request header's value (``name`` lower-case), or ``None``."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+def _auth(replica: ReplicaState) -> dict[str, str] | None:
+    """The headers the gateway's own requests to ``replica`` carry (its API key, if any)."""
+    return {"authorization": replica.authorization} if replica.authorization else None
 
 
 def build_app(gateway: Gateway) -> FastAPI:
@@ -599,6 +707,9 @@ def build_app(gateway: Gateway) -> FastAPI:
 
     @app.post("/mars/v1/events")
     async def events(request: Request) -> Response:
+        if not gateway.credentials.is_api_allowed(request.headers.get("authorization")):
+            gateway.num_unauthorized += 1
+            return _unauthorized()
         try:
             declared = request.headers.get("content-length")
             limit = gateway.config.max_body_bytes
@@ -611,9 +722,10 @@ def build_app(gateway: Gateway) -> FastAPI:
                 raise BadRequestError(
                     f"events body is {len(raw)} bytes, more than max_body_bytes={limit}", 413
                 )
-            accepted = gateway.ingest_events(raw)
+            accepted = gateway.ingest_events(raw, request.headers.get(SESSION_TOKEN_HEADER))
         except BadRequestError as e:
-            return _error(e.status_code, str(e))
+            gateway.num_forbidden += isinstance(e, AuthError)
+            return _error(e.status_code, str(e), e.kind)
         return JSONResponse({"accepted": accepted})
 
     @app.get("/metrics")
@@ -630,7 +742,14 @@ def build_app(gateway: Gateway) -> FastAPI:
                              "healthy_replicas": healthy}, status)
 
     @app.get("/mars/v1/state")
-    async def state() -> Response:
-        return JSONResponse(gateway.state())
+    async def state(request: Request) -> Response:
+        authorization = request.headers.get("authorization")
+        credentials = gateway.credentials
+        if credentials.is_admin(authorization):
+            return JSONResponse(gateway.state())
+        if credentials.has_admin_key or not credentials.is_api_allowed(authorization):
+            gateway.num_unauthorized += 1
+            return _unauthorized()
+        return JSONResponse(gateway.aggregate_state())
 
     return app

@@ -3,7 +3,9 @@
 Every field becomes a flag (``num_tool_workers`` → ``--num-tool-workers``; nested admission and
 reorder parameters → ``--admission-window-max``, ``--reorder-starvation-s``); booleans get
 ``--x/--no-x``; optional values accept ``none``. ``--replica URL[,events=ADDR][,name=N][,source=S]``
-is repeatable. ``--config FILE`` (TOML or JSON, keys nested like the model:
+is repeatable. ``--api-key`` / ``--admin-key`` default to ``MARS_GATEWAY_API_KEY`` /
+``MARS_GATEWAY_ADMIN_KEY`` (the environment keeps keys out of ``ps``). ``--config FILE`` (TOML or
+JSON, keys nested like the model:
 ``{"admission": {"window_min": 10}}``, not ``admission_window_min``) is read first and flags override
 it. Unknown keys in the file are an error (``extra="forbid"``) that names the nested spelling.
 """
@@ -20,8 +22,9 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, SecretStr, ValidationError
 
+from mars_openhands import env
 from mars_openhands.control.config import GatewayConfig, parse_replica
 
 __all__ = [
@@ -73,7 +76,8 @@ def _add_model_flags(parser: argparse.ArgumentParser, model: type[BaseModel], pr
                                 default=argparse.SUPPRESS, help=help_text)
         else:
             parser.add_argument(flag, dest=dest, type=_converter(base, optional, flag),
-                                default=argparse.SUPPRESS, metavar=base.__name__.upper(),
+                                default=argparse.SUPPRESS,
+                                metavar="KEY" if base is SecretStr else base.__name__.upper(),
                                 help=help_text)
 
 
@@ -105,9 +109,11 @@ def add_gateway_subcommand(subparsers: Any) -> argparse.ArgumentParser:
                              "\"http://127.0.0.1:8001\"}]}; flags override it")
     parser.add_argument(
         "--replica", dest="replicas", action="append", default=argparse.SUPPRESS,
-        metavar="URL[,events=ADDR][,name=N][,source=S]",
+        metavar="URL[,events=ADDR][,name=N][,source=S][,key_env=VAR]",
         help="a vLLM replica (repeatable): base URL, optional ZeroMQ address its scheduler plugin "
-             "binds for CPU-plane events, name, and source of its GPU-plane events",
+             "binds for CPU-plane events, name, source of its GPU-plane events, and the "
+             "environment variable holding the replica's own --api-key (sent in place of the "
+             "agent's Authorization)",
     )
     parser.add_argument(
         "--print-in-process-config", action="store_true", default=argparse.SUPPRESS,
@@ -267,6 +273,14 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         if sub:
             data[nested] = {**data.get(nested, {}), **sub}
     data.update(values)
+    for field, var in (("api_key", env.GATEWAY_API_KEY), ("admin_key", env.GATEWAY_ADMIN_KEY)):
+        if data.get(field) is None:
+            try:
+                secret = var.get_secret()
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            if secret is not None:
+                data[field] = secret
     try:
         return GatewayConfig.model_validate(data)
     except ValidationError as e:
@@ -304,13 +318,20 @@ def in_process_config(args: argparse.Namespace) -> str:
     if config.host != defaults["host"].default or config.port != defaults["port"].default:
         raise ConfigError("--print-in-process-config: host/port (from --config) do not apply in-process "
                           "(the gateway serves on vLLM's own address)")
-    data = config.model_dump(mode="json", exclude_defaults=True, exclude={"replicas", "host", "port"})
+    if config.api_key is not None or config.replicas[0].api_key is not None:
+        raise ConfigError("--print-in-process-config: --api-key (or MARS_GATEWAY_API_KEY) and a "
+                          "replica key do not apply in-process: give the key to vLLM (--api-key or "
+                          "VLLM_API_KEY), which checks it for the gateway")
+    data = config.model_dump(mode="json", exclude_defaults=True,
+                             exclude={"replicas", "host", "port", "api_key", "admin_key"})
     replica = config.replicas[0].model_dump(mode="json", exclude_none=True, exclude={"url"})
     if replica:
         data["replica"] = replica
     text = json.dumps(data, separators=(",", ":"))
     config_from_env({CONFIG_ENV: text})  # the value round-trips (raises on a bug, not on input)
-    return (f"{CONFIG_ENV}={shlex.quote(text)}\n"
+    admin = ("# and in vLLM's environment the admin key: export "
+             f"{env.GATEWAY_ADMIN_KEY.name}=<key> (never printed)\n" if config.admin_key else "")
+    return (f"{CONFIG_ENV}={shlex.quote(text)}\n{admin}"
             "# add to the vLLM server's command line (python -m vllm.entrypoints.openai.api_server ...):\n"
             "--middleware mars_openhands.control.inprocess.MarsGatewayMiddleware")
 

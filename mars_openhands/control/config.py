@@ -7,9 +7,10 @@ docstrings; nested models (``admission``, ``reorder``) become ``--admission-<fie
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Self
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from mars_openhands.policy.admission import AdmissionParams
 from mars_openhands.policy.reorder import ReorderParams
@@ -48,6 +49,10 @@ class ReplicaConfig(BaseModel):
     there (docs/gateway.md, "Engine contract"). ``None``: events are not forwarded."""
     engine_source: str | None = None
     """``source`` of this replica's GPU-plane events (``engine_step``); default ``engine:<index>``."""
+    api_key: SecretStr | None = None
+    """The replica's own ``--api-key``: the gateway sends it (``Authorization: Bearer``) in place of
+    the agent's header, so agents, which do not hold it, cannot reach the replica around the
+    gateway. ``None``: the agent's ``Authorization`` is forwarded as it came."""
 
     @field_validator("url")
     @classmethod
@@ -59,23 +64,49 @@ class ReplicaConfig(BaseModel):
     def _events_address(cls, value: str | None) -> str | None:
         return _check_zmq_address(value)
 
+    @field_validator("api_key")
+    @classmethod
+    def _api_key(cls, value: SecretStr | None) -> SecretStr | None:
+        return _check_key(value, "replica api_key")
 
-def parse_replica(spec: str) -> ReplicaConfig:
-    """Parse ``URL[,events=ADDR][,name=NAME][,source=SRC]`` (the ``--replica`` flag).
+
+def _check_key(value: SecretStr | None, what: str) -> SecretStr | None:
+    """``value`` if it is a usable key (non-empty, printable, no whitespace). Raises ValueError."""
+    if value is None:
+        return None
+    key = value.get_secret_value()
+    if not key or not key.isprintable() or any(c.isspace() for c in key):
+        raise ValueError(f"{what} must be non-empty printable text without whitespace "
+                         f"({len(key)} characters given)")
+    return value
+
+
+def parse_replica(spec: str, environ: Mapping[str, str] | None = None) -> ReplicaConfig:
+    """Parse ``URL[,events=ADDR][,name=NAME][,source=SRC][,key_env=VAR]`` (the ``--replica``
+    flag). ``key_env`` names the environment variable holding the replica's API key (a key on the
+    command line would be visible to every user of the machine in ``ps``).
 
     Raises:
-        ValueError: an unknown key or a bad URL; the message shows the accepted form.
+        ValueError: an unknown key, a bad URL or an unset ``key_env`` variable; the message shows
+            the accepted form.
     """
     url, *options = spec.split(",")
     fields: dict[str, str] = {"url": url}
-    keys = {"events": "events_address", "name": "name", "source": "engine_source"}
+    keys = {"events": "events_address", "name": "name", "source": "engine_source",
+            "key_env": "api_key"}
     for option in options:
         key, sep, value = option.partition("=")
         if not sep or key not in keys:
             raise ValueError(
                 f"bad --replica option {option!r} in {spec!r}; expected "
-                "URL[,events=ADDR][,name=NAME][,source=SRC]"
+                "URL[,events=ADDR][,name=NAME][,source=SRC][,key_env=VAR]"
             )
+        if key == "key_env":
+            secret = (os.environ if environ is None else environ).get(value)
+            if not secret:
+                raise ValueError(f"--replica {url}: key_env={value} but ${value} is not set; export "
+                                 "the replica's API key in it")
+            value = secret
         fields[keys[key]] = value
     return ReplicaConfig(**fields)
 
@@ -120,6 +151,16 @@ class GatewayConfig(BaseModel):
     """Seconds to connect to a replica before it counts as failed."""
     upstream_read_timeout_s: float = Field(600.0, gt=0.0)
     """Seconds between bytes from a replica before the request fails (HTTP 504)."""
+    stream_hold_s: float = Field(120.0, ge=0.0)
+    """Longest the gateway holds a streamed response's headers back waiting for its first chunk,
+    seconds from the replica's headers. vLLM sends a stream's 200 headers before its first token;
+    while they are held, a replica that dies (the turn queued or prefilling) is invisible to the
+    agent: the turn is re-run on the next replica. Past the bound the headers go out, and a later
+    failure ends the stream with an SSE ``error`` chunk. Default 120 s: past a turn's queueing and
+    prefill on a loaded engine (tens of seconds for a 100k-token prompt), under the 300 s
+    response-header timeout of Node's undici (the OpenAI Node SDK's fetch), the shortest header
+    timeout among common clients (httpx, aiohttp and requests count headers in their read
+    timeout). 0: relay the headers at once (the behaviour before this field)."""
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     """Largest request body accepted, bytes (larger: HTTP 413)."""
     max_events_per_post: int = Field(1024, ge=1)
@@ -146,6 +187,24 @@ class GatewayConfig(BaseModel):
     seconds (an idle gateway then writes ~100 bytes per heartbeat instead of one event per tick)."""
     stream_write_parquet: bool = False
     """Also write ``<stream>.parquet`` on shutdown (needs pandas and pyarrow)."""
+    api_key: SecretStr | None = None
+    """API key: the OpenAI routes (``/v1/*``) and ``POST /mars/v1/events`` need ``Authorization:
+    Bearer <key>`` (else HTTP 401, vLLM's convention); ``None``: open. Prefer
+    ``MARS_GATEWAY_API_KEY`` to the flag (a command line is visible to every user in ``ps``).
+    In-process, vLLM's own ``--api-key`` plays this part."""
+    admin_key: SecretStr | None = None
+    """Admin key: ``GET /mars/v1/state`` with session ids needs ``Authorization: Bearer <key>``
+    (else 401); ``None``: that route gives aggregate figures only. Also ``MARS_GATEWAY_ADMIN_KEY``."""
+    session_token_keep_s: float = Field(3600.0, ge=0.0)
+    """Seconds a session's token binding outlives its idle release: a client that crashed and
+    comes back within it (a durable task resumes with its persisted ``X-Mars-Session-Token``)
+    keeps its session, and nobody else can take the id meanwhile. Default 1 h: longer than a
+    durable task's restart after a crash. A ``session_end`` forgets the binding at once."""
+
+    @field_validator("api_key", "admin_key")
+    @classmethod
+    def _keys(cls, value: SecretStr | None) -> SecretStr | None:
+        return _check_key(value, "the key")
 
     @field_validator("engine_events_address")
     @classmethod

@@ -4,8 +4,9 @@ It answers ``/v1/chat/completions`` and ``/v1/completions`` (whole or SSE-stream
 ``/health`` and ``/metrics`` (``vllm:kv_cache_usage_perc``, ``vllm:cache_config_info``,
 ``process_start_time_seconds``) like vLLM 0.32, records what it received (``session_id``,
 ``vllm_xargs``) and, like vLLM's ``with_cancellation``, aborts a request whose client disconnects
-(counted in ``num_aborted``). Behaviour is set at run time with ``POST /fake/config``; what it saw is
-read with ``GET /fake/requests``. :class:`FakeEngineProcess` runs it in a subprocess so that tests can
+(counted in ``num_aborted``). Behaviour is set at run time with ``POST /fake/config`` (``api_key``:
+``/v1/*`` need ``Authorization: Bearer <key>``, as vLLM's ``--api-key``); what it saw is read with
+``GET /fake/requests`` (with each request's ``authorization`` header). :class:`FakeEngineProcess` runs it in a subprocess so that tests can
 SIGKILL it like a crashed replica.
 
 Never used in production; it imports nothing from vLLM.
@@ -37,7 +38,8 @@ def build_fake_engine_app(name: str = "fake") -> FastAPI:
     """The fake engine's FastAPI app (state lives in the app, none at module level)."""
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
     cfg: dict[str, Any] = {"kv_usage": 0.0, "delay_s": 0.0, "num_chunks": 3, "chunk_delay_s": 0.0,
-                           "num_gpu_blocks": 1000, "block_size": 16, "fail_status": 0}
+                           "num_gpu_blocks": 1000, "block_size": 16, "fail_status": 0,
+                           "api_key": None}
     seen: dict[str, Any] = {"requests": [], "num_aborted": 0, "num_active": 0}
     started_s = time.time()
 
@@ -54,11 +56,19 @@ def build_fake_engine_app(name: str = "fake") -> FastAPI:
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
+    def is_refused(request: Request) -> bool:
+        """vLLM's ``--api-key`` check (``AuthenticationMiddleware``), when ``api_key`` is set."""
+        return cfg["api_key"] is not None and (
+            request.headers.get("authorization") != f"Bearer {cfg['api_key']}")
+
     async def handle(request: Request, chat: bool) -> Response:
+        if is_refused(request):
+            return JSONResponse({"error": "Unauthorized"}, 401)
         body = json.loads(await request.body())
         seen["requests"].append({"session_id": body.get("session_id"),
                                  "vllm_xargs": body.get("vllm_xargs"),
-                                 "stream": bool(body.get("stream")), "body": body})
+                                 "stream": bool(body.get("stream")), "body": body,
+                                 "authorization": request.headers.get("authorization")})
         if cfg["fail_status"]:  # e.g. 400 as vLLM answers an unknown model or too many tokens
             return JSONResponse({"error": {"message": "fake refusal", "code": cfg["fail_status"]}},
                                 cfg["fail_status"])
@@ -118,7 +128,9 @@ def build_fake_engine_app(name: str = "fake") -> FastAPI:
         return await handle(request, False)
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models(request: Request) -> Any:
+        if is_refused(request):
+            return JSONResponse({"error": "Unauthorized"}, 401)
         return {"object": "list", "data": [{"id": name, "object": "model"}]}
 
     @app.get("/health")

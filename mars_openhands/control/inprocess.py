@@ -24,14 +24,19 @@ What changes against the standalone gateway:
   ``healthz``); ``/metrics``, ``/health`` and ``/v1/models`` stay vLLM's.
 * One replica: the local engine (routing and fail-over have nothing to do).
 * vLLM adds ``--middleware`` outside its own ``--api-key`` check, so the middleware asks that check
-  (once per distinct ``Authorization`` value) before admission, and guards ``/mars/v1/*`` with it.
+  (once per distinct ``Authorization`` value) before admission, and guards ``/mars/v1/events`` and
+  ``/mars/v1/state`` with it: vLLM's key is the gateway's API key here. The admin key
+  (``admin_key`` or ``MARS_GATEWAY_ADMIN_KEY``) and the session tokens work as in the standalone
+  gateway (control/auth.py); ``/mars/v1/metrics`` and ``/mars/v1/healthz`` are open, as vLLM's own
+  ``/metrics`` and ``/health``.
 * A client that hangs up is passed on as uvicorn would (``http.disconnect`` on ``receive``,
   ``OSError`` on ``send``), then the request is cancelled after :data:`HANG_UP_GRACE_S`.
 
 Configuration: the environment variable ``MARS_GATEWAY_CONFIG`` holds a JSON object of
 :class:`~mars_openhands.control.config.GatewayConfig` fields, or ``@path`` to a JSON file; the local
 replica's options (``events_address``, ``name``, ``engine_source``) go under ``"replica"``;
-``replicas``, ``host`` and ``port`` are refused (the server's own address is used). Unset or empty:
+``replicas``, ``host``, ``port`` and ``api_key`` are refused (the server's own address and vLLM's
+``--api-key`` are used); ``admin_key`` comes from the variable or ``MARS_GATEWAY_ADMIN_KEY``. Unset or empty:
 every default (admission on, nothing recorded, no engine channels). vLLM builds middleware only
 after its engine is up, so check the value first: ``python -m mars_openhands.control.inprocess``.
 """
@@ -52,6 +57,8 @@ from urllib.parse import urlsplit
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
+from mars_openhands import env
+from mars_openhands.control.auth import UNAUTHORIZED_BODY
 from mars_openhands.control.config import GatewayConfig, ReplicaConfig
 from mars_openhands.control.proxy import PROXY_PATHS, ProxyHandler
 from mars_openhands.control.upstream import (
@@ -62,12 +69,17 @@ from mars_openhands.control.upstream import (
 
 __all__ = ["CONFIG_ENV", "IN_PROCESS_URL", "InProcessClient", "MarsGatewayMiddleware", "config_from_env"]
 
-CONFIG_ENV = "MARS_GATEWAY_CONFIG"
+CONFIG_ENV = env.GATEWAY_CONFIG.name
 """Environment variable with the in-process gateway's configuration (JSON, or ``@path``)."""
 IN_PROCESS_URL = "http://in-process"
 """The local replica's URL in the gateway's config, metrics and logs (never connected to)."""
-_REFUSED = ("replicas", "host", "port")
+_REFUSED = ("replicas", "host", "port", "api_key")
 _UNAUTHORIZED = JSONResponse({"error": "Unauthorized"}, status_code=401)  # vLLM's own answer
+assert _UNAUTHORIZED.body == UNAUTHORIZED_BODY, "the gateway's 401 body is vLLM's"
+_OPEN_PATHS = frozenset(("/mars/v1/metrics", "/mars/v1/healthz"))
+"""Gateway paths without a key (aggregate figures, as vLLM's own ``/metrics`` and ``/health``)."""
+_ADMIN_PATHS = frozenset(("/mars/v1/state",))
+"""Gateway paths the admin key opens (besides vLLM's own key)."""
 
 
 def config_from_env(environ: Mapping[str, str] | None = None) -> GatewayConfig:
@@ -77,7 +89,8 @@ def config_from_env(environ: Mapping[str, str] | None = None) -> GatewayConfig:
         ValueError: unreadable file, not a JSON object, a refused key, or an invalid field (the
             message names the variable and the field).
     """
-    text = (os.environ if environ is None else environ).get(CONFIG_ENV, "").strip()
+    environ = os.environ if environ is None else environ
+    text = environ.get(CONFIG_ENV, "").strip()
     where = CONFIG_ENV
     if text.startswith("@"):
         where = f"{CONFIG_ENV} file {text[1:]}"
@@ -94,14 +107,19 @@ def config_from_env(environ: Mapping[str, str] | None = None) -> GatewayConfig:
     refused = [k for k in _REFUSED if k in data]
     if refused:
         raise ValueError(f"{where}: {', '.join(refused)} cannot be set in-process (the gateway serves on "
-                         "vLLM's own address, in front of its own engine); put the local replica's "
-                         "options under \"replica\"")
+                         "vLLM's own address, in front of its own engine, behind vLLM's --api-key); "
+                         "put the local replica's options under \"replica\"")
     replica = data.pop("replica", {})
     if not isinstance(replica, dict):
         raise ValueError(f"{where}: \"replica\" must be an object, e.g. "
                          "{\"events_address\": \"ipc:///tmp/mars-inbox.sock\"}")
-    if "url" in replica:
-        raise ValueError(f"{where}: replica.url cannot be set in-process (the replica is this server)")
+    for key in ("url", "api_key"):
+        if key in replica:
+            raise ValueError(f"{where}: replica.{key} cannot be set in-process (the replica is "
+                             "this server)")
+    admin_key = env.GATEWAY_ADMIN_KEY.get_secret(environ)
+    if admin_key is not None and "admin_key" not in data:
+        data["admin_key"] = admin_key
     try:
         local = ReplicaConfig(**{"name": "local", **replica, "url": IN_PROCESS_URL})
     except ValidationError as e:
@@ -145,17 +163,22 @@ class InProcessResponse:
         """The whole body. Raises UpstreamError."""
         return b"".join([chunk async for chunk in self.iter_chunks()])
 
+    async def read_chunk(self) -> bytes:
+        """The app's next non-empty body bytes, ``b""`` at the end. Cancel-safe (the messages
+        wait in the call's deque). Raises UpstreamError."""
+        while not self._call.is_finished:
+            message = await self._call.next_message()
+            if not message.get("more_body", False):
+                self._call.is_finished = True
+            if body := message.get("body", b""):
+                return body
+        return b""
+
     async def iter_chunks(self) -> AsyncIterator[bytes]:
         """Body bytes as the app sends them (one item per ``http.response.body``). Raises
         UpstreamError."""
-        while True:
-            message = await self._call.next_message()
-            body = message.get("body", b"")
-            if body:
-                yield body
-            if not message.get("more_body", False):
-                self._call.is_finished = True
-                return
+        while chunk := await self.read_chunk():
+            yield chunk
 
     def close(self) -> None:
         """Hang up on the app's request if it has not finished (vLLM aborts it)."""
@@ -369,9 +392,11 @@ class MarsGatewayMiddleware:
             raise error
 
     async def _start_gateway(self) -> None:
+        from mars_openhands.control.app import settings_line
+
         await self.gateway.start()
         print(f"MARS gateway in-process (vLLM --middleware; OpenAI routes and /mars/v1/* on this "
-              f"server); {self.gateway.settings_line()}", file=sys.stderr, flush=True)
+              f"server); {settings_line(self.config, is_in_process=True)}", file=sys.stderr, flush=True)
 
     async def _is_authorized(self, scope: Mapping[str, Any]) -> bool:
         """Whether vLLM's own API-key check (``--api-key``, ``VLLM_API_KEY``) lets this request's
@@ -393,6 +418,18 @@ class MarsGatewayMiddleware:
             self._auth_cache[key] = allowed
         return allowed
 
+    async def _may_enter(self, path: str, scope: Mapping[str, Any]) -> bool:
+        """Whether a request to a gateway path passes the keys: open paths always, the admin
+        paths with the admin key, everything else with vLLM's own (:meth:`_is_authorized`). The
+        routes then apply the admin and session-token rules (control/auth.py)."""
+        if path in _OPEN_PATHS:
+            return True
+        if path in _ADMIN_PATHS:
+            header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if self.gateway.credentials.is_admin(header.decode("latin-1")):
+                return True
+        return await self._is_authorized(scope)
+
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         kind = scope["type"]
         if kind == "http":
@@ -401,7 +438,8 @@ class MarsGatewayMiddleware:
             if is_proxied or path.startswith("/mars/"):
                 self._remember(scope)
                 await self._ensure_started()
-                if not await self._is_authorized(scope):
+                if not await self._may_enter(path, scope):
+                    self.gateway.num_unauthorized += 1
                     await _UNAUTHORIZED(scope, receive, send)
                     return
                 if is_proxied:
@@ -448,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from mars_openhands.control.app import settings_line
 
-    print(f"{CONFIG_ENV} ok: {settings_line(config)}")
+    print(f"{CONFIG_ENV} ok: {settings_line(config, is_in_process=True)}")
     return 0
 
 

@@ -38,8 +38,10 @@ from mars_openhands.policy.types import MARS_EXTRA_KEYS, parse_turn_meta
 
 __all__ = [
     "BadRequestError",
+    "FINGERPRINT_SAMPLE_BYTES",
     "MAX_SESSION_ID_CHARS",
     "SESSION_SOURCES",
+    "body_fingerprint",
     "build_engine_body",
     "check_xargs",
     "estimate_prompt_tokens",
@@ -62,6 +64,8 @@ SESSION_SOURCES: tuple[tuple[str, str], ...] = (
 """(where, name) of each session id source, in priority order."""
 
 _GATEWAY_BODY_FIELDS = ("mars_session", "mars_last_step", "mars_side")
+FINGERPRINT_SAMPLE_BYTES = 4096
+"""Bytes of a request body :func:`body_fingerprint` reads, spread evenly (plus its last 512)."""
 CHAT_PATH = "/v1/chat/completions"
 
 
@@ -70,11 +74,13 @@ class BadRequestError(ValueError):
 
     Attributes:
         status_code: the HTTP status to answer with (400 unless stated).
+        kind: the OpenAI error ``type`` of the answer.
     """
 
     def __init__(self, message: str, status_code: int = 400) -> None:
         super().__init__(message)
         self.status_code = status_code
+        self.kind = "invalid_request_error"
 
 
 def validate_session_id(value: Any, field: str) -> str:
@@ -233,6 +239,21 @@ def build_engine_body(
         out["session_id"] = session_id
     out["vllm_xargs"] = xargs
     return out
+
+
+def body_fingerprint(raw: bytes) -> int:
+    """A fingerprint of a request body, to tell a retry of a session's latest turn (the same
+    body again) from its next turn. Pure; reads about 4.5 KiB whatever the body's size.
+
+    Equal bodies have equal fingerprints. An agent's next turn has a longer body (the
+    conversation grew) or, after a condenser rewrote its history, one that differs over a long
+    stretch; the fingerprint covers the length, :data:`FINGERPRINT_SAMPLE_BYTES` bytes at an even
+    stride and the last 512 bytes, so such bodies differ. Bodies that differ only in a few bytes
+    between samples (the same conversation with another ``temperature``) may share one: they are
+    the same turn asked again. In-process only (Python's ``hash`` is salted per process).
+    """
+    stride = max(1, len(raw) // FINGERPRINT_SAMPLE_BYTES)
+    return hash((len(raw), raw[::stride], raw[-512:]))
 
 
 def estimate_prompt_tokens(body: Mapping[str, Any], num_body_bytes: int, bytes_per_token: float) -> int:

@@ -58,7 +58,7 @@ from typing import NamedTuple
 from mars_openhands.control.admission import AdmissionController, AdmissionPolicy, AimdWindow
 from mars_openhands.control.config import GatewayConfig
 from mars_openhands.control.routing import Router
-from mars_openhands.control.sessions import Session, SessionRegistry, ToolTracker
+from mars_openhands.control.sessions import Session, SessionRegistry, ToolTracker, TurnAttempts
 from mars_openhands.policy.admission import AdmissionDecision, PressureSnapshot
 from mars_openhands.policy.reorder import WaitingSession
 from mars_openhands.stream.events import Event
@@ -196,10 +196,19 @@ class ControlPlane:
         """The session's waiting request gave up (timeout, client gone): leave the waiting set."""
         self.admission.withdraw(session.session_id)
 
-    def start_turn(self, session: Session,
-                   is_side: bool = False) -> tuple[int | None, tuple[str, float] | None]:
+    def start_turn(self, session: Session, is_side: bool = False,
+                   fingerprint: int | None = None) -> tuple[int | None, tuple[str, float] | None]:
         """The admitted session's request becomes its next turn, unless it is a side request (a
-        title or summary: ``metadata.is_side_request``), which takes no turn. Mutates ``session``.
+        title or summary: ``metadata.is_side_request``), which takes no turn, or another attempt
+        of the latest turn (the same ``fingerprint``: a retry, or a client re-sending it), which
+        keeps that turn's number. Call :meth:`end_turn` when the request ends. Mutates
+        ``session``.
+
+        Args:
+            session: an admitted session.
+            is_side: a side request.
+            fingerprint: :func:`~mars_openhands.control.metadata.body_fingerprint` of the
+                request's body; ``None``: never taken for a retry.
 
         Returns:
             ``(turn, prev_tool)``: the 0-based turn and ``(tool_name, duration_s)`` of the tool that
@@ -209,16 +218,33 @@ class ControlPlane:
         if is_side:
             session.num_side_requests += 1
             return None, None
+        last = session.last_turn
+        if last is not None and fingerprint is not None and last.fingerprint == fingerprint:
+            last.num_live += 1
+            session.num_turn_retries += 1
+            return last.turn, last.prev_tool
         turn, prev_tool = session.num_turns, session.prev_tool
         session.num_turns += 1
         session.prev_tool = None
+        session.last_turn = TurnAttempts(turn, fingerprint, prev_tool)
         return turn, prev_tool
 
-    def refuse_turn(self, session: Session, turn: int, prev_tool: tuple[str, float] | None) -> None:
-        """The engine refused ``turn`` (HTTP >= 400: it did not run), so the agent's retry is the
-        same turn. Undoes :meth:`start_turn` unless a later turn started meanwhile."""
-        if session.num_turns == turn + 1:
-            session.num_turns, session.prev_tool = turn, prev_tool
+    def end_turn(self, session: Session, turn: int, is_answered: bool) -> None:
+        """An attempt of ``turn`` (from :meth:`start_turn`) ended: answered (its response ended
+        normally) or not (refused by the engine, the replica failed, the client went away). The
+        last unanswered attempt of the latest turn gives the turn back: the agent's retry, or
+        its next request, takes the same number, and the tool it reported travels again. A turn
+        that a later one followed keeps its number. Mutates ``session``."""
+        last = session.last_turn
+        if last is None or last.turn != turn:
+            return
+        last.num_live -= 1
+        last.is_answered = last.is_answered or is_answered
+        if last.num_live == 0 and not last.is_answered:
+            session.num_turns = turn
+            if session.prev_tool is None:  # a tool that ended since is newer
+                session.prev_tool = last.prev_tool
+            session.last_turn = None
 
     def end_request(self, session: Session) -> list[str]:
         """The request ended (answered, failed or abandoned). A one-turn session ends with it.

@@ -5,8 +5,10 @@ Life of a request (:meth:`ProxyHandler.__call__`)::
     agent ──▶ size check (413) ──▶ probe parse (400; only the six fields the gateway reads are
           built as Python objects, ``messages`` is skipped) ──▶ session id, vllm_xargs check (400)
           ──▶ admission slot (sync fast path; else waits) ──▶ replica (affinity, else least loaded)
+          ──▶ turn (plane.start_turn: the same body as the latest turn is a retry of it)
           ──▶ body += session_id, vllm_xargs (spliced into the agent's bytes when it has neither)
-          ──▶ vLLM ──▶ response (whole, or relayed chunk by chunk)
+          ──▶ vLLM ──▶ response (whole, or a stream whose headers are held until its first chunk,
+          then relayed chunk by chunk) ──▶ plane.end_turn (unanswered: the turn is given back)
 
 Per request the gateway creates no pydantic model and, for a request answered within
 :data:`DISCONNECT_WATCH_DELAY_S`, no task: the disconnect watcher (a task awaiting ``receive()``,
@@ -16,7 +18,8 @@ never re-serialized. Cancellation is the one mechanism
 that interrupts a request: a client disconnect (watcher) or the replica poller marking the replica
 down (:meth:`_Call.fail`) cancels the request's own task and says why; the handler turns that
 into an abort of the upstream request (its connection is closed, so vLLM aborts), a re-run on the
-next replica (nothing sent to the agent yet) or an SSE ``error`` chunk (a stream under way).
+next replica (nothing sent to the agent yet: a stream's headers wait for its first chunk, up to
+``stream_hold_s``) or an SSE ``error`` chunk (a stream under way).
 A response that simply finished is never counted as a disconnect.
 """
 
@@ -31,6 +34,7 @@ import msgspec
 
 from mars_openhands.control import metadata
 from mars_openhands.control.admission import AdmissionTimeoutError
+from mars_openhands.control.auth import SESSION_TOKEN_HEADER, AuthError
 from mars_openhands.control.metadata import BadRequestError
 from mars_openhands.control.routing import NoReplicaError, ReplicaState
 from mars_openhands.control.sessions import Session
@@ -52,7 +56,7 @@ PROXY_PATHS = frozenset(("/v1/chat/completions", "/v1/completions"))
 
 _HEADERS_READ = {name.encode(): name for name in (
     "x-mars-session", "x-litellm-session-id", "x-mars-last-step", "content-length",
-    "authorization", "content-type", "accept", "x-request-id")}
+    "authorization", "content-type", "accept", "x-request-id", SESSION_TOKEN_HEADER)}
 _FORWARD_HEADERS = ("authorization", "accept", "x-request-id")
 _NEEDS_REWRITE = frozenset(("mars_session", "mars_last_step", "mars_side", "session_id",
                             "vllm_xargs"))
@@ -146,11 +150,21 @@ class _UpstreamFailedError(Exception):
         self.can_retry = can_retry
 
 
+class _HeldStream:
+    """A 200 stream whose headers the gateway held back: the first chunk it read meanwhile
+    (``None``: none within ``stream_hold_s``; ``b""``: the stream ended without one)."""
+
+    __slots__ = ("head",)
+
+    def __init__(self, head: bytes | None) -> None:
+        self.head = head
+
+
 class _Call:
     """One proxied request: its task, where it is, and why it was interrupted (client gone,
     replica down)."""
 
-    __slots__ = ("task", "is_gone", "fail_reason", "is_done", "watcher", "stage")
+    __slots__ = ("task", "is_gone", "fail_reason", "is_done", "watcher", "stage", "turn")
 
     def __init__(self, task: asyncio.Task[Any] | None) -> None:
         self.task = task
@@ -160,6 +174,8 @@ class _Call:
         self.watcher: asyncio.Future[Any] | None = None
         self.stage = "admission"
         """``RequestAborted.stage``: "admission", "upstream" (no byte to the agent yet), "stream"."""
+        self.turn: int | None = None
+        """The agent turn it runs as, once started (``None``: not yet, or a side request)."""
 
     def watch(self, receive: Any) -> None:
         """Start watching for the client's disconnect (a task awaiting ``receive()``)."""
@@ -255,9 +271,9 @@ class ProxyHandler:
                 metadata.check_xargs(fields["vllm_xargs"])
             session, last_step = gateway.session_for(headers, fields)
             is_side = not session.is_one_turn and metadata.is_side_request(scope["path"], fields)
-        except BadRequestError as e:
-            await _send_whole(send, *_json_error(e.status_code, str(e), "invalid_request_error"),
-                              None)
+        except BadRequestError as e:  # AuthError too: refused before anything was counted
+            gateway.num_forbidden += isinstance(e, AuthError)
+            await _send_whole(send, *_json_error(e.status_code, str(e), e.kind), None)
             return
         except _ClientGoneError:
             gateway.num_client_disconnects += 1
@@ -282,7 +298,7 @@ class ProxyHandler:
                                        is_client_gone=call.is_gone)
             if abort:
                 gateway.record_aborted(session, request_id, abort[0], call.stage,
-                                       time.monotonic() - t0_s, released)
+                                       time.monotonic() - t0_s, released, call.turn)
 
     async def _serve(self, path: str, raw: bytes, fields: dict[str, Any], headers: dict[str, str],
                      session: Session, step: tuple[int | None, bool], call: _Call,
@@ -295,33 +311,37 @@ class ProxyHandler:
         gateway = self.gateway
         status_body: tuple[int, bytes] | None = None
         last_step, is_side = step
+        is_answered = False
         try:
             if not gateway.plane.admission.try_admit(session.session_id):
                 await gateway.wait_for_admission(session, raw)
             call.stage = "upstream"
-            turn, prev_tool = gateway.plane.start_turn(session, is_side)
+            fingerprint = None if session.is_one_turn else metadata.body_fingerprint(raw)
+            turn, prev_tool = gateway.plane.start_turn(session, is_side, fingerprint)
+            call.turn = turn
             content = engine_content(raw, fields, None if session.is_one_turn else session.session_id,
                                      turn, last_step, prev_tool)
             forward = {k: v for k in _FORWARD_HEADERS if (v := headers.get(k)) is not None}
             forward["content-type"] = "application/json"
             stream = bool(fields.get("stream"))
-            replica, resp, whole = await self._send_with_failover(session, path, content, forward,
-                                                                  stream, call)
+            replica, resp, body = await self._send_with_failover(session, path, content, forward,
+                                                                 stream, call)
             replica_out.append(replica)
             replica.num_in_flight += 1
-            if resp.status_code >= 400 and turn is not None:  # vLLM refused it (unknown model, ...)
-                gateway.plane.refuse_turn(session, turn, prev_tool)
             extra = [*resp.headers, (b"x-mars-replica", replica.name.encode()),
                      (b"x-mars-session", session.session_id.encode()),
                      (b"x-mars-turn", str(turn).encode()) if turn is not None
                      else (b"x-mars-side", b"1")]
-            if whole is not None:
+            if isinstance(body, bytes):
                 call.is_done = True
-                await _send_whole(send, resp.status_code, whole, resp.content_type, extra)
+                is_answered = resp.status_code < 400  # else vLLM refused it (unknown model, ...)
+                await _send_whole(send, resp.status_code, body, resp.content_type, extra)
                 return
             call.stage = "stream"
-            if await self._relay(resp, replica, call, extra, send):
+            if await self._relay(resp, body, replica, call, extra, send):
                 abort.append("replica_failed")
+            else:
+                is_answered = True
             return
         except asyncio.CancelledError:
             why = call.interrupted(call.task)
@@ -347,24 +367,28 @@ class ProxyHandler:
             gateway.num_upstream_errors += 1
             abort.append("replica_failed")
             status_body = _json_error(e.status, str(e), "upstream_error")
+        finally:
+            if call.turn is not None:  # an attempt without an answer gives its turn back
+                gateway.plane.end_turn(session, call.turn, is_answered)
         call.is_done = True
         await _send_whole(send, *status_body, None)
 
     async def _send_with_failover(
         self, session: Session, path: str, content: bytes, headers: dict[str, str], stream: bool,
         call: _Call,
-    ) -> tuple[ReplicaState, UpstreamResponse, bytes | None]:
+    ) -> tuple[ReplicaState, UpstreamResponse, bytes | _HeldStream]:
         """Route and send; when the replica is dead or unreachable, mark it down and try the next.
 
-        Nothing has reached the agent yet at this point (streams start after it), so re-running the
-        request elsewhere is invisible to it apart from the latency. Bounded: each retry marks a
-        replica down, and :meth:`Router.route` raises once none is left.
+        Nothing has reached the agent yet at this point (a stream's headers are held until its
+        first chunk, :meth:`_hold`), so re-running the request elsewhere is invisible to it apart
+        from the latency. Bounded: each retry marks a replica down, and :meth:`Router.route` raises
+        once none is left.
         """
         gateway = self.gateway
         while True:
             replica = gateway.router.route(session)  # raises NoReplicaError when none is left
             try:
-                resp, whole = await self._attempt(replica, path, content, headers, stream, call)
+                resp, body = await self._attempt(replica, path, content, headers, stream, call)
             except _UpstreamFailedError as e:
                 if not e.can_retry:
                     raise
@@ -372,12 +396,13 @@ class ProxyHandler:
                 gateway.router.detach(session)
                 continue
             gateway.router.record_success(replica.index)
-            return replica, resp, whole
+            return replica, resp, body
 
     async def _attempt(self, replica: ReplicaState, path: str, content: bytes,
                        headers: dict[str, str], stream: bool,
-                       call: _Call) -> tuple[UpstreamResponse, bytes | None]:
-        """One replica: POST, and read the whole body unless it is a 200 stream.
+                       call: _Call) -> tuple[UpstreamResponse, bytes | _HeldStream]:
+        """One replica: POST, and read the whole body, or of a 200 stream its first chunk
+        (:meth:`_hold`): until then a failure of the replica is retryable.
 
         Raises:
             _UpstreamFailedError: the replica failed (``can_retry`` when it is dead, unreachable
@@ -388,11 +413,17 @@ class ProxyHandler:
         client = gateway.client
         assert client is not None, "Gateway.start() must run first"
         call.fail_reason = None
+        if replica.authorization is not None:  # the replica's own key, never the agent's
+            headers = {**headers, "authorization": replica.authorization}
         replica.in_flight.add(call)
         try:
             resp = await client.post(f"{replica.url}{path}", content, headers)
             if stream and resp.status_code == 200:
-                return resp, None
+                try:
+                    return resp, await self._hold(resp)
+                except BaseException:
+                    resp.close()
+                    raise
             try:
                 return resp, await resp.read()
             finally:
@@ -425,10 +456,27 @@ class ProxyHandler:
         finally:
             replica.in_flight.discard(call)
 
-    async def _relay(self, resp: UpstreamResponse, replica: ReplicaState, call: _Call,
-                     extra: list[tuple[bytes, bytes]], send: Any) -> bool:
-        """Relay an upstream SSE stream chunk for chunk; a replica failure ends it with an SSE
-        ``error`` chunk naming the replica; a disconnect closes upstream (vLLM aborts).
+    async def _hold(self, resp: UpstreamResponse) -> _HeldStream:
+        """Read a 200 stream's first chunk before anything goes to the agent, for at most
+        ``stream_hold_s`` (vLLM sends the headers before the first token: a replica that dies
+        while the turn queues or prefills can still be replaced). The read is cancel-safe
+        (:meth:`UpstreamResponse.read_chunk`): past the bound the relay goes on from where it was.
+
+        Raises:
+            UpstreamError: the replica failed before the first chunk.
+            asyncio.CancelledError: the request's task was cancelled (client gone, replica down).
+        """
+        try:
+            async with asyncio.timeout(self.gateway.config.stream_hold_s):
+                return _HeldStream(await resp.read_chunk())
+        except TimeoutError:
+            return _HeldStream(None)
+
+    async def _relay(self, resp: UpstreamResponse, held: _HeldStream, replica: ReplicaState,
+                     call: _Call, extra: list[tuple[bytes, bytes]], send: Any) -> bool:
+        """Relay an upstream SSE stream chunk for chunk (from its held first chunk on); a replica
+        failure ends it with an SSE ``error`` chunk naming the replica; a disconnect closes
+        upstream (vLLM aborts).
 
         Returns:
             True if the replica failed mid-stream (the stream ended with an ``error`` chunk).
@@ -443,6 +491,8 @@ class ProxyHandler:
         try:
             await send({"type": "http.response.start", "status": resp.status_code,
                         "headers": [(b"content-type", content_type), *extra]})
+            if held.head:
+                await send({"type": "http.response.body", "body": held.head, "more_body": True})
             async for chunk in resp.iter_chunks():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except asyncio.CancelledError:

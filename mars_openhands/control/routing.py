@@ -70,6 +70,9 @@ class ReplicaState:
     num_failures_total: int = 0
     in_flight: set = field(default_factory=set)
     """In-flight requests (``proxy._Call``), failed when the replica goes down."""
+    authorization: str | None = field(default=None, repr=False)
+    """``Bearer <the replica's own API key>`` sent in place of the agent's ``Authorization``
+    (``ReplicaConfig.api_key``); ``None``: the agent's is forwarded."""
 
     def kv_usage(self, now_mono_s: float, max_step_age_s: float) -> float | None:
         """KV usage 0..1: the newer of the last ``engine_step`` (if younger than ``max_step_age_s``)
@@ -99,7 +102,9 @@ class Router:
         self.config = config
         self.clock = clock
         self.replicas = [
-            ReplicaState(i, config.replica_name(i), r.url) for i, r in enumerate(config.replicas)
+            ReplicaState(i, config.replica_name(i), r.url, authorization=(
+                f"Bearer {r.api_key.get_secret_value()}" if r.api_key is not None else None))
+            for i, r in enumerate(config.replicas)
         ]
         self._by_source = {config.replica_source(i): i for i in range(len(config.replicas))}
 

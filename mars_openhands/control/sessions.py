@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from mars_openhands.policy.admission import ema
 
-__all__ = ["Session", "SessionRegistry", "ToolCall", "ToolTracker"]
+__all__ = ["Session", "SessionRegistry", "ToolCall", "ToolTracker", "TurnAttempts"]
 
 
 @dataclass
@@ -30,6 +30,29 @@ class ToolCall:
     deadline_s: float
     """``since_s`` + its bound: past this with no ``tool_end`` the control plane closes it as
     ``"interrupted"`` (the agent is presumed dead) and it no longer keeps the session alive."""
+
+
+@dataclass
+class TurnAttempts:
+    """A session's latest agent turn and its attempts in flight. Mutable; owned by its
+    :class:`Session`.
+
+    An agent retries a turn after an error (or a client library re-sends it): every attempt is the
+    same turn. One that ends without an answer (client gone, replica or engine error) gives the
+    turn back when no other attempt of it is running or has answered, so the next request takes
+    its number again.
+    """
+
+    turn: int
+    fingerprint: int | None
+    """:func:`~mars_openhands.control.metadata.body_fingerprint` of the turn's request body; a
+    request with the same one is another attempt of this turn (``None``: not compared)."""
+    prev_tool: tuple[str, float] | None
+    """The ``mars_prev_tool`` it carries (every attempt carries the same)."""
+    num_live: int = 1
+    """Attempts of it being served now."""
+    is_answered: bool = False
+    """An attempt of it was answered (its response ended normally)."""
 
 
 @dataclass
@@ -59,6 +82,10 @@ class Session:
     gateway's ``tool_call_timeout_s``."""
     prev_tool: tuple[str, float] | None = None
     """(tool_name, duration_s) of the last tool that ended since the previous turn."""
+    last_turn: TurnAttempts | None = None
+    """The latest turn and its attempts (``None``: none yet, or it was given back)."""
+    num_turn_retries: int = 0
+    """Requests taken as another attempt of the latest turn (same body)."""
     has_ended: bool = False
 
 

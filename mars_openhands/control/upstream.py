@@ -110,6 +110,15 @@ class UpstreamResponse:
         except _ERRORS as e:
             raise _map(e, self._url) from None
 
+    async def read_chunk(self) -> bytes:
+        """The body bytes that arrived next (de-chunked), ``b""`` at its end. Cancel-safe: a
+        cancelled read loses nothing, :meth:`iter_chunks` goes on from there. Raises
+        UpstreamError."""
+        try:
+            return await self._resp.content.readany()
+        except _ERRORS as e:
+            raise _map(e, self._url) from None
+
     async def iter_chunks(self) -> AsyncIterator[bytes]:
         """Body bytes as they arrive (de-chunked; one item per socket read). Raises UpstreamError."""
         try:
@@ -193,18 +202,20 @@ class UpstreamClient:
             return UpstreamResponse(resp, url)
         raise AssertionError("unreachable: the loop returns or raises")
 
-    async def get(self, url: str, timeout_s: float | None = None) -> tuple[int, bytes, str | None]:
+    async def get(self, url: str, timeout_s: float | None = None,
+                  headers: Mapping[str, str] | None = None) -> tuple[int, bytes, str | None]:
         """GET a small resource: (status, body, content type). Raises UpstreamError.
 
         Args:
             url: the resource.
             timeout_s: read timeout (seconds of silence) for this request; default
                 ``read_timeout_s``. Connecting is bounded by ``connect_timeout_s`` as usual.
+            headers: request headers (e.g. the replica's ``authorization``).
         """
         timeout = (aiohttp.ClientTimeout(total=None, connect=self.connect_timeout_s,
                                          sock_read=timeout_s) if timeout_s else self._timeout)
         try:
-            async with self._session.get(self._url(url), timeout=timeout) as resp:
+            async with self._session.get(self._url(url), timeout=timeout, headers=headers) as resp:
                 return resp.status, await resp.read(), resp.headers.get("content-type")
         except _ERRORS as e:
             raise _map(e, url) from None

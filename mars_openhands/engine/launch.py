@@ -126,8 +126,10 @@ class VllmServerOptions(BaseModel):
     spawn (measured here under load: ready in 90 s instead of 190 s) but decodes ~8x
     slower per token on CPU (85 ms vs 11 ms per token), so it is off by default."""
     api_key: str | None = Field(default=None, min_length=1)
-    """``--api-key``: clients must send it as ``Authorization: Bearer <key>`` (the readiness probe
-    does); ``None``: no key."""
+    """vLLM's API key: clients must send it as ``Authorization: Bearer <key>`` (the readiness
+    probe does); ``None``: no key. Passed as ``VLLM_API_KEY`` in the server's environment, not as
+    ``--api-key``: a command line is readable by every user of the machine (``ps``), an
+    environment only by the server's own user."""
     extra_args: tuple[str, ...] = ()
     """More CLI arguments, appended last; must not repeat a managed flag."""
     extra_env: dict[str, str] = Field(default_factory=dict)
@@ -234,7 +236,6 @@ def build_command(options: VllmServerOptions, port: int) -> list[str]:
         ("--max-num-batched-tokens", options.max_num_batched_tokens),
         ("--max-model-len", options.max_model_len),
         ("--block-size", options.block_size),
-        ("--api-key", options.api_key),
     ]
     for flag, value in optional_values:
         if value is not None:
@@ -257,7 +258,8 @@ def build_env(options: VllmServerOptions, base_env: dict[str, str] | None = None
 
     Pure. Puts ``REPO_ROOT`` first on PYTHONPATH (so ``--scheduler-cls
     mars_openhands...`` resolves in the engine-core process), sizes the CPU KV cache,
-    and keeps the server offline and quiet. ``options.extra_env`` wins over all.
+    sets ``VLLM_API_KEY`` from ``options.api_key`` (kept off the command line), and keeps the
+    server offline and quiet. ``options.extra_env`` wins over all.
     """
     env = dict(os.environ if base_env is None else base_env)
     python_path = [str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -277,6 +279,9 @@ def build_env(options: VllmServerOptions, base_env: dict[str, str] | None = None
     )
     if options.worker_in_engine_process:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    env.pop("VLLM_API_KEY", None)  # the options decide, not the caller's environment
+    if options.api_key is not None:
+        env["VLLM_API_KEY"] = options.api_key
     env.update(options.extra_env)
     return env
 

@@ -17,6 +17,7 @@ port; read it back from :attr:`ZmqEventCollector.address`). pyzmq is imported la
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from types import TracebackType
@@ -233,6 +234,19 @@ class ZmqEventPublisher:
         self.close()
 
 
+def _owner_only(address: str) -> None:
+    """Make an ``ipc://`` socket file connectable by its owner only (mode 0600).
+
+    Connecting to a Unix socket needs write permission on its file, which the umask may grant to
+    the group (0775 under umask 002): then another user could push forged events into an engine's
+    inbox or the gateway's collector. ``tcp://127.0.0.1`` has no such guard (any local process can
+    connect); prefer ``ipc://`` in a private directory (docs/gateway.md, "Threat model").
+    """
+    path = address.removeprefix("ipc://")
+    if address.startswith("ipc://") and not path.startswith("@"):  # "@": abstract, no file
+        os.chmod(path, 0o600)
+
+
 class ZmqEventCollector:
     """PULL socket that receives publishers' batches and calls ``on_event`` per typed event.
 
@@ -274,6 +288,7 @@ class ZmqEventCollector:
         self._socket.setsockopt(zmq.LINGER, 0)
         try:
             self._socket.bind(check_address(address))
+            _owner_only(address)
         except BaseException:
             self._socket.close()
             self._context.term()

@@ -13,6 +13,7 @@ between.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -50,6 +51,22 @@ def event(kind: str, session: str, **extra: Any) -> dict[str, Any]:
             "source": "agent", "session_id": session, **extra}
 
 
+ADMIN = {"authorization": "Bearer admin-of-the-test"}
+
+
+def with_session_token(request: httpx.Request) -> None:
+    """Send the session's X-Mars-Session-Token on every call naming one (LLM calls and event
+    batches), as our clients do (docs/gateway.md, "Threat model")."""
+    if request.method != "POST" or not request.content:
+        return
+    body = json.loads(request.content)
+    body = body.get("events", body) if isinstance(body, dict) else body
+    first = body[0] if isinstance(body, list) else body
+    session = first.get("mars_session") or first.get("session_id")
+    if session:
+        request.headers["x-mars-session-token"] = f"token-of-{session}-0123456789abcdef"
+
+
 def running(url: str) -> int:
     return parse_vllm_metrics(httpx.get(f"{url}/metrics", timeout=5).text).num_running or 0
 
@@ -79,6 +96,7 @@ def test_gateway_with_two_vllm_replicas(vllm_server_factory) -> None:
         port=0, replicas=[ReplicaConfig(url=e.url) for e in engines], num_tool_workers=4,
         poll_interval_s=0.1, replica_failure_threshold=1, engine_events_address=events_address,
         admission={"window_max": 8, "window_init": 8, "window_min": 2, "update_interval_s": 0.05},
+        admin_key=ADMIN["authorization"].removeprefix("Bearer "),
     )
 
     def chat(session: str, content: str = "hello", **extra: Any) -> dict[str, Any]:
@@ -89,9 +107,10 @@ def test_gateway_with_two_vllm_replicas(vllm_server_factory) -> None:
                 "tools": [{"type": "function", "function": {"name": "bash", "parameters": {
                     "type": "object", "properties": {}}}}], **extra}
 
-    with GatewayServer(config, sink) as gw, httpx.Client(base_url=gw.url, timeout=120) as client:
+    with GatewayServer(config, sink) as gw, httpx.Client(
+            base_url=gw.url, timeout=120, event_hooks={"request": [with_session_token]}) as client:
         def state() -> dict[str, Any]:
-            return client.get("/mars/v1/state").json()
+            return client.get("/mars/v1/state", headers=ADMIN).json()
 
         # 1. Multi-turn sessions stick to one replica; new sessions spread over both.
         placement: dict[str, set[str]] = {}

@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from gateway_helpers import chat, event, state, wait_until
+from gateway_helpers import chat, event, owner, post_events, state, wait_until
 
 from mars_openhands.control.proxy import DISCONNECT_WATCH_DELAY_S
 
@@ -36,10 +36,11 @@ def test_sessions_stick_to_a_replica_and_carry_metadata(clean_fakes, gateway_fac
         r = client.post("/v1/chat/completions", json={**chat(), "prompt_cache_key": "stick-pck"})
         assert r.headers["x-mars-session"] == "stick-pck"
         # A tool that ended since the previous turn travels with the next turn.
-        client.post("/mars/v1/events", json=[
+        post_events(client, [  # binds stick-a to its token: its calls carry it from now on
             event("tool_start", "stick-a", tool_name="pytest", tool_call_id="t1"),
             event("tool_end", "stick-a", tool_name="pytest", tool_call_id="t1", duration_s=2.5)])
-        client.post("/v1/chat/completions", json=chat("stick-a", mars_last_step=True))
+        client.post("/v1/chat/completions", json=chat("stick-a", mars_last_step=True),
+                    headers=owner("stick-a"))
         one_turn = client.post("/v1/chat/completions", json=chat())
         assert one_turn.headers["x-mars-session"].startswith("one-turn-")
     seen = [r for f in clean_fakes for r in f.seen()["requests"]]
@@ -63,18 +64,22 @@ def test_requests_without_tools_are_side_requests_not_turns(clean_fakes, gateway
         assert title.status_code == 200 and title.headers["x-mars-side"] == "1"
         assert "x-mars-turn" not in title.headers
         assert client.post("/v1/chat/completions", json=chat(sid)).headers["x-mars-turn"] == "0"
-        client.post("/mars/v1/events", json=[
+        post_events(client, [
             event("tool_start", sid, tool_name="terminal", tool_call_id="t1"),
             event("tool_end", sid, tool_name="terminal", tool_call_id="t1", duration_s=1.5)])
-        summary = client.post("/v1/chat/completions", json=chat(sid, tools=[], stream=True))
+        summary = client.post("/v1/chat/completions", json=chat(sid, tools=[], stream=True),
+                              headers=owner(sid))
         assert summary.headers["x-mars-side"] == "1"
-        assert client.post("/v1/chat/completions", json=chat(sid)).headers["x-mars-turn"] == "1"
-        forced = client.post("/v1/chat/completions", json=chat(sid, tools=None, mars_side=0))
+        assert client.post("/v1/chat/completions", json=chat(sid),
+                           headers=owner(sid)).headers["x-mars-turn"] == "1"
+        forced = client.post("/v1/chat/completions", json=chat(sid, tools=None, mars_side=0),
+                             headers=owner(sid))
         assert forced.headers["x-mars-turn"] == "2"  # the agent's explicit mars_side wins
-        bad = client.post("/v1/chat/completions", json=chat(sid, mars_side="maybe"))
+        bad = client.post("/v1/chat/completions", json=chat(sid, mars_side="maybe"),
+                          headers=owner(sid))
         assert bad.status_code == 400 and "mars_side" in bad.json()["error"]["message"]
         raw = client.post("/v1/completions", json={"model": "fake", "prompt": "x"},
-                          headers={"x-mars-session": sid})
+                          headers={"x-mars-session": sid, **owner(sid)})
         assert raw.headers["x-mars-turn"] == "3"  # a raw prompt carries no tools to judge by
         assert state(server)["sessions"][sid]["side_requests"] == 2
     xargs = [r["vllm_xargs"] for r in clean_fakes[0].seen()["requests"] if r["session_id"] == sid]
@@ -163,6 +168,8 @@ def test_bad_requests_get_4xx_naming_the_problem(clean_fakes, gateway_factory, c
         (json.dumps(event("teleport", "s")).encode(), 400, "unknown event kind 'teleport'"),
         (json.dumps(event("tool_end", "s", tool_name="x")).encode(), 400, "tool_call_id"),
         (json.dumps(event("session_end", "nobody")).encode(), 404, "unknown session 'nobody'"),
+        (json.dumps([event("session_start", "s"), event("session_start", "t")]).encode(), 403,
+         "a batch carries the events of one session"),
         (json.dumps({"events": [event("session_start", "s")] * 3}).encode(), 413, "max_events"),
         (b"[" + b" " * 5000 + b"]", 413, "max_body_bytes"),
     ],
@@ -170,7 +177,7 @@ def test_bad_requests_get_4xx_naming_the_problem(clean_fakes, gateway_factory, c
 def test_bad_events_get_4xx_naming_the_problem(clean_fakes, gateway_factory, payload, status,
                                                needle) -> None:
     server, _ = gateway_factory([clean_fakes[0].url], max_events_per_post=2, max_body_bytes=4096)
-    r = httpx.post(f"{server.url}/mars/v1/events", content=payload)
+    r = httpx.post(f"{server.url}/mars/v1/events", content=payload, headers=owner("s"))
     assert r.status_code == status, r.text
     assert needle in r.json()["error"]["message"]
 
@@ -180,17 +187,16 @@ def test_events_are_recorded_and_session_end_frees_the_slot(clean_fakes, gateway
     with httpx.Client(base_url=server.url, timeout=10) as client:
         assert client.post("/v1/chat/completions", json=chat("ev-1")).status_code == 200
         assert state(server)["num_admitted"] == 1
-        r = client.post("/mars/v1/events", json={"events": [
+        r = post_events(client, {"events": [
             event("tool_enqueued", "ev-1", tool_name="bash", tool_call_id="c"),
             event("tool_start", "ev-1", tool_name="bash", tool_call_id="c", queue_wait_s=0.2),
             event("tool_end", "ev-1", tool_name="bash", tool_call_id="c", duration_s=0.1),
-            event("session_end", "ev-1")]})
+            event("session_end", "ev-1")]}["events"])
         assert r.json() == {"accepted": 4}
         st = state(server)
         assert st["num_admitted"] == 0 and "ev-1" not in st["sessions"]
         # The session is gone: more events for it are a 404.
-        r = client.post("/mars/v1/events", json=event("tool_start", "ev-1", tool_name="b",
-                                                      tool_call_id="d"))
+        r = post_events(client, event("tool_start", "ev-1", tool_name="b", tool_call_id="d"))
         assert r.status_code == 404
     kinds = [e.kind for e in sink.events if e.session_id == "ev-1"]
     assert kinds == ["tool_enqueued", "tool_start", "tool_end", "session_end"]
@@ -235,7 +241,7 @@ def test_admission_window_queues_sessions_and_can_be_switched_off(clean_fakes, g
             with pytest.raises(httpx.ReadTimeout):  # q-b waits: q-a holds the only slot
                 impatient.post("/v1/chat/completions", json=chat("q-b"))
         wait_until(lambda: state(server)["num_waiting"] == 0, what="waiter dropped on disconnect")
-        client.post("/mars/v1/events", json=event("session_end", "q-a"))
+        post_events(client, event("session_end", "q-a"))
         r = client.post("/v1/chat/completions", json=chat("q-b"))
         assert r.status_code == 200
     server_off, _ = gateway_factory([fake.url], admission=one, is_admission_enabled=False)
@@ -259,7 +265,7 @@ def test_admission_waits_are_measured_per_session(clean_fakes, gateway_factory) 
         waiter.start()
         wait_until(lambda: state(server)["num_waiting"] == 1, what="w-b waiting")
         time.sleep(0.4)
-        client.post("/mars/v1/events", json=event("session_end", "w-a"))
+        post_events(client, event("session_end", "w-a"))
         waiter.join(timeout=10)
     assert answers == [200]
     waits = dict(server.gateway.admission_wait_s)
@@ -313,7 +319,7 @@ def test_a_dead_agent_mid_tool_frees_its_slot_after_the_tool_bound(clean_fakes, 
     server, sink = gateway_factory([clean_fakes[0].url], admission=one, session_idle_timeout_s=0.3)
     with httpx.Client(base_url=server.url, timeout=10) as client:
         assert client.post("/v1/chat/completions", json=chat("dead-a")).status_code == 200
-        client.post("/mars/v1/events", json=event("tool_start", "dead-a", tool_name="terminal",
+        post_events(client, event("tool_start", "dead-a", tool_name="terminal",
                                                   tool_call_id="sleep30", timeout_s=0.6))
         # dead-a is killed here: no tool_end, no session_end. dead-b waits, then is answered.
         r = client.post("/v1/chat/completions", json=chat("dead-b"))
@@ -340,7 +346,8 @@ def test_a_client_gone_before_the_first_byte_frees_its_slot_and_is_in_the_stream
         httpx.post(f"{server.url}/v1/chat/completions", json=chat("gone-a"), timeout=0.5,
                    headers={"x-request-id": "req-gone"})
     wait_until(lambda: state(server)["num_admitted"] == 0, timeout_s=3.0, what="slot released")
-    assert state(server)["sessions"]["gone-a"]["turns"] == 1  # still known, keeps its turns
+    assert state(server)["sessions"]["gone-a"]["turns"] == 0  # still known; its aborted turn 0
+    # was given back (the agent's retry is turn 0 again)
     fake.configure(delay_s=0.0)
     r = httpx.post(f"{server.url}/v1/chat/completions", json=chat("gone-b"), timeout=5.0)
     assert r.status_code == 200
@@ -349,3 +356,50 @@ def test_a_client_gone_before_the_first_byte_frees_its_slot_and_is_in_the_stream
             for e in aborted] == [("req-gone", "gone-a", 0, "client_disconnect", "upstream", True)]
     assert 0.4 < aborted[0].elapsed_s < 5.0
     assert "mars_client_gone_releases_total 1" in httpx.get(f"{server.url}/metrics").text
+
+
+def test_retries_and_aborted_tries_of_a_turn_keep_its_number(clean_fakes, gateway_factory) -> None:
+    """Issue 33 item 7: an attempt that ends without an answer (client gone, replica error) does
+    not advance ``mars_turn``, and the same body sent again (a client's retry, even after an
+    answer) is the same turn; the engine sees the turn numbers an agent would count."""
+    fake = clean_fakes[0]
+    server, sink = gateway_factory([fake.url])
+    first, second, third, fourth = (chat("retry") for _ in range(4))
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        assert client.post("/v1/chat/completions", json=first).headers["x-mars-turn"] == "0"
+        fake.configure(delay_s=5.0)
+        num_aborted = fake.seen()["num_aborted"]
+        with pytest.raises(httpx.ReadTimeout):  # the agent gives up on turn 1: aborted
+            httpx.post(f"{server.url}/v1/chat/completions", json=second, timeout=0.3)
+        wait_until(lambda: fake.seen()["num_aborted"] == num_aborted + 1,
+                   what="the engine to abort it")
+        fake.configure(delay_s=0.0)
+        assert client.post("/v1/chat/completions", json=second).headers["x-mars-turn"] == "1"
+        # The same body again after an answer (the client did not take it): still turn 1.
+        assert client.post("/v1/chat/completions", json=second).headers["x-mars-turn"] == "1"
+        fake.configure(fail_status=503)  # the engine fails turn 2; the agent moves on
+        assert client.post("/v1/chat/completions", json=third).status_code == 503
+        fake.configure(fail_status=0)
+        assert client.post("/v1/chat/completions", json=fourth).headers["x-mars-turn"] == "2"
+    turns = [r["vllm_xargs"].get("mars_turn") for r in fake.seen()["requests"]
+             if r["session_id"] == "retry"]
+    assert turns == [0, 1, 1, 1, 2, 2]
+    aborted = [e for e in sink.events if e.kind == "aborted" and e.session_id == "retry"]
+    assert [e.turn for e in aborted] == [1]
+    assert state(server)["sessions"]["retry"]["turns"] == 3
+
+
+def test_a_stream_slower_than_the_hold_bound_loses_no_byte(clean_fakes, gateway_factory) -> None:
+    """Past ``stream_hold_s`` the held read is cancelled and the relay goes on from there: the
+    headers come at the bound, every chunk after them, none lost or repeated."""
+    fake = clean_fakes[0]
+    server, _ = gateway_factory([fake.url], stream_hold_s=0.2)
+    fake.configure(delay_s=1.0, num_chunks=3, chunk_delay_s=0.05)
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        t0 = time.monotonic()
+        with client.stream("POST", "/v1/chat/completions", json=chat("slow", stream=True)) as r:
+            headers_s = time.monotonic() - t0
+            body = b"".join(r.iter_raw())
+    assert r.status_code == 200 and 0.15 < headers_s < 0.9, headers_s
+    assert body == b"".join(b'data: {"choices": [{"index": 0, "delta": {"content": "t%d"}}]}\n\n' % i
+                            for i in range(3)) + b"data: [DONE]\n\n"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 
 import httpx
-from gateway_helpers import chat, event, fast_config, state, wait_until
+from gateway_helpers import chat, event, fast_config, post_events, state, wait_until
 
 from mars_openhands.control.config import ReplicaConfig
 from mars_openhands.control.server import GatewayServer
@@ -33,12 +33,14 @@ def test_cpu_events_are_forwarded_to_the_replica_holding_the_session(clean_fakes
                 where = {sid: client.post("/v1/chat/completions", json=chat(sid)).headers[
                     "x-mars-replica"] for sid in ("fw-a", "fw-b")}
                 assert sorted(where.values()) == ["r0", "r1"]
-                r = client.post("/mars/v1/events", json=[
+                r = post_events(client, [
                     event("tool_start", "fw-a", tool_name="pytest", tool_call_id="1"),
                     event("tool_end", "fw-a", tool_name="pytest", tool_call_id="1",
                           duration_s=3.0),
-                    event("session_end", "fw-a"),
-                    event("tool_start", "fw-b", tool_name="ls", tool_call_id="2")])
+                    event("session_end", "fw-a")])
+                assert r.status_code == 200
+                r = post_events(client, [event("tool_start", "fw-b", tool_name="ls",
+                                               tool_call_id="2")])
                 assert r.status_code == 200
             index = {name: int(name[1]) for name in where.values()}
             a_inbox, b_inbox = inboxes[index[where["fw-a"]]], inboxes[index[where["fw-b"]]]

@@ -5,6 +5,11 @@ replaced by an arbitrary JSON value, dropped, or joined by an unknown one; raw b
 bytes. Every answer must be < 500; every rejection a 4xx whose message names the field (or says the
 body is not JSON / not an object); a rejected events batch records nothing and nothing already
 recorded is lost. Bounded: a fixed number of examples per surface, a few seconds each.
+
+Forgery (issue 33 item 6): an attacker on the machine (an agent's terminal) posts valid events for
+sessions bound to other clients' tokens (no token, a random one, its own, the victim's altered,
+the token in the wrong header, batches mixing its own session with a victim's) and LLM calls
+naming them: 0 may be accepted, and nothing of the victims changes.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
-from gateway_helpers import chat, event
+from gateway_helpers import ADMIN, chat, event, owner, token_for
 
 from tests.unit.stream.stream_samples import sample_dict
 
@@ -39,7 +44,9 @@ CPU_KINDS = ("session_start", "session_end", "tool_enqueued", "tool_start", "too
 _NAMES_IT = ("json", "object", "body")
 """Words a rejection of a whole body may use instead of a field name."""
 
-STATS: dict[str, int] = {"requests": 0, "5xx": 0, "4xx": 0}
+STATS: dict[str, int] = {"requests": 0, "5xx": 0, "4xx": 0, "forged": 0, "forged_accepted": 0}
+VICTIMS = ("fz-victim-a", "fz-victim-b")
+ATTACKER = "fz-attacker"
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +61,12 @@ def fuzz_gateway(fakes):
     sink = ListSink()
     server = GatewayServer(fast_config([fakes[0].url]), sink).start()
     with httpx.Client(base_url=server.url, timeout=10) as client:
+        for victim in VICTIMS:  # two sessions of other clients, bound to their tokens
+            assert client.post("/v1/chat/completions", json=chat(victim),
+                               headers=owner(victim)).status_code == 200
+            started = event("tool_start", victim, tool_name="terminal", tool_call_id="v1")
+            assert client.post("/mars/v1/events", json=[started],
+                               headers=owner(victim)).status_code == 200
         yield client, sink
     server.stop()
 
@@ -64,7 +77,8 @@ def _check(response: httpx.Response, field: str | None) -> None:
     assert response.status_code < 500, (response.status_code, response.text[:300])
     if response.status_code >= 400 and "x-mars-replica" not in response.headers:
         STATS["4xx"] += 1
-        message = response.json()["error"]["message"].lower()
+        error = response.json()["error"]
+        message = (error if response.status_code == 401 else error["message"]).lower()
         assert message, response.text
         if field is not None:
             assert field.lower() in message or any(w in message for w in _NAMES_IT), (field, message)
@@ -116,7 +130,7 @@ def test_events_reject_bad_batches_whole_and_lose_nothing(fuzz_gateway, case) ->
         return [e for e in sink.events if e.source != "gateway"]
 
     before = posted()
-    r = client.post("/mars/v1/events", json=batch)
+    r = client.post("/mars/v1/events", json=batch, headers=owner("fuzz-ev"))
     _check(r, field)
     after = posted()
     assert after[:len(before)] == before  # nothing already recorded is lost
@@ -130,13 +144,92 @@ def test_events_reject_bad_batches_whole_and_lose_nothing(fuzz_gateway, case) ->
        query=st.text(max_size=20))
 def test_read_endpoints_always_answer(fuzz_gateway, path: str, query: str) -> None:
     client, _ = fuzz_gateway
-    r = client.get(path, params={"q": query})
+    r = client.get(path, params={"q": query}, headers=ADMIN)
     _check(r, None)
     assert r.status_code == 200
 
 
+_TOKENS = {
+    "absent": None, "empty": "", "random": "r" * 24 + "-not-anyones-token",
+    "attacker": token_for(ATTACKER), "truncated": token_for(VICTIMS[0])[:-1],
+    "altered": token_for(VICTIMS[0])[:-1] + "0", "upper": token_for(VICTIMS[0]).upper(),
+    "other victim": token_for(VICTIMS[1]), "doubled": token_for(VICTIMS[0]) * 2,
+}
+"""Tokens an attacker can try for victim A (it does not hold A's own)."""
+
+
+@st.composite
+def forged_calls(draw: Any) -> tuple[list[dict[str, Any]] | dict[str, Any], dict[str, str]]:
+    """A body naming victim A (valid events of any CPU kind, possibly mixed with the attacker's
+    own session's or victim B's) and the headers an attacker can send."""
+    kinds = draw(st.lists(st.sampled_from(CPU_KINDS), min_size=1, max_size=4))
+    victim = [{**sample_dict(kind, i), "session_id": VICTIMS[0], "t_wall": "2026-01-01T00:00:00Z",
+               **({"timeout_s": 1e9} if kind.startswith("tool_") and kind != "tool_end" else {})}
+              for i, kind in enumerate(kinds)]
+    mix = draw(st.sampled_from(["alone", "attacker first", "attacker last", "with victim B"]))
+    own = [event("session_start", ATTACKER)]
+    other = [event("session_end", VICTIMS[1])]
+    batch = {"alone": victim, "attacker first": own + victim, "attacker last": victim + own,
+             "with victim B": victim + other}[mix]
+    token = _TOKENS[draw(st.sampled_from(sorted(_TOKENS)))]
+    headers = {} if token is None else {"x-mars-session-token": token}
+    where = draw(st.sampled_from(["header", "authorization", "both"]))
+    if where != "header" and token:  # the token where an API key would go
+        headers["authorization"] = f"Bearer {token}"
+        if where == "authorization":
+            headers.pop("x-mars-session-token")
+    shape = draw(st.sampled_from(["list", "object", "one"]))
+    body = {"list": batch, "object": {"events": batch}, "one": victim[0]}[shape]
+    return body, headers
+
+
+def _victims(client: httpx.Client) -> dict[str, Any]:
+    sessions = client.get("/mars/v1/state", headers=ADMIN).json()["sessions"]
+    return {v: sessions.get(v) for v in VICTIMS}
+
+
+@_SETTINGS
+@given(case=forged_calls())
+def test_forged_and_cross_session_events_are_never_accepted(fuzz_gateway, case) -> None:
+    client, sink = fuzz_gateway
+    body, headers = case
+    before, num_recorded = _victims(client), len([e for e in sink.events if e.session_id in VICTIMS])
+    r = client.post("/mars/v1/events", json=body, headers=headers)
+    STATS["forged"] += 1
+    STATS["forged_accepted"] += r.status_code < 400
+    _check(r, None)
+    assert r.status_code in (400, 403), (r.status_code, r.text, headers)
+    assert _victims(client) == before
+    assert len([e for e in sink.events if e.session_id in VICTIMS]) == num_recorded
+    assert ATTACKER not in client.get("/mars/v1/state", headers=ADMIN).json()["sessions"]
+
+
+@_SETTINGS
+@given(token=st.sampled_from(sorted(_TOKENS)), path=st.sampled_from(
+    ["/v1/chat/completions", "/v1/completions"]), where=st.sampled_from(
+    ["x-mars-session", "mars_session", "session_id", "x-litellm-session-id", "prompt_cache_key"]))
+def test_llm_calls_naming_a_bound_session_need_its_token(fuzz_gateway, token: str, path: str,
+                                                        where: str) -> None:
+    client, _ = fuzz_gateway
+    body = chat()
+    headers = {} if _TOKENS[token] is None else {"x-mars-session-token": _TOKENS[token]}
+    if where.startswith("x-"):
+        headers[where] = VICTIMS[0]
+    else:
+        body[where] = VICTIMS[0]
+    before = _victims(client)
+    r = client.post(path, json=body, headers=headers)
+    STATS["forged"] += 1
+    STATS["forged_accepted"] += r.status_code < 400
+    _check(r, None)
+    assert r.status_code in (400, 403) and "x-mars-turn" not in r.headers, (r.status_code, r.text)
+    assert _victims(client) == before
+
+
 def test_fuzz_figures(fuzz_gateway) -> None:
-    """Runs last in this module: the figures the docs quote (requests sent, 4xx, 5xx = 0)."""
+    """Runs last in this module: the figures the docs quote (requests sent, 4xx, 5xx = 0; forged
+    calls sent, 0 accepted)."""
     print(f"gateway fuzz: {STATS['requests']} requests, {STATS['4xx']} rejected with a 4xx, "
-          f"{STATS['5xx']} 5xx")
-    assert STATS["5xx"] == 0
+          f"{STATS['5xx']} 5xx; {STATS['forged']} forged or cross-session calls, "
+          f"{STATS['forged_accepted']} accepted")
+    assert STATS["5xx"] == 0 and STATS["forged_accepted"] == 0

@@ -12,7 +12,7 @@ import threading
 import time
 
 import httpx
-from gateway_helpers import chat, event, state, wait_until
+from gateway_helpers import chat, event, post_events, state, wait_until
 
 from mars_openhands.control.fake_engine import FakeEngineProcess
 
@@ -29,13 +29,13 @@ def test_tool_backlog_shrinks_window_with_hysteresis(clean_fakes, gateway_factor
     with httpx.Client(base_url=server.url, timeout=10) as client:
         client.post("/v1/chat/completions", json=chat("cpu-a"))
         # rho = 16 in-flight tool calls / 4 workers >= 4: overload (C_cpu = ceil(4 * 2.5) = 10).
-        client.post("/mars/v1/events", json=[
+        post_events(client, [
             event("tool_enqueued", "cpu-a", tool_name="bash", tool_call_id=f"c{i}")
             for i in range(16)])
         wait_until(lambda: state(server)["window"] == 2, what="window at W_min")
         assert state(server)["is_cpu_overloaded"]
         # rho = 2: between clear (1) and set (4): stays overloaded, window stays at W_min.
-        client.post("/mars/v1/events", json=[
+        post_events(client, [
             event("tool_end", "cpu-a", tool_name="bash", tool_call_id=f"c{i}", duration_s=0.1)
             for i in range(8)])
         wait_until(lambda: any(u.tool_backlog_ratio == 2.0 for u in updates(sink)),
@@ -46,7 +46,7 @@ def test_tool_backlog_shrinks_window_with_hysteresis(clean_fakes, gateway_factor
         assert state(server)["is_cpu_overloaded"] and state(server)["window"] == 2
         assert len(band) <= 2  # nothing changed in the band: no update per tick
         # rho = 0: cleared; the window grows back one per tick to W_max.
-        client.post("/mars/v1/events", json=[
+        post_events(client, [
             event("tool_end", "cpu-a", tool_name="bash", tool_call_id=f"c{i}", duration_s=0.1)
             for i in range(8, 16)])
         wait_until(lambda: state(server)["window"] == 8, what="window back at W_max")
@@ -65,7 +65,7 @@ def test_tool_wait_ema_sets_cpu_overload(clean_fakes, gateway_factory) -> None:
                                 tool_wait_idle_decay=False)
     with httpx.Client(base_url=server.url, timeout=10) as client:
         client.post("/v1/chat/completions", json=chat("wait-a"))
-        client.post("/mars/v1/events", json=[
+        post_events(client, [
             event("tool_start", "wait-a", tool_name="bash", tool_call_id="w", queue_wait_s=9.0),
             event("tool_end", "wait-a", tool_name="bash", tool_call_id="w", duration_s=0.1)])
         wait_until(lambda: state(server)["is_cpu_overloaded"], what="overload from queue wait")
@@ -170,3 +170,61 @@ def test_restarted_replica_comes_back(gateway_factory) -> None:
             assert r.status_code == 200 and r.headers["x-mars-turn"] == "1"
     finally:
         a.kill()
+
+
+def _stream_in_thread(client: httpx.Client, body: dict) -> tuple[threading.Thread, dict]:
+    """POST ``body`` as a stream in a thread; the result holds its status, headers and bytes."""
+    result: dict = {}
+
+    def run() -> None:
+        with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            result["status"], result["headers"] = r.status_code, dict(r.headers)
+            result["body"] = b"".join(r.iter_raw())
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, result
+
+
+def test_a_stream_whose_replica_dies_before_its_first_token_is_rerun_elsewhere(gateway_factory) -> None:
+    """vLLM sends a stream's 200 headers before its first token: the gateway holds them until the
+    first chunk, so a replica that dies while the turn queues or prefills is invisible to the agent
+    (one normal stream from the next replica, the same turn)."""
+    with FakeEngineProcess() as a, FakeEngineProcess() as b:
+        server, sink = gateway_factory([a.url, b.url], replica_failure_threshold=1)
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            placed = {sid: client.post("/v1/chat/completions", json=chat(sid)).headers[
+                "x-mars-replica"] for sid in ("pre-1", "pre-2")}
+            victim = next(s for s, r in placed.items() if r == "r0")
+            a.configure(delay_s=60.0)  # headers now, first token in a minute
+            thread, result = _stream_in_thread(client, chat(victim, stream=True))
+            wait_until(lambda: a.seen()["num_active"] == 1, what="the stream in flight on r0")
+            time.sleep(0.2)  # r0's 200 headers have reached the gateway
+            a.kill()
+            thread.join(timeout=15)
+            assert not thread.is_alive(), "stream hung after its replica was killed"
+        assert result["status"] == 200
+        assert result["headers"]["x-mars-replica"] == "r1" and result["headers"]["x-mars-turn"] == "1"
+        body = result["body"]
+        assert b"upstream_error" not in body, body
+        assert body.count(b"data: ") == 4 and body.endswith(b"data: [DONE]\n\n"), body
+        rerun = [r for r in b.seen()["requests"] if r["session_id"] == victim]
+        assert [r["vllm_xargs"]["mars_turn"] for r in rerun] == [1]  # the same turn, once
+        assert not [e for e in sink.events if e.kind == "aborted"]
+
+
+def test_a_stream_past_the_hold_bound_ends_with_an_sse_error(gateway_factory) -> None:
+    """Past ``stream_hold_s`` without a chunk the headers go out; a failure after that is the SSE
+    error chunk naming the replica (the agent has a response under way)."""
+    with FakeEngineProcess() as a, FakeEngineProcess() as b:
+        server, _ = gateway_factory([a.url, b.url], replica_failure_threshold=1, stream_hold_s=0.2)
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            placed = {sid: client.post("/v1/chat/completions", json=chat(sid)).headers[
+                "x-mars-replica"] for sid in ("hold-1", "hold-2")}
+            victim = next(s for s, r in placed.items() if r == "r0")
+            a.configure(delay_s=60.0)
+            with client.stream("POST", "/v1/chat/completions", json=chat(victim, stream=True)) as r:
+                assert r.status_code == 200 and r.headers["x-mars-replica"] == "r0"  # after 0.2 s
+                a.kill()
+                rest = b"".join(r.iter_raw())
+        assert b'"upstream_error"' in rest and b"r0" in rest

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
-from gateway_helpers import chat, event, wait_until
+from gateway_helpers import ADMIN, ADMIN_KEY, chat, event, owner, post_events, wait_until
 
 from mars_openhands.control.fake_engine import build_fake_engine_app
 from mars_openhands.control.inprocess import (
@@ -48,7 +48,8 @@ def in_process(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, MarsGatew
 
     def start(config: dict[str, Any]) -> tuple[str, MarsGatewayMiddleware]:
         monkeypatch.setenv(CONFIG_ENV, json.dumps({"poll_interval_s": 0.05, "num_tool_workers": 100,
-                                                   "admission": {"update_interval_s": 0.05}, **config}))
+                                                   "admission": {"update_interval_s": 0.05},
+                                                   "admin_key": ADMIN_KEY, **config}))
         middleware = MarsGatewayMiddleware(build_fake_engine_app())
         server, thread, url = _serve(middleware)
         started.append((server, thread))
@@ -74,7 +75,7 @@ def test_turns_carry_session_metadata_and_the_engine_keeps_its_own_paths(in_proc
         assert [r["session_id"] for r in seen] == ["s1", "s1"]
         assert [r["vllm_xargs"]["mars_turn"] for r in seen] == [0, 1]
         assert "mars_session" not in seen[0]["body"]
-        state = client.get("/mars/v1/state").json()
+        state = client.get("/mars/v1/state", headers=ADMIN).json()
         assert state["sessions"]["s1"]["turns"] == 2 and state["sessions"]["s1"]["in_flight"] == 0
         assert "vllm:kv_cache_usage_perc" in client.get("/metrics").text  # vLLM keeps /metrics
         assert "mars_admission_window" in client.get("/mars/v1/metrics").text
@@ -111,10 +112,10 @@ def test_the_admission_window_holds_a_second_session_until_the_first_ends(in_pro
         waiter = threading.Thread(target=lambda: results.append(
             httpx.post(f"{url}/v1/chat/completions", json=chat("b"), timeout=10)))
         waiter.start()
-        wait_until(lambda: client.get("/mars/v1/state").json()["num_waiting"] == 1,
+        wait_until(lambda: client.get("/mars/v1/state", headers=ADMIN).json()["num_waiting"] == 1,
                    what="session b to wait for a slot")
         assert not results
-        ended = client.post("/mars/v1/events", json={"events": [event("session_end", "a")]})
+        ended = post_events(client, [event("session_end", "a")])
         assert ended.status_code == 200, ended.text
         waiter.join(timeout=10)
         assert results and results[0].status_code == 200
@@ -283,8 +284,20 @@ def test_vllms_api_key_guards_the_gateway_before_admission(monkeypatch) -> None:
             key = {"authorization": "Bearer secret"}
             ok = client.post("/v1/chat/completions", json=chat("agent"), headers=key)
             assert ok.status_code == 200 and ok.headers["x-mars-turn"] == "0"
-            assert client.get("/mars/v1/state", headers=key).json()["sessions"]["agent"]["turns"] == 1
+            aggregate = client.get("/mars/v1/state", headers=key).json()  # no admin key set:
+            assert aggregate["num_sessions"] == 1 and "sessions" not in aggregate  # no session ids
             assert client.get("/health").status_code == 200  # not guarded by vLLM, nor by us
+            assert client.get("/mars/v1/healthz").status_code == 200  # nor the gateway's figures
+            assert "mars_sessions_live 1" in client.get("/mars/v1/metrics").text
+            # An event needs vLLM's key and the session's token; the token binds the session.
+            assert client.post("/mars/v1/events", json=[event("tool_start", "agent", tool_name="t",
+                               tool_call_id="c")], headers=key).status_code == 400  # no token
+            assert post_events(client, [event("tool_start", "agent", tool_name="t", tool_call_id="c")],
+                               headers=key).status_code == 200
+            stolen = client.post("/v1/chat/completions", json=chat("agent"), headers=key)
+            assert stolen.status_code == 403 and "x-mars-turn" not in stolen.headers
+            assert client.post("/v1/chat/completions", json=chat("agent"),
+                               headers={**key, **owner("agent")}).headers["x-mars-turn"] == "1"
     finally:
         server.should_exit = True
         thread.join(timeout=10)
@@ -393,3 +406,46 @@ def test_the_config_checker_reports_before_vllm_starts(monkeypatch, tmp_path, ca
     monkeypatch.setenv(CONFIG_ENV, '{"admission": {"window_mn": 2}}')
     assert main([]) == 2
     assert capsys.readouterr().err.strip() == f"{CONFIG_ENV}: admission.window_mn: Extra inputs are not permitted"
+
+
+def test_the_admin_key_opens_the_state_with_session_ids_in_process(monkeypatch) -> None:
+    """In-process, vLLM's key is the API key and MARS_GATEWAY_ADMIN_KEY the admin key: the state
+    with session ids needs the latter; vLLM's key alone gets 401 once an admin key is set."""
+    monkeypatch.setenv(CONFIG_ENV, "{}")
+    monkeypatch.setenv("MARS_GATEWAY_ADMIN_KEY", "admin-secret")
+    middleware = MarsGatewayMiddleware(_ApiKey(build_fake_engine_app(), "secret"))
+    server, thread, url = _serve(middleware)
+    try:
+        with httpx.Client(base_url=url, timeout=10) as client:
+            key = {"authorization": "Bearer secret"}
+            assert client.post("/v1/chat/completions", json=chat("s"), headers=key).status_code == 200
+            assert client.get("/mars/v1/state", headers=key).status_code == 401
+            admin = client.get("/mars/v1/state", headers={"authorization": "Bearer admin-secret"})
+            assert admin.status_code == 200 and admin.json()["sessions"]["s"]["turns"] == 1
+            assert client.post("/v1/chat/completions", json=chat("s"), headers={
+                "authorization": "Bearer admin-secret"}).status_code == 401  # not an API key
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def test_api_keys_are_refused_in_the_in_process_config() -> None:
+    with pytest.raises(ValueError, match="api_key cannot be set in-process"):
+        config_from_env({CONFIG_ENV: json.dumps({"api_key": "k"})})
+    with pytest.raises(ValueError, match="replica.api_key cannot be set in-process"):
+        config_from_env({CONFIG_ENV: json.dumps({"replica": {"api_key": "k"}})})
+    config = config_from_env({CONFIG_ENV: "{}", "MARS_GATEWAY_ADMIN_KEY": "a-key"})
+    assert config.admin_key is not None and config.admin_key.get_secret_value() == "a-key"
+
+
+def test_a_stream_slower_than_the_hold_bound_loses_no_byte_in_process(in_process) -> None:
+    url, _ = in_process({"stream_hold_s": 0.2})
+    httpx.post(f"{url}/fake/config", json={"delay_s": 1.0, "num_chunks": 3, "chunk_delay_s": 0.05})
+    with httpx.Client(base_url=url, timeout=10) as client:
+        t0 = time.monotonic()
+        with client.stream("POST", "/v1/chat/completions", json=chat("slow", stream=True)) as r:
+            headers_s = time.monotonic() - t0
+            body = b"".join(r.iter_raw())
+    assert r.status_code == 200 and 0.15 < headers_s < 0.9, headers_s
+    assert body.count(b"data: ") == 4 and body.endswith(b"data: [DONE]\n\n")
+    assert [body.count(b'"t%d"' % i) for i in range(3)] == [1, 1, 1]

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from mars_openhands.control import metadata
 from mars_openhands.control.metadata import (
     BadRequestError,
+    body_fingerprint,
     build_engine_body,
     estimate_prompt_tokens,
     extract_last_step,
@@ -108,3 +111,18 @@ def test_a_side_request_carries_mars_side_instead_of_a_turn() -> None:
     out = metadata.build_engine_body(body, "s", None, prev_tool=("bash", 1.0))
     assert out["vllm_xargs"] == {"k": "v", "mars_side": 1} and "mars_side" not in out
     assert metadata.build_engine_body(body, "s", 2)["vllm_xargs"] == {"k": "v", "mars_turn": 2}
+
+
+def test_body_fingerprint_tells_a_retry_from_the_next_turn() -> None:
+    def body(messages: list[str], temperature: float = 0.0) -> bytes:
+        return json.dumps({"model": "m", "messages": [{"role": "user", "content": m}
+                                                      for m in messages],
+                           "tools": [], "temperature": temperature}).encode()
+
+    history = [f"observation {i} " + "x" * 3000 for i in range(100)]  # ~300 KB, stride > 1
+    turn = body(history)
+    assert body_fingerprint(turn) == body_fingerprint(bytes(turn))  # a retry: the same bytes
+    assert body_fingerprint(turn) != body_fingerprint(body([*history, "next"]))  # grown
+    condensed = body(["summary " + "y" * (len(h) - 8) for h in history])  # same length
+    assert len(condensed) == len(turn) and body_fingerprint(condensed) != body_fingerprint(turn)
+    assert body_fingerprint(b"{}") != body_fingerprint(b"[]")

@@ -63,8 +63,37 @@ def test_tool_calls_keep_a_session_alive_and_its_last_tool_travels_with_the_next
     cp.begin_request(s)
     turn, prev_tool = cp.start_turn(s)
     assert (turn, prev_tool) == (1, ("pytest", 2.5))
-    cp.refuse_turn(s, turn, prev_tool)  # the engine refused it: the retry is turn 1 again
+    cp.end_turn(s, turn, is_answered=False)  # the engine refused it: the retry is turn 1 again
     assert cp.start_turn(s) == (1, ("pytest", 2.5))
+
+
+def test_retries_of_a_turn_keep_its_number_until_one_answers() -> None:
+    """Attempts of one turn (the same body fingerprint) share its number, however they overlap;
+    the turn is given back only when its last attempt ends and none answered (issue 33 item 7)."""
+    now = [0.0]
+    cp = plane(now)
+    s = cp.open_session("s")
+    assert cp.start_turn(s, fingerprint=10) == (0, None)
+    cp.end_turn(s, 0, is_answered=True)
+    cp.tool_ended(s, "c", "terminal", duration_s=1.0)
+    first = cp.start_turn(s, fingerprint=11)
+    assert first == (1, ("terminal", 1.0))
+    assert cp.start_turn(s, fingerprint=11) == first  # the client re-sent it meanwhile
+    cp.end_turn(s, 1, is_answered=False)  # the first attempt was aborted: the retry runs on
+    assert s.num_turns == 2
+    cp.end_turn(s, 1, is_answered=False)  # the retry failed too: the turn goes back
+    assert (s.num_turns, s.prev_tool, s.last_turn) == (1, ("terminal", 1.0), None)
+    assert cp.start_turn(s, fingerprint=12) == (1, ("terminal", 1.0))  # the agent's next body
+    cp.end_turn(s, 1, is_answered=True)
+    assert cp.start_turn(s, fingerprint=12) == (1, ("terminal", 1.0))  # re-sent after an answer
+    cp.end_turn(s, 1, is_answered=False)  # ... and that one failed: turn 1 was answered, kept
+    assert s.num_turns == 2 and s.num_turn_retries == 2
+    assert cp.start_turn(s, fingerprint=13) == (2, None)
+    assert cp.start_turn(s, fingerprint=14) == (3, None)  # turn 2 still running, turn 3 starts
+    cp.end_turn(s, 2, is_answered=False)  # a turn followed by another keeps its number
+    assert s.num_turns == 4
+    assert cp.start_turn(s, is_side=True) == (None, None) and s.num_turns == 4
+    assert cp.start_turn(s) == (4, None) and cp.start_turn(s) == (5, None)  # no fingerprint
 
 
 def test_a_tool_call_past_its_bound_is_interrupted_and_its_session_idles_out() -> None:

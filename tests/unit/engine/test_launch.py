@@ -72,7 +72,10 @@ def test_every_option_maps_to_its_flag(tmp_path: Path) -> None:
         extra_args=("--seed", "7"),
     )
     cmd = build_command(opts, 9000)
-    assert _flag_value(cmd, "--api-key") == "k1"
+    assert "--api-key" not in cmd and "k1" not in " ".join(cmd)  # argv is world-readable (ps)
+    assert build_env(opts, {"VLLM_API_KEY": "inherited"})["VLLM_API_KEY"] == "k1"
+    assert "VLLM_API_KEY" not in build_env(opts.model_copy(update={"api_key": None}),
+                                           {"VLLM_API_KEY": "inherited"})
     assert _flag_value(cmd, "--served-model-name") == "m"
     assert _flag_value(cmd, "--scheduler-cls") == opts.scheduler_cls
     assert _flag_value(cmd, "--distributed-executor-backend") == opts.executor_backend

@@ -52,6 +52,8 @@ class FakeEndpoint:
     fail: dict[tuple[str, int], int | str] = field(default_factory=dict)
     requests: list[dict[str, Any]] = field(default_factory=list)
     posted_events: list[dict[str, Any]] = field(default_factory=list)
+    event_posts: list[tuple[str | None, list[dict[str, Any]]]] = field(default_factory=list)
+    """(X-Mars-Session-Token, events) of each POST /mars/v1/events."""
 
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self.handle)
@@ -74,6 +76,8 @@ class FakeEndpoint:
             card = {"id": self.model, "object": "model", "max_model_len": self.max_model_len}
             return httpx.Response(200, json={"object": "list", "data": [card]})
         if path == "/mars/v1/events":
+            self.event_posts.append((request.headers.get("x-mars-session-token"),
+                                     json.loads(request.content)["events"]))
             self.posted_events.extend(json.loads(request.content)["events"])
             return httpx.Response(200, json={"accepted": len(json.loads(request.content)["events"])})
         if path != "/v1/completions":
@@ -251,18 +255,33 @@ def test_requests_force_length_and_carry_session_id_and_vllm_xargs() -> None:
     assert fake.posted_events == []
 
 
-def test_gateway_mode_adds_header_and_posts_every_cpu_event_in_order() -> None:
+def test_gateway_mode_adds_headers_and_posts_every_cpu_event_in_order() -> None:
+    """Through the gateway every LLM call and every events batch carries the session's token (one
+    per session, ≥ 128 bits, the same on both), and each batch holds one session's events, in
+    their order."""
     fake = FakeEndpoint(model=MODEL)
     result, sink = _replay(WORKLOAD, fake, endpoint_kind="gateway", event_batch_size=3)
     assert all(r["headers"]["x-mars-session"] == r["body"]["session_id"]
                for r in fake.completions())
+    token_of = {r["body"]["session_id"]: r["headers"]["x-mars-session-token"]
+                for r in fake.completions()}
+    assert len(set(token_of.values())) == len(token_of) == len(WORKLOAD.sessions)
+    assert all(len(t) >= 22 for t in token_of.values())
+    assert all(r["headers"]["x-mars-session-token"] == token_of[r["body"]["session_id"]]
+               for r in fake.completions())
+    for token, events in fake.event_posts:
+        assert len({e["session_id"] for e in events}) == 1 and 1 <= len(events) <= 3
+        assert token == token_of[events[0]["session_id"]]
     local = [json.loads(e.model_dump_json()) for e in sink.events]
-    assert fake.posted_events == local
+    for session_id in token_of:
+        assert [e for e in fake.posted_events if e["session_id"] == session_id] == [
+            e for e in local if e["session_id"] == session_id]
+    assert len(fake.posted_events) == len(local)
     assert result.num_events_posted == len(local) == result.num_events
     assert result.num_events_post_failed == 0
 
 
-def test_a_batch_rejected_for_one_unknown_session_is_reposted_per_session() -> None:
+def test_a_batch_rejected_for_one_unknown_session_loses_no_other_sessions_events() -> None:
     async def handler(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/mars/v1/events":
             events = json.loads(request.content)["events"]

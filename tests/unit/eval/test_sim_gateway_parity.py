@@ -139,6 +139,11 @@ def _simulate(workload: Workload) -> tuple[SimResult, list[tuple[float, Any]]]:
     return sim.run(), sink.events
 
 
+def _owner(session_id: str) -> dict[str, str]:
+    """The session's token header, as its own client sends it on every call."""
+    return {"x-mars-session-token": f"token-of-{session_id}-0123456789abcdef"}
+
+
 def _report(event: Any) -> AdmissionReport:
     return AdmissionReport(*(getattr(event, name) for name in AdmissionReport._fields))
 
@@ -159,16 +164,19 @@ async def _replay(workload: Workload, events: list[tuple[float, Any]]) -> tuple[
         def send(session_id: str, turn: int) -> None:
             tokens = specs[session_id].turns[turn].prompt_tokens_appended
             body = {"model": "m", "prompt": "x" * (4 * tokens), "mars_session": session_id}
-            requests.append(asyncio.create_task(client.post("/v1/completions", json=body)))
+            requests.append(asyncio.create_task(client.post("/v1/completions", json=body,
+                                                            headers=_owner(session_id))))
 
         for t_s, event in events:
             now[0] = t_s
             kind, sid = event.kind, event.session_id
             if kind == "session_start":
-                await client.post("/mars/v1/events", json=event.model_dump(mode="json"))
+                await client.post("/mars/v1/events", json=event.model_dump(mode="json"),
+                                  headers=_owner(sid))
                 send(sid, 0)
             elif kind in _CPU_KINDS:
-                r = await client.post("/mars/v1/events", json=event.model_dump(mode="json"))
+                r = await client.post("/mars/v1/events", json=event.model_dump(mode="json"),
+                                      headers=_owner(sid))
                 assert r.status_code == 200, r.text
                 if kind == "tool_end":
                     send(sid, event.turn + 1)

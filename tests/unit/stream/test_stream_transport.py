@@ -173,3 +173,16 @@ def test_sinks_satisfy_the_protocol(tmp_path: Path) -> None:
     assert isinstance(sink, EventSink)
     with StreamRecorder(tmp_path / "s.jsonl", write_parquet=False) as recorder:
         assert isinstance(recorder, EventSink)
+
+
+def test_an_ipc_inbox_is_connectable_by_its_owner_only(tmp_path: Path) -> None:
+    """Connecting to a Unix socket needs write permission on its file: mode 0600 keeps other
+    users (a group-writable umask included) from pushing forged events into an inbox."""
+    import os
+
+    old = os.umask(0o002)
+    try:
+        with ZmqEventCollector(f"ipc://{tmp_path}/inbox.sock", ListSink().emit):
+            assert (tmp_path / "inbox.sock").stat().st_mode & 0o777 == 0o600
+    finally:
+        os.umask(old)
