@@ -26,7 +26,7 @@ class EnvVar:
     name: str
     description: str
     reader: str
-    """The module (or script) that reads it."""
+    """The file (module or script, as a path from the repository root) that reads it."""
 
     def get(self, environ: Mapping[str, str] | None = None) -> str | None:
         """The value, or ``None`` when unset or empty. Pure."""
@@ -56,42 +56,42 @@ def _declare(name: str, description: str, reader: str) -> EnvVar:
 
 GATEWAY_API_KEY = _declare(
     "MARS_GATEWAY_API_KEY", "the standalone gateway's API key (--api-key): OpenAI routes and "
-    "POST /mars/v1/events need Authorization: Bearer <key>", "mars_openhands.control.cli")
+    "POST /mars/v1/events need Authorization: Bearer <key>", "mars_openhands/control/cli.py")
 GATEWAY_ADMIN_KEY = _declare(
     "MARS_GATEWAY_ADMIN_KEY", "the gateway's admin key (--admin-key): GET /mars/v1/state with "
     "session ids needs Authorization: Bearer <key> (both gateways)",
-    "mars_openhands.control.cli, mars_openhands.control.inprocess")
+    "mars_openhands/control/cli.py, mars_openhands/control/inprocess.py")
 GATEWAY_CONFIG = _declare(
     "MARS_GATEWAY_CONFIG", "the in-process gateway's settings (JSON or @file.json)",
-    "mars_openhands.control.inprocess")
-_declare("MARS_API_KEY", "API key the OpenHands LLM client sends", "mars_openhands.openhands.llm")
+    "mars_openhands/control/inprocess.py")
+_declare("MARS_API_KEY", "API key the OpenHands LLM client sends", "mars_openhands/openhands/llm.py")
 _declare("MARS_EVENTS_URL", "the gateway's POST /mars/v1/events URL for OpenHands tools",
-         "mars_openhands.openhands.executor")
+         "mars_openhands/openhands/executor.py")
 _declare("MARS_EVENTS_PATH", "JSONL file the OpenHands tools append their events to",
-         "mars_openhands.openhands.executor")
+         "mars_openhands/openhands/executor.py")
 _declare("MARS_POLICY", "on/off: the pre-tool policy check of the OpenHands tools",
-         "mars_openhands.openhands.executor")
+         "mars_openhands/openhands/executor.py")
 _declare("MARS_SESSION_POLL_S", "seconds between the agent-server's conversation polls",
-         "mars_openhands.openhands.agent_server")
+         "mars_openhands/openhands/agent_server.py")
 _declare("MARS_BROWSER", "auto/on/off: the browser tool in agent-server conversations",
-         "mars_openhands.openhands.agent_server")
+         "mars_openhands/openhands/agent_server.py")
 _declare("MARS_WORKSPACE", "workspace of the policy check when the event has none",
-         "mars_openhands.openhands.policy_check")
+         "mars_openhands/openhands/policy_check.py")
 _declare("MARS_TASK_OUT_DIR", "where durable OpenHands tasks write their output",
-         "mars_openhands.openhands.durable")
-_declare("MARS_TASKS_DB", "the durable-task database URL", "mars_openhands.runtime.config")
+         "mars_openhands/openhands/durable.py")
+_declare("MARS_TASKS_DB", "the durable-task database URL", "mars_openhands/runtime/config.py")
 _declare("MARS_RUNTIME_CRASH_AT", "crash-injection points of the durable runtime (tests)",
-         "mars_openhands.runtime.crash")
+         "mars_openhands/runtime/crash.py")
 _declare("MARS_RUNTIME_CRASH_LOG", "where injected crashes are logged (tests)",
-         "mars_openhands.runtime.crash")
+         "mars_openhands/runtime/crash.py")
 _declare("MARS_IDEMPOTENCY_KEY", "set for a durable tool call's command: its idempotency key",
-         "mars_openhands.runtime.tools")
+         "mars_openhands/runtime/tools.py")
 _declare("MARS_TASK_ID", "set for a durable tool call's command: its task id",
-         "mars_openhands.runtime.tools")
+         "mars_openhands/runtime/tools.py")
 _declare("MARS_SERVER_OWNER_PID", "set in every vLLM server the project starts: its owner's pid",
-         "mars_openhands.engine.launch")
-_declare("MARS_TRACES_DIR", "directory of the agent traces", "eval.compare")
-_declare("MARS_SIM_FAST_PATHS", "0 turns the simulator's fast paths off", "eval.sim")
+         "mars_openhands/engine/launch.py")
+_declare("MARS_TRACES_DIR", "directory of the agent traces", "eval/compare_setup.py")
+_declare("MARS_SIM_FAST_PATHS", "0 turns the simulator's fast paths off", "eval/sim.py")
 _declare("MARS_PYTHON311", "Python 3.11 for the engine env", "scripts/setup.sh")
 _declare("MARS_PYTHON312", "Python >= 3.12 for the OpenHands envs", "scripts/setup.sh")
 _declare("MARS_FORCE_SETUP", "1 reinstalls the envs", "scripts/setup.sh")
