@@ -64,6 +64,12 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rps", type=float, default=1.0, help="task arrivals per second")
     parser.add_argument("--max-iterations", type=int, default=100, help="agent steps per task")
     parser.add_argument("--no-policy", action="store_true", help="disable the pre-tool policy check")
+    parser.add_argument("--terminal-type", choices=("subprocess", "tmux"), default="subprocess",
+                        help="the agent's terminal: subprocess (default; one shell, calls take "
+                             "turns) or tmux (a pane per parallel call)")
+    parser.add_argument("--tool-concurrency", type=int, default=1,
+                        help="tool calls of one LLM response run at most this many at a time "
+                             "(default 1, the SDK's: one by one)")
     parser.add_argument("--task-timeout-s", type=float, default=3600.0)
     parser.add_argument("--tool-timeout-s", type=float, default=None,
                         help="bound on one tool call, seconds, sent with session_start: past it "
@@ -82,6 +88,7 @@ def _config_from(args: argparse.Namespace) -> Any:
                       max_output_tokens=args.max_output_tokens)
     return RunConfig(llm=llm, events_url=args.events_url, out_dir=str(args.out),
                      max_iterations=args.max_iterations, policy=not args.no_policy,
+                     terminal_type=args.terminal_type, tool_concurrency_limit=args.tool_concurrency,
                      task_timeout_s=args.task_timeout_s, tool_timeout_s=args.tool_timeout_s)
 
 

@@ -32,6 +32,7 @@ from mars_openhands.openhands.executor import (
     MarsFileEditorTool,
     MarsTaskTrackerTool,
     MarsTerminalTool,
+    WrappingExecutor,
     _denied_observation,
 )
 from mars_openhands.openhands.llm import LLMSettings, build_session_llm
@@ -94,8 +95,9 @@ class DurableLLM(LLM):
         return False
 
 
-class DurableExecutor(ToolExecutor):
-    """Wraps a (evented) tool executor: each call is a runtime tool step of task ``task_id``."""
+class DurableExecutor(WrappingExecutor):
+    """Wraps a (evented) tool executor: each call is a runtime tool step of task ``task_id``.
+    Other attributes read through to ``inner`` (:class:`WrappingExecutor`)."""
 
     def __init__(self, inner: ToolExecutor, tool_name: str, observation_type: Any, task_id: str) -> None:
         self.inner = inner

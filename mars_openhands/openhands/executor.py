@@ -72,6 +72,7 @@ __all__ = [
     "EventSender",
     "EventedExecutor",
     "EventedToolsCallback",
+    "WrappingExecutor",
     "register_evented_tools",
     "wrap_tool",
 ]
@@ -318,7 +319,59 @@ def _denied_observation(observation_type: Any, action: Any, reason: str) -> Any:
     return observation_type.from_text(text=text, is_error=True, **extra)
 
 
-class EventedExecutor(ToolExecutor):
+def _wrapper_class(wrapper_cls: type, inner_cls: type) -> type:
+    """A subclass of ``wrapper_cls`` that ``isinstance`` takes for an ``inner_cls`` too (registered
+    as an ABC virtual subclass of it: no method of ``inner_cls`` is inherited). Cached per pair.
+
+    Mutates: ``inner_cls``'s ABC registry (once per pair).
+    """
+    key = (wrapper_cls, inner_cls)
+    cls = _WRAPPER_CLASSES.get(key)
+    if cls is None:
+        cls = type(f"{wrapper_cls.__name__}[{inner_cls.__name__}]", (wrapper_cls,),
+                   {"__module__": wrapper_cls.__module__, "__qualname__": wrapper_cls.__qualname__})
+        register = getattr(inner_cls, "register", None)  # ABCMeta's; ToolExecutor is an ABC
+        if register is not None and not issubclass(cls, inner_cls):
+            register(cls)
+        _WRAPPER_CLASSES[key] = cls
+    return cls
+
+
+_WRAPPER_CLASSES: dict[tuple[type, type], type] = {}
+"""(wrapper class, inner executor class) -> their :func:`_wrapper_class`. Grows by one entry per
+tool executor class wrapped, a handful per process."""
+
+
+class WrappingExecutor(ToolExecutor):
+    """Base of our executor wrappers: what the SDK reads of a tool's executor reads the inner one.
+
+    Stock tools decide their ``declared_resources`` (which resource locks the SDK's parallel tool
+    executor takes) from their executor: the terminal from ``executor.is_pooled`` (a tmux pane
+    pool takes no lock), glob from ``isinstance(executor, GlobExecutor)``; the SDK finds a
+    toolset's MCP tools by ``isinstance(executor, MCPToolExecutor)`` and ``executor.client``. A
+    wrapper that hid them made the terminal declare a session lock, and parallel calls ran one
+    at a time (issue 33). So an attribute the wrapper lacks is read from ``inner``, and an
+    instance passes ``isinstance`` for the inner executor's class (an ABC virtual subclass; no
+    method of it is inherited, so nothing runs against the wrapper's own state).
+
+    Subclasses set ``self.inner`` in ``__init__``; their first argument is the inner executor.
+    """
+
+    inner: ToolExecutor
+
+    def __new__(cls, inner: Any = None, *args: Any, **kwargs: Any) -> WrappingExecutor:
+        target = cls if inner is None else _wrapper_class(cls, type(inner))  # None: copy/unpickle
+        return super().__new__(target)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only names not found on the wrapper itself arrive here. Dunders stay the wrapper's own
+        # (copy and pickle protocols), and nothing is forwarded before ``inner`` is set.
+        if name.startswith("__") or "inner" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.__dict__["inner"], name)
+
+
+class EventedExecutor(WrappingExecutor):
     """Wraps a tool's executor: policy check, then ``tool_enqueued`` / ``tool_start`` / ``tool_end``.
 
     Args:
@@ -341,6 +394,9 @@ class EventedExecutor(ToolExecutor):
     Attributes:
         timings: ``(tool_call_id, tool_name, start_mono_ns, end_mono_ns, status)`` per call, taken
             by this wrapper (for tests and results; the events carry the same instants).
+
+    Other attributes read through to ``inner`` (:class:`WrappingExecutor`), so the tool declares
+    the resources the stock tool declares.
 
     Timing contract: ``tool_start.t_mono_ns`` is taken immediately before ``inner(action, conv)`` and
     ``tool_end.t_mono_ns`` immediately after it returns or raises; ``duration_s`` is their difference.

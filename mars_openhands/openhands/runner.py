@@ -88,7 +88,12 @@ class RunConfig(BaseModel):
     """Run the pre-tool policy check (deny dangerous commands)."""
     terminal_type: Literal["tmux", "subprocess"] | None = "subprocess"
     """OpenHands terminal backend; ``subprocess`` keeps the shell a child of the task process (so the
-    policy's pid rule recognises the session's own processes). ``None``: the SDK picks."""
+    policy's pid rule recognises the session's own processes). ``None``: the SDK picks (tmux where
+    installed). A tmux terminal is a pool of panes: parallel calls need no session lock."""
+    tool_concurrency_limit: int = Field(1, ge=1)
+    """Tool calls of one LLM response run at most this many at a time (the SDK's
+    ``Agent.tool_concurrency_limit``; its default 1 runs them one by one). Above 1 they run side
+    by side where the tools' declared resources allow it: a tmux terminal, different files."""
     task_timeout_s: float = Field(3600.0, gt=0)
     """Wall-clock limit per task process in :func:`run_tasks`, seconds."""
     tool_timeout_s: float | None = Field(None, gt=0)
@@ -250,7 +255,10 @@ def _build_conversation(config: RunConfig, workspace: Path, session_id: str, eve
     tools = [Tool(name=f"{tool_prefix}_terminal", params=terminal_params),
              Tool(name=f"{tool_prefix}_file_editor", params=tool_params),
              Tool(name=f"{tool_prefix}_task_tracker", params=tool_params)]
-    agent = Agent(llm=llm, tools=tools)
+    agent_kwargs: dict[str, Any] = {"llm": llm, "tools": tools}
+    if config.tool_concurrency_limit != 1 and "tool_concurrency_limit" in Agent.model_fields:
+        agent_kwargs["tool_concurrency_limit"] = config.tool_concurrency_limit
+    agent = Agent(**agent_kwargs)
     callbacks: list[Any] = [TurnTracker(llm)]
     evented = None
     if sender is not None:
