@@ -61,6 +61,9 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, required=True, help="output directory")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace what an earlier run left in --out/<task_id> (default: refuse)")
+    parser.add_argument("--resume", action="store_true",
+                        help="tasks an earlier run left in --out go on with their conversation "
+                             "(same session, workspace and steps so far)")
     parser.add_argument("--rps", type=float, default=1.0, help="task arrivals per second")
     parser.add_argument("--max-iterations", type=int, default=100, help="agent steps per task")
     parser.add_argument("--no-policy", action="store_true", help="disable the pre-tool policy check")
@@ -140,7 +143,8 @@ def run_from_args(args: argparse.Namespace) -> int:
 
     try:
         tasks, config = _checked_inputs(args)
-        results = run_tasks(tasks, config, rps=args.rps, overwrite=args.overwrite)
+        results = run_tasks(tasks, config, rps=args.rps, overwrite=args.overwrite,
+                            resume=args.resume)
     except ValueError as e:  # pydantic's ValidationError too
         for line in str(e).splitlines():
             print(f"mars-openhands openhands run: {line}", file=sys.stderr)

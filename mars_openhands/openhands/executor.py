@@ -731,6 +731,11 @@ def register_evented_tools(override_defaults: bool = False,
     ``lifecycle`` (one per process: the registry is process-wide too).
     """
     names = {}
+    for tool_name in EVENTED_TOOL_NAMES:
+        # The stock tool classes must be importable before a persisted conversation is loaded:
+        # its state names them by kind (a resumed task failed with "Unexpected kind
+        # 'TerminalTool'" in a fresh process, issue 33).
+        _inner_tool_class(tool_name)
     registered = get_tool_module_qualnames()
     for tool_name, cls in _EVENTED_CLASSES.items():
         if registered.get(f"mars_{tool_name}") != cls.__module__:  # (the SDK warns on a repeat)
@@ -738,7 +743,7 @@ def register_evented_tools(override_defaults: bool = False,
         names[f"mars_{tool_name}"] = tool_name
     if override_defaults:
         for tool_name, cls in _STOCK_NAMED_CLASSES.items():
-            inner = _inner_tool_class(tool_name)  # the stock module's import registers it first
+            inner = _inner_tool_class(tool_name)  # the stock module's import registered it first
             cls.catalog_description = getattr(inner, "catalog_description", "")
             cls.lifecycle = lifecycle
             register_tool(tool_name, cls)
