@@ -168,9 +168,12 @@ def run_one_from_args(args: argparse.Namespace) -> int:
 
     task = TaskSpec.model_validate_json(args.task.read_text())
     config = RunConfig.model_validate_json(args.config.read_text())
-    if os.environ.get(ENV_API_KEY):  # run_config.json holds "**********", never the key
+    # run_config.json holds "**********", never the key. Taken out of the environment before any
+    # tool starts: the agent's terminal inherits this process's environment.
+    api_key = os.environ.pop(ENV_API_KEY, None)
+    if api_key:
         config = config.model_copy(update={"llm": config.llm.model_copy(
-            update={"api_key": SecretStr(os.environ[ENV_API_KEY])})})
+            update={"api_key": SecretStr(api_key)})})
     result = run_task(task, config)
     return 0 if result.status != "error" else 3
 

@@ -29,6 +29,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from mars_openhands.openhands.credentials import (
+    SESSION_CREDENTIALS,
+    SessionCredentials,
+    new_session_token,
+    persisted_token,
+)
 from mars_openhands.openhands.endpoint import preflight
 from mars_openhands.openhands.executor import (
     EventedToolsCallback,
@@ -39,7 +45,7 @@ from mars_openhands.openhands.llm import ENV_API_KEY, LLMSettings, TurnTracker, 
 from mars_openhands.stream.events import SessionEnd, SessionStart, now_stamps
 
 __all__ = ["LLMCall", "RunConfig", "TaskResult", "TaskSpec", "events_url_for", "run_task",
-           "run_tasks"]
+           "run_tasks", "session_credentials"]
 
 TaskStatus = Literal["finished", "error", "stuck", "max_iterations", "timeout"]
 
@@ -232,7 +238,8 @@ def _build_conversation(config: RunConfig, workspace: Path, session_id: str, eve
                         llm: Any = None, tool_prefix: str = "mars",
                         extra_tool_params: dict[str, Any] | None = None,
                         conversation_dir: Path | None = None,
-                        sender: EventSender | None = None) -> tuple[Any, TurnTracker]:
+                        sender: EventSender | None = None,
+                        session_token: str | None = None) -> tuple[Any, TurnTracker]:
     """The OpenHands conversation for one task (wrapped tools, per-session LLM) and its turn tracker.
 
     ``llm`` replaces the per-session LLM, ``tool_prefix`` the registered tool names
@@ -241,11 +248,13 @@ def _build_conversation(config: RunConfig, workspace: Path, session_id: str, eve
     persists the conversation (its events and state), ``None``: not persisted. ``sender``: the
     task's event sender; with one, every other tool the agent runs (custom, MCP, ``think``) is
     evented too (:class:`~mars_openhands.openhands.executor.EventedToolsCallback`).
+    ``session_token``: sent on the per-session LLM's calls (see :func:`session_credentials`).
     """
     from openhands.sdk import Agent, Conversation, Tool
 
     register_evented_tools()
-    llm = llm if llm is not None else build_session_llm(config.llm, session_id)
+    llm = llm if llm is not None else build_session_llm(config.llm, session_id,
+                                                        session_token=session_token)
     tool_params: dict[str, Any] = {
         "mars_events_url": config.events_url or events_url_for(config.llm),
         "mars_events_path": str(events_path), "mars_session_id": session_id,
@@ -326,6 +335,20 @@ def persisted_session(task_dir: Path, session_id: str | None = None) -> str | No
     return found[0] if found else None
 
 
+def session_credentials(config: RunConfig, session_id: str,
+                        token: str | None = None) -> SessionCredentials:
+    """The session's credentials, registered for this process's event senders: ``token`` (a new
+    one if ``None``) and the run's API key (the LLM's, which the gateway also takes on events).
+    Forget them with ``SESSION_CREDENTIALS.forget(session_id)`` once the session ended.
+
+    Mutates: :data:`~mars_openhands.openhands.credentials.SESSION_CREDENTIALS`.
+    """
+    credentials = SessionCredentials(token or new_session_token(),
+                                     config.llm.api_key.get_secret_value())
+    SESSION_CREDENTIALS.set(session_id, credentials)
+    return credentials
+
+
 def _status_of(conversation: Any) -> TaskStatus:
     status = str(getattr(conversation.state, "execution_status",
                          getattr(conversation.state, "agent_status", "error")))
@@ -356,6 +379,10 @@ def run_task(task: TaskSpec, config: RunConfig) -> TaskResult:
         workspace, base_commit, before = _task_workspace(task, task_dir, is_resumed=bool(previous))
     except ValueError as e:  # the task's own error (bad repo, base_commit), in its result
         return _write(_failed(task, task_dir.parent, "error", str(e)), task_dir)
+    # A resumed conversation goes on with the token its LLM sent (the gateway may still bind
+    # the session to it: a run killed before its session_end).
+    token = persisted_token(task_dir / "conversation", session_id) if previous else None
+    credentials = session_credentials(config, session_id, token)
     lifecycle = EventSender(config.events_url or events_url_for(config.llm), events_path)
     lifecycle.emit(SessionStart(**now_stamps(), session_id=session_id, source="agent",
                                 tool_timeout_s=config.tool_timeout_s))
@@ -369,7 +396,8 @@ def run_task(task: TaskSpec, config: RunConfig) -> TaskResult:
     try:
         conversation, tracker = _build_conversation(config, workspace, session_id, events_path,
                                                     conversation_dir=task_dir / "conversation",
-                                                    sender=lifecycle)
+                                                    sender=lifecycle,
+                                                    session_token=credentials.token)
         if not _has_user_message(conversation):  # a resumed conversation has its problem
             conversation.send_message(task.problem_statement)
         conversation.run()
@@ -384,6 +412,7 @@ def run_task(task: TaskSpec, config: RunConfig) -> TaskResult:
         lifecycle.emit(SessionEnd(**now_stamps(), session_id=session_id, source="agent",
                                   status="ok" if status == "finished" else status))
         lifecycle.close()
+        SESSION_CREDENTIALS.forget(session_id)
     result = _collect(task, session_id, status, error, workspace, base_commit, before, wall_s,
                       events_path, task_dir, tracker.num_responses if tracker else 0)
     return _write(result.model_copy(update={

@@ -79,7 +79,7 @@ def _script(workspace: Path) -> Script:
                             tool_calls=(RecordedToolCall(name=name, arguments=dict(arguments)),))
 
     return Script(name="agent-server", turns=(
-        turn("terminal", command="echo mars > note.txt && cat note.txt"),
+        turn("terminal", command="echo mars > note.txt && cat note.txt && env > env.txt"),
         turn("file_editor", command="view", path=str(workspace / "note.txt")),
         turn("task_tracker", command="plan", task_list=[{"title": "note", "notes": "", "status": "done"}]),
     ))
@@ -129,6 +129,15 @@ def test_a_conversation_reaches_the_gateway_with_tool_events_and_its_session_end
     assert kinds.index("session_end") > kinds.index("tool_end") + 2  # the end comes last
     assert kinds[kinds.index("session_end") + 1:] == ["session_start", "session_end"]
     assert sid not in state["sessions"] and state["num_admitted"] == 0  # the slot was released
+    # Issue 33 item 6: the conversation's LLM calls (the title's too) and event posts carried its
+    # token and the key of its LLM, though the user set neither; its terminal saw no token.
+    contract = gateway.contract
+    assert contract.refused() == []
+    tokens = contract.tokens_of(sid)
+    assert contract.tokens_of(sid, "llm") and contract.tokens_of(sid, "events")
+    assert len(set(tokens)) == 1 and tokens[0] is not None and len(tokens[0]) >= 22, tokens
+    assert {c["authorization"] for c in contract.calls if c["session_id"] == sid} == {"Bearer x"}
+    assert tokens[0] not in (workspace / "env.txt").read_text()
 
 
 def test_without_chromium_a_conversation_gets_no_browser_tools_instead_of_failing() -> None:
