@@ -21,6 +21,8 @@ vLLM private                                      what we do with it
                                                  before vLLM preempts anyone
 ``Scheduler._free_blocks``                       overridden: pin (touch) a finished turn's blocks,
                                                  or take over its table's references on them
+``Scheduler._free_request``                       overridden: a finishing request leaves our holds
+                                                 (every finish passes here, also a held one's)
 ``Scheduler._preempt_request``                   overridden: telemetry + policy state reset
 ``Scheduler.grammar_compile_error_reqs``         requests listed there are finished with
                                                  FINISHED_ERROR (and an output) in update_from_output
