@@ -466,6 +466,20 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         num_running, num_waiting = super().get_request_counts(**kwargs)
         return num_running, num_waiting + len(self.overflow)
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False, *args: Any,
+                           **kwargs: Any) -> bool:
+        """vLLM: reset the prefix cache (``POST /reset_prefix_cache``; ``pause_scheduler(
+        clear_cache=True)`` after an RL weight update). Retained KV is released first (reason
+        ``"reset"``) when the reset can succeed (``reset_running_requests``, or nothing runs):
+        vLLM resets only a cache whose blocks no one references, so our pins made it fail, and
+        raise with ``reset_running_requests`` (issue 33); KV computed before a weight update
+        must not be reused anyway."""
+        if self.retained and (reset_running_requests or not self.running):
+            now = self.clock()
+            for sid in list(self.retained):
+                self.release_retained(sid, "reset", now)
+        return super().reset_prefix_cache(reset_running_requests, *args, **kwargs)
+
     def shutdown(self, **kwargs: Any) -> None:
         """vLLM: release every retained block, close telemetry and the inbox."""
         now = self.clock()
@@ -777,7 +791,7 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         Args:
             session_id: the session.
             reason: a ``KvReleased.reason`` ("resumed", "expired", "reclaimed", "session_end",
-                "tool_start:cut", "shutdown").
+                "tool_start:cut", "shutdown", "reset").
             now_s: scheduler clock (default: now).
 
         Returns:

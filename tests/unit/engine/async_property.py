@@ -4,8 +4,9 @@ Property, for each policy of ``eval.compare.POLICIES`` (the live class: ``fcfs``
 ``FcfsScheduler``) and stock vLLM's ``AsyncScheduler`` as the control: under async scheduling
 (:class:`~tests.unit.engine.async_engine.AsyncEngineLoop`), with preemption by KV pressure, aborts
 between any two scheduler calls (also while a step runs, and after a request's last token), stop
-tokens and ``max_tokens`` reached on an in-flight token, invalid MARS extras, session ends and
-tool events at any time,
+tokens and ``max_tokens`` reached on an in-flight token, invalid MARS extras, session ends,
+tool events and prefix-cache resets (``reset_prefix_cache``, also preempting everything) at any
+time,
 
 * no scheduler call raises;
 * every request finishes exactly once (one finish output or one abort; no output after it);
@@ -163,6 +164,8 @@ class _Run:
         self.is_ours = hasattr(self.s, "post_event")
         self.p_stop = rng.choice((0.0, 0.1, 0.3))
         self.p_abort = rng.choice((0.0, 0.02, 0.06))
+        self.p_reset = rng.choice((0.0, 0.0, 0.01))
+        """Per step: ``reset_prefix_cache`` (``POST /reset_prefix_cache``, a weight update)."""
         self.loop = AsyncEngineLoop(self.s, self._sample)
         first = min(48, self.max_context)
         self.sessions = [
@@ -266,6 +269,9 @@ class _Run:
                 raise RuntimeError(f"workload not done in {max_steps} steps: "
                                    f"{check_state(self.s, self.requests)}")
             self._agents()
+            if self.rng.random() < self.p_reset:  # a utility call, between two steps
+                self.s.reset_prefix_cache(reset_running_requests=self.rng.random() < 0.5)
+                check_invariants(self.s)
             self.h.clock.advance(self.rng.choices(dts, weights)[0])
             if self.loop.has_work():
                 self.loop.step()

@@ -22,6 +22,7 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 from mars_openhands.engine import MarsPreviewScheduler, MarsScheduler  # noqa: E402
 from mars_openhands.engine.schedulers.thunderagent import ThunderAgentScheduler  # noqa: E402
+from mars_openhands.stream.transport import ListSink  # noqa: E402
 from tests.unit.engine.async_engine import AsyncEngineLoop  # noqa: E402
 from tests.unit.engine.async_property import (  # noqa: E402
     check_final,
@@ -124,6 +125,27 @@ def test_abort_of_everything_also_finishes_held_requests() -> None:
     aborted = s.finish_requests(None, RequestStatus.FINISHED_ABORTED)
     assert sorted(r.request_id for r in aborted) == ["r0", "r1", "r2"]
     assert not s.held and not list(s.held_requests()) and not s.requests
+
+
+def test_a_prefix_cache_reset_releases_retained_kv_instead_of_raising() -> None:
+    """``reset_prefix_cache(reset_running_requests=True)`` (``/reset_prefix_cache``, vLLM's
+    ``pause_scheduler(clear_cache=True)`` after a weight update) with KV retained: our pins
+    made vLLM's reset fail and raise; the retained KV is released ("reset") first."""
+    h = Harness(MarsScheduler, num_blocks=64, pipeline_depth=2, mars={"residency": {"enabled": False}})
+    s = h.scheduler
+    sink = ListSink()
+    s.set_telemetry_sink(sink, engine_steps=False)
+    r0 = h.add(h.make_request("s1", h.tokens(100), 4, {"mars_turn": 0}))
+    h.run_until_finished(r0.request_id)
+    assert "s1" in s.retained
+    r1 = h.add(h.make_request("s2", h.tokens(50), 20, {"mars_turn": 0}))
+    h.step()
+    h.step()
+    assert s.reset_prefix_cache(reset_running_requests=True)
+    assert not s.retained and r1.status == RequestStatus.PREEMPTED
+    assert [e.reason for e in sink.events if e.kind == "kv_released"] == ["reset"]
+    h.run_until_done()
+    h.assert_no_leaks()
 
 
 @pytest.mark.parametrize("policy", policy_names())
