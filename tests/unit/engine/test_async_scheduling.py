@@ -127,6 +127,25 @@ def test_abort_of_everything_also_finishes_held_requests() -> None:
     assert not s.held and not list(s.held_requests()) and not s.requests
 
 
+def test_a_streaming_input_update_of_a_held_request_is_not_held_as_another_request() -> None:
+    """vLLM streaming input (``resumable`` requests): the next input chunk arrives through
+    ``add_request`` with the same id, and vLLM queues it on the live request. mars used to hold
+    that update object too (a second request with the same id in its hold)."""
+    h = Harness(MarsScheduler, num_blocks=40, block_size=BS, max_num_seqs=4,
+                max_num_batched_tokens=32, mars={"residency": {"budget_usage": 0.05}})
+    s = h.scheduler
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    params.extra_args = {"mars_turn": 0}
+    first = Request("r0", h.tokens(20), params, None, block_hasher=h.block_hasher,
+                    session_id="s0", resumable=True)
+    s.add_request(first)
+    assert [r.request_id for r in s.held_requests()] == ["r0"]  # non-resident: held
+    s.add_request(Request("r0", h.tokens(8), params, None, block_hasher=h.block_hasher,
+                          session_id="s0", resumable=True))
+    assert list(s.held_requests()) == [first] and len(first.streaming_queue) == 1
+    check_invariants(s)
+
+
 def test_a_prefix_cache_reset_releases_retained_kv_instead_of_raising() -> None:
     """``reset_prefix_cache(reset_running_requests=True)`` (``/reset_prefix_cache``, vLLM's
     ``pause_scheduler(clear_cache=True)`` after a weight update) with KV retained: our pins
