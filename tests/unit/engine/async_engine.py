@@ -10,10 +10,10 @@ parallelism), driven by hand so a test can put frontend work between any two sch
   applied); otherwise it pops the oldest step, applies the aborts that arrived while it ran
   (``_process_aborts_queue``) and calls ``update_from_output``.
 * :meth:`AsyncEngineLoop.add_request` / :meth:`AsyncEngineLoop.abort` are the input queue,
-  applied between two steps (``_process_input_queue``); ``abort(..., in_flight=True)`` is an
-  abort that arrives while the model runs: vLLM puts it on *both* queues, so it is applied
-  before the next ``update_from_output`` and again from the input queue (aborting is
-  idempotent).
+  applied between two steps (``_process_input_queue``); ``abort(..., during_next_step=True)``
+  is an abort that arrives while the next step waits for the model, after its ``schedule()``:
+  vLLM puts it on *both* queues, so it is applied before that step's ``update_from_output``
+  and again from the input queue (aborting is idempotent).
 * The model runner samples one token for every scheduled request that is not inside its prompt
   (``is_prefill_chunk`` right after ``schedule()``), at schedule time, as the GPU does; its
   output is delivered whatever happened to the request since (finished, aborted, preempted:
@@ -25,8 +25,12 @@ it to the *preempted* request and may stop it (``max_tokens``, a stop token): th
 finishes while it is out of ``running``, and vLLM removes it only from its own waiting queues.
 
 Recorded for property checks: how each request finished (``finished``: request id -> "stop" /
-"length" / "abort" / "error" ...), and any violation of "finishes exactly once" (a second
-finish, an output after the finish) in ``violations``.
+"length" / "abort" / "error" ...), any violation of "finishes exactly once" (a second finish,
+an output after the finish) in ``violations``, and how often the race happened
+(``num_finished_preempted``, ``finished_while_held``).
+
+Not modelled: speculative decoding, structured output (its deferred sampling), pipeline
+parallelism, KV connectors and streaming-input sessions.
 """
 
 from __future__ import annotations
