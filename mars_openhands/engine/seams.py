@@ -21,6 +21,8 @@ vLLM private                                      what we do with it
                                                  before vLLM preempts anyone
 ``Scheduler._free_blocks``                       overridden: pin (touch) a finished turn's blocks,
                                                  or take over its table's references on them
+``Scheduler._free_request``                       overridden: a finishing request leaves our holds
+                                                 (every finish passes here, also a held one's)
 ``Scheduler._preempt_request``                   overridden: telemetry + policy state reset
 ``Scheduler.grammar_compile_error_reqs``         requests listed there are finished with
                                                  FINISHED_ERROR (and an output) in update_from_output
@@ -155,7 +157,9 @@ def check_compat() -> None:
     """Verify the vLLM version and that every seam exists with the expected shape.
 
     A version outside :data:`SUPPORTED_VLLM_VERSIONS` is logged as a warning naming both (the
-    names may still match); a missing or changed private is an error.
+    names may still match); a missing or changed private is an error. The seam check reads
+    vLLM's sources once per process (:func:`_seam_problems`); every scheduler's ``__init__``
+    calls this (the simulator and the tests build thousands).
 
     Raises:
         RuntimeError: naming the missing/changed private, the supported and installed versions.
@@ -163,14 +167,29 @@ def check_compat() -> None:
     version_problem = vllm_version_problem()
     if version_problem is not None:
         logger.warning("%s", version_problem)
+    problems = _seam_problems()
+    if problems:
+        raise RuntimeError(
+            f"vLLM internals changed (seams pinned to vllm {PINNED_VLLM_VERSION}, supported "
+            f"{','.join(SUPPORTED_VLLM_VERSIONS)}): " + ", ".join(problems)
+            + "; update mars_openhands/engine/seams.py"
+            + (f" ({version_problem})" if version_problem else "")
+        )
+
+
+@functools.cache
+def _seam_problems() -> tuple[str, ...]:
+    """The seams missing or changed in the loaded vLLM (empty: all there). Pure; cached, as
+    the loaded vLLM does not change within a process (~150 ms of ``inspect.getsource``)."""
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 
     problems: list[str] = []
     for owner, names in (
-        (Scheduler, ("_free_blocks", "_preempt_request", "_mamba_block_aligned_split",
-                     "get_request_counts", "finish_requests", "update_from_output")),
+        (Scheduler, ("_free_blocks", "_free_request", "_preempt_request",
+                     "_mamba_block_aligned_split", "get_request_counts", "finish_requests",
+                     "update_from_output")),
         (BlockPool, ("touch", "free_blocks", "get_num_free_blocks")),
         (KVCacheManager, ("allocate_slots", "get_computed_blocks", "free")),
     ):
@@ -193,13 +212,7 @@ def check_compat() -> None:
     if "key=lambda r: (r.priority, r.arrival_time)" not in sched_src:
         problems.append("Scheduler.schedule: PRIORITY victim = max(priority, arrival_time)")
     problems += _engine_core_problems()
-    if problems:
-        raise RuntimeError(
-            f"vLLM internals changed (seams pinned to vllm {PINNED_VLLM_VERSION}, supported "
-            f"{','.join(SUPPORTED_VLLM_VERSIONS)}): " + ", ".join(problems)
-            + "; update mars_openhands/engine/seams.py"
-            + (f" ({version_problem})" if version_problem else "")
-        )
+    return tuple(problems)
 
 
 def _engine_core_problems() -> list[str]:

@@ -167,8 +167,9 @@ class KvReleased(_EventBase):
     kind: Literal["kv_released"] = "kv_released"
     num_blocks: NonNegInt
     reason: Literal["resumed", "expired", "reclaimed", "suspended", "session_end", "tool_start:cut",
-                    "shutdown", "aborted"]
-    """``"aborted"``: the turn was aborted after its final token (its client is gone)."""
+                    "shutdown", "aborted", "reset"]
+    """``"aborted"``: the turn was aborted after its final token (its client is gone);
+    ``"reset"``: vLLM's prefix cache was reset (``/reset_prefix_cache``, a weight update)."""
     held_s: NonNegFloat | None = None
     """Seconds the blocks were held."""
     num_reused_blocks: NonNegInt | None = None

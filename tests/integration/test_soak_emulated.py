@@ -48,6 +48,8 @@ def test_soak_on_two_emulated_vllm_replicas_leaves_nothing_behind(tmp_path) -> N
     assert list(engines) == ["r0"], summary  # r1 was killed and stays dead
     assert engines["r0"]["retained_blocks"] == 0 and engines["r0"]["used_blocks"] == 0, summary
     assert row["kv_retained_events"] > 0, summary  # residency did pin KV between turns
+    # Both engines ran with async scheduling (as on a GPU) and neither engine core died (issue 33).
+    assert (row["async_engines"], row["engine_starts"], row["engine_deaths"]) == (2, 2, 0), summary
     assert (row["leaked_slots"], row["tool_calls_in_flight"], row["unclosed_tool_starts"],
             row["unfinished_requests"], row["http_5xx"]) == (0, 0, 0, 0, 0), summary
     assert ok, summary

@@ -44,7 +44,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -429,19 +429,28 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
 
     def finish_requests(self, request_ids: Any, finished_status: RequestStatus,
                         **kwargs: Any) -> list[Request]:
-        """vLLM: finish requests from outside (abort); also drops them from the overflow queue."""
+        """vLLM: finish requests from outside (abort). A held one (:meth:`held_requests`) is
+        finished by vLLM's own path too: it leaves its hold in :meth:`_free_request`."""
         if request_ids is not None and not isinstance(request_ids, str):
             request_ids = list(request_ids)  # may be a one-shot iterator; vLLM reads it too
-        if self.overflow:
-            ids = {request_ids} if isinstance(request_ids, str) else (
-                None if request_ids is None else set(request_ids))
-            self.overflow = deque(r for r in self.overflow if ids is not None and r.request_id not in ids)
         if self.retained and request_ids is not None:
             self._release_aborted_after_finish(request_ids)
         aborted = super().finish_requests(request_ids, finished_status, **kwargs)
         if aborted:
             self.on_requests_finished([r.request_id for r in aborted])
         return aborted
+
+    def held_requests(self) -> Iterator[Request]:
+        """Requests this scheduler holds outside vLLM's queues: in ``self.requests`` but in
+        neither ``waiting`` nor ``running`` (here the window's overflow; a subclass with holds
+        of its own adds them and extends :meth:`drop_held`). Pure."""
+        return iter(self.overflow)
+
+    def drop_held(self, request: Request) -> None:
+        """Take ``request`` out of every hold of :meth:`held_requests` (no-op when not held).
+        Called for every request that finishes (:meth:`_free_request`). Mutates."""
+        if self.overflow and request in self.overflow:
+            self.overflow.remove(request)
 
     def _release_aborted_after_finish(self, request_ids: str | list[str]) -> None:
         """An abort of a request that already finished (its final token raced the client's
@@ -456,6 +465,20 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         """vLLM: (running, waiting); waiting includes the overflow window queue."""
         num_running, num_waiting = super().get_request_counts(**kwargs)
         return num_running, num_waiting + len(self.overflow)
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, *args: Any,
+                           **kwargs: Any) -> bool:
+        """vLLM: reset the prefix cache (``POST /reset_prefix_cache``; ``pause_scheduler(
+        clear_cache=True)`` after an RL weight update). Retained KV is released first (reason
+        ``"reset"``) when the reset can succeed (``reset_running_requests``, or nothing runs):
+        vLLM resets only a cache whose blocks no one references, so our pins made it fail, and
+        raise with ``reset_running_requests`` (issue 33); KV computed before a weight update
+        must not be reused anyway."""
+        if self.retained and (reset_running_requests or not self.running):
+            now = self.clock()
+            for sid in list(self.retained):
+                self.release_retained(sid, "reset", now)
+        return super().reset_prefix_cache(reset_running_requests, *args, **kwargs)
 
     def shutdown(self, **kwargs: Any) -> None:
         """vLLM: release every retained block, close telemetry and the inbox."""
@@ -499,6 +522,19 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
                 num_blocks_freed=max(0, num_blocks - retained), num_blocks_retained=retained,
                 finish_reason=None if reason is None else str(reason), e2e_s=now - state.arrival_s,
             )
+
+    def _free_request(self, request: Request, *args: Any, **kwargs: Any) -> Any:
+        """vLLM seam: a request finishes (every way: a stop, ``max_tokens`` or an error in
+        ``update_from_output``, an abort in ``finish_requests``); it leaves our holds first.
+
+        Why here: a request can finish while held. Under async scheduling a request preempted
+        with its last token in flight (mars then holds it, residency) gets that token from the
+        step's output; vLLM stops it and removes it from its *own* queues only. Left in the
+        hold, it would be put back into ``waiting`` later and ``schedule()`` would raise
+        ``Invalid request status: FINISHED_*`` (issue 33). Every finish passes here, whatever
+        the status, so no hold keeps a finished request."""
+        self.drop_held(request)
+        return super()._free_request(request, *args, **kwargs)
 
     def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
         """vLLM seam: preempt (recompute) ``request``; adds telemetry and the policy hook."""
@@ -755,7 +791,7 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         Args:
             session_id: the session.
             reason: a ``KvReleased.reason`` ("resumed", "expired", "reclaimed", "session_end",
-                "tool_start:cut", "shutdown").
+                "tool_start:cut", "shutdown", "reset").
             now_s: scheduler clock (default: now).
 
         Returns:

@@ -26,6 +26,7 @@ No in-engine admission window by default (the gateway admits whole sessions); se
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 from vllm.v1.request import Request, RequestStatus
@@ -71,10 +72,13 @@ class MarsScheduler(MarsBaseScheduler):
         return self.params.residency.enabled
 
     def add_request(self, request: Request, **kwargs: Any) -> None:
-        """vLLM: a new request; a non-resident session's request is held (see residency)."""
+        """vLLM: a new request; a non-resident session's request is held (see residency). A
+        streaming-input chunk of a known request (same id) is vLLM's alone: it queues the chunk
+        on the live request, wherever that is."""
+        is_new = request.request_id not in self.requests
         super().add_request(request, **kwargs)
         sid = request.session_id
-        if (not self._residency_on or sid is None or sid in self.resident
+        if (not is_new or not self._residency_on or sid is None or sid in self.resident
                 or request.request_id in self._rejected or request.is_finished()):
             return
         if self._is_one_turn_job(request, sid):
@@ -229,26 +233,21 @@ class MarsScheduler(MarsBaseScheduler):
         num_running, num_waiting = super().get_request_counts(**kwargs)
         return num_running, num_waiting + sum(len(q) for q in self.held.values())
 
-    def finish_requests(self, request_ids: Any, finished_status: RequestStatus,
-                        **kwargs: Any) -> list[Request]:
-        """vLLM: abort; held requests go back to vLLM's queue first so its own path frees them."""
-        if self.held:
-            if request_ids is not None and not isinstance(request_ids, str):
-                request_ids = list(request_ids)
-            ids = None if request_ids is None else (
-                {request_ids} if isinstance(request_ids, str) else set(request_ids))
-            for sid in list(self.held):
-                keep = deque()
-                for r in self.held[sid]:
-                    if ids is None or r.request_id in ids:
-                        self.waiting.add_request(r)
-                    else:
-                        keep.append(r)
-                if keep:
-                    self.held[sid] = keep
-                else:
-                    del self.held[sid]
-        return super().finish_requests(request_ids, finished_status, **kwargs)
+    def held_requests(self) -> Iterator[Request]:
+        """As the base, plus the requests of non-resident sessions (:attr:`held`)."""
+        yield from super().held_requests()
+        for queue in self.held.values():
+            yield from queue
+
+    def drop_held(self, request: Request) -> None:
+        """As the base; a finishing held request (aborted, or preempted with its last token in
+        flight, then stopped by it) also leaves :attr:`held`. O(the session's held requests)."""
+        super().drop_held(request)
+        queue = self.held.get(request.session_id) if self.held else None
+        if queue is not None and request in queue:
+            queue.remove(request)
+            if not queue:
+                del self.held[request.session_id]
 
     def release_retained(self, session_id: str, reason: str, now_s: float | None = None) -> int:
         """As the base; a reclaimed resident is suspended (its KV is gone)."""

@@ -38,10 +38,11 @@ itself lasts from the finish to the next request's arrival, as in the router.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.v1.request import Request, RequestStatus
+from vllm.v1.request import Request
 
 from mars_openhands.engine import seams
 from mars_openhands.engine.schedulers.base import MarsBaseScheduler
@@ -153,16 +154,16 @@ class ThunderAgentScheduler(MarsBaseScheduler):
         num_running, num_waiting = super().get_request_counts(**kwargs)
         return num_running, num_waiting + len(self.held)
 
-    def finish_requests(self, request_ids: Any, finished_status: RequestStatus,
-                        **kwargs: Any) -> list[Request]:
-        """vLLM: abort requests; a held one leaves the held set first."""
-        if request_ids is not None and not isinstance(request_ids, str):
-            request_ids = list(request_ids)
-        ids = (list(self.held) if request_ids is None
-               else [request_ids] if isinstance(request_ids, str) else request_ids)
-        for rid in ids:
-            self.held.pop(rid, None)
-        return super().finish_requests(request_ids, finished_status, **kwargs)
+    def held_requests(self) -> Iterator[Request]:
+        """As the base, plus the requests of paused programs (:attr:`held`)."""
+        yield from super().held_requests()
+        for request, _ in self.held.values():
+            yield request
+
+    def drop_held(self, request: Request) -> None:
+        """As the base; a finishing (aborted) held request also leaves :attr:`held`."""
+        super().drop_held(request)
+        self.held.pop(request.request_id, None)
 
     def on_requests_finished(self, request_ids: list[str]) -> None:
         """Base hook: a finished request turns its program ACTING (paused if marked, released if
