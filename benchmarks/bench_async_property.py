@@ -2,7 +2,7 @@
 
 The unit test ``tests/unit/engine/test_async_scheduling.py`` runs 1,000 random workloads per
 policy; this runs as many as asked (default 10,000), seeds ``--start`` onwards, for each policy
-of ``eval.compare.POLICIES`` and stock vLLM's ``AsyncScheduler`` (``vllm-stock``). Each seed is a
+of ``eval.policies.POLICIES`` and stock vLLM's ``AsyncScheduler`` (``vllm-stock``). Each seed is a
 small multi-turn agent workload under vLLM's async-scheduling engine loop with preemption by KV
 pressure, aborts at any point, stop tokens and ``max_tokens`` on in-flight tokens, invalid
 extras, tool events and session ends; the property (no scheduler call raises, every request

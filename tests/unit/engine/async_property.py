@@ -1,6 +1,6 @@
 """Randomized async-scheduling property check of every scheduler we ship (issue 33, item 1).
 
-Property, for each policy of ``eval.compare.POLICIES`` (the live class: ``fcfs`` is
+Property, for each policy of ``eval.policies.POLICIES`` (the live class: ``fcfs`` is
 ``FcfsScheduler``) and stock vLLM's ``AsyncScheduler`` as the control: under async scheduling
 (:class:`~tests.unit.engine.async_engine.AsyncEngineLoop`), with preemption by KV pressure, aborts
 between any two scheduler calls (also while a step runs, and after a request's last token), stop
@@ -36,6 +36,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.request import Request
 
+from eval.policies import POLICIES
 from mars_openhands.stream.events import SessionEnd, ToolEnd, ToolStart, now_stamps
 from tests.unit.engine.async_engine import AsyncEngineLoop
 from tests.unit.engine.harness import Harness
@@ -62,14 +63,12 @@ _PER_REQUEST_STATE = ("req_state", "prefilling", "_rejected", "_calls", "_live",
 
 
 def _policies() -> dict[str, Any]:
-    from eval.compare import POLICIES
-
     return {name: spec for name, spec in POLICIES.items() if not spec.is_kv_unbounded}
 
 
 @functools.cache
 def policy_names() -> tuple[str, ...]:
-    """Every shipped policy name (``eval.compare.POLICIES`` but the unbounded-KV reference),
+    """Every shipped policy name (``eval.policies.POLICIES`` but the unbounded-KV reference),
     then ``vllm-stock`` (vLLM's own ``AsyncScheduler``, the control)."""
     return (*_policies(), "vllm-stock")
 
