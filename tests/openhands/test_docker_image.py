@@ -63,7 +63,7 @@ def test_the_image_is_the_stock_python_image_with_our_module_as_entrypoint() -> 
     assert f"--chown={user}:{user}" in OURS  # the stock image's user owns its venv
     # uv is in the image the "source" stage builds on (base-image, from base-image-minimal).
     assert "/uv /uvx /bin/" in _stage(STOCK, "base-image-minimal") + _stage(STOCK, "base-image")
-    assert "uv pip install --python /agent-server/.venv/bin/python" in OURS
+    assert "uv pip install --offline --python /agent-server/.venv/bin/python" in OURS
 
 
 def test_the_app_settings_name_the_image_the_script_builds() -> None:
