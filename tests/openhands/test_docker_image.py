@@ -58,7 +58,7 @@ def test_the_image_is_the_stock_python_image_with_our_module_as_entrypoint() -> 
     [our_entry] = _instruction(OURS, "ENTRYPOINT")
     assert json.loads(our_entry) == [
         AGENT_SERVER_MODULE if arg == "openhands.agent_server" else arg
-        for arg in json.loads(stock_entry)]
+        for arg in json.loads(stock_entry)] + ["--host", "0.0.0.0"]  # where published ports arrive
     user = re.search(r"^ARG USERNAME=(\S+)", STOCK, re.M).group(1)
     assert f"--chown={user}:{user}" in OURS  # the stock image's user owns its venv
     # uv is in the image the "source" stage builds on (base-image, from base-image-minimal).
