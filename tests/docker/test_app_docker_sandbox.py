@@ -39,7 +39,7 @@ from tests.openhands._helpers import (
 )
 
 pytestmark = [pytest.mark.docker, pytest.mark.openhands, pytest.mark.integration,
-              pytest.mark.timeout(900)]
+              pytest.mark.timeout(1500)]  # a cold image build is in the first one
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTE = "/workspace/project/note.txt"  # the sandbox's working directory (the app's spec)

@@ -40,7 +40,7 @@ from tests.openhands._helpers import (
 )
 
 pytestmark = [pytest.mark.docker, pytest.mark.openhands, pytest.mark.integration,
-              pytest.mark.timeout(900)]
+              pytest.mark.timeout(1500)]  # a cold image build is in the first one
 
 ROOT = Path(__file__).resolve().parents[2]
 IN_CONTAINER = "/workspace/project"  # the image's working directory (the stock image's)
