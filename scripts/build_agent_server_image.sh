@@ -74,7 +74,7 @@ registry_base() {
   if timeout "$limit" docker pull --quiet "$base" >"$log" 2>&1; then
     echo "[build] base: $base (pulled; registry path)"; rm -f "$log"; return 0
   fi
-  echo "[build] could not pull $base within $limit s: $(tail -n 1 "$log")" >&2
+  echo "[build] could not pull $base (limit $limit s): $(tail -n 1 "$log")" >&2
   rm -f "$log"; return 1
 }
 
