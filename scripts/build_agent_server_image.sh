@@ -46,7 +46,10 @@ for candidate in "$root/.venv-openhands/bin/python" "$root/.venv/bin/python" pyt
   [[ -n "$python" ]] && break
   command -v "$candidate" >/dev/null 2>&1 && python="$candidate"
 done
-if [[ -z "$context" ]]; then context="$(mktemp -d -t mars-agent-server-XXXXXX)"; fi
+if [[ -z "$context" ]]; then  # ours: removed at exit, except after --dry-run (it shows it)
+  context="$(mktemp -d -t mars-agent-server-XXXXXX)"
+  (( dry_run )) || trap 'rm -rf "$context"' EXIT
+fi
 mkdir -p "$context"
 rm -f "$context"/mars_openhands-*.whl
 "$python" -m pip wheel --quiet --disable-pip-version-check --no-deps -w "$context" "$root" >/dev/null

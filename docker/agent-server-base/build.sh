@@ -74,11 +74,12 @@ unpack_wheels() {
 
 # build_rootfs OUT: Debian's packages, the user, the venv (the wheels unpacked above, compiled).
 build_rootfs() {
-  local out="$1" work
+  local out="$1"
   command -v mmdebstrap >/dev/null 2>&1 \
     || { say "mmdebstrap not found (Debian/Ubuntu: apt-get install mmdebstrap)"; exit 1; }
-  work="$(mktemp -d -t mars-agent-server-base-XXXXXX)"
-  trap 'rm -rf "$work"' RETURN
+  # Globals, for the trap: removed at exit, also when a step fails (set -e exits the script).
+  work="$(mktemp -d -t mars-agent-server-base-XXXXXX)" partial="$out.partial.tar"
+  trap 'rm -rf "${work:-}" "${partial:-}"' EXIT
   say "unpacking requirements.txt's wheels for CPython $PYTHON_VERSION ($platform)"
   unpack_wheels "$work"
   local venv=/agent-server/.venv site="/agent-server/.venv/lib/python$PYTHON_VERSION/site-packages"
@@ -98,8 +99,8 @@ build_rootfs() {
     --customize-hook="copy-in $work/site-packages/. $site" \
     --customize-hook="chroot \"\$1\" env -u PYTHONDONTWRITEBYTECODE $warm_up" \
     --customize-hook="chroot \"\$1\" chown -R openhands:openhands /agent-server /workspace" \
-    "$SUITE" "$out.partial.tar" "$mirror" >&2  # the name's ending makes it a tarball
-  mv "$out.partial.tar" "$out"
+    "$SUITE" "$partial" "$mirror" >&2  # the name's ending makes it a tarball
+  mv "$partial" "$out"
 }
 
 mkdir -p "$cache"
