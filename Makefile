@@ -5,13 +5,13 @@ PYTEST  := -m pytest -q -p no:cacheprovider
 # LiteLLM (pulled in by the OpenHands SDK) otherwise tries to fetch a model cost map at import.
 export LITELLM_LOCAL_MODEL_COST_MAP := True
 
-.PHONY: setup test unit integration openhands-test openhands-app-test openhands-test-1.14 lint
+.PHONY: setup test unit integration openhands-test openhands-app-test docker-test openhands-test-1.14 lint
 
 setup:
 	bash scripts/setup.sh
 
 # Fast unit tests, then integration tests that start real vLLM servers, then the OpenHands env tests.
-test: setup lint unit integration openhands-test openhands-app-test
+test: setup lint unit integration openhands-test openhands-app-test docker-test
 
 lint:
 	$(PY) -m ruff check mars_openhands eval tests benchmarks scripts
@@ -35,6 +35,13 @@ OH_APP_TESTS := tests/openhands/test_app_e2e.py tests/openhands/test_agent_serve
 	tests/openhands/test_docker_image.py tests/openhands/test_patches.py tests/openhands/test_lifecycle.py
 openhands-app-test:
 	.venv-openhands-app/bin/python $(PYTEST) -n 2 --dist loadfile --durations=5 -m openhands $(OH_APP_TESTS)
+
+# The Docker sandbox for real (tests/docker): a private dockerd of the tests' own (Debian's docker.io
+# and mmdebstrap are installed when missing, as root; it fails in one line where they cannot be),
+# our agent-server image built in it with no registry of images (--offline), SDK and app
+# conversations in containers. One process: one engine and one image build for all of them.
+docker-test:
+	.venv-openhands-app/bin/python $(PYTEST) --durations=5 tests/docker
 
 # The OpenHands adapter on the oldest supported SDK (1.14); CI runs the newest via openhands-test.
 openhands-test-1.14:

@@ -18,8 +18,9 @@
 #                    durable OpenHands tasks (`mars-openhands tasks`) and their tests.
 #   .venv-openhands-app  Python >= 3.12 with the OpenHands app (openhands-ai==1.11.0, which pins its
 #                    SDK, tools and agent-server at 1.34.0), with patches/openhands-ai-1.11-process-sandbox
-#                    applied (its process sandbox does not start without it; see patches/README.md).
-#                    Runs the app end-to-end test and the agent-server tests on 1.34.0. ~1.5 GB.
+#                    applied (its process sandbox does not start without it; see patches/README.md),
+#                    and openhands-workspace 1.34.0 (the SDK's DockerWorkspace). Runs the app
+#                    end-to-end tests, the agent-server tests on 1.34.0 and tests/docker. ~1.5 GB.
 # A stamp (hash of pyproject.toml and this script) makes a re-run a no-op in about a second.
 # Packages install with uv (bootstrapped into each env by pip; ~1-2 min an env on a fresh machine,
 # against ~6-11 min for pip, which resolves, downloads and byte-compiles one file at a time); pip
@@ -107,7 +108,9 @@ setup_openhands() {  # $1 = venv dir, $2 = extras, $3... = extra pins (an older 
 setup_openhands_app() {  # the app's env; its process sandbox needs our patch (asked for by name)
   local venv="$root/.venv-openhands-app"
   if up_to_date "$venv"; then echo "[setup] openhands app env up to date ($venv)"; return; fi
-  ( MARS_FORCE_SETUP=1 setup_openhands "$venv" "openhands,control,dev" "openhands-ai==1.11.0" )
+  # openhands-workspace: the SDK's DockerWorkspace, of the app's SDK version (tests/docker).
+  ( MARS_FORCE_SETUP=1 setup_openhands "$venv" "openhands,control,dev" "openhands-ai==1.11.0" \
+      "openhands-workspace==1.34.0" )
   "$venv/bin/python" patches/apply.py --python "$venv/bin/python" openhands-ai-process-sandbox \
     || { rm -f "$venv/.mars-setup-stamp"; exit 1; }
 }

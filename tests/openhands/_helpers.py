@@ -271,3 +271,24 @@ def session_events(sink: Any, session_id: str) -> list[Any]:
     """The CPU-plane events of one session in a gateway's recorded stream, in order."""
     cpu = ("session_start", "session_end", "tool_enqueued", "tool_start", "tool_end")
     return [e for e in list(sink.events) if e.kind in cpu and e.session_id == session_id]
+
+
+def start_app_conversation(client: Any, text: str, timeout_s: float = 300.0) -> str:
+    """Start one conversation over the OpenHands app's REST API (``client``: an ``httpx.Client``
+    on the app); returns its id once the app says it is ready.
+
+    Raises:
+        AssertionError: the app refused it or its start task ended in ``ERROR`` (its detail).
+    """
+    task = client.post("/api/v1/app-conversations", json={
+        "initial_message": {"content": [{"type": "text", "text": text}]}})
+    assert task.status_code == 200, task.text
+
+    def ready() -> dict | None:
+        found = client.get("/api/v1/app-conversations/start-tasks",
+                           params={"ids": task.json()["id"]}).json()
+        current = found[0] if isinstance(found, list) else found
+        assert current.get("status") != "ERROR", current.get("detail")
+        return current if current.get("status") == "READY" else None
+
+    return str(wait_for(ready, timeout_s, "the app's conversation start task")["app_conversation_id"])

@@ -33,6 +33,7 @@ from tests.openhands._helpers import (  # noqa: E402
     playback_behind_gateway,
     serve_process,
     session_events,
+    start_app_conversation,
     wait_for,
 )
 
@@ -72,22 +73,6 @@ def _patch_applied() -> bool:
     return out.returncode == 0 and "already applied" in out.stdout
 
 
-def _start_conversation(client: httpx.Client, text: str) -> str:
-    """Start one conversation; returns its id once the app says it is ready."""
-    task = client.post("/api/v1/app-conversations", json={
-        "initial_message": {"content": [{"type": "text", "text": text}]}})
-    assert task.status_code == 200, task.text
-
-    def ready() -> dict | None:
-        found = client.get("/api/v1/app-conversations/start-tasks",
-                           params={"ids": task.json()["id"]}).json()
-        current = found[0] if isinstance(found, list) else found
-        assert current.get("status") != "ERROR", current.get("detail")
-        return current if current.get("status") == "READY" else None
-
-    return str(wait_for(ready, 300, "the app's conversation start task")["app_conversation_id"])
-
-
 def test_an_app_conversation_reaches_the_gateway(tmp_path: Path) -> None:
     assert _patch_applied(), ("patches/openhands-ai-1.11-process-sandbox.patch is not applied to "
                               "this env: run scripts/setup.sh openhands-app (or patches/apply.py)")
@@ -108,7 +93,7 @@ def test_an_app_conversation_reaches_the_gateway(tmp_path: Path) -> None:
             stored = client.post("/api/v1/settings", json=settings["settings"])
             assert stored.status_code == 200, stored.text
             t0 = time.monotonic()
-            sid = str(uuid.UUID(_start_conversation(client, "write a note")))
+            sid = str(uuid.UUID(start_app_conversation(client, "write a note")))
             wait_for(lambda: [e for e in session_events(sink, sid) if e.kind == "session_end"],
                      300, f"session_end of {sid} in the gateway's stream")
             print(f"\n  app conversation {sid}: started to session_end in "
