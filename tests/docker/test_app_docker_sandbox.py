@@ -55,7 +55,7 @@ def _script() -> Script:
 
 
 def _app_env(gateway_url: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "mars_openhands.cli", "openhands", "app-env",
+    out = subprocess.run([sys.executable, "-m", "eval.cli", "openhands", "app-env",
                           "--gateway", gateway_url, "--sandbox", "docker", "--format", "json"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
