@@ -48,6 +48,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.request import Request, RequestStatus
 
 from mars_openhands.engine import seams
@@ -140,7 +141,10 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         additional = self.vllm_config.additional_config or {}
         self.params: SchedulerParams = parse_scheduler_params(additional.get("mars"))
         self.clock: Callable[[], float] = time.monotonic
-        self.waiting = PolicyRequestQueue()
+        self._check_scheduling_policy()
+        self.waiting = PolicyRequestQueue(is_priority_order=self.policy == SchedulingPolicy.PRIORITY)
+        self._saved_priorities: list[tuple[Request, int]] = []
+        """User priorities of the requests ranked as victims for this step (restored after it)."""
         self.req_state: dict[str, RequestState] = {}
         self.sessions = SessionTable()
         """Per-session records (and the policy's per-program slot)."""
@@ -184,6 +188,23 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         self._init_seams()
 
     # ------------------------------------------------------------------ wiring
+    def _check_scheduling_policy(self) -> None:
+        """``--scheduling-policy priority`` is honoured by a class that keeps vLLM's order and
+        victim (no ``waiting_key``/``running_key``/``victim_key``: its waiting queue is then kept
+        in vLLM's priority order, and vLLM's victim rule reads the user's priority); a class that
+        orders requests by its own policy refuses it at start-up rather than ignore it.
+
+        Raises:
+            ValueError: the policy is ``priority`` and the class orders requests itself.
+        """
+        hooks = [h for h in ("waiting_key", "running_key", "victim_key") if self._overrides(h)]
+        if self.policy == SchedulingPolicy.PRIORITY and hooks:
+            raise ValueError(
+                f"{type(self).__name__} does not support --scheduling-policy priority: it orders "
+                f"requests by its own policy ({', '.join(hooks)}), which request priorities "
+                "would contradict; use --scheduling-policy fcfs, or a class that honours "
+                "priorities (FcfsScheduler, InferceptScheduler, ThunderAgentScheduler)")
+
     def _init_switches(self) -> None:
         """The window size and the chunk switches: the ``--additional-config`` value when given,
         else the class default (``default_*``)."""
@@ -385,7 +406,12 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         self._reorder(now)
         was_running = {r.request_id for r in self.running} if self._has_on_scheduled else None
         self._step_prefills.clear()
-        out = super().schedule(*args, **kwargs)
+        try:
+            out = super().schedule(*args, **kwargs)
+        finally:
+            if self._saved_priorities:
+                seams.restore_priorities(self._saved_priorities)
+                self._saved_priorities = []
         self._after_schedule(out, now, was_running)
         self.prefill_s_per_token.step_scheduled(now, self._step_prefill_tokens(out))
         if self.telemetry.enabled and (self.telemetry.should_emit_step() or self._is_idle_snapshot_due()):
@@ -593,7 +619,7 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         if self._has_victim_key and self.running and (
             may_fail if may_fail is not None else self._allocation_may_fail()
         ):
-            seams.set_victim_ranks(
+            self._saved_priorities = seams.set_victim_ranks(
                 sorted(self.running, key=lambda r: self.victim_key(r, now), reverse=True)
             )
 
