@@ -65,7 +65,12 @@ from mars_openhands.engine.schedulers.sessions import SessionTable
 from mars_openhands.engine.schedulers.waker import EngineWaker
 from mars_openhands.engine.telemetry import EngineTelemetry, make_telemetry
 from mars_openhands.policy.admission import ema
-from mars_openhands.policy.chunking import blocks_for_tokens, context_fits, shrunk_chunk_tokens
+from mars_openhands.policy.chunking import (
+    blocks_for_tokens,
+    context_fits,
+    shrunk_chunk_tokens,
+    unsplit_mm_chunk_tokens,
+)
 from mars_openhands.policy.estimators import Ema, PrefillRate, ToolDurationEstimator
 from mars_openhands.policy.levels import quantum_tokens
 from mars_openhands.policy.params import SchedulerParams, parse_scheduler_params
@@ -565,7 +570,12 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         n = self.chunk_tokens(request, num_new_tokens, start) * self.run_num_steps
         if self.chunk_shrinking:
             n = self._shrink_to_fit(request, n, start, waiting=waiting)
-        return max(1, min(n, num_new_tokens))
+        n = max(1, min(n, num_new_tokens))
+        if n < num_new_tokens and request.mm_features and self.scheduler_config.disable_chunked_mm_input:
+            # vLLM's no-split check trusts its own chunk to cover an item it starts on
+            n = unsplit_mm_chunk_tokens(n, num_new_tokens, start, (
+                (f.mm_position.offset, f.mm_position.length) for f in request.mm_features))
+        return n
 
     def _can_resume(self, request: Request) -> bool:
         """Whether a preempted waiting ``request`` may resume now: its whole context fits in the
