@@ -119,6 +119,11 @@ class PolicyRequestQueue(RequestQueue):
         for rid in ids:
             self._order.pop(rid, None)
 
+    def __getitem__(self, index: int) -> Request:
+        """The request at ``index`` in queue order (vLLM's FCFS queue is a deque). Raises
+        IndexError."""
+        return self._queue[index]
+
     def __bool__(self) -> bool:
         return bool(self._queue)
 

@@ -550,10 +550,14 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         num_new_local_computed_tokens: int = 0, num_external_computed_tokens: int = 0,
         **kwargs: Any,
     ) -> int:
-        """vLLM seam used as the per-request chunk hook (policy quantum, then shrink-to-fit)."""
-        if num_new_tokens <= 1 and not self._model_needs_mamba_split:
+        """vLLM seam used as the per-request chunk hook (policy quantum, then shrink-to-fit).
+
+        vLLM's own Mamba split runs first when the model needs it, and whenever the class has no
+        chunk hook (then only vLLM sets the flag that routes chunks here)."""
+        is_vllm_split = self._model_needs_mamba_split or not self._uses_chunk_hook
+        if num_new_tokens <= 1 and not is_vllm_split:
             return num_new_tokens  # a decode (or a 1-token remainder): nothing to shape
-        if self._model_needs_mamba_split:
+        if is_vllm_split:
             num_new_tokens = super()._mamba_block_aligned_split(
                 request, num_new_tokens, num_new_local_computed_tokens,
                 num_external_computed_tokens, **kwargs)

@@ -62,6 +62,7 @@ def test_prepend_requests_matches_vllm_fcfs_queue() -> None:
         q.prepend_requests(reqs[x] for x in "cde")  # a one-shot iterable, as vLLM may pass
         q.prepend_request(reqs["f"])
     assert [r.request_id for r in ours] == [r.request_id for r in stock] == list("fedcab")
+    assert ours[0] is stock[0] is reqs["f"] and ours[-1] is stock[-1] is reqs["b"]  # a deque's indexing
     # order numbers follow the queue: the most recently prepended first
     assert ours.order_of(reqs["f"]) < ours.order_of(reqs["e"]) < ours.order_of(reqs["c"]) < 0
 
