@@ -45,11 +45,11 @@ def test_stock_scheduling_classes_fail_nothing_stock_asyncscheduler_passes(name:
     assert not extra, f"{name} lists failures stock AsyncScheduler does not have: {sorted(extra)}"
 
 
-def test_not_constructed_tests_apply_to_our_classes_only() -> None:
+def test_stock_and_not_constructed_failures_apply_to_our_classes() -> None:
     expected = run.Expectations({"AsyncScheduler": {"s": "r"}, "FcfsScheduler": {"f": "r"}}, {},
                                 {"n": "no __init__"})
     assert set(expected.listed("AsyncScheduler")) == {"s"}
-    assert set(expected.listed("FcfsScheduler")) == {"f", "n"}
+    assert set(expected.listed("FcfsScheduler")) == {"s", "f", "n"}  # stock's apply to ours too
 
 
 def test_judge_flags_unlisted_failures_listed_passes_and_listed_tests_that_did_not_run() -> None:
