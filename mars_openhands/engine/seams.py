@@ -13,7 +13,8 @@ vLLM private                                      what we do with it
 ``Scheduler.running`` (list)                     reorder before ``super().schedule()``
 ``Scheduler.policy`` = ``PRIORITY``              vLLM then preempts ``max(running, key=(priority,
                                                  arrival_time))``; we write a victim rank into
-                                                 ``Request.priority`` (see :func:`set_victim_ranks`)
+                                                 ``Request.priority`` for one step, then restore
+                                                 it (see :func:`set_victim_ranks`)
 ``Scheduler.need_mamba_block_aligned_split``     turned on so vLLM calls ``_mamba_block_aligned_split``
 ``Scheduler._mamba_block_aligned_split``         per-request chunk-size hook (both running and waiting
                                                  paths), used for MLFQ quanta and chunk shrinking
@@ -107,6 +108,7 @@ __all__ = [
     "request_blocks",
     "referenced_block_counts",
     "scaled_step_budget",
+    "restore_priorities",
     "set_victim_ranks",
     "wrap_allocate_slots",
     "AllocateSlotsWrapper",
@@ -883,16 +885,30 @@ def enable_victim_ranks(sched: Scheduler) -> None:
     sched.policy = SchedulingPolicy.PRIORITY
 
 
-def set_victim_ranks(requests: Iterable[Request]) -> None:
+def set_victim_ranks(requests: Iterable[Request]) -> list[tuple[Request, int]]:
     """Write ranks so that vLLM evicts in the given order: first = evicted first.
 
-    Mutates ``Request.priority`` (vLLM reads it only for the victim choice and the priority heap,
-    which we do not use); the caller keeps the user's priority elsewhere if it needs it.
+    Mutates ``Request.priority`` for one ``schedule()``: vLLM reads it there only for the victim
+    choice (our waiting queue replaces its priority heap, and a class that ranks victims refuses
+    ``--scheduling-policy priority``). The caller puts the user's priorities back after the step
+    with :func:`restore_priorities` (issue 33: the ranks used to stay, so the user's priority was
+    lost for good).
+
+    Returns:
+        ``(request, user priority)`` of each ranked request, for :func:`restore_priorities`.
     """
     ranked = list(requests)
+    saved = [(request, request.priority) for request in ranked]
     n = len(ranked)
     for i, request in enumerate(ranked):
         request.priority = n - i
+    return saved
+
+
+def restore_priorities(saved: Iterable[tuple[Request, int]]) -> None:
+    """Undo :func:`set_victim_ranks` (``saved`` is what it returned). Mutates the requests."""
+    for request, priority in saved:
+        request.priority = priority
 
 
 def enable_chunk_hook(sched: Scheduler, enabled: bool = True) -> None:

@@ -16,7 +16,9 @@ Region diagram of one chunk (tokens)::
 
 from __future__ import annotations
 
-__all__ = ["blocks_for_tokens", "context_fits", "shrunk_chunk_tokens"]
+from collections.abc import Iterable
+
+__all__ = ["blocks_for_tokens", "context_fits", "shrunk_chunk_tokens", "unsplit_mm_chunk_tokens"]
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
@@ -68,3 +70,49 @@ def context_fits(num_tokens: int, block_size: int, num_available_blocks: int) ->
     (True, False)
     """
     return blocks_for_tokens(num_tokens, block_size) <= num_available_blocks
+
+
+def unsplit_mm_chunk_tokens(num_tokens: int, max_tokens: int, start_tokens: int,
+                            mm_ranges: Iterable[tuple[int, int]]) -> int:
+    """A policy-capped prefill chunk moved off any multimodal item it would split. Pure.
+
+    vLLM's ``disable_chunked_mm_input`` (which vLLM forces for models whose encoder attention
+    needs a whole image) rolls a chunk back to before an item it would end inside, but only when
+    the chunk starts before that item: it counts on its own budget (>= the largest item, checked
+    at start-up) to cover an item the chunk starts on. A policy's cap (a quantum, a shrunk chunk)
+    breaks that (issue 33: Autellix scheduled 624 of an 800-token image). So a capped chunk that
+    would end inside an item ``[offset, offset + length)``
+
+    * stops before it when the item starts after the chunk (vLLM's own roll-back), else
+    * covers the whole item (the chunk starts on it), up to ``max_tokens`` (vLLM's uncapped
+      chunk, which vLLM then treats as it would without the cap). ::
+
+        |<- start ->|<-- capped chunk -->|
+                    |   [==== item ====]            -> ends before the item
+                    [==== item ====]                 -> extended to the item's end
+
+    Args:
+        num_tokens: the policy's chunk, tokens (>= 1).
+        max_tokens: vLLM's chunk before the policy's cap, tokens (>= ``num_tokens``).
+        start_tokens: tokens before the chunk (computed + prefix hit).
+        mm_ranges: ``(offset, length)`` of each multimodal item in the prompt, tokens.
+
+    Returns:
+        The chunk, tokens (>= 1 when ``num_tokens`` >= 1).
+
+    >>> unsplit_mm_chunk_tokens(624, 800, 400, [(400, 800)])   # starts on the image: whole image
+    800
+    >>> unsplit_mm_chunk_tokens(500, 1024, 0, [(400, 800)])    # would end inside: stop before it
+    400
+    >>> unsplit_mm_chunk_tokens(300, 1024, 0, [(400, 800)])    # ends before it: unchanged
+    300
+    """
+    end = start_tokens + num_tokens
+    for offset, length in sorted(mm_ranges):
+        item_end = offset + length
+        if not start_tokens < item_end or not offset < end < item_end:
+            continue  # the item is done, or the chunk does not end inside it
+        if offset > start_tokens:
+            return offset - start_tokens
+        return min(max_tokens, item_end - start_tokens)
+    return num_tokens

@@ -48,6 +48,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.request import Request, RequestStatus
 
 from mars_openhands.engine import seams
@@ -64,7 +65,12 @@ from mars_openhands.engine.schedulers.sessions import SessionTable
 from mars_openhands.engine.schedulers.waker import EngineWaker
 from mars_openhands.engine.telemetry import EngineTelemetry, make_telemetry
 from mars_openhands.policy.admission import ema
-from mars_openhands.policy.chunking import blocks_for_tokens, context_fits, shrunk_chunk_tokens
+from mars_openhands.policy.chunking import (
+    blocks_for_tokens,
+    context_fits,
+    shrunk_chunk_tokens,
+    unsplit_mm_chunk_tokens,
+)
 from mars_openhands.policy.estimators import Ema, PrefillRate, ToolDurationEstimator
 from mars_openhands.policy.levels import quantum_tokens
 from mars_openhands.policy.params import SchedulerParams, parse_scheduler_params
@@ -140,7 +146,10 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         additional = self.vllm_config.additional_config or {}
         self.params: SchedulerParams = parse_scheduler_params(additional.get("mars"))
         self.clock: Callable[[], float] = time.monotonic
-        self.waiting = PolicyRequestQueue()
+        self._check_scheduling_policy()
+        self.waiting = PolicyRequestQueue(is_priority_order=self.policy == SchedulingPolicy.PRIORITY)
+        self._saved_priorities: list[tuple[Request, int]] = []
+        """User priorities of the requests ranked as victims for this step (restored after it)."""
         self.req_state: dict[str, RequestState] = {}
         self.sessions = SessionTable()
         """Per-session records (and the policy's per-program slot)."""
@@ -184,6 +193,23 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         self._init_seams()
 
     # ------------------------------------------------------------------ wiring
+    def _check_scheduling_policy(self) -> None:
+        """``--scheduling-policy priority`` is honoured by a class that keeps vLLM's order and
+        victim (no ``waiting_key``/``running_key``/``victim_key``: its waiting queue is then kept
+        in vLLM's priority order, and vLLM's victim rule reads the user's priority); a class that
+        orders requests by its own policy refuses it at start-up rather than ignore it.
+
+        Raises:
+            ValueError: the policy is ``priority`` and the class orders requests itself.
+        """
+        hooks = [h for h in ("waiting_key", "running_key", "victim_key") if self._overrides(h)]
+        if self.policy == SchedulingPolicy.PRIORITY and hooks:
+            raise ValueError(
+                f"{type(self).__name__} does not support --scheduling-policy priority: it orders "
+                f"requests by its own policy ({', '.join(hooks)}), which request priorities "
+                "would contradict; use --scheduling-policy fcfs, or a class that honours "
+                "priorities (FcfsScheduler, InferceptScheduler, ThunderAgentScheduler)")
+
     def _init_switches(self) -> None:
         """The window size and the chunk switches: the ``--additional-config`` value when given,
         else the class default (``default_*``)."""
@@ -385,7 +411,12 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         self._reorder(now)
         was_running = {r.request_id for r in self.running} if self._has_on_scheduled else None
         self._step_prefills.clear()
-        out = super().schedule(*args, **kwargs)
+        try:
+            out = super().schedule(*args, **kwargs)
+        finally:
+            if self._saved_priorities:
+                seams.restore_priorities(self._saved_priorities)
+                self._saved_priorities = []
         self._after_schedule(out, now, was_running)
         self.prefill_s_per_token.step_scheduled(now, self._step_prefill_tokens(out))
         if self.telemetry.enabled and (self.telemetry.should_emit_step() or self._is_idle_snapshot_due()):
@@ -555,10 +586,14 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         num_new_local_computed_tokens: int = 0, num_external_computed_tokens: int = 0,
         **kwargs: Any,
     ) -> int:
-        """vLLM seam used as the per-request chunk hook (policy quantum, then shrink-to-fit)."""
-        if num_new_tokens <= 1 and not self._model_needs_mamba_split:
+        """vLLM seam used as the per-request chunk hook (policy quantum, then shrink-to-fit).
+
+        vLLM's own Mamba split runs first when the model needs it, and whenever the class has no
+        chunk hook (then only vLLM sets the flag that routes chunks here)."""
+        is_vllm_split = self._model_needs_mamba_split or not self._uses_chunk_hook
+        if num_new_tokens <= 1 and not is_vllm_split:
             return num_new_tokens  # a decode (or a 1-token remainder): nothing to shape
-        if self._model_needs_mamba_split:
+        if is_vllm_split:
             num_new_tokens = super()._mamba_block_aligned_split(
                 request, num_new_tokens, num_new_local_computed_tokens,
                 num_external_computed_tokens, **kwargs)
@@ -575,7 +610,12 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         n = self.chunk_tokens(request, num_new_tokens, start) * self.run_num_steps
         if self.chunk_shrinking:
             n = self._shrink_to_fit(request, n, start, waiting=waiting)
-        return max(1, min(n, num_new_tokens))
+        n = max(1, min(n, num_new_tokens))
+        if n < num_new_tokens and request.mm_features and self.scheduler_config.disable_chunked_mm_input:
+            # vLLM's no-split check trusts its own chunk to cover an item it starts on
+            n = unsplit_mm_chunk_tokens(n, num_new_tokens, start, (
+                (f.mm_position.offset, f.mm_position.length) for f in request.mm_features))
+        return n
 
     def _can_resume(self, request: Request) -> bool:
         """Whether a preempted waiting ``request`` may resume now: its whole context fits in the
@@ -629,7 +669,7 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         if self._has_victim_key and self.running and (
             may_fail if may_fail is not None else self._allocation_may_fail()
         ):
-            seams.set_victim_ranks(
+            self._saved_priorities = seams.set_victim_ranks(
                 sorted(self.running, key=lambda r: self.victim_key(r, now), reverse=True)
             )
 

@@ -138,12 +138,21 @@ class ThunderAgentScheduler(MarsBaseScheduler):
 
     def _admit_or_queue(self, program: _Program, now: float) -> None:
         remaining = remaining_capacity_tokens(self.capacity_tokens, self._views(), self.thunder_params)
-        if can_admit_new_program(program.num_tokens, remaining, bool(self.paused), self.thunder_params):
+        if (can_admit_new_program(program.num_tokens, remaining, bool(self.paused), self.thunder_params)
+                or (self._is_idle() and not self.paused)):
             self.active[program.program_id] = program
             return
         self._enter_pool(program)
         assert program.request is not None, "a new program has its first request"
         self._hold(program.request, now)
+
+    def _is_idle(self) -> bool:
+        """No program is admitted and nothing runs. Holding a request protects the admitted
+        programs' reservations; with none it protects nothing, so an idle engine admits what it
+        holds (issue 33: a request whose context plus the buffer exceeded the pool waited
+        ``max_wait_s``, 1800 s, on an idle engine; the router's own pool never shrinks below
+        its programs, so it does not meet this case). Pure."""
+        return not self.active and not self.running
 
     def _hold(self, request: Request, now: float) -> None:
         self.waiting.remove_request(request)
@@ -206,8 +215,11 @@ class ThunderAgentScheduler(MarsBaseScheduler):
 
     # ------------------------------------------------------------------ the periodic check
     def on_step_start(self, now_s: float) -> None:
-        """Base hook: forced admissions, then the periodic resume/pause check every ``Δt``."""
+        """Base hook: forced admissions (overdue, or the oldest held request on an idle engine),
+        then the periodic resume/pause check every ``Δt``."""
         self._force_overdue(now_s)
+        if self.held and self._is_idle():
+            self._resume_holder(next(iter(self.held)), now_s)
         if self._next_check_s is None:
             self._next_check_s = now_s + self.thunder_params.scheduler_interval_s
         elif now_s >= self._next_check_s:
@@ -237,15 +249,20 @@ class ThunderAgentScheduler(MarsBaseScheduler):
         """Admit by force the programs whose request waited ``max_wait_s`` (oldest first)."""
         bound = self.thunder_params.max_wait_s
         while self.held:
-            rid, (request, since) = next(iter(self.held.items()))
+            rid, (_, since) = next(iter(self.held.items()))
             if now - since < bound:
                 return
-            program = self.paused.get(self._program_of.get(rid, (request.session_id or rid,))[0])
             self.num_forced += 1
-            if program is None:  # not expected: a held request's program is paused
-                self._unhold([rid])
-                continue
-            self._resume(program, now)
+            self._resume_holder(rid, now)
+
+    def _resume_holder(self, request_id: str, now: float) -> None:
+        """Resume the paused program of held ``request_id`` (its held requests enter vLLM)."""
+        request, _ = self.held[request_id]
+        program = self.paused.get(self._program_of.get(request_id, (request.session_id or request_id,))[0])
+        if program is None:  # not expected: a held request's program is paused
+            self._unhold([request_id])
+            return
+        self._resume(program, now)
 
     # ------------------------------------------------------------------ pause / resume / release
     def _enter_pool(self, program: _Program) -> None:

@@ -116,12 +116,13 @@ class StepResult:
 def make_vllm_config(
     *, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
     long_prefill_token_threshold: int, enable_prefix_caching: bool, mars: dict[str, Any] | None,
+    scheduling_policy: str = "fcfs",
 ) -> VllmConfig:
     """VllmConfig over the tiny model (prefix caching on by default, chunked prefill on)."""
     sched = SchedulerConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=MAX_MODEL_LEN, is_encoder_decoder=False, enable_chunked_prefill=True,
-        long_prefill_token_threshold=long_prefill_token_threshold,
+        long_prefill_token_threshold=long_prefill_token_threshold, policy=scheduling_policy,
     )
     cache = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
     additional = {"mars": mars} if mars is not None else {}
@@ -145,6 +146,7 @@ class Harness:
         pipeline_depth: 1 = schedule then update (vLLM on CPU); 2 = async scheduling as vLLM's
             batch queue runs it on GPU: step k+1 is scheduled before step k's output is applied
             (use with an ``AsyncScheduler`` subclass).
+        scheduling_policy: vLLM's ``--scheduling-policy`` ("fcfs" or "priority").
     """
 
     def __init__(
@@ -152,6 +154,7 @@ class Harness:
         max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
         long_prefill_token_threshold: int = 0, enable_prefix_caching: bool = True,
         mars: dict[str, Any] | None = None, seed: int = 0, pipeline_depth: int = 1,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         if pipeline_depth not in (1, 2):
             raise ValueError(f"pipeline_depth must be 1 or 2, got {pipeline_depth}")
@@ -163,6 +166,7 @@ class Harness:
             max_num_batched_tokens=max_num_batched_tokens,
             long_prefill_token_threshold=long_prefill_token_threshold,
             enable_prefix_caching=enable_prefix_caching, mars=mars,
+            scheduling_policy=scheduling_policy,
         )
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
         spec = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=16,

@@ -219,3 +219,30 @@ def test_a_preempted_call_is_not_resumed_into_room_it_cannot_keep() -> None:
     result = run_preemption_scenario(AutellixScheduler, mars={}, long_arrival_steps=(20, 40))
     assert result["preempted"] and max(result["preempted"].values()) == 1, result["preempted"]
     assert result["ratio"] < 2.2, result
+
+
+def test_quantum_cap_never_splits_an_image_when_chunked_mm_input_is_disabled() -> None:
+    """``disable_chunked_mm_input`` (vLLM forces it where the encoder attends a whole image): the
+    PLAS quantum must not end a chunk inside an image (issue 33: vLLM's test_no_mm_input_chunking
+    got 624 of an 800-token image). vLLM's own roll-back covers a chunk that starts before the
+    image; the hook covers the chunk that starts on it. Driven through the chunk hook vLLM calls
+    (the tiny test model has no encoder)."""
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, MultiModalKwargsItem, PlaceholderRange
+
+    h = Harness(AutellixScheduler, num_blocks=512, max_num_batched_tokens=1024)
+    s = h.scheduler
+    r = h.make_request(None, h.tokens(1200), max_tokens=2)
+    r.mm_features = [MultiModalFeatureSpec(data=MultiModalKwargsItem.dummy(), modality="image",
+                                           identifier="img", mm_position=PlaceholderRange(400, 800))]
+    h.add(r)
+    s.scheduler_config.disable_chunked_mm_input = True
+    r.num_computed_tokens = 400  # the text before the image is done; the next chunk starts on it
+    s.on_scheduled(r, 400, False, h.clock())  # and it was charged to the call's quantum
+    cap = s.chunk_tokens(r, 800, 400)
+    assert cap < 800, "the scenario needs a quantum smaller than the image"
+    assert s._mamba_block_aligned_split(r, 800) == 800
+    r.num_computed_tokens = 200  # a capped chunk that would end inside the image stops before it
+    assert s._mamba_block_aligned_split(r, 1000) == min(200, cap)
+    s.scheduler_config.disable_chunked_mm_input = False  # chunking allowed: the quantum applies
+    r.num_computed_tokens = 400
+    assert s._mamba_block_aligned_split(r, 800) == cap

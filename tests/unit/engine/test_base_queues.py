@@ -45,3 +45,44 @@ def test_reorder_is_stable_and_clears_dirty() -> None:
     q.add_request(reqs[1].__class__("late", [1], SamplingParams(max_tokens=1), None))
     q.prepend_request(popped)  # vLLM re-queues a skipped request at the front
     assert q.peek_request() is popped and q.is_dirty
+
+
+def test_prepend_requests_matches_vllm_fcfs_queue() -> None:
+    """vLLM's FCFSRequestQueue.prepend_requests is ``extendleft`` (the iterable ends up at the
+    front in reverse), and ``schedule()`` relies on it: it collects skipped requests with
+    ``appendleft`` and prepends that deque, so they come back in their original order (issue 33:
+    ours kept the deque's order, which reversed them)."""
+    from vllm.v1.core.sched.request_queue import FCFSRequestQueue
+
+    ours, stock = PolicyRequestQueue(), FCFSRequestQueue()
+    reqs = {x: _req(x) for x in "abcdef"}
+    for q in (ours, stock):
+        for x in "ab":
+            q.add_request(reqs[x])
+        q.prepend_requests(reqs[x] for x in "cde")  # a one-shot iterable, as vLLM may pass
+        q.prepend_request(reqs["f"])
+    assert [r.request_id for r in ours] == [r.request_id for r in stock] == list("fedcab")
+    assert ours[0] is stock[0] is reqs["f"] and ours[-1] is stock[-1] is reqs["b"]  # a deque's indexing
+    # order numbers follow the queue: the most recently prepended first
+    assert ours.order_of(reqs["f"]) < ours.order_of(reqs["e"]) < ours.order_of(reqs["c"]) < 0
+
+
+def test_priority_order_matches_vllm_priority_queue() -> None:
+    """``--scheduling-policy priority``: the queue keeps vLLM's ``PriorityRequestQueue`` order
+    (priority, arrival, id), for added and prepended requests alike."""
+    from vllm.v1.core.sched.request_queue import PriorityRequestQueue
+
+    def req(rid: str, priority: int, arrival_s: float) -> Request:
+        return Request(rid, [1, 2], SamplingParams(max_tokens=1), None, arrival_time=arrival_s,
+                       priority=priority)
+
+    ours, stock = PolicyRequestQueue(is_priority_order=True), PriorityRequestQueue()
+    reqs = [req("a", 1, 1.0), req("b", 0, 2.0), req("c", 1, 0.5), req("d", -1, 3.0),
+            req("e", 0, 2.0)]
+    for q in (ours, stock):
+        for r in reqs[:3]:
+            q.add_request(r)
+        q.prepend_request(reqs[3])
+        q.prepend_requests(reqs[4:])
+    assert [r.request_id for r in ours] == [r.request_id for r in stock] == list("dbeca")
+    assert ours.pop_request().request_id == "d" and ours.peek_request().request_id == "b"

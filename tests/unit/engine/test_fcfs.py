@@ -85,3 +85,16 @@ def test_baselines_load_as_vllm_scheduler_classes(qualname: str, module_qualname
     h.add(h.make_request("s", h.tokens(20), max_tokens=2, extra_args={"mars_turn": 0}))
     h.run_until_done()
     h.assert_no_leaks()
+
+
+def test_a_class_without_a_chunk_hook_runs_vllms_mamba_split_whenever_vllm_asks() -> None:
+    """vLLM routes a chunk through ``_mamba_block_aligned_split`` when its flag is on; a class
+    without a chunk hook never turns it on itself, so the split must be vLLM's (vLLM's
+    test_mamba_align_* tests turn it on by hand; Fcfs ignored it: 700 tokens instead of 512)."""
+    chunks = []
+    for cls in (AsyncScheduler, FcfsScheduler):
+        h = Harness(cls, num_blocks=256, block_size=512, max_num_batched_tokens=700)
+        h.scheduler.need_mamba_block_aligned_split = True
+        r = h.add(h.make_request(None, h.tokens(1200), 1))
+        chunks.append(h.scheduler._mamba_block_aligned_split(r, 700))
+    assert chunks == [512, 512]

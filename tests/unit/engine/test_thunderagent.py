@@ -128,3 +128,27 @@ def test_without_pinning_the_acting_kv_stays_in_the_prefix_cache_lru() -> None:
     h.run_until_done()
     assert "A" in h.scheduler.active and not h.scheduler.retained
     h.assert_no_leaks()
+
+
+def test_a_request_is_never_held_on_an_idle_engine() -> None:
+    """Holding protects the reservations of admitted programs; with none (nothing runs, no
+    program admitted) it protects nothing, so a request vLLM can serve is served at once, even
+    when its context plus the 100-token buffer exceeds the pool (issue 33: it was held until
+    ``max_wait_s``, 1800 s; vLLM's test_kv_connector_handles_preemption got 0 of 2 requests)."""
+    h = _harness()                                   # 64 blocks = 1024 tokens
+    s = h.scheduler
+    alone = h.add(h.make_request(None, h.tokens(960), max_tokens=2))  # 960 + 100 > 1024
+    h.step(0.01)
+    assert alone.request_id in h.steps[-1].num_scheduled_tokens and not s.held
+    h.run_until_done()
+    first = h.add(h.make_request(None, h.tokens(500), max_tokens=20))
+    h.step(0.01)
+    second = h.add(h.make_request(None, h.tokens(960), max_tokens=2))
+    h.step(0.01)
+    assert second.request_id in s.held               # the running program's reservation is kept
+    h.run_until_finished(first.request_id, dt_s=0.01)
+    h.step(0.01)                                     # idle now: admitted at the next step
+    assert second.request_id in h.steps[-1].num_scheduled_tokens and s.num_forced == 0
+    assert h.clock() - 1000.0 < 5.0                  # no periodic check or max_wait_s needed
+    h.run_until_done()
+    h.assert_no_leaks()

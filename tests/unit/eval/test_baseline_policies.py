@@ -62,14 +62,19 @@ def _three_sessions() -> Workload:
     return Workload(meta=WorkloadMeta(source="test"), sessions=sessions)
 
 
-def test_thunderagent_in_the_simulator_holds_a_program_until_its_periodic_check() -> None:
-    """KV 128 blocks x 16 = 2048 tokens: two 600-token programs (+100 each) fit, the third waits."""
+def test_thunderagent_in_the_simulator_holds_a_program_until_the_admitted_ones_leave() -> None:
+    """KV 128 blocks x 16 = 2048 tokens: two 600-token programs (+100 each) fit, the third waits
+    outside vLLM while they run and call their tools, and is admitted at the step after they end
+    (an idle engine holds nothing; it used to wait for the next periodic check, issue 33)."""
     options = CompareOptions(num_gpu_blocks=128)
     waits = {}
     for policy in ("fcfs", "thunderagent"):
         result = simulate(_three_sessions(), sim_config(options, policy, False), LinearStepTimeModel())
         assert all(r.e2e_s is not None for r in result.sessions.values())
         waits[policy] = [r.turns[0].first_scheduled_s - r.turns[0].submit_s for r in result.sessions.values()]
+        ends = [r.end_s for r in result.sessions.values()]
+        third = list(result.sessions.values())[2].turns[0]
     assert max(waits["fcfs"]) < 0.5
     assert waits["thunderagent"][:2] == pytest.approx([0.0, 0.0], abs=0.05)
-    assert waits["thunderagent"][2] > 1.0  # held outside vLLM until a check resumed it
+    assert waits["thunderagent"][2] > 0.5  # held through the others' 0.5 s tool calls
+    assert max(ends[:2]) <= third.first_scheduled_s < max(ends[:2]) + 0.1  # then admitted at once
