@@ -295,7 +295,7 @@ def _workload(args: argparse.Namespace) -> Any:
 def _config(policy: str, num_gpu_blocks: int, seed: int) -> Any:
     """``SimConfig`` of one compare policy (as ``compare --admission auto`` builds it)."""
     from eval.sim import SimConfig
-    from mars_openhands.engine.inproc import InprocEngineParams
+    from mars_openhands.engine.harness.inproc_engine import InprocEngineParams
 
     spec = POLICIES[policy]
     engine = InprocEngineParams(num_gpu_blocks=num_gpu_blocks,
@@ -363,8 +363,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
     from eval.sim import Simulator
     from eval.workloads import trim_workload
-    from mars_openhands.engine.executor.profiles import GpuProfile, estimate_kv_capacity
-    from mars_openhands.engine.executor.timing import StepTimeModel
+    from mars_openhands.engine.harness.executor.profiles import GpuProfile, estimate_kv_capacity
+    from mars_openhands.engine.harness.executor.timing import StepTimeModel
     from mars_openhands.stream.transport import ListSink
 
     profile = GpuProfile(gpu=args.gpu, model=args.model)

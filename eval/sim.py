@@ -1,14 +1,14 @@
 """Virtual-time simulator over the REAL vLLM schedulers (design.md §6-§9; MARS arXiv 2604.26963 §6).
 
 One discrete-event loop replays a workload (:mod:`eval.workloads`) against one in-process engine
-(:class:`~mars_openhands.engine.inproc.InprocEngine`: stock vLLM or our scheduler plugins with
+(:class:`~mars_openhands.engine.harness.inproc_engine.InprocEngine`: stock vLLM or our scheduler plugins with
 their real KV cache manager), the gateway's control plane (the very
 :class:`~mars_openhands.control.plane.ControlPlane` both gateways run, on the virtual clock: its
 sessions, tool tracker, AIMD window, reorder and session ends, so admission makes the live
 gateway's decisions by construction) and a pool of ``num_tool_workers`` tool workers with a FIFO
 queue.
 Time is virtual: an engine step lasts what the step-time model says (H4's
-:class:`~mars_openhands.engine.executor.timing.StepTimeModel` or any :class:`StepTimer`), and when
+:class:`~mars_openhands.engine.harness.executor.timing.StepTimeModel` or any :class:`StepTimer`), and when
 the engine has nothing to run the clock jumps to the next event.
 
 Mental model of one session (times on the virtual clock)::
@@ -58,7 +58,7 @@ finish times, cached tokens, preemptions and events):
   by ``k`` (decodes advance through drafts), while nothing waits or, after a probe step that
   scheduled as many tokens, the waiting head stays blocked; nobody is preempted or finishes
   inside, and the end time is the single steps' chain of additions;
-* a memo of vLLM's prefix-hit lookup (:class:`~mars_openhands.engine.inproc.PrefixHitMemo`),
+* a memo of vLLM's prefix-hit lookup (:class:`~mars_openhands.engine.harness.inproc_engine.PrefixHitMemo`),
   built at a request's second lookup and dropped whenever the prefix cache changes a key it read;
 * our schedulers' wall-clock ``engine_step`` telemetry (dropped by the sink) is not computed, and
   events of kinds the sink does not want (its ``kinds``) are not built.
@@ -94,7 +94,7 @@ from mars_openhands.control.config import GatewayConfig, ReplicaConfig
 from mars_openhands.control.plane import ControlPlane
 from mars_openhands.control.sessions import Session as GatewaySession
 from mars_openhands.engine import seams
-from mars_openhands.engine.inproc import (
+from mars_openhands.engine.harness.inproc_engine import (
     EngineStepRecord,
     InprocEngine,
     InprocEngineParams,

@@ -129,7 +129,7 @@ class PlaybackConfig(BaseModel):
     ``max_completion_tokens``)."""
     prompt_token_id_high: int = Field(256, ge=2)
     """Synthetic ids of ``recorded`` prompts are in ``[0, this)`` (default: the tiny model's byte
-    ids, :mod:`mars_openhands.engine.tiny_model`)."""
+    ids, :mod:`mars_openhands.engine.harness.tiny_model`)."""
     upstream_timeout_s: float = Field(120.0, gt=0)
     api_key: str | None = None
     """Answer chat requests without ``Authorization: Bearer <api_key>`` with 401, as vLLM's

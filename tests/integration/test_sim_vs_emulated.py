@@ -52,7 +52,7 @@ pytestmark = [
                        reason="needs aiconfigurator-core==0.12.0 (emulated-GPU extra)"),
 ]
 
-EXECUTOR = "mars_openhands.engine.executor.emulated.EmulatedGPUExecutor"
+EXECUTOR = "mars_openhands.engine.harness.executor.emulated.EmulatedGPUExecutor"
 PROFILE = {"gpu": "h100_sxm", "model": "qwen3-30b-a3b", "dtype": "bf16"}
 TIME_SCALE = 120.0
 NUM_GPU_BLOCKS = 512
@@ -93,8 +93,8 @@ class _ScaledTimer:
 def simulated_schedule(coalesce_max_steps: int) -> tuple[Schedule, Any]:
     """Run the workload through eval.sim; record every schedule() call of its engine."""
     from eval.sim import SimConfig, Simulator
-    from mars_openhands.engine.executor.timing import StepTimeModel
-    from mars_openhands.engine.inproc import InprocEngineParams
+    from mars_openhands.engine.harness.executor.timing import StepTimeModel
+    from mars_openhands.engine.harness.inproc_engine import InprocEngineParams
 
     config = SimConfig(
         policy="fcfs-sync", num_tool_workers=4, coalesce_max_steps=coalesce_max_steps, seed=SEED,
@@ -103,7 +103,7 @@ def simulated_schedule(coalesce_max_steps: int) -> tuple[Schedule, Any]:
                                   max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
                                   max_model_len=MAX_MODEL_LEN),
     )
-    from mars_openhands.engine.executor.profiles import GpuProfile
+    from mars_openhands.engine.harness.executor.profiles import GpuProfile
 
     sim = Simulator(WORKLOAD, config, _ScaledTimer(StepTimeModel(GpuProfile(**PROFILE)),
                                                    TIME_SCALE))

@@ -149,6 +149,18 @@ def test_layer_imports_follow_dependency_direction(layer: str) -> None:
     assert not violations, "dependency direction broken (see style.md):\n" + "\n".join(violations)
 
 
+def test_the_plugin_never_imports_the_harness() -> None:
+    """``engine/`` is two houses: the vLLM plugin (schedulers, seams, telemetry, queues, the entry
+    point) and the harness that runs vLLM without a GPU (``engine/harness``). The plugin never
+    imports the harness, so a server's engine core loads none of it; only the package's face
+    (``engine/__init__.py``) names the emulated executor for ``--distributed-executor-backend``."""
+    engine = PKG / "engine"
+    plugin = [p for p in sorted(engine.rglob("*.py"))
+              if "harness" not in p.relative_to(engine).parts and p != engine / "__init__.py"]
+    violations = _violations(plugin, {"mars_openhands.engine.harness"})
+    assert not violations, "the plugin imports the harness:\n" + "\n".join(violations)
+
+
 def test_the_package_never_imports_eval() -> None:
     """``eval`` is the top layer: no file of ``mars_openhands`` (its own top-level modules too, which
     belong to no layer) imports it, by statement or by name."""

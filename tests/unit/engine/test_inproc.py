@@ -11,7 +11,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
-from mars_openhands.engine.inproc import (  # noqa: E402
+from mars_openhands.engine.harness.inproc_engine import (  # noqa: E402
     InprocEngine,
     InprocEngineParams,
     SessionTokenStream,

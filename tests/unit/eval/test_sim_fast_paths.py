@@ -1,6 +1,6 @@
 """The simulator's speed-ups are exact: with ``MARS_SIM_FAST_PATHS=0`` (every step that today goes
 through ``schedule()`` does so) and with them on, a KV-bound run makes the same decisions at the
-same virtual times, to the last bit (eval/sim.py, engine/inproc.py)."""
+same virtual times, to the last bit (eval/sim.py, engine/harness/inproc_engine.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ pytest.importorskip("vllm")
 from eval.runs import METRIC_KINDS  # noqa: E402
 from eval.sim import FAST_PATHS_ENV, LinearStepTimeModel, SimConfig, SimResult, Simulator  # noqa: E402
 from eval.workloads.format import Session, Turn, Workload, WorkloadMeta  # noqa: E402
-from mars_openhands.engine.inproc import InprocEngineParams  # noqa: E402
+from mars_openhands.engine.harness.inproc_engine import InprocEngineParams  # noqa: E402
 from mars_openhands.policy.admission import AdmissionParams  # noqa: E402
 from mars_openhands.stream.transport import ListSink  # noqa: E402
 

@@ -64,7 +64,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from mars_openhands.engine import seams
-from mars_openhands.engine.tiny_model import write_tiny_model
+from mars_openhands.engine.harness.tiny_model import write_tiny_model
 
 __all__ = [
     "STOCK_SCHEDULERS",
