@@ -649,7 +649,7 @@ class Simulator:
         engine = self.engine
         s = engine.scheduler
         self._run_kv = (times, engine.kv_block_counts()[2], [
-            (r.num_computed_tokens, n, seams.num_block_table_entries(s, r.request_id))
+            (r.num_computed_tokens, n, seams.blocks.num_block_table_entries(s, r.request_id))
             for r, n in zip(s.running, steps, strict=True)])
 
     def _kv_used_after(self, num_steps: int) -> int:

@@ -51,7 +51,6 @@ from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-from vllm.v1.core.sched.request_queue import create_request_queue
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -65,6 +64,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from mars_openhands.engine import seams
 from mars_openhands.engine.harness.tiny_model import write_tiny_model
+from mars_openhands.engine.seams import fast_paths
 
 __all__ = [
     "STOCK_SCHEDULERS",
@@ -344,7 +344,6 @@ class StreamBlockHasher:
 
 
 _BLOCK_HASH = operator.attrgetter("block_hash")
-_RAW_BLOCK_HASH = operator.attrgetter("_block_hash")
 _MEMO_AT_LOOKUP = 2
 """A request's lookup (in one state) at which :class:`PrefixHitMemo` builds its memo."""
 _HASH_KEY_SESSIONS = 32
@@ -359,7 +358,7 @@ class PrefixHitMemo:
     more by our schedulers at arrival. Its answer is a function of the request (its token count
     and hashes) and of the cache entries for the keys it read: the hit blocks' keys and the
     first missed key. The pool's map reports every insert and pop
-    (:func:`seams.watch_prefix_cache`): a pop that leaves no block under hit ``j``'s key cuts the
+    (:func:`fast_paths.watch_prefix_cache`): a pop that leaves no block under hit ``j``'s key cuts the
     memo to its first ``j`` blocks (the walk now stops there), any other change to a key a memo
     read drops the memo. So a memo that is still there is what the walk would return now. A memo
     is built at a request's second lookup in the same state: building and dropping one costs about
@@ -374,8 +373,6 @@ class PrefixHitMemo:
 
     def __init__(self, sched: Scheduler) -> None:
         self._sched = sched
-        self._manager = sched.kv_cache_manager
-        self._inner = self._manager.get_computed_blocks
         self._memo: dict[str, tuple[int, int, tuple[list[Any], ...], int, int, list[Any],
                                     dict[Any, int], int]] = {}
         """request id -> (num_tokens, len(block_hashes), blocks, hit tokens, boundary, keys,
@@ -387,8 +384,10 @@ class PrefixHitMemo:
         self._looked_up: dict[str, tuple[int, int, int]] = {}
         """request id -> (num_tokens, len(block_hashes), lookups in that state) while it has no
         memo."""
-        self._map = seams.watch_prefix_cache(sched, self._on_change, self._reader)
-        self._manager.get_computed_blocks = self
+        self._map = fast_paths.watch_prefix_cache(sched, self._on_change, self._reader)
+        self._inner: Callable[[Request], tuple[Any, int, int]] = fast_paths.install_prefix_lookup(
+            sched, self)
+        """vLLM's own lookup (a memo miss)."""
         self._block_size = sched.block_size
         self.num_hits = 0
 
@@ -424,11 +423,11 @@ class PrefixHitMemo:
 
     def _check_map(self) -> None:
         """After ``reset_prefix_cache`` (a new, unwatched map): drop every memo, watch the new map."""
-        if seams.prefix_cache_map(self._sched) is not self._map:
+        if fast_paths.prefix_cache_map(self._sched) is not self._map:
             for rid in list(self._memo):
                 self.forget(rid)
             self._looked_up.clear()
-            self._map = seams.watch_prefix_cache(self._sched, self._on_change, self._reader)
+            self._map = fast_paths.watch_prefix_cache(self._sched, self._on_change, self._reader)
 
     def _valid_memo(self, request: Request) -> tuple[Any, ...] | None:
         """``request``'s memo if it is for the request's current state (token count and block
@@ -440,7 +439,7 @@ class PrefixHitMemo:
         return None
 
     def peek(self, request: Request) -> int:
-        """Tokens the prefix cache would serve ``request`` now (:func:`seams.prefix_hit_tokens`),
+        """Tokens the prefix cache would serve ``request`` now (:func:`seams.blocks.prefix_hit_tokens`),
         from the memo when it is still valid; a walk does not count toward the memo."""
         memo = self._valid_memo(request)
         return memo[3] if memo is not None else self._inner(request)[1]
@@ -451,7 +450,7 @@ class PrefixHitMemo:
         if memo is not None:
             self.num_hits += 1
             hit = memo[7]
-            return (self._manager.create_kv_cache_blocks(tuple(g[:hit] for g in memo[2])),
+            return (fast_paths.new_kv_cache_blocks(self._sched, tuple(g[:hit] for g in memo[2])),
                     memo[3], memo[4])
         rid = request.request_id
         state = (request.num_tokens, len(request.block_hashes))
@@ -468,7 +467,7 @@ class PrefixHitMemo:
         keys = list(map(_BLOCK_HASH, groups[0]))
         hit = len(keys)
         if hit < len(request.block_hashes):
-            keys.append(seams.pool_block_hash_key(request.block_hashes[hit]))
+            keys.append(fast_paths.pool_block_hash_key(request.block_hashes[hit]))
         if None in keys:
             return blocks, num_tokens, boundary
         # key -> its first index (assigned last-to-first, so the first occurrence wins)
@@ -531,9 +530,9 @@ class InprocEngine:
             by the caller).
         model_dir: tiny model folder (default: written under the temp dir).
         memoize_prefix_hits: install a :class:`PrefixHitMemo`, the fused block allocation
-            (:func:`seams.install_fused_block_allocation`), the batched token append
-            (:func:`seams.install_batched_token_append`) and the fused prefix lookup
-            (:func:`seams.install_fused_prefix_lookup`): exact; the simulator's speed.
+            (:func:`fast_paths.install_fused_block_allocation`), the batched token append
+            (:func:`fast_paths.install_batched_token_append`) and the fused prefix lookup
+            (:func:`fast_paths.install_fused_prefix_lookup`): exact; the simulator's speed.
     """
 
     def __init__(
@@ -551,9 +550,9 @@ class InprocEngine:
         self.prefix_memo = (PrefixHitMemo(self.scheduler)
                             if memoize_prefix_hits and params.enable_prefix_caching else None)
         if memoize_prefix_hits:
-            seams.install_fused_block_allocation(self.scheduler)
-            seams.install_batched_token_append(self.scheduler)
-            seams.install_fused_prefix_lookup(self.scheduler)
+            fast_paths.install_fused_block_allocation(self.scheduler)
+            fast_paths.install_batched_token_append(self.scheduler)
+            fast_paths.install_fused_prefix_lookup(self.scheduler)
         self._planned: dict[str, list[int]] = {}
         self._requests: dict[str, Request] = {}
         self._kv_counts: tuple[int, int, int] | None = None
@@ -716,7 +715,7 @@ class InprocEngine:
         s = self.scheduler
         if (record.num_decode_tokens != 1 or not s.waiting
                 or record.preempted_ids or record.new_request_cached_tokens
-                or getattr(s, "kv_holding_waiting", ())
+                or fast_paths.is_kv_holding_waiting(s)
                 or len(record.num_scheduled_tokens) != len(s.running)):
             return False
         if self.is_plugin:
@@ -746,14 +745,12 @@ class InprocEngine:
         run's step count (``run_num_steps``), its last step's start (``run_last_step_s``) and
         ``is_waiting_hidden``. Everything is restored on exit, even on error."""
         s = self.scheduler
-        hidden, bound = s.waiting, s.prefill_capacity_bound
-        s.waiting = create_request_queue(s.policy)
         if self.is_plugin:
             s.run_num_steps, s.run_last_step_s, s.is_waiting_hidden = num_steps, last_step_s, True
         try:
-            yield
+            with fast_paths.hidden_waiting(s):
+                yield
         finally:
-            s.waiting, s.prefill_capacity_bound = hidden, bound
             if self.is_plugin:
                 s.run_num_steps, s.run_last_step_s, s.is_waiting_hidden = 1, None, False
 
@@ -776,14 +773,14 @@ class InprocEngine:
         self.num_prefill_runs += 1
         budget = k * sum(self.run_step_tokens())
         if not hide_waiting:
-            with seams.scaled_step_budget(s, k, budget):
+            with fast_paths.scaled_step_budget(s, k, budget):
                 return s.schedule()
-        with self._waiting_hidden(k, last_step_s), seams.scaled_step_budget(s, k, budget):
+        with self._waiting_hidden(k, last_step_s), fast_paths.scaled_step_budget(s, k, budget):
             return s.schedule()
 
     def max_prefill_run(self, limit: int) -> int:
         """Largest ``k <= limit`` for which one ``schedule()`` with the step's token budget and
-        vLLM's long-prefill chunk cap ``T`` scaled by ``k`` (:func:`seams.scaled_step_budget`)
+        vLLM's long-prefill chunk cap ``T`` scaled by ``k`` (:func:`fast_paths.scaled_step_budget`)
         equals ``k`` single steps, else 1. Pure.
 
         Mental model: vllm-tuned (``long_prefill_token_threshold`` 512) re-prefills a 60k-token
@@ -803,7 +800,7 @@ class InprocEngine:
             |<-------------------- num_tokens --------------------->|
         """
         s = self.scheduler
-        if self.is_plugin or s.waiting or s.kv_holding_waiting:
+        if self.is_plugin or s.waiting or fast_paths.is_kv_holding_waiting(s):
             return 1
         return self._prefill_run_len(limit, self.run_step_tokens())
 
@@ -827,7 +824,7 @@ class InprocEngine:
         :meth:`max_blocked_decode_run`.
         """
         s = self.scheduler
-        if (limit <= 1 or not self._is_waiting_blocked or not s.waiting or s.kv_holding_waiting
+        if (limit <= 1 or not self._is_waiting_blocked or not s.waiting or fast_paths.is_kv_holding_waiting(s)
                 or (not self.is_plugin and self.params.long_prefill_token_threshold <= 0)):
             return 1
         if self.is_plugin and not (s.coalescible_prefill_runs and s.blocked_run_is_safe()):
@@ -888,9 +885,9 @@ class InprocEngine:
             else:
                 return 1
         if num_prefill == 0 or total > min(
-                self.params.max_num_batched_tokens, seams.max_num_scheduled_tokens(s)):
+                self.params.max_num_batched_tokens, seams.hooks.max_num_scheduled_tokens(s)):
             return 1
-        while k > 1 and self._prefill_run_new_blocks(k, steps) > seams.num_free_blocks(s):
+        while k > 1 and self._prefill_run_new_blocks(k, steps) > seams.blocks.num_free_blocks(s):
             k //= 2
         return max(1, k)
 
@@ -901,7 +898,7 @@ class InprocEngine:
         total = 0
         for r, n in zip(self.scheduler.running, steps, strict=True):
             total += max(0, -(-(r.num_computed_tokens + k * n) // bs)
-                         - seams.num_block_table_entries(self.scheduler, r.request_id))
+                         - seams.blocks.num_block_table_entries(self.scheduler, r.request_id))
         return total
 
     def prefill_run_shapes(self, k: int) -> Iterator[tuple[list[tuple[int, int]], list[int]]]:
@@ -994,7 +991,7 @@ class InprocEngine:
             blocks needed after the step: ceil((c + k) / b); held now: ceil(c / b)
         """
         s = self.scheduler
-        if limit <= 1 or not s.running or len(s.waiting) + len(getattr(s, "kv_holding_waiting", ())) > 0:
+        if limit <= 1 or not s.running or s.waiting or fast_paths.is_kv_holding_waiting(s):
             return 1
         return self._steady_decode_run(limit)
 
@@ -1018,7 +1015,7 @@ class InprocEngine:
             k = min(k, r.max_tokens - r.num_output_tokens - keep_last,
                     self.params.max_model_len - c - 1 - keep_last)
         while k > 1:
-            if self._run_new_blocks(k) <= seams.num_free_blocks(s):
+            if self._run_new_blocks(k) <= seams.blocks.num_free_blocks(s):
                 break
             k //= 2
         return max(1, k)
@@ -1044,7 +1041,7 @@ class InprocEngine:
         is unchanged as long as its prefix hit is. vLLM stops at the first waiting request it
         cannot allocate (requests are never skipped here: no KV connector, no structured output),
         so only the head is asked, and the blocks the run takes (the head of vLLM's free queue,
-        :func:`seams.next_evicted_blocks`) must leave it blocked (:meth:`_keep_head_blocked`). So
+        :func:`fast_paths.next_evicted_blocks`) must leave it blocked (:meth:`_keep_head_blocked`). So
         vLLM would leave every waiting request waiting in every step, and hiding them is exact.
         With stock vLLM a request added behind the head leaves the probe valid.
 
@@ -1055,7 +1052,7 @@ class InprocEngine:
         """
         s = self.scheduler
         if (limit <= 1 or not self._is_waiting_blocked or not s.running or not s.waiting
-                or getattr(s, "kv_holding_waiting", ()) or self._probe_num_tokens != len(s.running)):
+                or fast_paths.is_kv_holding_waiting(s) or self._probe_num_tokens != len(s.running)):
             return 1
         if self.is_plugin and (self._probe_has_prefill or not (
                 hasattr(s, "blocked_run_is_safe") and s.blocked_run_is_safe())):
@@ -1100,15 +1097,15 @@ class InprocEngine:
         head = s.waiting.peek_request()
         if any(r.session_id == head.session_id for r in s.running):
             return 1
-        if getattr(s, "scheduler_reserve_full_isl", False):
+        if fast_paths.has_full_sequence_gate(s):
             return k  # vLLM's full-sequence gate: no eviction lets the head in (docstring)
         num_taken = new_blocks(k)
         if self._is_head_rule_stock():
-            first_hit = self._first_unsafe_eviction(head, seams.next_evicted_blocks(s, num_taken))
+            first_hit = self._first_unsafe_eviction(head, fast_paths.next_evicted_blocks(s, num_taken))
         else:  # the first block with one of the head's keys: one walk, no list
-            first_hit = seams.first_free_block_holding(s, num_taken, self._pool_hash_keys(head))
+            first_hit = fast_paths.first_free_block_holding(s, num_taken, self._pool_hash_keys(head))
             if getattr(s, "chunk_shrinking", False):
-                floor = max(0, seams.num_free_blocks(s) - self._unshrunk_free_floor())
+                floor = max(0, seams.blocks.num_free_blocks(s) - self._unshrunk_free_floor())
                 first_hit = floor if first_hit is None else min(first_hit, floor)
         if first_hit is None or num_taken <= first_hit:
             return k
@@ -1130,8 +1127,8 @@ class InprocEngine:
         watermark): while those stay at or above the unshrunk chunk's blocks the chunk is the
         one the probe step was refused, which fewer free blocks still refuse."""
         s = self.scheduler
-        budget = max(0, seams.max_num_scheduled_tokens(s) - self._probe_num_tokens)
-        return -(-budget // self.params.block_size) + 1 + s.kv_cache_manager.watermark_blocks
+        budget = max(0, seams.hooks.max_num_scheduled_tokens(s) - self._probe_num_tokens)
+        return -(-budget // self.params.block_size) + 1 + seams.blocks.watermark_blocks(s)
 
     def _first_unsafe_eviction(self, head: Request, evicted: Sequence[Any]) -> int | None:
         """Index of the first of ``evicted`` (the blocks a run takes, in order) whose eviction
@@ -1151,23 +1148,21 @@ class InprocEngine:
         """
         keys = self._pool_hash_keys(head)
         s = self.scheduler
-        pool = seams.block_pool(s)
         # C-level passes: each evicted block's position among the head's keys (none: past all).
         past = 1 << 62  # beyond any hit (an int: ``int.__gt__`` below)
-        positions = list(map(keys.get, map(_RAW_BLOCK_HASH, evicted), itertools.repeat(past)))
+        positions = list(map(keys.get, map(fast_paths.raw_block_key, evicted), itertools.repeat(past)))
         if positions.count(past) == len(positions):
             return None
-        hit = seams.prefix_hit_tokens(s, head) // self.params.block_size  # a block of the head's
+        hit = seams.blocks.prefix_hit_tokens(s, head) // self.params.block_size  # a block of the head's
         copies: dict[Any, int] = {}
         # Blocks past the hit change nothing, and the hit only shrinks: only those inside it.
         for i in itertools.compress(range(len(positions)), map(hit.__gt__, positions)):
             position = positions[i]
             if position >= hit:
                 continue  # past the (shortened) hit: the walk stopped before it
-            key = evicted[i]._block_hash
+            key = fast_paths.raw_block_key(evicted[i])
             if key not in copies:
-                entry = pool.cached_block_hash_to_block._cache.get(key)
-                copies[key] = len(entry) if isinstance(entry, dict) else int(entry is not None)
+                copies[key] = fast_paths.num_cached_copies(s, key)
             copies[key] -= 1
             if copies[key] > 0:
                 continue  # another cached block still serves this key
@@ -1182,11 +1177,10 @@ class InprocEngine:
         unsafe. Pure."""
         s = self.scheduler
         return ((not self.is_plugin or s.head_blocked_like_stock())
-                and len(s.kv_cache_config.kv_cache_groups) == 1
-                and not seams.block_pool(s).cached_block_hashes_by_block)
+                and fast_paths.has_one_plain_kv_group(s))
 
     def _pool_hash_keys(self, request: Request) -> dict[Any, int]:
-        """:func:`seams.pool_block_hash_keys` of a waiting request, memoized per session: a turn's
+        """:func:`fast_paths.pool_block_hash_keys` of a waiting request, memoized per session: a turn's
         context extends the session's previous one, so its keys extend the memo's. Block hashes
         are chained (each covers its whole prefix): the memo's ``m`` keys are the request's first
         ``m`` when its hash ``m - 1`` equals the memo's last; otherwise the keys are rebuilt. The
@@ -1199,11 +1193,11 @@ class InprocEngine:
         if memo is not None and memo[0] <= n and (memo[0] == 0 or hashes[memo[0] - 1] == memo[1]):
             keys = memo[2]
             if memo[0] < n:
-                groups = len(self.scheduler.kv_cache_config.kv_cache_groups)
-                keys.update(seams.pool_block_hash_keys(request, groups, start=memo[0]))
+                groups = fast_paths.num_kv_cache_groups(self.scheduler)
+                keys.update(fast_paths.pool_block_hash_keys(request, groups, start=memo[0]))
         if keys is None:
-            groups = len(self.scheduler.kv_cache_config.kv_cache_groups)
-            keys = seams.pool_block_hash_keys(request, groups)
+            groups = fast_paths.num_kv_cache_groups(self.scheduler)
+            keys = fast_paths.pool_block_hash_keys(request, groups)
         self._hash_keys[sid] = (n, hashes[n - 1] if n else None, keys)
         if len(self._hash_keys) > _HASH_KEY_SESSIONS:
             del self._hash_keys[next(iter(self._hash_keys))]
@@ -1222,19 +1216,19 @@ class InprocEngine:
             if hasattr(s, "kv_block_counts"):
                 self._kv_counts = s.kv_block_counts()
             else:
-                free = seams.num_free_blocks(s)
-                self._kv_counts = (free, 0, seams.num_gpu_blocks(s) - 1 - free)
+                free = seams.blocks.num_free_blocks(s)
+                self._kv_counts = (free, 0, seams.blocks.num_gpu_blocks(s) - 1 - free)
         return self._kv_counts
 
     def kv_usage(self) -> float:
         """Used fraction of the KV pool, 0..1 (evictable prefix-cache and retained blocks count as
         free, as the gateway reads ``engine_step``)."""
         _, _, used = self.kv_block_counts()
-        return min(1.0, used / max(1, seams.num_gpu_blocks(self.scheduler) - 1))
+        return min(1.0, used / max(1, seams.blocks.num_gpu_blocks(self.scheduler) - 1))
 
     def num_gpu_blocks(self) -> int:
         """Total KV blocks of the pool (including vLLM's null block)."""
-        return seams.num_gpu_blocks(self.scheduler)
+        return seams.blocks.num_gpu_blocks(self.scheduler)
 
     def shutdown(self) -> None:
         """Release what the scheduler still holds (our schedulers: retained KV). Mutates."""
@@ -1251,13 +1245,13 @@ class InprocEngine:
         s = self.scheduler
         if hasattr(s, "assert_no_leaks"):
             return s.assert_no_leaks()
-        refs = seams.referenced_block_counts(s)
+        refs = seams.blocks.referenced_block_counts(s)
         bad = [(b.block_id, b.ref_cnt, refs.get(b.block_id, 0))
-               for b in seams.all_blocks(s) if not b.is_null and b.ref_cnt != refs.get(b.block_id, 0)]
-        free = seams.num_free_blocks(s)
+               for b in seams.blocks.all_blocks(s) if not b.is_null and b.ref_cnt != refs.get(b.block_id, 0)]
+        free = seams.blocks.num_free_blocks(s)
         assert not bad, f"KV ref-count mismatch (block, ref_cnt, request refs): {bad[:10]}"
-        assert free + len(refs) == seams.num_gpu_blocks(s) - 1, (
-            f"free {free} + used {len(refs)} != num_gpu_blocks {seams.num_gpu_blocks(s)} - 1")
+        assert free + len(refs) == seams.blocks.num_gpu_blocks(s) - 1, (
+            f"free {free} + used {len(refs)} != num_gpu_blocks {seams.blocks.num_gpu_blocks(s)} - 1")
         return {"free": free, "used": len(refs)}
 
 

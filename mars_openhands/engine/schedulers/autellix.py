@@ -68,7 +68,7 @@ class AutellixScheduler(MarsBaseScheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.plas_params: PlasParams = self.params.autellix
-        self._budget_tokens = seams.max_num_scheduled_tokens(self)
+        self._budget_tokens = seams.hooks.max_num_scheduled_tokens(self)
         self._calls: dict[str, _Call] = {}
 
     # ------------------------------------------------------------------ read access
@@ -213,7 +213,7 @@ class AutellixScheduler(MarsBaseScheduler):
         """``(level, KV blocks held, arrival)``; the largest is preempted."""
         entry = self._calls.get(request.request_id)
         level_call = entry.plas if entry else PlasCall(level=0, quantum_left_tokens=0)
-        num_blocks = seams.num_request_blocks(self, request.request_id)
+        num_blocks = seams.blocks.num_request_blocks(self, request.request_id)
         return plas.victim_key(level_call, num_blocks, request.arrival_time)
 
     def chunk_tokens(self, request: Request, num_new_tokens: int, num_computed_tokens: int) -> int:

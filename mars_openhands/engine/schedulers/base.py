@@ -104,7 +104,7 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
 
     Raises:
         ValueError: invalid ``--additional-config mars`` (names the key).
-        RuntimeError: the installed vLLM lacks a seam (see :func:`seams.check_compat`).
+        RuntimeError: the installed vLLM lacks a seam (see :func:`seams.compat.check_compat`).
     """
 
     default_window_enabled: ClassVar[bool] = False
@@ -142,7 +142,7 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        seams.check_compat()
+        seams.compat.check_compat()
         additional = self.vllm_config.additional_config or {}
         self.params: SchedulerParams = parse_scheduler_params(additional.get("mars"))
         self.clock: Callable[[], float] = time.monotonic
@@ -234,19 +234,19 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         self._has_on_scheduled = self._overrides("on_scheduled")
         self._has_on_prefill = self._overrides("on_prefill_scheduled")
         self._has_on_step_start = self._overrides("on_step_start")
-        self._model_needs_mamba_split = seams.model_needs_mamba_split(self)
+        self._model_needs_mamba_split = seams.hooks.model_needs_mamba_split(self)
         # Enabled only while something is retained (zero cost otherwise).
-        self._allocate_wrapper = seams.wrap_allocate_slots(self, self._reclaim_for)
+        self._allocate_wrapper = seams.blocks.wrap_allocate_slots(self, self._reclaim_for)
         self._allocate_wrapper.disable()
         if self._has_victim_key:
-            seams.enable_victim_ranks(self)
+            seams.hooks.enable_victim_ranks(self)
         self._uses_chunk_hook = (self._overrides("chunk_tokens") or self.chunk_shrinking
                                  or self.resume_when_context_fits)
         # On only in steps that can size a prefill chunk (see _reorder).
-        seams.enable_chunk_hook(self, self._model_needs_mamba_split)
+        seams.hooks.enable_chunk_hook(self, self._model_needs_mamba_split)
         # In an engine-core process: wake its idle loop when CPU-plane events or a retention
         # expiry need a step (None in-process: the simulator and tests step by themselves).
-        self.set_engine_waker(seams.engine_core_waker())
+        self.set_engine_waker(seams.hooks.engine_core_waker())
         if self.params.inbox_addr:
             self.inbox.listen(self.params.inbox_addr, self.waker.wake)
 
@@ -415,7 +415,7 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
             out = super().schedule(*args, **kwargs)
         finally:
             if self._saved_priorities:
-                seams.restore_priorities(self._saved_priorities)
+                seams.hooks.restore_priorities(self._saved_priorities)
                 self._saved_priorities = []
         self._after_schedule(out, now, was_running)
         self.prefill_s_per_token.step_scheduled(now, self._step_prefill_tokens(out))
@@ -452,7 +452,8 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         ``quanta_tokens`` overrides ``params.levels.quanta_tokens``.
         Mutates: ``self.req_state[request_id].quantum_tokens``.
         """
-        quantum = quantum_tokens(level, self.params.levels, self.max_num_scheduled_tokens, quanta_tokens)
+        quantum = quantum_tokens(level, self.params.levels, seams.hooks.max_num_scheduled_tokens(self),
+                                 quanta_tokens)
         state = self.req_state.get(request.request_id)
         if state is not None:
             state.quantum_tokens = quantum
@@ -528,7 +529,7 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         rid = request.request_id
         state = self.req_state.pop(rid, None)
         self._rejected.pop(rid, None)
-        num_blocks = seams.num_request_blocks(self, rid)
+        num_blocks = seams.blocks.num_request_blocks(self, rid)
         retained = 0
         self.prefilling.discard(rid)
         session = self.sessions.get(state.session_id) if state and state.session_id else None
@@ -569,7 +570,7 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
 
     def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
         """vLLM seam: preempt (recompute) ``request``; adds telemetry and the policy hook."""
-        num_blocks = seams.num_request_blocks(self, request.request_id) if self.telemetry.enabled else 0
+        num_blocks = seams.blocks.num_request_blocks(self, request.request_id) if self.telemetry.enabled else 0
         num_computed = request.num_computed_tokens
         super()._preempt_request(request, *args, **kwargs)
         self.prefilling.discard(request.request_id)
@@ -611,7 +612,7 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         if self.chunk_shrinking:
             n = self._shrink_to_fit(request, n, start, waiting=waiting)
         n = max(1, min(n, num_new_tokens))
-        if n < num_new_tokens and request.mm_features and self.scheduler_config.disable_chunked_mm_input:
+        if n < num_new_tokens and request.mm_features and seams.hooks.is_chunked_mm_input_disabled(self):
             # vLLM's no-split check trusts its own chunk to cover an item it starts on
             n = unsplit_mm_chunk_tokens(n, num_new_tokens, start, (
                 (f.mm_position.offset, f.mm_position.length) for f in request.mm_features))
@@ -635,27 +636,27 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         if not self.running:
             return True
         bs = self.block_size
-        unallocated = sum(max(0, blocks_for_tokens(r.num_tokens, bs) - seams.num_request_blocks(self, r.request_id))
+        unallocated = sum(max(0, blocks_for_tokens(r.num_tokens, bs) - seams.blocks.num_request_blocks(self, r.request_id))
                           for r in self.running)
-        avail = (seams.num_free_blocks(self) + self._reclaimable_blocks(request)
-                 - self.kv_cache_manager.watermark_blocks - unallocated)
+        avail = (seams.blocks.num_free_blocks(self) + self._reclaimable_blocks(request)
+                 - seams.blocks.watermark_blocks(self) - unallocated)
         return context_fits(request.num_tokens, bs, avail)
 
     def _shrink_to_fit(self, request: Request, n: int, start: int, waiting: bool) -> int:
         """Halve a prefill chunk (not below block_size) until its new blocks fit
         (:func:`~mars_openhands.policy.chunking.shrunk_chunk_tokens`, which has the diagram)."""
         bs = self.block_size
-        held = 0 if waiting else seams.num_request_blocks(self, request.request_id)
-        avail = seams.num_free_blocks(self) + self._reclaimable_blocks(request)
+        held = 0 if waiting else seams.blocks.num_request_blocks(self, request.request_id)
+        avail = seams.blocks.num_free_blocks(self) + self._reclaimable_blocks(request)
         if waiting:
-            avail -= self.kv_cache_manager.watermark_blocks
+            avail -= seams.blocks.watermark_blocks(self)
         return shrunk_chunk_tokens(n, start, bs, max(held, start // bs), avail)
 
     # ------------------------------------------------------------------ step phases
     def _reorder(self, now: float) -> None:
         if self._uses_chunk_hook and not self._model_needs_mamba_split:
             # Every prefill chunk comes from a waiting admission or a running prefill.
-            seams.enable_chunk_hook(self, bool(self.prefilling or self.waiting))
+            seams.hooks.enable_chunk_hook(self, bool(self.prefilling or self.waiting))
         if self._has_waiting_key and len(self.waiting) > 1 and (
             self.waiting.is_dirty or now - self._last_waiting_sort_s >= self.params.reorder_interval_s
         ):
@@ -669,16 +670,16 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         if self._has_victim_key and self.running and (
             may_fail if may_fail is not None else self._allocation_may_fail()
         ):
-            self._saved_priorities = seams.set_victim_ranks(
+            self._saved_priorities = seams.hooks.set_victim_ranks(
                 sorted(self.running, key=lambda r: self.victim_key(r, now), reverse=True)
             )
 
     def _allocation_may_fail(self) -> bool:
         """Cheap bound: if every running request plus a full budget of new tokens fits in the free
         blocks, no allocation can fail this step and victim ranks are not needed."""
-        budget_blocks = -(-seams.max_num_scheduled_tokens(self) // self.block_size)
-        partial_blocks = len(self.running) + min(len(self.waiting), self.max_num_running_reqs)
-        return seams.num_free_blocks(self) < budget_blocks + partial_blocks
+        budget_blocks = -(-seams.hooks.max_num_scheduled_tokens(self) // self.block_size)
+        partial_blocks = len(self.running) + min(len(self.waiting), seams.hooks.max_num_running_reqs(self))
+        return seams.blocks.num_free_blocks(self) < budget_blocks + partial_blocks
 
     def _after_schedule(self, out: Any, now: float, was_running: set[str] | None) -> None:
         scheduled = out.num_scheduled_tokens
@@ -752,7 +753,7 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
                 continue
             logger.warning("mars: rejecting request %s: %s", rid, message)
             self.waiting.remove_request(request)
-            seams.finish_with_error_next_step(self, rid)
+            seams.hooks.finish_with_error_next_step(self, rid)
 
     def _admit_overflow(self) -> None:
         assert self.window_size is not None, "overflow queue used without a window"
@@ -768,7 +769,7 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         num_running, num_waiting = self.get_request_counts()
         self._last_step_counts = (free, retained, used, num_running, num_waiting)
         self.telemetry.engine_step(
-            num_gpu_blocks=seams.num_gpu_blocks(self), num_used_blocks=used,
+            num_gpu_blocks=seams.blocks.num_gpu_blocks(self), num_used_blocks=used,
             num_free_blocks=free, num_retained_blocks=retained, num_running=num_running,
             num_waiting=num_waiting,
         )
@@ -807,13 +808,13 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         decision = self.retention_decision(request, session, now)
         if decision is None or decision.ttl_s <= 0:
             return 0
-        blocks = seams.cached_blocks(seams.request_blocks(self, request.request_id))
+        blocks = seams.blocks.cached_blocks(seams.blocks.request_blocks(self, request.request_id))
         if not blocks:
             return 0
         if session.session_id in self.retained:
             self._measure_reuse(self.retained[session.session_id], request.request_id)
             self.release_retained(session.session_id, "resumed", now)
-        seams.pin_finishing_request_blocks(self, request.request_id, blocks)
+        seams.blocks.pin_finishing_request_blocks(self, request.request_id, blocks)
         self._allocate_wrapper.enable()
         self.retained.add(RetainedKv(
             session.session_id, request.request_id, state.meta.turn, blocks,
@@ -840,7 +841,7 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         entry = self.retained.pop(session_id)
         if entry is None:
             return 0
-        seams.free_pinned(self, entry.blocks)
+        seams.blocks.free_pinned(self, entry.blocks)
         if not self.retained:
             self._allocate_wrapper.disable()
         reused = self.retained.record_release(entry, reason)
@@ -877,7 +878,7 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         """Blocks of ``entry`` that ``request_id`` (the session's next turn, just allocated, or
         its finishing turn) holds (:meth:`RetainedKvPool.measure_reuse`). Mutates ``entry``."""
         return self.retained.measure_reuse(
-            entry, seams.request_blocks(self, request_id))
+            entry, seams.blocks.request_blocks(self, request_id))
 
     def _expire_retained(self, now: float) -> None:
         """Release every retained entry past its expiry, within the step it expires in, unless
@@ -1008,10 +1009,10 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         every other block with a reference is used. :meth:`assert_no_leaks` checks this against
         a full walk of the requests' blocks.
         """
-        free = seams.num_free_blocks(self)
-        retained_only = self.retained.retained_only_blocks(seams.num_blocks_referenced_once,
-                                                           seams.block_ref_count)
-        return free, retained_only, seams.num_gpu_blocks(self) - 1 - free - retained_only
+        free = seams.blocks.num_free_blocks(self)
+        retained_only = self.retained.retained_only_blocks(seams.blocks.num_blocks_referenced_once,
+                                                           seams.blocks.block_ref_count)
+        return free, retained_only, seams.blocks.num_gpu_blocks(self) - 1 - free - retained_only
 
     def assert_no_leaks(self) -> dict[str, int]:
         """Integrity check: every block's ref count equals request refs + our pins, and
@@ -1023,11 +1024,11 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         Raises:
             AssertionError: printing the numbers and the first mismatching blocks.
         """
-        refs = seams.referenced_block_counts(self)
+        refs = seams.blocks.referenced_block_counts(self)
         pins = self.retained.pin_counts()
         bad = []
         num_zero = 0
-        for b in seams.all_blocks(self):
+        for b in seams.blocks.all_blocks(self):
             if b.is_null:
                 continue
             expected = refs.get(b.block_id, 0) + pins.get(b.block_id, 0)
@@ -1037,7 +1038,7 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         free, retained_only, used = self.kv_block_counts()
         pinned = {b.block_id for e in self.retained.values() for b in e.blocks}
         exact = (num_zero, sum(1 for bid in pinned if bid not in refs), len(refs))
-        total = seams.num_gpu_blocks(self)
+        total = seams.blocks.num_gpu_blocks(self)
         counts = {"free": free, "retained": retained_only, "used": used, "null": 1,
                   "num_gpu_blocks": total}
         assert not bad and (free, retained_only, used) == exact and free + retained_only + used + 1 == total, (

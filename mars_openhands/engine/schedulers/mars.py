@@ -172,7 +172,7 @@ class MarsScheduler(MarsBaseScheduler):
             if self.held and not busy and sid in self.resident else 0.0,
             is_overdue=sid in self.held and self._is_overdue(self.held[sid][0], now_s))
             for sid, session, demand, busy in views]
-        budget = int((seams.num_gpu_blocks(self) - 1) * self.params.residency.budget_usage)
+        budget = int((seams.blocks.num_gpu_blocks(self) - 1) * self.params.residency.budget_usage)
         plan = plan_residency(views, budget)
         for sid in plan.suspend:
             self._suspend(sid, now_s)
@@ -264,7 +264,7 @@ class MarsScheduler(MarsBaseScheduler):
 
     # ------------------------------------------------------------------ levels
     def _cached_at_arrival(self, request: Request) -> int:
-        return seams.prefix_hit_tokens(self, request)
+        return seams.blocks.prefix_hit_tokens(self, request)
 
     def level(self, request: Request, now_s: float, num_computed_tokens: int | None = None) -> int:
         """Effective MLFQ level of ``request`` now (0 = highest priority). Pure w.r.t. state."""
@@ -315,7 +315,7 @@ class MarsScheduler(MarsBaseScheduler):
         if self.params.mars.session_fifo:
             return ((DECODE_VICTIM_LEVEL if is_decode else level), self._session_arrival_s(state),
                     state.arrival_s if state else 0.0)
-        return victim_key(level, is_decode, seams.num_request_blocks(self, request.request_id),
+        return victim_key(level, is_decode, seams.blocks.num_request_blocks(self, request.request_id),
                           state.arrival_s if state else 0.0)
 
     def chunk_tokens(self, request: Request, num_new_tokens: int, num_computed_tokens: int) -> int:
@@ -358,7 +358,7 @@ class MarsScheduler(MarsBaseScheduler):
         return choose_ttl(
             self.tool_durations.cdf_for(tool_name), elapsed_s=0.0, num_tokens=num_tokens,
             num_blocks=num_blocks, queue_delay_s=self.queue_delay.value,
-            kv_usage=self.kv_cache_manager.usage, params=self.params.retention,
+            kv_usage=seams.blocks.kv_usage(self), params=self.params.retention,
             reuse_fraction=1.0 if reuse is None else reuse,
         )
 

@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 
 from vllm.v1.request import Request
 
+from mars_openhands.engine import seams
 from mars_openhands.engine.schedulers.base import MarsBaseScheduler
 from mars_openhands.engine.schedulers.request_state import reset_mlfq, update_mlfq_feedback
 from mars_openhands.policy.levels import (
@@ -70,7 +71,7 @@ class MarsPreviewScheduler(MarsBaseScheduler):
         if state is None or state.feedback_level != last or state.mlfq_last_scheduled_s is None:
             return None
         c = request.num_computed_tokens
-        quantum = quantum_tokens(last, lp, self.max_num_scheduled_tokens)
+        quantum = quantum_tokens(last, lp, seams.hooks.max_num_scheduled_tokens(self))
         if (quantum != lp.quanta_tokens[last] or request.num_prompt_tokens - c <= quantum
                 or self._effective_level(request, self.clock(), c) != last):
             return None

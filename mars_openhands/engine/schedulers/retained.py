@@ -227,8 +227,8 @@ class RetainedKvPool(Mapping[str, RetainedKv]):
 
         Args:
             num_referenced_once: blocks of an iterable whose ref count is 1
-                (:func:`seams.num_blocks_referenced_once`).
-            ref_count: a block's ref count (:func:`seams.block_ref_count`).
+                (:func:`seams.blocks.num_blocks_referenced_once`).
+            ref_count: a block's ref count (:func:`seams.blocks.block_ref_count`).
 
         Returns:
             A block count. O(pinned blocks); whether a block is pinned twice is kept by

@@ -96,7 +96,7 @@ class ThunderAgentScheduler(MarsBaseScheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.thunder_params: ThunderAgentParams = self.params.thunderagent
-        self.capacity_tokens = self.block_size * seams.num_gpu_blocks(self)
+        self.capacity_tokens = self.block_size * seams.blocks.num_gpu_blocks(self)
         """``block_size * num_gpu_blocks``: the KV pool in tokens (the router reads vLLM's
         ``cache_config_info``)."""
         self.active: dict[str, _Program] = {}
