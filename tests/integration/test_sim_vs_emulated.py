@@ -110,13 +110,14 @@ def simulated_schedule(coalesce_max_steps: int) -> tuple[Schedule, Any]:
     steps: list[tuple[int, list[tuple[str, int, int]]]] = []  # (k, [(rid, n, before)])
     inner_schedule = sim.engine.schedule
 
-    def recording_schedule(num_decode_tokens: int = 1, *, prefill_run: bool = False,
-                           **flags: Any) -> Any:
+    def recording_schedule(plan: Any = 1) -> Any:
         # Chunked-prefill runs fire only under a long-prefill chunk cap (vllm-tuned), not here;
-        # their k-step calls would need expanding below as the decode runs are. The other flags
-        # (hide_waiting, last_step_s, ...) pass through: this records, it does not steer.
-        assert not prefill_run, "a chunked-prefill run in an uncapped fcfs-sync run"
-        record = inner_schedule(num_decode_tokens, prefill_run=prefill_run, **flags)
+        # their k-step calls would need expanding below as the decode runs are. The plan passes
+        # through: this records, it does not steer.
+        num_decode_tokens = plan if isinstance(plan, int) else plan.num_steps
+        assert isinstance(plan, int) or not plan.is_prefill_run, \
+            "a chunked-prefill run in an uncapped fcfs-sync run"
+        record = inner_schedule(plan)
         out = record.scheduler_output
         before = {n.req_id: n.num_computed_tokens for n in out.scheduled_new_reqs}
         cached = out.scheduled_cached_reqs

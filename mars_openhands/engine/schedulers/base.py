@@ -53,6 +53,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from mars_openhands.engine import seams
 from mars_openhands.engine.queues import PolicyRequestQueue
+from mars_openhands.engine.schedulers.coalesce import MergedRun
 from mars_openhands.engine.schedulers.hooks import PolicyHooks, is_overridden
 from mars_openhands.engine.schedulers.inbox import CpuEventInbox
 from mars_openhands.engine.schedulers.request_state import (
@@ -61,7 +62,7 @@ from mars_openhands.engine.schedulers.request_state import (
     reset_mlfq,
 )
 from mars_openhands.engine.schedulers.retained import RetainedKv, RetainedKvPool
-from mars_openhands.engine.schedulers.sessions import SessionTable
+from mars_openhands.engine.schedulers.sessions import SESSION_GC_INTERVAL_S, SessionTable
 from mars_openhands.engine.schedulers.waker import EngineWaker
 from mars_openhands.engine.telemetry import EngineTelemetry, make_telemetry
 from mars_openhands.policy.admission import ema
@@ -88,10 +89,6 @@ __all__ = ["MarsBaseScheduler", "RequestState", "RetainedKv"]
 logger = logging.getLogger(__name__)
 
 _RETAINABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
-_GC_INTERVAL_S = 10.0
-_RUN_MARGIN_S = 1e-6
-"""A merged run ends this much before a timer tested as ``now - t0 >= interval`` (rounding of
-``t0 + interval`` must not let a step past it)."""
 _MIN_PREFILL_SAMPLE_TOKENS = 512
 """Steps with fewer prefill tokens say more about decode than about prefill speed."""
 
@@ -113,33 +110,6 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
     """Class default of ``params.chunk_shrinking`` (MARS: True)."""
     default_resume_when_context_fits: ClassVar[bool] = False
     """Class default of ``params.resume_when_context_fits`` (MARS, Autellix: True)."""
-    coalescible_blocked_runs: ClassVar[bool] = False
-    """Simulator speed: the policy's per-step work (its hooks: ``on_step_start``, running order,
-    ``on_scheduled``, ...) is all covered by :meth:`blocked_run_is_safe`,
-    :meth:`blocked_run_until_s` and :meth:`blocked_run_max_tokens`, so pure-decode steps while
-    requests wait for KV may be merged (``InprocEngine.max_blocked_decode_run``). Off unless a
-    subclass checked its hooks."""
-
-    coalescible_prefill_runs: ClassVar[bool] = False
-    """Simulator speed: as :attr:`coalescible_blocked_runs`, for blocked steps that also hold
-    prefill chunks (``InprocEngine.max_blocked_prefill_run``): :meth:`prefill_run_chunk_tokens`
-    gives each running prefill's chunk, the same in every step of the run, and the hooks'
-    per-step effects add up over the run (:meth:`blocked_run_max_tokens` with the step's tokens).
-    The class must not read :attr:`prefill_s_per_token` (a merged run is one sample, not ``k``).
-    Off unless a subclass checked its hooks."""
-
-    resort_keeps_order: ClassVar[bool] = False
-    """Simulator speed: the waiting key reads no clock and puts the requests vLLM prepends
-    (preempted or skipped) where vLLM put them, so the waiting queue is always in key order and
-    the periodic re-sort (``reorder_interval_s``) leaves it as it is: a merged run need not end
-    before one (:meth:`blocked_run_until_s`). Off unless a subclass checked its key."""
-
-    hit_free_chunk_cap: ClassVar[bool] = False
-    """Simulator speed: the policy's ``chunk_tokens`` (if any) caps a chunk by a value that does
-    not depend on the request's prefix hit, so (without chunk shrinking) a waiting request is
-    admitted by vLLM's own allocation of ``min(rest of the prompt, cap)`` tokens, or by a
-    whole-context fit (:meth:`head_blocked_like_stock`)."""
-
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         seams.compat.check_compat()
@@ -162,17 +132,9 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         """EMA of the seconds tool calls waited for a tool worker (``tool_start.queue_wait_s``):
         the CPU plane's congestion as the engine sees it."""
         self.overflow: deque[Request] = deque()
-        self.run_last_step_s: float | None = None
-        """Simulator (a merged blocked decode run, ``InprocEngine.schedule``): scheduler-clock
-        start of the last single step the run stands for; ``on_scheduled`` gets it as ``now_s``,
-        as that step would have. ``None`` (every real step): the step's own clock."""
-        self.run_num_steps = 1
-        """Single steps the current ``schedule()`` stands for (the simulator's merged
-        chunked-prefill run scales each prefill chunk by it); 1 outside the simulator."""
-        self.is_waiting_hidden = False
-        """Simulator: the waiting queue is hidden for a merged blocked run (its requests stay
-        blocked); the window then admits nothing from its overflow, as none was due
-        (:meth:`blocked_run_is_safe`) and the hidden queue's length would say otherwise."""
+        self._call_steps = 1
+        """Single steps the ``schedule()`` in progress stands for: its ``run``'s (a merged run,
+        :mod:`.coalesce`; each prefill chunk is scaled by it), 1 for every real step."""
         self._init_switches()
         self._rejected: dict[str, str] = {}
         self.inbox = CpuEventInbox(self.params.max_inbox_events_per_step)
@@ -272,53 +234,10 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
             self.params.telemetry.engine_step_interval_ms if engine_steps else None,
         )
 
-    # ------------------------------------------------------------------ simulator hooks
-    def blocked_run_is_safe(self) -> bool:
-        """Whether the next pure-decode steps, while every waiting request stays blocked on KV,
-        would do no per-step work of this scheduler's own beyond the timers of
-        :meth:`blocked_run_until_s` and the counters of :meth:`blocked_run_max_tokens`: the
-        class certified its hooks (:attr:`coalescible_blocked_runs`), nothing is in the inbox,
-        no request is rejected, the window admits none from its overflow, and no re-sort is due.
-        Pure."""
-        return (self.coalescible_blocked_runs and not self.inbox and not self.inbox.is_listening
-                and not self._rejected and not self._is_overflow_admission_due()
-                and not self._is_resort_due())
-
-    def prefill_run_chunk_tokens(self, request: Request) -> int | None:
-        """Tokens the running prefill ``request`` would be given in each of the next single steps
-        while its chunk cap stays what it is now (:attr:`coalescible_prefill_runs`), or None when
-        the cap may change after one step. Pure. Default: None (no merged prefill runs)."""
-        return None
-
-    def head_blocked_like_stock(self) -> bool:
-        """Whether a blocked waiting head stays blocked, as under stock vLLM, while a run evicts
-        its prefix hit from the end (``InprocEngine._first_unsafe_eviction``): the class
-        certified its chunk cap (:attr:`hit_free_chunk_cap`) and chunks are not shrunk to fit
-        (a shrunk chunk's size depends on the hit and the free blocks). A failed allocation may
-        release retained KV first; the probe step's failure left none that could help. Pure."""
-        return self.hit_free_chunk_cap and not self.chunk_shrinking
-
-    def _is_overflow_admission_due(self) -> bool:
-        """Whether the next step admits from the window's overflow queue (a slot is free). Pure.
-
-        In a blocked run nobody finishes, arrives or is admitted, so the window's count of
-        running and waiting requests stays where it is: a full window stays full."""
-        return bool(self.overflow) and (self.window_size is None
-                                        or len(self.running) + len(self.waiting) < self.window_size)
-
-    def _is_resort_due(self) -> bool:
-        """Whether the next step re-sorts the waiting queue because it changed (see _reorder)."""
-        return self._has_waiting_key and len(self.waiting) > 1 and self.waiting.is_dirty
-
-    def blocked_run_until_s(self, now_s: float) -> float:
-        """Scheduler-clock seconds by which a merged run must have ended: the next retained-KV
-        expiry, the next session GC, and (with a waiting order over several requests) the next
-        periodic re-sort (unless :attr:`resort_keeps_order`), each of which :meth:`schedule` does
-        at the first step past it. Pure."""
-        t = min(self.retained.next_expiry_s, self._last_gc_s + _GC_INTERVAL_S - _RUN_MARGIN_S)
-        if self._has_waiting_key and len(self.waiting) > 1 and not self.resort_keeps_order:
-            t = min(t, self._last_waiting_sort_s + self.params.reorder_interval_s - _RUN_MARGIN_S)
-        return t
+    def set_clock(self, clock: Callable[[], float]) -> None:
+        """Read time from ``clock`` (seconds; the simulator's virtual clock) instead of
+        ``time.monotonic``. Mutates; call before the first request."""
+        self.clock = clock
 
     # ------------------------------------------------------------------ vLLM entry points
     def add_request(self, request: Request, **kwargs: Any) -> None:
@@ -396,8 +315,13 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         session.last_activity_s = now
         session.active_request_ids.add(request_id)
 
-    def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        """vLLM: one scheduling step (see the module docstring for the order of work)."""
+    def schedule(self, *args: Any, run: MergedRun | None = None, **kwargs: Any) -> Any:
+        """vLLM: one scheduling step (see the module docstring for the order of work).
+
+        ``run`` (the simulator only, :mod:`.coalesce`): the call stands for the run's steps, with
+        the waiting queue hidden: the window admits nothing from its overflow (none was due, and
+        the hidden queue's length would say otherwise), each prefill chunk is scaled by the
+        run's steps, and per-step clocks get its last step's start."""
         now = self.clock()
         self._drain_inbox(now)
         if self.retained.is_expiry_due(now):
@@ -406,22 +330,25 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
             self._reject_invalid()
         if self._has_on_step_start:
             self.on_step_start(now)
-        if self.overflow and not self.is_waiting_hidden:
+        if self.overflow and run is None:
             self._admit_overflow()
         self._reorder(now)
         was_running = {r.request_id for r in self.running} if self._has_on_scheduled else None
         self._step_prefills.clear()
+        if run is not None:
+            self._call_steps = run.num_steps
         try:
             out = super().schedule(*args, **kwargs)
         finally:
+            self._call_steps = 1
             if self._saved_priorities:
                 seams.hooks.restore_priorities(self._saved_priorities)
                 self._saved_priorities = []
-        self._after_schedule(out, now, was_running)
+        self._after_schedule(out, now, now if run is None else run.last_step_s, was_running)
         self.prefill_s_per_token.step_scheduled(now, self._step_prefill_tokens(out))
         if self.telemetry.enabled and (self.telemetry.should_emit_step() or self._is_idle_snapshot_due()):
             self._emit_engine_step()
-        if now - self._last_gc_s > _GC_INTERVAL_S:
+        if now - self._last_gc_s > SESSION_GC_INTERVAL_S:
             self._gc_sessions(now)
         return out
 
@@ -608,7 +535,7 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
                 and not self._can_resume(request)):
             return 0  # vLLM admits nothing more this step; the request stays first in line
         self._step_prefills.append(request.request_id)
-        n = self.chunk_tokens(request, num_new_tokens, start) * self.run_num_steps
+        n = self.chunk_tokens(request, num_new_tokens, start) * self._call_steps
         if self.chunk_shrinking:
             n = self._shrink_to_fit(request, n, start, waiting=waiting)
         n = max(1, min(n, num_new_tokens))
@@ -681,7 +608,8 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         partial_blocks = len(self.running) + min(len(self.waiting), seams.hooks.max_num_running_reqs(self))
         return seams.blocks.num_free_blocks(self) < budget_blocks + partial_blocks
 
-    def _after_schedule(self, out: Any, now: float, was_running: set[str] | None) -> None:
+    def _after_schedule(self, out: Any, now: float, stamp_s: float,
+                        was_running: set[str] | None) -> None:
         scheduled = out.num_scheduled_tokens
         new_ids = [d.req_id for d in out.scheduled_new_reqs]
         for rid in new_ids:
@@ -696,11 +624,10 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
                 self._measure_reuse(self.retained[sid], rid)
                 self.release_retained(sid, "resumed", now)  # the hit already took its references
         if self._has_on_scheduled and was_running is not None:
-            stamp = now if self.run_last_step_s is None else self.run_last_step_s
             for rid, n in scheduled.items():
                 request = self.requests.get(rid)
                 if request is not None:
-                    self.on_scheduled(request, n, rid in was_running, stamp)
+                    self.on_scheduled(request, n, rid in was_running, stamp_s)
         if self._step_prefills:
             self._after_prefills(scheduled, set(new_ids), out, now)
 

@@ -37,6 +37,11 @@ from typing import Any
 from vllm.v1.request import Request, RequestStatus
 
 from mars_openhands.engine.schedulers.base import MarsBaseScheduler, RetainedKv
+from mars_openhands.engine.schedulers.coalesce import (
+    CertifiedRuns,
+    HeadRule,
+    head_rule_without_hit_cap,
+)
 from mars_openhands.policy.continuum import (
     ContinuumParams,
     MemoryfulnessEstimator,
@@ -76,15 +81,12 @@ class _Call:
     """Its arrival: the program arrival of a request without a session (a one-call program)."""
 
 
-class ContinuumScheduler(MarsBaseScheduler):
-    """Continuum / Continuum-dy: program-level FCFS with TTL-pinned KV between turns."""
+class ContinuumScheduler(CertifiedRuns, MarsBaseScheduler):
+    """Continuum / Continuum-dy: program-level FCFS with TTL-pinned KV between turns.
 
-    coalescible_blocked_runs = True
-    """Per-step work beyond the base timers: ``on_scheduled`` acts only on a request scheduled
-    again after an eviction (never inside a run of decodes), and the victim ranks are rewritten
-    before any step that could preempt."""
-    hit_free_chunk_cap = True
-    """No chunk hook: vLLM's own chunking."""
+    Merged runs (:class:`CertifiedRuns`): per-step work beyond the base timers: ``on_scheduled``
+    acts only on a request scheduled again after an eviction (never inside a run of decodes),
+    and the victim ranks are rewritten before any step that could preempt."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -94,6 +96,10 @@ class ContinuumScheduler(MarsBaseScheduler):
         self._live: dict[str, _Call] = {}
         """Request -> its session, known last step and arrival, while it is in the engine."""
         self._evicted_at_s: dict[str, float] = {}
+
+    def head_rule(self) -> HeadRule:
+        """No chunk hook: vLLM's own chunking (:func:`head_rule_without_hit_cap`). Pure."""
+        return head_rule_without_hit_cap(self.chunk_shrinking)
 
     # ------------------------------------------------------------------ request lifecycle
     def add_request(self, request: Request, **kwargs: Any) -> None:

@@ -28,7 +28,6 @@ hook                                   default (stock vLLM behaviour)
                                        that moves requests in or out of ``waiting``)
 ``on_requests_finished(ids)``          no-op; finished or aborted requests, after vLLM applied
                                        them (per-call bookkeeping: Autellix, Continuum)
-``blocked_run_max_tokens(limit, ...)`` limit (simulator: steps a merged run may take)
 =====================================  ==========================================================
 
 Contracts: key hooks return any totally ordered value and must not mutate; the ``on_*`` hooks
@@ -132,10 +131,3 @@ class PolicyHooks:
         bookkeeping into their programs here (Autellix, Continuum).
         """
 
-
-    def blocked_run_max_tokens(self, limit: int, step_tokens: int | None = None) -> int:
-        """Most steps (<= ``limit``; a decode token each) a merged run may take before a per-step
-        counter of the policy would change a decision (default: none). ``step_tokens``: tokens
-        each step schedules in all (a merged chunked-prefill run; default: one per running
-        request). Pure."""
-        return limit

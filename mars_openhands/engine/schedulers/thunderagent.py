@@ -46,6 +46,7 @@ from vllm.v1.request import Request
 
 from mars_openhands.engine import seams
 from mars_openhands.engine.schedulers.base import MarsBaseScheduler
+from mars_openhands.engine.schedulers.coalesce import CertifiedRuns
 from mars_openhands.policy.retention import RetentionDecision, reload_time_s
 from mars_openhands.policy.session import SessionState
 from mars_openhands.policy.thunderagent import (
@@ -90,7 +91,7 @@ class _Program:
         return self.request.num_tokens if self.request is not None else self.num_tokens
 
 
-class ThunderAgentScheduler(MarsBaseScheduler):
+class ThunderAgentScheduler(CertifiedRuns, MarsBaseScheduler):
     """ThunderAgent: program-level KV admission, tool-boundary pause, smallest-first resume."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -195,17 +196,15 @@ class ThunderAgentScheduler(MarsBaseScheduler):
                 self._unmark(program)
                 self._pause(program, now)
 
-    # ------------------------------------------------------------------ simulator hooks
-    coalescible_blocked_runs = True
-    """``on_step_start`` acts only at its two timers (see :meth:`blocked_run_until_s`)."""
+    # ------------------------------------------------------------------ merged runs
+    def can_merge_run(self) -> bool:
+        """Base conditions, once the periodic check's clock has started (``on_step_start`` acts
+        only at its two timers: :meth:`run_until_s`). Pure."""
+        return super().can_merge_run() and self._next_check_s is not None
 
-    def blocked_run_is_safe(self) -> bool:
-        """Base conditions, once the periodic check's clock has started. Pure."""
-        return super().blocked_run_is_safe() and self._next_check_s is not None
-
-    def blocked_run_until_s(self, now_s: float) -> float:
+    def run_until_s(self, now_s: float) -> float:
         """Base timers, the next periodic check and the oldest held request's forced admission."""
-        t = super().blocked_run_until_s(now_s)
+        t = super().run_until_s(now_s)
         if self._next_check_s is not None:
             t = min(t, self._next_check_s)
         if self.held:

@@ -485,7 +485,7 @@ def scaled_step_budget(sched: Scheduler, factor: int, budget_tokens: int) -> Ite
     ``factor`` times its value. Mutates ``sched`` and its ``scheduler_config``; restored on exit,
     even on error.
 
-    The simulator's merged chunked-prefill run (``InprocEngine.max_prefill_run``): one
+    The simulator's merged chunked-prefill run (``InprocEngine.plan_run``, kind ``prefill``): one
     ``schedule()`` that gives each capped prefill ``factor`` chunks and each decode ``factor``
     tokens (drafts), as ``factor`` single steps would; ``budget_tokens`` is exactly their sum
     (vLLM lifts the cap when one request is eligible, e.g. with the waiting queue hidden: the

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -17,6 +19,7 @@ from mars_openhands.engine.harness.inproc_engine import (  # noqa: E402
     SessionTokenStream,
     resolve_scheduler_cls,
 )
+from mars_openhands.engine.schedulers.coalesce import HeadRule  # noqa: E402
 from mars_openhands.engine.seams import fast_paths  # noqa: E402
 
 BS = 16
@@ -34,6 +37,13 @@ def _add_turn(engine: InprocEngine, stream: SessionTokenStream, rid: str, append
     stream.append(output)
     engine.add_request(rid, stream, prompt, output, arrival_time_s=t_s)
     return prompt
+
+
+class _UnitTimer:
+    """One millisecond per step, whatever its shape."""
+
+    def step_time_s(self, prefill: object = (), decode_context_tokens: object = ()) -> float:
+        return 0.001
 
 
 def _drain(engine: InprocEngine, coalesce: int = 1) -> list:
@@ -193,19 +203,19 @@ def test_blocked_run_may_evict_the_waiting_heads_hit_from_its_end_only(policy: s
         return cache.get_one_block(fast_paths.pool_block_hash_key(head.block_hashes[i]))
 
     other = next(b for b in fast_paths.next_evicted_blocks(engine.scheduler, 512) if b.block_hash is None)
-    assert engine._is_head_rule_stock() == like_stock
+    assert (engine.head.rule() is HeadRule.STOCK) == like_stock
     if not like_stock:
         # The run's one-walk check: the first of the queue's blocks holding a key of the head's.
         queue = fast_paths.next_evicted_blocks(engine.scheduler, 10 ** 6)
-        first = next(i for i, b in enumerate(queue) if b.block_hash in engine._pool_hash_keys(head))
-        keys = engine._pool_hash_keys(head)
+        first = next(i for i, b in enumerate(queue) if b.block_hash in engine.head.pool_hash_keys(head))
+        keys = engine.head.pool_hash_keys(head)
         assert fast_paths.first_free_block_holding(engine.scheduler, len(queue), keys) == first
         assert fast_paths.first_free_block_holding(engine.scheduler, first, keys) is None  # stops short
         assert fast_paths.first_free_block_holding(engine.scheduler, first + 1, keys) == first
         return
-    assert engine._first_unsafe_eviction(head, [block(hit - 1), other, block(hit - 2)]) is None
-    assert engine._first_unsafe_eviction(head, [other, block(hit - 2)]) == 1
-    assert engine._first_unsafe_eviction(head, [block(hit - 1), block(0)]) == 1
+    assert engine.head.first_unsafe_eviction(head, [block(hit - 1), other, block(hit - 2)]) is None
+    assert engine.head.first_unsafe_eviction(head, [other, block(hit - 2)]) == 1
+    assert engine.head.first_unsafe_eviction(head, [block(hit - 1), block(0)]) == 1
 
 
 def _preview_head_blocked_by_its_chunk() -> InprocEngine:
@@ -240,9 +250,9 @@ def test_blocked_run_ends_before_the_step_that_admits_the_head(full_sequence_gat
         s.scheduler_reserve_full_isl = False
         engine.step()  # a new probe under the chunk's check
     head = s.waiting.peek_request()
-    assert head.request_id == "a#1" and engine._is_waiting_blocked
+    assert head.request_id == "a#1" and engine.probe is not None
     assert seams.blocks.prefix_hit_tokens(s, head) == 3 * BS and seams.blocks.num_free_blocks(s) == 20
-    k = engine.max_blocked_decode_run(1000)
+    k = engine.plan_run(1000, 0.0, math.inf, _UnitTimer()).num_steps
     admitted_at = None
     for i in range(1, 200):  # single steps: when is a#1 first scheduled?
         if "a#1" in engine.step().num_scheduled_tokens:
@@ -271,16 +281,16 @@ def test_waiting_heads_pool_keys_extend_per_session_and_rebuild_when_the_prefix_
 
     engine = _engine()
     first = request("s#0", hashes("a", 5))
-    keys = engine._pool_hash_keys(first)
+    keys = engine.head.pool_hash_keys(first)
     assert keys == fast_paths.pool_block_hash_keys(first) and len(keys) == 5
     second = request("s#1", hashes("a", 9))  # the same 5 first hashes, 4 more
-    assert engine._pool_hash_keys(second) is keys  # extended in place
+    assert engine.head.pool_hash_keys(second) is keys  # extended in place
     assert keys == fast_paths.pool_block_hash_keys(second) and len(keys) == 9
     shorter = request("s#2", hashes("a", 3))
-    assert engine._pool_hash_keys(shorter) == fast_paths.pool_block_hash_keys(shorter)  # no key past 3
+    assert engine.head.pool_hash_keys(shorter) == fast_paths.pool_block_hash_keys(shorter)  # no key past 3
     other = request("s#3", hashes("b", 3) + hashes("a", 9)[3:])  # same length as a prefix, other hashes
-    assert engine._pool_hash_keys(other) == fast_paths.pool_block_hash_keys(other)
-    assert engine._pool_hash_keys(request("t#0", hashes("c", 2), session="t")) == \
+    assert engine.head.pool_hash_keys(other) == fast_paths.pool_block_hash_keys(other)
+    assert engine.head.pool_hash_keys(request("t#0", hashes("c", 2), session="t")) == \
         fast_paths.pool_block_hash_keys(request("t#0", hashes("c", 2), session="t"))
     assert fast_paths.pool_block_hash_keys(second, start=5) == {k: i for k, i in keys.items() if i >= 5}
 
