@@ -99,12 +99,8 @@ class AutellixScheduler(CertifiedRuns, MarsBaseScheduler):
         return _NO_PROGRAM if program is None else program
 
     # ------------------------------------------------------------------ request lifecycle
-    def add_request(self, request: Request, **kwargs: Any) -> None:
-        """vLLM: a new call arrives at the level of its program's attained service."""
-        is_new = request.request_id not in self.requests
-        super().add_request(request, **kwargs)
-        if not is_new:
-            return
+    def on_request_added(self, request: Request) -> None:
+        """Base hook: a new call arrives at the level of its program's attained service."""
         state = self.req_state.get(request.request_id)
         program_id = request.session_id or request.request_id
         program = self._program(program_id)

@@ -281,6 +281,7 @@ class MarsBaseScheduler(KvRetention, CpuEvents, SessionTracking, StepTelemetry, 
                 request.request_id, sid, meta.turn, request.num_prompt_tokens,
                 -(-request.num_tokens // self.block_size),
             )
+        self.on_request_added(request)
 
     def _cached_at_arrival(self, request: Request) -> int:
         return 0

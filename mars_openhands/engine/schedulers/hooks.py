@@ -17,7 +17,11 @@ hook                                   default (stock vLLM behaviour)
 ``retention_decision(request, s, t)``  None (no retention)
 ``refine_retention(entry, s, tool, t)``None (keep the provisional decision)
 ``can_release_expired(entry, t)``      True
-``can_reclaim_for(entry, request, t)`` True (reclaim lowest value/block first on alloc failure)
+``can_reclaim_for(entry, request, t)`` True (every other session's entry may be reclaimed)
+``reclaim_key(entry, request, t)``     (value per block, newest first): on a failed allocation the
+                                       allowed entry with the smallest key is reclaimed first
+``on_request_added(request)``          no-op; a new request, after the base took it in (its state,
+                                       session, the window's overflow; a rejected one too)
 ``on_prefill_scheduled(request, n, was_running, now_s)``  no-op; after schedule, per scheduled
                                        prefill chunk (cheap: O(prefills) per step)
 ``on_scheduled(request, n, was_running, now_s)``  no-op; per scheduled request, O(running) per
@@ -37,6 +41,8 @@ may mutate the policy's own state; none may raise on a valid request.
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+
+from mars_openhands.policy.retention import reclaim_order_key
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -103,6 +109,20 @@ class PolicyHooks:
         """Whether ``entry`` may be reclaimed because ``request``'s allocation failed.
         Default: yes (never the requesting session's own entry; the base filters that)."""
         return True
+
+    def reclaim_key(self, entry: RetainedKv, request: Request, now_s: float) -> Any:
+        """Reclaim order of the retained entries of other sessions when ``request``'s allocation
+        fails: the smallest key among those :meth:`can_reclaim_for` allows goes first (ties: the
+        pool's order). Default: lowest value per block
+        (:func:`~mars_openhands.policy.retention.reclaim_order_key`), then the most recently
+        retained. Pure."""
+        return (reclaim_order_key(entry.value_s, entry.num_blocks), -entry.retained_s)
+
+    def on_request_added(self, request: Request) -> None:
+        """A new request, after the base took it in: its ``req_state``, its session, the window
+        (it may sit in the overflow queue), telemetry; a request with invalid extras too (it is
+        finished at the next step). Not called for a streaming-input continuation (same id).
+        Default: no-op."""
 
     def on_scheduled(
         self, request: Request, num_tokens: int, was_running: bool, now_s: float

@@ -12,7 +12,8 @@ Where retention is decided: a turn finishes -> ``MarsBaseScheduler._free_blocks`
 :meth:`KvRetention._maybe_retain` -> the policy's ``retention_decision`` (a TTL and a value);
 the next step past the TTL -> :meth:`KvRetention._expire_retained`; an allocation fails ->
 vLLM's ``allocate_slots`` wrapper (``seams.blocks.wrap_allocate_slots``) ->
-:meth:`KvRetention._reclaim_for` -> the lowest-value entry of another session.
+:meth:`KvRetention._reclaim_for` -> the entry of another session first in the policy's order
+(``reclaim_key``; by default the lowest value per block) among those ``can_reclaim_for`` allows.
 """
 
 from __future__ import annotations
@@ -144,8 +145,8 @@ class KvRetention:
         return self.retained.reclaimable_blocks(own.session_id if own else None)
 
     def _reclaim_for(self, request: Request) -> bool:
-        """Allocation for ``request`` failed: release the lowest-value retained entry of another
-        session. Returns True if something was released (vLLM then retries the allocation).
+        """Allocation for ``request`` failed: release the retained entry of another session that
+        comes first in the policy's reclaim order (``reclaim_key``; default lowest value first). Returns True if something was released (vLLM then retries the allocation).
 
         Progress guarantee: with nothing running, every other session's entry is reclaimable
         whatever ``can_reclaim_for`` says (otherwise waiting turns whose sessions all hold
@@ -157,7 +158,8 @@ class KvRetention:
         is_stuck = not self.running
         victim = self.retained.reclaim_victim(
             own.session_id if own else None,
-            lambda e: is_stuck or self.can_reclaim_for(e, request, now))
+            lambda e: is_stuck or self.can_reclaim_for(e, request, now),
+            lambda e: self.reclaim_key(e, request, now))
         if victim is None:
             return False
         self.reclaim(victim.session_id)

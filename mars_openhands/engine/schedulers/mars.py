@@ -71,14 +71,12 @@ class MarsScheduler(MarsBaseScheduler):
     def _residency_on(self) -> bool:
         return self.params.residency.enabled
 
-    def add_request(self, request: Request, **kwargs: Any) -> None:
-        """vLLM: a new request; a non-resident session's request is held (see residency). A
-        streaming-input chunk of a known request (same id) is vLLM's alone: it queues the chunk
-        on the live request, wherever that is."""
-        is_new = request.request_id not in self.requests
-        super().add_request(request, **kwargs)
+    def on_request_added(self, request: Request) -> None:
+        """Base hook: a non-resident session's new request is held (see residency). (A
+        streaming-input chunk of a known request, same id, is vLLM's alone: the base calls no
+        hook for it.)"""
         sid = request.session_id
-        if (not is_new or not self._residency_on or sid is None or sid in self.resident
+        if (not self._residency_on or sid is None or sid in self.resident
                 or request.request_id in self._rejected or request.is_finished()):
             return
         if self._is_one_turn_job(request, sid):

@@ -45,7 +45,7 @@ from typing import Any
 from vllm.v1.request import Request
 
 from mars_openhands.engine import seams
-from mars_openhands.engine.schedulers.base import MarsBaseScheduler
+from mars_openhands.engine.schedulers.base import MarsBaseScheduler, RetainedKv
 from mars_openhands.engine.schedulers.coalesce import CertifiedRuns
 from mars_openhands.policy.retention import RetentionDecision, reload_time_s
 from mars_openhands.policy.session import SessionState
@@ -114,12 +114,11 @@ class ThunderAgentScheduler(CertifiedRuns, MarsBaseScheduler):
         self.num_forced = 0
 
     # ------------------------------------------------------------------ requests in and out
-    def add_request(self, request: Request, **kwargs: Any) -> None:
-        """vLLM: a new request; admitted into vLLM's queue or held while its program is paused."""
+    def on_request_added(self, request: Request) -> None:
+        """Base hook: a new request is admitted into vLLM's queue or held while its program is
+        paused (one with invalid extras is left to the base, which finishes it)."""
         rid = request.request_id
-        is_new = rid not in self.requests
-        super().add_request(request, **kwargs)
-        if not is_new or rid in self._rejected:
+        if rid in self._rejected:
             return
         now = self.clock()
         state = self.req_state.get(rid)
@@ -344,19 +343,10 @@ class ThunderAgentScheduler(CertifiedRuns, MarsBaseScheduler):
         value_s = max(reload_time_s(request.num_tokens, self.params.retention), 1e-9)
         return RetentionDecision(self.params.session_idle_timeout_s, value_s, "thunderagent:acting")
 
-    def _reclaim_for(self, request: Request) -> bool:
-        """Allocation failed: unpin the smallest other program's KV (ThunderAgent's pause order).
-
-        Returns:
-            True if a pin was released (vLLM retries the allocation), else False (vLLM preempts).
-        """
-        own = request.session_id
-        others = [e for sid, e in self.retained.items() if sid != own]
-        if not others:
-            return False
-        victim = min(others, key=lambda e: (e.num_blocks, -e.retained_s))
-        self.reclaim(victim.session_id)
-        return True
+    def reclaim_key(self, entry: RetainedKv, request: Request, now_s: float) -> Any:
+        """Allocation failed: the smallest other program's KV is unpinned first, the most
+        recently pinned among equals (ThunderAgent's pause order). Pure."""
+        return (entry.num_blocks, -entry.retained_s)
 
     def on_stream_event(self, event: Any, now_s: float | None = None) -> None:
         """Base event handling, plus: ``tool_start`` starts an ACTING program's decay clock,
