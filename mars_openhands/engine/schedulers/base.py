@@ -262,7 +262,7 @@ class MarsBaseScheduler(KvRetention, CpuEvents, SessionTracking, StepTelemetry, 
             self._observe_reuse(self.sessions[sid], request)
         self.req_state[request.request_id] = RequestState(
             sid, meta, now, user_priority=request.priority,
-            cached_at_arrival_tokens=self._cached_at_arrival(request),
+            cached_at_arrival_tokens=self.cached_tokens_at_arrival(request),
             session_context_tokens=min(request.num_prompt_tokens, self.sessions[sid].last_context_tokens)
             if sid is not None and sid in self.sessions else 0,
         )
@@ -282,9 +282,6 @@ class MarsBaseScheduler(KvRetention, CpuEvents, SessionTracking, StepTelemetry, 
                 -(-request.num_tokens // self.block_size),
             )
         self.on_request_added(request)
-
-    def _cached_at_arrival(self, request: Request) -> int:
-        return 0
 
     def schedule(self, *args: Any, run: MergedRun | None = None, **kwargs: Any) -> Any:
         """vLLM: one scheduling step (see the module docstring for the order of work).
@@ -392,6 +389,7 @@ class MarsBaseScheduler(KvRetention, CpuEvents, SessionTracking, StepTelemetry, 
     # ------------------------------------------------------------------ seams
     def _free_blocks(self, request: Request, **kwargs: Any) -> None:
         """vLLM seam: a finished request's blocks are about to be freed; maybe pin them first."""
+        self.on_request_finishing(request)
         now = self.clock()
         rid = request.request_id
         state = self.req_state.pop(rid, None)

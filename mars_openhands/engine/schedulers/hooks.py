@@ -22,6 +22,10 @@ hook                                   default (stock vLLM behaviour)
                                        allowed entry with the smallest key is reclaimed first
 ``on_request_added(request)``          no-op; a new request, after the base took it in (its state,
                                        session, the window's overflow; a rejected one too)
+``cached_tokens_at_arrival(request)``  0; the prefix hit a new request finds at arrival (its
+                                       ``RequestState.cached_at_arrival_tokens``)
+``on_request_finishing(request)``      no-op; every finishing request, before the base's
+                                       bookkeeping and retention and before vLLM frees its blocks
 ``on_prefill_scheduled(request, n, was_running, now_s)``  no-op; after schedule, per scheduled
                                        prefill chunk (cheap: O(prefills) per step)
 ``on_scheduled(request, n, was_running, now_s)``  no-op; per scheduled request, O(running) per
@@ -117,6 +121,15 @@ class PolicyHooks:
         (:func:`~mars_openhands.policy.retention.reclaim_order_key`), then the most recently
         retained. Pure."""
         return (reclaim_order_key(entry.value_s, entry.num_blocks), -entry.retained_s)
+
+    def cached_tokens_at_arrival(self, request: Request) -> int:
+        """Prefix-cache hit tokens of a new request at its arrival, recorded in its
+        ``RequestState`` (MARS ranks by the uncached work). Default: 0 (not measured). Pure."""
+        return 0
+
+    def on_request_finishing(self, request: Request) -> None:
+        """A request finishes (any status: ``request.status`` says how), before the base's
+        bookkeeping, its retention decision and vLLM's freeing of its blocks. Default: no-op."""
 
     def on_request_added(self, request: Request) -> None:
         """A new request, after the base took it in: its ``req_state``, its session, the window

@@ -36,7 +36,12 @@ from mars_openhands.engine.schedulers.base import MarsBaseScheduler, RetainedKv
 from mars_openhands.engine.schedulers.request_state import update_mlfq_feedback
 from mars_openhands.policy.estimators import EmpiricalCdf
 from mars_openhands.policy.levels import DECODE_VICTIM_LEVEL, mars_level
-from mars_openhands.policy.residency import SessionDemand, plan_residency
+from mars_openhands.policy.residency import (
+    SessionDemand,
+    displace_value_s,
+    output_reserve_tokens,
+    plan_residency,
+)
 from mars_openhands.policy.retention import (
     RetentionDecision,
     choose_ttl,
@@ -95,31 +100,22 @@ class MarsScheduler(MarsBaseScheduler):
         return (state is not None and bool(state.meta.is_last_step) and not state.meta.is_side
                 and session is not None and session.num_turns_finished == 0 and sid not in self.held)
 
-    def _free_blocks(self, request: Request, **kwargs: Any) -> None:
-        """vLLM seam (see the base): also records a finished turn's output length."""
+    def on_request_finishing(self, request: Request) -> None:
+        """Base hook: a finished turn's output length feeds the output-length estimate (before
+        the base's retention decision reads it)."""
         if request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED):
             self.output_tokens.observe(float(request.num_output_tokens))
-        super()._free_blocks(request, **kwargs)
 
     def _blocks(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
     def _output_reserve_tokens(self, request: Request) -> int:
-        """Decode growth to reserve for ``request``, tokens: the expected remaining output given
-        what it has generated and the output lengths of the engine's finished turns; before any
-        (the rest of the prior ``residency.output_reserve_tokens``), or once it has outlived
-        every length seen, as many again as it has generated (the tools' rule, policy.estimators:
-        a request that outlived the prior used to reserve 0, so the plan activated held sessions
-        into room its growth was about to take, and each preemption made room for a re-prefill
-        with a cold cache); never more than its ``max_tokens`` allow."""
+        """Decode growth to reserve for ``request``, tokens
+        (:func:`~mars_openhands.policy.residency.output_reserve_tokens`, from the output lengths
+        of the engine's finished turns)."""
         num_generated = request.num_output_tokens
-        remaining = self.output_tokens.mean_remaining_s(num_generated)
-        if remaining is None:
-            remaining = max(self.params.residency.output_reserve_tokens - num_generated, num_generated)
-        max_tokens = request.max_tokens
-        if max_tokens is not None:
-            remaining = min(remaining, max(0, max_tokens - num_generated))
-        return int(remaining)
+        return output_reserve_tokens(num_generated, self.output_tokens.mean_remaining_s(num_generated),
+                                     self.params.residency.output_reserve_tokens, request.max_tokens)
 
     def _demand(self, sid: str, session: SessionState | None) -> tuple[int, bool]:
         """(demand blocks, is_busy) of one session. O(its requests)."""
@@ -187,38 +183,15 @@ class MarsScheduler(MarsBaseScheduler):
 
     def _displace_value_s(self, session: SessionState | None, demand_blocks: int, num_busy: int,
                           now_s: float) -> float:
-        """Seconds a waiting session gains from an idle resident's blocks minus what it costs.
-
-        gain = expected time until its next turn: the tool's expected remaining duration (its
-        duration CDF given the time it has already run, policy.estimators; a tool past every
-        sample, or with none, is expected to run as long again, so a session that silently went
-        away is displaced soon), plus, while the call still waits for a tool worker, the rest
-        of the CPU plane's mean queue wait (tool_enqueued/tool_start events); cost = re-prefilling
-        the resident's KV at the measured prefill rate, paid by it and by every busy session its
-        prefill delays. A tool that has ended gains nothing for ``retention.imminent_grace_s``
-        (the next turn is imminent); after that its next turn is expected as late again."""
-        if session is None or session.last_finish_s is None:
-            return 0.0
-        queue_s = 0.0
-        if session.tool_ended:
-            elapsed = now_s - session.last_activity_s  # since the tool_end (or a later event)
-            if elapsed < self.params.retention.imminent_grace_s:
-                return 0.0
-        elif session.tool_started_s is not None:
-            elapsed = now_s - session.tool_started_s
-        elif session.tool_enqueued_s is not None:  # waiting for a tool worker (CPU congestion)
-            elapsed = 0.0
-            queue_s = max(0.0, self.tool_queue_wait.value - (now_s - session.tool_enqueued_s))
-        else:
-            elapsed = now_s - session.last_finish_s
-        elapsed = max(0.0, elapsed)
-        remaining = None if session.tool_ended else (
-            self.tool_durations.cdf_for(session.pending_tool).mean_remaining_s(elapsed))
-        if remaining is None:
-            remaining = elapsed  # longer than any tool seen: expect it to last as long again
-        remaining += queue_s
-        reload_s = demand_blocks * self.block_size * self.prefill_s_per_token.value
-        return remaining - reload_s * (1 + num_busy)
+        """Seconds a waiting session gains from an idle resident's blocks minus what it costs
+        (:func:`~mars_openhands.policy.residency.displace_value_s`, with this engine's tool
+        durations, tool queue wait and measured prefill rate)."""
+        return displace_value_s(
+            session, demand_blocks, num_busy, now_s,
+            imminent_grace_s=self.params.retention.imminent_grace_s,
+            tool_queue_wait_s=self.tool_queue_wait.value,
+            tool_mean_remaining_s=lambda tool, elapsed: self.tool_durations.cdf_for(tool).mean_remaining_s(elapsed),
+            block_size=self.block_size, prefill_s_per_token=self.prefill_s_per_token.value)
 
     def _suspend(self, sid: str, now_s: float) -> None:
         if sid in self.resident:
@@ -261,7 +234,8 @@ class MarsScheduler(MarsBaseScheduler):
             self.resident.discard(event.session_id)
 
     # ------------------------------------------------------------------ levels
-    def _cached_at_arrival(self, request: Request) -> int:
+    def cached_tokens_at_arrival(self, request: Request) -> int:
+        """Base hook: the request's prefix hit now (its level counts the uncached work)."""
         return seams.blocks.prefix_hit_tokens(self, request)
 
     def level(self, request: Request, now_s: float, num_computed_tokens: int | None = None) -> int:

@@ -95,11 +95,14 @@ def test_can_reclaim_for_still_filters_before_the_order() -> None:
 
 
 def test_no_policy_class_overrides_the_base_machinery() -> None:
-    """The hooks replaced the overrides: no class redefines ``add_request`` or ``_reclaim_for``."""
+    """The hooks replaced the overrides: no class redefines ``add_request``, ``_reclaim_for``,
+    ``_free_blocks`` or ``_cached_at_arrival``."""
     from mars_openhands.engine.schedulers.autellix import AutellixScheduler
     from mars_openhands.engine.schedulers.mars import MarsScheduler
 
     for cls in (AutellixScheduler, ContinuumScheduler, ThunderAgentScheduler, MarsScheduler):
-        assert "add_request" not in vars(cls) and "_reclaim_for" not in vars(cls), cls.__name__
+        overrides = {"add_request", "_reclaim_for", "_free_blocks", "_cached_at_arrival"} & set(vars(cls))
+        assert not overrides, f"{cls.__name__} overrides {overrides}"
         assert "on_request_added" in vars(cls), cls.__name__
+    assert {"on_request_finishing", "cached_tokens_at_arrival"} <= set(vars(MarsScheduler))
     assert MarsBaseScheduler.on_request_added is PolicyHooks.on_request_added
