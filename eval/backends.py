@@ -685,5 +685,9 @@ def _wait_for_finished(result: Any, gateway_events: list[ev.Event], timeout_s: f
             break
         time.sleep(0.05)
     if missing:
+        example = sorted(missing)[:3]
+        engine_turns = {sid: sorted(t for s, t in seen if s == sid and t is not None)
+                        for sid, _ in example}
         raise RuntimeError(f"{len(missing)} completed sessions have no engine 'finished' event for their "
-                           f"last turn (e.g. {sorted(missing)[:3]}): engine telemetry was lost")
+                           f"last turn (e.g. {example}; the engine finished turns {engine_turns}): "
+                           "engine telemetry was lost")
