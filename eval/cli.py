@@ -126,6 +126,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown and not getattr(args, "accepts_any_args", False):
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.argv = list(sys.argv[2:] if argv is None else argv[1:])  # the subcommand's own arguments,
+    # as typed (compare records its command line in run.json)
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2 if args.command is None else 1

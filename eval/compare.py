@@ -46,6 +46,7 @@ import functools
 import logging
 import os
 import re
+import shlex
 import sys
 import time
 from collections.abc import Mapping
@@ -85,6 +86,7 @@ from eval.compare_setup import (
 )
 from eval.policies import ABLATIONS, DEFAULT_POLICIES, QUICK_POLICIES, REFERENCE, parse_policies
 from eval.pool import default_jobs, start_worker_server
+from eval.provenance import source_commit, utc_date
 from eval.runs import plan
 from eval.sweep import CompareInterrupted, run_sweep
 from eval.sweep_options import CompareOptions
@@ -353,7 +355,9 @@ def _load_and_run(args: argparse.Namespace, spec: Any, options: CompareOptions, 
         return _error(str(e))
     jobs = args.jobs or default_jobs()
     meta: dict[str, Any] = {
-        "scope": scope, "backend": spec.label, "workload": args.workload or args.traces,
+        "scope": scope, "commit": source_commit(), "date": utc_date(),
+        "command": "mars-openhands compare " + shlex.join(getattr(args, "argv", None) or []),
+        "backend": spec.label, "workload": args.workload or args.traces,
         "trim": f"sessions={args.sessions} max_turns={args.max_turns} max_context_tokens={args.max_context_tokens} "
                 f"kv_scale={args.kv_blocks and 'kv_blocks=' + str(args.kv_blocks) or args.kv_scale} "
                 f"tool_time_factor={args.tool_time_factor}"}

@@ -14,6 +14,7 @@ baseline runs, whichever is better for that metric).
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -541,12 +542,17 @@ def render_summary(results: pd.DataFrame, meta: Mapping[str, Any], capacity: pd.
 
 def write_summary(out_dir: str | Path, results: pd.DataFrame, meta: Mapping[str, Any],
                   capacity: pd.DataFrame | None = None) -> Path:
-    """Write ``summary.md`` and ``results.parquet`` (the results table) atomically; return the .md path."""
+    """Write ``summary.md``, ``results.parquet`` (the results table) and ``run.json`` (``meta``, the
+    run's facts: commit, date, command, base rates and how they were found, walls) atomically;
+    return the .md path. :mod:`eval.result_blocks` reads the last two."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / "results.parquet.tmp"
     results.to_parquet(tmp, index=False)
     tmp.replace(out_dir / "results.parquet")
+    tmp_json = out_dir / "run.json.tmp"
+    tmp_json.write_text(json.dumps({"facts": dict(meta)}, indent=1, default=str) + "\n", encoding="utf-8")
+    tmp_json.replace(out_dir / "run.json")
     path = out_dir / "summary.md"
     tmp_md = out_dir / "summary.md.tmp"
     tmp_md.write_text(render_summary(results, meta, capacity), encoding="utf-8")
