@@ -86,10 +86,12 @@ from eval.compare_setup import (
 )
 from eval.policies import ABLATIONS, DEFAULT_POLICIES, QUICK_POLICIES, REFERENCE, parse_policies
 from eval.pool import default_jobs, start_worker_server
+from eval.progress import LineProgress
 from eval.provenance import source_commit, utc_date
 from eval.runs import plan
 from eval.sweep import CompareInterrupted, run_sweep
 from eval.sweep_options import CompareOptions
+from mars_openhands.cli_style import CliParser, cli_error
 
 __all__ = ["DEFAULT_GPUS", "add_compare_subcommand", "with_reference"]
 
@@ -263,8 +265,7 @@ def with_reference(policies: tuple[str, ...], args: argparse.Namespace, spec: An
 
 
 def _error(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return 2
+    return cli_error("mars-openhands compare", message)
 
 
 def _apply_defaults(args: argparse.Namespace, spec: Any) -> None:
@@ -375,7 +376,10 @@ def _load_and_run(args: argparse.Namespace, spec: Any, options: CompareOptions, 
     cache = ResultCache(None if args.no_cache else (args.cache_dir or default_cache_dir()))
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("ETA"), TimeRemainingColumn())
-    with Progress(*columns, console=console) as progress:
+    # A bar on a terminal; a log line per finished run (and knee probe) in a file or pipe, where
+    # rich draws nothing
+    bars = Progress(*columns, console=console) if console.is_terminal else LineProgress()
+    with bars as progress:
         results = run_sweep(workload, options, setups, args.out, meta=meta, progress=progress, live=live,
                             jobs=jobs, cache=cache)
     print((Path(args.out) / "summary.md").read_text(encoding="utf-8"))
@@ -386,7 +390,7 @@ def _load_and_run(args: argparse.Namespace, spec: Any, options: CompareOptions, 
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m eval.compare")
+    parser = CliParser(prog="python -m eval.compare")
     add_compare_subcommand(parser.add_subparsers(dest="command"))
     parsed = parser.parse_args(["compare", *sys.argv[1:]])
     sys.exit(parsed.func(parsed))
