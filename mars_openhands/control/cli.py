@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import sys
 import tomllib
@@ -91,8 +92,11 @@ def _help_text(field: Any, takes_none: bool = False) -> str:
     A ``default_factory`` default (e.g. ``num_tool_workers``: the CPU count) is computed on this
     machine; when the docstring already says what the default is, no value is appended.
     """
-    description = (field.description or "").strip()
-    if field.default_factory is None:
+    description = re.sub(r"``([^`]*)``", r"\1", (field.description or "").strip())  # reST literals
+    description = re.sub(r"\bNone\b", "none", description)  # as typed on the command line
+    if field.default_factory is None and _states_default(description, field.default):
+        text = description + (" (" if takes_none else "")
+    elif field.default_factory is None:
         default = "none" if field.default is None else field.default
         text = f"{description} (default: {default}"
     elif "default" in description.lower():
@@ -102,6 +106,17 @@ def _help_text(field: Any, takes_none: bool = False) -> str:
     if takes_none:
         text += ("; " if not text.endswith("(") else "") + "pass 'none' for no value"
     return text + (")" if "(" in text[len(description):] else "")
+
+
+def _states_default(description: str, default: Any) -> bool:
+    """Whether ``description`` already says ``(default <default>...``, e.g. ``(default 0.7)``."""
+    for value in re.findall(r"\(default:? ([-+0-9.e]+)", description):
+        try:
+            if float(value.rstrip(".")) == float(default):
+                return True
+        except (TypeError, ValueError):
+            continue
+    return False
 
 
 def add_gateway_subcommand(subparsers: Any) -> argparse.ArgumentParser:

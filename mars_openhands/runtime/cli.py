@@ -254,7 +254,10 @@ def add_tasks_subcommand(subparsers: Any) -> argparse.ArgumentParser:
                 p.add_argument("--out", type=Path, default=None, help="directory for tasks.parquet, "
                                "summary.json and task_times.png")
         elif name == "list":
-            p.add_argument("--status", default=None)
+            p.add_argument("--status", default=None,
+                           help="only tasks with this status: submitted, running, waiting_approval, "
+                                "escalated, succeeded, failed, error, ended_budget, ended_deadline, "
+                                "ended_policy (default: all)")
         elif name == "show":
             p.add_argument("task_id", metavar="TASK")
             p.add_argument("--events", type=int, default=20, help="last N events (0: all)")
