@@ -88,6 +88,7 @@ from eval.policies import ABLATIONS, DEFAULT_POLICIES, QUICK_POLICIES, REFERENCE
 from eval.pool import default_jobs, start_worker_server
 from eval.progress import LineProgress
 from eval.provenance import source_commit, utc_date
+from eval.result_blocks import BLOCKS, BlockError, record_run, save_record, write_blocks
 from eval.runs import plan
 from eval.sweep import CompareInterrupted, run_sweep
 from eval.sweep_options import CompareOptions
@@ -233,6 +234,10 @@ def add_compare_subcommand(subparsers: Any) -> argparse.ArgumentParser:
                         "(default $XDG_CACHE_HOME/mars-openhands/compare)")
     p.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
     p.add_argument("--out", default="runs/compare", help="results directory (default runs/compare)")
+    p.add_argument("--readme-block", default=None, choices=sorted({r for r, _ in BLOCKS.values()}),
+                   help="after a run with every run ok, record it as docs/results/NAME.json and rewrite "
+                        "the result blocks drawn from it in README.md and the docs; needs a git checkout "
+                        "without uncommitted changes, so the blocks name a commit that exists")
     p.set_defaults(func=functools.partial(_main, flags={**long_flags(p), **_FLAG_OF_FIELD}))
     return p
 
@@ -309,6 +314,9 @@ def _main(args: argparse.Namespace, flags: Mapping[str, str] | None = None) -> i
     blocking = next((q for q in out.parents if q.exists() and not q.is_dir()), None)
     if blocking is not None:
         return _error(f"--out {out}: {blocking} is a file; give a directory")
+    if args.readme_block and source_commit().endswith(("+dirty", ")")):
+        return _error(f"--readme-block {args.readme_block}: the checkout is at {source_commit()}; commit "
+                      "your changes first, so the block names code that exists")
     try:
         spec = parse_backend(args.backend)
         _apply_defaults(args, spec)
@@ -386,7 +394,16 @@ def _load_and_run(args: argparse.Namespace, spec: Any, options: CompareOptions, 
     console.print(f"wrote {args.out} in {time.monotonic() - t0:.0f} s "
                   f"({int((results['status'] == 'ok').sum())}/{len(results)} runs ok; {scope.split(':')[0]}"
                   f"{'; ' + str(cache.num_hits) + ' cached ideal/knee results reused' if cache.num_hits else ''})")
-    return 0 if (results["status"] == "ok").all() else 1
+    if not (results["status"] == "ok").all():
+        return 1
+    if args.readme_block:
+        try:
+            print(f"recorded {save_record(record_run(args.out, args.readme_block))}", file=sys.stderr)
+            for path in write_blocks(only_record=args.readme_block):
+                print(f"rewrote the result blocks in {path}", file=sys.stderr)
+        except (BlockError, OSError) as e:
+            return _error(f"--readme-block: {e}")
+    return 0
 
 
 if __name__ == "__main__":
