@@ -73,6 +73,8 @@ _declare("MARS_POLICY", "on/off: the pre-tool policy check of the OpenHands tool
          "mars_openhands/openhands/executor.py")
 _declare("MARS_SESSION_POLL_S", "seconds between the agent-server's conversation polls",
          "mars_openhands/openhands/agent_server.py")
+_declare("MARS_AGENT_SERVER_HOST", "the address our agent-server entry binds when no --host is given "
+         "(default 127.0.0.1; the Docker image sets 0.0.0.0)", "mars_openhands/openhands/agent_server.py")
 _declare("MARS_BROWSER", "auto/on/off: the browser tool in agent-server conversations",
          "mars_openhands/openhands/agent_server.py")
 _declare("MARS_WORKSPACE", "workspace of the policy check when the event has none",

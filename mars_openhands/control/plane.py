@@ -225,7 +225,7 @@ class ControlPlane:
             return last.turn, last.prev_tool
         turn, prev_tool = session.num_turns, session.prev_tool
         session.num_turns += 1
-        session.prev_tool = None
+        session.prev_tool, session.tool_batch_ns = None, None
         session.last_turn = TurnAttempts(turn, fingerprint, prev_tool)
         return turn, prev_tool
 
@@ -303,12 +303,14 @@ class ControlPlane:
                             self.tool_bound_s(session, timeout_s))
 
     def tool_ended(self, session: Session, tool_call_id: str, tool_name: str,
-                   duration_s: float, status: str = "ok") -> None:
+                   duration_s: float, status: str = "ok", end_mono_ns: int | None = None) -> None:
         """A tool call ended; it travels with the session's next turn (not an ``"interrupted"``
-        one: it has no measured duration). Mutates the counts."""
+        one: it has no measured duration), as part of the span of the calls that ended since the
+        previous turn when ``end_mono_ns`` (its ``tool_end.t_mono_ns``) is given. Mutates the
+        counts."""
         session.last_activity_s = self.clock()
         self.tools.on_end(session, tool_call_id, tool_name, duration_s,
-                          is_measured=status != "interrupted")
+                          is_measured=status != "interrupted", end_mono_ns=end_mono_ns)
 
     def interrupt_overdue_tools(self) -> list[InterruptedTool]:
         """Close every tool call past its bound (no ``tool_end`` came: the agent is presumed
@@ -341,7 +343,7 @@ class ControlPlane:
                               event.timeout_s)
         elif kind == "tool_end":
             self.tool_ended(session, event.tool_call_id, event.tool_name, event.duration_s,
-                            event.status)
+                            event.status, event.t_mono_ns)
         elif kind == "session_end":
             return self.end_session(session)
         else:

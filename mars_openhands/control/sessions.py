@@ -81,7 +81,12 @@ class Session:
     """The task's bound on one tool call (``session_start.tool_timeout_s``); ``None``: the
     gateway's ``tool_call_timeout_s``."""
     prev_tool: tuple[str, float] | None = None
-    """(tool_name, duration_s) of the last tool that ended since the previous turn."""
+    """(tool_name, duration_s) of the tools that ended since the previous turn: the one that ended
+    last, and the span from the first start to the last end (what the next turn waited; one
+    call: its own duration)."""
+    tool_batch_ns: tuple[int, int] | None = None
+    """(first start, last end) of those tools on the agent's monotonic clock, ns (``tool_end``'s
+    ``t_mono_ns``, minus its ``duration_s`` for the start); ``None``: none ended since the turn."""
     last_turn: TurnAttempts | None = None
     """The latest turn and its attempts (``None``: none yet, or it was given back)."""
     num_turn_retries: int = 0
@@ -135,6 +140,21 @@ class SessionRegistry:
         return sorted(overdue, key=lambda item: item[2].deadline_s)
 
 
+def batch_span(batch: tuple[int, int], start_ns: int, end_ns: int) -> tuple[int, int]:
+    """``batch`` (first start, last end), ns, widened by one call from ``start_ns`` to ``end_ns``.
+    Pure.
+
+    Mental model: the agent's next LLM call waits for the whole batch of tool calls of a turn,
+    whether they ran side by side (SDK ``tool_concurrency_limit`` > 1) or one after the other::
+
+        c1 |======|
+        c2  |===========|          next turn: mars_prev_tool_s = last end - first start
+        c3    |==|
+           ^first start  ^last end
+    """
+    return min(batch[0], start_ns), max(batch[1], end_ns)
+
+
 class ToolTracker:
     """In-flight tool calls and the EMA of their queue wait (the CPU plane of design.md §6).
 
@@ -179,15 +199,29 @@ class ToolTracker:
         self.wait_ema_s = ema(self.wait_ema_s, queue_wait_s, self.alpha)
 
     def on_end(self, session: Session, tool_call_id: str, tool_name: str, duration_s: float,
-               is_measured: bool = True) -> None:
-        """A tool call ended; a measured one becomes the session's ``prev_tool`` (an interrupted
-        one, ``is_measured=False``, has no duration to report). Mutates the counts."""
+               is_measured: bool = True, end_mono_ns: int | None = None) -> None:
+        """A tool call ended; a measured one joins the session's ``prev_tool`` (an interrupted
+        one, ``is_measured=False``, has no duration to report). ``end_mono_ns``: its
+        ``tool_end.t_mono_ns`` (the agent's clock); with it, calls that ended since the previous
+        turn add up to their span (:func:`batch_span`), without it the call's own duration
+        stands. Mutates the counts and ``session``."""
         call = session.tools_in_flight.pop(tool_call_id, None)
         if call is not None:
             self.num_in_flight -= 1
             self.num_queued -= 0 if call.is_started else 1
-        if is_measured:
-            session.prev_tool = (tool_name, duration_s)
+        if not is_measured:
+            return
+        if end_mono_ns is None:
+            session.prev_tool, session.tool_batch_ns = (tool_name, duration_s), None
+            return
+        start_ns = end_mono_ns - round(duration_s * 1e9)
+        batch = session.tool_batch_ns
+        if batch is None or session.prev_tool is None:
+            session.tool_batch_ns, session.prev_tool = (start_ns, end_mono_ns), (tool_name, duration_s)
+            return
+        name = tool_name if end_mono_ns >= batch[1] else session.prev_tool[0]
+        session.tool_batch_ns = batch_span(batch, start_ns, end_mono_ns)
+        session.prev_tool = (name, (session.tool_batch_ns[1] - session.tool_batch_ns[0]) / 1e9)
 
     def forget(self, session: Session) -> None:
         """Drop the session's in-flight tool calls (session ended or timed out)."""

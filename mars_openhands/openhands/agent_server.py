@@ -17,7 +17,11 @@ Configured from the environment (the OpenHands app passes it through ``OH_AGENT_
 * ``MARS_SESSION_POLL_S``: seconds between conversation status reads (default 0.2);
 * ``MARS_BROWSER``: ``auto`` (default): where Chromium is missing, a conversation gets no browser
   tools (one warning) instead of failing to start, as the stock server does when the OpenHands
-  app asks for them (it always does); ``stock``: the stock browser tools, as they are.
+  app asks for them (it always does); ``stock``: the stock browser tools, as they are;
+* ``MARS_AGENT_SERVER_HOST``: the address the server binds when no ``--host`` is given (default
+  ``127.0.0.1``: the stock 1.34 server binds all interfaces, and the app's process sandbox passes
+  only ``--port``). Our Docker image sets ``0.0.0.0``: inside a container the app's port mapping
+  reaches only the container's own interfaces, and what the host exposes is that mapping.
 
 ``--mars-check`` prints what would be registered and where events go (one JSON object) and exits
 0 without starting a server: the Docker image's entrypoint is tested that way where no Docker
@@ -53,13 +57,17 @@ from mars_openhands.openhands.lifecycle import (  # noqa: E402
     ConversationLifecycle,
 )
 
-__all__ = ["ENV_BROWSER", "ENV_SESSION_POLL_S", "OptionalBrowserToolSet", "check_report",
-           "install", "main"]
+__all__ = ["DEFAULT_HOST", "ENV_BROWSER", "ENV_HOST", "ENV_SESSION_POLL_S",
+           "OptionalBrowserToolSet", "bind_argv", "check_report", "install", "main"]
 
 ENV_SESSION_POLL_S = "MARS_SESSION_POLL_S"
 """Seconds between the lifecycle's conversation status reads."""
 ENV_BROWSER = "MARS_BROWSER"
 """``auto`` (default) or ``stock``: see :class:`OptionalBrowserToolSet`."""
+ENV_HOST = "MARS_AGENT_SERVER_HOST"
+"""The address the agent-server binds when its command line has no ``--host``."""
+DEFAULT_HOST = "127.0.0.1"
+"""Loopback, as everything else we start: the app reaches its process sandbox's server there."""
 _PROG = "python -m mars_openhands.openhands.agent_server"
 logger = logging.getLogger(__name__)
 
@@ -121,10 +129,28 @@ def install(environ: Mapping[str, str] = os.environ) -> ConversationLifecycle:
     return lifecycle
 
 
-def check_report(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
+def bind_argv(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> list[str]:
+    """``argv`` with ``--host`` added when it has none: ``$MARS_AGENT_SERVER_HOST``, else
+    :data:`DEFAULT_HOST`. An explicit ``--host`` (``--host X`` or ``--host=X``) wins. Pure."""
+    if any(arg == "--host" or arg.startswith("--host=") for arg in argv):
+        return list(argv)
+    return [*argv, "--host", environ.get(ENV_HOST) or DEFAULT_HOST]
+
+
+def _host_of(argv: Sequence[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg.startswith("--host="):
+            return arg.split("=", 1)[1]
+        if arg == "--host" and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
+
+
+def check_report(environ: Mapping[str, str] = os.environ,
+                 argv: Sequence[str] = ()) -> dict[str, Any]:
     """What serves the stock tool names once the agent-server's tool router is imported (it
     re-registers the stock tools at import, as at server start), and where events go. For
-    ``--mars-check``.
+    ``--mars-check``; ``host``: the address the server would bind with ``argv``.
 
     Mutates: imports ``openhands.agent_server.tool_router`` (registers the stock presets).
     """
@@ -143,6 +169,7 @@ def check_report(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
     return {"tools": tools, "events_url": environ.get(ENV_EVENTS_URL) or None,
             "events_path": environ.get(ENV_EVENTS_PATH) or None,
             "policy": environ.get(ENV_POLICY, "on"),
+            "host": _host_of(bind_argv(argv, environ)),
             "openhands_agent_server": version("openhands-agent-server"),
             "openhands_sdk": version("openhands-sdk")}
 
@@ -163,12 +190,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{_PROG}: {e}", file=sys.stderr)
         return 2
     if "--mars-check" in argv:
-        print(json.dumps(check_report()))
+        print(json.dumps(check_report(argv=[a for a in argv if a != "--mars-check"])))
         lifecycle.close()
         return 0
     from openhands.agent_server.__main__ import main as agent_server_main
 
-    sys.argv = [_PROG, *argv]  # the agent-server parses sys.argv itself
+    # The agent-server parses sys.argv itself; without --host, 1.34 binds all interfaces.
+    sys.argv = [_PROG, *(argv if "--help" in argv or "-h" in argv else bind_argv(argv))]
     try:
         agent_server_main()
     except SystemExit as e:  # --help, bad flags

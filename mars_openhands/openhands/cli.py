@@ -61,9 +61,18 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, required=True, help="output directory")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace what an earlier run left in --out/<task_id> (default: refuse)")
+    parser.add_argument("--resume", action="store_true",
+                        help="tasks an earlier run left in --out go on with their conversation "
+                             "(same session, workspace and steps so far)")
     parser.add_argument("--rps", type=float, default=1.0, help="task arrivals per second")
     parser.add_argument("--max-iterations", type=int, default=100, help="agent steps per task")
     parser.add_argument("--no-policy", action="store_true", help="disable the pre-tool policy check")
+    parser.add_argument("--terminal-type", choices=("subprocess", "tmux"), default="subprocess",
+                        help="the agent's terminal: subprocess (default; one shell, calls take "
+                             "turns) or tmux (a pane per parallel call)")
+    parser.add_argument("--tool-concurrency", type=int, default=1,
+                        help="tool calls of one LLM response run at most this many at a time "
+                             "(default 1, the SDK's: one by one)")
     parser.add_argument("--task-timeout-s", type=float, default=3600.0)
     parser.add_argument("--tool-timeout-s", type=float, default=None,
                         help="bound on one tool call, seconds, sent with session_start: past it "
@@ -82,6 +91,7 @@ def _config_from(args: argparse.Namespace) -> Any:
                       max_output_tokens=args.max_output_tokens)
     return RunConfig(llm=llm, events_url=args.events_url, out_dir=str(args.out),
                      max_iterations=args.max_iterations, policy=not args.no_policy,
+                     terminal_type=args.terminal_type, tool_concurrency_limit=args.tool_concurrency,
                      task_timeout_s=args.task_timeout_s, tool_timeout_s=args.tool_timeout_s)
 
 
@@ -133,7 +143,8 @@ def run_from_args(args: argparse.Namespace) -> int:
 
     try:
         tasks, config = _checked_inputs(args)
-        results = run_tasks(tasks, config, rps=args.rps, overwrite=args.overwrite)
+        results = run_tasks(tasks, config, rps=args.rps, overwrite=args.overwrite,
+                            resume=args.resume)
     except ValueError as e:  # pydantic's ValidationError too
         for line in str(e).splitlines():
             print(f"mars-openhands openhands run: {line}", file=sys.stderr)
@@ -157,9 +168,12 @@ def run_one_from_args(args: argparse.Namespace) -> int:
 
     task = TaskSpec.model_validate_json(args.task.read_text())
     config = RunConfig.model_validate_json(args.config.read_text())
-    if os.environ.get(ENV_API_KEY):  # run_config.json holds "**********", never the key
+    # run_config.json holds "**********", never the key. Taken out of the environment before any
+    # tool starts: the agent's terminal inherits this process's environment.
+    api_key = os.environ.pop(ENV_API_KEY, None)
+    if api_key:
         config = config.model_copy(update={"llm": config.llm.model_copy(
-            update={"api_key": SecretStr(os.environ[ENV_API_KEY])})})
+            update={"api_key": SecretStr(api_key)})})
     result = run_task(task, config)
     return 0 if result.status != "error" else 3
 

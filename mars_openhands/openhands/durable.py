@@ -9,6 +9,13 @@ returned instead of running the tool again. On a restart the conversation is reb
 log this way (the same responses and observations, in order) and goes on live after the last
 recorded step.
 
+Pointed at a MARS gateway (its ``GET /mars/v1/healthz`` answers as one), a task takes the path a
+plain ``openhands run --backend mars`` takes: the session header and turn metadata on its LLM
+calls, ``session_start`` / tool events / ``session_end`` posted to the gateway (so the gateway
+keeps the session, its turn count and the engine's pinned KV through the tool calls), and the
+task's session token (kept in the runtime's database: a resumed task, in any process, sends the
+same) on both. Any other endpoint gets the ``url`` backend (the session header only).
+
 Known limits: a replayed terminal command is not run again, so the shell of a resumed conversation
 starts fresh (working directory, exported variables); the file editor's undo history starts empty.
 The command guard runs in the gate, so the tool wrapper's own check is off here.
@@ -28,19 +35,30 @@ from openhands.sdk.llm import LLMResponse, Message
 from openhands.sdk.tool import ToolExecutor, register_tool
 from pydantic import PrivateAttr
 
+from mars_openhands.openhands.credentials import SESSION_CREDENTIALS
 from mars_openhands.openhands.executor import (
+    EventSender,
     MarsFileEditorTool,
     MarsTaskTrackerTool,
     MarsTerminalTool,
+    WrappingExecutor,
     _denied_observation,
 )
-from mars_openhands.openhands.llm import LLMSettings, build_session_llm
-from mars_openhands.openhands.runner import RunConfig, _build_conversation, _status_of
+from mars_openhands.openhands.llm import Backend, LLMSettings, build_session_llm
+from mars_openhands.openhands.runner import (
+    RunConfig,
+    _build_conversation,
+    _status_of,
+    events_url_for,
+    session_credentials,
+)
 from mars_openhands.runtime.agent import session_id_of
 from mars_openhands.runtime.engine import AgentOutcome
 from mars_openhands.runtime.run import ExecContext, TaskRun
+from mars_openhands.stream.events import SessionEnd, SessionStart, now_stamps
 
-__all__ = ["DurableExecutor", "DurableLLM", "register_durable_tools", "run_openhands_task"]
+__all__ = ["DurableExecutor", "DurableLLM", "backend_of", "register_durable_tools",
+           "run_openhands_task"]
 
 _RUNS: dict[str, TaskRun] = {}  # task id -> its TaskRun while the conversation runs (tool lookup)
 _RUNS_LOCK = threading.Lock()
@@ -94,8 +112,9 @@ class DurableLLM(LLM):
         return False
 
 
-class DurableExecutor(ToolExecutor):
-    """Wraps a (evented) tool executor: each call is a runtime tool step of task ``task_id``."""
+class DurableExecutor(WrappingExecutor):
+    """Wraps a (evented) tool executor: each call is a runtime tool step of task ``task_id``.
+    Other attributes read through to ``inner`` (:class:`WrappingExecutor`)."""
 
     def __init__(self, inner: ToolExecutor, tool_name: str, observation_type: Any, task_id: str) -> None:
         self.inner = inner
@@ -169,10 +188,27 @@ def register_durable_tools() -> None:
         register_tool(f"mars_durable_{name}", cls)
 
 
+def backend_of(base_url: str, api_key: str = "EMPTY", timeout_s: float = 5.0) -> Backend:
+    """``mars`` when ``base_url`` is a MARS gateway (``GET <root>/mars/v1/healthz`` answers with
+    its ``healthy_replicas``, with or without a healthy one), else ``url``. Asks once, over HTTP.
+    """
+    import httpx
+
+    root = base_url.rstrip("/").removesuffix("/v1")
+    try:
+        response = httpx.get(f"{root}/mars/v1/healthz", timeout=timeout_s,
+                             headers={"authorization": f"Bearer {api_key}"})
+        body = response.json()
+    except (httpx.HTTPError, ValueError):
+        return "url"
+    return "mars" if isinstance(body, dict) and "healthy_replicas" in body else "url"
+
+
 def _run_config(run: TaskRun, task_dir: Path) -> RunConfig:
     agent = run.spec.agent
-    llm = LLMSettings(backend="url", base_url=agent.base_url, model=agent.model, api_key=agent.api_key,
-                      temperature=agent.temperature, timeout_s=int(agent.request_timeout_s))
+    llm = LLMSettings(backend=backend_of(agent.base_url, agent.api_key), base_url=agent.base_url,
+                      model=agent.model, api_key=agent.api_key, temperature=agent.temperature,
+                      timeout_s=int(agent.request_timeout_s))
     return RunConfig(llm=llm, out_dir=str(task_dir), max_iterations=agent.max_iterations, policy=False)
 
 
@@ -180,7 +216,8 @@ def run_openhands_task(run: TaskRun) -> AgentOutcome:
     """The ``openhands`` driver: one OpenHands conversation over the task's workspace.
 
     The conversation's CPU-plane events (``events.jsonl``) go to ``$MARS_TASK_OUT_DIR/<task_id>/``
-    (default ``/tmp/mars-tasks/<task_id>/``).
+    (default ``/tmp/mars-tasks/<task_id>/``), and to the gateway when the task's endpoint is one
+    (``session_start`` first, ``session_end`` last, each run of the task a session of its own).
 
     Raises:
         TaskEndedError: from the runtime (budget, deadline, policy).
@@ -190,15 +227,22 @@ def run_openhands_task(run: TaskRun) -> AgentOutcome:
     session_id = session_id_of(run.task_id, run.spec.session_id)
     config = _run_config(run, task_dir)
     register_durable_tools()
-    base = build_session_llm(config.llm, session_id)
+    credentials = session_credentials(config, session_id, run.session_token())
+    base = build_session_llm(config.llm, session_id, session_token=credentials.token)
     llm = DurableLLM(**{name: getattr(base, name) for name in base.model_fields_set}).bind(run.task_id)
+    events_path = task_dir / "events.jsonl"
+    sender = EventSender(events_url_for(config.llm), events_path)
+    sender.emit(SessionStart(**now_stamps(), session_id=session_id, source="agent"))
+    sender.flush()  # the gateway must know the session before tool events arrive
     with _RUNS_LOCK:
         _RUNS[run.task_id] = run
     conversation = None
+    status = "error"
     try:
-        conversation, _ = _build_conversation(config, run.workspace, session_id, task_dir / "events.jsonl",
+        conversation, _ = _build_conversation(config, run.workspace, session_id, events_path,
                                               llm=llm, tool_prefix="mars_durable",
-                                              extra_tool_params={"mars_task_id": run.task_id})
+                                              extra_tool_params={"mars_task_id": run.task_id},
+                                              sender=sender)
         conversation.send_message(run.spec.problem_statement)
         conversation.run()
         status = _status_of(conversation)
@@ -207,5 +251,9 @@ def run_openhands_task(run: TaskRun) -> AgentOutcome:
             conversation.close()
         with _RUNS_LOCK:
             _RUNS.pop(run.task_id, None)
+        sender.emit(SessionEnd(**now_stamps(), session_id=session_id, source="agent",
+                               status="ok" if status == "finished" else status))
+        sender.close()
+        SESSION_CREDENTIALS.forget(session_id)
     mapped = {"finished": "finished", "stuck": "stuck", "error": "error"}.get(status, "max_iterations")
     return AgentOutcome(status=mapped, message=f"OpenHands conversation {status}")  # type: ignore[arg-type]

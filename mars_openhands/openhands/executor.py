@@ -29,7 +29,9 @@ added at run time) when the agent's ``ActionEvent`` for it is emitted, which the
 runs the tool.
 
 Transport: :class:`EventSender` posts batches to the gateway's ``POST /mars/v1/events`` from a
-background thread and appends each event to a JSONL file when asked. Timestamps are taken when the
+background thread, one session per post with that session's credentials (the gateway API key
+and session token, :mod:`mars_openhands.openhands.credentials`), and appends each event to a
+JSONL file when asked. Timestamps are taken when the
 event happens, never when it is sent. Ordering with the agent's next LLM call: the SDK sends that
 call about 20 ms after a tool returns, sooner than a background post reaches the gateway, and the
 gateway would then attach no ``mars_prev_tool`` to it (the engine loses the tool's name and
@@ -60,6 +62,11 @@ except ImportError:  # pragma: no cover - older SDKs run tool calls one by one
 from openhands.sdk.tool import ToolDefinition, ToolExecutor, register_tool
 from openhands.sdk.tool.registry import get_tool_module_qualnames
 
+from mars_openhands.openhands.credentials import (
+    SESSION_CREDENTIALS,
+    CredentialRegistry,
+    SessionCredentials,
+)
 from mars_openhands.openhands.policy_check import PolicyConfig, check_action
 from mars_openhands.stream.events import Event, ToolEnd, ToolEnqueued, ToolStart, now_stamps
 
@@ -72,6 +79,7 @@ __all__ = [
     "EventSender",
     "EventedExecutor",
     "EventedToolsCallback",
+    "WrappingExecutor",
     "register_evented_tools",
     "wrap_tool",
 ]
@@ -123,8 +131,15 @@ class EventSender:
             HTTP 404/408/425/429 or 5xx); other answers are not retried.
         retry_backoff_s: wait before the first retry, seconds; doubled per retry, at most 4 s. The
             default 0.25 s and 6 retries span ~12 s, a gateway restart.
+        credentials: where each session's credentials are looked up when an event is emitted
+            (default: this process's :data:`~mars_openhands.openhands.credentials.SESSION_CREDENTIALS`).
+        api_key: the gateway API key for events of sessions with no credentials there
+            (``None``: no ``Authorization`` header for them).
 
-    ``emit`` never blocks on I/O. Failed attempts are logged and counted (``num_post_errors``);
+    Each post holds the events of one session (the gateway binds a post to one session's token)
+    and carries that session's ``Authorization: Bearer <api key>`` and ``X-Mars-Session-Token``,
+    as resolved when the event was emitted (so a session forgotten meanwhile still posts its
+    last events with its credentials). ``emit`` never blocks on I/O. Failed attempts are logged and counted (``num_post_errors``);
     events given up on are counted (``num_lost``) and written to the lost file, never raised into
     the agent: the stream is telemetry, the task must go on. Batches are posted in order, so a
     retried batch holds back the ones after it.
@@ -132,8 +147,11 @@ class EventSender:
 
     def __init__(self, events_url: str | None, events_path: str | Path | None = None,
                  timeout_s: float = 5.0, max_batch: int = 256, max_retries: int = 6,
-                 retry_backoff_s: float = 0.25) -> None:
+                 retry_backoff_s: float = 0.25, credentials: CredentialRegistry | None = None,
+                 api_key: str | None = None) -> None:
         self.events_url = events_url
+        self.credentials = SESSION_CREDENTIALS if credentials is None else credentials
+        self._fallback = SessionCredentials(api_key=api_key)
         self.events_path = Path(events_path) if events_path else None
         self.lost_path = (self.events_path.with_name(self.events_path.stem + "_lost.jsonl")
                           if self.events_path else None)
@@ -144,7 +162,7 @@ class EventSender:
         self.num_sent = 0
         self.num_post_errors = 0
         self.num_lost = 0
-        self._queue: queue.Queue[Event | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[Event, dict[str, str]] | None] = queue.Queue()
         self._lock = threading.Lock()
         self._num_queued = 0
         self._num_done = 0
@@ -166,6 +184,7 @@ class EventSender:
                 f.write(line)
         if self.events_url is None:
             return 0
+        headers = (self.credentials.get(event.session_id) or self._fallback).event_headers()
         with self._lock:
             if self._is_closed:
                 raise RuntimeError("EventSender.emit after close(); create a new sender")
@@ -174,7 +193,7 @@ class EventSender:
                 self._thread.start()
             self._num_queued += 1
             seq = self._num_queued
-            self._queue.put(event)
+            self._queue.put((event, headers))
         return seq
 
     def wait_sent(self, seq: int, timeout_s: float) -> bool:
@@ -220,18 +239,18 @@ class EventSender:
                         batch.append(self._queue.get_nowait())
                     except queue.Empty:
                         break
-                events = [e for e in batch if e is not None]
-                if events:
-                    self._post_with_retries(client, events)
+                items = [item for item in batch if item is not None]
+                for headers, events in _per_session(items):
+                    self._post_with_retries(client, events, headers)
                 with self._done:
-                    self._num_done += len(events)
+                    self._num_done += len(items)
                     self._done.notify_all()
                 for _ in batch:
                     self._queue.task_done()
-                if len(events) < len(batch):
+                if len(items) < len(batch):
                     return
 
-    def _post_with_retries(self, client: Any, events: list[Event]) -> None:
+    def _post_with_retries(self, client: Any, events: list[Event], headers: dict[str, str]) -> None:
         # Unset optional fields are left out, so a gateway older than a field still accepts the
         # events (its models reject unknown keys, null ones included).
         body = "[" + ",".join(e.model_dump_json(exclude_none=True) for e in events) + "]"
@@ -241,7 +260,7 @@ class EventSender:
                 delay_s = min(4.0, self.retry_backoff_s * 2 ** (attempt - 1))
                 if self._closing.wait(delay_s) and attempt > 1:
                     break  # closing: the wait was cut short and one retry already failed
-            is_retryable, error = self._post(client, body)
+            is_retryable, error = self._post(client, body, headers)
             if not error:
                 self.num_sent += len(events)
                 return
@@ -250,11 +269,11 @@ class EventSender:
                 break
         self._lose(events, error)
 
-    def _post(self, client: Any, body: str) -> tuple[bool, str]:
+    def _post(self, client: Any, body: str, headers: dict[str, str]) -> tuple[bool, str]:
         """One attempt: ``(is_retryable, error)``; ``error`` is empty on success."""
         try:
             response = client.post(self.events_url, content=body,
-                                   headers={"content-type": "application/json"})
+                                   headers={"content-type": "application/json", **headers})
         except Exception as e:  # connection refused, timeout, ...: telemetry must not break the agent
             return True, f"{type(e).__name__}: {e}"
         if response.status_code < 400:
@@ -268,6 +287,20 @@ class EventSender:
         if self.lost_path is not None:
             with self._lock, self.lost_path.open("a") as f:
                 f.writelines(e.model_dump_json() + "\n" for e in events)
+
+
+def _per_session(items: list[tuple[Event, dict[str, str]]]
+                 ) -> list[tuple[dict[str, str], list[Event]]]:
+    """The posts of a batch: ``(headers, events)`` of one session each, sessions in order of
+    first appearance, a session's events in their order (a change of its headers mid-batch
+    starts a new post). Pure."""
+    by_session: dict[str, list[tuple[dict[str, str], list[Event]]]] = {}
+    for event, headers in items:
+        posts = by_session.setdefault(event.session_id, [])
+        if not posts or posts[-1][0] != headers:
+            posts.append((headers, []))
+        posts[-1][1].append(event)
+    return [post for posts in by_session.values() for post in posts]
 
 
 def _find_action_event(action: Any, conversation: Any) -> tuple[str | None, int | None]:
@@ -318,7 +351,59 @@ def _denied_observation(observation_type: Any, action: Any, reason: str) -> Any:
     return observation_type.from_text(text=text, is_error=True, **extra)
 
 
-class EventedExecutor(ToolExecutor):
+def _wrapper_class(wrapper_cls: type, inner_cls: type) -> type:
+    """A subclass of ``wrapper_cls`` that ``isinstance`` takes for an ``inner_cls`` too (registered
+    as an ABC virtual subclass of it: no method of ``inner_cls`` is inherited). Cached per pair.
+
+    Mutates: ``inner_cls``'s ABC registry (once per pair).
+    """
+    key = (wrapper_cls, inner_cls)
+    cls = _WRAPPER_CLASSES.get(key)
+    if cls is None:
+        cls = type(f"{wrapper_cls.__name__}[{inner_cls.__name__}]", (wrapper_cls,),
+                   {"__module__": wrapper_cls.__module__, "__qualname__": wrapper_cls.__qualname__})
+        register = getattr(inner_cls, "register", None)  # ABCMeta's; ToolExecutor is an ABC
+        if register is not None and not issubclass(cls, inner_cls):
+            register(cls)
+        _WRAPPER_CLASSES[key] = cls
+    return cls
+
+
+_WRAPPER_CLASSES: dict[tuple[type, type], type] = {}
+"""(wrapper class, inner executor class) -> their :func:`_wrapper_class`. Grows by one entry per
+tool executor class wrapped, a handful per process."""
+
+
+class WrappingExecutor(ToolExecutor):
+    """Base of our executor wrappers: what the SDK reads of a tool's executor reads the inner one.
+
+    Stock tools decide their ``declared_resources`` (which resource locks the SDK's parallel tool
+    executor takes) from their executor: the terminal from ``executor.is_pooled`` (a tmux pane
+    pool takes no lock), glob from ``isinstance(executor, GlobExecutor)``; the SDK finds a
+    toolset's MCP tools by ``isinstance(executor, MCPToolExecutor)`` and ``executor.client``. A
+    wrapper that hid them made the terminal declare a session lock, and parallel calls ran one
+    at a time (issue 33). So an attribute the wrapper lacks is read from ``inner``, and an
+    instance passes ``isinstance`` for the inner executor's class (an ABC virtual subclass; no
+    method of it is inherited, so nothing runs against the wrapper's own state).
+
+    Subclasses set ``self.inner`` in ``__init__``; their first argument is the inner executor.
+    """
+
+    inner: ToolExecutor
+
+    def __new__(cls, inner: Any = None, *args: Any, **kwargs: Any) -> WrappingExecutor:
+        target = cls if inner is None else _wrapper_class(cls, type(inner))  # None: copy/unpickle
+        return super().__new__(target)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only names not found on the wrapper itself arrive here. Dunders stay the wrapper's own
+        # (copy and pickle protocols), and nothing is forwarded before ``inner`` is set.
+        if name.startswith("__") or "inner" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.__dict__["inner"], name)
+
+
+class EventedExecutor(WrappingExecutor):
     """Wraps a tool's executor: policy check, then ``tool_enqueued`` / ``tool_start`` / ``tool_end``.
 
     Args:
@@ -341,6 +426,9 @@ class EventedExecutor(ToolExecutor):
     Attributes:
         timings: ``(tool_call_id, tool_name, start_mono_ns, end_mono_ns, status)`` per call, taken
             by this wrapper (for tests and results; the events carry the same instants).
+
+    Other attributes read through to ``inner`` (:class:`WrappingExecutor`), so the tool declares
+    the resources the stock tool declares.
 
     Timing contract: ``tool_start.t_mono_ns`` is taken immediately before ``inner(action, conv)`` and
     ``tool_end.t_mono_ns`` immediately after it returns or raises; ``duration_s`` is their difference.
@@ -675,6 +763,11 @@ def register_evented_tools(override_defaults: bool = False,
     ``lifecycle`` (one per process: the registry is process-wide too).
     """
     names = {}
+    for tool_name in EVENTED_TOOL_NAMES:
+        # The stock tool classes must be importable before a persisted conversation is loaded:
+        # its state names them by kind (a resumed task failed with "Unexpected kind
+        # 'TerminalTool'" in a fresh process, issue 33).
+        _inner_tool_class(tool_name)
     registered = get_tool_module_qualnames()
     for tool_name, cls in _EVENTED_CLASSES.items():
         if registered.get(f"mars_{tool_name}") != cls.__module__:  # (the SDK warns on a repeat)
@@ -682,7 +775,7 @@ def register_evented_tools(override_defaults: bool = False,
         names[f"mars_{tool_name}"] = tool_name
     if override_defaults:
         for tool_name, cls in _STOCK_NAMED_CLASSES.items():
-            inner = _inner_tool_class(tool_name)  # the stock module's import registers it first
+            inner = _inner_tool_class(tool_name)  # the stock module's import registered it first
             cls.catalog_description = getattr(inner, "catalog_description", "")
             cls.lifecycle = lifecycle
             register_tool(tool_name, cls)

@@ -22,6 +22,13 @@ agent-server process, with public SDK objects only:
   with ``status="closed"`` if the session is still open, and stops tracking it.
 
 The session id is the conversation id, as for the tool events. Thread-safe.
+
+Credentials (:mod:`mars_openhands.openhands.credentials`): tracking a conversation gives it a new
+session token, attached to every LLM of its agent (``extra_headers``; the SDK's own copies, such
+as the title's, keep it) and registered, with the API key of the agent's LLM, for the event
+posts of the session. The user sets nothing: the app's per-user LLM settings stay as they are.
+Each poll attaches it again (an LLM switched at run time gets it within ``poll_interval_s``).
+The token lives in this process only: never in the environment the agent's terminal inherits.
 """
 
 from __future__ import annotations
@@ -32,6 +39,12 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+from mars_openhands.openhands.credentials import (
+    SESSION_CREDENTIALS,
+    SessionCredentials,
+    attach_token,
+    new_session_token,
+)
 from mars_openhands.openhands.executor import UNEVENTED_TOOL_NAMES, EventSender, wrap_tool
 from mars_openhands.stream.events import SessionEnd, SessionStart, now_stamps
 
@@ -75,10 +88,35 @@ def _progress(conv_state: Any) -> tuple[Any, int | None, int | None]:
     return message_id, index, num_events
 
 
+def _llms_of(conv_state: Any) -> list[Any]:
+    """Every LLM of the conversation's agent (its own, a condenser's, ...): the SDK's
+    ``get_all_llms`` where it has one, else the agent's ``llm``; ``[]`` before the agent is set."""
+    agent = getattr(conv_state, "agent", None)
+    if agent is None:
+        return []
+    get_all = getattr(agent, "get_all_llms", None)
+    try:
+        llms = list(get_all()) if get_all is not None else []
+    except Exception:  # an agent the SDK cannot walk: its own LLM still gets the token
+        llms = []
+    own = getattr(agent, "llm", None)
+    return llms if own is None or any(x is own for x in llms) else [own, *llms]
+
+
+def _api_key_of(llm: Any) -> str | None:
+    """The API key of an SDK LLM as a string (``SecretStr`` unwrapped), or ``None``."""
+    key = getattr(llm, "api_key", None)
+    if key is None:
+        return None
+    return str(key.get_secret_value() if hasattr(key, "get_secret_value") else key)
+
+
 @dataclass
 class _Tracked:
     state: weakref.ReferenceType[Any]
     is_open: bool
+    token: str
+    """The session token of this conversation (this process only)."""
     message_id: Any = None
     """The latest user message seen."""
     message_index: int | None = None
@@ -124,8 +162,10 @@ class ConversationLifecycle:
                 return session_id
             is_open = status_of(conv_state) not in TERMINAL_STATUSES
             message_id, index, _ = _progress(conv_state)
-            self._tracked[session_id] = _Tracked(weakref.ref(conv_state), is_open, message_id,
-                                                 index)
+            token = new_session_token()
+            self._tracked[session_id] = _Tracked(weakref.ref(conv_state), is_open, token,
+                                                 message_id, index)
+            self.attach_credentials(session_id, conv_state, token)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="mars-lifecycle",
                                                 daemon=True)
@@ -134,16 +174,31 @@ class ConversationLifecycle:
             self._start(session_id)
         return session_id
 
+    def attach_credentials(self, session_id: str, conv_state: Any, token: str) -> None:
+        """Give the conversation's LLMs ``token`` and register the session's credentials (the
+        token, the API key of the agent's LLM) for event posts. Idempotent.
+
+        Mutates: the LLMs' ``extra_headers``; ``SESSION_CREDENTIALS``.
+        """
+        llms = _llms_of(conv_state)
+        for llm in llms:
+            attach_token(llm, token)
+        SESSION_CREDENTIALS.set(session_id, SessionCredentials(
+            token, _api_key_of(llms[0]) if llms else None))
+
     def closed(self, session_id: str) -> None:
         """The conversation's tools were closed: end its session if open, stop tracking it."""
         with self._lock:
             tracked = self._tracked.pop(session_id, None)
         if tracked is not None and tracked.is_open:
             self._end(session_id, "closed")
+        if tracked is not None:  # the end's post took the credentials when emitted
+            SESSION_CREDENTIALS.forget(session_id)
 
     def poll_once(self) -> None:
-        """Read every tracked conversation's status once and send what changed; wrap the tools
-        of its agent that emit no events yet (:meth:`wrap_tools`)."""
+        """Read every tracked conversation's status once and send what changed; attach its
+        token to its agent's LLMs again (:meth:`attach_credentials`); wrap the tools of its agent
+        that emit no events yet (:meth:`wrap_tools`)."""
         with self._lock:
             items = list(self._tracked.items())
         for session_id, tracked in items:
@@ -151,6 +206,7 @@ class ConversationLifecycle:
             if state is None:  # garbage-collected without its tools being closed
                 self.closed(session_id)
                 continue
+            self.attach_credentials(session_id, state, tracked.token)
             self._step(session_id, tracked, status_of(state), *_progress(state))
             self.wrap_tools(session_id, state)
 
@@ -198,9 +254,12 @@ class ConversationLifecycle:
             self._thread.join(5.0)
         with self._lock:
             open_ids = [sid for sid, t in self._tracked.items() if t.is_open]
+            tracked_ids = list(self._tracked)
             self._tracked.clear()
         for session_id in open_ids:
             self._end(session_id, "closed")
+        for session_id in tracked_ids:
+            SESSION_CREDENTIALS.forget(session_id)
         self.sender.close()
 
     def _run(self) -> None:

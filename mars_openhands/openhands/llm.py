@@ -14,6 +14,10 @@ backend    endpoint                                  session metadata
                                                       providers reject unknown body fields)
 =========  =======================================  ==============================================
 
+Every backend also sends the session's token (``X-Mars-Session-Token``,
+:mod:`mars_openhands.openhands.credentials`) when one is given: a gateway started with
+``--api-key`` binds the session to it.
+
 Turn metadata: :class:`TurnTracker` is a conversation callback that counts the agent's LLM responses
 and sets ``vllm_xargs.mars_turn`` (0-based index of the *next* call) in this conversation's own
 ``litellm_extra_body``, which the SDK reads at every call. It is only attached where the body may
@@ -33,6 +37,8 @@ from typing import Any, Literal
 
 from openhands.sdk import LLM
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+from mars_openhands.openhands.credentials import TOKEN_HEADER
 
 __all__ = ["ENV_API_KEY", "Backend", "LLMSettings", "TurnTracker", "build_session_llm", "model_name_for"]
 
@@ -86,13 +92,15 @@ def model_name_for(model: str) -> str:
     return f"openai/{model}"
 
 
-def build_session_llm(settings: LLMSettings, session_id: str, usage_id: str = "agent") -> LLM:
+def build_session_llm(settings: LLMSettings, session_id: str, usage_id: str = "agent",
+                      session_token: str | None = None) -> LLM:
     """Return a new LLM for one conversation with its session metadata.
 
     Args:
         settings: backend, endpoint, model and sampling parameters.
         session_id: the conversation's session id (also the gateway/engine ``session_id``).
         usage_id: the SDK's usage id (metrics bucket).
+        session_token: the session's token, sent on every call (``None``: none).
 
     Raises:
         pydantic.ValidationError: the SDK rejects a value (the message names the field).
@@ -110,7 +118,8 @@ def build_session_llm(settings: LLMSettings, session_id: str, usage_id: str = "a
         "timeout": settings.timeout_s,
         "num_retries": settings.num_retries,
         "native_tool_calling": settings.native_tool_calling,
-        "extra_headers": {SESSION_HEADER: session_id},
+        "extra_headers": {SESSION_HEADER: session_id,
+                          **({TOKEN_HEADER: session_token} if session_token else {})},
     }
     if settings.backend == "vllm":
         kwargs["litellm_extra_body"] = {"session_id": session_id, "vllm_xargs": {"mars_turn": 0}}

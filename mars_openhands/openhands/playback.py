@@ -394,6 +394,10 @@ async def _answer(body: dict[str, Any], headers: Any, sessions: _Sessions, upstr
                  "is_side": is_side, "stream": bool(body.get("stream")),
                  "tool_calls": [c.name for c in turn.tool_calls],
                  "header_session": headers.get("x-mars-session"),
+                 "header_token": headers.get("x-mars-session-token"),
+                 "header_authorization": headers.get("authorization"),
+                 "num_user_messages": sum(1 for m in body.get("messages") or []
+                                          if isinstance(m, dict) and m.get("role") == "user"),
                  "body_session_id": body.get("session_id"), "vllm_xargs": body.get("vllm_xargs"),
                  "temperature": body.get("temperature"), "top_p": body.get("top_p"),
                  "has_reasoning_effort": "reasoning_effort" in body,

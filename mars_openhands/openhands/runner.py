@@ -29,6 +29,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from mars_openhands.openhands.credentials import (
+    SESSION_CREDENTIALS,
+    SessionCredentials,
+    new_session_token,
+    persisted_token,
+)
 from mars_openhands.openhands.endpoint import preflight
 from mars_openhands.openhands.executor import (
     EventedToolsCallback,
@@ -39,7 +45,7 @@ from mars_openhands.openhands.llm import ENV_API_KEY, LLMSettings, TurnTracker, 
 from mars_openhands.stream.events import SessionEnd, SessionStart, now_stamps
 
 __all__ = ["LLMCall", "RunConfig", "TaskResult", "TaskSpec", "events_url_for", "run_task",
-           "run_tasks"]
+           "run_tasks", "session_credentials"]
 
 TaskStatus = Literal["finished", "error", "stuck", "max_iterations", "timeout"]
 
@@ -88,7 +94,12 @@ class RunConfig(BaseModel):
     """Run the pre-tool policy check (deny dangerous commands)."""
     terminal_type: Literal["tmux", "subprocess"] | None = "subprocess"
     """OpenHands terminal backend; ``subprocess`` keeps the shell a child of the task process (so the
-    policy's pid rule recognises the session's own processes). ``None``: the SDK picks."""
+    policy's pid rule recognises the session's own processes). ``None``: the SDK picks (tmux where
+    installed). A tmux terminal is a pool of panes: parallel calls need no session lock."""
+    tool_concurrency_limit: int = Field(1, ge=1)
+    """Tool calls of one LLM response run at most this many at a time (the SDK's
+    ``Agent.tool_concurrency_limit``; its default 1 runs them one by one). Above 1 they run side
+    by side where the tools' declared resources allow it: a tmux terminal, different files."""
     task_timeout_s: float = Field(3600.0, gt=0)
     """Wall-clock limit per task process in :func:`run_tasks`, seconds."""
     tool_timeout_s: float | None = Field(None, gt=0)
@@ -134,6 +145,9 @@ class TaskResult(BaseModel):
     """Events the gateway never accepted after the sender's retries (in ``events_lost.jsonl``)."""
     conversation_dir: str | None = None
     """The OpenHands conversation as persisted by the SDK (events, state): what ran."""
+    resumed: bool = False
+    """This run went on with a conversation an earlier run of the task persisted (its events are
+    added to the earlier run's in ``events.jsonl``)."""
     events: list[dict[str, Any]] = Field(default_factory=list)
     llm_s: float = 0.0
     """Sum of the agent's LLM call latencies as the SDK measured them (request to whole answer,
@@ -224,7 +238,8 @@ def _build_conversation(config: RunConfig, workspace: Path, session_id: str, eve
                         llm: Any = None, tool_prefix: str = "mars",
                         extra_tool_params: dict[str, Any] | None = None,
                         conversation_dir: Path | None = None,
-                        sender: EventSender | None = None) -> tuple[Any, TurnTracker]:
+                        sender: EventSender | None = None,
+                        session_token: str | None = None) -> tuple[Any, TurnTracker]:
     """The OpenHands conversation for one task (wrapped tools, per-session LLM) and its turn tracker.
 
     ``llm`` replaces the per-session LLM, ``tool_prefix`` the registered tool names
@@ -233,11 +248,13 @@ def _build_conversation(config: RunConfig, workspace: Path, session_id: str, eve
     persists the conversation (its events and state), ``None``: not persisted. ``sender``: the
     task's event sender; with one, every other tool the agent runs (custom, MCP, ``think``) is
     evented too (:class:`~mars_openhands.openhands.executor.EventedToolsCallback`).
+    ``session_token``: sent on the per-session LLM's calls (see :func:`session_credentials`).
     """
     from openhands.sdk import Agent, Conversation, Tool
 
     register_evented_tools()
-    llm = llm if llm is not None else build_session_llm(config.llm, session_id)
+    llm = llm if llm is not None else build_session_llm(config.llm, session_id,
+                                                        session_token=session_token)
     tool_params: dict[str, Any] = {
         "mars_events_url": config.events_url or events_url_for(config.llm),
         "mars_events_path": str(events_path), "mars_session_id": session_id,
@@ -250,7 +267,10 @@ def _build_conversation(config: RunConfig, workspace: Path, session_id: str, eve
     tools = [Tool(name=f"{tool_prefix}_terminal", params=terminal_params),
              Tool(name=f"{tool_prefix}_file_editor", params=tool_params),
              Tool(name=f"{tool_prefix}_task_tracker", params=tool_params)]
-    agent = Agent(llm=llm, tools=tools)
+    agent_kwargs: dict[str, Any] = {"llm": llm, "tools": tools}
+    if config.tool_concurrency_limit != 1 and "tool_concurrency_limit" in Agent.model_fields:
+        agent_kwargs["tool_concurrency_limit"] = config.tool_concurrency_limit
+    agent = Agent(**agent_kwargs)
     callbacks: list[Any] = [TurnTracker(llm)]
     evented = None
     if sender is not None:
@@ -270,7 +290,63 @@ def _build_conversation(config: RunConfig, workspace: Path, session_id: str, eve
     conversation = Conversation(**kwargs)
     if evented is not None:
         evented.agent = getattr(conversation, "agent", agent)
-    return conversation, callbacks[0]
+    tracker = callbacks[0]
+    for event in _events_of(conversation):  # a resumed conversation: count its earlier turns
+        tracker(event)
+    return conversation, tracker
+
+
+def _events_of(conversation: Any) -> list[Any]:
+    """The conversation's events so far (a resumed one's persisted events), ``[]`` if unreadable."""
+    try:
+        return list(conversation.state.events)
+    except Exception:  # an SDK without a readable event log: nothing to seed from
+        return []
+
+
+def _has_user_message(conversation: Any) -> bool:
+    """Whether the conversation already holds a user message (a resumed one: the problem)."""
+    return any(getattr(e, "source", None) == "user" for e in _events_of(conversation))
+
+
+def persisted_session(task_dir: Path, session_id: str | None = None) -> str | None:
+    """The session id of the conversation an earlier run of the task persisted under
+    ``task_dir/conversation`` (the SDK keeps one folder per conversation id), or ``None``.
+
+    Args:
+        task_dir: the task's output directory.
+        session_id: the task's own session id, if it has one: only that conversation counts.
+
+    Raises:
+        ValueError: several conversations and no ``session_id`` to choose (one line).
+    """
+    root = task_dir / "conversation"
+    found = []
+    for state in sorted(root.glob("*/base_state.json")) if root.is_dir() else []:
+        try:
+            found.append(str(uuid.UUID(state.parent.name)))
+        except ValueError:
+            continue
+    if session_id is not None:
+        return session_id if session_id in found else None
+    if len(found) > 1:
+        raise ValueError(f"{root} holds {len(found)} conversations ({', '.join(found)}); give the "
+                         "task the session_id of the one to resume, or --overwrite")
+    return found[0] if found else None
+
+
+def session_credentials(config: RunConfig, session_id: str,
+                        token: str | None = None) -> SessionCredentials:
+    """The session's credentials, registered for this process's event senders: ``token`` (a new
+    one if ``None``) and the run's API key (the LLM's, which the gateway also takes on events).
+    Forget them with ``SESSION_CREDENTIALS.forget(session_id)`` once the session ended.
+
+    Mutates: :data:`~mars_openhands.openhands.credentials.SESSION_CREDENTIALS`.
+    """
+    credentials = SessionCredentials(token or new_session_token(),
+                                     config.llm.api_key.get_secret_value())
+    SESSION_CREDENTIALS.set(session_id, credentials)
+    return credentials
 
 
 def _status_of(conversation: Any) -> TaskStatus:
@@ -285,20 +361,28 @@ def _status_of(conversation: Any) -> TaskStatus:
 def run_task(task: TaskSpec, config: RunConfig) -> TaskResult:
     """Run one task in this process and return its result (also written to ``result.json``).
 
+    A task whose directory holds the conversation of an earlier run (``conversation/``, kept by
+    the SDK) resumes it: the same session id (the task's own, else the persisted one), the same
+    workspace (a repo task's copy and starting commit), the earlier steps not run again, the
+    problem not sent again; ``events.jsonl`` keeps the earlier run's events (each run is a
+    session on the stream) and the result says ``resumed``.
+
     Raises:
         ValueError: bad task (see :func:`prepare_workspace`).
     """
-    session_id = task.session_id or str(uuid.uuid4())
     task_dir = Path(config.out_dir) / task.task_id
     task_dir.mkdir(parents=True, exist_ok=True)
     events_path = task_dir / "events.jsonl"
-    for name in ("events.jsonl", "events_lost.jsonl", "tool_timings.jsonl", "result.json"):
-        (task_dir / name).unlink(missing_ok=True)
     try:
-        workspace, base_commit = prepare_workspace(task, task_dir)
+        previous = persisted_session(task_dir, task.session_id)
+        session_id = task.session_id or previous or str(uuid.uuid4())
+        workspace, base_commit, before = _task_workspace(task, task_dir, is_resumed=bool(previous))
     except ValueError as e:  # the task's own error (bad repo, base_commit), in its result
         return _write(_failed(task, task_dir.parent, "error", str(e)), task_dir)
-    before = _snapshot(workspace) if base_commit is None else {}
+    # A resumed conversation goes on with the token its LLM sent (the gateway may still bind
+    # the session to it: a run killed before its session_end).
+    token = persisted_token(task_dir / "conversation", session_id) if previous else None
+    credentials = session_credentials(config, session_id, token)
     lifecycle = EventSender(config.events_url or events_url_for(config.llm), events_path)
     lifecycle.emit(SessionStart(**now_stamps(), session_id=session_id, source="agent",
                                 tool_timeout_s=config.tool_timeout_s))
@@ -312,8 +396,10 @@ def run_task(task: TaskSpec, config: RunConfig) -> TaskResult:
     try:
         conversation, tracker = _build_conversation(config, workspace, session_id, events_path,
                                                     conversation_dir=task_dir / "conversation",
-                                                    sender=lifecycle)
-        conversation.send_message(task.problem_statement)
+                                                    sender=lifecycle,
+                                                    session_token=credentials.token)
+        if not _has_user_message(conversation):  # a resumed conversation has its problem
+            conversation.send_message(task.problem_statement)
         conversation.run()
         status = _status_of(conversation)
     except Exception as e:  # the task failed; report it, never lose the result
@@ -326,12 +412,45 @@ def run_task(task: TaskSpec, config: RunConfig) -> TaskResult:
         lifecycle.emit(SessionEnd(**now_stamps(), session_id=session_id, source="agent",
                                   status="ok" if status == "finished" else status))
         lifecycle.close()
+        SESSION_CREDENTIALS.forget(session_id)
     result = _collect(task, session_id, status, error, workspace, base_commit, before, wall_s,
                       events_path, task_dir, tracker.num_responses if tracker else 0)
     return _write(result.model_copy(update={
+        "resumed": previous is not None,
         "llm_calls": calls, "llm_s": sum(c.latency_s for c in calls),
         "num_prompt_tokens": sum(c.num_prompt_tokens for c in calls),
         "num_completion_tokens": sum(c.num_completion_tokens for c in calls)}), task_dir)
+
+
+def _task_workspace(task: TaskSpec, task_dir: Path,
+                    is_resumed: bool) -> tuple[Path, str | None, dict[str, float]]:
+    """``(workspace, base_commit, snapshot)`` of a run: a fresh one (earlier outputs removed,
+    the repository copied), or for a resumed run the earlier run's workspace and starting point.
+    ``snapshot``: file mtimes of a ``workspace`` task when it first started (``files_changed``).
+
+    Raises:
+        ValueError: see :func:`prepare_workspace`.
+    """
+    snapshot_path = task_dir / "workspace_snapshot.json"
+    base_path = task_dir / "base_commit"
+    if is_resumed and (task.workspace is not None or (task_dir / "workspace").is_dir()):
+        if task.workspace is not None:
+            before = (json.loads(snapshot_path.read_text()) if snapshot_path.exists()
+                      else _snapshot(Path(task.workspace).resolve()))
+            return Path(task.workspace).resolve(), None, before
+        workspace = (task_dir / "workspace").resolve()
+        base = base_path.read_text().strip() if base_path.exists() else None
+        return workspace, base or _git(workspace, "rev-parse", "HEAD").strip(), {}
+    for name in ("events.jsonl", "events_lost.jsonl", "tool_timings.jsonl", "result.json",
+                 snapshot_path.name, base_path.name):
+        (task_dir / name).unlink(missing_ok=True)
+    workspace, base_commit = prepare_workspace(task, task_dir)
+    if base_commit is not None:
+        base_path.write_text(base_commit + "\n")
+        return workspace, base_commit, {}
+    before = _snapshot(workspace)
+    snapshot_path.write_text(json.dumps(before))
+    return workspace, None, before
 
 
 def _collect(task: TaskSpec, session_id: str, status: TaskStatus, error: str | None,
@@ -362,9 +481,13 @@ def _write(result: TaskResult, task_dir: Path) -> TaskResult:
     return result
 
 
-def _check_run(tasks: Sequence[TaskSpec], config: RunConfig, rps: float, overwrite: bool) -> None:
+def _check_run(tasks: Sequence[TaskSpec], config: RunConfig, rps: float, overwrite: bool,
+               resume: bool = False) -> None:
     """Input checks of :func:`run_tasks` (see there); with ``overwrite``, deletes reused task
-    directories."""
+    directories; with ``resume``, keeps them."""
+    if overwrite and resume:
+        raise ValueError("--overwrite and --resume exclude each other: --resume goes on with the "
+                         "tasks' conversations, --overwrite starts them again")
     if rps <= 0:
         raise ValueError(f"rps must be > 0 tasks per second, got {rps} (--rps)")
     ids = [t.task_id for t in tasks]
@@ -374,12 +497,12 @@ def _check_run(tasks: Sequence[TaskSpec], config: RunConfig, rps: float, overwri
                          f"repeated: {', '.join(duplicates)}")
     out = Path(config.out_dir)
     used = [i for i in ids if (out / i).exists()]
-    if used and not overwrite:
+    if used and not (overwrite or resume):
         raise ValueError(f"--out {out} already holds task {used[0]} ({out / used[0]}"
                          f"{', and ' + str(len(used) - 1) + ' more' if len(used) > 1 else ''}); "
-                         "pass --overwrite to replace its results and workspace, or choose "
-                         "another --out")
-    for task_id in used:
+                         "pass --resume to go on with its conversation, --overwrite to replace "
+                         "its results and workspace, or choose another --out")
+    for task_id in used if overwrite else ():
         shutil.rmtree(out / task_id)
 
 
@@ -387,7 +510,7 @@ def run_tasks(tasks: Sequence[TaskSpec], config: RunConfig, rps: float,
               python: str | None = None, overwrite: bool = False,
               check_endpoint: bool = True, start_offsets_s: Sequence[float] | None = None,
               concurrency: int | None = None,
-              extra_env: dict[str, str] | None = None) -> list[TaskResult]:
+              extra_env: dict[str, str] | None = None, resume: bool = False) -> list[TaskResult]:
     """Run tasks concurrently, each in its own process, started at a fixed rate of ``rps`` per second.
 
     Task ``i`` starts at ``i / rps`` seconds (open loop), or at ``start_offsets_s[i]`` (e.g. Poisson
@@ -402,6 +525,8 @@ def run_tasks(tasks: Sequence[TaskSpec], config: RunConfig, rps: float,
         rps: arrival rate, tasks per second (> 0).
         python: interpreter for the task processes (default: this one).
         overwrite: delete what an earlier run left in ``out_dir/<task_id>`` (else refuse).
+        resume: a task whose ``out_dir/<task_id>`` exists goes on with the conversation its
+            earlier run persisted there (same session id and workspace; see :func:`run_task`).
         check_endpoint: run :func:`preflight` first.
         start_offsets_s: per-task start times, seconds after the first start (non-decreasing).
         concurrency: at most this many tasks at once (>= 1).
@@ -413,10 +538,11 @@ def run_tasks(tasks: Sequence[TaskSpec], config: RunConfig, rps: float,
 
     Raises:
         ValueError: ``rps`` <= 0, duplicate task ids, a reused task directory without
-            ``overwrite``, ``start_offsets_s`` of another length or decreasing, ``concurrency``
+            ``overwrite`` or ``resume`` (or both), ``start_offsets_s`` of another length or
+            decreasing, ``concurrency``
             < 1, or a failed pre-flight check; one line each, before any task starts.
     """
-    _check_run(tasks, config, rps, overwrite)
+    _check_run(tasks, config, rps, overwrite, resume)
     if start_offsets_s is not None and (len(start_offsets_s) != len(tasks) or any(
             b < a for a, b in zip(start_offsets_s, start_offsets_s[1:], strict=False))):
         raise ValueError(f"start_offsets_s must hold one non-decreasing start per task "

@@ -21,7 +21,11 @@ from mars_openhands.runtime.engine import AgentOutcome
 from mars_openhands.runtime.run import ExecContext, TaskRun
 from mars_openhands.runtime.tools import TOOL_SCHEMAS, run_tool
 
-__all__ = ["chat_request", "run_chat_agent", "session_id_of"]
+__all__ = ["SESSION_TOKEN_HEADER", "chat_request", "run_chat_agent", "session_id_of"]
+
+SESSION_TOKEN_HEADER = "X-Mars-Session-Token"
+"""The gateway's session-token header (as ``openhands/credentials.py``'s ``TOKEN_HEADER``): a
+gateway started with ``--api-key`` binds the session to the first token it sees."""
 
 SYSTEM_PROMPT = ("You are a coding agent. Work in the workspace with the terminal and file_editor "
                  "tools; call finish when the task is done.")
@@ -46,7 +50,8 @@ def chat_request(run: TaskRun, messages: list[dict[str, Any]], session_id: str) 
     request = urllib.request.Request(
         agent.base_url.rstrip("/") + "/chat/completions", data=json.dumps(body).encode(),
         headers={"content-type": "application/json", "authorization": f"Bearer {agent.api_key}",
-                 "x-mars-session": session_id}, method="POST")
+                 "x-mars-session": session_id, SESSION_TOKEN_HEADER: run.session_token()},
+        method="POST")
     try:
         with urllib.request.urlopen(request, timeout=agent.request_timeout_s) as response:
             data = json.loads(response.read())

@@ -110,6 +110,14 @@ class TaskRun:
         self.extra_roots = tuple(Path(p) for p in spec.scope.workspace_paths)
         self.usage = Usage()
         self._num_steps = 0
+        self._session_token: str | None = None
+
+    def session_token(self) -> str:
+        """The task's gateway session token (``X-Mars-Session-Token``): the same in every run of
+        the task, whichever process runs it (:meth:`Store.session_token`)."""
+        if self._session_token is None:
+            self._session_token = self.store.session_token(self.task_id)
+        return self._session_token
 
     # ---- bookkeeping -------------------------------------------------------------------------
     def _next_step(self) -> int:

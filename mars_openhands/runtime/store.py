@@ -9,6 +9,10 @@
   A row left ``started`` with no outcome is a call in doubt.
 * ``mars_approvals``: one row per request for a person's decision (approval of a gated action, or
   an in-doubt irreversible action): the action's digest, the decision and its single use.
+* ``mars_session_tokens``: the task's gateway session token (a random secret made at its first
+  run), so a task resumed after a crash, by any runner, sends the token the gateway bound its
+  session to. Kept apart from ``mars_tasks`` so an older database gains it without a migration,
+  and out of the event log so ``tasks show`` never prints it.
 
 Mental model: DBOS's step records make a restarted workflow replay instead of recompute; these
 tables make side effects exactly-once (an intent before, an outcome after, checked at entry) and
@@ -88,6 +92,13 @@ APPROVALS = sa.Table(
     sa.Column("decided_by", sa.String(200)),
     sa.Column("decision_reason", sa.Text),
     sa.Column("consumed_at", sa.Float),
+)
+
+SESSION_TOKENS = sa.Table(
+    "mars_session_tokens", _META,
+    sa.Column("task_id", sa.String(128), primary_key=True),
+    sa.Column("token", sa.String(200), nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False),
 )
 
 TERMINAL_STATUSES = frozenset({"succeeded", "failed", "ended_budget", "ended_deadline",
@@ -234,6 +245,19 @@ class Store:
         with self.engine.begin() as c:
             c.execute(sa.update(TASKS).where(TASKS.c.runner_id == runner_id)
                       .values(heartbeat_at=time.time()))
+
+    def session_token(self, task_id: str) -> str:
+        """The task's gateway session token: made (``secrets.token_urlsafe(32)``) and stored on
+        first use, the stored one ever after (concurrent first uses agree: the first insert wins).
+        """
+        import secrets
+
+        with self.engine.begin() as c:
+            c.execute(self._insert(SESSION_TOKENS).values(
+                task_id=task_id, token=secrets.token_urlsafe(32), created_at=time.time())
+                .on_conflict_do_nothing())
+            return str(c.execute(sa.select(SESSION_TOKENS.c.token).where(
+                SESSION_TOKENS.c.task_id == task_id)).scalar())
 
     # ---- event log ---------------------------------------------------------------------------
     def add_event(self, task_id: str, event_key: str, kind: str, payload: dict[str, Any],

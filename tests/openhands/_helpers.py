@@ -34,6 +34,8 @@ class EventCollector:
     def __init__(self, status_code: int = 200, fail_first: int = 0, fail_status: int = 503,
                  port: int = 0, delay_s: float = 0.0) -> None:
         self.events: list[dict[str, Any]] = []
+        self.posts: list[tuple[dict[str, str], list[dict[str, Any]]]] = []
+        """(lower-cased headers, events) of every post, in arrival order."""
         self.num_posts = 0
         self.status_code = status_code
         collector = self
@@ -45,9 +47,10 @@ class EventCollector:
                 time.sleep(delay_s)
                 collector.num_posts += 1
                 status = fail_status if collector.num_posts <= fail_first else collector.status_code
+                events = data if isinstance(data, list) else data.get("events", [data])
+                collector.posts.append(({k.lower(): v for k, v in self.headers.items()}, events))
                 if status < 400:
-                    collector.events.extend(data if isinstance(data, list)
-                                            else data.get("events", [data]))
+                    collector.events.extend(events)
                 self.send_response(status)
                 self.end_headers()
                 self.wfile.write(b"{}")
@@ -89,10 +92,121 @@ def serve_app(app: Any) -> Iterator[str]:
         thread.join(10)
 
 
+TOKEN_HEADER = "x-mars-session-token"
+
+
+class SessionTokenContract:
+    """ASGI middleware enforcing the gateway's credential contract (issue 33 item 6) in front of
+    a gateway, until the gateway does it itself; records what every call carried.
+
+    * with ``api_key``: ``POST /v1/*`` and ``POST /mars/v1/events`` need
+      ``Authorization: Bearer <api_key>`` (401 otherwise);
+    * a session is bound to the first ``X-Mars-Session-Token`` seen for it; a later LLM call or
+      event post of it with another token or none is refused (403); a ``session_end`` accepted
+      ends the binding (the gateway forgets the session);
+    * an event post holds the events of one session (400 otherwise).
+
+    A refused call changes nothing (it never reaches the gateway).
+
+    Attributes:
+        calls: ``{"kind": "llm"|"events", "session_id", "token", "authorization", "status"}``
+            per call, in arrival order (``status`` 0: passed to the gateway).
+    """
+
+    def __init__(self, app: Any, api_key: str | None = None) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.bound: dict[str, str] = {}
+        self.calls: list[dict[str, Any]] = []
+
+    def refused(self) -> list[dict[str, Any]]:
+        """The calls refused so far."""
+        return [c for c in self.calls if c["status"]]
+
+    def tokens_of(self, session_id: str, kind: str | None = None) -> list[str | None]:
+        """The token every call of ``session_id`` carried (of ``kind``), in order."""
+        return [c["token"] for c in self.calls if c["session_id"] == session_id
+                and (kind is None or c["kind"] == kind)]
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        kind = ("events" if path == "/mars/v1/events" else "llm" if path.startswith("/v1/")
+                else None)
+        if scope["type"] != "http" or scope.get("method") != "POST" or kind is None:
+            await self.app(scope, receive, send)
+            return
+        chunks = []
+        while True:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        body = b"".join(chunks)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        status, session_id, ends = self._check(kind, headers, body)
+        self.calls.append({"kind": kind, "session_id": session_id, "status": status,
+                           "token": headers.get(TOKEN_HEADER),
+                           "authorization": headers.get("authorization")})
+        if status:
+            payload = json.dumps({"error": {"message": f"contract: refused ({status})"}}).encode()
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": payload})
+            return
+        if ends:
+            self.bound.pop(session_id, None)
+        sent = False
+
+        async def replay() -> Any:
+            nonlocal sent
+            if sent:
+                return await receive()
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    def _check(self, kind: str, headers: dict[str, str], body: bytes) -> tuple[int, Any, bool]:
+        """``(status, session_id, has_session_end)``; status 0 passes the call on."""
+        from mars_openhands.control.metadata import extract_session_id
+
+        if self.api_key is not None and headers.get("authorization") != f"Bearer {self.api_key}":
+            return 401, None, False
+        try:
+            data = json.loads(body or b"null")
+        except ValueError:
+            return 0, None, False  # the gateway answers malformed bodies itself
+        if kind == "events":
+            events = data if isinstance(data, list) else []
+            sessions = {e.get("session_id") for e in events if isinstance(e, dict)}
+            if len(sessions) != 1:
+                return (400 if len(sessions) > 1 else 0), None, False
+            session_id = sessions.pop()
+            ends = any(e.get("kind") == "session_end" for e in events)
+        else:
+            try:
+                session_id, _ = extract_session_id(headers, data if isinstance(data, dict) else {})
+            except Exception:
+                return 0, None, False
+            ends = False
+        if session_id is None:
+            return 0, None, False
+        token = headers.get(TOKEN_HEADER)
+        bound = self.bound.get(session_id)
+        if bound is not None and token != bound:
+            return 403, session_id, False
+        if bound is None and token:
+            self.bound[session_id] = token
+        return 0, session_id, ends
+
+
 @contextmanager
-def playback_behind_gateway(scripts: Any, **gateway: Any) -> Iterator[tuple[Any, Any]]:
+def playback_behind_gateway(scripts: Any, api_key: str | None = None,
+                            **gateway: Any) -> Iterator[tuple[Any, Any]]:
     """The playback engine (a thread) behind a real MARS gateway (a thread) recording its stream
-    into a ``ListSink``; yields ``(gateway_server, sink)``."""
+    into a ``ListSink``, with the credential contract (:class:`SessionTokenContract`, as
+    ``gateway_server.contract``; ``api_key`` required when given) in front of the gateway;
+    yields ``(gateway_server, sink)``."""
     from mars_openhands.control.config import GatewayConfig, ReplicaConfig
     from mars_openhands.control.server import GatewayServer
     from mars_openhands.openhands.playback import build_playback_app
@@ -102,7 +216,10 @@ def playback_behind_gateway(scripts: Any, **gateway: Any) -> Iterator[tuple[Any,
     with serve_app(build_playback_app(scripts)) as playback_url:
         config = GatewayConfig(replicas=[ReplicaConfig(url=playback_url)], port=0,
                                poll_interval_s=0.2, **gateway)
-        with GatewayServer(config, sink) as server:
+        server = GatewayServer(config, sink)
+        server.contract = SessionTokenContract(server.gateway.app, api_key)
+        server._server.config.app = server.contract  # uvicorn loads it at start
+        with server:
             yield server, sink
 
 

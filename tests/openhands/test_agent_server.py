@@ -63,6 +63,20 @@ def test_the_entry_point_keeps_our_tools_after_the_tool_router() -> None:
     assert tools["browser_tool_set"] == "mars_openhands.openhands.agent_server"  # MARS_BROWSER=auto
     assert report["events_url"] == "http://gw:8000/mars/v1/events"
     assert report["openhands_agent_server"] == AGENT_SERVER_VERSION
+    assert report["host"] == "127.0.0.1"  # issue 34: the stock 1.34 server binds 0.0.0.0
+
+
+@pytest.mark.parametrize("env, args, host", [
+    ({"MARS_AGENT_SERVER_HOST": "0.0.0.0"}, [], "0.0.0.0"),
+    ({"MARS_AGENT_SERVER_HOST": "0.0.0.0"}, ["--host", "127.0.0.2"], "127.0.0.2"),
+    ({}, ["--host=::1", "--port", "8001"], "::1")])
+def test_the_bind_address_is_loopback_unless_told(env: dict[str, str], args: list[str],
+                                                  host: str) -> None:
+    from mars_openhands.openhands.agent_server import bind_argv, check_report
+
+    argv = bind_argv(args, env)
+    assert argv[: len(args)] == args and check_report(env, args)["host"] == host
+    assert bind_argv(["--port", "8001"], {}) == ["--port", "8001", "--host", "127.0.0.1"]
 
 
 def test_the_import_modules_recipe_keeps_our_tools_too() -> None:
@@ -79,7 +93,7 @@ def _script(workspace: Path) -> Script:
                             tool_calls=(RecordedToolCall(name=name, arguments=dict(arguments)),))
 
     return Script(name="agent-server", turns=(
-        turn("terminal", command="echo mars > note.txt && cat note.txt"),
+        turn("terminal", command="echo mars > note.txt && cat note.txt && env > env.txt"),
         turn("file_editor", command="view", path=str(workspace / "note.txt")),
         turn("task_tracker", command="plan", task_list=[{"title": "note", "notes": "", "status": "done"}]),
     ))
@@ -101,6 +115,8 @@ def test_a_conversation_reaches_the_gateway_with_tool_events_and_its_session_end
         argv = [sys.executable, "-m", "mars_openhands.openhands.agent_server", "--port", str(port)]
         url = f"http://127.0.0.1:{port}"
         with serve_process(argv, url, tmp_path / "agent-server.log", env, tmp_path):
+            # Issue 34: started as the app starts it (only --port), it listens on loopback.
+            assert f"Agent Server on 127.0.0.1:{port}" in (tmp_path / "agent-server.log").read_text()
             llm = LLM(model="openai/playback", base_url=gateway.base_url, api_key=SecretStr("x"),
                       usage_id="agent")
             agent = Agent(llm=llm, tools=[Tool(name="terminal"), Tool(name="file_editor"),
@@ -129,6 +145,15 @@ def test_a_conversation_reaches_the_gateway_with_tool_events_and_its_session_end
     assert kinds.index("session_end") > kinds.index("tool_end") + 2  # the end comes last
     assert kinds[kinds.index("session_end") + 1:] == ["session_start", "session_end"]
     assert sid not in state["sessions"] and state["num_admitted"] == 0  # the slot was released
+    # Issue 33 item 6: the conversation's LLM calls (the title's too) and event posts carried its
+    # token and the key of its LLM, though the user set neither; its terminal saw no token.
+    contract = gateway.contract
+    assert contract.refused() == []
+    tokens = contract.tokens_of(sid)
+    assert contract.tokens_of(sid, "llm") and contract.tokens_of(sid, "events")
+    assert len(set(tokens)) == 1 and tokens[0] is not None and len(tokens[0]) >= 22, tokens
+    assert {c["authorization"] for c in contract.calls if c["session_id"] == sid} == {"Bearer x"}
+    assert tokens[0] not in (workspace / "env.txt").read_text()
 
 
 def test_without_chromium_a_conversation_gets_no_browser_tools_instead_of_failing() -> None:

@@ -47,14 +47,18 @@ def _script(workspace_note: str) -> Script:
                             tool_calls=(RecordedToolCall(name=name, arguments=dict(arguments)),))
 
     return Script(name="app", turns=(
-        turn("terminal", command=f"echo {workspace_note} > note.txt && cat note.txt"),
+        turn("terminal", command=f"echo {workspace_note} > note.txt && cat note.txt && env > env.txt"),
         turn("terminal", command="wc -c note.txt"),
     ))
 
 
+API_KEY = "sk-app-gateway-33"
+
+
 def _app_env(gateway_url: str) -> dict:
     out = subprocess.run([sys.executable, "-m", "eval.cli", "openhands", "app-env",
-                          "--gateway", gateway_url, "--format", "json"], capture_output=True,
+                          "--gateway", gateway_url, "--api-key", API_KEY, "--format", "json"],
+                         capture_output=True,
                          text=True, timeout=120, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-2000:]
@@ -87,7 +91,7 @@ def _start_conversation(client: httpx.Client, text: str) -> str:
 def test_an_app_conversation_reaches_the_gateway(tmp_path: Path) -> None:
     assert _patch_applied(), ("patches/openhands-ai-1.11-process-sandbox.patch is not applied to "
                               "this env: run scripts/setup.sh openhands-app (or patches/apply.py)")
-    with playback_behind_gateway([_script("mars")]) as (gateway, sink):
+    with playback_behind_gateway([_script("mars")], api_key=API_KEY) as (gateway, sink):
         settings = _app_env(gateway.url)
         port = free_port()
         (tmp_path / "home").mkdir()
@@ -127,3 +131,14 @@ def test_an_app_conversation_reaches_the_gateway(tmp_path: Path) -> None:
     assert side and all(x == {"mars_side": 1} for x in side)  # the title request
     assert all(r["stream"] for r in ours if not r["is_side"])  # the app streams its turns
     assert sid not in state["sessions"]  # the slot was released at the end, not at the timeout
+    # Issue 33 item 6: the conversation's calls (the title's too) and event posts carried its own
+    # token and the user's key, with nothing set for it; its terminal did not see the token.
+    contract = gateway.contract
+    assert contract.refused() == []
+    tokens = contract.tokens_of(sid)
+    assert len(contract.tokens_of(sid, "llm")) == len(ours) and contract.tokens_of(sid, "events")
+    assert len(set(tokens)) == 1 and tokens[0] is not None and len(tokens[0]) >= 22, tokens
+    assert {c["authorization"] for c in contract.calls if c["session_id"] == sid} == {
+        f"Bearer {API_KEY}"}
+    env_files = list((tmp_path / "sandboxes").rglob("env.txt"))
+    assert env_files and all(tokens[0] not in f.read_text() for f in env_files)

@@ -97,14 +97,17 @@ def test_the_build_context_runs_as_the_entrypoint_without_docker(tmp_path: Path)
                     "--disable-pip-version-check", "--target", str(site), str(wheel)], check=True)
     [entry] = _instruction(OURS, "ENTRYPOINT")
     argv = [sys.executable if a.endswith("/bin/python") else a for a in json.loads(entry)[2:]]
+    image_env = dict(line.split("=", 1) for line in _instruction(OURS, "ENV"))
+    assert image_env == {"MARS_AGENT_SERVER_HOST": "0.0.0.0"}  # port mapping needs it (issue 34)
     env = {**os.environ, "PYTHONPATH": str(site), "OPENHANDS_SUPPRESS_BANNER": "1",
-           "MARS_EVENTS_URL": "http://host.docker.internal:8000/mars/v1/events"}
+           "MARS_EVENTS_URL": "http://host.docker.internal:8000/mars/v1/events", **image_env}
     check = subprocess.run([*argv, "--port", "8000", "--mars-check"], capture_output=True,
                            text=True, env=env, cwd=tmp_path, timeout=300)
     assert check.returncode == 0, check.stderr[-2000:]
     report = json.loads(check.stdout.strip().splitlines()[-1])
     assert report["tools"]["terminal"] == "mars_openhands.openhands.executor"
     assert report["events_url"] == "http://host.docker.internal:8000/mars/v1/events"
+    assert report["host"] == "0.0.0.0"
     helped = subprocess.run([*argv, "--help"], capture_output=True, text=True, env=env,
                             cwd=tmp_path, timeout=300)
     assert helped.returncode == 0 and "--port" in helped.stdout and "MARS_EVENTS_URL" in helped.stdout

@@ -5,6 +5,11 @@ tasks in one runner process (``mars-openhands tasks submit``). The runner SIGKIL
 tool call ran and before its outcome was recorded; ``tasks resume`` continues both from their logs:
 recorded LLM responses are not asked again, recorded tool calls not run again, and the
 conversations go on. Then ``tasks report`` shows the task metrics (table, Parquet, plot).
+
+The engine sits behind a real MARS gateway (issue 33 item 4): the tasks take the ``mars`` path,
+so the gateway's stream sees every tool call, each session's turns count on across the kill (no
+``mars_turn`` 0 twice), and the resumed runner sends the token the first one did (kept in the
+task database; the gateway binds the session to it, item 6).
 """
 
 from __future__ import annotations
@@ -25,11 +30,10 @@ from mars_openhands.openhands.playback import (  # noqa: E402
     RecordedToolCall,
     RecordedTurn,
     Script,
-    build_playback_app,
 )
 from mars_openhands.runtime.agent import session_id_of  # noqa: E402
 from mars_openhands.runtime.store import Store  # noqa: E402
-from tests.openhands._helpers import serve_app  # noqa: E402
+from tests.openhands._helpers import playback_behind_gateway, session_events  # noqa: E402
 
 pytestmark = [pytest.mark.openhands, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,8 +67,10 @@ def test_openhands_tasks_resume_after_a_kill_and_report(tmp_path: Path) -> None:
     # Step 3 of oh-hello (the file create) runs, then the runner dies before recording it.
     env = {"MARS_RUNTIME_CRASH_AT": "executed:tool:3:idempotent_write", "MARS_RUNTIME_CRASH_LOG": str(tmp_path / "crashed.txt"),
            "MARS_TASK_OUT_DIR": str(tmp_path / "out"), "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
-    with serve_app(build_playback_app(scripts)) as url:
-        agent = {"kind": "openhands", "base_url": url + "/v1", "model": "playback", "max_iterations": 10}
+    with playback_behind_gateway(scripts) as (gateway, sink):
+        url = gateway.config.replicas[0].url  # the playback engine itself, for its records
+        agent = {"kind": "openhands", "base_url": gateway.base_url, "model": "playback",
+                 "max_iterations": 10}
         tasks = [{"task_id": "oh-hello", "problem_statement": "print hello", "workspace": str(ws_a),
                   "agent": agent, "acceptance": {"command": "grep -qx hello out.txt"}},
                  {"task_id": "oh-notes", "problem_statement": "write notes", "workspace": str(ws_b),
@@ -80,6 +86,7 @@ def test_openhands_tasks_resume_after_a_kill_and_report(tmp_path: Path) -> None:
         resumed = _tasks("resume", db=db, env=env)
         assert resumed.returncode == 0, resumed.stdout + resumed.stderr
         requests = httpx.get(f"{url}/playback/requests").json()["requests"]
+        contract = gateway.contract
     assert (ws_a / "out.txt").read_text() == "hello\n"
     assert (ws_b / "notes.md").read_text() == "# notes\nresumed\n"
     # Recorded LLM responses were replayed, not asked again; a call in flight at the kill (the other
@@ -89,6 +96,22 @@ def test_openhands_tasks_resume_after_a_kill_and_report(tmp_path: Path) -> None:
     assert all(asked.count(t) == 1 for t in recorded), (asked, recorded)
     assert len(asked) - len(set(asked)) <= 1 and all(asked.count(t) <= 2 for t in asked)
     store = Store(db)
+    # Every tool call of each conversation (its recorded LLM responses' calls) reached the
+    # gateway's stream; the turns went on across the kill; one token per session, in both runs.
+    for task_id in ("oh-hello", "oh-notes"):
+        sid = session_id_of(task_id)
+        calls = {c["id"] for e in store.events(task_id) if e["kind"] == "llm_call"
+                 for c in e["payload"]["response"]["message"].get("tool_calls") or []
+                 if (c.get("name") or c.get("function", {}).get("name")) != "finish"}
+        ended = {e.tool_call_id for e in session_events(sink, sid) if e.kind == "tool_end"}
+        assert len(calls) == 3 and calls <= ended, (task_id, calls, ended)
+        turns = [r["vllm_xargs"]["mars_turn"] for r in requests if r["session_id"] == sid]
+        assert turns.count(0) == 1 and turns == sorted(turns), (task_id, turns)
+        tokens = contract.tokens_of(sid)
+        assert len(set(tokens)) == 1 and tokens[0] == store.session_token(task_id), tokens
+        kinds = [e.kind for e in session_events(sink, sid)]
+        assert kinds.count("session_start") == 2 and kinds[-1] == "session_end", kinds
+    assert contract.refused() == []
     rows = {t["task_id"]: t for t in store.tasks()}
     assert {k: (v["status"], v["num_runs"]) for k, v in rows.items()} == {
         "oh-hello": ("succeeded", 2), "oh-notes": ("succeeded", 2)}

@@ -96,6 +96,34 @@ def test_retries_of_a_turn_keep_its_number_until_one_answers() -> None:
     assert cp.start_turn(s) == (4, None) and cp.start_turn(s) == (5, None)  # no fingerprint
 
 
+def test_after_parallel_tool_calls_the_next_turn_carries_the_batch_span() -> None:
+    """Issue 33 item 3: three tool calls of one turn ran side by side (or one after the other);
+    the next turn waited from the first start to the last end, not the last call's duration."""
+    now = [0.0]
+    cp = plane(now)
+    s = cp.open_session("s")
+    cp.begin_request(s)
+    assert cp.request_slot(s, 10) and cp.start_turn(s) == (0, None)
+    cp.end_request(s)
+    t0 = 5_000_000_000  # the agent's monotonic clock, ns
+    # (call, start, end) seconds after t0: c2 ends last though c1 started first; c3 is short.
+    for call, start_s, end_s in (("c3", 0.2, 1.3), ("c1", 0.0, 2.1), ("c2", 0.1, 3.25)):
+        cp.on_cpu_event(s, ToolEnd(t_mono_ns=t0 + int(end_s * 1e9), t_wall=now_stamps()["t_wall"],
+                                   source="agent", session_id="s", tool_name=f"t-{call}",
+                                   tool_call_id=call, duration_s=end_s - start_s))
+    cp.begin_request(s)
+    turn, prev_tool = cp.start_turn(s)
+    assert turn == 1 and prev_tool is not None
+    assert prev_tool[0] == "t-c2" and prev_tool[1] == pytest.approx(3.25)  # not c2's own 3.15 s
+    cp.end_request(s)
+    # The next batch starts afresh: one call, its own duration.
+    cp.on_cpu_event(s, ToolEnd(t_mono_ns=t0 + 9 * 10**9, t_wall=now_stamps()["t_wall"],
+                               source="agent", session_id="s", tool_name="t-c4",
+                               tool_call_id="c4", duration_s=0.5))
+    cp.begin_request(s)
+    assert cp.start_turn(s) == (2, ("t-c4", 0.5))
+
+
 def test_a_tool_call_past_its_bound_is_interrupted_and_its_session_idles_out() -> None:
     """A dead agent (killed in the middle of a tool call) holds nothing forever: past the call's
     bound the tick closes it as interrupted (no prev_tool: nothing was measured), the backlog

@@ -140,3 +140,34 @@ def test_cli_input_errors_are_one_line_and_exit_2(db_url: str, tmp_path: Path) -
         assert expected in r.stderr and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
     listing = cli(db_url, "list")
     assert listing.returncode == 0 and "t1" in listing.stdout and "submitted" in listing.stdout
+
+
+def test_a_task_sends_the_session_token_it_keeps_in_the_database(db_url: str, tmp_path: Path) -> None:
+    """Issue 33 items 4/6: the token a gateway binds the task's session to is made once and kept
+    with the task, so every run of the task (a resume by another process too) sends it."""
+    import httpx
+
+    from mars_openhands.runtime.agent import SESSION_TOKEN_HEADER
+    from mars_openhands.runtime.store import Store
+
+    workspace = git_workspace(tmp_path / "ws")
+    spec = _spec("token", workspace, "http://127.0.0.1:9")
+    script = Script(name="token", session_id=session_id_of("token"), turns=(_turn("ls"),))
+    with serve_app(build_playback_app([script])) as url:
+        spec = spec.model_copy(update={"agent": spec.agent.model_copy(update={"base_url": url + "/v1"})})
+        with Runtime(RuntimeConfig(db_url=db_url)) as runtime:
+            runtime.submit(spec)
+            runtime.start("token")
+            assert runtime.wait(["token"], timeout_s=120)[0]["status"] == "succeeded"
+        requests = httpx.get(f"{url}/playback/requests").json()["requests"]
+    other = Store(db_url)  # another process's view of the same database
+    try:
+        token = other.session_token("token")
+        assert other.session_token("token") == token and len(token) >= 22
+        assert other.session_token("another") != token
+    finally:
+        other.close()
+    assert [r["header_token"] for r in requests] == [token, token]  # the ls turn, then finish
+    assert SESSION_TOKEN_HEADER.lower() == "x-mars-session-token"
+    events = json.dumps(cli(db_url, "show", "token").stdout)
+    assert token not in events  # never printed with the task
