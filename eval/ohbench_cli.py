@@ -44,22 +44,28 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
                       help="task arrivals per second (default 0.2)")
     load.add_argument("--concurrency", type=positive_int, default=None,
                       help="closed loop: this many tasks in flight instead of --rps")
-    p.add_argument("--arrival", choices=("fixed", "poisson"), default="fixed")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--arrival", choices=("fixed", "poisson"), default="fixed",
+                   help="gaps between task arrivals at --rps: fixed (default) or Poisson")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the arrivals, the session ids and the playback (default 0)")
     p.add_argument("--admission", choices=("auto", "on", "off"), default="auto",
                    help="auto: the gateway's window for mars/mars-preview only (as deployed)")
     p.add_argument("--gpu", default="h100_sxm", help="emulated GPU profile")
     p.add_argument("--model", default="qwen3-coder-30b-a3b-instruct", help="emulated model profile")
     p.add_argument("--kv-blocks", type=positive_int, default=None,
                    help="emulated KV blocks of 16 tokens (default: the profile's capacity)")
-    p.add_argument("--max-model-len", type=positive_int, default=32_768)
+    p.add_argument("--max-model-len", type=positive_int, default=32_768,
+                   help="the engine's --max-model-len, tokens (default 32768)")
     p.add_argument("--engine-python", default=None,
                    help="python of the engine env (default <repo>/.venv/bin/python)")
     p.add_argument("--traces", type=Path, default=None,
                    help="recorded runs to play back (default: the bundled mini-swe-agent traces)")
     p.add_argument("--max-turns", type=positive_int, default=20, help="recorded turns per task")
-    p.add_argument("--max-prompt-tokens", type=positive_int, default=30_000)
-    p.add_argument("--max-completion-tokens", type=positive_int, default=1024)
+    p.add_argument("--max-prompt-tokens", type=positive_int, default=30_000,
+                   help="emulated: cap on a played-back turn's prompt, tokens; keep it below "
+                        "--max-model-len minus --max-completion-tokens (default 30000)")
+    p.add_argument("--max-completion-tokens", type=positive_int, default=1024,
+                   help="cap on one completion, tokens (default 1024)")
     p.add_argument("--max-iterations", type=positive_int, default=100, help="agent steps per task")
     p.add_argument("--tool-workers", type=positive_int, default=16,
                    help="the gateway's tool-worker count (its CPU backlog signal)")
@@ -70,8 +76,10 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", default="qwen3_coder", help="gpu: vLLM's parser")
     p.add_argument("--engine-arg", action="append", default=[],
                    help="gpu: one more vLLM argument (repeatable), e.g. --engine-arg=--gpu-memory-utilization=0.9")
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="gpu: sampling temperature of every LLM call (default: the server's)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="gpu: nucleus sampling top_p of every LLM call (default: the server's)")
 
 
 def add_bench_subcommand(sub: Any) -> argparse.ArgumentParser:
