@@ -134,8 +134,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown and not getattr(args, "accepts_any_args", False):
         _subparser(parser, args.command).error(f"unrecognized arguments: {' '.join(unknown)}")
-    args.argv = list(sys.argv[2:] if argv is None else argv[1:])  # the subcommand's own arguments,
-    # as typed (compare records its command line in run.json)
+    if hasattr(args, "argv"):  # a subcommand that records its own arguments as typed (compare,
+        # in run.json) declares the attribute; the others' namespaces stay as parsed
+        args.argv = list(sys.argv[2:] if argv is None else argv[1:])
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2 if args.command is None else 1

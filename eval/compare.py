@@ -238,7 +238,7 @@ def add_compare_subcommand(subparsers: Any) -> argparse.ArgumentParser:
                    help="after a run with every run ok, record it as docs/results/NAME.json and rewrite "
                         "the result blocks drawn from it in README.md and the docs; needs a git checkout "
                         "without uncommitted changes, so the blocks name a commit that exists")
-    p.set_defaults(func=functools.partial(_main, flags={**long_flags(p), **_FLAG_OF_FIELD}))
+    p.set_defaults(func=functools.partial(_main, flags={**long_flags(p), **_FLAG_OF_FIELD}), argv=None)
     return p
 
 

@@ -115,3 +115,17 @@ def test_an_unknown_flag_names_the_subcommand(capsys) -> None:
         main(["compare", "--no-such-flag"])
     assert info.value.code == 2
     assert capsys.readouterr().err == "mars-openhands compare: error: unrecognized arguments: --no-such-flag\n"
+
+
+def test_only_compare_gets_its_typed_arguments(monkeypatch) -> None:
+    """compare records its command line (run.json); the gateway turns every attribute of its
+    namespace into config, so it must get none it did not declare."""
+    seen = {}
+    parser = build_parser()
+    monkeypatch.setattr("eval.cli.build_parser", lambda: parser)
+    for name in ("compare", "gateway"):
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+        sub.set_defaults(func=lambda args, n=name: seen.setdefault(n, vars(args).copy()) and 0)
+    main(["compare", "--quick"])
+    main(["gateway", "--port", "1"])
+    assert seen["compare"]["argv"] == ["--quick"] and "argv" not in seen["gateway"]
