@@ -21,6 +21,7 @@ from types import MappingProxyType
 
 from mars_openhands import __version__
 from mars_openhands.cli_style import EXIT_USAGE, CliParser, cli_error
+from mars_openhands.openhands.quiet import quiet_environment
 
 # (module, function) pairs; a subcommand is listed here only once it works end to end.
 SUBCOMMANDS: tuple[tuple[str, str], ...] = (
@@ -129,6 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     Raises:
         SystemExit: bad arguments (status 2, argparse's message), ``--help``, ``--version``.
     """
+    quiet_environment()  # before any subcommand imports the OpenHands SDK or LiteLLM
     parser = build_parser()
     # parse_known_args so that an unavailable subcommand sees all its arguments (even --help)
     args, unknown = parser.parse_known_args(argv)

@@ -146,10 +146,12 @@ def _checked_inputs(args: argparse.Namespace) -> tuple[list[Any], Any]:
 
 def run_from_args(args: argparse.Namespace) -> int:
     """``openhands run``: run the tasks, print one JSON summary line per task; exit 1 if any errored."""
-    # Before the SDK import: litellm otherwise fetches its cost map from GitHub at import (and
-    # retries for ~12 s without network).
-    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    from mars_openhands.openhands.quiet import quiet_environment, quiet_sdk_logs
+
+    quiet_environment()  # before the SDK import (LiteLLM's price-map download, the banner)
     from mars_openhands.openhands.runner import run_tasks
+
+    quiet_sdk_logs()
 
     try:
         tasks, config = _checked_inputs(args)
