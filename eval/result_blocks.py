@@ -25,6 +25,7 @@ import math
 import re
 import subprocess
 import sys
+import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -103,7 +104,7 @@ def record_run(results_dir: str | Path, name: str) -> dict[str, Any]:
         raise BlockError(f"{parquet}: runs failed ({', '.join(failed)}); a block shows complete jobs only")
     rows = [{c: _clean(r[c]) for c in _ROW_COLUMNS if c in table.columns} for _, r in table.iterrows()]
     keep = {k: v for k, v in facts.items() if k.startswith(("base rate", "wall", "sessions", "turns", "seed",
-                                                            "KV blocks", "scope", "admission"))}
+                                                            "KV blocks", "scope", "admission", "jobs"))}
     return {"name": name, "commit": commit, "date": facts.get("date"), "command": facts.get("command"),
             "results_sha256": hashlib.sha256(parquet.read_bytes()).hexdigest(), "facts": keep,
             "rows": rows, "rows_sha256": rows_digest(rows)}
@@ -157,8 +158,12 @@ def _walls(record: Mapping[str, Any]) -> str:
 
 
 def _provenance(record: Mapping[str, Any]) -> str:
-    return (f"`{record['command']}` at {record['commit']} on {record['date']} "
-            f"(docs/results/{record['name']}.json)")
+    """Command, worker processes, commit, date and record file. The job count is part of what ran:
+    a knee search probes ``jobs // searches`` rates a round, so its knee (and every load) can
+    differ with it (docs/compare.md, "Knee search")."""
+    jobs = record["facts"].get("jobs")
+    return (f"`{record['command']}` with {jobs} worker processes (`--jobs {jobs}` reproduces it "
+            f"anywhere) at {record['commit']} on {record['date']} (docs/results/{record['name']}.json)")
 
 
 _QUICK_COLUMNS = (("mean E2E (s)", "e2e_mean_s"), ("P95 E2E (s)", "e2e_p95_s"), ("P99 E2E (s)", "e2e_p99_s"),
@@ -299,7 +304,19 @@ def render(block: str, record: Mapping[str, Any]) -> str:
     """
     if block not in BLOCKS:
         raise BlockError(f"unknown result block {block!r}; known: {', '.join(BLOCKS)}")
-    return BLOCKS[block][1](record).rstrip() + "\n"
+    return _wrap(BLOCKS[block][1](record))
+
+
+def _wrap(text: str, width: int = 100) -> str:
+    """Prose paragraphs filled to ``width`` columns, as the docs are; tables and headings kept. Pure."""
+    paragraphs = []
+    for paragraph in text.strip().split("\n\n"):
+        if paragraph.startswith(("|", "#", "**")):
+            paragraphs.append(paragraph)
+        else:
+            paragraphs.append(textwrap.fill(" ".join(paragraph.split()), width, break_long_words=False,
+                                            break_on_hyphens=False))
+    return "\n\n".join(paragraphs) + "\n"
 
 
 # -- files ------------------------------------------------------------------------------------------
@@ -376,7 +393,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     rec.add_argument("results_dir", help="the --out folder of a finished compare")
     rec.add_argument("--block", required=True, choices=sorted({r for r, _ in BLOCKS.values()}),
                      help="the record's name (docs/results/NAME.json)")
-    sub.add_parser("render", help="re-render every block from the committed records")
+    ren = sub.add_parser("render", help="re-render the blocks from the committed records")
+    ren.add_argument("--block", default=None, choices=sorted({r for r, _ in BLOCKS.values()}),
+                     help="only the blocks of this record (default: every block)")
     sub.add_parser("check", help="exit 1 when a block differs from its record's rendering")
     args = parser.parse_args(argv)
     try:
