@@ -415,10 +415,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _stale(path: Path) -> bool:
+    """Whether a block of ``path`` differs from its record's rendering. Raises BlockError for a
+    block without a record."""
     for name, body in find_blocks(path.read_text(encoding="utf-8")):
         if name in BLOCKS:
-            record = load_record(REPO_ROOT / RECORD_DIR / f"{BLOCKS[name][0]}.json")
-            if render(name, record) != body:
+            record_path = REPO_ROOT / RECORD_DIR / f"{BLOCKS[name][0]}.json"
+            if not record_path.is_file():
+                raise BlockError(f"{path.name}: block {name!r} has no record {record_path}; record a run "
+                                 f"with `python -m eval.result_blocks record DIR --block {BLOCKS[name][0]}`")
+            if render(name, load_record(record_path)) != body:
                 return True
     return False
 

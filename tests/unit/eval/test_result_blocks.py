@@ -158,3 +158,19 @@ def test_write_blocks_rewrites_only_between_the_markers(tmp_path) -> None:
     (tmp_path / "README.md").write_text("<!-- default-job:begin -->\nx\n<!-- default-job:end -->\n")
     with pytest.raises(BlockError, match="no record"):
         write_blocks(tmp_path)
+
+
+def test_compare_refuses_to_record_a_block_from_uncommitted_code(monkeypatch, capsys, tmp_path) -> None:
+    import argparse
+
+    import eval.compare as compare
+
+    monkeypatch.setattr(compare, "source_commit", lambda: "abc1234+dirty")
+    parser = argparse.ArgumentParser(prog="mars-openhands")
+    compare.add_compare_subcommand(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["compare", "--quick", "--readme-block", "quick", "--out", str(tmp_path / "out")])
+    assert args.func(args) == 2
+    assert capsys.readouterr().err == ("mars-openhands compare: error: --readme-block quick: the checkout is at "
+                                       "abc1234+dirty; commit your changes first, so the block names code that "
+                                       "exists\n")
+    assert not (tmp_path / "out").exists()
