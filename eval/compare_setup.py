@@ -246,14 +246,14 @@ def check_profile_keys(gpus: Sequence[str], model: str) -> None:
 
 
 _WRITTEN_FILES = frozenset({"results.parquet", "results.parquet.tmp", "summary.md", "summary.md.tmp",
-                            "capacity.parquet", *_RESULT_PNGS})
+                            "run.json", "run.json.tmp", "capacity.parquet", *_RESULT_PNGS})
 """Fixed-name files compare writes into ``--out`` (besides the run Parquets and ``server-logs/``)."""
 
 
 def clear_previous_results(out_dir: str | Path) -> bool:
     """Delete what an earlier compare wrote into ``out_dir`` if it holds a ``results.parquet``.
 
-    Deletes only compare's own files: ``results.parquet``, ``summary.md``, ``capacity.parquet``, the
+    Deletes only compare's own files: ``results.parquet``, ``summary.md``, ``run.json``, ``capacity.parquet``, the
     PNG plots (``[<gpu>__]<name>.png``), the run Parquets (``[<gpu>__]<policy>[+adm]__load<x>.parquet``
     and those ``results.parquet`` lists) and ``server-logs/``; anything else in ``out_dir`` stays.
 
