@@ -316,8 +316,9 @@ def _model_dir(model: str, dtype: str, root: Path) -> Path:
     return folder
 
 
-def _engine(args: argparse.Namespace, deployment: Any, model_dir: Path) -> Any:
-    """An in-process vLLM engine (no multiprocessing, no async scheduling: one step per call)."""
+def _engine(args: argparse.Namespace, deployment: Any, model_dir: Path, block_size: int = 16) -> Any:
+    """An in-process vLLM engine (no multiprocessing, no async scheduling: one step per call);
+    ``block_size`` 16 as the profiles assume (the CPU build, in tests, needs a multiple of 32)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
@@ -327,7 +328,7 @@ def _engine(args: argparse.Namespace, deployment: Any, model_dir: Path) -> Any:
         model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, kv_cache_dtype=kv,
         gpu_memory_utilization=deployment.gpu_memory_utilization, enable_prefix_caching=False,
         max_model_len=max(args.contexts) + args.decode_steps + 16, max_num_batched_tokens=args.budget,
-        max_num_seqs=max(args.batches), async_scheduling=False, block_size=16))
+        max_num_seqs=max(args.batches), async_scheduling=False, block_size=block_size))
 
 
 def _measure_point(engine: Any, batch: int, context: int, decode_steps: int, vocab: int,
