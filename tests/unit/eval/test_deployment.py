@@ -104,3 +104,19 @@ def test_fp8_kv_and_memory_utilization_set_the_kv_blocks_and_the_scope(tmp_path,
     assert "KV cache fp8 (48 KiB/token), gpu-memory-utilization 0.95." in summary.splitlines()[2]
     assert (facts["kv cache dtype"], facts["gpu memory utilization"]) == ("fp8", 0.95)
     assert "KV 20254 blocks = the whole GPU" in facts["timing"]  # 10,127 bf16 blocks at 0.95, twice
+
+
+def test_the_emulated_server_gets_the_deployment(tmp_path) -> None:
+    from eval.backends import LiveBackend, LiveOptions, parse_backend
+    from eval.policies import POLICIES
+
+    emulated = pytest.importorskip("mars_openhands.engine.executor.emulated")
+    config = {name: (p.scheduler, p.additional_config) for name, p in POLICIES.items()}
+    options = LiveOptions(num_gpu_blocks=900, max_model_len_tokens=4096, model="gpt-oss-120b", dtype="mxfp4",
+                          kv_cache_dtype="fp8", gpu_memory_utilization=0.95)
+    with LiveBackend(parse_backend("emulated"), options, config) as backend:
+        gpu = backend.server_options("fcfs", tmp_path).additional_config["emulated_gpu"]
+    profile = emulated.EmulatedGpuConfig(**gpu)  # what the executor parses from --additional-config
+    assert (profile.model, profile.dtype, profile.kv_cache_dtype, profile.gpu_memory_utilization) == (
+        "gpt-oss-120b", "mxfp4", "fp8", 0.95)
+    assert profile.kv_bytes_per_token == 18_432
