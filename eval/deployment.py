@@ -158,7 +158,7 @@ class Deployment:
 def add_deployment_flags(parser: argparse.ArgumentParser) -> None:
     """Add ``--model``, ``--kv-cache-dtype`` and ``--gpu-memory-utilization`` to ``parser``."""
     parser.add_argument(
-        "--model", default=DEFAULT_MODEL,
+        "--model", default=DEFAULT_MODEL, metavar="NAME[/DTYPE]",
         help=f"model profile, NAME or NAME/WEIGHT_DTYPE (default {DEFAULT_MODEL}); one of "
              f"{_model_choices()}. A bare NAME takes its bf16 weights, or its only dtype "
              "(gpt-oss-120b: mxfp4 experts, bf16 attention and KV)")
@@ -170,7 +170,7 @@ def add_deployment_flags(parser: argparse.ArgumentParser) -> None:
              "H100/H200 SXM: decode at long contexts faster, prefill a few percent slower). Accuracy "
              "loss of fp8 KV is not modelled")
     parser.add_argument(
-        "--gpu-memory-utilization", type=memory_fraction, default=DEFAULT_GPU_MEMORY_UTILIZATION,
+        "--gpu-memory-utilization", type=memory_fraction, default=DEFAULT_GPU_MEMORY_UTILIZATION, metavar="F",
         help=f"vLLM's --gpu-memory-utilization, in (0, 1] (default {DEFAULT_GPU_MEMORY_UTILIZATION}, "
              "vLLM's): the share of the GPU's memory for weights, activations and KV; the KV pool is "
              "what is left of it (H100 SXM, Qwen3-Coder bf16: 7,396 blocks at 0.9, 10,127 at 0.95)")
