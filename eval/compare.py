@@ -84,6 +84,7 @@ from eval.compare_setup import (
     gpu_setups,
     workload_from_args,
 )
+from eval.deployment import add_deployment_flags, deployment_from_args
 from eval.policies import ABLATIONS, DEFAULT_POLICIES, QUICK_POLICIES, REFERENCE, parse_policies
 from eval.pool import default_jobs, start_worker_server
 from eval.progress import LineProgress
@@ -216,8 +217,7 @@ def add_compare_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--gpu", type=_gpu_list, default=None,
                    help=f"comma-separated GPU profile keys, one report (default {','.join(DEFAULT_GPUS)} "
                         f"for sim, {DEFAULT_GPUS[0]} for live backends); also h100_nvl, h200_nvl")
-    p.add_argument("--model", default="qwen3-coder-30b-a3b-instruct",
-                   help="model profile key (default qwen3-coder-30b-a3b-instruct)")
+    add_deployment_flags(p)  # --model, --kv-cache-dtype, --gpu-memory-utilization
     p.add_argument("--kv-scale", type=_kv_scale, default="1",
                    help="fraction of the profile's KV capacity to simulate; 1 (default) = the whole GPU; "
                         "'auto' = the sessions' kept context / their full context, so trimmed sessions "
@@ -357,6 +357,9 @@ def _load_and_run(args: argparse.Namespace, spec: Any, options: CompareOptions, 
                 start_worker_server()  # the workers' vLLM import, alongside the set-up below and
                 # the parent's own work (after the workload loaded: a bad path leaves nothing behind)
             setups, live, scope = gpu_setups(args, spec, workload, auto_scale, loaded)
+            # the report names the deployment it stands for (the cpu and URL backends run their own)
+            deployment = deployment_from_args(args) if spec.kind in ("sim", "emulated") else None
+            scope = f"{scope} {deployment.describe()}" if deployment else scope
         options = options.model_copy(update={"num_gpu_blocks": setups[0].num_gpu_blocks})
     except ValidationError as e:
         return max(_error(line) for line in config_error_lines(e, flags))
@@ -372,6 +375,7 @@ def _load_and_run(args: argparse.Namespace, spec: Any, options: CompareOptions, 
                 f"tool_time_factor={args.tool_time_factor}"}
     for setup in setups:
         meta[f"timing ({setup.gpu})" if len(setups) > 1 else "timing"] = setup.timing
+    meta.update(deployment.facts() if deployment else {})
     meta.update({"tool workers": args.tool_workers, "seed": args.seed, "admission": args.admission,
                  "jobs": jobs if not spec.is_live else 1})
     if skipped:
