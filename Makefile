@@ -5,10 +5,19 @@ PYTEST  := -m pytest -q -p no:cacheprovider
 # LiteLLM (pulled in by the OpenHands SDK) otherwise tries to fetch a model cost map at import.
 export LITELLM_LOCAL_MODEL_COST_MAP := True
 
-.PHONY: setup test unit vllm-suite integration openhands-test openhands-app-test docker-test openhands-test-1.14 lint
+.PHONY: setup compare test unit vllm-suite integration openhands-test openhands-app-test docker-test openhands-test-1.14 lint
 
 setup:
 	bash scripts/setup.sh
+
+# The main job on a fresh machine: the engine env (.venv), then `mars-openhands compare` with no
+# flags (every bundled session at full length, whole KV, both GPUs, every policy and the
+# unbounded-KV reference; docs/compare.md). COMPARE_OUT is compare's own default folder.
+COMPARE_OUT := runs/compare
+compare:
+	bash scripts/setup.sh engine
+	.venv/bin/mars-openhands compare --out $(COMPARE_OUT)
+	@echo "results in $(COMPARE_OUT)/: summary.md, results.parquet, run.json, plots"
 
 # Fast unit tests, vLLM's own scheduler tests, then integration tests that start real vLLM servers,
 # then the OpenHands env tests and the Docker sandbox tests.

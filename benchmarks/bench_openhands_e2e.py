@@ -123,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
 
     shutil.rmtree(args.out / "fixture", ignore_errors=True)
     rows, mirror = write_swebench_fixture(args.out, args.tasks, args.traces)
+    from mars_openhands.openhands.quiet import quiet_environment
+
+    quiet_environment()  # before the bench imports the SDK: no banner, no price-map download
     from eval.ohbench_cli import main as bench
 
     t0 = time.perf_counter()

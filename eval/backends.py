@@ -349,6 +349,12 @@ class LiveOptions(BaseModel):
     """Emulated GPU profile key."""
     model: str = "qwen3-coder-30b-a3b-instruct"
     """Emulated model profile key."""
+    dtype: str = "bf16"
+    """Emulated model's weight dtype key (with ``model``, a key of the executor's ``MODELS``)."""
+    kv_cache_dtype: Literal["bf16", "fp8"] | None = None
+    """Emulated KV cache dtype (``--kv-cache-dtype``); ``None`` = the model's own."""
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    """Emulated ``--gpu-memory-utilization`` (the KV pool itself is ``num_gpu_blocks``)."""
     time_scale: float = Field(1.0, gt=0.0)
     """Wall seconds per modelled second (emulated only; see the module docstring)."""
     num_tool_workers: int = Field(16, ge=1)
@@ -490,7 +496,10 @@ class LiveBackend:
             **({"python_executable": o.engine_python} if o.engine_python else {}),
             "log_path": (o.log_dir / f"server-{policy}.log") if o.log_dir else None}
         if self.spec.kind == "emulated":
-            additional["emulated_gpu"] = {"gpu": o.gpu, "model": o.model, "time_scale": o.time_scale}
+            additional["emulated_gpu"] = {"gpu": o.gpu, "model": o.model, "dtype": o.dtype,
+                                          "kv_cache_dtype": o.kv_cache_dtype,
+                                          "gpu_memory_utilization": o.gpu_memory_utilization,
+                                          "time_scale": o.time_scale}
             if o.step_trace_dir is not None:
                 o.step_trace_dir.mkdir(parents=True, exist_ok=True)
                 additional["emulated_gpu"]["step_trace_path"] = str(o.step_trace_dir / f"steps-{policy}.jsonl")
@@ -685,5 +694,9 @@ def _wait_for_finished(result: Any, gateway_events: list[ev.Event], timeout_s: f
             break
         time.sleep(0.05)
     if missing:
+        example = sorted(missing)[:3]
+        engine_turns = {sid: sorted(t for s, t in seen if s == sid and t is not None)
+                        for sid, _ in example}
         raise RuntimeError(f"{len(missing)} completed sessions have no engine 'finished' event for their "
-                           f"last turn (e.g. {sorted(missing)[:3]}): engine telemetry was lost")
+                           f"last turn (e.g. {example}; the engine finished turns {engine_turns}): "
+                           "engine telemetry was lost")

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from types import MappingProxyType
 
 from mars_openhands import __version__
+from mars_openhands.cli_style import EXIT_USAGE, CliParser, cli_error
+from mars_openhands.openhands.quiet import quiet_environment
 
 # (module, function) pairs; a subcommand is listed here only once it works end to end.
 SUBCOMMANDS: tuple[tuple[str, str], ...] = (
@@ -51,7 +53,7 @@ UNAVAILABLE_HINTS = MappingProxyType({
     ),
 })
 
-EXIT_UNAVAILABLE = 2
+EXIT_UNAVAILABLE = EXIT_USAGE
 
 
 def _unavailable_message(module: str, error: ImportError) -> str:
@@ -69,8 +71,7 @@ def _add_unavailable(sub: argparse._SubParsersAction[argparse.ArgumentParser], n
     parser.add_argument("ignored_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
 
     def run(_args: argparse.Namespace) -> int:
-        print(f"mars-openhands {name}: {message}", file=sys.stderr)
-        return EXIT_UNAVAILABLE
+        return cli_error(f"mars-openhands {name}", message)
 
     parser.set_defaults(func=run, accepts_any_args=True)
 
@@ -81,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     A subcommand whose module raises ImportError here is registered by :func:`_add_unavailable`
     under its name (``add_<name>_subcommand``).
     """
-    parser = argparse.ArgumentParser(
+    parser = CliParser(
         prog="mars-openhands",
         description="MARS co-scheduling for agentic LLM workloads on stock vLLM and OpenHands.",
     )
@@ -115,17 +116,29 @@ def _add_nested(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         adder(actions[0])
 
 
+def _subparser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser:
+    """The sub-parser of ``command`` (so that its errors name it), or ``parser`` itself."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            return action.choices[command]
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse `argv` (default: sys.argv[1:]) and run the chosen subcommand; return its exit code.
 
     Raises:
         SystemExit: bad arguments (status 2, argparse's message), ``--help``, ``--version``.
     """
+    quiet_environment()  # before any subcommand imports the OpenHands SDK or LiteLLM
     parser = build_parser()
     # parse_known_args so that an unavailable subcommand sees all its arguments (even --help)
     args, unknown = parser.parse_known_args(argv)
     if unknown and not getattr(args, "accepts_any_args", False):
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        _subparser(parser, args.command).error(f"unrecognized arguments: {' '.join(unknown)}")
+    if hasattr(args, "argv"):  # a subcommand that records its own arguments as typed (compare,
+        # in run.json) declares the attribute; the others' namespaces stay as parsed
+        args.argv = list(sys.argv[2:] if argv is None else argv[1:])
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2 if args.command is None else 1

@@ -46,6 +46,7 @@ import functools
 import logging
 import os
 import re
+import shlex
 import sys
 import time
 from collections.abc import Mapping
@@ -83,11 +84,16 @@ from eval.compare_setup import (
     gpu_setups,
     workload_from_args,
 )
+from eval.deployment import add_deployment_flags, deployment_from_args
 from eval.policies import ABLATIONS, DEFAULT_POLICIES, QUICK_POLICIES, REFERENCE, parse_policies
 from eval.pool import default_jobs, start_worker_server
+from eval.progress import LineProgress
+from eval.provenance import source_commit, utc_date
+from eval.result_blocks import BLOCKS, BlockError, record_run, save_record, write_blocks
 from eval.runs import plan
 from eval.sweep import CompareInterrupted, run_sweep
 from eval.sweep_options import CompareOptions
+from mars_openhands.cli_style import CliParser, cli_error
 
 __all__ = ["DEFAULT_GPUS", "add_compare_subcommand", "with_reference"]
 
@@ -211,8 +217,7 @@ def add_compare_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--gpu", type=_gpu_list, default=None,
                    help=f"comma-separated GPU profile keys, one report (default {','.join(DEFAULT_GPUS)} "
                         f"for sim, {DEFAULT_GPUS[0]} for live backends); also h100_nvl, h200_nvl")
-    p.add_argument("--model", default="qwen3-coder-30b-a3b-instruct",
-                   help="model profile key (default qwen3-coder-30b-a3b-instruct)")
+    add_deployment_flags(p)  # --model, --kv-cache-dtype, --gpu-memory-utilization
     p.add_argument("--kv-scale", type=_kv_scale, default="1",
                    help="fraction of the profile's KV capacity to simulate; 1 (default) = the whole GPU; "
                         "'auto' = the sessions' kept context / their full context, so trimmed sessions "
@@ -229,7 +234,11 @@ def add_compare_subcommand(subparsers: Any) -> argparse.ArgumentParser:
                         "(default $XDG_CACHE_HOME/mars-openhands/compare)")
     p.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
     p.add_argument("--out", default="runs/compare", help="results directory (default runs/compare)")
-    p.set_defaults(func=functools.partial(_main, flags={**long_flags(p), **_FLAG_OF_FIELD}))
+    p.add_argument("--readme-block", default=None, choices=sorted({r for r, _ in BLOCKS.values()}),
+                   help="after a run with every run ok, record it as docs/results/NAME.json and rewrite "
+                        "the result blocks drawn from it in README.md and the docs; needs a git checkout "
+                        "without uncommitted changes, so the blocks name a commit that exists")
+    p.set_defaults(func=functools.partial(_main, flags={**long_flags(p), **_FLAG_OF_FIELD}), argv=None)
     return p
 
 
@@ -261,8 +270,7 @@ def with_reference(policies: tuple[str, ...], args: argparse.Namespace, spec: An
 
 
 def _error(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return 2
+    return cli_error("mars-openhands compare", message)
 
 
 def _apply_defaults(args: argparse.Namespace, spec: Any) -> None:
@@ -306,6 +314,9 @@ def _main(args: argparse.Namespace, flags: Mapping[str, str] | None = None) -> i
     blocking = next((q for q in out.parents if q.exists() and not q.is_dir()), None)
     if blocking is not None:
         return _error(f"--out {out}: {blocking} is a file; give a directory")
+    if args.readme_block and source_commit().endswith(("+dirty", ")")):
+        return _error(f"--readme-block {args.readme_block}: the checkout is at {source_commit()}; commit "
+                      "your changes first, so the block names code that exists")
     try:
         spec = parse_backend(args.backend)
         _apply_defaults(args, spec)
@@ -346,6 +357,9 @@ def _load_and_run(args: argparse.Namespace, spec: Any, options: CompareOptions, 
                 start_worker_server()  # the workers' vLLM import, alongside the set-up below and
                 # the parent's own work (after the workload loaded: a bad path leaves nothing behind)
             setups, live, scope = gpu_setups(args, spec, workload, auto_scale, loaded)
+            # the report names the deployment it stands for (the cpu and URL backends run their own)
+            deployment = deployment_from_args(args) if spec.kind in ("sim", "emulated") else None
+            scope = f"{scope} {deployment.describe()}" if deployment else scope
         options = options.model_copy(update={"num_gpu_blocks": setups[0].num_gpu_blocks})
     except ValidationError as e:
         return max(_error(line) for line in config_error_lines(e, flags))
@@ -353,12 +367,15 @@ def _load_and_run(args: argparse.Namespace, spec: Any, options: CompareOptions, 
         return _error(str(e))
     jobs = args.jobs or default_jobs()
     meta: dict[str, Any] = {
-        "scope": scope, "backend": spec.label, "workload": args.workload or args.traces,
+        "scope": scope, "commit": source_commit(), "date": utc_date(),
+        "command": "mars-openhands compare " + shlex.join(getattr(args, "argv", None) or []),
+        "backend": spec.label, "workload": args.workload or args.traces,
         "trim": f"sessions={args.sessions} max_turns={args.max_turns} max_context_tokens={args.max_context_tokens} "
                 f"kv_scale={args.kv_blocks and 'kv_blocks=' + str(args.kv_blocks) or args.kv_scale} "
                 f"tool_time_factor={args.tool_time_factor}"}
     for setup in setups:
         meta[f"timing ({setup.gpu})" if len(setups) > 1 else "timing"] = setup.timing
+    meta.update(deployment.facts() if deployment else {})
     meta.update({"tool workers": args.tool_workers, "seed": args.seed, "admission": args.admission,
                  "jobs": jobs if not spec.is_live else 1})
     if skipped:
@@ -371,18 +388,30 @@ def _load_and_run(args: argparse.Namespace, spec: Any, options: CompareOptions, 
     cache = ResultCache(None if args.no_cache else (args.cache_dir or default_cache_dir()))
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("ETA"), TimeRemainingColumn())
-    with Progress(*columns, console=console) as progress:
+    # A bar on a terminal; a log line per finished run (and knee probe) in a file or pipe, where
+    # rich draws nothing
+    bars = Progress(*columns, console=console) if console.is_terminal else LineProgress()
+    with bars as progress:
         results = run_sweep(workload, options, setups, args.out, meta=meta, progress=progress, live=live,
                             jobs=jobs, cache=cache)
     print((Path(args.out) / "summary.md").read_text(encoding="utf-8"))
     console.print(f"wrote {args.out} in {time.monotonic() - t0:.0f} s "
                   f"({int((results['status'] == 'ok').sum())}/{len(results)} runs ok; {scope.split(':')[0]}"
                   f"{'; ' + str(cache.num_hits) + ' cached ideal/knee results reused' if cache.num_hits else ''})")
-    return 0 if (results["status"] == "ok").all() else 1
+    if not (results["status"] == "ok").all():
+        return 1
+    if args.readme_block:
+        try:
+            print(f"recorded {save_record(record_run(args.out, args.readme_block))}", file=sys.stderr)
+            for path in write_blocks(only_record=args.readme_block):
+                print(f"rewrote the result blocks in {path}", file=sys.stderr)
+        except (BlockError, OSError) as e:
+            return _error(f"--readme-block: {e}")
+    return 0
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m eval.compare")
+    parser = CliParser(prog="python -m eval.compare")
     add_compare_subcommand(parser.add_subparsers(dest="command"))
     parsed = parser.parse_args(["compare", *sys.argv[1:]])
     sys.exit(parsed.func(parsed))

@@ -19,16 +19,12 @@ from typing import Any
 import pandas as pd
 
 from eval.backends import LiveBackend, LiveOptions, first_served_model
+from eval.deployment import deployment_from_args, parse_model
 from eval.policies import POLICIES, live_policy_config
-from eval.sweep_options import GpuSetup, ProfileTimer
+from eval.sweep_options import GpuSetup
 from eval.workloads import Workload, load_trace_dir, load_workload, trim_workload
 from eval.workloads.transform import scale_workload
-from mars_openhands.engine.harness.executor.profiles import (
-    GPUS,
-    MODELS,
-    GpuProfile,
-    estimate_kv_capacity,
-)
+from mars_openhands.engine.harness.executor.profiles import GPUS, estimate_kv_capacity
 
 __all__ = [
     "DEFAULT_TRACES",
@@ -165,10 +161,11 @@ def skipped_traces_note(workload: Workload) -> str | None:
 
 def gpu_setup(args: argparse.Namespace, gpu: str, workload: Workload, auto_scale: float) -> tuple[GpuSetup, float, int]:
     """One GPU's :class:`GpuSetup` (KV blocks = profile × scale, at least the longest session), the
-    KV scale used and the profile's own KV blocks."""
-    profile = GpuProfile(gpu=gpu, model=args.model)
-    timer = ProfileTimer(gpu, args.model)
-    timing = f"{gpu} × {args.model} (aiconfigurator step times)"
+    KV scale used and the profile's own KV blocks (at the flags' :class:`eval.deployment.Deployment`)."""
+    deployment = deployment_from_args(args)
+    profile, timer = deployment.profile(gpu), deployment.timer(gpu)
+    timing = (f"{gpu} × {deployment.model} ({deployment.dtype} weights, KV {deployment.kv_dtype}, "
+              f"gpu-memory-utilization {deployment.gpu_memory_utilization:g}; aiconfigurator step times)")
     full_blocks = estimate_kv_capacity(profile).num_gpu_blocks
     if args.kv_blocks:
         return (GpuSetup(gpu, timer, args.kv_blocks, f"{timing}; KV {args.kv_blocks} blocks (--kv-blocks)"),
@@ -212,8 +209,11 @@ def _live_setup(args: argparse.Namespace, spec: Any, workload: Workload, blocks:
         max_len = longest_tokens + 64
         served = first_served_model(spec.url)  # fails here, with the fix, if nothing serves there
         timing = f"the server at {spec.url} (its own engine, KV and policy; model {args.served_model or served})"
+    deployment = deployment_from_args(args)
     options = LiveOptions(
-        num_gpu_blocks=blocks, max_model_len_tokens=max_len, gpu=args.gpu[0], model=args.model,
+        num_gpu_blocks=blocks, max_model_len_tokens=max_len, gpu=args.gpu[0], model=deployment.model,
+        dtype=deployment.dtype, kv_cache_dtype=deployment.kv_cache_dtype,
+        gpu_memory_utilization=deployment.gpu_memory_utilization,
         time_scale=args.time_scale, num_tool_workers=args.tool_workers, endpoint_kind=args.endpoint_kind,
         served_model_name=args.served_model, run_timeout_s=args.run_timeout,
         ideal_repeats=args.ideal_repeats, log_dir=Path(args.out) / "server-logs")
@@ -241,24 +241,23 @@ def gpu_setups(args: argparse.Namespace, spec: Any, workload: Workload, auto_sca
 
 
 def check_profile_keys(gpus: Sequence[str], model: str) -> None:
-    """Raises ValueError naming ``--gpu``/``--model`` and their choices (not the server's config keys)."""
+    """Raises ValueError naming ``--gpu``/``--model`` and their choices (not the server's config keys);
+    ``model`` is ``NAME`` or ``NAME/WEIGHT_DTYPE`` (:func:`eval.deployment.parse_model`)."""
     for gpu in gpus:
         if gpu not in GPUS:
             raise ValueError(f"--gpu: unknown GPU {gpu!r}; choose one of {', '.join(sorted(GPUS))}")
-    models = sorted(m for m, dtype in MODELS if dtype == "bf16")
-    if model not in models:
-        raise ValueError(f"--model: unknown model {model!r}; choose one of {', '.join(models)}")
+    parse_model(model)
 
 
 _WRITTEN_FILES = frozenset({"results.parquet", "results.parquet.tmp", "summary.md", "summary.md.tmp",
-                            "capacity.parquet", *_RESULT_PNGS})
+                            "run.json", "run.json.tmp", "capacity.parquet", *_RESULT_PNGS})
 """Fixed-name files compare writes into ``--out`` (besides the run Parquets and ``server-logs/``)."""
 
 
 def clear_previous_results(out_dir: str | Path) -> bool:
     """Delete what an earlier compare wrote into ``out_dir`` if it holds a ``results.parquet``.
 
-    Deletes only compare's own files: ``results.parquet``, ``summary.md``, ``capacity.parquet``, the
+    Deletes only compare's own files: ``results.parquet``, ``summary.md``, ``run.json``, ``capacity.parquet``, the
     PNG plots (``[<gpu>__]<name>.png``), the run Parquets (``[<gpu>__]<policy>[+adm]__load<x>.parquet``
     and those ``results.parquet`` lists) and ``server-logs/``; anything else in ``out_dir`` stays.
 

@@ -9,14 +9,18 @@ on stderr and exit code 2, before any server starts.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from eval.argtypes import positive_float, positive_int
+from pydantic import ValidationError
+
+from eval.argtypes import config_error_lines, long_flags, positive_float, positive_int
 from eval.policies import parse_policies
 from eval.task_sources import SOURCES, load_tasks
+from mars_openhands.cli_style import CliParser, cli_error
 
 __all__ = ["add_bench_subcommand", "bench_from_args", "main"]
 
@@ -40,22 +44,28 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
                       help="task arrivals per second (default 0.2)")
     load.add_argument("--concurrency", type=positive_int, default=None,
                       help="closed loop: this many tasks in flight instead of --rps")
-    p.add_argument("--arrival", choices=("fixed", "poisson"), default="fixed")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--arrival", choices=("fixed", "poisson"), default="fixed",
+                   help="gaps between task arrivals at --rps: fixed (default) or Poisson")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the arrivals, the session ids and the playback (default 0)")
     p.add_argument("--admission", choices=("auto", "on", "off"), default="auto",
                    help="auto: the gateway's window for mars/mars-preview only (as deployed)")
     p.add_argument("--gpu", default="h100_sxm", help="emulated GPU profile")
     p.add_argument("--model", default="qwen3-coder-30b-a3b-instruct", help="emulated model profile")
     p.add_argument("--kv-blocks", type=positive_int, default=None,
                    help="emulated KV blocks of 16 tokens (default: the profile's capacity)")
-    p.add_argument("--max-model-len", type=positive_int, default=32_768)
+    p.add_argument("--max-model-len", type=positive_int, default=32_768,
+                   help="the engine's --max-model-len, tokens (default 32768)")
     p.add_argument("--engine-python", default=None,
                    help="python of the engine env (default <repo>/.venv/bin/python)")
     p.add_argument("--traces", type=Path, default=None,
                    help="recorded runs to play back (default: the bundled mini-swe-agent traces)")
     p.add_argument("--max-turns", type=positive_int, default=20, help="recorded turns per task")
-    p.add_argument("--max-prompt-tokens", type=positive_int, default=30_000)
-    p.add_argument("--max-completion-tokens", type=positive_int, default=1024)
+    p.add_argument("--max-prompt-tokens", type=positive_int, default=30_000,
+                   help="emulated: cap on a played-back turn's prompt, tokens; keep it below "
+                        "--max-model-len minus --max-completion-tokens (default 30000)")
+    p.add_argument("--max-completion-tokens", type=positive_int, default=1024,
+                   help="cap on one completion, tokens (default 1024)")
     p.add_argument("--max-iterations", type=positive_int, default=100, help="agent steps per task")
     p.add_argument("--tool-workers", type=positive_int, default=16,
                    help="the gateway's tool-worker count (its CPU backlog signal)")
@@ -66,8 +76,10 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", default="qwen3_coder", help="gpu: vLLM's parser")
     p.add_argument("--engine-arg", action="append", default=[],
                    help="gpu: one more vLLM argument (repeatable), e.g. --engine-arg=--gpu-memory-utilization=0.9")
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="gpu: sampling temperature of every LLM call (default: the server's)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="gpu: nucleus sampling top_p of every LLM call (default: the server's)")
 
 
 def add_bench_subcommand(sub: Any) -> argparse.ArgumentParser:
@@ -75,7 +87,7 @@ def add_bench_subcommand(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="task completion time of OpenHands tasks across schedulers",
                        description=(sys.modules["eval.ohbench_cli"].__doc__ or "").split("\n")[0])
     _add_flags(p)
-    p.set_defaults(func=bench_from_args)
+    p.set_defaults(func=functools.partial(bench_from_args, flags=long_flags(p)))
     return p
 
 
@@ -103,8 +115,19 @@ def options_from_args(args: argparse.Namespace) -> Any:
         engine_args=tuple(args.engine_arg), temperature=args.temperature, top_p=args.top_p)
 
 
-def bench_from_args(args: argparse.Namespace) -> int:
-    """Run the benchmark; exit 0 when every policy ran, 1 when one failed, 2 on bad input."""
+_PROG = "mars-openhands openhands bench"
+
+_FLAG_OF_FIELD = {
+    "num_gpu_blocks": "--kv-blocks", "max_model_len_tokens": "--max-model-len", "traces_dir": "--traces",
+    "num_tool_workers": "--tool-workers", "task_timeout_s": "--task-timeout",
+    "startup_timeout_s": "--startup-timeout", "engine_args": "--engine-arg",
+}
+"""Options fields whose flag is not ``--<field with dashes>``."""
+
+
+def bench_from_args(args: argparse.Namespace, flags: dict[str, str] | None = None) -> int:
+    """Run the benchmark; exit 0 when every policy ran, 1 when one failed, 2 on bad input (one
+    line; ``flags``: dest -> flag, for the options' range errors)."""
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
     # Not at module level: eval.ohbench needs pandas (the eval extra), which the OpenHands app env
     # lacks, and there `openhands bench` is still listed (the top-level CLI skips a module that fails).
@@ -117,9 +140,10 @@ def bench_from_args(args: argparse.Namespace) -> int:
             raise ValueError(f"--tasks {args.tasks}: no tasks in it")
         if options.backend == "emulated":
             assign_traces(tasks, find_traces(options.traces_dir or DEFAULT_PLAYBACK_TRACES))
-    except ValueError as e:  # TaskSourceError and pydantic's ValidationError too
-        print(f"mars-openhands openhands bench: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 2
+    except ValidationError as e:  # a flag out of the options' range: one line per flag
+        return max(cli_error(_PROG, line) for line in config_error_lines(e, {**(flags or {}), **_FLAG_OF_FIELD}))
+    except ValueError as e:  # TaskSourceError too
+        return cli_error(_PROG, str(e).splitlines()[0])
     frame = run_bench(tasks, options, args.out,
                       log=lambda line: print(line, file=sys.stderr, flush=True))
     ran = set(frame["policy"]) if not frame.empty else set()
@@ -129,9 +153,9 @@ def bench_from_args(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m eval.ohbench_cli --source ... --tasks ... --out ...``."""
-    parser = argparse.ArgumentParser(prog="mars-openhands openhands bench")
+    parser = CliParser(prog=_PROG)
     _add_flags(parser)
-    return bench_from_args(parser.parse_args(argv))
+    return bench_from_args(parser.parse_args(argv), long_flags(parser))
 
 
 if __name__ == "__main__":

@@ -53,7 +53,16 @@ def start_worker_server() -> str:
     from multiprocessing import forkserver
 
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(WORKER_PRELOAD))
-    forkserver.ensure_running()
+    # The server imports vLLM, whose import-time warnings ("Triton is installed, but doesn't include
+    # CPU backend") would be the sweep's first output line; the workers log nothing a user acts on
+    # (a run's failure is its row's error). A level the user set wins; only the server gets it.
+    saved = os.environ.get("VLLM_LOGGING_LEVEL")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            os.environ.pop("VLLM_LOGGING_LEVEL", None)
     return "forkserver"
 
 

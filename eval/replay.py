@@ -86,6 +86,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from eval.argtypes import config_error_lines, long_flags
 from eval.tools import BurnClock, ToolMode, ToolPool
 from eval.workloads.format import Session, Workload
+from mars_openhands.cli_style import EXIT_USAGE, cli_error
 from mars_openhands.stream.events import Event, SessionEnd, SessionStart, now_stamps
 from mars_openhands.stream.recorder import StreamRecorder
 from mars_openhands.stream.transport import EventSink, ListSink
@@ -784,7 +785,7 @@ def run_replay(workload: Workload, config: ReplayConfig, *,
 
 # ----------------------------------------------------------------------------- CLI
 EXIT_SESSIONS_FAILED = 1
-EXIT_BAD_INPUT = 2
+EXIT_BAD_INPUT = EXIT_USAGE
 EXIT_INTERRUPTED = 130
 
 # ReplayConfig fields whose flag is not ``--`` + the field name with dashes (none so far); the
@@ -836,29 +837,29 @@ def add_replay_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
+def _error(message: str) -> int:
+    return cli_error("mars-openhands replay", message)
+
+
 def _replay_command(args: argparse.Namespace, flags: dict[str, str] | None = None) -> int:
     """Run ``replay`` from parsed flags; ``flags`` maps field names to flags for error lines."""
     from eval.workloads.format import WorkloadFormatError, load_workload
 
     fields = {k: v for k, v in vars(args).items() if k in ReplayConfig.model_fields}
     if not str(args.output).endswith((".jsonl", ".parquet")):  # check before replaying anything
-        print(f"error: --output {args.output!r}: expected a .jsonl or .parquet stream file, "
-              "e.g. runs/x/stream.jsonl", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return _error(f"--output {args.output!r}: expected a .jsonl or .parquet stream file, "
+                      "e.g. runs/x/stream.jsonl")
     try:
         config = ReplayConfig(**fields)
     except ValidationError as e:
-        for line in config_error_lines(e, flags or {}):
-            print(f"error: {line}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return max(_error(line) for line in config_error_lines(e, flags or {}))
     # The recorder writes JSONL live and its Parquet copy on close: "-o x.parquet" records x.jsonl.
     stream_path = Path(args.output).with_suffix(".jsonl")
     try:
         workload = load_workload(args.workload)
         result = run_replay(workload, config, stream_path=stream_path)
     except (WorkloadFormatError, ValueError, FileNotFoundError, FileExistsError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return _error(str(e))
     except KeyboardInterrupt:
         print(f"interrupted; the stream so far is in {stream_path}", file=sys.stderr)
         return EXIT_INTERRUPTED

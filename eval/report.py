@@ -14,6 +14,7 @@ baseline runs, whichever is better for that metric).
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -31,6 +32,7 @@ __all__ = [
     "Metric",
     "ablation_table",
     "best_baselines",
+    "format_figure",
     "capacity_ratios",
     "goodput_column",
     "paper_comparison",
@@ -93,11 +95,13 @@ RESULT_COLUMNS: tuple[str, ...] = (
 """Columns every results table has (plus ``goodput_a<α>_per_s`` for each α of the sweep)."""
 
 
-def _fmt(value: Any, digits: int = 3) -> str:
+def format_figure(value: Any, digits: int = 3) -> str:
+    """A figure as the tables print it: ``digits`` significant digits, thousands separated, ``–``
+    for a missing value (``1,122``, ``0.00869``, ``1.12``). Pure."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "–"
     if isinstance(value, (int, np.integer)):
-        return str(int(value))
+        return f"{int(value):,}"  # counts (re-prefilled tokens) read the same in every table
     v = float(value)
     if abs(v) >= 1e4:
         return f"{v:,.0f}"
@@ -106,6 +110,9 @@ def _fmt(value: Any, digits: int = 3) -> str:
     if abs(v) < 1 - 0.5 * 10 ** -digits:  # would not round up to 1
         return f"{v:.{digits}g}"
     return f"{v:,.{max(digits - int(math.log10(abs(v))) - 1, 0)}f}"
+
+
+_fmt = format_figure
 
 
 def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -205,6 +212,7 @@ PAPER_GAINS: tuple[tuple[str, str, bool, str], ...] = (
     ("mean E2E", "e2e_mean_s", False, "1.44–5.94×"),
     ("P90 E2E", "e2e_p90_s", False, "1.29–3.37×"),
     ("P95 E2E", "e2e_p95_s", False, "1.29–3.37×"),
+    ("P99 E2E", "e2e_p99_s", False, "not reported"),
     ("goodput α=3", "goodput_a3_per_s", True, "2–7.56×"),
 )
 """(label, results column, higher is better, the MARS paper's reported gain over its baselines);
@@ -541,12 +549,17 @@ def render_summary(results: pd.DataFrame, meta: Mapping[str, Any], capacity: pd.
 
 def write_summary(out_dir: str | Path, results: pd.DataFrame, meta: Mapping[str, Any],
                   capacity: pd.DataFrame | None = None) -> Path:
-    """Write ``summary.md`` and ``results.parquet`` (the results table) atomically; return the .md path."""
+    """Write ``summary.md``, ``results.parquet`` (the results table) and ``run.json`` (``meta``, the
+    run's facts: commit, date, command, base rates and how they were found, walls) atomically;
+    return the .md path. :mod:`eval.result_blocks` reads the last two."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / "results.parquet.tmp"
     results.to_parquet(tmp, index=False)
     tmp.replace(out_dir / "results.parquet")
+    tmp_json = out_dir / "run.json.tmp"
+    tmp_json.write_text(json.dumps({"facts": dict(meta)}, indent=1, default=str) + "\n", encoding="utf-8")
+    tmp_json.replace(out_dir / "run.json")
     path = out_dir / "summary.md"
     tmp_md = out_dir / "summary.md.tmp"
     tmp_md.write_text(render_summary(results, meta, capacity), encoding="utf-8")
@@ -575,8 +588,9 @@ def write_plots(out_dir: str | Path, results: pd.DataFrame, e2e_by_run: Mapping[
                 is_absolute_rates: bool = False, prefix: str = "", title_prefix: str = "") -> list[Path]:
     """Write the PNG plots (matplotlib, Agg backend) and return their paths.
 
-    * ``e2e_vs_load.png``: mean and P95 E2E (s) against load, one line per run label; the title
-      names the base rate (sessions/s) the loads multiply.
+    * ``e2e_vs_load.png``: mean and P95 E2E (s) against load, one line per run label, ticks at
+      the loads, one legend under both panels; the title names the base rate (sessions/s) the
+      loads multiply.
     * ``e2e_cdf.png``: CDF of session E2E (s) at the heaviest load, one line per run; titled
       ``load <x>× base (<rate> sessions/s)`` (``rate <rate> sessions/s`` for absolute rates).
     * ``goodput_vs_alpha.png``: goodput (sessions/s) against α at the heaviest load; titled likewise.
@@ -587,7 +601,8 @@ def write_plots(out_dir: str | Path, results: pd.DataFrame, e2e_by_run: Mapping[
         e2e_by_run: ``run_id ->`` E2E seconds of its completed sessions (for the CDF).
         is_absolute_rates: ``load_x`` holds sessions/s rather than multipliers of a base rate.
         prefix: file-name prefix (``"h100_sxm__"`` when a sweep has several GPUs).
-        title_prefix: prepended to every title (``"h100_sxm: "``).
+        title_prefix: prepended to every title: what ran, ``"h100_sxm, deepseek_chat_test_1-100
+            (74 sessions): "``. Each PNG also carries its title as its ``Title`` text chunk.
     """
     import matplotlib
 
@@ -602,16 +617,7 @@ def write_plots(out_dir: str | Path, results: pd.DataFrame, e2e_by_run: Mapping[
         return paths
     heaviest = ok.loc[ok["load_x"] == ok["load_x"].max()]
     style = {label: _line_style(i) for i, label in enumerate(ok["label"].unique())}
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for label, group in ok.groupby("label", sort=False):
-        group = group.sort_values("load_x")
-        axes[0].plot(group["load_x"], group["e2e_mean_s"], label=label, **style[label])
-        axes[1].plot(group["load_x"], group["e2e_p95_s"], label=label, **style[label])
-    for ax, name in zip(axes, ("mean E2E (s)", "P95 E2E (s)"), strict=True):
-        ax.set_xlabel("arrival rate (sessions/s)" if is_absolute_rates else "load (× base rate)")
-        ax.set_ylabel(name)
-        ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=7)
+    fig = _e2e_vs_load_figure(ok, style, is_absolute_rates, plt)
     fig.suptitle(title_prefix + _sweep_title(ok, is_absolute_rates))
     paths.append(_save(fig, out_dir / f"{prefix}e2e_vs_load.png", plt))
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -639,6 +645,39 @@ def write_plots(out_dir: str | Path, results: pd.DataFrame, e2e_by_run: Mapping[
     return paths
 
 
+def _e2e_vs_load_figure(ok: pd.DataFrame, style: Mapping[str, dict[str, Any]], is_absolute_rates: bool,
+                        plt: Any) -> Any:
+    """Mean and P95 E2E against load, one line per run label, one legend for both panels.
+
+    Loads sit at evenly spaced positions ticked with their values (``1×``, ``1.2×`` or the rates),
+    not on a continuous axis with fine ticks between two loads; each label is shifted a little
+    sideways, so runs with near-equal values (mars, thunderagent and the unbounded-KV limit) stay
+    apart instead of hiding one another.
+    """
+    loads = sorted(ok["load_x"].unique())
+    position = {load: i for i, load in enumerate(loads)}
+    labels = list(style)
+    width = 0.5 / max(len(labels), 1)  # the labels of one load spread over half a slot
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
+    for i, (label, group) in enumerate((lab, ok.loc[ok["label"] == lab]) for lab in labels):
+        group = group.sort_values("load_x")
+        x = [position[v] + (i - (len(labels) - 1) / 2) * width for v in group["load_x"]]
+        for ax, column in zip(axes, ("e2e_mean_s", "e2e_p95_s"), strict=True):
+            ax.plot(x, group[column], label=label, **style[label])
+    rates = ok.groupby("load_x")["rate_per_s"].first()
+    ticks = [f"{rates[v]:.3g}/s" if is_absolute_rates else f"{v:g}×" for v in loads]
+    for ax, name in zip(axes, ("mean E2E (s)", "P95 E2E (s)"), strict=True):
+        ax.set_xticks(range(len(loads)), ticks)
+        ax.set_xlim(-0.5, len(loads) - 0.5)
+        ax.set_xlabel("arrival rate (sessions/s)" if is_absolute_rates else "load (× base rate)")
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncol=min(len(names), 6), fontsize=7, frameon=False)
+    fig.subplots_adjust(bottom=0.18 + 0.05 * ((len(names) - 1) // 6))
+    return fig
+
+
 def _load_title(runs: pd.DataFrame, is_absolute_rates: bool) -> str:
     """``"load 1.2× base (0.183 sessions/s)"`` (or ``"rate 0.05 sessions/s"``) of runs at one load. Pure."""
     return _load_header(float(runs["load_x"].iloc[0]), float(runs["rate_per_s"].iloc[0]),
@@ -654,7 +693,11 @@ def _sweep_title(runs: pd.DataFrame, is_absolute_rates: bool) -> str:
 
 
 def _save(fig: Any, path: Path, plt: Any) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    """Save ``fig`` as PNG with its title in the file's ``Title`` text chunk (what a viewer lists,
+    and what the tests read back), then close it."""
+    title = fig._suptitle.get_text() if fig._suptitle is not None else fig.axes[0].get_title()
+    if not fig.legends:  # a figure-level legend sits below the axes; tight_layout would overlap it
+        fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight", metadata={"Title": title})
     plt.close(fig)
     return path

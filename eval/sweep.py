@@ -500,10 +500,15 @@ class _Sweep:
                 "rate_per_s": run.rate_per_s, "status": "ok", "error": ""}
 
     def _plots(self, results: pd.DataFrame, e2e_by_run: Mapping[str, Sequence[float]]) -> None:
-        if not self.is_multi_gpu:
-            write_plots(self.out_dir, results, e2e_by_run, self.options.is_absolute_rates)
-            return
+        """The plots: one set, or one per GPU prefixed ``<gpu>__``; titles name the GPU and workload."""
         for gpu, group in results.groupby("gpu", sort=False):
-            write_plots(self.out_dir, group, e2e_by_run, self.options.is_absolute_rates, prefix=f"{gpu}__",
-                        title_prefix=f"{gpu}: ")
+            write_plots(self.out_dir, group, e2e_by_run, self.options.is_absolute_rates,
+                        prefix=f"{gpu}__" if self.is_multi_gpu else "", title_prefix=self._plot_title(str(gpu)))
+
+    def _plot_title(self, gpu: str) -> str:
+        """``"h100_sxm, deepseek_chat_test_1-100 (74 sessions): "``: what a plot shows, for its title."""
+        source = self.info.get("workload")
+        name = Path(str(source)).name if source else "workload"
+        what = f"{name} ({len(self.workload.sessions)} sessions{', TRIMMED' if 'TRIMMED' in str(self.info.get('scope', '')) else ''})"
+        return ", ".join(p for p in (gpu, what) if p) + ": "
 

@@ -59,7 +59,8 @@ class CompareOptions(BaseModel):
 
 @dataclass(frozen=True)
 class ProfileTimer:
-    """Picklable step-time model of a GPU profile: ``StepTimeModel(GpuProfile(gpu, model))``.
+    """Picklable step-time model of a GPU profile:
+    ``StepTimeModel(GpuProfile(gpu, model, dtype, kv_cache_dtype))``.
 
     aiconfigurator's model is a Rust object that cannot be pickled, so worker processes get this
     spec and build the model once each (:meth:`build`, cached per process).
@@ -67,10 +68,14 @@ class ProfileTimer:
 
     gpu: str
     model: str
+    dtype: str = "bf16"
+    """Weight dtype key of the model profile (``GpuProfile.dtype``)."""
+    kv_cache_dtype: str | None = None
+    """``GpuProfile.kv_cache_dtype``: ``None`` = the model's own KV dtype."""
 
     def build(self) -> Any:
         """The ``StepTimeModel`` (built on first use in this process)."""
-        return _profile_step_model(self.gpu, self.model)
+        return _profile_step_model(self.gpu, self.model, self.dtype, self.kv_cache_dtype)
 
     def step_time_s(self, prefill: Sequence[tuple[int, int]] = (),
                     decode_context_tokens: Sequence[int] = ()) -> float:
@@ -79,8 +84,8 @@ class ProfileTimer:
 
 
 @functools.lru_cache(maxsize=8)
-def _profile_step_model(gpu: str, model: str) -> Any:
-    return StepTimeModel(GpuProfile(gpu=gpu, model=model))
+def _profile_step_model(gpu: str, model: str, dtype: str, kv_cache_dtype: str | None) -> Any:
+    return StepTimeModel(GpuProfile(gpu=gpu, model=model, dtype=dtype, kv_cache_dtype=kv_cache_dtype))
 
 
 def real_timer(timer: Any) -> Any:

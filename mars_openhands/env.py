@@ -77,6 +77,8 @@ _declare("MARS_AGENT_SERVER_HOST", "the address our agent-server entry binds whe
          "(default 127.0.0.1; the Docker image sets 0.0.0.0)", "mars_openhands/openhands/agent_server.py")
 _declare("MARS_BROWSER", "auto/on/off: the browser tool in agent-server conversations",
          "mars_openhands/openhands/agent_server.py")
+_declare("MARS_OPENHANDS_LOG_LEVEL", "level of the OpenHands SDK's logs under our commands (default WARNING)",
+         "mars_openhands/openhands/quiet.py")
 _declare("MARS_WORKSPACE", "workspace of the policy check when the event has none",
          "mars_openhands/openhands/policy_check.py")
 _declare("MARS_TASK_OUT_DIR", "where durable OpenHands tasks write their output",

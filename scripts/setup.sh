@@ -104,7 +104,7 @@ setup_openhands() {  # $1 = venv dir, $2 = extras, $3... = extra pins (an older 
   echo "[setup] openhands env: $venv (python: $py)"
   [[ -x "$venv/bin/python" ]] || "$py" -m venv "$venv"
   pip_install "$venv" -e ".[$extras]" "$@"
-  LITELLM_LOCAL_MODEL_COST_MAP=True "$venv/bin/python" -c 'import openhands.sdk, mars_openhands; print("[setup] openhands-sdk ok")'
+  LITELLM_LOCAL_MODEL_COST_MAP=True OPENHANDS_SUPPRESS_BANNER=1 "$venv/bin/python" -c 'import openhands.sdk, mars_openhands; print("[setup] openhands-sdk ok")'
   echo "$STAMP" > "$venv/.mars-setup-stamp"
 }
 

@@ -21,7 +21,6 @@ written unless the whole workload was built.
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
 from eval.argtypes import positive_int
@@ -31,10 +30,11 @@ from eval.workloads.stats import Distribution, WorkloadStats, workload_stats
 from eval.workloads.synth import SYNTH_KINDS, WorkloadCaps, synthesize
 from eval.workloads.traces import load_trace_dir
 from eval.workloads.transform import mix_workloads, scale_workload, trim_workload
+from mars_openhands.cli_style import EXIT_USAGE, cli_error
 
 __all__ = ["add_workload_subcommand"]
 
-EXIT_BAD_INPUT = 2
+EXIT_BAD_INPUT = EXIT_USAGE
 
 
 def _add_shaping_options(parser: argparse.ArgumentParser) -> None:
@@ -77,7 +77,8 @@ def add_workload_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     traces.set_defaults(func=_guarded(_from_traces))
 
     synth = commands.add_parser("synth", help="generate a calibrated synthetic workload")
-    synth.add_argument("--kind", choices=sorted(SYNTH_KINDS), required=True)
+    synth.add_argument("--kind", choices=sorted(SYNTH_KINDS), required=True,
+                       help="which benchmark's statistics to draw from (docs/workloads.md)")
     synth.add_argument("--sessions", type=int, required=True, help="number of sessions")
     synth.add_argument("-o", "--output", required=True, help="workload file (.json/.jsonl[.gz])")
     _add_shaping_options(synth)
@@ -102,8 +103,7 @@ def _guarded(handler: Any) -> Any:
         try:
             return handler(args)
         except (WorkloadFormatError, ValueError, FileNotFoundError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return EXIT_BAD_INPUT
+            return cli_error(f"mars-openhands workload {args.workload_command}", str(e))
     return run
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import sys
 import tomllib
@@ -25,6 +26,7 @@ from typing import Any
 from pydantic import BaseModel, SecretStr, ValidationError
 
 from mars_openhands import env
+from mars_openhands.cli_style import cli_error
 from mars_openhands.control.config import ConfigError, GatewayConfig, check_runtime, parse_replica
 
 __all__ = [
@@ -38,6 +40,7 @@ __all__ = [
 ]
 
 _NESTED = ("admission", "reorder")
+_PROG = "mars-openhands gateway"
 
 
 def _scalar_type(annotation: Any) -> tuple[type, bool]:
@@ -49,15 +52,16 @@ def _scalar_type(annotation: Any) -> tuple[type, bool]:
     return annotation, False
 
 
-def _converter(base: type, optional: bool, flag: str) -> Any:
+def _converter(base: type, optional: bool) -> Any:
     def convert(text: str) -> Any:
         if optional and text.lower() == "none":
             return None
         try:
             return base(text)
-        except ValueError:
+        except ValueError:  # argparse prefixes the flag: "--port: expected an int, got 'x'"
             raise argparse.ArgumentTypeError(
-                f"{flag} expects {base.__name__}{' or none' if optional else ''}, got {text!r}"
+                f"expected {'an' if base.__name__[0] in 'aeiou' else 'a'} {base.__name__}"
+                f"{' or none' if optional else ''}, got {text!r}"
             ) from None
 
     return convert
@@ -69,37 +73,57 @@ def _add_model_flags(parser: argparse.ArgumentParser, model: type[BaseModel], pr
             continue
         flag = "--" + (prefix + name).replace("_", "-")
         dest = f"{prefix.replace('-', '__')}{name}"
-        help_text = _help_text(field).replace("%", "%%")
         base, optional = _scalar_type(field.annotation)
+        help_text = _help_text(field, optional and base is not SecretStr).replace("%", "%%")
         if base is bool:
             parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=help_text)
         else:
-            parser.add_argument(flag, dest=dest, type=_converter(base, optional, flag),
+            parser.add_argument(flag, dest=dest, type=_converter(base, optional),
                                 default=argparse.SUPPRESS,
                                 metavar="KEY" if base is SecretStr else base.__name__.upper(),
                                 help=help_text)
 
 
-def _help_text(field: Any) -> str:
-    """A field's docstring plus ``(default: X)``, unless a factory's default is already described.
+def _help_text(field: Any, takes_none: bool = False) -> str:
+    """A field's docstring plus its default, once: ``(default: X)``, unless a factory's default
+    is already described; ``takes_none``: how to pass no value (``none``).
 
     A ``default_factory`` default (e.g. ``num_tool_workers``: the CPU count) is computed on this
     machine; when the docstring already says what the default is, no value is appended.
     """
-    description = (field.description or "").strip()
-    if field.default_factory is None:
-        return f"{description} (default: {field.default})"
-    if "default" in description.lower():
-        return description
-    return f"{description} (default here: {field.get_default(call_default_factory=True)})"
+    description = re.sub(r"``([^`]*)``", r"\1", (field.description or "").strip())  # reST literals
+    description = re.sub(r"\bNone\b", "none", description)  # as typed on the command line
+    if field.default_factory is None and _states_default(description, field.default):
+        text = description + (" (" if takes_none else "")
+    elif field.default_factory is None:
+        default = "none" if field.default is None else field.default
+        text = f"{description} (default: {default}"
+    elif "default" in description.lower():
+        text = description + (" (" if takes_none else "")
+    else:
+        text = f"{description} (default here: {field.get_default(call_default_factory=True)}"
+    if takes_none:
+        text += ("; " if not text.endswith("(") else "") + "pass 'none' for no value"
+    return text + (")" if "(" in text[len(description):] else "")
+
+
+def _states_default(description: str, default: Any) -> bool:
+    """Whether ``description`` already says ``(default <default>...``, e.g. ``(default 0.7)``."""
+    for value in re.findall(r"\(default:? ([-+0-9.e]+)", description):
+        try:
+            if float(value.rstrip(".")) == float(default):
+                return True
+        except (TypeError, ValueError):
+            continue
+    return False
 
 
 def add_gateway_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``gateway`` on an argparse sub-parsers object; sets ``func`` (args → exit code)."""
     parser = subparsers.add_parser(
         "gateway", help="OpenAI-compatible gateway running the MARS external control plane",
-        description=GatewayConfig.__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description=GatewayConfig.__doc__,
     )
     parser.add_argument("--config", type=Path, default=argparse.SUPPRESS, metavar="FILE",
                         help="TOML (.toml) or JSON (.json) file of GatewayConfig keys, nested like "
@@ -344,9 +368,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         config = config_from_args(args)
         check_runtime(config)
     except ConfigError as e:
-        for line in str(e).splitlines():
-            print(f"mars-openhands gateway: {line}", file=sys.stderr)
-        return 2
+        return max(cli_error(_PROG, line) for line in str(e).splitlines())
     from mars_openhands.control.server import run_gateway
 
     try:

@@ -13,6 +13,7 @@ from typing import Self
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from mars_openhands.cli_style import check_port_free
 from mars_openhands.policy.admission import AdmissionParams
 from mars_openhands.policy.reorder import ReorderParams
 
@@ -245,8 +246,12 @@ def check_runtime(config: GatewayConfig) -> None:
     """Checks of the environment the config needs, done before anything starts.
 
     Raises:
-        ConfigError: ``stream_path`` exists (one run, one stream) or is a directory.
+        ConfigError: ``stream_path`` exists (one run, one stream) or is a directory; ``host:port``
+            is taken by another server (named as ``--port``, not as uvicorn's ``[Errno 98]``).
     """
+    busy = check_port_free(config.host, config.port)
+    if busy is not None:
+        raise ConfigError(busy)
     if config.stream_path is not None:
         path = Path(config.stream_path)
         if path.is_dir():

@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import os
 
+from mars_openhands.openhands.quiet import quiet_environment, replacing_stock_tool  # noqa: E402
+
 # Before the SDK import below: LiteLLM otherwise fetches its price map at import (~12 s of retries
-# without network, as in a sandbox).
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+# without network, as in a sandbox), and the SDK prints its banner.
+quiet_environment()
 
 import json  # noqa: E402
 import logging  # noqa: E402
@@ -97,7 +99,8 @@ def _register_optional_browser() -> None:
 
     OptionalBrowserToolSet.user_selectable = getattr(BrowserToolSet, "user_selectable", True)
     OptionalBrowserToolSet.catalog_description = getattr(BrowserToolSet, "catalog_description", "")
-    register_tool(BrowserToolSet.name, OptionalBrowserToolSet)
+    with replacing_stock_tool(BrowserToolSet.name):
+        register_tool(BrowserToolSet.name, OptionalBrowserToolSet)
 
 
 def install(environ: Mapping[str, str] = os.environ) -> ConversationLifecycle:

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from mars_openhands.cli_style import CliParser, cli_error
+
 __all__ = ["add_openhands_subcommand", "main"]
 
 def _has_openhands_sdk() -> bool:
@@ -47,8 +49,10 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="served model name")
     parser.add_argument("--api-key", default=os.environ.get("MARS_API_KEY", "EMPTY"),
                         help="API key (default $MARS_API_KEY or EMPTY); never written to --out")
-    parser.add_argument("--temperature", type=float, default=None)
-    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="sampling temperature sent with every LLM call (default: the server's)")
+    parser.add_argument("--top-p", type=float, default=None,
+                        help="nucleus sampling top_p sent with every LLM call (default: the server's)")
     parser.add_argument("--max-output-tokens", type=int, default=None, help="tokens per completion")
     parser.add_argument("--events-url", default=None,
                         help="CPU-plane events endpoint (default for mars: <url>/mars/v1/events)")
@@ -56,7 +60,8 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--problem", default=None, help="problem statement of a single task")
     parser.add_argument("--problem-file", type=Path, default=None, help="... read from a file")
     parser.add_argument("--repo", default=None, help="git repo to copy into the task's workspace")
-    parser.add_argument("--base-commit", default=None)
+    parser.add_argument("--base-commit", default=None,
+                        help="with --repo: check this commit out in the task's copy (default: HEAD)")
     parser.add_argument("--workspace", default=None, help="existing directory to work in")
     parser.add_argument("--out", type=Path, required=True, help="output directory")
     parser.add_argument("--overwrite", action="store_true",
@@ -64,8 +69,10 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true",
                         help="tasks an earlier run left in --out go on with their conversation "
                              "(same session, workspace and steps so far)")
-    parser.add_argument("--rps", type=float, default=1.0, help="task arrivals per second")
-    parser.add_argument("--max-iterations", type=int, default=100, help="agent steps per task")
+    parser.add_argument("--rps", type=float, default=1.0,
+                        help="task arrivals per second, at fixed gaps (default 1)")
+    parser.add_argument("--max-iterations", type=int, default=100,
+                        help="agent steps per task before OpenHands stops it (default 100)")
     parser.add_argument("--no-policy", action="store_true", help="disable the pre-tool policy check")
     parser.add_argument("--terminal-type", choices=("subprocess", "tmux"), default="subprocess",
                         help="the agent's terminal: subprocess (default; one shell, calls take "
@@ -73,7 +80,9 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-concurrency", type=int, default=1,
                         help="tool calls of one LLM response run at most this many at a time "
                              "(default 1, the SDK's: one by one)")
-    parser.add_argument("--task-timeout-s", type=float, default=3600.0)
+    parser.add_argument("--task-timeout-s", type=float, default=3600.0,
+                        help="wall-clock bound on one task, seconds; past it the task's process is "
+                             "stopped and the task reported as error (default 3600)")
     parser.add_argument("--tool-timeout-s", type=float, default=None,
                         help="bound on one tool call, seconds, sent with session_start: past it "
                              "with no tool_end the gateway closes the call as interrupted (a dead "
@@ -103,7 +112,8 @@ def _tasks_from(args: argparse.Namespace) -> list[Any]:
                 if line.strip()]
     problem = args.problem_file.read_text() if args.problem_file else args.problem
     if not problem:
-        raise SystemExit("give --tasks FILE, or --problem/--problem-file with --repo or --workspace")
+        raise ValueError("--tasks: no tasks given; pass --tasks FILE, or --problem/--problem-file with "
+                         "--repo or --workspace")
     return [TaskSpec(task_id="task-0", problem_statement=problem, repo=args.repo,
                      base_commit=args.base_commit, workspace=args.workspace)]
 
@@ -136,19 +146,19 @@ def _checked_inputs(args: argparse.Namespace) -> tuple[list[Any], Any]:
 
 def run_from_args(args: argparse.Namespace) -> int:
     """``openhands run``: run the tasks, print one JSON summary line per task; exit 1 if any errored."""
-    # Before the SDK import: litellm otherwise fetches its cost map from GitHub at import (and
-    # retries for ~12 s without network).
-    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    from mars_openhands.openhands.quiet import quiet_environment, quiet_sdk_logs
+
+    quiet_environment()  # before the SDK import (LiteLLM's price-map download, the banner)
     from mars_openhands.openhands.runner import run_tasks
+
+    quiet_sdk_logs()
 
     try:
         tasks, config = _checked_inputs(args)
         results = run_tasks(tasks, config, rps=args.rps, overwrite=args.overwrite,
                             resume=args.resume)
     except ValueError as e:  # pydantic's ValidationError too
-        for line in str(e).splitlines():
-            print(f"mars-openhands openhands run: {line}", file=sys.stderr)
-        return 2
+        return max(cli_error("mars-openhands openhands run", line) for line in str(e).splitlines())
     for r in results:
         print(json.dumps({"task_id": r.task_id, "status": r.status, "wall_s": round(r.wall_s, 3),
                           "tool_s": round(r.tool_s, 3), "llm_calls": r.num_llm_calls,
@@ -195,7 +205,9 @@ def _add_app_env(sub: Any) -> None:
     p.add_argument("--agent-server-version", default=APP_AGENT_SERVER_VERSION,
                    help="docker: the agent-server version the app pins (image tag <v>-python)")
     p.add_argument("--app-url", default="http://localhost:3000", help="the app, for the curl line")
-    p.add_argument("--format", choices=("shell", "json"), default="shell")
+    p.add_argument("--format", choices=("shell", "json"), default="shell",
+                   help="shell (default): export lines and the curl that sets a user's LLM, with "
+                        "comments; json: the same settings as one object")
     p.add_argument("--no-check", action="store_true",
                    help="do not ask the gateway (needs --model)")
     p.set_defaults(func=app_env_from_args)
@@ -216,8 +228,7 @@ def app_env_from_args(args: argparse.Namespace) -> int:
         settings = app_settings(args.gateway, model, args.sandbox, args.api_key,
                                 args.image_repository, args.agent_server_version)
     except ValueError as e:
-        print(f"mars-openhands openhands app-env: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 2
+        return cli_error("mars-openhands openhands app-env", str(e).splitlines()[0])
     print(settings.model_dump_json(indent=1) if args.format == "json"
           else render_shell(settings, args.app_url))
     return 0
@@ -239,7 +250,11 @@ def add_openhands_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``openhands`` (with ``run`` and ``playback``) on the top-level CLI's subparsers."""
     parser = subparsers.add_parser("openhands", help="run OpenHands agents with the MARS backend flag")
     sub = parser.add_subparsers(dest="openhands_command", metavar="<openhands-command>")
-    run = sub.add_parser("run", help="run tasks at --rps, each in its own process and workspace")
+    run = sub.add_parser("run", help="run tasks at --rps, each in its own process and workspace",
+                         description="Run OpenHands agents on tasks, each in its own process and "
+                                     "workspace, arriving at --rps, against a MARS gateway, a vLLM "
+                                     "server or any OpenAI-compatible endpoint (--backend); prints "
+                                     "one JSON line per task (docs/openhands.md, 'Running tasks').")
     _add_run_flags(run)
     run.set_defaults(func=run_from_args)
     _add_playback(sub)
@@ -258,7 +273,7 @@ def _add_playback(sub: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m mars_openhands.openhands.cli {run,run-one,playback} ...``."""
-    parser = argparse.ArgumentParser(prog="mars-openhands-openhands")
+    parser = CliParser(prog="mars-openhands-openhands")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run")
     _add_run_flags(run)

@@ -45,6 +45,7 @@ from mars_openhands.openhands.executor import (
     _denied_observation,
 )
 from mars_openhands.openhands.llm import Backend, LLMSettings, build_session_llm
+from mars_openhands.openhands.quiet import quiet_sdk_logs
 from mars_openhands.openhands.runner import (
     RunConfig,
     _build_conversation,
@@ -224,6 +225,7 @@ def run_openhands_task(run: TaskRun) -> AgentOutcome:
     """
     task_dir = Path(os.environ.get("MARS_TASK_OUT_DIR") or Path("/tmp") / "mars-tasks") / run.task_id
     task_dir.mkdir(parents=True, exist_ok=True)
+    quiet_sdk_logs(in_memory_conversations=True)  # the task's log is the runtime's, not the SDK's
     session_id = session_id_of(run.task_id, run.spec.session_id)
     config = _run_config(run, task_dir)
     register_durable_tools()

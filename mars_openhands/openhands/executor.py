@@ -68,6 +68,7 @@ from mars_openhands.openhands.credentials import (
     SessionCredentials,
 )
 from mars_openhands.openhands.policy_check import PolicyConfig, check_action
+from mars_openhands.openhands.quiet import replacing_stock_tool
 from mars_openhands.stream.events import Event, ToolEnd, ToolEnqueued, ToolStart, now_stamps
 
 __all__ = [
@@ -778,7 +779,8 @@ def register_evented_tools(override_defaults: bool = False,
             inner = _inner_tool_class(tool_name)  # the stock module's import registered it first
             cls.catalog_description = getattr(inner, "catalog_description", "")
             cls.lifecycle = lifecycle
-            register_tool(tool_name, cls)
+            with replacing_stock_tool(tool_name):  # on purpose: no "Duplicate tool name" warning
+                register_tool(tool_name, cls)
             names[tool_name] = tool_name
     return names
 

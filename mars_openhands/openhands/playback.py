@@ -37,7 +37,7 @@ import gzip
 import hashlib
 import json
 import random
-import sys
+import re
 import threading
 import time
 import uuid
@@ -48,6 +48,8 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+
+from mars_openhands.cli_style import CliParser, check_port_free, cli_error
 
 __all__ = [
     "PlaybackConfig",
@@ -63,6 +65,8 @@ __all__ = [
     "resolve_script_path",
     "run_from_args",
 ]
+
+_PROG = "mars-openhands openhands playback"
 
 _SESSION_HEADERS = ("x-mars-session", "x-litellm-session-id")
 _SESSION_BODY_FIELDS = ("mars_session", "session_id", "prompt_cache_key")
@@ -106,7 +110,7 @@ class Script(BaseModel):
 class PlaybackConfig(BaseModel):
     """Playback server settings."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     served_model_name: str = "playback"
     """Model name reported by ``/v1/models`` (clients use ``openai/<name>``)."""
@@ -131,6 +135,7 @@ class PlaybackConfig(BaseModel):
     """Synthetic ids of ``recorded`` prompts are in ``[0, this)`` (default: the tiny model's byte
     ids, :mod:`mars_openhands.engine.harness.tiny_model`)."""
     upstream_timeout_s: float = Field(120.0, gt=0)
+    """Seconds to wait for the upstream engine's answer to one turn before the request fails."""
     api_key: str | None = None
     """Answer chat requests without ``Authorization: Bearer <api_key>`` with 401, as vLLM's
     ``--api-key`` does; ``None``: no check."""
@@ -546,13 +551,20 @@ def add_playback_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--script", action="append", type=Path, required=True,
                         help="playback script JSON or mini-swe-agent *.traj.json(.gz); repeatable. "
                              + TRACES_HINT.replace("%", "%%"))
-    parser.add_argument("--max-turns", type=int, default=None, help="turns per trace script")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--max-turns", type=int, default=None,
+                        help="play at most this many turns of each trace script (default: all)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8100, help="port to listen on (default 8100)")
     for name, field in PlaybackConfig.model_fields.items():
+        text = re.sub(r"``([^`]*)``|:[a-z]+:`~?([^`]*)`", lambda m: m.group(1) or m.group(2),
+                      " ".join((field.description or "").split()))  # no reST in --help
+        default = "none" if field.default is None else field.default
+        if "(default" not in text:  # a docstring that explains its default keeps its words
+            text += f" (default: {default})"
         parser.add_argument("--" + name.replace("_", "-"), default=field.default,
                             type=type(field.default) if field.default is not None else str,
-                            help=(field.description or "").replace("%", "%%"))
+                            help=text.replace("%", "%%"))
     parser.add_argument("--check", action="store_true",
                         help="load the scripts, print one line per script (name, turns) and exit")
     parser.set_defaults(func=run_from_args)
@@ -566,12 +578,14 @@ def run_from_args(args: argparse.Namespace) -> int:
         scripts = load_scripts(args.script, args.max_turns)
         config = PlaybackConfig(**{k: getattr(args, k) for k in PlaybackConfig.model_fields})
     except ValueError as e:
-        print(f"mars-openhands openhands playback: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 2
+        return cli_error(_PROG, str(e).splitlines()[0])
     if args.check:
         for script in scripts:
             print(json.dumps({"script": script.name, "num_turns": len(script.turns)}))
         return 0
+    busy = check_port_free(args.host, args.port)
+    if busy is not None:  # before uvicorn, whose "[Errno 98]" names no flag
+        return cli_error(_PROG, busy)
     import uvicorn
 
     uvicorn.run(build_playback_app(scripts, config), host=args.host, port=args.port,
@@ -581,8 +595,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m mars_openhands.openhands.playback --script F [--script F ...] --port P``."""
-    parser = argparse.ArgumentParser(prog="mars-openhands openhands playback",
-                                     description=(__doc__ or "").split("\n")[0])
+    parser = CliParser(prog=_PROG, description=(__doc__ or "").split("\n")[0])
     args = add_playback_flags(parser).parse_args(argv)
     return int(args.func(args))
 

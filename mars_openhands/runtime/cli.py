@@ -16,13 +16,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mars_openhands.cli_style import EXIT_USAGE, CliParser, cli_error
+
 __all__ = ["add_tasks_subcommand", "format_event", "main"]
 
 if importlib.util.find_spec("dbos") is None:  # the top-level CLI lists `tasks` as unavailable
     raise ImportError("DBOS Transact is not installed here (the 'runtime' extra)", name="dbos")
 
 _DIGEST = re.compile(r"[0-9a-f]{64}")
-EXIT_INPUT = 2
+EXIT_INPUT = EXIT_USAGE
 
 
 class InputError(ValueError):
@@ -252,7 +254,10 @@ def add_tasks_subcommand(subparsers: Any) -> argparse.ArgumentParser:
                 p.add_argument("--out", type=Path, default=None, help="directory for tasks.parquet, "
                                "summary.json and task_times.png")
         elif name == "list":
-            p.add_argument("--status", default=None)
+            p.add_argument("--status", default=None,
+                           help="only tasks with this status: submitted, running, waiting_approval, "
+                                "escalated, succeeded, failed, error, ended_budget, ended_deadline, "
+                                "ended_policy (default: all)")
         elif name == "show":
             p.add_argument("task_id", metavar="TASK")
             p.add_argument("--events", type=int, default=20, help="last N events (0: all)")
@@ -285,8 +290,7 @@ def _guarded(func: Any) -> Any:
             return func(args)
         except (InputError, SpecConflictError, DriverUnavailableError, ValueError) as e:
             message = str(e).splitlines()[0] if str(e) else type(e).__name__
-            print(f"mars-openhands tasks {args.tasks_command}: {message}", file=sys.stderr)
-            return EXIT_INPUT
+            return cli_error(f"mars-openhands tasks {args.tasks_command}", message)
         except KeyboardInterrupt:
             print(f"mars-openhands tasks {args.tasks_command}: interrupted; nothing is lost, "
                   "continue with `mars-openhands tasks resume`", file=sys.stderr)
@@ -296,7 +300,7 @@ def _guarded(func: Any) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m mars_openhands.runtime.cli <tasks-command> ...``."""
-    parser = argparse.ArgumentParser(prog="mars-openhands")
+    parser = CliParser(prog="mars-openhands")
     add_tasks_subcommand(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["tasks", *(sys.argv[1:] if argv is None else argv)])
     return int(args.func(args) or 0)

@@ -38,7 +38,7 @@ def test_unavailable_subcommand_takes_any_arguments_and_prints_one_line(
     assert captured.out == ""
     lines = captured.err.splitlines()
     assert len(lines) == 1, lines
-    assert lines[0].startswith("mars-openhands widget: unavailable in this environment: "
+    assert lines[0].startswith("mars-openhands widget: error: unavailable in this environment: "
                                "mars_missing_component_xyz is not installed")
 
 

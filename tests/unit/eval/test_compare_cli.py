@@ -53,7 +53,7 @@ def test_no_default_traces_is_one_error_line_naming_the_paths_and_the_fix(tmp_pa
     monkeypatch.chdir(tmp_path)
     assert _run(["--policies", "fcfs", "--base-rate", "1", "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: ")
+    assert err.count("\n") == 1 and err.startswith("mars-openhands compare: error: ")
     assert str((tmp_path / "repo" / DEFAULT_TRACES).resolve()) in err
     assert str((tmp_path / DEFAULT_TRACES).resolve()) in err
     assert "pass --traces DIR (a folder of mini-swe-agent *.traj.json) or set MARS_TRACES_DIR" in err
@@ -76,10 +76,10 @@ def test_out_that_is_a_file_is_one_error_line(tmp_path, capsys) -> None:
     target = tmp_path / "results.txt"
     target.write_text("keep me")
     assert _run(["--out", str(target)]) == 2
-    assert capsys.readouterr().err == f"error: --out {target}: is a file; give a directory\n"
+    assert capsys.readouterr().err == f"mars-openhands compare: error: --out {target}: is a file; give a directory\n"
     assert target.read_text() == "keep me"
     assert _run(["--out", str(target / "sub")]) == 2
-    assert capsys.readouterr().err == f"error: --out {target / 'sub'}: {target} is a file; give a directory\n"
+    assert capsys.readouterr().err == f"mars-openhands compare: error: --out {target / 'sub'}: {target} is a file; give a directory\n"
 
 
 @pytest.mark.parametrize(("flag", "value"), [
@@ -96,11 +96,11 @@ def test_non_finite_or_negative_values_are_rejected_at_parsing(flag, value, caps
 
 
 @pytest.mark.parametrize(("argv", "expected"), [
-    (["--base-rate", "-0.1"], "error: --base-rate: Input should be greater than 0 (got -0.1)"),
-    (["--tool-workers", "0"], "error: --tool-workers: Input should be greater than or equal to 1 (got 0)"),
-    (["--kv-blocks", "-5"], "error: --kv-blocks: Input should be greater than or equal to 2 (got -5)"),
-    (["--knee-slowdown", "0"], "error: --knee-slowdown: Input should be greater than 1 (got 0.0)"),
-    (["--search-runs", "0"], "error: --search-runs: Input should be greater than or equal to 1 (got 0)"),
+    (["--base-rate", "-0.1"], "mars-openhands compare: error: --base-rate: Input should be greater than 0 (got -0.1)"),
+    (["--tool-workers", "0"], "mars-openhands compare: error: --tool-workers: Input should be greater than or equal to 1 (got 0)"),
+    (["--kv-blocks", "-5"], "mars-openhands compare: error: --kv-blocks: Input should be greater than or equal to 2 (got -5)"),
+    (["--knee-slowdown", "0"], "mars-openhands compare: error: --knee-slowdown: Input should be greater than 1 (got 0.0)"),
+    (["--search-runs", "0"], "mars-openhands compare: error: --search-runs: Input should be greater than or equal to 1 (got 0)"),
 ])
 def test_out_of_range_flags_are_one_line_per_error_naming_the_flag(tmp_path, capsys, argv, expected) -> None:
     assert _run([*argv, "--out", str(tmp_path / "out")]) == 2
@@ -112,14 +112,14 @@ def test_out_of_range_flags_are_one_line_per_error_naming_the_flag(tmp_path, cap
 def test_several_bad_flags_give_one_line_each(tmp_path, capsys) -> None:
     assert _run(["--tool-workers", "0", "--search-runs", "0", "--out", str(tmp_path / "out")]) == 2
     lines = capsys.readouterr().err.splitlines()
-    assert [line.split(":")[1].strip() for line in lines] == ["--tool-workers", "--search-runs"]
+    assert [line.split(":")[2].strip() for line in lines] == ["--tool-workers", "--search-runs"]
     assert not any("pydantic.dev" in line or "input_value" in line for line in lines)
 
 
 def test_unknown_gpu_names_the_compare_flag_and_its_choices(tmp_path, capsys) -> None:
     assert _run(["--gpu", "a100", "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: --gpu: unknown GPU 'a100'") and err.count("\n") == 1
+    assert err.startswith("mars-openhands compare: error: --gpu: unknown GPU 'a100'") and err.count("\n") == 1
     assert "h100_sxm" in err and "h200_nvl" in err and "emulated_gpu" not in err
 
 
@@ -166,7 +166,8 @@ def test_rerun_into_the_same_out_replaces_only_the_compare_files(tmp_path, capsy
     assert _run([*argv, "--policies", "fcfs", "--loads", "1"]) == 0
     assert f"replacing the previous results in {out}" in capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == sorted([
-        "fcfs__load1.parquet", "unbounded-kv__load1.parquet", "results.parquet", "summary.md", "my-notes.txt",
+        "fcfs__load1.parquet", "unbounded-kv__load1.parquet", "results.parquet", "summary.md", "run.json",
+        "my-notes.txt",
         "e2e_vs_load.png", "e2e_cdf.png", "goodput_vs_alpha.png"])
     # The unbounded-KV reference joins every simulator sweep (not a baseline; its own row).
     results = pd.read_parquet(out / "results.parquet")
@@ -177,7 +178,7 @@ def test_rerun_into_the_same_out_replaces_only_the_compare_files(tmp_path, capsy
 
 
 def test_clear_previous_results_deletes_only_what_compare_writes(tmp_path) -> None:
-    names = ["fcfs__load1.parquet", "mars+adm__load0.5.parquet", "summary.md", "e2e_cdf.png",
+    names = ["fcfs__load1.parquet", "mars+adm__load0.5.parquet", "summary.md", "run.json", "e2e_cdf.png",
              "e2e_vs_load.png", "goodput_vs_alpha.png"]
     for name in names:
         (tmp_path / name).write_text("x")

@@ -184,3 +184,31 @@ def test_package_installs_are_recognised(command, expected):
     from eval.ohbench import is_install
 
     assert is_install(command) is expected
+
+
+def test_the_cpu_bench_script_is_quiet_before_the_bench_imports_the_sdk(tmp_path: Path, monkeypatch):
+    """benchmarks/bench_openhands_e2e.py called eval.ohbench_cli directly, past the CLI's quiet
+    environment: pasted from the README, it printed the SDK's banner before its own lines."""
+    import importlib.util
+    import os
+
+    import eval.ohbench_cli
+
+    root = Path(__file__).resolve().parents[3]
+    spec = importlib.util.spec_from_file_location("bench_openhands_e2e", root / "benchmarks" / "bench_openhands_e2e.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for name in ("OPENHANDS_SUPPRESS_BANNER", "LITELLM_LOCAL_MODEL_COST_MAP"):
+        monkeypatch.setenv(name, "")  # restored (unset) after the test, as quiet_environment sets them
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(bench, "write_swebench_fixture", lambda out, tasks, traces: (out / "rows.jsonl", out))
+    seen = {}
+
+    def fake_bench(argv):
+        seen.update({n: os.environ.get(n) for n in ("OPENHANDS_SUPPRESS_BANNER", "LITELLM_LOCAL_MODEL_COST_MAP")})
+        raise SystemExit(3)
+
+    monkeypatch.setattr(eval.ohbench_cli, "main", fake_bench)
+    with pytest.raises(SystemExit):
+        bench.main(["--out", str(tmp_path)])
+    assert seen == {"OPENHANDS_SUPPRESS_BANNER": "1", "LITELLM_LOCAL_MODEL_COST_MAP": "True"}

@@ -548,7 +548,7 @@ def test_cli_bad_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str
     save_workload(WORKLOAD, workload_path)
     assert _cli(["replay", str(workload_path), "-o", str(tmp_path / "s2.jsonl"),
                  "--endpoint-url", "http://e", "--model", "m", "--token-id-high", "0"]) == 2
-    assert "error: --token-id-high: " in capsys.readouterr().err  # the flag, not the field
+    assert "mars-openhands replay: error: --token-id-high: " in capsys.readouterr().err  # the flag, not the field
 
 
 def test_cli_rejects_a_bad_stream_suffix_before_replaying(

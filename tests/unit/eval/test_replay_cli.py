@@ -42,15 +42,15 @@ def workload_path(tmp_path: Path) -> Path:
     "flags, expected",
     [
         (["--num-tool-workers", "-1"],
-         ["error: --num-tool-workers: Input should be greater than or equal to 1 (got -1)"]),
+         ["mars-openhands replay: error: --num-tool-workers: Input should be greater than or equal to 1 (got -1)"]),
         (["--endpoint-url", "notaurl"],
-         ["error: --endpoint-url: endpoint_url must be an http(s) server root such as "
+         ["mars-openhands replay: error: --endpoint-url: endpoint_url must be an http(s) server root such as "
           "http://127.0.0.1:8000, got 'notaurl'"]),
         (["--max-connections", "0", "--request-timeout-s", "-2"],
-         ["error: --max-connections: Input should be greater than or equal to 1 (got 0)",
-          "error: --request-timeout-s: Input should be greater than 0 (got -2.0)"]),
+         ["mars-openhands replay: error: --max-connections: Input should be greater than or equal to 1 (got 0)",
+          "mars-openhands replay: error: --request-timeout-s: Input should be greater than 0 (got -2.0)"]),
         (["--token-id-low", "9", "--token-id-high", "4"],
-         ["error: --token-id-high: token_id_high (4) must be > token_id_low (9); set them to a "
+         ["mars-openhands replay: error: --token-id-high: token_id_high (4) must be > token_id_low (9); set them to a "
           "range of valid ids of the served model's vocab (got 4)"]),
     ],
 )

@@ -181,3 +181,50 @@ def test_headroom_is_the_best_baseline_and_mars_against_the_unbounded_kv_referen
     summary = render_summary(with_ref, {})
     assert "## Headroom: the unbounded-KV reference" in summary and "| 1× | 32.0 / 32.0 / 32.0 |" in summary
     assert headroom_table(results).empty and "Headroom" not in render_summary(results, {})
+
+
+def test_e2e_vs_load_ticks_the_loads_keeps_close_lines_apart_and_has_one_legend(tmp_path, results,
+                                                                              monkeypatch) -> None:
+    import eval.report as report
+
+    figures = {}
+
+    def capture(fig, path, plt):
+        figures[path.name] = fig
+        return path
+
+    monkeypatch.setattr(report, "_save", capture)
+    ok = results.loc[results["status"] == "ok"]
+    write_plots(tmp_path, results, {r: [1.0] for r in results["run_id"]}, title_prefix="h100_sxm, traces (4 sessions): ")
+    fig = figures["e2e_vs_load.png"]
+    assert fig._suptitle.get_text().startswith("h100_sxm, traces (4 sessions): E2E vs load")
+    for ax in fig.axes:
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["0.5×", "1×"]  # the loads, no fine ticks
+        assert ax.get_legend() is None  # one legend for both panels, on the figure
+        xs = [tuple(line.get_xdata()) for line in ax.get_lines()]
+        assert len(set(xs)) == len(xs)  # each label at its own offset: equal values cannot hide
+    assert len(fig.legends) == 1
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == list(ok["label"].unique())
+    for name in ("e2e_cdf.png", "goodput_vs_alpha.png"):
+        assert figures[name].axes[0].get_title().startswith("h100_sxm, traces (4 sessions): load 1× base")
+
+
+def test_plots_carry_their_title_in_the_png(tmp_path, results) -> None:
+    from PIL import Image
+
+    paths = write_plots(tmp_path, results, {r: [1.0] for r in results["run_id"]}, title_prefix="gpu x, w: ")
+    titles = {p.name: Image.open(p).text["Title"] for p in paths}
+    assert titles["e2e_vs_load.png"].startswith("gpu x, w: E2E vs load (base rate 0.1 sessions/s)")
+    assert titles["e2e_cdf.png"] == "gpu x, w: load 1× base (0.1 sessions/s)"
+
+
+def test_counts_print_with_separators_in_every_table(results) -> None:
+    results = results.assign(reprefill_tokens=17_500_000)  # ints, as the runs record them
+    text = render_summary(results, {})
+    assert "17,500,000" in text and "17500000" not in text
+
+
+def test_the_paper_table_has_p99(results) -> None:
+    table = paper_comparison(results)
+    assert "P99 E2E" in set(table["metric"])
+    assert "| mars | P99 E2E |" in render_summary(results, {})

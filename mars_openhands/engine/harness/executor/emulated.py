@@ -220,7 +220,7 @@ class EmulatedWorker:
         """One ``FullAttentionSpec`` per emulated KV layer (its geometry sets bytes per token)."""
         spec = self.config.model_spec
         heads = max(1, -(-spec.num_kv_heads // self.config.tp_size))
-        dtype = torch.bfloat16 if spec.kv_dtype_bytes == 2 else torch.float8_e4m3fn
+        dtype = torch.bfloat16 if self.config.kv_dtype_bytes == 2 else torch.float8_e4m3fn
         layer = FullAttentionSpec(block_size=self.config.block_size, num_kv_heads=heads,
                                   head_size=spec.head_dim, dtype=dtype)
         return {f"model.layers.{i}.self_attn.attn": layer for i in range(spec.num_layers)}

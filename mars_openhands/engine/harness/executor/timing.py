@@ -37,6 +37,7 @@ from mars_openhands.engine.harness.executor.profiles import (
     AIC_BACKEND,
     AIC_BACKEND_VERSION,
     AIC_PACKAGE_VERSION,
+    KV_CACHE_DTYPES,
     GpuProfile,
     materialize_model_config,
     require_aiconfigurator,
@@ -301,6 +302,8 @@ def _build_estimator(profile: GpuProfile) -> ForwardPassEstimator:
         "moe_ep_size": 1,
         "attention_dp_size": 1,
     }
+    if profile.kv_cache_dtype is not None:  # the fp8-KV attention kernels (vLLM --kv-cache-dtype)
+        config["kv_cache_dtype"] = KV_CACHE_DTYPES[profile.kv_cache_dtype][1]
     try:
         with _quiet_aiconfigurator():
             return RustForwardPassPerfModel.from_native(config)

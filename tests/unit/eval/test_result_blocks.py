@@ -1,0 +1,176 @@
+"""The docs' result blocks come from recorded runs (eval/result_blocks.py): every block re-renders
+from its committed record, a hand-edited figure fails, and measured result tables live in blocks."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from eval.report import METRICS, goodput_column
+from eval.result_blocks import (
+    BLOCKS,
+    RECORD_DIR,
+    BlockError,
+    doc_files,
+    find_blocks,
+    is_ancestor,
+    load_record,
+    record_run,
+    render,
+    rows_digest,
+    save_record,
+    write_blocks,
+)
+
+ROOT = Path(__file__).resolve().parents[3]
+DOCS = doc_files(ROOT)
+FOUND = [(path, name, body) for path in DOCS for name, body in find_blocks(path.read_text(encoding="utf-8"))]
+
+
+def test_the_readme_has_the_quick_and_default_job_blocks() -> None:
+    readme = {name for path, name, _ in FOUND if path.name == "README.md"}
+    assert {"quick", "default-job"} <= readme
+
+
+@pytest.mark.parametrize(("path", "name", "body"), FOUND, ids=[f"{p.name}:{n}" for p, n, _ in FOUND])
+def test_every_block_is_its_record_rendered(path: Path, name: str, body: str) -> None:
+    assert name in BLOCKS, f"{path.name}: unknown result block {name!r}; known: {', '.join(BLOCKS)}"
+    record_path = ROOT / RECORD_DIR / f"{BLOCKS[name][0]}.json"
+    assert record_path.is_file(), f"{path.name}: block {name!r} has no recorded run ({record_path})"
+    record = load_record(record_path)  # raises when its rows were edited
+    assert body == render(name, record), (
+        f"{path.name}: block {name!r} differs from its record; a figure edited by hand? Re-render with "
+        "`python -m eval.result_blocks render`, or record a new run")
+
+
+@pytest.mark.parametrize("record_path", sorted((ROOT / RECORD_DIR).glob("*.json")), ids=lambda p: p.name)
+def test_each_record_names_a_commit_of_this_history(record_path: Path) -> None:
+    record = load_record(record_path)
+    assert re.fullmatch(r"[0-9a-f]{7,40}", record["commit"]), record["commit"]
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", record["date"])
+    assert record["command"].startswith("mars-openhands compare")
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    shallow = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--is-shallow-repository"],
+                             capture_output=True, text=True).stdout.strip()
+    if shallow == "true":
+        pytest.skip("a shallow clone lacks the history")
+    assert is_ancestor(record["commit"], ROOT), f"{record_path.name}: {record['commit']} is not in HEAD's history"
+
+
+_MEASURED = re.compile(r"^\|[^\n]*\b(E2E|goodput|slowdown|preemptions|task time)\b", re.I | re.M)
+
+
+def test_measured_result_tables_of_the_readme_are_all_in_blocks() -> None:
+    """A table of measured figures (its header names E2E, goodput, slowdown, preemptions or task
+    time) outside a result block has no recorded run behind it."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    outside = re.sub(r"<!-- ([a-z0-9-]+):begin -->.*?<!-- \1:end -->", "", text, flags=re.S)
+    outside = re.sub(r"```.*?```", "", outside, flags=re.S)
+    assert not _MEASURED.findall(outside), "README.md: a table of measured figures outside a result block: " + \
+        "; ".join(m.group(0)[:80] for m in _MEASURED.finditer(outside))
+
+
+# -- records and rendering on a small run ------------------------------------------------------------
+
+def _results_dir(tmp_path: Path, commit: str = "abc1234", status: str = "ok") -> Path:
+    rows = []
+    for load in (1.0, 1.2):
+        for policy, label, base, e2e in (("fcfs", "fcfs", True, 300.0), ("thunderagent", "thunderagent", True, 240.0),
+                                         ("mars", "mars+adm", False, 200.0)):
+            row = {"run_id": f"{label}__load{load:g}", "gpu": "h100_sxm", "label": label, "policy": policy,
+                   "is_admission_enabled": policy == "mars", "is_baseline": base, "is_reference": False,
+                   "load_x": load, "rate_per_s": 0.01 * load, "status": status if label == "fcfs" else "ok",
+                   "wall_s": 5.0, "num_sessions": 74, "num_completed": 74}
+            for m in METRICS:
+                row[m.column] = (e2e * load) if not m.is_higher_better else 0.01 * 200.0 / e2e
+            row["reprefill_tokens"] = 1_234_567
+            row["num_preemptions"] = 3
+            rows.append(row)
+    out = tmp_path / "run"
+    out.mkdir(parents=True)
+    pd.DataFrame(rows).to_parquet(out / "results.parquet")
+    facts = {"commit": commit, "date": "2026-12-05", "command": "mars-openhands compare --quick --out x",
+             "sessions": 74, "turns": 5939, "seed": 0, "jobs": 2, "base rate": "0.01 sessions/s",
+             "base rate search": "bracketed (probes: 0.005/s→1.1, 0.01/s→1.9, 0.02/s→4.0)",
+             "wall (s) of the ideal times, knee search and runs (excl. workload loading)": "158",
+             "wall (s) per phase": "ideal 16, knee 43, runs 96"}
+    (out / "run.json").write_text(json.dumps({"facts": facts}))
+    return out
+
+
+def test_quick_block_shows_the_run_its_commit_and_the_gains(tmp_path) -> None:
+    record = record_run(_results_dir(tmp_path), "quick")
+    text = render("quick", record)
+    assert all(len(line) <= 100 for line in text.splitlines() if not line.startswith("|"))  # prose wrapped
+    flat = " ".join(text.split())
+    assert flat.startswith("`mars-openhands compare --quick --out x` with 2 worker processes (`--jobs 2` "
+                           "reproduces it anywhere) at abc1234 on 2026-12-05")
+    assert "FCFS knee 0.01 sessions/s, found in 3 probes" in flat
+    assert "158 s (ideal times 16 s, knee search 43 s, runs 96 s)" in flat
+    assert "| 1.2×: mars (+ admission) | 240 |" in text and "1.23 M" in text
+    assert "against it mars (+ admission) is 1.20× in mean E2E" in flat  # thunderagent 288 / mars 240
+    assert goodput_column(3.0)  # the column the table reads exists in METRICS
+
+
+def test_a_hand_edited_figure_or_row_is_caught(tmp_path) -> None:
+    record = record_run(_results_dir(tmp_path), "quick")
+    body = render("quick", record)
+    edited = body.replace("| 240 |", "| 239 |", 1)
+    assert edited != body and edited != render("quick", record)
+    path = save_record(record, tmp_path)
+    assert load_record(path)["rows"] == record["rows"]
+    data = json.loads(path.read_text())
+    data["rows"][0]["e2e_mean_s"] = 1.0
+    path.write_text(json.dumps(data))
+    with pytest.raises(BlockError, match="rows_sha256"):
+        load_record(path)
+    assert rows_digest(record["rows"]) == record["rows_sha256"]
+
+
+def test_record_refuses_a_dirty_commit_a_failed_run_and_a_missing_run_json(tmp_path) -> None:
+    with pytest.raises(BlockError, match="uncommitted"):
+        record_run(_results_dir(tmp_path / "a", commit="abc1234+dirty"), "quick")
+    with pytest.raises(BlockError, match="runs failed"):
+        record_run(_results_dir(tmp_path / "b", status="failed"), "quick")
+    (tmp_path / "c").mkdir()
+    with pytest.raises(BlockError, match="run.json: missing"):
+        pd.DataFrame({"a": [1]}).to_parquet(tmp_path / "c" / "results.parquet")
+        record_run(tmp_path / "c", "quick")
+
+
+def test_write_blocks_rewrites_only_between_the_markers(tmp_path) -> None:
+    record = record_run(_results_dir(tmp_path), "quick")
+    save_record(record, tmp_path)
+    (tmp_path / "docs").mkdir(exist_ok=True)
+    (tmp_path / "README.md").write_text("before\n<!-- quick:begin -->\nstale 1.18×\n<!-- quick:end -->\nafter\n")
+    assert write_blocks(tmp_path) == [tmp_path / "README.md"]
+    text = (tmp_path / "README.md").read_text()
+    assert text.startswith("before\n<!-- quick:begin -->\n`mars-openhands compare") and text.endswith(
+        "<!-- quick:end -->\nafter\n")
+    assert "stale" not in text and write_blocks(tmp_path) == []  # idempotent
+    (tmp_path / "README.md").write_text("<!-- default-job:begin -->\nx\n<!-- default-job:end -->\n")
+    with pytest.raises(BlockError, match="no record"):
+        write_blocks(tmp_path)
+
+
+def test_compare_refuses_to_record_a_block_from_uncommitted_code(monkeypatch, capsys, tmp_path) -> None:
+    import argparse
+
+    import eval.compare as compare
+
+    monkeypatch.setattr(compare, "source_commit", lambda: "abc1234+dirty")
+    parser = argparse.ArgumentParser(prog="mars-openhands")
+    compare.add_compare_subcommand(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["compare", "--quick", "--readme-block", "quick", "--out", str(tmp_path / "out")])
+    assert args.func(args) == 2
+    assert capsys.readouterr().err == ("mars-openhands compare: error: --readme-block quick: the checkout is at "
+                                       "abc1234+dirty; commit your changes first, so the block names code that "
+                                       "exists\n")
+    assert not (tmp_path / "out").exists()
