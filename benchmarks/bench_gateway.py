@@ -301,8 +301,8 @@ def start_upstream(kind: str, stack: list) -> tuple[str, str, str, list[FakeEngi
         inproc = FakeEngineProcess(middleware=(IN_PROCESS_MIDDLEWARE,), env=env).start()
         stack.append(inproc.kill)
         return fake.url, "fake", inproc.url, [fake, inproc]
-    from mars_openhands.engine.launch import VllmServer
-    from mars_openhands.engine.tiny_model import write_tiny_model
+    from mars_openhands.engine.harness.launch import VllmServer
+    from mars_openhands.engine.harness.tiny_model import write_tiny_model
 
     model_dir = write_tiny_model(Path(tempfile.mkdtemp(prefix="bench-gw-")) / "tiny")
     server = VllmServer(model_dir=model_dir).start()

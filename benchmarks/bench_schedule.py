@@ -4,7 +4,7 @@ Scenario: ``N`` requests (N = 32 / 128 / 512) of 512-token prompts, each in its 
 MARS ``vllm_xargs``, all prefilled first (untimed), then decoding; we time only ``schedule()`` over
 ``--steps`` steps after ``--warmup`` steps (``perf_counter_ns``), for stock vLLM ``AsyncScheduler``,
 ``MarsPreviewScheduler`` and ``MarsScheduler``, built in-process on the same fake KV cache
-(:mod:`mars_openhands.engine.inproc`). The three schedulers are stepped round-robin (shuffled each
+(:mod:`mars_openhands.engine.harness.inproc_engine`). The three schedulers are stepped round-robin (shuffled each
 step, GC frozen) in one run so that machine noise hits them alike; the ratios (median MARS /
 median stock) come from that run.
 Target (style.md): MarsScheduler <= 1.10x stock at 512 running.
@@ -38,7 +38,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 
 from mars_openhands.engine import MarsPreviewScheduler, MarsScheduler
-from mars_openhands.engine.inproc import InprocEngineParams, build_scheduler
+from mars_openhands.engine.harness.inproc_engine import InprocEngineParams, build_scheduler
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPT_TOKENS = 512

@@ -31,7 +31,7 @@ vllm-tuned     147.0, 75x, 127,669         120.5, 91x, 61,971          1.22x
 Unpaired at e8c9b96 (two benches at once, load ~2): infercept 56-71 s (111-143x), thunderagent
 46-55 s (119-142x), mars 52 s (126x); on a quiet box earlier fcfs/infercept/mars ran at 215-237x.
 After e8c9b96, the KV pool's per-block bookkeeping runs inline
-(``seams.install_fused_block_allocation``): get_new_blocks 1.68 -> 0.98 s and cache_full_blocks
+(``fast_paths.install_fused_block_allocation``): get_new_blocks 1.68 -> 0.98 s and cache_full_blocks
 1.64 -> 1.13 s under cProfile on 20 sessions x 40 turns (fcfs); unprofiled the gain is within the
 noise (``farm-bench`` A/B CPU 0.94-1.01 over 3 pairs of fcfs + autellix on that workload).
 
@@ -47,7 +47,7 @@ blocked), which halved fcfs's and vllm-tuned's ``schedule()`` calls.
 
 Measured again 2026-12-02 evening, side by side the same way (old 2f35bef, new 966f950: the
 prefix-cache map's inserts and pops inline in the fused allocation, and a coalesced decode run's
-tokens appended in one call, ``seams.install_batched_token_append``), load 1.6-2.7:
+tokens appended in one call, ``fast_paths.install_batched_token_append``), load 1.6-2.7:
 
 =============  ==================  ==================  =======
 policy         old: CPU s, sim/CPU  new: CPU s, sim/CPU  speedup
@@ -60,7 +60,7 @@ mars-preview   270.1, 42x          252.3, 45x          1.07x
 (mars-preview's old figure here is 1.8x the earlier 147.7 s of nearly the same code: this box's CPU
 seconds differ between sessions as well; e8c9b96 and 2f35bef side by side on 20 sessions x 40
 turns: 27.0 vs 22.5 s, so no regression in between.) 8350953 then walks the prefix-cache map
-inline on lookups (``seams.install_fused_prefix_lookup``): the ideal times, where every turn
+inline on lookups (``fast_paths.install_fused_prefix_lookup``): the ideal times, where every turn
 re-reads its whole context, 7.97 -> 3.37 CPU s for 16 sessions side by side (2.4x). b3090ef: our
 schedulers' KV bookkeeping (``kv_block_counts`` built a set over every pinned block each step):
 thunderagent 56.4 -> 44.9 CPU s (1.26x, 146x), continuum 64.4 -> 54.4 (1.18x, 128x), side by side
@@ -128,7 +128,7 @@ C-level ``setattr`` passes (2.5x slower than the loop on 3,000 blocks, by ``time
 
 Measured 2026-12-03 (fourth session), old 96a8d85 and new 4d74f6a side by side. New: a finishing
 turn's pin takes over the request's references on its cached prefix
-(``seams.pin_finishing_request_blocks``) instead of touching the whole prefix and then freeing it
+(``seams.blocks.pin_finishing_request_blocks``) instead of touching the whole prefix and then freeing it
 with the rest; the retained pool keeps its pinned block ids through ``add``/``pop`` (one C-level
 pass over the one entry) instead of rebuilding a set over every entry after each add; and the
 retention hit count runs in C passes. Under cProfile (mars, full workload at 1.2x, both at once):
@@ -295,7 +295,7 @@ def _workload(args: argparse.Namespace) -> Any:
 def _config(policy: str, num_gpu_blocks: int, seed: int) -> Any:
     """``SimConfig`` of one compare policy (as ``compare --admission auto`` builds it)."""
     from eval.sim import SimConfig
-    from mars_openhands.engine.inproc import InprocEngineParams
+    from mars_openhands.engine.harness.inproc_engine import InprocEngineParams
 
     spec = POLICIES[policy]
     engine = InprocEngineParams(num_gpu_blocks=num_gpu_blocks,
@@ -363,8 +363,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
     from eval.sim import Simulator
     from eval.workloads import trim_workload
-    from mars_openhands.engine.executor.profiles import GpuProfile, estimate_kv_capacity
-    from mars_openhands.engine.executor.timing import StepTimeModel
+    from mars_openhands.engine.harness.executor.profiles import GpuProfile, estimate_kv_capacity
+    from mars_openhands.engine.harness.executor.timing import StepTimeModel
     from mars_openhands.stream.transport import ListSink
 
     profile = GpuProfile(gpu=args.gpu, model=args.model)

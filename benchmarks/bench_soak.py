@@ -90,7 +90,7 @@ from mars_openhands.control.config import GatewayConfig, ReplicaConfig  # noqa: 
 from mars_openhands.control.fake_engine import FakeEngineProcess  # noqa: E402
 from mars_openhands.control.metrics import parse_vllm_metrics  # noqa: E402
 from mars_openhands.control.server import GatewayServer  # noqa: E402
-from mars_openhands.engine.launch import VllmServer, VllmServerOptions, find_free_port  # noqa: E402
+from mars_openhands.engine.harness.launch import VllmServer, VllmServerOptions, find_free_port  # noqa: E402
 from mars_openhands.stream.transport import ListSink  # noqa: E402
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "bench_soak.parquet"
@@ -220,7 +220,7 @@ class EmulatedReplicas(Replicas):
 
     def __init__(self, num: int, args: argparse.Namespace, telemetry_addr: str, tmp: Path) -> None:
         super().__init__(num)
-        from mars_openhands.engine.tiny_model import write_tiny_model
+        from mars_openhands.engine.harness.tiny_model import write_tiny_model
 
         model_dir = write_tiny_model(tmp / "tiny-model", max_position_embeddings=MAX_MODEL_LEN)
         log_dir = Path(args.log_dir) if args.log_dir else tmp

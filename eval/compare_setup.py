@@ -24,7 +24,7 @@ from eval.policies import POLICIES, live_policy_config
 from eval.sweep_options import GpuSetup
 from eval.workloads import Workload, load_trace_dir, load_workload, trim_workload
 from eval.workloads.transform import scale_workload
-from mars_openhands.engine.executor.profiles import GPUS, estimate_kv_capacity
+from mars_openhands.engine.harness.executor.profiles import GPUS, estimate_kv_capacity
 
 __all__ = [
     "DEFAULT_TRACES",

@@ -6,7 +6,7 @@ differences between policies: on an H100 SXM with Qwen3-Coder-30B-A3B, ``--gpu-m
 0.95`` gives 10,127 KV blocks instead of 7,396 (+37%) and ``--kv-cache-dtype fp8`` 14,793 (2×).
 ``compare`` takes them as flags (:func:`add_deployment_flags`), resolves them once into a frozen
 :class:`Deployment`, and from there builds every GPU's profile (KV blocks,
-:func:`mars_openhands.engine.executor.profiles.estimate_kv_capacity`) and step-time model
+:func:`mars_openhands.engine.harness.executor.profiles.estimate_kv_capacity`) and step-time model
 (:class:`eval.sweep_options.ProfileTimer`); :meth:`Deployment.describe` is the sentence every
 report's scope line ends with.
 
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from eval.sweep_options import ProfileTimer
-from mars_openhands.engine.executor.profiles import KV_CACHE_DTYPES, MODELS, GpuProfile
+from mars_openhands.engine.harness.executor.profiles import KV_CACHE_DTYPES, MODELS, GpuProfile
 
 __all__ = [
     "DEFAULT_GPU_MEMORY_UTILIZATION",

@@ -90,7 +90,7 @@ from eval.backends import (
 from eval.policies import POLICIES, live_policy_config, parse_policies
 from eval.task_sources import BenchTask, materialize, safe_dir_name
 from mars_openhands.control.config import GatewayConfig, ReplicaConfig
-from mars_openhands.engine.launch import VllmServer, VllmServerOptions
+from mars_openhands.engine.harness.launch import VllmServer, VllmServerOptions
 from mars_openhands.openhands.policy_check import is_safe_to_replay
 from mars_openhands.policy.admission import AdmissionParams
 from mars_openhands.stream.transport import ListSink
@@ -675,7 +675,7 @@ def run_policy(policy: str, tasks: Sequence[BenchTask], scripts: Sequence[Any],
     stream to ``out_dir/stream.jsonl``.
 
     Raises:
-        mars_openhands.engine.launch.VllmServerError: the engine did not start.
+        mars_openhands.engine.harness.launch.VllmServerError: the engine did not start.
         RuntimeError: its telemetry never reached the gateway.
     """
     # Not at module level: uvicorn + FastAPI (the control extra, ~1 s) and the OpenHands SDK
@@ -741,7 +741,7 @@ def profile_kv_blocks(python: str, gpu: str, model: str) -> int:
     Raises:
         RuntimeError: the estimate failed (names the interpreter and its error).
     """
-    code = ("from mars_openhands.engine.executor.profiles import GpuProfile, estimate_kv_capacity\n"
+    code = ("from mars_openhands.engine.harness.executor.profiles import GpuProfile, estimate_kv_capacity\n"
             f"c = estimate_kv_capacity(GpuProfile(gpu={gpu!r}, model={model!r}))\n"
             "print(c.kv_bytes // (c.bytes_per_token * c.block_size))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(_REPO_ROOT), os.environ.get("PYTHONPATH", "")])}

@@ -19,7 +19,7 @@ conversation does (the layout of :mod:`eval.workloads.format`)::
 KV can serve everything but ``obs_{k+1}``. Output length is forced: ``max_tokens`` = the turn's
 ``output_tokens`` with ``ignore_eos``. Observation ids are deterministic per (seed, session, turn)
 and drawn from ``[token_id_low, token_id_high)``; the defaults (0..255) are the tiny test model's
-byte tokens (:mod:`mars_openhands.engine.tiny_model`), so set the range to the served model's vocab.
+byte tokens (:mod:`mars_openhands.engine.harness.tiny_model`), so set the range to the served model's vocab.
 
 Session metadata (design.md §2): every request carries the native ``session_id`` body field and
 ``vllm_xargs`` ``{"mars_turn": k, "mars_last_step": 0|1, "mars_prev_tool": name,

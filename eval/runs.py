@@ -79,7 +79,7 @@ def sim_config(options: CompareOptions, policy: str, is_admission_enabled: bool,
     """The ``eval.sim.SimConfig`` of ``policy``'s runs (its scheduler, engine settings and admission
     window; KV ``num_gpu_blocks``, default ``options.num_gpu_blocks``)."""
     from eval.sim import SimConfig  # vLLM (~20 s): imported only where runs are simulated
-    from mars_openhands.engine.inproc import InprocEngineParams  # vLLM, as above
+    from mars_openhands.engine.harness.inproc_engine import InprocEngineParams  # vLLM, as above
 
     spec = POLICIES[policy]
     engine = InprocEngineParams(num_gpu_blocks=num_gpu_blocks or options.num_gpu_blocks,

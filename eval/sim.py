@@ -1,14 +1,14 @@
 """Virtual-time simulator over the REAL vLLM schedulers (design.md §6-§9; MARS arXiv 2604.26963 §6).
 
 One discrete-event loop replays a workload (:mod:`eval.workloads`) against one in-process engine
-(:class:`~mars_openhands.engine.inproc.InprocEngine`: stock vLLM or our scheduler plugins with
+(:class:`~mars_openhands.engine.harness.inproc_engine.InprocEngine`: stock vLLM or our scheduler plugins with
 their real KV cache manager), the gateway's control plane (the very
 :class:`~mars_openhands.control.plane.ControlPlane` both gateways run, on the virtual clock: its
 sessions, tool tracker, AIMD window, reorder and session ends, so admission makes the live
 gateway's decisions by construction) and a pool of ``num_tool_workers`` tool workers with a FIFO
 queue.
 Time is virtual: an engine step lasts what the step-time model says (H4's
-:class:`~mars_openhands.engine.executor.timing.StepTimeModel` or any :class:`StepTimer`), and when
+:class:`~mars_openhands.engine.harness.executor.timing.StepTimeModel` or any :class:`StepTimer`), and when
 the engine has nothing to run the clock jumps to the next event.
 
 Mental model of one session (times on the virtual clock)::
@@ -32,12 +32,15 @@ turn a request sent at its tool's end, the tool calls' ``tool_enqueued`` / ``too
 just before every admission tick, as an ``engine_step`` would (``num_used_blocks /
 num_gpu_blocks``), so the window and the KV budget of releases between ticks use that report.
 
-Speed: runs of pure-decode steps between two events are coalesced into one real scheduler call
-through vLLM's draft-token path (:meth:`InprocEngine.max_decode_run`); ``coalesce_max_steps=1``
-turns it off (``tests/integration/test_sim_vs_emulated.py`` checks both give the emulated
-server's per-request schedule). A coalesced run never crosses an arrival or a tool completion;
-admission ticks fall inside it only when no session waits for admission (then a tick cannot change
-the engine's input). Its time is ``k`` steps at the mean context (exact for a linear model).
+Speed: one ``schedule()`` may stand for ``k`` single steps (a *merged run*). The engine plans
+each step (:meth:`InprocEngine.plan_run`; the kinds of run, the planner and the path of one run:
+:mod:`mars_openhands.engine.harness.runs`) given ``coalesce_max_steps`` and the next event that can
+change the engine's input (:meth:`Simulator._next_hard_event_s`: an arrival, a tool's end, and an
+admission tick only while a session waits for admission, as a tick then cannot change the
+engine's input). Steady decode runs (nothing waits) go through vLLM's draft-token path and last
+``k`` steps at the mean context (exact for a linear model); ``coalesce_max_steps=1`` turns them
+off (``tests/integration/test_sim_vs_emulated.py`` checks both give the emulated server's
+per-request schedule).
 
 Past the KV knee requests wait for KV, and every step used to go through ``schedule()`` (vLLM
 re-asking the waiting head, an O(context blocks) prefix lookup each time). The *fast paths*, all
@@ -45,20 +48,20 @@ exact (``MARS_SIM_FAST_PATHS=0`` turns them off; ``tests/unit/eval/test_sim_fast
 a KV-bound workload both ways for every policy and compares every request's schedule, token and
 finish times, cached tokens, preemptions and events):
 
-* blocked decode runs (:meth:`InprocEngine.max_blocked_decode_run`): after a single step that
-  proved the waiting head blocked, the next pure-decode steps are one ``schedule()`` with the
-  waiting queue hidden, as long as nothing can unblock it (no arrival, finish or preemption, no
-  eviction that lets the head in, and for our schedulers none of their own timers or counters,
-  certified by their ``blocked_run_*`` hooks); the end time is the single steps' chain of
-  additions, and the run ends at the next admission tick only while a session waits for
-  admission (a tick inside it reports the KV its single steps would have left);
-* chunked-prefill runs (:meth:`InprocEngine.max_prefill_run` / ``max_blocked_prefill_run``,
-  stock vLLM with ``long_prefill_token_threshold``: vllm-tuned): ``k`` steps of capped prefill
-  chunks beside the decodes are one ``schedule()`` with the chunk cap and the token budget scaled
-  by ``k`` (decodes advance through drafts), while nothing waits or, after a probe step that
+* blocked decode runs: after a single step that proved the waiting head blocked, the next
+  pure-decode steps are one ``schedule()`` with the waiting queue hidden, as long as nothing can
+  unblock it (no arrival, finish or preemption, no eviction that lets the head in, and for our
+  schedulers none of their own timers or counters: their side of the contract,
+  :mod:`mars_openhands.engine.schedulers.coalesce`); the end time is the single steps' chain of
+  additions; a tick inside the run reports the KV its single steps would have left
+  (:attr:`Simulator._run_kv`);
+* chunked-prefill runs (stock vLLM with ``long_prefill_token_threshold``: vllm-tuned; our
+  schedulers that keep each prefill's chunk constant): ``k`` steps of capped prefill chunks
+  beside the decodes are one ``schedule()`` with the chunk cap and the token budget scaled by
+  ``k`` (decodes advance through drafts), while nothing waits or, after a probe step that
   scheduled as many tokens, the waiting head stays blocked; nobody is preempted or finishes
   inside, and the end time is the single steps' chain of additions;
-* a memo of vLLM's prefix-hit lookup (:class:`~mars_openhands.engine.inproc.PrefixHitMemo`),
+* a memo of vLLM's prefix-hit lookup (:class:`~mars_openhands.engine.harness.prefix_memo.PrefixHitMemo`),
   built at a request's second lookup and dropped whenever the prefix cache changes a key it read;
 * our schedulers' wall-clock ``engine_step`` telemetry (dropped by the sink) is not computed, and
   events of kinds the sink does not want (its ``kinds``) are not built.
@@ -85,7 +88,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any, Protocol
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -93,12 +96,17 @@ from eval.workloads.format import Session, Workload
 from mars_openhands.control.config import GatewayConfig, ReplicaConfig
 from mars_openhands.control.plane import ControlPlane
 from mars_openhands.control.sessions import Session as GatewaySession
-from mars_openhands.engine import seams
-from mars_openhands.engine.inproc import (
+from mars_openhands.engine.harness.inproc_engine import (
     EngineStepRecord,
     InprocEngine,
     InprocEngineParams,
     SessionTokenStream,
+)
+from mars_openhands.engine.harness.runs import (
+    RunKind,
+    RunKv,
+    RunPlan,
+    StepTimer,
     decode_run_step_time_s,
 )
 from mars_openhands.policy.admission import AdmissionParams
@@ -127,16 +135,6 @@ exactness tests compare against; they change CPU time only, never a decision or 
 _QUIET_TICKS = 64
 """Admission ticks still run while the system is empty (0.8**64 ~ 1e-6: the tool-wait EMA has
 decayed and the window has regrown to its cap) before idle time is skipped."""
-
-
-class StepTimer(Protocol):
-    """Step-time model: seconds of one engine step (H4's ``StepTimeModel`` satisfies it)."""
-
-    def step_time_s(
-        self, prefill: Sequence[tuple[int, int]] = (), decode_context_tokens: Sequence[int] = ()
-    ) -> float:
-        """Seconds for one step with these prefill ``(new, cached)`` chunks and decode contexts."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -395,7 +393,7 @@ class Simulator:
         if self.engine.is_plugin:
             # Our schedulers' own engine_step snapshots run on the wall clock and the sink
             # drops them; the fast paths skip their KV walk.
-            self.engine.scheduler.set_telemetry_sink(
+            self.engine.set_telemetry_sink(
                 _VirtualStampSink(self) if sink is not None else None,
                 engine_steps=not self._fast_paths)
         self.plane = ControlPlane(gateway_config(config), clock=lambda: self.now_s)
@@ -407,13 +405,10 @@ class Simulator:
         self._runs: dict[str, _SessionRun] = {}
         self._by_request: dict[str, tuple[_SessionRun, TurnRecord]] = {}
         self._deferred: list[tuple[_SessionRun, float]] = []
-        self._run_last_step_s: float | None = None
-        """Start of the last single step of the blocked run being planned (its per-step clocks)."""
         self._in_step = False
-        self._run_kv: tuple[list[float], int, list[tuple[int, int, int]]] | None = None
-        """A merged run that spans admission ticks: its single steps' end times, the used KV
-        blocks before it and each running request's (computed tokens, tokens per step, blocks
-        held), from which a tick inside it reads the KV its single steps would have left."""
+        self._run_kv: RunKv | None = None
+        """A merged run that spans admission ticks: the KV its single steps leave, which a tick
+        inside it reads."""
         self._num_open = 0
         self._next_tick_s = 0.0
         self._quiet_ticks = 0
@@ -458,7 +453,7 @@ class Simulator:
                                     session_id=run.spec.session_id, turn=turn, **fields)
         self._emit_event(event)
         if self.engine.is_plugin and event.kind != "session_start":
-            self.engine.scheduler.post_event(event)
+            self.engine.post_event(event)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> SimResult:
@@ -556,7 +551,7 @@ class Simulator:
     def _idle_until_next_event(self, last_progress_s: float) -> None:
         """The engine holds work but scheduled nothing: wait for the next event."""
         if self.now_s - last_progress_s > self.config.stall_timeout_s:
-            running, waiting = self.engine.scheduler.get_request_counts()
+            running, waiting = self.engine.request_counts()
             raise RuntimeError(
                 f"engine stalled at t={self.now_s:.3f} s: {running} running, {waiting} waiting "
                 "and nothing schedulable (a prompt larger than the KV cache? raise "
@@ -571,23 +566,20 @@ class Simulator:
 
     # ------------------------------------------------------------------ engine steps
     def _engine_step(self) -> bool:
-        """One (possibly coalesced) engine step. Returns False if nothing was scheduled."""
+        """One (possibly merged) engine step. Returns False if nothing was scheduled."""
         t_start = self.now_s
-        k, planned_end_s, run = self._coalesce_factor()
-        record = self.engine.schedule(k, hide_waiting=run in ("blocked", "blocked-prefill"),
-                                      prefill_run=run in ("prefill", "blocked-prefill"),
-                                      last_step_s=(self._run_last_step_s
-                                                   if run in ("blocked", "blocked-prefill") else None))
+        plan = self._plan_run()
+        record = self.engine.schedule(plan)
         if record.is_empty:
             self.engine.update(record)
             return False
-        if run in ("prefill", "blocked-prefill"):
-            assert planned_end_s is not None, "a chunked-prefill run is fully determined"
-        elif planned_end_s is None or record.prefill or any(
-                n != k for n in record.num_scheduled_tokens.values()):
-            assert run != "blocked", "a blocked decode run is fully determined"
-            planned_end_s = t_start + self._step_time_s(record)  # the scheduler changed the plan
-        t_end = planned_end_s
+        t_end = plan.end_s
+        if plan.kind in (RunKind.STEADY, RunKind.BLOCKED) and (record.prefill or any(
+                n != plan.num_steps for n in record.num_scheduled_tokens.values())):
+            assert plan.kind is RunKind.STEADY, "a blocked decode run is fully determined"
+            t_end = None  # the scheduler changed the plan
+        if t_end is None:
+            t_end = t_start + self._step_time_s(record)
         dt_s = t_end - t_start
         self._on_scheduled(record, t_start)
         self._check_limit(t_end)
@@ -596,7 +588,7 @@ class Simulator:
             self._handle_next_event()
         self._in_step = False
         if self._run_kv is not None:
-            assert self._kv_used_after(record.num_decode_tokens) == self.engine.kv_block_counts()[2], \
+            assert self._run_kv.used_after(record.num_decode_tokens) == self.engine.kv_block_counts()[2], \
                 "a merged run's KV differs from its single steps'"
             self._run_kv = None
         self.now_s = t_end
@@ -609,57 +601,18 @@ class Simulator:
         self._maybe_snapshot()
         return True
 
-    def _coalesce_factor(self) -> tuple[int, float | None, str]:
-        """``(k, its end time or None, kind)``: decode tokens (steps) for the next step, bounded
-        by the next event that matters (a steady decode run is fully determined, so its time is
-        known before ``schedule()``); kind ``steady``, ``blocked`` (:meth:`_blocked_run`),
-        ``prefill`` or ``blocked-prefill`` (:meth:`_prefill_run`) or ``single``."""
-        k = self.engine.max_decode_run(self.config.coalesce_max_steps)
-        if k <= 1:
-            merged = None
-            if self._fast_paths:
-                merged = self._blocked_run() or self._prefill_run()
-            return merged if merged is not None else (1, None, "single")
-        gap_s = self._next_hard_event_s() - self.now_s
-        contexts = [r.num_computed_tokens + 1 for r in self.engine.scheduler.running]
-        dt_s = decode_run_step_time_s(self.timer.step_time_s, contexts, k)
-        if dt_s > gap_s:
-            k = max(1, min(k - 1, int(gap_s / (dt_s / k))))
-            dt_s = decode_run_step_time_s(self.timer.step_time_s, contexts, k)
-        return k, (self.now_s + dt_s if k > 1 else None), "steady"
-
-    def _run_bound_s(self, hidden: bool) -> float:
-        """Time by which an exact merged run must have ended: the next event that can change the
-        engine's input (:meth:`_next_hard_event_s`: a tick only while a session waits for
-        admission; a tick inside the run reads the KV its single steps would have left,
-        :meth:`_note_run_kv`) and, for a run with the waiting queue ``hidden``, our schedulers'
-        own next decision time (``blocked_run_until_s``)."""
-        bound_s = self._next_hard_event_s()
-        until = getattr(self.engine.scheduler, "blocked_run_until_s", None)
-        if hidden and until is not None:
-            bound_s = min(bound_s, until(self.now_s))
-        return bound_s
-
-    def _note_run_kv(self, times: list[float], steps: Sequence[int]) -> None:
-        """Before a merged run's ``schedule()``: if an admission tick falls inside it, keep what
-        :meth:`_kv_used_after` needs (``times``: its single steps' end times; ``steps``: tokens
-        per step of each running request, in the running order)."""
-        if not self.config.is_admission_enabled or times[-1] <= self._next_tick_s:
-            return
-        engine = self.engine
-        s = engine.scheduler
-        self._run_kv = (times, engine.kv_block_counts()[2], [
-            (r.num_computed_tokens, n, seams.num_block_table_entries(s, r.request_id))
-            for r, n in zip(s.running, steps, strict=True)])
-
-    def _kv_used_after(self, num_steps: int) -> int:
-        """Used KV blocks after the first ``num_steps`` single steps of the merged run
-        (:attr:`_run_kv`): a run frees nothing, and each request holds the blocks of its computed
-        tokens plus this step's. Pure."""
-        assert self._run_kv is not None
-        _, used, requests = self._run_kv
-        bs = self.config.engine.block_size
-        return used + sum(max(0, -(-(c + num_steps * n) // bs) - held) for c, n, held in requests)
+    def _plan_run(self) -> RunPlan:
+        """What the next ``schedule()`` stands for (:meth:`InprocEngine.plan_run`: a merged run
+        never crosses the next event that can change the engine's input, :meth:`_next_hard_event_s`);
+        an exact run that spans an admission tick keeps the KV its single steps leave
+        (:attr:`_run_kv`), which the tick reads."""
+        plan = self.engine.plan_run(self.config.coalesce_max_steps, self.now_s,
+                                    self._next_hard_event_s(), self.timer,
+                                    merge_blocked=self._fast_paths)
+        if (plan.kind not in (RunKind.SINGLE, RunKind.STEADY) and self.config.is_admission_enabled
+                and plan.step_ends_s[-1] > self._next_tick_s):
+            self._run_kv = self.engine.run_kv(plan)
+        return plan
 
     def _kv_used_blocks(self) -> int:
         """Used KV blocks as the engine would report them now: inside a merged run (:attr:`_run_kv`)
@@ -667,81 +620,9 @@ class Simulator:
         next step's ``schedule()``, one inside a step after its own). Pure."""
         if self._run_kv is None or not self._in_step:
             return self.engine.kv_block_counts()[2]
-        times = self._run_kv[0]
+        times = self._run_kv.step_ends_s
         done = bisect.bisect_right(times, self.now_s)
-        return self._kv_used_after(done if done and times[done - 1] == self.now_s else done + 1)
-
-    def _prefill_run(self) -> tuple[int, float, str] | None:
-        """A run of ``k`` chunked-prefill steps (capped prefills beside decodes; nothing waits, or
-        the waiting requests are blocked) as one ``schedule()``
-        (:meth:`InprocEngine.max_prefill_run`, :meth:`InprocEngine.max_blocked_prefill_run`), or
-        None.
-
-        Exact: the end time is the single steps' chain of additions (``t += step(shape_i)``,
-        each step's shape as the single step would record it), and the run ends before the
-        first event that can change the engine's input (see :meth:`_run_bound_s`).
-        """
-        times: list[float] = []  # end of each single step, as the chain of additions makes it
-
-        def within(k_max: int) -> int:  # steps that end by the bound
-            bound_s = self._run_bound_s(hide)
-            max_step = getattr(self.engine.scheduler, "prefill_run_max_step_s", None)
-            max_step_s = max_step() if hide and max_step is not None else math.inf
-            times.clear()
-            t_s = self.now_s
-            for prefill, decode in self.engine.prefill_run_shapes(k_max):
-                t_next = t_s + self.timer.step_time_s(prefill, decode)
-                if t_next > bound_s or t_next - t_s >= max_step_s:
-                    break
-                times.append(t_next)
-                t_s = t_next
-            return len(times)
-
-        hide = False
-        k = self.engine.max_prefill_run(self.config.coalesce_max_steps)
-        if k > 1:
-            k = within(k)
-        else:
-            hide = True
-            k = self.engine.max_blocked_prefill_run(self.config.coalesce_max_steps, within)
-        if k <= 1:
-            return None
-        self._run_last_step_s = times[k - 2]  # the per-step clocks the run's last step sets
-        self._note_run_kv(times[:k], self.engine.run_step_tokens())
-        return k, times[k - 1], "blocked-prefill" if hide else "prefill"
-
-    def _blocked_run(self) -> tuple[int, float, str] | None:
-        """A run of ``k`` pure-decode steps while requests wait for KV, as one ``schedule()``
-        (:meth:`InprocEngine.max_blocked_decode_run`), or None.
-
-        Exact, unlike the steady run's mean-context time: the end time is the same chain of
-        additions the single steps make (``t += step(contexts + i)``), and the run ends before
-        the first event that can change the engine's input (:meth:`_run_bound_s`).
-        """
-        times: list[float] = []  # end of each single step
-
-        def within(k_max: int) -> int:  # steps that end by the bound
-            bound_s = self._run_bound_s(hidden=True)
-            contexts = [r.num_computed_tokens + 1 for r in self.engine.scheduler.running]
-            by_shape = getattr(self.timer, "decode_step_time_s", None)  # same value, no list per step
-            num_decode, total = len(contexts), sum(contexts)
-            times.clear()
-            t_s, k = self.now_s, 0
-            while k < k_max:
-                t_next = t_s + (by_shape(num_decode, total + k * num_decode) if by_shape is not None
-                                else self.timer.step_time_s((), [c + k for c in contexts]))
-                if t_next > bound_s:
-                    break
-                times.append(t_next)
-                t_s, k = t_next, k + 1
-            return k
-
-        k = self.engine.max_blocked_decode_run(self.config.coalesce_max_steps, within)
-        if k <= 1:
-            return None
-        self._run_last_step_s = times[k - 2]  # the per-step clocks the run's last step sets
-        self._note_run_kv(times[:k], [1] * len(self.engine.scheduler.running))
-        return k, times[k - 1], "blocked"
+        return self._run_kv.used_after(done if done and times[done - 1] == self.now_s else done + 1)
 
     def _step_time_s(self, record: EngineStepRecord) -> float:
         """Modelled seconds of the step; a coalesced step of ``k`` tokens counts ``k`` steps."""
@@ -809,7 +690,7 @@ class Simulator:
             return
         self._last_snapshot_s = self.now_s
         free, retained, used = self.engine.kv_block_counts()
-        running, waiting = self.engine.scheduler.get_request_counts()
+        running, waiting = self.engine.request_counts()
         self._emit(ev.EngineStep, self.config.engine_source, None, None,
                    num_gpu_blocks=self.engine.num_gpu_blocks(), num_used_blocks=used,
                    num_free_blocks=free, num_retained_blocks=retained, num_running=running,

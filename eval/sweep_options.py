@@ -17,8 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from eval.metrics import DEFAULT_ALPHAS
 from eval.policies import DEFAULT_POLICIES
-from mars_openhands.engine.executor.profiles import GpuProfile
-from mars_openhands.engine.executor.timing import StepTimeModel
+from mars_openhands.engine.harness.executor.profiles import GpuProfile
+from mars_openhands.engine.harness.executor.timing import StepTimeModel
 
 __all__ = ["CompareOptions", "GpuSetup", "ProfileTimer", "real_timer"]
 

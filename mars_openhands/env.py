@@ -93,7 +93,7 @@ _declare("MARS_IDEMPOTENCY_KEY", "set for a durable tool call's command: its ide
 _declare("MARS_TASK_ID", "set for a durable tool call's command: its task id",
          "mars_openhands/runtime/tools.py")
 _declare("MARS_SERVER_OWNER_PID", "set in every vLLM server the project starts: its owner's pid",
-         "mars_openhands/engine/launch.py")
+         "mars_openhands/engine/harness/launch.py")
 _declare("MARS_TRACES_DIR", "directory of the agent traces", "eval/compare_setup.py")
 _declare("MARS_SIM_FAST_PATHS", "0 turns the simulator's fast paths off", "eval/sim.py")
 _declare("MARS_PYTHON311", "Python 3.11 for the engine env", "scripts/setup.sh")

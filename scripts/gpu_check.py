@@ -18,7 +18,7 @@ check that model on a real GPU, and how to calibrate it for a GPU or model it wa
   **median decode step** (against the median of the model's pure-decode steps at those contexts), the KV blocks
   vLLM allocated against the profile's memory model, and a least-squares ``scale`` and
   ``overhead_ms`` over the decode steps: the numbers to put into ``CALIBRATIONS`` in
-  ``mars_openhands/engine/executor/profiles.py`` for that GPU × model.
+  ``mars_openhands/engine/harness/executor/profiles.py`` for that GPU × model.
 
 Usage (on the GPU machine; the second command also runs here on the copied file)::
 
@@ -152,7 +152,7 @@ def load_sample(path: str | Path) -> Sample:
 
 # ------------------------------------------------------------------------------- the model side
 class StepModel(Protocol):
-    """What the comparison needs of ``mars_openhands.engine.executor.timing.StepTimeModel``."""
+    """What the comparison needs of ``mars_openhands.engine.harness.executor.timing.StepTimeModel``."""
 
     scale: float
     overhead_s: float
@@ -301,7 +301,7 @@ def render(sample: Sample, rows: list[Row], fit: tuple[float, float] | None, mod
 # ---------------------------------------------------------------------------- the GPU side
 def _model_dir(model: str, dtype: str, root: Path) -> Path:
     """A folder with the model profile's ``config.json`` (vLLM loads dummy weights from it)."""
-    from mars_openhands.engine.executor.profiles import MODELS, materialize_model_config
+    from mars_openhands.engine.harness.executor.profiles import MODELS, materialize_model_config
 
     spec = MODELS[(model, dtype)]
     if spec.local_config is not None:
@@ -400,8 +400,8 @@ def compare(args: argparse.Namespace) -> int:
         ValueError: a bad file (:func:`load_sample`) or a model profile this checkout lacks.
     """
     from eval.deployment import Deployment, parse_model
-    from mars_openhands.engine.executor.profiles import GpuProfile, estimate_kv_capacity
-    from mars_openhands.engine.executor.timing import StepTimeModel
+    from mars_openhands.engine.harness.executor.profiles import GpuProfile, estimate_kv_capacity
+    from mars_openhands.engine.harness.executor.timing import StepTimeModel
 
     sample = load_sample(args.sample)
     model, dtype = parse_model(str(sample.meta["model"]))

@@ -1,6 +1,6 @@
 """Shared fixtures: a tiny local model and real vLLM servers that never outlive the run.
 
-Nothing here imports vllm or torch at collection time (``mars_openhands.engine.launch``
+Nothing here imports vllm or torch at collection time (``mars_openhands.engine.harness.launch``
 needs only pydantic and the standard library; ``tiny_model`` is imported lazily), so
 the unit tests of ``stream``/``policy`` still collect in the OpenHands environment.
 
@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from mars_openhands.engine.launch import (
+from mars_openhands.engine.harness.launch import (
     VllmServer,
     find_owned_server_pids,
     live_pids_in_group,
@@ -34,7 +34,7 @@ _SESSION_SERVER_PGIDS = pytest.StashKey[set[int]]()
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama model directory (config + byte-level tokenizer, no weights)."""
-    from mars_openhands.engine.tiny_model import write_tiny_model
+    from mars_openhands.engine.harness.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 

@@ -26,8 +26,8 @@ from typing import Any
 from pydantic import BaseModel, SecretStr, ValidationError
 
 from mars_openhands import env
-from mars_openhands.cli_style import check_port_free, cli_error
-from mars_openhands.control.config import GatewayConfig, parse_replica
+from mars_openhands.cli_style import cli_error
+from mars_openhands.control.config import ConfigError, GatewayConfig, check_runtime, parse_replica
 
 __all__ = [
     "ConfigError",
@@ -154,11 +154,6 @@ def add_gateway_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
-class ConfigError(ValueError):
-    """A bad ``gateway`` configuration; ``str()`` is one line per problem, each naming the value
-    and the fix."""
-
-
 def _read_file(path: Path) -> dict[str, Any]:
     """Read a ``--config`` file (TOML or JSON). Raises ConfigError naming the file and the fix."""
     if path.suffix not in (".toml", ".json"):
@@ -254,26 +249,6 @@ def format_validation_error(error: ValidationError, config_file: Path | None = N
         shown = "" if isinstance(got, dict) or "got " in message else f" (got {got!r})"
         lines.append(f"{flag}: {message}{shown}")
     return "\n".join(lines)
-
-
-def check_runtime(config: GatewayConfig) -> None:
-    """Checks of the environment the config needs, done before anything starts.
-
-    Raises:
-        ConfigError: ``stream_path`` exists (one run, one stream) or is a directory; ``host:port``
-            is taken by another server (named as ``--port``, not as uvicorn's ``[Errno 98]``).
-    """
-    busy = check_port_free(config.host, config.port)
-    if busy is not None:
-        raise ConfigError(busy)
-    if config.stream_path is not None:
-        path = Path(config.stream_path)
-        if path.is_dir():
-            raise ConfigError(f"--stream-path {path} is a directory; pass a file path such as "
-                              f"{path / 'stream.jsonl'}")
-        if path.exists():
-            raise ConfigError(f"--stream-path {path} already exists (one run records one stream); "
-                              "pass a new path or move the old stream away")
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Self
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from mars_openhands.cli_style import check_port_free
 from mars_openhands.policy.admission import AdmissionParams
 from mars_openhands.policy.reorder import ReorderParams
 
-__all__ = ["GatewayConfig", "ReplicaConfig", "parse_replica"]
+__all__ = ["ConfigError", "GatewayConfig", "ReplicaConfig", "check_runtime", "parse_replica"]
 
 
 def _check_http_url(value: str) -> str:
@@ -233,3 +235,28 @@ class GatewayConfig(BaseModel):
     def replica_source(self, index: int) -> str:
         """``source`` of replica ``index``'s GPU-plane events (``engine:<index>`` by default)."""
         return self.replicas[index].engine_source or f"engine:{index}"
+
+
+class ConfigError(ValueError):
+    """A bad ``gateway`` configuration; ``str()`` is one line per problem, each naming the value
+    and the fix."""
+
+
+def check_runtime(config: GatewayConfig) -> None:
+    """Checks of the environment the config needs, done before anything starts.
+
+    Raises:
+        ConfigError: ``stream_path`` exists (one run, one stream) or is a directory; ``host:port``
+            is taken by another server (named as ``--port``, not as uvicorn's ``[Errno 98]``).
+    """
+    busy = check_port_free(config.host, config.port)
+    if busy is not None:
+        raise ConfigError(busy)
+    if config.stream_path is not None:
+        path = Path(config.stream_path)
+        if path.is_dir():
+            raise ConfigError(f"--stream-path {path} is a directory; pass a file path such as "
+                              f"{path / 'stream.jsonl'}")
+        if path.exists():
+            raise ConfigError(f"--stream-path {path} already exists (one run records one stream); "
+                              "pass a new path or move the old stream away")

@@ -59,7 +59,7 @@ from pydantic import ValidationError
 
 from mars_openhands import env
 from mars_openhands.control.auth import UNAUTHORIZED_BODY
-from mars_openhands.control.config import GatewayConfig, ReplicaConfig
+from mars_openhands.control.config import GatewayConfig, ReplicaConfig, check_runtime
 from mars_openhands.control.proxy import PROXY_PATHS, ProxyHandler
 from mars_openhands.control.upstream import (
     NOT_RELAYED_HEADERS,
@@ -360,7 +360,6 @@ class MarsGatewayMiddleware:
 
     def __init__(self, app: Any) -> None:
         from mars_openhands.control.app import Gateway
-        from mars_openhands.control.cli import check_runtime
 
         self.app = app
         self.config = config_from_env()
@@ -470,8 +469,6 @@ def main(argv: list[str] | None = None) -> int:
     vLLM (which builds its middleware only after its engine is up, about a minute on a small
     machine). Prints the settings and returns 0, or the problem and returns 2."""
     import argparse
-
-    from mars_openhands.control.cli import check_runtime
 
     argparse.ArgumentParser(
         prog="python -m mars_openhands.control.inprocess",

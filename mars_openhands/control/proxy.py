@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
@@ -47,9 +47,14 @@ from mars_openhands.control.upstream import (
 )
 
 if TYPE_CHECKING:
-    from mars_openhands.control.app import Gateway
+    from collections.abc import Mapping
 
-__all__ = ["DISCONNECT_WATCH_DELAY_S", "PROXY_PATHS", "ProxyHandler"]
+    from mars_openhands.control.config import GatewayConfig
+    from mars_openhands.control.plane import ControlPlane
+    from mars_openhands.control.routing import Router
+    from mars_openhands.control.upstream import UpstreamClient
+
+__all__ = ["DISCONNECT_WATCH_DELAY_S", "PROXY_PATHS", "GatewayCore", "ProxyHandler"]
 
 PROXY_PATHS = frozenset(("/v1/chat/completions", "/v1/completions"))
 """Paths served by :class:`ProxyHandler`."""
@@ -135,6 +140,52 @@ def engine_content(raw: bytes, fields: dict[str, Any], session_id: str | None, t
         return b"".join(parts)
     body = msgspec.json.decode(raw)
     return _ENCODE(metadata.build_engine_body(body, session_id, turn, last_step, prev_tool))
+
+
+class GatewayCore(Protocol):
+    """What the proxy needs of the gateway (:class:`~mars_openhands.control.app.Gateway`
+    implements it): its config, control plane, router and upstream client, the counters it
+    bumps, and the per-request steps it calls. The proxy never imports the app (the app mounts
+    the proxy)."""
+
+    config: GatewayConfig
+    plane: ControlPlane
+    router: Router
+    client: UpstreamClient | None
+    num_requests: int
+    num_forbidden: int
+    num_client_disconnects: int
+    num_upstream_errors: int
+
+    def session_for(self, headers: Mapping[str, str],
+                    fields: Mapping[str, Any]) -> tuple[Session, int | None]:
+        """The request's session (found or created, once its caller may act for it) and its
+        last step."""
+        ...
+
+    async def wait_for_admission(self, session: Session, raw: bytes) -> None:
+        """Return once the session holds an admission slot."""
+        ...
+
+    def record_aborted(self, session: Session | None, request_id: str, reason: str, stage: str,
+                       elapsed_s: float, is_slot_released: bool = False,
+                       turn: int | None = None) -> None:
+        """Record a request that ended without an answer."""
+        ...
+
+    def replica_failed(self, replica: ReplicaState, reason: str, immediate: bool = False) -> bool:
+        """A request to ``replica`` failed; True when that took the replica out."""
+        ...
+
+    async def is_alive(self, replica: ReplicaState) -> bool:
+        """Probe the replica's ``/health`` once."""
+        ...
+
+    def _finish(self, session: Session, replica: ReplicaState | None,
+                is_client_gone: bool = False) -> bool:
+        """Bookkeeping when a request ends, exactly once; True when the session's slot was
+        released."""
+        ...
 
 
 class _ClientGoneError(Exception):
@@ -225,7 +276,7 @@ async def _send_whole(send: Any, status: int, body: bytes, content_type: str | N
 class ProxyHandler:
     """Serves the two completions paths for ``gateway`` (raw ASGI; everything else is FastAPI)."""
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: GatewayCore) -> None:
         self.gateway = gateway
 
     async def _read_body(self, receive: Any, headers: dict[str, str]) -> bytes:

@@ -20,7 +20,7 @@ _LAZY: dict[str, str] = {
     "InferceptScheduler": "mars_openhands.engine.schedulers.infercept:InferceptScheduler",
     "ContinuumScheduler": "mars_openhands.engine.schedulers.continuum:ContinuumScheduler",
     "ThunderAgentScheduler": "mars_openhands.engine.schedulers.thunderagent:ThunderAgentScheduler",
-    "EmulatedGPUExecutor": "mars_openhands.engine.executor.emulated:EmulatedGPUExecutor",
+    "EmulatedGPUExecutor": "mars_openhands.engine.harness.executor.emulated:EmulatedGPUExecutor",
 }
 """Public name -> "module:attribute", resolved on first access."""
 

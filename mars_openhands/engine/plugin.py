@@ -23,4 +23,4 @@ def register() -> None:
     """
     from mars_openhands.engine import seams
 
-    seams.check_compat()
+    seams.compat.check_compat()

@@ -133,7 +133,7 @@ class PlaybackConfig(BaseModel):
     ``max_completion_tokens``)."""
     prompt_token_id_high: int = Field(256, ge=2)
     """Synthetic ids of ``recorded`` prompts are in ``[0, this)`` (default: the tiny model's byte
-    ids, :mod:`mars_openhands.engine.tiny_model`)."""
+    ids, :mod:`mars_openhands.engine.harness.tiny_model`)."""
     upstream_timeout_s: float = Field(120.0, gt=0)
     """Seconds to wait for the upstream engine's answer to one turn before the request fails."""
     api_key: str | None = None

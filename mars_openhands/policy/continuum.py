@@ -66,6 +66,7 @@ __all__ = [
     "optimal_ttl_s",
     "pin_benefit_s",
     "pin_ttl_s",
+    "pin_release_key",
     "pin_release_order",
     "running_victim_key",
     "should_unpin",
@@ -271,6 +272,16 @@ def running_victim_key(is_last_step: bool | None, program_arrival_s: float) -> t
     return (0 if is_last_step else 1, program_arrival_s)
 
 
+def pin_release_key(program_arrival_s: float) -> float:
+    """Sort key of a pin on KV allocation failure (smallest released first): latest program
+    arrival first. Pure.
+
+    Args:
+        program_arrival_s: the pin's program's first arrival, seconds.
+    """
+    return -program_arrival_s
+
+
 def pin_release_order(pins: Iterable[tuple[KeyT, float]]) -> list[KeyT]:
     """Order in which pins are released on KV allocation failure: latest program arrival first.
 
@@ -282,7 +293,7 @@ def pin_release_order(pins: Iterable[tuple[KeyT, float]]) -> list[KeyT]:
     Returns:
         The pin keys, latest program arrival first.
     """
-    ordered = sorted(enumerate(pins), key=lambda item: (-item[1][1], item[0]))
+    ordered = sorted(enumerate(pins), key=lambda item: (pin_release_key(item[1][1]), item[0]))
     return [key for _, (key, _) in ordered]
 
 

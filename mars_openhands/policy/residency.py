@@ -25,10 +25,14 @@ session's wait: nothing younger can take the room it waits for.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-__all__ = ["ResidencyPlan", "SessionDemand", "plan_residency"]
+if TYPE_CHECKING:
+    from mars_openhands.policy.session import SessionState
+
+__all__ = ["ResidencyPlan", "SessionDemand", "displace_value_s", "output_reserve_tokens", "plan_residency"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,3 +153,82 @@ def _victims(kept: list[SessionDemand], head: SessionDemand) -> list[SessionDema
     younger = [k for k in reversed(kept) if k.priority > head.priority and k.can_suspend
                and k.displace_value_s <= 0]
     return by_value + younger
+
+
+def output_reserve_tokens(num_generated: int, mean_remaining: float | None, prior_tokens: int,
+                          max_tokens: int | None) -> int:
+    """Decode growth to reserve for a running or held request, tokens. Pure.
+
+    The expected remaining output given what it has generated (``mean_remaining``: the mean
+    remaining length of the engine's finished turns' outputs past ``num_generated``); before any,
+    or once it has outlived every length seen (``None``), the rest of the prior ``prior_tokens``
+    (``residency.output_reserve_tokens``) or as many again as it has generated, whichever is
+    more (the tools' rule, policy.estimators: a request that outlived the prior used to reserve
+    0, so the plan activated held sessions into room its growth was about to take, and each
+    preemption made room for a re-prefill with a cold cache); never more than its ``max_tokens``
+    allow.
+
+    Args:
+        num_generated: output tokens so far.
+        mean_remaining: expected remaining output tokens, or None (no estimate).
+        prior_tokens: the prior's whole output, tokens.
+        max_tokens: the request's cap, or None.
+    """
+    remaining = mean_remaining
+    if remaining is None:
+        remaining = max(prior_tokens - num_generated, num_generated)
+    if max_tokens is not None:
+        remaining = min(remaining, max(0, max_tokens - num_generated))
+    return int(remaining)
+
+
+def displace_value_s(session: SessionState | None, demand_blocks: int, num_busy: int, now_s: float,
+                     *, imminent_grace_s: float, tool_queue_wait_s: float,
+                     tool_mean_remaining_s: Callable[[str | None, float], float | None],
+                     block_size: int, prefill_s_per_token: float) -> float:
+    """Seconds a waiting session gains from an idle resident's blocks minus what it costs. Pure.
+
+    gain = expected time until the resident's next turn: its tool's expected remaining duration
+    (``tool_mean_remaining_s(tool, elapsed)``, its duration CDF given the time it has already
+    run, policy.estimators; a tool past every sample, or with none, is expected to run as long
+    again, so a session that silently went away is displaced soon), plus, while the call still
+    waits for a tool worker, the rest of the CPU plane's mean queue wait
+    (``tool_queue_wait_s``, from tool_enqueued/tool_start events); cost = re-prefilling the
+    resident's KV at the measured prefill rate, paid by it and by every busy session its prefill
+    delays. A tool that has ended gains nothing for ``imminent_grace_s`` (the next turn is
+    imminent); after that its next turn is expected as late again::
+
+        value = remaining_tool_s + queue_s - demand_blocks * block_size * s_per_token * (1 + num_busy)
+
+    Args:
+        session: the resident's session (0 without one, or before its first finished turn).
+        demand_blocks: its KV blocks.
+        num_busy: busy resident sessions.
+        now_s: the scheduler clock.
+        imminent_grace_s: ``retention.imminent_grace_s``.
+        tool_queue_wait_s: mean seconds a tool call waits for a worker.
+        tool_mean_remaining_s: ``(tool name, elapsed s) -> expected remaining s`` or None.
+        block_size: tokens per KV block.
+        prefill_s_per_token: measured prefill seconds per token.
+    """
+    if session is None or session.last_finish_s is None:
+        return 0.0
+    queue_s = 0.0
+    if session.tool_ended:
+        elapsed = now_s - session.last_activity_s  # since the tool_end (or a later event)
+        if elapsed < imminent_grace_s:
+            return 0.0
+    elif session.tool_started_s is not None:
+        elapsed = now_s - session.tool_started_s
+    elif session.tool_enqueued_s is not None:  # waiting for a tool worker (CPU congestion)
+        elapsed = 0.0
+        queue_s = max(0.0, tool_queue_wait_s - (now_s - session.tool_enqueued_s))
+    else:
+        elapsed = now_s - session.last_finish_s
+    elapsed = max(0.0, elapsed)
+    remaining = None if session.tool_ended else tool_mean_remaining_s(session.pending_tool, elapsed)
+    if remaining is None:
+        remaining = elapsed  # longer than any tool seen: expect it to last as long again
+    remaining += queue_s
+    reload_s = demand_blocks * block_size * prefill_s_per_token
+    return remaining - reload_s * (1 + num_busy)

@@ -17,8 +17,7 @@ import urllib.request
 import uuid
 from typing import Any
 
-from mars_openhands.runtime.engine import AgentOutcome
-from mars_openhands.runtime.run import ExecContext, TaskRun
+from mars_openhands.runtime.run import AgentOutcome, ExecContext, TaskRun
 from mars_openhands.runtime.tools import TOOL_SCHEMAS, run_tool
 
 __all__ = ["SESSION_TOKEN_HEADER", "chat_request", "run_chat_agent", "session_id_of"]

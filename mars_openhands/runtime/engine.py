@@ -15,7 +15,7 @@ the final status with its reason.
 
 from __future__ import annotations
 
-import importlib
+import importlib.metadata
 import logging
 import os
 import socket
@@ -27,27 +27,31 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dbos import DBOS, SetWorkflowID
-from pydantic import BaseModel, ConfigDict
 
+from mars_openhands.runtime.agent import run_chat_agent
 from mars_openhands.runtime.config import RuntimeConfig
-from mars_openhands.runtime.run import TaskEndedError, TaskRun
+from mars_openhands.runtime.run import AgentOutcome, TaskEndedError, TaskRun
 from mars_openhands.runtime.store import TERMINAL_STATUSES, Store
 from mars_openhands.runtime.task import TaskSpec
 
-__all__ = ["DRIVERS", "AgentOutcome", "DriverUnavailableError", "Runtime", "is_runner_alive",
-           "load_driver"]
+__all__ = ["DRIVER_ENTRY_POINTS", "DRIVER_HINTS", "AgentOutcome", "DriverUnavailableError", "Runtime",
+           "driver_kinds", "is_runner_alive", "load_driver"]
 
 APP_VERSION = "mars-runtime-1"
 """DBOS application version of the task workflow. Bump it only when the order of a workflow's
 steps changes, so a runner never replays an old log with new code."""
 
-DRIVERS: dict[str, tuple[str, str]] = {
-    "chat": ("mars_openhands.runtime.agent:run_chat_agent", ""),
-    "openhands": ("mars_openhands.openhands.durable:run_openhands_task",
-                  "OpenHands tasks run in the OpenHands env (Python >= 3.12): use "
-                  ".venv-openhands/bin/mars-openhands tasks ..."),
+DRIVER_ENTRY_POINTS = "mars_openhands.task_drivers"
+"""Entry-point group of the task drivers the runtime does not own: kind -> ``module:function``,
+declared in ``pyproject.toml`` by the layer that owns the driver (``openhands``:
+``openhands/durable.py``), so the runtime never names a higher layer's module. ``chat`` is the
+runtime's own (:mod:`mars_openhands.runtime.agent`)."""
+
+DRIVER_HINTS: dict[str, str] = {
+    "openhands": "OpenHands tasks run in the OpenHands env (Python >= 3.12): use "
+                 ".venv-openhands/bin/mars-openhands tasks ...",
 }
-"""Task kind → (``module:function`` of its driver, where it runs). Imported when a task runs."""
+"""Task kind -> where its driver runs, said when it cannot be loaded here."""
 
 _ACTIVE: list[Runtime] = []  # this process's open runtime (at most one, like DBOS's instance)
 
@@ -56,27 +60,34 @@ class DriverUnavailableError(RuntimeError):
     """The task's driver cannot be imported in this environment."""
 
 
-class AgentOutcome(BaseModel):
-    """How a driver's agent stopped."""
+def driver_kinds() -> list[str]:
+    """Task kinds with a driver installed here (``chat`` and the entry points). Pure."""
+    return sorted({"chat", *_driver_entry_points()})
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
-    status: Literal["finished", "max_iterations", "stuck", "error"]
-    message: str = ""
+def _driver_entry_points() -> dict[str, importlib.metadata.EntryPoint]:
+    return {ep.name: ep for ep in importlib.metadata.entry_points(group=DRIVER_ENTRY_POINTS)}
 
 
 def load_driver(kind: str) -> Callable[[TaskRun], AgentOutcome]:
     """The driver function of task kind ``kind``.
 
     Raises:
-        DriverUnavailableError: unknown kind, or its module cannot be imported here (says where).
+        DriverUnavailableError: unknown kind, or its driver cannot be loaded here (says where it
+            runs).
     """
-    if kind not in DRIVERS:
-        raise DriverUnavailableError(f"unknown task kind {kind!r}; supported: {sorted(DRIVERS)}")
-    target, hint = DRIVERS[kind]
-    module, func = target.split(":")
+    if kind == "chat":
+        return run_chat_agent
+    hint = DRIVER_HINTS.get(kind, "")
+    entry = _driver_entry_points().get(kind)
+    if entry is None:
+        if hint:
+            raise DriverUnavailableError(
+                f"task kind {kind!r} has no driver installed here (no {DRIVER_ENTRY_POINTS!r} "
+                f"entry point: reinstall the package with scripts/setup.sh). {hint}")
+        raise DriverUnavailableError(f"unknown task kind {kind!r}; supported: {driver_kinds()}")
     try:
-        return getattr(importlib.import_module(module), func)
+        return entry.load()
     except ImportError as e:
         raise DriverUnavailableError(f"task kind {kind!r} cannot run in this environment "
                                      f"({e.name or e} is missing). {hint}".strip()) from None

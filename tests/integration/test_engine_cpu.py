@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from mars_openhands.engine.launch import VllmServer, VllmServerError, live_pids_in_group
-from mars_openhands.engine.tiny_model import BOS_TOKEN_ID, VOCAB_SIZE, build_tokenizer
+from mars_openhands.engine.harness.launch import VllmServer, VllmServerError, live_pids_in_group
+from mars_openhands.engine.harness.tiny_model import BOS_TOKEN_ID, VOCAB_SIZE, build_tokenizer
 
 pytestmark = pytest.mark.integration
 

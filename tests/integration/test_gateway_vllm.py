@@ -26,7 +26,7 @@ import pytest
 from mars_openhands.control.config import GatewayConfig, ReplicaConfig
 from mars_openhands.control.metrics import parse_vllm_metrics
 from mars_openhands.control.server import GatewayServer
-from mars_openhands.engine.launch import find_free_port
+from mars_openhands.engine.harness.launch import find_free_port
 from mars_openhands.stream.transport import ListSink
 
 pytestmark = pytest.mark.integration

@@ -26,7 +26,7 @@ def _load_script():
 
 def test_measure_steps_on_vllm_cpu_match_the_modelled_packing(tmp_path, monkeypatch) -> None:
     pytest.importorskip("vllm")
-    from mars_openhands.engine.tiny_model import write_tiny_model
+    from mars_openhands.engine.harness.tiny_model import write_tiny_model
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")

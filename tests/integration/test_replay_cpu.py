@@ -20,8 +20,8 @@ import pytest
 
 from eval.replay import ReplayConfig, observation_token_ids, replay
 from eval.workloads.format import Session, Turn, Workload, WorkloadMeta
-from mars_openhands.engine.launch import VllmServer
-from mars_openhands.engine.tiny_model import NUM_BYTE_TOKENS, VOCAB_SIZE
+from mars_openhands.engine.harness.launch import VllmServer
+from mars_openhands.engine.harness.tiny_model import NUM_BYTE_TOKENS, VOCAB_SIZE
 from mars_openhands.stream.transport import ListSink
 
 pytestmark = pytest.mark.integration

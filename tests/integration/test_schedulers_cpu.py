@@ -35,8 +35,8 @@ import pytest
 
 from eval.replay import ReplayConfig, run_replay
 from eval.workloads.format import Session, Turn, Workload, WorkloadMeta
-from mars_openhands.engine.launch import VllmServer
-from mars_openhands.engine.tiny_model import NUM_BYTE_TOKENS
+from mars_openhands.engine.harness.launch import VllmServer
+from mars_openhands.engine.harness.tiny_model import NUM_BYTE_TOKENS
 from mars_openhands.stream.events import Event, SessionEnd, now_stamps
 from mars_openhands.stream.transport import ListSink, ZmqEventCollector, ZmqEventPublisher
 

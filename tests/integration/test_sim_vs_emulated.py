@@ -52,7 +52,7 @@ pytestmark = [
                        reason="needs aiconfigurator-core==0.12.0 (emulated-GPU extra)"),
 ]
 
-EXECUTOR = "mars_openhands.engine.executor.emulated.EmulatedGPUExecutor"
+EXECUTOR = "mars_openhands.engine.harness.executor.emulated.EmulatedGPUExecutor"
 PROFILE = {"gpu": "h100_sxm", "model": "qwen3-30b-a3b", "dtype": "bf16"}
 TIME_SCALE = 120.0
 NUM_GPU_BLOCKS = 512
@@ -93,8 +93,8 @@ class _ScaledTimer:
 def simulated_schedule(coalesce_max_steps: int) -> tuple[Schedule, Any]:
     """Run the workload through eval.sim; record every schedule() call of its engine."""
     from eval.sim import SimConfig, Simulator
-    from mars_openhands.engine.executor.timing import StepTimeModel
-    from mars_openhands.engine.inproc import InprocEngineParams
+    from mars_openhands.engine.harness.executor.timing import StepTimeModel
+    from mars_openhands.engine.harness.inproc_engine import InprocEngineParams
 
     config = SimConfig(
         policy="fcfs-sync", num_tool_workers=4, coalesce_max_steps=coalesce_max_steps, seed=SEED,
@@ -103,20 +103,21 @@ def simulated_schedule(coalesce_max_steps: int) -> tuple[Schedule, Any]:
                                   max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
                                   max_model_len=MAX_MODEL_LEN),
     )
-    from mars_openhands.engine.executor.profiles import GpuProfile
+    from mars_openhands.engine.harness.executor.profiles import GpuProfile
 
     sim = Simulator(WORKLOAD, config, _ScaledTimer(StepTimeModel(GpuProfile(**PROFILE)),
                                                    TIME_SCALE))
     steps: list[tuple[int, list[tuple[str, int, int]]]] = []  # (k, [(rid, n, before)])
     inner_schedule = sim.engine.schedule
 
-    def recording_schedule(num_decode_tokens: int = 1, *, prefill_run: bool = False,
-                           **flags: Any) -> Any:
+    def recording_schedule(plan: Any = 1) -> Any:
         # Chunked-prefill runs fire only under a long-prefill chunk cap (vllm-tuned), not here;
-        # their k-step calls would need expanding below as the decode runs are. The other flags
-        # (hide_waiting, last_step_s, ...) pass through: this records, it does not steer.
-        assert not prefill_run, "a chunked-prefill run in an uncapped fcfs-sync run"
-        record = inner_schedule(num_decode_tokens, prefill_run=prefill_run, **flags)
+        # their k-step calls would need expanding below as the decode runs are. The plan passes
+        # through: this records, it does not steer.
+        num_decode_tokens = plan if isinstance(plan, int) else plan.num_steps
+        assert isinstance(plan, int) or not plan.is_prefill_run, \
+            "a chunked-prefill run in an uncapped fcfs-sync run"
+        record = inner_schedule(plan)
         out = record.scheduler_output
         before = {n.req_id: n.num_computed_tokens for n in out.scheduled_new_reqs}
         cached = out.scheduled_cached_reqs

@@ -27,7 +27,7 @@ import pytest
 
 pytest.importorskip("openhands.sdk", reason="needs the OpenHands env (.venv-openhands)")
 
-from mars_openhands.engine.launch import VllmServer  # noqa: E402  (pydantic + stdlib only)
+from mars_openhands.engine.harness.launch import VllmServer  # noqa: E402  (pydantic + stdlib only)
 from mars_openhands.openhands.llm import LLMSettings  # noqa: E402
 from mars_openhands.openhands.playback import (  # noqa: E402
     PlaybackConfig,
@@ -84,7 +84,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
         pytest.skip(f"engine env missing: {ENGINE_PYTHON} (set MARS_ENGINE_PYTHON)")
     model_dir = tmp_path_factory.mktemp("tiny-model")
     subprocess.run([str(ENGINE_PYTHON), "-c", "import sys; from pathlib import Path; "
-                    "from mars_openhands.engine.tiny_model import write_tiny_model; "
+                    "from mars_openhands.engine.harness.tiny_model import write_tiny_model; "
                     "write_tiny_model(Path(sys.argv[1]))", str(model_dir)], check=True, timeout=300)
     server = VllmServer(model_dir=model_dir, python_executable=str(ENGINE_PYTHON),
                         log_path=model_dir / "vllm.log")

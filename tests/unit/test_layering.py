@@ -48,11 +48,9 @@ LAZY_ONLY: dict[str, set[str]] = {"stream": {"zmq", "pandas", "pyarrow", "numpy"
                                    "runtime": {"pandas", "pyarrow", "matplotlib", "rich"}}
 # Upward imports by name that are known and listed here until they are inverted: (file, module) ->
 # why. An entry names one file and one module, so any other string import of a higher layer fails.
-KNOWN_STRING_IMPORTS: dict[tuple[str, str], str] = {
-    ("mars_openhands/runtime/engine.py", "mars_openhands.openhands.durable"):
-        "DRIVERS resolves the 'openhands' task kind's driver by name (runtime -> openhands); to invert "
-        "it the OpenHands layer would register its driver (e.g. a package entry point)",
-}
+# (None now: the runtime's 'openhands' driver, once resolved by name in runtime/engine.py, is a
+# package entry point that pyproject.toml declares for the OpenHands layer.)
+KNOWN_STRING_IMPORTS: dict[tuple[str, str], str] = {}
 # The only modules the runtime may import at all, besides the standard library and itself.
 RUNTIME_ALLOWED = ("mars_openhands.runtime", "mars_openhands.stream", "mars_openhands.policy",
                    "mars_openhands", "pydantic", "dbos", "sqlalchemy", "pandas", "pyarrow",
@@ -149,6 +147,18 @@ def test_layer_imports_follow_dependency_direction(layer: str) -> None:
     assert not violations, "dependency direction broken (see style.md):\n" + "\n".join(violations)
 
 
+def test_the_plugin_never_imports_the_harness() -> None:
+    """``engine/`` is two houses: the vLLM plugin (schedulers, seams, telemetry, queues, the entry
+    point) and the harness that runs vLLM without a GPU (``engine/harness``). The plugin never
+    imports the harness, so a server's engine core loads none of it; only the package's face
+    (``engine/__init__.py``) names the emulated executor for ``--distributed-executor-backend``."""
+    engine = PKG / "engine"
+    plugin = [p for p in sorted(engine.rglob("*.py"))
+              if "harness" not in p.relative_to(engine).parts and p != engine / "__init__.py"]
+    violations = _violations(plugin, {"mars_openhands.engine.harness"})
+    assert not violations, "the plugin imports the harness:\n" + "\n".join(violations)
+
+
 def test_the_package_never_imports_eval() -> None:
     """``eval`` is the top layer: no file of ``mars_openhands`` (its own top-level modules too, which
     belong to no layer) imports it, by statement or by name."""
@@ -195,6 +205,11 @@ def test_checker_sees_imports_by_name(tmp_path: Path) -> None:
     violations = _violations([cli], {"eval"}, root=tmp_path)
     assert sorted(violations) == sorted(f"mars_openhands/cli.py imports eval.{m}"
                                         for m in ("compare", "sim", "replay", "workloads"))
+    runtime = tmp_path / "mars_openhands" / "runtime" / "engine.py"
+    runtime.parent.mkdir()
+    runtime.write_text('DRIVERS = {"openhands": ("mars_openhands.openhands.durable:run", "")}\n')
+    assert _violations([runtime], FORBIDDEN["runtime"], root=tmp_path) == [
+        "mars_openhands/runtime/engine.py imports mars_openhands.openhands.durable"]
     policy = tmp_path / "mars_openhands" / "policy" / "lazy.py"
     policy.parent.mkdir()
     policy.write_text('TARGET = "mars_openhands.engine.schedulers.mars:MarsScheduler"\n')

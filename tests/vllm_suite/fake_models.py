@@ -4,7 +4,7 @@ vLLM's tests build ``ModelConfig(model="facebook/opt-125m")`` and the like, whic
 model's ``config.json`` (and, for the multimodal ones, runs its processor once on a dummy image
 to size the encoder budget). Nothing is downloaded here: :func:`write_fake_models` writes one
 directory per model (the architecture's config with the real model's shape-relevant values,
-our byte-level tokenizer from :mod:`mars_openhands.engine.tiny_model` with the special tokens the
+our byte-level tokenizer from :mod:`mars_openhands.engine.harness.tiny_model` with the special tokens the
 processor looks up, and the image processor's settings) plus a JSON redirect map, which vLLM's
 ``VLLM_MODEL_REDIRECT_PATH`` applies to every ``ModelConfig`` (a repo id becomes a local path, so
 vLLM never asks the Hub, not even for safetensors metadata; an HF-cache layout made vLLM retry
@@ -38,7 +38,7 @@ def _tokenizer_json(extra_special: tuple[str, ...] = ()) -> str:
     """Our byte-level tokenizer (ids 0..263) plus ``extra_special`` from id 264 on."""
     from tokenizers import AddedToken
 
-    from mars_openhands.engine.tiny_model import VOCAB_SIZE, build_tokenizer
+    from mars_openhands.engine.harness.tiny_model import VOCAB_SIZE, build_tokenizer
 
     tokenizer = build_tokenizer()
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in extra_special])

@@ -43,6 +43,11 @@ from vllm.v1.request import Request
 
 from mars_openhands.engine import seams
 from mars_openhands.engine.schedulers.base import MarsBaseScheduler
+from mars_openhands.engine.schedulers.coalesce import (
+    CertifiedRuns,
+    HeadRule,
+    head_rule_without_hit_cap,
+)
 from mars_openhands.policy import plas
 from mars_openhands.policy.plas import PlasCall, PlasParams, PlasProgram
 
@@ -58,8 +63,15 @@ class _Call:
     plas: PlasCall
 
 
-class AutellixScheduler(MarsBaseScheduler):
-    """Autellix PLAS (program-level attained service, MLFQ, anti-starvation) on stock vLLM."""
+class AutellixScheduler(CertifiedRuns, MarsBaseScheduler):
+    """Autellix PLAS (program-level attained service, MLFQ, anti-starvation) on stock vLLM.
+
+    Merged runs (:class:`CertifiedRuns`): per step, waiting calls accrue the step's tokens and
+    running calls are charged theirs (both additive), and the running order ``(level,
+    arrival)`` is constant while no level changes: :meth:`run_max_steps` ends a run before a
+    demotion or a promotion. A long call at the last level is charged its level's whole quantum
+    each step and refilled (demotion stays at the last level), so its chunk is the same in every
+    step (:meth:`prefill_run_chunk_tokens`)."""
 
     default_resume_when_context_fits: ClassVar[bool] = True
     """A preempted call resumes once its whole context fits (issue 16 kind 4: a long call
@@ -68,7 +80,7 @@ class AutellixScheduler(MarsBaseScheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.plas_params: PlasParams = self.params.autellix
-        self._budget_tokens = seams.max_num_scheduled_tokens(self)
+        self._budget_tokens = seams.hooks.max_num_scheduled_tokens(self)
         self._calls: dict[str, _Call] = {}
 
     # ------------------------------------------------------------------ read access
@@ -87,12 +99,8 @@ class AutellixScheduler(MarsBaseScheduler):
         return _NO_PROGRAM if program is None else program
 
     # ------------------------------------------------------------------ request lifecycle
-    def add_request(self, request: Request, **kwargs: Any) -> None:
-        """vLLM: a new call arrives at the level of its program's attained service."""
-        is_new = request.request_id not in self.requests
-        super().add_request(request, **kwargs)
-        if not is_new:
-            return
+    def on_request_added(self, request: Request) -> None:
+        """Base hook: a new call arrives at the level of its program's attained service."""
         state = self.req_state.get(request.request_id)
         program_id = request.session_id or request.request_id
         program = self._program(program_id)
@@ -123,18 +131,11 @@ class AutellixScheduler(MarsBaseScheduler):
         if event.kind == "session_end" and event.session_id is not None:
             self.sessions.set_program(event.session_id, None)
 
-    # ------------------------------------------------------------------ simulator hooks
-    coalescible_blocked_runs = True
-    """Per step: waiting calls accrue the step's tokens, running calls are charged theirs (both
-    additive), and the running order ``(level, arrival)`` is constant while no level changes;
-    :meth:`blocked_run_max_tokens` ends a merged run before a demotion or a promotion."""
-    coalescible_prefill_runs = True
-    """A long call at the last level is charged its level's whole quantum each step and refilled
-    (demotion stays at the last level), so its chunk is the same in every step
-    (:meth:`prefill_run_chunk_tokens`); charges and waits add up, and
-    :meth:`blocked_run_max_tokens` ends a run before any other level change."""
-    hit_free_chunk_cap = True
-    """The chunk cap is the call's remaining quantum (:meth:`chunk_tokens`), whatever its hit."""
+    # ------------------------------------------------------------------ merged runs
+    def head_rule(self) -> HeadRule:
+        """The chunk cap is the call's remaining quantum (:meth:`chunk_tokens`), whatever its hit
+        (:func:`head_rule_without_hit_cap`). Pure."""
+        return head_rule_without_hit_cap(self.chunk_shrinking)
 
     def prefill_run_chunk_tokens(self, request: Request) -> int | None:
         """The last level's quantum for a running call at the last level with a full quantum and
@@ -157,7 +158,7 @@ class AutellixScheduler(MarsBaseScheduler):
             return None
         return quantum
 
-    def blocked_run_max_tokens(self, limit: int, step_tokens: int | None = None) -> int:
+    def run_max_steps(self, limit: int, step_tokens: int | None = None) -> int:
         """Most steps (decode tokens each) before a level would change. Pure.
 
         A running decoding call is demoted at the step it starts with one quantum token left:
@@ -213,7 +214,7 @@ class AutellixScheduler(MarsBaseScheduler):
         """``(level, KV blocks held, arrival)``; the largest is preempted."""
         entry = self._calls.get(request.request_id)
         level_call = entry.plas if entry else PlasCall(level=0, quantum_left_tokens=0)
-        num_blocks = seams.num_request_blocks(self, request.request_id)
+        num_blocks = seams.blocks.num_request_blocks(self, request.request_id)
         return plas.victim_key(level_call, num_blocks, request.arrival_time)
 
     def chunk_tokens(self, request: Request, num_new_tokens: int, num_computed_tokens: int) -> int:

@@ -26,6 +26,12 @@ Subclasses override only the hooks of :class:`~mars_openhands.engine.schedulers.
 :class:`~.retained.RetainedKvPool` (retained KV), :class:`~.sessions.SessionTable` (sessions and
 their program slot), :class:`~.inbox.CpuEventInbox` (CPU-plane events), :class:`~.waker.EngineWaker`
 (waking an idle engine core), :class:`~.request_state.RequestState` (per-request policy state).
+Its machinery lives in mixins of their own modules, one concern each: :class:`~.kv_retention.KvRetention`
+(pin, release, expire and reclaim retained KV: where retention is decided),
+:class:`~.cpu_events.CpuEvents` (the CPU-plane inbox), :class:`~.session_tracking.SessionTracking`
+(a turn's session record), :class:`~.step_telemetry.StepTelemetry`, :class:`~.integrity.KvIntegrity`
+(KV counts and the leak check) and :class:`~.chunks.ChunkSizing` (the chunk hook). Merged runs
+(the simulator's speed) are a separate contract: :mod:`.coalesce`.
 
 Side requests (``vllm_xargs`` ``mars_side=1``; the gateway tags chat requests without tools, such
 as a conversation title or a condenser summary): they are scheduled as requests of their session
@@ -53,32 +59,28 @@ from vllm.v1.request import Request, RequestStatus
 
 from mars_openhands.engine import seams
 from mars_openhands.engine.queues import PolicyRequestQueue
+from mars_openhands.engine.schedulers.chunks import ChunkSizing
+from mars_openhands.engine.schedulers.coalesce import MergedRun
+from mars_openhands.engine.schedulers.cpu_events import CpuEvents
 from mars_openhands.engine.schedulers.hooks import PolicyHooks, is_overridden
 from mars_openhands.engine.schedulers.inbox import CpuEventInbox
+from mars_openhands.engine.schedulers.integrity import KvIntegrity
+from mars_openhands.engine.schedulers.kv_retention import KvRetention
 from mars_openhands.engine.schedulers.request_state import (
     RequestState,
     finished_request_ids,
     reset_mlfq,
 )
 from mars_openhands.engine.schedulers.retained import RetainedKv, RetainedKvPool
-from mars_openhands.engine.schedulers.sessions import SessionTable
+from mars_openhands.engine.schedulers.session_tracking import SessionTracking
+from mars_openhands.engine.schedulers.sessions import SESSION_GC_INTERVAL_S, SessionTable
+from mars_openhands.engine.schedulers.step_telemetry import StepTelemetry
 from mars_openhands.engine.schedulers.waker import EngineWaker
 from mars_openhands.engine.telemetry import EngineTelemetry, make_telemetry
-from mars_openhands.policy.admission import ema
-from mars_openhands.policy.chunking import (
-    blocks_for_tokens,
-    context_fits,
-    shrunk_chunk_tokens,
-    unsplit_mm_chunk_tokens,
-)
 from mars_openhands.policy.estimators import Ema, PrefillRate, ToolDurationEstimator
-from mars_openhands.policy.levels import quantum_tokens
 from mars_openhands.policy.params import SchedulerParams, parse_scheduler_params
 from mars_openhands.policy.session import (
-    SessionState,
     context_checkpoints,
-    measured_reuse_fraction,
-    tool_sample_at_arrival,
 )
 from mars_openhands.policy.types import TurnMeta, parse_turn_meta
 from mars_openhands.stream.transport import EventSink
@@ -88,15 +90,12 @@ __all__ = ["MarsBaseScheduler", "RequestState", "RetainedKv"]
 logger = logging.getLogger(__name__)
 
 _RETAINABLE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
-_GC_INTERVAL_S = 10.0
-_RUN_MARGIN_S = 1e-6
-"""A merged run ends this much before a timer tested as ``now - t0 >= interval`` (rounding of
-``t0 + interval`` must not let a step past it)."""
 _MIN_PREFILL_SAMPLE_TOKENS = 512
 """Steps with fewer prefill tokens say more about decode than about prefill speed."""
 
 
-class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
+class MarsBaseScheduler(KvRetention, CpuEvents, SessionTracking, StepTelemetry, KvIntegrity, ChunkSizing,
+                        PolicyHooks, AsyncScheduler):
     """Stock vLLM ``AsyncScheduler`` with policy hooks, KV retention and telemetry.
 
     Works whether async scheduling is on or off (on CPU vLLM forces it off; the AsyncScheduler
@@ -104,7 +103,7 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
 
     Raises:
         ValueError: invalid ``--additional-config mars`` (names the key).
-        RuntimeError: the installed vLLM lacks a seam (see :func:`seams.check_compat`).
+        RuntimeError: the installed vLLM lacks a seam (see :func:`seams.compat.check_compat`).
     """
 
     default_window_enabled: ClassVar[bool] = False
@@ -113,36 +112,9 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
     """Class default of ``params.chunk_shrinking`` (MARS: True)."""
     default_resume_when_context_fits: ClassVar[bool] = False
     """Class default of ``params.resume_when_context_fits`` (MARS, Autellix: True)."""
-    coalescible_blocked_runs: ClassVar[bool] = False
-    """Simulator speed: the policy's per-step work (its hooks: ``on_step_start``, running order,
-    ``on_scheduled``, ...) is all covered by :meth:`blocked_run_is_safe`,
-    :meth:`blocked_run_until_s` and :meth:`blocked_run_max_tokens`, so pure-decode steps while
-    requests wait for KV may be merged (``InprocEngine.max_blocked_decode_run``). Off unless a
-    subclass checked its hooks."""
-
-    coalescible_prefill_runs: ClassVar[bool] = False
-    """Simulator speed: as :attr:`coalescible_blocked_runs`, for blocked steps that also hold
-    prefill chunks (``InprocEngine.max_blocked_prefill_run``): :meth:`prefill_run_chunk_tokens`
-    gives each running prefill's chunk, the same in every step of the run, and the hooks'
-    per-step effects add up over the run (:meth:`blocked_run_max_tokens` with the step's tokens).
-    The class must not read :attr:`prefill_s_per_token` (a merged run is one sample, not ``k``).
-    Off unless a subclass checked its hooks."""
-
-    resort_keeps_order: ClassVar[bool] = False
-    """Simulator speed: the waiting key reads no clock and puts the requests vLLM prepends
-    (preempted or skipped) where vLLM put them, so the waiting queue is always in key order and
-    the periodic re-sort (``reorder_interval_s``) leaves it as it is: a merged run need not end
-    before one (:meth:`blocked_run_until_s`). Off unless a subclass checked its key."""
-
-    hit_free_chunk_cap: ClassVar[bool] = False
-    """Simulator speed: the policy's ``chunk_tokens`` (if any) caps a chunk by a value that does
-    not depend on the request's prefix hit, so (without chunk shrinking) a waiting request is
-    admitted by vLLM's own allocation of ``min(rest of the prompt, cap)`` tokens, or by a
-    whole-context fit (:meth:`head_blocked_like_stock`)."""
-
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        seams.check_compat()
+        seams.compat.check_compat()
         additional = self.vllm_config.additional_config or {}
         self.params: SchedulerParams = parse_scheduler_params(additional.get("mars"))
         self.clock: Callable[[], float] = time.monotonic
@@ -162,17 +134,9 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         """EMA of the seconds tool calls waited for a tool worker (``tool_start.queue_wait_s``):
         the CPU plane's congestion as the engine sees it."""
         self.overflow: deque[Request] = deque()
-        self.run_last_step_s: float | None = None
-        """Simulator (a merged blocked decode run, ``InprocEngine.schedule``): scheduler-clock
-        start of the last single step the run stands for; ``on_scheduled`` gets it as ``now_s``,
-        as that step would have. ``None`` (every real step): the step's own clock."""
-        self.run_num_steps = 1
-        """Single steps the current ``schedule()`` stands for (the simulator's merged
-        chunked-prefill run scales each prefill chunk by it); 1 outside the simulator."""
-        self.is_waiting_hidden = False
-        """Simulator: the waiting queue is hidden for a merged blocked run (its requests stay
-        blocked); the window then admits nothing from its overflow, as none was due
-        (:meth:`blocked_run_is_safe`) and the hidden queue's length would say otherwise."""
+        self._call_steps = 1
+        """Single steps the ``schedule()`` in progress stands for: its ``run``'s (a merged run,
+        :mod:`.coalesce`; each prefill chunk is scaled by it), 1 for every real step."""
         self._init_switches()
         self._rejected: dict[str, str] = {}
         self.inbox = CpuEventInbox(self.params.max_inbox_events_per_step)
@@ -234,19 +198,19 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         self._has_on_scheduled = self._overrides("on_scheduled")
         self._has_on_prefill = self._overrides("on_prefill_scheduled")
         self._has_on_step_start = self._overrides("on_step_start")
-        self._model_needs_mamba_split = seams.model_needs_mamba_split(self)
+        self._model_needs_mamba_split = seams.hooks.model_needs_mamba_split(self)
         # Enabled only while something is retained (zero cost otherwise).
-        self._allocate_wrapper = seams.wrap_allocate_slots(self, self._reclaim_for)
+        self._allocate_wrapper = seams.blocks.wrap_allocate_slots(self, self._reclaim_for)
         self._allocate_wrapper.disable()
         if self._has_victim_key:
-            seams.enable_victim_ranks(self)
+            seams.hooks.enable_victim_ranks(self)
         self._uses_chunk_hook = (self._overrides("chunk_tokens") or self.chunk_shrinking
                                  or self.resume_when_context_fits)
         # On only in steps that can size a prefill chunk (see _reorder).
-        seams.enable_chunk_hook(self, self._model_needs_mamba_split)
+        seams.hooks.enable_chunk_hook(self, self._model_needs_mamba_split)
         # In an engine-core process: wake its idle loop when CPU-plane events or a retention
         # expiry need a step (None in-process: the simulator and tests step by themselves).
-        self.set_engine_waker(seams.engine_core_waker())
+        self.set_engine_waker(seams.hooks.engine_core_waker())
         if self.params.inbox_addr:
             self.inbox.listen(self.params.inbox_addr, self.waker.wake)
 
@@ -272,53 +236,10 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
             self.params.telemetry.engine_step_interval_ms if engine_steps else None,
         )
 
-    # ------------------------------------------------------------------ simulator hooks
-    def blocked_run_is_safe(self) -> bool:
-        """Whether the next pure-decode steps, while every waiting request stays blocked on KV,
-        would do no per-step work of this scheduler's own beyond the timers of
-        :meth:`blocked_run_until_s` and the counters of :meth:`blocked_run_max_tokens`: the
-        class certified its hooks (:attr:`coalescible_blocked_runs`), nothing is in the inbox,
-        no request is rejected, the window admits none from its overflow, and no re-sort is due.
-        Pure."""
-        return (self.coalescible_blocked_runs and not self.inbox and not self.inbox.is_listening
-                and not self._rejected and not self._is_overflow_admission_due()
-                and not self._is_resort_due())
-
-    def prefill_run_chunk_tokens(self, request: Request) -> int | None:
-        """Tokens the running prefill ``request`` would be given in each of the next single steps
-        while its chunk cap stays what it is now (:attr:`coalescible_prefill_runs`), or None when
-        the cap may change after one step. Pure. Default: None (no merged prefill runs)."""
-        return None
-
-    def head_blocked_like_stock(self) -> bool:
-        """Whether a blocked waiting head stays blocked, as under stock vLLM, while a run evicts
-        its prefix hit from the end (``InprocEngine._first_unsafe_eviction``): the class
-        certified its chunk cap (:attr:`hit_free_chunk_cap`) and chunks are not shrunk to fit
-        (a shrunk chunk's size depends on the hit and the free blocks). A failed allocation may
-        release retained KV first; the probe step's failure left none that could help. Pure."""
-        return self.hit_free_chunk_cap and not self.chunk_shrinking
-
-    def _is_overflow_admission_due(self) -> bool:
-        """Whether the next step admits from the window's overflow queue (a slot is free). Pure.
-
-        In a blocked run nobody finishes, arrives or is admitted, so the window's count of
-        running and waiting requests stays where it is: a full window stays full."""
-        return bool(self.overflow) and (self.window_size is None
-                                        or len(self.running) + len(self.waiting) < self.window_size)
-
-    def _is_resort_due(self) -> bool:
-        """Whether the next step re-sorts the waiting queue because it changed (see _reorder)."""
-        return self._has_waiting_key and len(self.waiting) > 1 and self.waiting.is_dirty
-
-    def blocked_run_until_s(self, now_s: float) -> float:
-        """Scheduler-clock seconds by which a merged run must have ended: the next retained-KV
-        expiry, the next session GC, and (with a waiting order over several requests) the next
-        periodic re-sort (unless :attr:`resort_keeps_order`), each of which :meth:`schedule` does
-        at the first step past it. Pure."""
-        t = min(self.retained.next_expiry_s, self._last_gc_s + _GC_INTERVAL_S - _RUN_MARGIN_S)
-        if self._has_waiting_key and len(self.waiting) > 1 and not self.resort_keeps_order:
-            t = min(t, self._last_waiting_sort_s + self.params.reorder_interval_s - _RUN_MARGIN_S)
-        return t
+    def set_clock(self, clock: Callable[[], float]) -> None:
+        """Read time from ``clock`` (seconds; the simulator's virtual clock) instead of
+        ``time.monotonic``. Mutates; call before the first request."""
+        self.clock = clock
 
     # ------------------------------------------------------------------ vLLM entry points
     def add_request(self, request: Request, **kwargs: Any) -> None:
@@ -341,7 +262,7 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
             self._observe_reuse(self.sessions[sid], request)
         self.req_state[request.request_id] = RequestState(
             sid, meta, now, user_priority=request.priority,
-            cached_at_arrival_tokens=self._cached_at_arrival(request),
+            cached_at_arrival_tokens=self.cached_tokens_at_arrival(request),
             session_context_tokens=min(request.num_prompt_tokens, self.sessions[sid].last_context_tokens)
             if sid is not None and sid in self.sessions else 0,
         )
@@ -360,44 +281,15 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
                 request.request_id, sid, meta.turn, request.num_prompt_tokens,
                 -(-request.num_tokens // self.block_size),
             )
+        self.on_request_added(request)
 
-    def _cached_at_arrival(self, request: Request) -> int:
-        return 0
+    def schedule(self, *args: Any, run: MergedRun | None = None, **kwargs: Any) -> Any:
+        """vLLM: one scheduling step (see the module docstring for the order of work).
 
-    def _observe_reuse(self, session: SessionState, request: Request) -> None:
-        """The session's next turn arrived: measure how much of the previous turn's context its
-        prompt kept (block-hash checkpoints, policy/session.py) and fold it into the session's
-        ``reuse_fraction_ema``, which the value model scales its gain by. Mutates ``session``."""
-        fraction = measured_reuse_fraction(session.reuse_checkpoints, session.num_context_blocks,
-                                           request.block_hashes)
-        session.reuse_checkpoints = ()
-        if fraction is not None:
-            session.reuse_fraction_ema = ema(session.reuse_fraction_ema, fraction,
-                                             self.params.retention.reuse_ema_alpha)
-
-    def _on_session_request(self, sid: str, request_id: str, meta: TurnMeta, now: float) -> None:
-        session = self.sessions.open(sid, now)
-        sample = tool_sample_at_arrival(session, now, meta.prev_tool, meta.prev_tool_s)
-        if sample is not None:
-            self.tool_durations.observe(*sample)
-        session.pending_tool = None
-        session.tool_started_s = None
-        session.tool_enqueued_s = None
-        session.tool_ended = False
-        session.last_finish_s = None
-        session.last_turn = meta.turn
-        session.last_activity_s = now
-        session.active_request_ids.add(request_id)
-
-    def _on_side_request(self, sid: str, request_id: str, now: float) -> None:
-        """A side request (``mars_side=1``) joins its session's requests and nothing else: the
-        session's tool phase, turn count and retained KV stay as they are."""
-        session = self.sessions.open(sid, now)
-        session.last_activity_s = now
-        session.active_request_ids.add(request_id)
-
-    def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        """vLLM: one scheduling step (see the module docstring for the order of work)."""
+        ``run`` (the simulator only, :mod:`.coalesce`): the call stands for the run's steps, with
+        the waiting queue hidden: the window admits nothing from its overflow (none was due, and
+        the hidden queue's length would say otherwise), each prefill chunk is scaled by the
+        run's steps, and per-step clocks get its last step's start."""
         now = self.clock()
         self._drain_inbox(now)
         if self.retained.is_expiry_due(now):
@@ -406,22 +298,25 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
             self._reject_invalid()
         if self._has_on_step_start:
             self.on_step_start(now)
-        if self.overflow and not self.is_waiting_hidden:
+        if self.overflow and run is None:
             self._admit_overflow()
         self._reorder(now)
         was_running = {r.request_id for r in self.running} if self._has_on_scheduled else None
         self._step_prefills.clear()
+        if run is not None:
+            self._call_steps = run.num_steps
         try:
             out = super().schedule(*args, **kwargs)
         finally:
+            self._call_steps = 1
             if self._saved_priorities:
-                seams.restore_priorities(self._saved_priorities)
+                seams.hooks.restore_priorities(self._saved_priorities)
                 self._saved_priorities = []
-        self._after_schedule(out, now, was_running)
+        self._after_schedule(out, now, now if run is None else run.last_step_s, was_running)
         self.prefill_s_per_token.step_scheduled(now, self._step_prefill_tokens(out))
         if self.telemetry.enabled and (self.telemetry.should_emit_step() or self._is_idle_snapshot_due()):
             self._emit_engine_step()
-        if now - self._last_gc_s > _GC_INTERVAL_S:
+        if now - self._last_gc_s > SESSION_GC_INTERVAL_S:
             self._gc_sessions(now)
         return out
 
@@ -436,27 +331,6 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         if finished:
             self.on_requests_finished(finished)
         return outputs
-
-    def _step_prefill_tokens(self, out: Any) -> int:
-        """Prefill tokens scheduled in this step (the chunks that passed the chunk hook)."""
-        if not self._step_prefills:
-            return 0
-        scheduled = out.num_scheduled_tokens
-        return sum(scheduled.get(rid, 0) for rid in self._step_prefills)
-
-    def cap_chunk_at_quantum(self, request: Request, level: int, num_new_tokens: int,
-                             quanta_tokens: tuple[int, ...] | None = None) -> int:
-        """Cap a prefill chunk at `level`'s MLFQ token quantum and remember the quantum.
-
-        Shared by the MLFQ policies (MARS, MARS-preview); returns tokens, <= `num_new_tokens`.
-        ``quanta_tokens`` overrides ``params.levels.quanta_tokens``.
-        Mutates: ``self.req_state[request_id].quantum_tokens``.
-        """
-        quantum = quantum_tokens(level, self.params.levels, self.max_num_scheduled_tokens, quanta_tokens)
-        state = self.req_state.get(request.request_id)
-        if state is not None:
-            state.quantum_tokens = quantum
-        return min(num_new_tokens, quantum)
 
     def finish_requests(self, request_ids: Any, finished_status: RequestStatus,
                         **kwargs: Any) -> list[Request]:
@@ -482,15 +356,6 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         Called for every request that finishes (:meth:`_free_request`). Mutates."""
         if self.overflow and request in self.overflow:
             self.overflow.remove(request)
-
-    def _release_aborted_after_finish(self, request_ids: str | list[str]) -> None:
-        """An abort of a request that already finished (its final token raced the client's
-        disconnect; vLLM ignores it): its client is gone, so the KV retained for its session's
-        next turn is released now (reason ``"aborted"``) instead of at its TTL."""
-        ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
-        for sid, entry in list(self.retained.items()):
-            if entry.request_id in ids and entry.request_id not in self.requests:
-                self.release_retained(sid, "aborted")
 
     def get_request_counts(self, **kwargs: Any) -> tuple[int, int]:
         """vLLM: (running, waiting); waiting includes the overflow window queue."""
@@ -524,11 +389,12 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
     # ------------------------------------------------------------------ seams
     def _free_blocks(self, request: Request, **kwargs: Any) -> None:
         """vLLM seam: a finished request's blocks are about to be freed; maybe pin them first."""
+        self.on_request_finishing(request)
         now = self.clock()
         rid = request.request_id
         state = self.req_state.pop(rid, None)
         self._rejected.pop(rid, None)
-        num_blocks = seams.num_request_blocks(self, rid)
+        num_blocks = seams.blocks.num_request_blocks(self, rid)
         retained = 0
         self.prefilling.discard(rid)
         session = self.sessions.get(state.session_id) if state and state.session_id else None
@@ -569,7 +435,7 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
 
     def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
         """vLLM seam: preempt (recompute) ``request``; adds telemetry and the policy hook."""
-        num_blocks = seams.num_request_blocks(self, request.request_id) if self.telemetry.enabled else 0
+        num_blocks = seams.blocks.num_request_blocks(self, request.request_id) if self.telemetry.enabled else 0
         num_computed = request.num_computed_tokens
         super()._preempt_request(request, *args, **kwargs)
         self.prefilling.discard(request.request_id)
@@ -581,81 +447,11 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
                 state.meta.turn if state else None, num_blocks, num_computed,
             )
 
-    def _mamba_block_aligned_split(
-        self, request: Request, num_new_tokens: int,
-        num_new_local_computed_tokens: int = 0, num_external_computed_tokens: int = 0,
-        **kwargs: Any,
-    ) -> int:
-        """vLLM seam used as the per-request chunk hook (policy quantum, then shrink-to-fit).
-
-        vLLM's own Mamba split runs first when the model needs it, and whenever the class has no
-        chunk hook (then only vLLM sets the flag that routes chunks here)."""
-        is_vllm_split = self._model_needs_mamba_split or not self._uses_chunk_hook
-        if num_new_tokens <= 1 and not is_vllm_split:
-            return num_new_tokens  # a decode (or a 1-token remainder): nothing to shape
-        if is_vllm_split:
-            num_new_tokens = super()._mamba_block_aligned_split(
-                request, num_new_tokens, num_new_local_computed_tokens,
-                num_external_computed_tokens, **kwargs)
-            if num_new_tokens == 0:
-                return 0
-        start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
-        if start >= max(request.num_prompt_tokens, request.num_tokens - 1):
-            return num_new_tokens  # decode: one token, nothing to shape
-        waiting = num_new_local_computed_tokens > 0 or request.status != RequestStatus.RUNNING
-        if (waiting and request.num_preemptions and self.resume_when_context_fits
-                and not self._can_resume(request)):
-            return 0  # vLLM admits nothing more this step; the request stays first in line
-        self._step_prefills.append(request.request_id)
-        n = self.chunk_tokens(request, num_new_tokens, start) * self.run_num_steps
-        if self.chunk_shrinking:
-            n = self._shrink_to_fit(request, n, start, waiting=waiting)
-        n = max(1, min(n, num_new_tokens))
-        if n < num_new_tokens and request.mm_features and self.scheduler_config.disable_chunked_mm_input:
-            # vLLM's no-split check trusts its own chunk to cover an item it starts on
-            n = unsplit_mm_chunk_tokens(n, num_new_tokens, start, (
-                (f.mm_position.offset, f.mm_position.length) for f in request.mm_features))
-        return n
-
-    def _can_resume(self, request: Request) -> bool:
-        """Whether a preempted waiting ``request`` may resume now: its whole context fits in the
-        free blocks (its own cached prefix is among them, so it counts) beside the rest of the
-        prompts already running (or admitted earlier in this step), or nothing runs (then
-        nothing would free more room). Pure; O(running).
-
-        Why: vLLM admits a request when its first chunk fits; two preempted long requests
-        resumed together into the room finished requests left, and one was preempted again
-        midway through its re-prefill, losing that work too (issue 16 kind 4). ::
-
-            |<------------- request.num_tokens (prompt + outputs so far) ------------->|
-            |<- cached (free, ref 0) ->|<------------- still to compute --------------->|
-            blocks(num_tokens)  <=  free + reclaimable retained - watermark
-                                    - sum over running r of (blocks(r.num_tokens) - blocks r holds)
-        """
-        if not self.running:
-            return True
-        bs = self.block_size
-        unallocated = sum(max(0, blocks_for_tokens(r.num_tokens, bs) - seams.num_request_blocks(self, r.request_id))
-                          for r in self.running)
-        avail = (seams.num_free_blocks(self) + self._reclaimable_blocks(request)
-                 - self.kv_cache_manager.watermark_blocks - unallocated)
-        return context_fits(request.num_tokens, bs, avail)
-
-    def _shrink_to_fit(self, request: Request, n: int, start: int, waiting: bool) -> int:
-        """Halve a prefill chunk (not below block_size) until its new blocks fit
-        (:func:`~mars_openhands.policy.chunking.shrunk_chunk_tokens`, which has the diagram)."""
-        bs = self.block_size
-        held = 0 if waiting else seams.num_request_blocks(self, request.request_id)
-        avail = seams.num_free_blocks(self) + self._reclaimable_blocks(request)
-        if waiting:
-            avail -= self.kv_cache_manager.watermark_blocks
-        return shrunk_chunk_tokens(n, start, bs, max(held, start // bs), avail)
-
     # ------------------------------------------------------------------ step phases
     def _reorder(self, now: float) -> None:
         if self._uses_chunk_hook and not self._model_needs_mamba_split:
             # Every prefill chunk comes from a waiting admission or a running prefill.
-            seams.enable_chunk_hook(self, bool(self.prefilling or self.waiting))
+            seams.hooks.enable_chunk_hook(self, bool(self.prefilling or self.waiting))
         if self._has_waiting_key and len(self.waiting) > 1 and (
             self.waiting.is_dirty or now - self._last_waiting_sort_s >= self.params.reorder_interval_s
         ):
@@ -669,18 +465,19 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
         if self._has_victim_key and self.running and (
             may_fail if may_fail is not None else self._allocation_may_fail()
         ):
-            self._saved_priorities = seams.set_victim_ranks(
+            self._saved_priorities = seams.hooks.set_victim_ranks(
                 sorted(self.running, key=lambda r: self.victim_key(r, now), reverse=True)
             )
 
     def _allocation_may_fail(self) -> bool:
         """Cheap bound: if every running request plus a full budget of new tokens fits in the free
         blocks, no allocation can fail this step and victim ranks are not needed."""
-        budget_blocks = -(-seams.max_num_scheduled_tokens(self) // self.block_size)
-        partial_blocks = len(self.running) + min(len(self.waiting), self.max_num_running_reqs)
-        return seams.num_free_blocks(self) < budget_blocks + partial_blocks
+        budget_blocks = -(-seams.hooks.max_num_scheduled_tokens(self) // self.block_size)
+        partial_blocks = len(self.running) + min(len(self.waiting), seams.hooks.max_num_running_reqs(self))
+        return seams.blocks.num_free_blocks(self) < budget_blocks + partial_blocks
 
-    def _after_schedule(self, out: Any, now: float, was_running: set[str] | None) -> None:
+    def _after_schedule(self, out: Any, now: float, stamp_s: float,
+                        was_running: set[str] | None) -> None:
         scheduled = out.num_scheduled_tokens
         new_ids = [d.req_id for d in out.scheduled_new_reqs]
         for rid in new_ids:
@@ -695,11 +492,10 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
                 self._measure_reuse(self.retained[sid], rid)
                 self.release_retained(sid, "resumed", now)  # the hit already took its references
         if self._has_on_scheduled and was_running is not None:
-            stamp = now if self.run_last_step_s is None else self.run_last_step_s
             for rid, n in scheduled.items():
                 request = self.requests.get(rid)
                 if request is not None:
-                    self.on_scheduled(request, n, rid in was_running, stamp)
+                    self.on_scheduled(request, n, rid in was_running, stamp_s)
         if self._step_prefills:
             self._after_prefills(scheduled, set(new_ids), out, now)
 
@@ -722,28 +518,6 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
             if state is not None:
                 state.quantum_tokens = None
 
-    def _on_first_scheduled(self, rid: str, state: RequestState, num_tokens: int, now: float) -> None:
-        delay = now - state.arrival_s
-        self.queue_delay.observe(delay)
-        if self.telemetry.enabled:
-            request = self.requests.get(rid)
-            # vLLM already advanced num_computed_tokens by this step's tokens: the rest was a hit.
-            cached = request.num_computed_tokens - num_tokens if request is not None else 0
-            self.telemetry.first_scheduled(rid, state.session_id, state.meta.turn, delay,
-                                           max(0, cached))
-
-    def _first_tokens(self, outputs: Any) -> None:
-        now = self.clock()
-        for eco in outputs.values():
-            for o in eco.outputs:
-                if not o.new_token_ids:
-                    continue
-                state = self.req_state.get(o.request_id)
-                if state is not None and state.first_token_s is None:
-                    state.first_token_s = now
-                    self.telemetry.first_token(o.request_id, state.session_id, state.meta.turn,
-                                               now - state.arrival_s)
-
     def _reject_invalid(self) -> None:
         for rid, message in list(self._rejected.items()):
             request = self.requests.get(rid)
@@ -752,7 +526,7 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
                 continue
             logger.warning("mars: rejecting request %s: %s", rid, message)
             self.waiting.remove_request(request)
-            seams.finish_with_error_next_step(self, rid)
+            seams.hooks.finish_with_error_next_step(self, rid)
 
     def _admit_overflow(self) -> None:
         assert self.window_size is not None, "overflow queue used without a window"
@@ -762,288 +536,3 @@ class MarsBaseScheduler(PolicyHooks, AsyncScheduler):
             if state is not None:
                 reset_mlfq(state)
             self.waiting.add_request(request)
-
-    def _emit_engine_step(self) -> None:
-        free, retained, used = self.kv_block_counts()
-        num_running, num_waiting = self.get_request_counts()
-        self._last_step_counts = (free, retained, used, num_running, num_waiting)
-        self.telemetry.engine_step(
-            num_gpu_blocks=seams.num_gpu_blocks(self), num_used_blocks=used,
-            num_free_blocks=free, num_retained_blocks=retained, num_running=num_running,
-            num_waiting=num_waiting,
-        )
-
-    def _is_idle_snapshot_due(self) -> bool:
-        """Whether this step leaves the engine idle (nothing running or waiting) with KV counts
-        other than the last ``engine_step`` showed. Such a snapshot is emitted whatever the rate
-        limit, so an engine's last ``engine_step`` is its idle state (0 used blocks, what is still
-        retained), not its last busy step 1-100 ms earlier. O(retained blocks), idle steps only."""
-        if self.running or self.waiting or not self.telemetry.emits_steps:
-            return False
-        num_running, num_waiting = self.get_request_counts()
-        if num_running or num_waiting:
-            return False
-        free, retained, used = self.kv_block_counts()
-        return self._last_step_counts != (free, retained, used, 0, 0)
-
-    def _gc_sessions(self, now: float) -> None:
-        self._last_gc_s = now
-        self.sessions.forget_idle(now, self.params.session_idle_timeout_s, self.retained)
-
-    def session_service_tokens(self, session: SessionState) -> int:
-        """Attained service of a session: computed tokens of its finished requests plus those of
-        its requests in the engine (work lost to preemption is not counted). O(active requests)."""
-        total = session.attained_service_tokens
-        for rid in session.active_request_ids:
-            request = self.requests.get(rid)
-            if request is not None:
-                total += request.num_computed_tokens
-        return total
-
-    # ------------------------------------------------------------------ KV retention
-    def _maybe_retain(
-        self, request: Request, state: RequestState, session: SessionState, now: float
-    ) -> int:
-        decision = self.retention_decision(request, session, now)
-        if decision is None or decision.ttl_s <= 0:
-            return 0
-        blocks = seams.cached_blocks(seams.request_blocks(self, request.request_id))
-        if not blocks:
-            return 0
-        if session.session_id in self.retained:
-            self._measure_reuse(self.retained[session.session_id], request.request_id)
-            self.release_retained(session.session_id, "resumed", now)
-        seams.pin_finishing_request_blocks(self, request.request_id, blocks)
-        self._allocate_wrapper.enable()
-        self.retained.add(RetainedKv(
-            session.session_id, request.request_id, state.meta.turn, blocks,
-            len(blocks) * self.block_size, now, now + decision.ttl_s, decision.value_s,
-            decision.reason,
-        ))
-        if self.telemetry.enabled:
-            self.telemetry.kv_retained(request.request_id, session.session_id, state.meta.turn,
-                                       len(blocks), decision.ttl_s, decision.reason)
-        return len(blocks)
-
-    def release_retained(self, session_id: str, reason: str, now_s: float | None = None) -> int:
-        """Unpin a session's retained KV (blocks return to the prefix-cache LRU). Mutates.
-
-        Args:
-            session_id: the session.
-            reason: a ``KvReleased.reason`` ("resumed", "expired", "reclaimed", "session_end",
-                "tool_start:cut", "shutdown", "reset").
-            now_s: scheduler clock (default: now).
-
-        Returns:
-            Blocks released (0 when nothing was retained).
-        """
-        entry = self.retained.pop(session_id)
-        if entry is None:
-            return 0
-        seams.free_pinned(self, entry.blocks)
-        if not self.retained:
-            self._allocate_wrapper.disable()
-        reused = self.retained.record_release(entry, reason)
-        if self.telemetry.enabled:
-            now = self.clock() if now_s is None else now_s
-            self.telemetry.kv_released(session_id, entry.num_blocks, reason, now - entry.retained_s,
-                                       reused)
-        return entry.num_blocks
-
-    def reclaim(self, session_id: str, now_s: float | None = None) -> int:
-        """Release a session's retained KV for another's allocation (reason "reclaimed") and
-        count it in :attr:`num_reclaimed_blocks`. Returns the blocks released. Mutates."""
-        released = self.release_retained(session_id, "reclaimed", now_s)
-        self.retained.num_reclaimed_blocks += released
-        return released
-
-    @property
-    def num_reclaimed_blocks(self) -> int:
-        """Retained blocks released because an allocation failed (:meth:`reclaim`)."""
-        return self.retained.num_reclaimed_blocks
-
-    @property
-    def num_released_blocks(self) -> int:
-        """Retained blocks released for any reason but shutdown (resolved retentions)."""
-        return self.retained.num_released_blocks
-
-    @property
-    def num_reused_blocks(self) -> int:
-        """Of those, blocks the session's next turn actually reused: the retention hit ratio is
-        ``num_reused_blocks / num_released_blocks`` (tokens: times ``block_size``)."""
-        return self.retained.num_reused_blocks
-
-    def _measure_reuse(self, entry: RetainedKv, request_id: str) -> int:
-        """Blocks of ``entry`` that ``request_id`` (the session's next turn, just allocated, or
-        its finishing turn) holds (:meth:`RetainedKvPool.measure_reuse`). Mutates ``entry``."""
-        return self.retained.measure_reuse(
-            entry, seams.request_blocks(self, request_id))
-
-    def _expire_retained(self, now: float) -> None:
-        """Release every retained entry past its expiry, within the step it expires in, unless
-        its own session's next turn waits (or ``can_release_expired`` says no): those are held
-        and re-checked every step, O(held), without delaying anyone else's expiry."""
-        pool = self.retained
-        for sid in pool.expiry_candidates(now):
-            if not pool.is_expired(sid, now):
-                continue
-            session = self.sessions.get(sid)
-            if (session is not None and session.active_request_ids) or not self.can_release_expired(
-                    pool[sid], now):
-                pool.hold_expired(sid)  # the next turn is waiting: keep until scheduled
-                continue
-            self.release_retained(sid, "expired", now)
-        pool.update_next_expiry()
-
-    def _reclaimable_blocks(self, request: Request) -> int:
-        own = self.req_state.get(request.request_id)
-        return self.retained.reclaimable_blocks(own.session_id if own else None)
-
-    def _reclaim_for(self, request: Request) -> bool:
-        """Allocation for ``request`` failed: release the lowest-value retained entry of another
-        session. Returns True if something was released (vLLM then retries the allocation).
-
-        Progress guarantee: with nothing running, every other session's entry is reclaimable
-        whatever ``can_reclaim_for`` says (otherwise waiting turns whose sessions all hold
-        retained KV, kept because those turns wait, would deadlock the engine)."""
-        if not self.retained:
-            return False
-        own = self.req_state.get(request.request_id)
-        now = self.clock()
-        is_stuck = not self.running
-        victim = self.retained.reclaim_victim(
-            own.session_id if own else None,
-            lambda e: is_stuck or self.can_reclaim_for(e, request, now))
-        if victim is None:
-            return False
-        self.reclaim(victim.session_id)
-        return True
-
-    # ------------------------------------------------------------------ CPU-plane events
-    def post_event(self, event: Any) -> None:
-        """Thread-safe: queue a CPU-plane event, applied at the next step or request arrival."""
-        self.inbox.post(event)
-
-    def _drain_inbox(self, now: float) -> None:
-        """Apply up to ``max_inbox_events_per_step`` queued CPU-plane events (posted, or received
-        by the inbox thread from ``mars.inbox_addr``), oldest first. Mutates."""
-        for event in self.inbox.drain():
-            self.on_stream_event(event, now)
-
-    def on_stream_event(self, event: Any, now_s: float | None = None) -> None:
-        """Consume one CPU-plane event of this engine's sessions. Mutates.
-
-        ``tool_enqueued`` names the tool and starts its queue wait, ``tool_start`` refines the
-        retained KV's TTL with that tool's durations (and feeds the tool queue-wait EMA), ``tool_end``
-        records the duration and keeps retained KV for the imminent next turn, ``session_end``
-        releases everything of the session. Other kinds are ignored.
-        """
-        now = self.clock() if now_s is None else now_s
-        sid = event.session_id
-        if sid is None:
-            return
-        kind = event.kind
-        if kind == "session_end":
-            self._on_session_end(sid, now)
-            return
-        if kind == "tool_start":  # CPU-plane congestion, whichever session it comes from
-            self.tool_queue_wait.observe(event.queue_wait_s)
-        session = self.sessions.get(sid)
-        if session is None:
-            return
-        session.last_activity_s = now
-        if kind == "tool_enqueued":
-            session.pending_tool = event.tool_name
-            session.tool_enqueued_s = now
-        elif kind == "tool_start":
-            self._on_tool_start(session, event.tool_name, now)
-        elif kind == "tool_end":
-            self._on_tool_end(session, event.tool_name, event.duration_s, now)
-
-    def _on_session_end(self, sid: str, now: float) -> None:
-        """Release the session's retained KV; forget it unless a request of it is still in."""
-        self.release_retained(sid, "session_end", now)
-        session = self.sessions.get(sid)
-        if session is not None and not session.active_request_ids:
-            self.sessions.forget(sid)
-
-    def _on_tool_start(self, session: SessionState, tool_name: str, now: float) -> None:
-        """The tool is named: refine the retained KV's TTL with its durations."""
-        session.pending_tool = tool_name
-        session.tool_started_s = now
-        entry = self.retained.get(session.session_id)
-        if entry is not None:
-            self._apply_refinement(entry, session, tool_name, now)
-
-    def _on_tool_end(self, session: SessionState, tool_name: str, duration_s: float, now: float) -> None:
-        """Record the duration (once per tool phase); keep retained KV for the imminent turn."""
-        if not session.tool_ended:
-            self.tool_durations.observe(tool_name, duration_s)
-        session.tool_ended = True
-        entry = self.retained.get(session.session_id)
-        if entry is not None:
-            self.retained.extend_expiry(entry, now + self.params.retention.imminent_grace_s)
-
-    def _apply_refinement(self, entry: RetainedKv, session: SessionState, tool: str, now: float) -> None:
-        decision = self.refine_retention(entry, session, tool, now)
-        if decision is None:
-            return
-        if decision.ttl_s <= 0:
-            self.release_retained(entry.session_id, "tool_start:cut", now)
-            return
-        entry.expires_s = now + decision.ttl_s
-        entry.value_s = decision.value_s
-        entry.reason = decision.reason
-        self.retained.update_next_expiry()
-        if self.telemetry.enabled:
-            self.telemetry.kv_retained(entry.request_id, entry.session_id, entry.turn,
-                                       entry.num_blocks, decision.ttl_s, decision.reason)
-
-    # ------------------------------------------------------------------ integrity
-    def kv_block_counts(self) -> tuple[int, int, int]:
-        """(free, retained-only, used) blocks; used = referenced by at least one request.
-
-        Excludes vLLM's null block, so ``free + retained + used == num_gpu_blocks - 1``.
-        O(pinned blocks): a pinned block is retained-only when its ref count is just our pins;
-        every other block with a reference is used. :meth:`assert_no_leaks` checks this against
-        a full walk of the requests' blocks.
-        """
-        free = seams.num_free_blocks(self)
-        retained_only = self.retained.retained_only_blocks(seams.num_blocks_referenced_once,
-                                                           seams.block_ref_count)
-        return free, retained_only, seams.num_gpu_blocks(self) - 1 - free - retained_only
-
-    def assert_no_leaks(self) -> dict[str, int]:
-        """Integrity check: every block's ref count equals request refs + our pins, and
-        ``free + retained + used == num_gpu_blocks`` (counting vLLM's null block as used).
-
-        Returns:
-            The counts, for logging/tests.
-
-        Raises:
-            AssertionError: printing the numbers and the first mismatching blocks.
-        """
-        refs = seams.referenced_block_counts(self)
-        pins = self.retained.pin_counts()
-        bad = []
-        num_zero = 0
-        for b in seams.all_blocks(self):
-            if b.is_null:
-                continue
-            expected = refs.get(b.block_id, 0) + pins.get(b.block_id, 0)
-            if b.ref_cnt != expected:
-                bad.append((b.block_id, b.ref_cnt, expected))
-            num_zero += b.ref_cnt == 0
-        free, retained_only, used = self.kv_block_counts()
-        pinned = {b.block_id for e in self.retained.values() for b in e.blocks}
-        exact = (num_zero, sum(1 for bid in pinned if bid not in refs), len(refs))
-        total = seams.num_gpu_blocks(self)
-        counts = {"free": free, "retained": retained_only, "used": used, "null": 1,
-                  "num_gpu_blocks": total}
-        assert not bad and (free, retained_only, used) == exact and free + retained_only + used + 1 == total, (
-            f"KV block leak: free {free} + retained {retained_only} + used {used} + null 1 "
-            f"!= num_gpu_blocks {total} (blocks with ref 0: {num_zero}); "
-            f"(block_id, ref_cnt, expected) mismatches: {bad[:10]}; "
-            f"fast (free, retained, used) {(free, retained_only, used)} vs full walk {exact}"
-        )
-        return counts

@@ -13,7 +13,7 @@ hook                        policy
 ``retention_decision``      :func:`pin_ttl_s` at the end of a non-final turn
 ``refine_retention``        :func:`pin_ttl_s` again once ``tool_start`` names the tool
 ``can_release_expired``     :func:`should_unpin`: expired and nothing of the program waiting
-``_reclaim_for``            :func:`pin_release_order`: latest program arrival first
+``reclaim_key``             :func:`pin_release_key`: latest program arrival first
 ``on_preempted`` / ``on_scheduled``  :class:`QueueDelayWindow` (``T``: eviction -> re-scheduling)
 arrivals / program ends     :class:`MemoryfulnessEstimator` (``eta = -Corr(k, N - k)``)
 ==========================  =================================================================
@@ -37,12 +37,17 @@ from typing import Any
 from vllm.v1.request import Request, RequestStatus
 
 from mars_openhands.engine.schedulers.base import MarsBaseScheduler, RetainedKv
+from mars_openhands.engine.schedulers.coalesce import (
+    CertifiedRuns,
+    HeadRule,
+    head_rule_without_hit_cap,
+)
 from mars_openhands.policy.continuum import (
     ContinuumParams,
     MemoryfulnessEstimator,
     QueueDelayWindow,
     pin_benefit_s,
-    pin_release_order,
+    pin_release_key,
     pin_ttl_s,
     running_victim_key,
     should_unpin,
@@ -76,15 +81,12 @@ class _Call:
     """Its arrival: the program arrival of a request without a session (a one-call program)."""
 
 
-class ContinuumScheduler(MarsBaseScheduler):
-    """Continuum / Continuum-dy: program-level FCFS with TTL-pinned KV between turns."""
+class ContinuumScheduler(CertifiedRuns, MarsBaseScheduler):
+    """Continuum / Continuum-dy: program-level FCFS with TTL-pinned KV between turns.
 
-    coalescible_blocked_runs = True
-    """Per-step work beyond the base timers: ``on_scheduled`` acts only on a request scheduled
-    again after an eviction (never inside a run of decodes), and the victim ranks are rewritten
-    before any step that could preempt."""
-    hit_free_chunk_cap = True
-    """No chunk hook: vLLM's own chunking."""
+    Merged runs (:class:`CertifiedRuns`): per-step work beyond the base timers: ``on_scheduled``
+    acts only on a request scheduled again after an eviction (never inside a run of decodes),
+    and the victim ranks are rewritten before any step that could preempt."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -95,13 +97,13 @@ class ContinuumScheduler(MarsBaseScheduler):
         """Request -> its session, known last step and arrival, while it is in the engine."""
         self._evicted_at_s: dict[str, float] = {}
 
+    def head_rule(self) -> HeadRule:
+        """No chunk hook: vLLM's own chunking (:func:`head_rule_without_hit_cap`). Pure."""
+        return head_rule_without_hit_cap(self.chunk_shrinking)
+
     # ------------------------------------------------------------------ request lifecycle
-    def add_request(self, request: Request, **kwargs: Any) -> None:
-        """vLLM: a new call; records its program's first arrival and its ``k``."""
-        is_new = request.request_id not in self.requests
-        super().add_request(request, **kwargs)
-        if not is_new:
-            return
+    def on_request_added(self, request: Request) -> None:
+        """Base hook: a new call; records its program's first arrival and its ``k``."""
         rid, sid = request.request_id, request.session_id
         state = self.req_state.get(rid)
         arrival_s = state.arrival_s if state else self.clock()
@@ -168,20 +170,10 @@ class ContinuumScheduler(MarsBaseScheduler):
         """Release an expired pin only if nothing of the program waits (public code)."""
         return should_unpin(now_s, entry.expires_s, self._has_waiting(entry.session_id))
 
-    def _reclaim_for(self, request: Request) -> bool:
-        """Allocation failed: release one pin of another program, latest program arrival first.
-
-        Returns:
-            True if a pin was released (vLLM retries the allocation), else False (vLLM preempts).
-        """
-        own = request.session_id
-        order = pin_release_order(
-            (sid, self._program_arrival_s(sid, "", 0.0)) for sid in self.retained if sid != own
-        )
-        if not order:
-            return False
-        self.reclaim(order[0])
-        return True
+    def reclaim_key(self, entry: RetainedKv, request: Request, now_s: float) -> Any:
+        """Allocation failed: another program's pin goes in Continuum's order, latest program
+        arrival first (:func:`pin_release_key`). Pure."""
+        return pin_release_key(self._program_arrival_s(entry.session_id, "", 0.0))
 
     def on_preempted(self, request: Request) -> None:
         """Remember when ``request`` was evicted (for ``T``); it re-enters in program order."""

@@ -17,7 +17,15 @@ hook                                   default (stock vLLM behaviour)
 ``retention_decision(request, s, t)``  None (no retention)
 ``refine_retention(entry, s, tool, t)``None (keep the provisional decision)
 ``can_release_expired(entry, t)``      True
-``can_reclaim_for(entry, request, t)`` True (reclaim lowest value/block first on alloc failure)
+``can_reclaim_for(entry, request, t)`` True (every other session's entry may be reclaimed)
+``reclaim_key(entry, request, t)``     (value per block, newest first): on a failed allocation the
+                                       allowed entry with the smallest key is reclaimed first
+``on_request_added(request)``          no-op; a new request, after the base took it in (its state,
+                                       session, the window's overflow; a rejected one too)
+``cached_tokens_at_arrival(request)``  0; the prefix hit a new request finds at arrival (its
+                                       ``RequestState.cached_at_arrival_tokens``)
+``on_request_finishing(request)``      no-op; every finishing request, before the base's
+                                       bookkeeping and retention and before vLLM frees its blocks
 ``on_prefill_scheduled(request, n, was_running, now_s)``  no-op; after schedule, per scheduled
                                        prefill chunk (cheap: O(prefills) per step)
 ``on_scheduled(request, n, was_running, now_s)``  no-op; per scheduled request, O(running) per
@@ -28,7 +36,6 @@ hook                                   default (stock vLLM behaviour)
                                        that moves requests in or out of ``waiting``)
 ``on_requests_finished(ids)``          no-op; finished or aborted requests, after vLLM applied
                                        them (per-call bookkeeping: Autellix, Continuum)
-``blocked_run_max_tokens(limit, ...)`` limit (simulator: steps a merged run may take)
 =====================================  ==========================================================
 
 Contracts: key hooks return any totally ordered value and must not mutate; the ``on_*`` hooks
@@ -38,6 +45,8 @@ may mutate the policy's own state; none may raise on a valid request.
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+
+from mars_openhands.policy.retention import reclaim_order_key
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -105,6 +114,29 @@ class PolicyHooks:
         Default: yes (never the requesting session's own entry; the base filters that)."""
         return True
 
+    def reclaim_key(self, entry: RetainedKv, request: Request, now_s: float) -> Any:
+        """Reclaim order of the retained entries of other sessions when ``request``'s allocation
+        fails: the smallest key among those :meth:`can_reclaim_for` allows goes first (ties: the
+        pool's order). Default: lowest value per block
+        (:func:`~mars_openhands.policy.retention.reclaim_order_key`), then the most recently
+        retained. Pure."""
+        return (reclaim_order_key(entry.value_s, entry.num_blocks), -entry.retained_s)
+
+    def cached_tokens_at_arrival(self, request: Request) -> int:
+        """Prefix-cache hit tokens of a new request at its arrival, recorded in its
+        ``RequestState`` (MARS ranks by the uncached work). Default: 0 (not measured). Pure."""
+        return 0
+
+    def on_request_finishing(self, request: Request) -> None:
+        """A request finishes (any status: ``request.status`` says how), before the base's
+        bookkeeping, its retention decision and vLLM's freeing of its blocks. Default: no-op."""
+
+    def on_request_added(self, request: Request) -> None:
+        """A new request, after the base took it in: its ``req_state``, its session, the window
+        (it may sit in the overflow queue), telemetry; a request with invalid extras too (it is
+        finished at the next step). Not called for a streaming-input continuation (same id).
+        Default: no-op."""
+
     def on_scheduled(
         self, request: Request, num_tokens: int, was_running: bool, now_s: float
     ) -> None:
@@ -132,10 +164,3 @@ class PolicyHooks:
         bookkeeping into their programs here (Autellix, Continuum).
         """
 
-
-    def blocked_run_max_tokens(self, limit: int, step_tokens: int | None = None) -> int:
-        """Most steps (<= ``limit``; a decode token each) a merged run may take before a per-step
-        counter of the policy would change a decision (default: none). ``step_tokens``: tokens
-        each step schedules in all (a merged chunked-prefill run; default: one per running
-        request). Pure."""
-        return limit

@@ -21,6 +21,11 @@ from __future__ import annotations
 from vllm.v1.request import Request
 
 from mars_openhands.engine.schedulers.base import MarsBaseScheduler
+from mars_openhands.engine.schedulers.coalesce import (
+    CertifiedRuns,
+    HeadRule,
+    head_rule_without_hit_cap,
+)
 from mars_openhands.policy.infercept import InferceptParams, infercept_ttl_s
 from mars_openhands.policy.retention import RetentionDecision
 from mars_openhands.policy.session import SessionState
@@ -28,11 +33,14 @@ from mars_openhands.policy.session import SessionState
 __all__ = ["InferceptScheduler"]
 
 
-class InferceptScheduler(MarsBaseScheduler):
-    """FCFS with InferCept's break-even KV retention at the end of non-final turns."""
+class InferceptScheduler(CertifiedRuns, MarsBaseScheduler):
+    """FCFS with InferCept's break-even KV retention at the end of non-final turns.
 
-    coalescible_blocked_runs = True  # no per-step hook: only the base class's timers
-    hit_free_chunk_cap = True  # no chunk hook
+    Merged runs (:class:`CertifiedRuns`): no per-step hook, only the base class's timers."""
+
+    def head_rule(self) -> HeadRule:
+        """No chunk hook: vLLM's own chunking (:func:`head_rule_without_hit_cap`). Pure."""
+        return head_rule_without_hit_cap(self.chunk_shrinking)
 
     def retention_decision(
         self, request: Request, session: SessionState, now_s: float

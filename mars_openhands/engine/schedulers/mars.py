@@ -36,7 +36,12 @@ from mars_openhands.engine.schedulers.base import MarsBaseScheduler, RetainedKv
 from mars_openhands.engine.schedulers.request_state import update_mlfq_feedback
 from mars_openhands.policy.estimators import EmpiricalCdf
 from mars_openhands.policy.levels import DECODE_VICTIM_LEVEL, mars_level
-from mars_openhands.policy.residency import SessionDemand, plan_residency
+from mars_openhands.policy.residency import (
+    SessionDemand,
+    displace_value_s,
+    output_reserve_tokens,
+    plan_residency,
+)
 from mars_openhands.policy.retention import (
     RetentionDecision,
     choose_ttl,
@@ -71,14 +76,12 @@ class MarsScheduler(MarsBaseScheduler):
     def _residency_on(self) -> bool:
         return self.params.residency.enabled
 
-    def add_request(self, request: Request, **kwargs: Any) -> None:
-        """vLLM: a new request; a non-resident session's request is held (see residency). A
-        streaming-input chunk of a known request (same id) is vLLM's alone: it queues the chunk
-        on the live request, wherever that is."""
-        is_new = request.request_id not in self.requests
-        super().add_request(request, **kwargs)
+    def on_request_added(self, request: Request) -> None:
+        """Base hook: a non-resident session's new request is held (see residency). (A
+        streaming-input chunk of a known request, same id, is vLLM's alone: the base calls no
+        hook for it.)"""
         sid = request.session_id
-        if (not is_new or not self._residency_on or sid is None or sid in self.resident
+        if (not self._residency_on or sid is None or sid in self.resident
                 or request.request_id in self._rejected or request.is_finished()):
             return
         if self._is_one_turn_job(request, sid):
@@ -97,31 +100,22 @@ class MarsScheduler(MarsBaseScheduler):
         return (state is not None and bool(state.meta.is_last_step) and not state.meta.is_side
                 and session is not None and session.num_turns_finished == 0 and sid not in self.held)
 
-    def _free_blocks(self, request: Request, **kwargs: Any) -> None:
-        """vLLM seam (see the base): also records a finished turn's output length."""
+    def on_request_finishing(self, request: Request) -> None:
+        """Base hook: a finished turn's output length feeds the output-length estimate (before
+        the base's retention decision reads it)."""
         if request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED):
             self.output_tokens.observe(float(request.num_output_tokens))
-        super()._free_blocks(request, **kwargs)
 
     def _blocks(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
     def _output_reserve_tokens(self, request: Request) -> int:
-        """Decode growth to reserve for ``request``, tokens: the expected remaining output given
-        what it has generated and the output lengths of the engine's finished turns; before any
-        (the rest of the prior ``residency.output_reserve_tokens``), or once it has outlived
-        every length seen, as many again as it has generated (the tools' rule, policy.estimators:
-        a request that outlived the prior used to reserve 0, so the plan activated held sessions
-        into room its growth was about to take, and each preemption made room for a re-prefill
-        with a cold cache); never more than its ``max_tokens`` allow."""
+        """Decode growth to reserve for ``request``, tokens
+        (:func:`~mars_openhands.policy.residency.output_reserve_tokens`, from the output lengths
+        of the engine's finished turns)."""
         num_generated = request.num_output_tokens
-        remaining = self.output_tokens.mean_remaining_s(num_generated)
-        if remaining is None:
-            remaining = max(self.params.residency.output_reserve_tokens - num_generated, num_generated)
-        max_tokens = request.max_tokens
-        if max_tokens is not None:
-            remaining = min(remaining, max(0, max_tokens - num_generated))
-        return int(remaining)
+        return output_reserve_tokens(num_generated, self.output_tokens.mean_remaining_s(num_generated),
+                                     self.params.residency.output_reserve_tokens, request.max_tokens)
 
     def _demand(self, sid: str, session: SessionState | None) -> tuple[int, bool]:
         """(demand blocks, is_busy) of one session. O(its requests)."""
@@ -172,7 +166,7 @@ class MarsScheduler(MarsBaseScheduler):
             if self.held and not busy and sid in self.resident else 0.0,
             is_overdue=sid in self.held and self._is_overdue(self.held[sid][0], now_s))
             for sid, session, demand, busy in views]
-        budget = int((seams.num_gpu_blocks(self) - 1) * self.params.residency.budget_usage)
+        budget = int((seams.blocks.num_gpu_blocks(self) - 1) * self.params.residency.budget_usage)
         plan = plan_residency(views, budget)
         for sid in plan.suspend:
             self._suspend(sid, now_s)
@@ -189,38 +183,15 @@ class MarsScheduler(MarsBaseScheduler):
 
     def _displace_value_s(self, session: SessionState | None, demand_blocks: int, num_busy: int,
                           now_s: float) -> float:
-        """Seconds a waiting session gains from an idle resident's blocks minus what it costs.
-
-        gain = expected time until its next turn: the tool's expected remaining duration (its
-        duration CDF given the time it has already run, policy.estimators; a tool past every
-        sample, or with none, is expected to run as long again, so a session that silently went
-        away is displaced soon), plus, while the call still waits for a tool worker, the rest
-        of the CPU plane's mean queue wait (tool_enqueued/tool_start events); cost = re-prefilling
-        the resident's KV at the measured prefill rate, paid by it and by every busy session its
-        prefill delays. A tool that has ended gains nothing for ``retention.imminent_grace_s``
-        (the next turn is imminent); after that its next turn is expected as late again."""
-        if session is None or session.last_finish_s is None:
-            return 0.0
-        queue_s = 0.0
-        if session.tool_ended:
-            elapsed = now_s - session.last_activity_s  # since the tool_end (or a later event)
-            if elapsed < self.params.retention.imminent_grace_s:
-                return 0.0
-        elif session.tool_started_s is not None:
-            elapsed = now_s - session.tool_started_s
-        elif session.tool_enqueued_s is not None:  # waiting for a tool worker (CPU congestion)
-            elapsed = 0.0
-            queue_s = max(0.0, self.tool_queue_wait.value - (now_s - session.tool_enqueued_s))
-        else:
-            elapsed = now_s - session.last_finish_s
-        elapsed = max(0.0, elapsed)
-        remaining = None if session.tool_ended else (
-            self.tool_durations.cdf_for(session.pending_tool).mean_remaining_s(elapsed))
-        if remaining is None:
-            remaining = elapsed  # longer than any tool seen: expect it to last as long again
-        remaining += queue_s
-        reload_s = demand_blocks * self.block_size * self.prefill_s_per_token.value
-        return remaining - reload_s * (1 + num_busy)
+        """Seconds a waiting session gains from an idle resident's blocks minus what it costs
+        (:func:`~mars_openhands.policy.residency.displace_value_s`, with this engine's tool
+        durations, tool queue wait and measured prefill rate)."""
+        return displace_value_s(
+            session, demand_blocks, num_busy, now_s,
+            imminent_grace_s=self.params.retention.imminent_grace_s,
+            tool_queue_wait_s=self.tool_queue_wait.value,
+            tool_mean_remaining_s=lambda tool, elapsed: self.tool_durations.cdf_for(tool).mean_remaining_s(elapsed),
+            block_size=self.block_size, prefill_s_per_token=self.prefill_s_per_token.value)
 
     def _suspend(self, sid: str, now_s: float) -> None:
         if sid in self.resident:
@@ -263,8 +234,9 @@ class MarsScheduler(MarsBaseScheduler):
             self.resident.discard(event.session_id)
 
     # ------------------------------------------------------------------ levels
-    def _cached_at_arrival(self, request: Request) -> int:
-        return seams.prefix_hit_tokens(self, request)
+    def cached_tokens_at_arrival(self, request: Request) -> int:
+        """Base hook: the request's prefix hit now (its level counts the uncached work)."""
+        return seams.blocks.prefix_hit_tokens(self, request)
 
     def level(self, request: Request, now_s: float, num_computed_tokens: int | None = None) -> int:
         """Effective MLFQ level of ``request`` now (0 = highest priority). Pure w.r.t. state."""
@@ -315,7 +287,7 @@ class MarsScheduler(MarsBaseScheduler):
         if self.params.mars.session_fifo:
             return ((DECODE_VICTIM_LEVEL if is_decode else level), self._session_arrival_s(state),
                     state.arrival_s if state else 0.0)
-        return victim_key(level, is_decode, seams.num_request_blocks(self, request.request_id),
+        return victim_key(level, is_decode, seams.blocks.num_request_blocks(self, request.request_id),
                           state.arrival_s if state else 0.0)
 
     def chunk_tokens(self, request: Request, num_new_tokens: int, num_computed_tokens: int) -> int:
@@ -358,7 +330,7 @@ class MarsScheduler(MarsBaseScheduler):
         return choose_ttl(
             self.tool_durations.cdf_for(tool_name), elapsed_s=0.0, num_tokens=num_tokens,
             num_blocks=num_blocks, queue_delay_s=self.queue_delay.value,
-            kv_usage=self.kv_cache_manager.usage, params=self.params.retention,
+            kv_usage=seams.blocks.kv_usage(self), params=self.params.retention,
             reuse_fraction=1.0 if reuse is None else reuse,
         )
 

@@ -25,7 +25,9 @@ from typing import Any, ClassVar
 
 from vllm.v1.request import Request
 
+from mars_openhands.engine import seams
 from mars_openhands.engine.schedulers.base import MarsBaseScheduler
+from mars_openhands.engine.schedulers.coalesce import CertifiedRuns
 from mars_openhands.engine.schedulers.request_state import reset_mlfq, update_mlfq_feedback
 from mars_openhands.policy.levels import (
     bucket_level,
@@ -38,28 +40,28 @@ from mars_openhands.policy.victim import victim_key
 __all__ = ["MarsPreviewScheduler", "update_mlfq_feedback"]
 
 
-class MarsPreviewScheduler(MarsBaseScheduler):
-    """The MARS preview's in-engine policy on stock vLLM (the anchor our ``mars`` must beat)."""
+class MarsPreviewScheduler(CertifiedRuns, MarsBaseScheduler):
+    """The MARS preview's in-engine policy on stock vLLM (the anchor our ``mars`` must beat).
+
+    Merged runs (:class:`CertifiedRuns`): in a blocked decode run every running request decodes
+    (feedback 0, effective level 0) and was stamped by the probe step, so the running order is
+    arrival order in every step; the stamps the run's steps would leave are its last step's
+    (``MergedRun.last_step_s``), and the waiting order has no clock
+    (:meth:`is_waiting_order_timeless`). A long prompt at the last level (feedback and effective
+    level) is given the last level's quantum each step and stays there (a full quantum with work
+    left demotes to the last level again); every running request is stamped each step, so the
+    running order is fixed, as in a blocked decode run. The run stays inside the prompt
+    (:meth:`run_max_steps`: past it the preview counts a step as decode) and each step is
+    shorter than the aging interval (:meth:`run_max_prefill_step_s`: no aging boost between two
+    steps)."""
 
     default_window_enabled: ClassVar[bool] = True
     default_chunk_shrinking: ClassVar[bool] = True
-    coalescible_blocked_runs: ClassVar[bool] = True
-    """In a blocked decode run every running request decodes (feedback 0, effective level 0) and
-    was stamped by the probe step, so the running order is arrival order in every step; the
-    stamps the run's steps would leave are its last step's (``run_last_step_s``), and the waiting
-    order has no clock."""
 
-    resort_keeps_order: ClassVar[bool] = True
-    """The waiting key is (full-prompt level, FIFO) with prepended requests first at level 0, most
-    recent first: where vLLM's prepend puts them, and no clock."""
-
-    coalescible_prefill_runs: ClassVar[bool] = True
-    """A long prompt at the last level (feedback and effective level) is given the last level's
-    quantum each step and stays there (a full quantum with work left demotes to the last level
-    again); every running request is stamped each step, so the running order is fixed, as in a
-    blocked decode run. The run stays inside the prompt (:meth:`blocked_run_max_tokens`: past
-    it the preview counts a step as decode) and each step is shorter than the aging interval
-    (``prefill_run_max_step_s``: no aging boost between two steps)."""
+    def is_waiting_order_timeless(self) -> bool:
+        """The waiting key is (full-prompt level, FIFO) with prepended requests first at level 0,
+        most recent first: where vLLM's prepend puts them, and no clock. Pure."""
+        return True
 
     def prefill_run_chunk_tokens(self, request: Request) -> int | None:
         """The last level's quantum for a running prompt whose feedback and effective level are
@@ -70,19 +72,19 @@ class MarsPreviewScheduler(MarsBaseScheduler):
         if state is None or state.feedback_level != last or state.mlfq_last_scheduled_s is None:
             return None
         c = request.num_computed_tokens
-        quantum = quantum_tokens(last, lp, self.max_num_scheduled_tokens)
+        quantum = quantum_tokens(last, lp, seams.hooks.max_num_scheduled_tokens(self))
         if (quantum != lp.quanta_tokens[last] or request.num_prompt_tokens - c <= quantum
                 or self._effective_level(request, self.clock(), c) != last):
             return None
         return quantum
 
-    def prefill_run_max_step_s(self) -> float:
+    def run_max_prefill_step_s(self) -> float:
         """Longest single step a merged prefill run may hold: the aging interval (a longer one
         would age a prompt by a level before its next step). Pure."""
         interval = self.params.levels.aging_interval_s
         return interval if interval > 0 else math.inf
 
-    def blocked_run_max_tokens(self, limit: int, step_tokens: int | None = None) -> int:
+    def run_max_steps(self, limit: int, step_tokens: int | None = None) -> int:
         """Most steps a merged run may take: a running prompt's chunks stay inside its prompt,
         with a token to spare (``(prompt - computed - 1) // quantum``). Pure."""
         k = limit

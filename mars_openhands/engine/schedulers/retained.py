@@ -200,17 +200,21 @@ class RetainedKvPool(Mapping[str, RetainedKv]):
         session could get back. Pure."""
         return sum(e.num_blocks for sid, e in self._entries.items() if sid != own_session_id)
 
-    def reclaim_victim(self, own_session_id: str | None,
-                       may_reclaim: Callable[[RetainedKv], bool]) -> RetainedKv | None:
-        """The entry to release first for another session's failed allocation: lowest value per
-        block (:func:`~mars_openhands.policy.retention.reclaim_order_key`), then the most
-        recently retained, among the entries of other sessions ``may_reclaim`` allows. None
-        when there is none. Pure (``may_reclaim`` should be too)."""
+    def reclaim_victim(self, own_session_id: str | None, may_reclaim: Callable[[RetainedKv], bool],
+                       key: Callable[[RetainedKv], Any] | None = None) -> RetainedKv | None:
+        """The entry to release first for another session's failed allocation: the smallest
+        ``key`` (default: lowest value per block,
+        :func:`~mars_openhands.policy.retention.reclaim_order_key`, then the most recently
+        retained; ties: insertion order) among the entries of other sessions ``may_reclaim``
+        allows. None when there is none. Pure (``may_reclaim`` and ``key`` should be too)."""
         candidates = [e for sid, e in self._entries.items()
                       if sid != own_session_id and may_reclaim(e)]
         if not candidates:
             return None
-        return min(candidates, key=lambda e: (reclaim_order_key(e.value_s, e.num_blocks), -e.retained_s))
+        if key is None:
+            return min(candidates, key=lambda e: (reclaim_order_key(e.value_s, e.num_blocks),
+                                                  -e.retained_s))
+        return min(candidates, key=key)
 
     # ------------------------------------------------------------------ integrity
     def pin_counts(self) -> dict[int, int]:
@@ -227,8 +231,8 @@ class RetainedKvPool(Mapping[str, RetainedKv]):
 
         Args:
             num_referenced_once: blocks of an iterable whose ref count is 1
-                (:func:`seams.num_blocks_referenced_once`).
-            ref_count: a block's ref count (:func:`seams.block_ref_count`).
+                (:func:`seams.blocks.num_blocks_referenced_once`).
+            ref_count: a block's ref count (:func:`seams.blocks.block_ref_count`).
 
         Returns:
             A block count. O(pinned blocks); whether a block is pinned twice is kept by

@@ -19,7 +19,11 @@ from typing import Any
 
 from mars_openhands.policy.session import SessionState
 
-__all__ = ["SessionTable"]
+__all__ = ["SESSION_GC_INTERVAL_S", "SessionTable"]
+
+SESSION_GC_INTERVAL_S = 10.0
+"""Seconds between two sweeps for idle sessions (:meth:`SessionTable.forget_idle`): the scheduler
+sweeps at its first step past the interval."""
 
 
 class SessionTable(Mapping[str, SessionState]):

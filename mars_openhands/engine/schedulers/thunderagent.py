@@ -45,7 +45,8 @@ from typing import Any
 from vllm.v1.request import Request
 
 from mars_openhands.engine import seams
-from mars_openhands.engine.schedulers.base import MarsBaseScheduler
+from mars_openhands.engine.schedulers.base import MarsBaseScheduler, RetainedKv
+from mars_openhands.engine.schedulers.coalesce import CertifiedRuns
 from mars_openhands.policy.retention import RetentionDecision, reload_time_s
 from mars_openhands.policy.session import SessionState
 from mars_openhands.policy.thunderagent import (
@@ -90,13 +91,13 @@ class _Program:
         return self.request.num_tokens if self.request is not None else self.num_tokens
 
 
-class ThunderAgentScheduler(MarsBaseScheduler):
+class ThunderAgentScheduler(CertifiedRuns, MarsBaseScheduler):
     """ThunderAgent: program-level KV admission, tool-boundary pause, smallest-first resume."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.thunder_params: ThunderAgentParams = self.params.thunderagent
-        self.capacity_tokens = self.block_size * seams.num_gpu_blocks(self)
+        self.capacity_tokens = self.block_size * seams.blocks.num_gpu_blocks(self)
         """``block_size * num_gpu_blocks``: the KV pool in tokens (the router reads vLLM's
         ``cache_config_info``)."""
         self.active: dict[str, _Program] = {}
@@ -113,12 +114,11 @@ class ThunderAgentScheduler(MarsBaseScheduler):
         self.num_forced = 0
 
     # ------------------------------------------------------------------ requests in and out
-    def add_request(self, request: Request, **kwargs: Any) -> None:
-        """vLLM: a new request; admitted into vLLM's queue or held while its program is paused."""
+    def on_request_added(self, request: Request) -> None:
+        """Base hook: a new request is admitted into vLLM's queue or held while its program is
+        paused (one with invalid extras is left to the base, which finishes it)."""
         rid = request.request_id
-        is_new = rid not in self.requests
-        super().add_request(request, **kwargs)
-        if not is_new or rid in self._rejected:
+        if rid in self._rejected:
             return
         now = self.clock()
         state = self.req_state.get(rid)
@@ -195,17 +195,15 @@ class ThunderAgentScheduler(MarsBaseScheduler):
                 self._unmark(program)
                 self._pause(program, now)
 
-    # ------------------------------------------------------------------ simulator hooks
-    coalescible_blocked_runs = True
-    """``on_step_start`` acts only at its two timers (see :meth:`blocked_run_until_s`)."""
+    # ------------------------------------------------------------------ merged runs
+    def can_merge_run(self) -> bool:
+        """Base conditions, once the periodic check's clock has started (``on_step_start`` acts
+        only at its two timers: :meth:`run_until_s`). Pure."""
+        return super().can_merge_run() and self._next_check_s is not None
 
-    def blocked_run_is_safe(self) -> bool:
-        """Base conditions, once the periodic check's clock has started. Pure."""
-        return super().blocked_run_is_safe() and self._next_check_s is not None
-
-    def blocked_run_until_s(self, now_s: float) -> float:
+    def run_until_s(self, now_s: float) -> float:
         """Base timers, the next periodic check and the oldest held request's forced admission."""
-        t = super().blocked_run_until_s(now_s)
+        t = super().run_until_s(now_s)
         if self._next_check_s is not None:
             t = min(t, self._next_check_s)
         if self.held:
@@ -345,19 +343,10 @@ class ThunderAgentScheduler(MarsBaseScheduler):
         value_s = max(reload_time_s(request.num_tokens, self.params.retention), 1e-9)
         return RetentionDecision(self.params.session_idle_timeout_s, value_s, "thunderagent:acting")
 
-    def _reclaim_for(self, request: Request) -> bool:
-        """Allocation failed: unpin the smallest other program's KV (ThunderAgent's pause order).
-
-        Returns:
-            True if a pin was released (vLLM retries the allocation), else False (vLLM preempts).
-        """
-        own = request.session_id
-        others = [e for sid, e in self.retained.items() if sid != own]
-        if not others:
-            return False
-        victim = min(others, key=lambda e: (e.num_blocks, -e.retained_s))
-        self.reclaim(victim.session_id)
-        return True
+    def reclaim_key(self, entry: RetainedKv, request: Request, now_s: float) -> Any:
+        """Allocation failed: the smallest other program's KV is unpinned first, the most
+        recently pinned among equals (ThunderAgent's pause order). Pure."""
+        return (entry.num_blocks, -entry.retained_s)
 
     def on_stream_event(self, event: Any, now_s: float | None = None) -> None:
         """Base event handling, plus: ``tool_start`` starts an ACTING program's decay clock,

@@ -101,7 +101,7 @@ def build_case(name: str) -> Case:
     if name == "vllm-stock":
         return Case(name, AsyncScheduler, None)
     from eval.backends import live_scheduler
-    from mars_openhands.engine.inproc import resolve_scheduler_cls
+    from mars_openhands.engine.harness.inproc_engine import resolve_scheduler_cls
 
     spec = _policies()[name]
     cls = resolve_scheduler_cls(live_scheduler(spec.scheduler))

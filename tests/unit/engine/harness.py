@@ -185,7 +185,7 @@ class Harness:
         )
         self.clock = FakeClock()
         if hasattr(self.scheduler, "clock"):
-            self.scheduler.clock = self.clock
+            self.scheduler.set_clock(self.clock)
         self.block_hasher = get_request_block_hasher(block_size, _hash_fn())
         self.rng = random.Random(seed)
         self.finished: dict[str, Request] = {}

@@ -81,7 +81,7 @@ def test_a_merged_prefill_run_certifies_only_a_chunk_that_stays_the_same() -> No
     assert chunks == [2048, 1024, 512, 256, 256, 256]
     # levels 0..2 before the first three steps; the last level with a full quantum after that
     assert certified == [None, None, None, 256, 256, 256]
-    assert s.blocked_run_max_tokens(50, step_tokens=256) == 50  # nothing waits: no promotion bound
+    assert s.run_max_steps(50, step_tokens=256) == 50  # nothing waits: no promotion bound
     h.run_until_done()
     h.assert_no_leaks()
 
@@ -96,8 +96,8 @@ def test_a_waiting_call_due_for_promotion_ends_a_merged_prefill_run() -> None:
     call = s.plas_call(waiting.request_id)
     assert call.level == 1
     # promoted once (wait) / (service 2101) >= 2: after 4,202 tokens scheduled for others
-    assert s.blocked_run_max_tokens(100, step_tokens=256) == -(-4202 // 256)
-    assert s.blocked_run_max_tokens(100, step_tokens=512) == -(-4202 // 512)
+    assert s.run_max_steps(100, step_tokens=256) == -(-4202 // 256)
+    assert s.run_max_steps(100, step_tokens=512) == -(-4202 // 512)
 
 
 def test_custom_quanta_come_from_additional_config() -> None:

@@ -22,12 +22,12 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.outputs import AsyncModelRunnerOutput  # noqa: E402
 
-from mars_openhands.engine.executor.emulated import (  # noqa: E402
+from mars_openhands.engine.harness.executor.emulated import (  # noqa: E402
     EmulatedGpuConfig,
     EmulatedWorker,
     parse_emulated_gpu_config,
 )
-from mars_openhands.engine.executor.timing import StepTimeModel  # noqa: E402
+from mars_openhands.engine.harness.executor.timing import StepTimeModel  # noqa: E402
 from tests.unit.engine.harness import Harness  # noqa: E402
 
 BYTES_PER_TOKEN = 98_304  # Qwen3-30B-A3B bf16 KV

@@ -35,7 +35,25 @@ def test_default_key_hooks_raise_so_they_are_never_called_by_accident() -> None:
     with pytest.raises(NotImplementedError):
         hooks.waiting_key(None, 0.0)  # type: ignore[arg-type]
     assert hooks.chunk_tokens(None, 7, 0) == 7  # type: ignore[arg-type]
-    assert hooks.blocked_run_max_tokens(5) == 5
+
+
+def test_the_classes_that_merge_runs_declare_it_through_the_run_contract() -> None:
+    """Merged runs (coalesce.py): a class allows them by implementing ``MergesRuns`` (ours list
+    ``CertifiedRuns`` first); the others, and the policy hooks, know nothing of them."""
+    from mars_openhands.engine import (
+        ContinuumScheduler,
+        InferceptScheduler,
+        MarsPreviewScheduler,
+        MarsScheduler,
+        ThunderAgentScheduler,
+    )
+    from mars_openhands.engine.schedulers.coalesce import CertifiedRuns, MergesRuns
+
+    merging = {AutellixScheduler, ContinuumScheduler, InferceptScheduler, MarsPreviewScheduler,
+               ThunderAgentScheduler}
+    for cls in (*merging, FcfsScheduler, MarsScheduler, MarsBaseScheduler):
+        assert issubclass(cls, MergesRuns) == issubclass(cls, CertifiedRuns) == (cls in merging), cls
+    assert not any(name.startswith(("run_", "blocked_run")) for name in vars(PolicyHooks))
 
 
 def test_mlfq_feedback_and_reset() -> None:

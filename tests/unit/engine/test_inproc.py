@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -11,12 +13,14 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
-from mars_openhands.engine.inproc import (  # noqa: E402
+from mars_openhands.engine.harness.inproc_engine import (  # noqa: E402
     InprocEngine,
     InprocEngineParams,
     SessionTokenStream,
     resolve_scheduler_cls,
 )
+from mars_openhands.engine.schedulers.coalesce import HeadRule  # noqa: E402
+from mars_openhands.engine.seams import fast_paths  # noqa: E402
 
 BS = 16
 
@@ -33,6 +37,13 @@ def _add_turn(engine: InprocEngine, stream: SessionTokenStream, rid: str, append
     stream.append(output)
     engine.add_request(rid, stream, prompt, output, arrival_time_s=t_s)
     return prompt
+
+
+class _UnitTimer:
+    """One millisecond per step, whatever its shape."""
+
+    def step_time_s(self, prefill: object = (), decode_context_tokens: object = ()) -> float:
+        return 0.001
 
 
 def _drain(engine: InprocEngine, coalesce: int = 1) -> list:
@@ -184,27 +195,27 @@ def test_blocked_run_may_evict_the_waiting_heads_hit_from_its_end_only(policy: s
     _drain(engine)
     _add_turn(engine, stream, "a#1", 100, 5, t_s=1.0)
     head = engine.scheduler.waiting.peek_request()
-    hit = seams.prefix_hit_tokens(engine.scheduler, head) // BS
+    hit = seams.blocks.prefix_hit_tokens(engine.scheduler, head) // BS
     assert hit == 30
-    cache = seams.block_pool(engine.scheduler).cached_block_hash_to_block
+    cache = seams.blocks.block_pool(engine.scheduler).cached_block_hash_to_block
 
     def block(i: int) -> object:
-        return cache.get_one_block(seams.pool_block_hash_key(head.block_hashes[i]))
+        return cache.get_one_block(fast_paths.pool_block_hash_key(head.block_hashes[i]))
 
-    other = next(b for b in seams.next_evicted_blocks(engine.scheduler, 512) if b.block_hash is None)
-    assert engine._is_head_rule_stock() == like_stock
+    other = next(b for b in fast_paths.next_evicted_blocks(engine.scheduler, 512) if b.block_hash is None)
+    assert (engine.head.rule() is HeadRule.STOCK) == like_stock
     if not like_stock:
         # The run's one-walk check: the first of the queue's blocks holding a key of the head's.
-        queue = seams.next_evicted_blocks(engine.scheduler, 10 ** 6)
-        first = next(i for i, b in enumerate(queue) if b.block_hash in engine._pool_hash_keys(head))
-        keys = engine._pool_hash_keys(head)
-        assert seams.first_free_block_holding(engine.scheduler, len(queue), keys) == first
-        assert seams.first_free_block_holding(engine.scheduler, first, keys) is None  # stops short
-        assert seams.first_free_block_holding(engine.scheduler, first + 1, keys) == first
+        queue = fast_paths.next_evicted_blocks(engine.scheduler, 10 ** 6)
+        first = next(i for i, b in enumerate(queue) if b.block_hash in engine.head.pool_hash_keys(head))
+        keys = engine.head.pool_hash_keys(head)
+        assert fast_paths.first_free_block_holding(engine.scheduler, len(queue), keys) == first
+        assert fast_paths.first_free_block_holding(engine.scheduler, first, keys) is None  # stops short
+        assert fast_paths.first_free_block_holding(engine.scheduler, first + 1, keys) == first
         return
-    assert engine._first_unsafe_eviction(head, [block(hit - 1), other, block(hit - 2)]) is None
-    assert engine._first_unsafe_eviction(head, [other, block(hit - 2)]) == 1
-    assert engine._first_unsafe_eviction(head, [block(hit - 1), block(0)]) == 1
+    assert engine.head.first_unsafe_eviction(head, [block(hit - 1), other, block(hit - 2)]) is None
+    assert engine.head.first_unsafe_eviction(head, [other, block(hit - 2)]) == 1
+    assert engine.head.first_unsafe_eviction(head, [block(hit - 1), block(0)]) == 1
 
 
 def _preview_head_blocked_by_its_chunk() -> InprocEngine:
@@ -239,9 +250,9 @@ def test_blocked_run_ends_before_the_step_that_admits_the_head(full_sequence_gat
         s.scheduler_reserve_full_isl = False
         engine.step()  # a new probe under the chunk's check
     head = s.waiting.peek_request()
-    assert head.request_id == "a#1" and engine._is_waiting_blocked
-    assert seams.prefix_hit_tokens(s, head) == 3 * BS and seams.num_free_blocks(s) == 20
-    k = engine.max_blocked_decode_run(1000)
+    assert head.request_id == "a#1" and engine.probe is not None
+    assert seams.blocks.prefix_hit_tokens(s, head) == 3 * BS and seams.blocks.num_free_blocks(s) == 20
+    k = engine.plan_run(1000, 0.0, math.inf, _UnitTimer()).num_steps
     admitted_at = None
     for i in range(1, 200):  # single steps: when is a#1 first scheduled?
         if "a#1" in engine.step().num_scheduled_tokens:
@@ -250,7 +261,7 @@ def test_blocked_run_ends_before_the_step_that_admits_the_head(full_sequence_gat
     if full_sequence_gate:
         assert admitted_at is None and k >= 100, (admitted_at, k)  # past 6 blocks taken
     else:
-        assert admitted_at is not None and seams.num_free_blocks(s) < 20
+        assert admitted_at is not None and seams.blocks.num_free_blocks(s) < 20
         assert 1 <= k < admitted_at, (k, admitted_at)
 
 
@@ -261,7 +272,6 @@ def test_waiting_heads_pool_keys_extend_per_session_and_rebuild_when_the_prefix_
     import hashlib
     from types import SimpleNamespace
 
-    from mars_openhands.engine import seams
 
     def hashes(tag: str, n: int) -> list[bytes]:
         return [hashlib.sha256(f"{tag}{i}".encode()).digest() for i in range(n)]
@@ -271,18 +281,18 @@ def test_waiting_heads_pool_keys_extend_per_session_and_rebuild_when_the_prefix_
 
     engine = _engine()
     first = request("s#0", hashes("a", 5))
-    keys = engine._pool_hash_keys(first)
-    assert keys == seams.pool_block_hash_keys(first) and len(keys) == 5
+    keys = engine.head.pool_hash_keys(first)
+    assert keys == fast_paths.pool_block_hash_keys(first) and len(keys) == 5
     second = request("s#1", hashes("a", 9))  # the same 5 first hashes, 4 more
-    assert engine._pool_hash_keys(second) is keys  # extended in place
-    assert keys == seams.pool_block_hash_keys(second) and len(keys) == 9
+    assert engine.head.pool_hash_keys(second) is keys  # extended in place
+    assert keys == fast_paths.pool_block_hash_keys(second) and len(keys) == 9
     shorter = request("s#2", hashes("a", 3))
-    assert engine._pool_hash_keys(shorter) == seams.pool_block_hash_keys(shorter)  # no key past 3
+    assert engine.head.pool_hash_keys(shorter) == fast_paths.pool_block_hash_keys(shorter)  # no key past 3
     other = request("s#3", hashes("b", 3) + hashes("a", 9)[3:])  # same length as a prefix, other hashes
-    assert engine._pool_hash_keys(other) == seams.pool_block_hash_keys(other)
-    assert engine._pool_hash_keys(request("t#0", hashes("c", 2), session="t")) == \
-        seams.pool_block_hash_keys(request("t#0", hashes("c", 2), session="t"))
-    assert seams.pool_block_hash_keys(second, start=5) == {k: i for k, i in keys.items() if i >= 5}
+    assert engine.head.pool_hash_keys(other) == fast_paths.pool_block_hash_keys(other)
+    assert engine.head.pool_hash_keys(request("t#0", hashes("c", 2), session="t")) == \
+        fast_paths.pool_block_hash_keys(request("t#0", hashes("c", 2), session="t"))
+    assert fast_paths.pool_block_hash_keys(second, start=5) == {k: i for k, i in keys.items() if i >= 5}
 
 
 def _memo_engine_with_waiting_turn(num_gpu_blocks: int) -> tuple[InprocEngine, object, Request, object]:
@@ -310,7 +320,7 @@ def test_prefix_memo_cut_block_by_block_answers_as_vllms_walk_and_forgets_cleanl
     lookup(request)  # the second lookup builds the memo
     hit = lookup(request)[1] // BS
     assert hit >= 20 and memo.num_hits == 1
-    pool = seams.block_pool(eng.scheduler)
+    pool = seams.blocks.block_pool(eng.scheduler)
     cuts = memo_cuts = 0
     while hit > 0:
         pool.get_new_blocks(1)  # evicts the free queue's head
@@ -334,11 +344,11 @@ def test_prefix_memo_cut_block_by_block_answers_as_vllms_walk_and_forgets_cleanl
 def test_prefix_memo_is_built_at_a_requests_second_lookup_and_a_peek_does_not_count() -> None:
     """Building and dropping a memo costs about two walks: a request looked up once (its KV was
     there) gets none, one looked up again in the same state does, and our schedulers' look at
-    arrival (``seams.prefix_hit_tokens``) neither counts nor changes what a lookup returns."""
+    arrival (``seams.blocks.prefix_hit_tokens``) neither counts nor changes what a lookup returns."""
     from mars_openhands.engine import seams
 
     eng, memo, request, lookup = _memo_engine_with_waiting_turn(num_gpu_blocks=256)
-    hit_tokens = seams.prefix_hit_tokens(eng.scheduler, request)
+    hit_tokens = seams.blocks.prefix_hit_tokens(eng.scheduler, request)
     assert hit_tokens >= 20 * BS and "s#1" not in memo._memo  # a peek walks, builds nothing
     first = lookup(request)
     assert first[1] == hit_tokens and "s#1" not in memo._memo and memo.num_hits == 0
@@ -347,10 +357,10 @@ def test_prefix_memo_is_built_at_a_requests_second_lookup_and_a_peek_does_not_co
     third = lookup(request)
     assert memo.num_hits == 1 and [b.block_id for b in third[0].blocks[0]] == [
         b.block_id for b in first[0].blocks[0]]
-    assert seams.prefix_hit_tokens(eng.scheduler, request) == hit_tokens and memo.num_hits == 1
+    assert seams.blocks.prefix_hit_tokens(eng.scheduler, request) == hit_tokens and memo.num_hits == 1
     # A reset swaps in a new map that no memo watches: a peek must not serve the old memo.
     assert eng.scheduler.kv_cache_manager.block_pool.reset_prefix_cache()
-    assert seams.prefix_hit_tokens(eng.scheduler, request) == 0 and "s#1" not in memo._memo
+    assert seams.blocks.prefix_hit_tokens(eng.scheduler, request) == 0 and "s#1" not in memo._memo
     assert lookup(request)[1] == 0 and memo.num_hits == 1
     _drain(eng)
     assert not memo._memo and not memo._looked_up  # a finished request leaves nothing behind

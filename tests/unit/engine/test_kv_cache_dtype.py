@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from mars_openhands.engine.executor.profiles import GpuProfile, estimate_kv_capacity
-from mars_openhands.engine.executor.timing import StepTimeModel
+from mars_openhands.engine.harness.executor.profiles import GpuProfile, estimate_kv_capacity
+from mars_openhands.engine.harness.executor.timing import StepTimeModel
 
 needs_aic = pytest.mark.skipif(importlib.util.find_spec("aiconfigurator_core") is None,
                                reason="needs aiconfigurator-core (the emulated-GPU extra)")
@@ -67,7 +67,7 @@ def test_fp8_kv_step_times_come_from_the_fp8_kernels() -> None:
 
 @pytest.mark.parametrize(("kv", "bytes_per_token"), [(None, 98_304), ("fp8", 49_152)])
 def test_emulated_kv_spec_has_the_profiles_bytes_per_token(kv: str | None, bytes_per_token: int) -> None:
-    emulated = pytest.importorskip("mars_openhands.engine.executor.emulated")
+    emulated = pytest.importorskip("mars_openhands.engine.harness.executor.emulated")
     config = emulated.EmulatedGpuConfig(model=CODER, kv_cache_dtype=kv)
     specs = emulated.EmulatedWorker.get_kv_cache_spec(SimpleNamespace(config=config))
     page_bytes = sum(s.page_size_bytes for s in specs.values())

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from mars_openhands.engine.launch import (
+from mars_openhands.engine.harness.launch import (
     OWNER_ENV_VAR,
     REPO_ROOT,
     VllmServer,
@@ -59,7 +59,7 @@ def test_every_option_maps_to_its_flag(tmp_path: Path) -> None:
         model_dir=tmp_path,
         served_model_name="m",
         scheduler_cls="mars_openhands.engine.schedulers.mars.MarsScheduler",
-        executor_backend="mars_openhands.engine.executor.emulated.EmulatedExecutor",
+        executor_backend="mars_openhands.engine.harness.executor.emulated.EmulatedExecutor",
         additional_config={"mars": {"ttl_s": 2.0}},
         num_gpu_blocks_override=64,
         max_num_seqs=8,

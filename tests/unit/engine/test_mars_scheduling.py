@@ -10,6 +10,8 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from mars_openhands.engine import MarsPreviewScheduler, MarsScheduler  # noqa: E402
+from mars_openhands.engine.schedulers.coalesce import MergedRun  # noqa: E402
+from mars_openhands.engine.seams import fast_paths  # noqa: E402
 from tests.unit.engine.harness import Harness  # noqa: E402
 
 
@@ -154,14 +156,25 @@ def test_a_step_with_the_waiting_queue_hidden_admits_nothing_from_the_overflow()
     for i in range(4):
         h.add(h.make_request(None, h.tokens(50), 3, request_id=f"r{i}"))
     s = h.scheduler
-    hidden, s.waiting = s.waiting, type(s.waiting)()
-    s.is_waiting_hidden = True
-    try:
-        s.schedule()
-    finally:
-        s.waiting, s.is_waiting_hidden = hidden, False
+    with fast_paths.hidden_waiting(s):
+        s.schedule(run=MergedRun(num_steps=2, last_step_s=0.0))
     assert [r.request_id for r in s.overflow] == ["r2", "r3"]
     assert [r.request_id for r in s.waiting] == ["r0", "r1"]
+
+
+def test_a_merged_run_leaves_no_state_of_its_own_in_the_scheduler() -> None:
+    """The run reaches the scheduler as ``schedule()``'s argument (coalesce.py): after the call
+    the scheduler holds no attribute it did not hold before, and its per-call step count is
+    back to a real step's."""
+    h = Harness(MarsPreviewScheduler, num_blocks=512)
+    for i in range(3):
+        h.add(h.make_request(None, h.tokens(50), 3, request_id=f"r{i}"))
+    s = h.scheduler
+    h.step()
+    before = set(vars(s))
+    with fast_paths.hidden_waiting(s):
+        s.schedule(run=MergedRun(num_steps=3, last_step_s=0.5))
+    assert set(vars(s)) == before and s._call_steps == 1
 
 
 def test_mars_has_no_window_by_default() -> None:

@@ -1,4 +1,4 @@
-"""StepTimeModel, StepShape and the GPU profiles (mars_openhands.engine.executor.timing/profiles).
+"""StepTimeModel, StepShape and the GPU profiles (mars_openhands.engine.harness.executor.timing/profiles).
 
 Fast tests use a recording fake estimator; tests marked by ``needs_aic`` load NVIDIA's real
 kernel data (aiconfigurator-core 0.12.0, ~5 s per model, cached per module).
@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from mars_openhands.engine.executor.profiles import (
+from mars_openhands.engine.harness.executor.profiles import (
     GPUS,
     GpuProfile,
     estimate_kv_capacity,
     materialize_model_config,
     require_aiconfigurator,
 )
-from mars_openhands.engine.executor.timing import (
+from mars_openhands.engine.harness.executor.timing import (
     StepShape,
     StepTimeModel,
     StepTimeModelError,

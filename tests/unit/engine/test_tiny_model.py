@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mars_openhands.engine.tiny_model import (
+from mars_openhands.engine.harness.tiny_model import (
     BOS_TOKEN_ID,
     EOS_TOKEN_ID,
     NUM_BYTE_TOKENS,
@@ -114,7 +114,7 @@ def test_transformers_loads_it_and_renders_the_chat_template(tmp_path: Path) -> 
 
 def test_module_imports_without_vllm_or_torch() -> None:
     code = (
-        "import sys, mars_openhands.engine.tiny_model as m; "
+        "import sys, mars_openhands.engine.harness.tiny_model as m; "
         "m.build_tokenizer(); "
         "print(sorted(n for n in ('vllm', 'torch', 'transformers') if n in sys.modules))"
     )

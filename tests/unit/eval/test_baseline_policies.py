@@ -14,7 +14,7 @@ from eval.runs import sim_config  # noqa: E402
 from eval.sim import LinearStepTimeModel, simulate  # noqa: E402
 from eval.sweep_options import CompareOptions  # noqa: E402
 from eval.workloads.format import Session, Turn, Workload, WorkloadMeta  # noqa: E402
-from mars_openhands.engine.inproc import resolve_scheduler_cls  # noqa: E402
+from mars_openhands.engine.harness.inproc_engine import resolve_scheduler_cls  # noqa: E402
 from mars_openhands.engine.schedulers.thunderagent import ThunderAgentScheduler  # noqa: E402
 
 

@@ -110,7 +110,7 @@ def test_the_emulated_server_gets_the_deployment(tmp_path) -> None:
     from eval.backends import LiveBackend, LiveOptions, parse_backend
     from eval.policies import POLICIES
 
-    emulated = pytest.importorskip("mars_openhands.engine.executor.emulated")
+    emulated = pytest.importorskip("mars_openhands.engine.harness.executor.emulated")
     config = {name: (p.scheduler, p.additional_config) for name, p in POLICIES.items()}
     options = LiveOptions(num_gpu_blocks=900, max_model_len_tokens=4096, model="gpt-oss-120b", dtype="mxfp4",
                           kv_cache_dtype="fp8", gpu_memory_utilization=0.95)

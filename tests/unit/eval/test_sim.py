@@ -19,7 +19,7 @@ from eval.sim import (  # noqa: E402
     simulate,
 )
 from eval.workloads.format import Session, Turn, Workload, WorkloadMeta  # noqa: E402
-from mars_openhands.engine.inproc import InprocEngineParams  # noqa: E402
+from mars_openhands.engine.harness.inproc_engine import InprocEngineParams  # noqa: E402
 from mars_openhands.policy.admission import AdmissionParams  # noqa: E402
 from mars_openhands.stream.transport import ListSink  # noqa: E402
 

@@ -22,7 +22,7 @@ from eval.policies import POLICIES
 from eval.sim import LinearStepTimeModel, SimConfig, Simulator
 from eval.workloads import PoissonArrivals, with_arrivals
 from eval.workloads.synth import WorkloadCaps, synthesize
-from mars_openhands.engine.inproc import InprocEngineParams
+from mars_openhands.engine.harness.inproc_engine import InprocEngineParams
 from mars_openhands.stream.transport import ListSink
 
 workload = with_arrivals(synthesize("swebench", 12, 0, caps=WorkloadCaps(max_turns=30)),

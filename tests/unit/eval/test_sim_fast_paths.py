@@ -1,6 +1,6 @@
 """The simulator's speed-ups are exact: with ``MARS_SIM_FAST_PATHS=0`` (every step that today goes
 through ``schedule()`` does so) and with them on, a KV-bound run makes the same decisions at the
-same virtual times, to the last bit (eval/sim.py, engine/inproc.py)."""
+same virtual times, to the last bit (eval/sim.py, engine/harness/inproc_engine.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ pytest.importorskip("vllm")
 from eval.runs import METRIC_KINDS  # noqa: E402
 from eval.sim import FAST_PATHS_ENV, LinearStepTimeModel, SimConfig, SimResult, Simulator  # noqa: E402
 from eval.workloads.format import Session, Turn, Workload, WorkloadMeta  # noqa: E402
-from mars_openhands.engine.inproc import InprocEngineParams  # noqa: E402
+from mars_openhands.engine.harness.inproc_engine import InprocEngineParams  # noqa: E402
+from mars_openhands.engine.harness.runs import RunPlan  # noqa: E402
 from mars_openhands.policy.admission import AdmissionParams  # noqa: E402
 from mars_openhands.stream.transport import ListSink  # noqa: E402
 
@@ -131,11 +132,11 @@ def test_merged_blocked_run_leaves_the_preview_aging_clocks_of_its_last_step(
     schedule = sim.engine.schedule
     runs: list[tuple[float, float, set[float | None]]] = []
 
-    def recording(k: int = 1, **kwargs: Any) -> Any:
-        record = schedule(k, **kwargs)
-        if kwargs.get("hide_waiting") and k > 1:
+    def recording(plan: RunPlan | int = 1) -> Any:
+        record = schedule(plan)
+        if isinstance(plan, RunPlan) and plan.is_waiting_hidden:
             s = sim.engine.scheduler
-            runs.append((sim.now_s, kwargs["last_step_s"],
+            runs.append((sim.now_s, plan.last_step_s,
                          {s.req_state[r.request_id].mlfq_last_scheduled_s for r in s.running}))
         return record
 
@@ -187,14 +188,15 @@ def test_a_merged_run_spans_admission_ticks_and_each_tick_reads_its_single_steps
     each tick inside it must report the used KV blocks the single steps would have left by then
     (the window moves on it): the admission updates, and everything else, equal both ways."""
     spans: list[int] = []
-    note = Simulator._note_run_kv
+    plan_run = Simulator._plan_run
 
-    def noting(self: Simulator, times: list[float], steps: Any) -> None:
-        note(self, times, steps)
+    def noting(self: Simulator) -> RunPlan:
+        plan = plan_run(self)
         if self._run_kv is not None:
-            spans.append(sum(t > self._next_tick_s for t in times))
+            spans.append(sum(t > self._next_tick_s for t in self._run_kv.step_ends_s))
+        return plan
 
-    monkeypatch.setattr(Simulator, "_note_run_kv", noting)
+    monkeypatch.setattr(Simulator, "_plan_run", noting)
     config = _preview_config(update_interval_s=0.02)
     prints = []
     for flag in ("0", "1"):
@@ -209,22 +211,22 @@ def test_a_merged_run_spans_admission_ticks_and_each_tick_reads_its_single_steps
 
 
 def test_the_previews_waiting_queue_is_always_in_key_order(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``resort_keeps_order``: a merged run need not end before the preview's periodic re-sort,
+    """``is_waiting_order_timeless``: a merged run need not end before the preview's periodic re-sort,
     because its queue is in key order before every ``schedule()`` (prepended requests included)."""
     monkeypatch.setenv(FAST_PATHS_ENV, "1")
     config = _preview_config()
     sim = Simulator(_kv_bound_workload(), config, LinearStepTimeModel(), ListSink(), ORIGIN)
     s = sim.engine.scheduler
-    assert s.resort_keeps_order
+    assert s.is_waiting_order_timeless()
     schedule = sim.engine.schedule
     checked = []
 
-    def checking(k: int = 1, **kwargs: Any) -> Any:
+    def checking(plan: RunPlan | int = 1) -> Any:
         queue = list(s.waiting)
         if len(queue) > 1 and not s.waiting.is_dirty:
             assert queue == sorted(queue, key=lambda r: s.waiting_key(r, sim.now_s))
             checked.append(any(s.waiting.order_of(r) < 0 for r in queue))
-        return schedule(k, **kwargs)
+        return schedule(plan)
 
     sim.engine.schedule = checking
     result = sim.run()

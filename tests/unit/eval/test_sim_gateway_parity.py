@@ -41,7 +41,7 @@ from eval.sim import (  # noqa: E402
 from eval.workloads.format import Session, Turn, Workload, WorkloadMeta  # noqa: E402
 from mars_openhands.control.app import Gateway  # noqa: E402
 from mars_openhands.control.plane import AdmissionReport  # noqa: E402
-from mars_openhands.engine.inproc import InprocEngineParams  # noqa: E402
+from mars_openhands.engine.harness.inproc_engine import InprocEngineParams  # noqa: E402
 from mars_openhands.policy.admission import AdmissionParams  # noqa: E402
 from mars_openhands.policy.reorder import ReorderParams  # noqa: E402
 from mars_openhands.stream.events import EngineStep  # noqa: E402

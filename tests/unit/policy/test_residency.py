@@ -124,3 +124,40 @@ def test_progress_a_held_head_over_the_budget_runs_once_only_displaceable_reside
     assert busy.activate == () and busy.suspend == ()
     kept = plan_residency([*sessions, idle("old", -1, 10, 0.0)], 371)
     assert kept.activate == () and kept.suspend == ()
+
+
+# ---------------------------------------------------------------------- the value model (pure)
+def test_output_reserve_tokens_estimate_prior_and_cap() -> None:
+    from mars_openhands.policy.residency import output_reserve_tokens
+
+    assert output_reserve_tokens(10, 25.7, 100, None) == 25  # the estimate, truncated
+    assert output_reserve_tokens(10, None, 100, None) == 90  # the prior's rest
+    assert output_reserve_tokens(300, None, 100, None) == 300  # outlived the prior: as many again
+    assert output_reserve_tokens(10, 25.0, 100, 20) == 10  # never past max_tokens
+    assert output_reserve_tokens(30, None, 100, 20) == 0
+
+
+def test_displace_value_s_gain_minus_reload_cost() -> None:
+    from mars_openhands.policy.residency import displace_value_s
+    from mars_openhands.policy.session import SessionState
+
+    seen: list[tuple[str | None, float]] = []
+
+    def remaining(tool: str | None, elapsed: float) -> float | None:
+        seen.append((tool, elapsed))
+        return 8.0 if tool == "bash" else None
+
+    kw = {"imminent_grace_s": 1.0, "tool_queue_wait_s": 3.0, "tool_mean_remaining_s": remaining,
+          "block_size": 16, "prefill_s_per_token": 0.001}
+    cost = 10 * 16 * 0.001 * (1 + 2)  # 10 blocks re-prefilled, paid by it and 2 busy sessions
+    assert displace_value_s(None, 10, 2, 50.0, **kw) == 0.0
+    assert displace_value_s(SessionState("s"), 10, 2, 50.0, **kw) == 0.0  # no finished turn yet
+    running = SessionState("s", last_finish_s=40.0, pending_tool="bash", tool_started_s=45.0)
+    assert displace_value_s(running, 10, 2, 50.0, **kw) == 8.0 - cost and seen[-1] == ("bash", 5.0)
+    unknown = SessionState("s", last_finish_s=40.0, pending_tool="grep", tool_started_s=44.0)
+    assert displace_value_s(unknown, 10, 2, 50.0, **kw) == 6.0 - cost  # as long again
+    queued = SessionState("s", last_finish_s=40.0, tool_enqueued_s=49.0)
+    assert displace_value_s(queued, 10, 2, 50.0, **kw) == 0.0 + 2.0 - cost  # the queue wait's rest
+    ended = SessionState("s", last_finish_s=40.0, last_activity_s=49.5, tool_ended=True)
+    assert displace_value_s(ended, 10, 2, 50.0, **kw) == 0.0  # imminent
+    assert displace_value_s(ended, 10, 2, 52.0, **kw) == 2.5 - cost  # late: as late again

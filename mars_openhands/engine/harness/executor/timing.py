@@ -5,7 +5,7 @@ takes ``scale × estimate + overhead_ms``, where ``estimate`` is AIConfigurator'
 prediction for that batch (``aiconfigurator-core`` 0.12.0,
 ``RustForwardPassPerfModel.estimate_forward_pass_time_ms``, built from measured vLLM 0.24.0
 kernel latencies) and ``scale``/``overhead_ms`` are the profile's calibration
-(:class:`~mars_openhands.engine.executor.profiles.Calibration`).
+(:class:`~mars_openhands.engine.harness.executor.profiles.Calibration`).
 
 Mental model: the estimator sees a step only through five sums, because requests are averaged
 within each phase::
@@ -33,7 +33,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from mars_openhands.engine.executor.profiles import (
+from mars_openhands.engine.harness.executor.profiles import (
     AIC_BACKEND,
     AIC_BACKEND_VERSION,
     AIC_PACKAGE_VERSION,

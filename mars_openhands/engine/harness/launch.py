@@ -40,7 +40,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 """Directory holding the ``mars_openhands`` package; put on the server's PYTHONPATH."""
 OWNER_ENV_VAR = "MARS_SERVER_OWNER_PID"
 """Set in every server's environment to the pid of the process that started it."""

@@ -544,6 +544,6 @@ def estimate_kv_capacity(profile: GpuProfile) -> KvCapacity:
             f"KV token capacity disagrees for {profile.key}: aiconfigurator says {aic_tokens} "
             f"tokens, the profile's geometry gives {capacity.num_tokens} "
             f"({bytes_per_token} bytes/token); fix MODELS[{spec.name!r}] in "
-            "mars_openhands/engine/executor/profiles.py"
+            "mars_openhands/engine/harness/executor/profiles.py"
         )
     return capacity

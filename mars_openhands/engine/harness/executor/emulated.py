@@ -3,7 +3,7 @@
 ``--distributed-executor-backend mars_openhands.engine.EmulatedGPUExecutor`` (design.md §9)
 replaces the model with a worker that runs no forward pass and loads no weights. Each engine
 step it (1) reads the ``SchedulerOutput``, (2) asks the pure
-:class:`~mars_openhands.engine.executor.timing.StepTimeModel` how long the profile's GPU would
+:class:`~mars_openhands.engine.harness.executor.timing.StepTimeModel` how long the profile's GPU would
 take for that batch, (3) returns one token per request that finished its prefill, but only once
 that time has passed. It reports the profile's KV capacity (``get_kv_cache_spec`` for the
 emulated model's geometry and ``determine_available_memory`` from AIConfigurator's vLLM memory
@@ -55,8 +55,16 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput, ModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes
 
-from mars_openhands.engine.executor.profiles import GpuProfile, KvCapacity, estimate_kv_capacity
-from mars_openhands.engine.executor.timing import StepShape, StepTimeModel, StepTimeModelError
+from mars_openhands.engine.harness.executor.profiles import (
+    GpuProfile,
+    KvCapacity,
+    estimate_kv_capacity,
+)
+from mars_openhands.engine.harness.executor.timing import (
+    StepShape,
+    StepTimeModel,
+    StepTimeModelError,
+)
 
 __all__ = [
     "ADDITIONAL_CONFIG_KEY",
