@@ -697,6 +697,8 @@ def _wait_for_finished(result: Any, gateway_events: list[ev.Event], timeout_s: f
         example = sorted(missing)[:3]
         engine_turns = {sid: sorted(t for s, t in seen if s == sid and t is not None)
                         for sid, _ in example}
+        trail = {sid: [f"{e.kind}:{e.turn}:{e.source}" + (f":{e.reason}:{e.stage}" if e.kind == "aborted" else "")
+                       for e in list(gateway_events) if e.session_id == sid][-24:] for sid, _ in example[:1]}
         raise RuntimeError(f"{len(missing)} completed sessions have no engine 'finished' event for their "
-                           f"last turn (e.g. {example}; the engine finished turns {engine_turns}): "
-                           "engine telemetry was lost")
+                           f"last turn (e.g. {example}; the engine finished turns {engine_turns}; the "
+                           f"session's last events: {trail}): engine telemetry was lost")

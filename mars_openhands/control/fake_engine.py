@@ -39,7 +39,7 @@ def build_fake_engine_app(name: str = "fake") -> FastAPI:
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
     cfg: dict[str, Any] = {"kv_usage": 0.0, "delay_s": 0.0, "num_chunks": 3, "chunk_delay_s": 0.0,
                            "num_gpu_blocks": 1000, "block_size": 16, "fail_status": 0,
-                           "api_key": None}
+                           "api_key": None, "done_linger_s": 0.0}
     seen: dict[str, Any] = {"requests": [], "num_aborted": 0, "num_active": 0}
     started_s = time.time()
 
@@ -110,6 +110,8 @@ def build_fake_engine_app(name: str = "fake") -> FastAPI:
                     await asyncio.sleep(max(0.0, due_s - time.monotonic()))
             yield b"data: [DONE]\n\n"
             finished = True
+            if cfg["done_linger_s"] > 0:  # an engine slow to close the stream after its last event
+                await asyncio.sleep(cfg["done_linger_s"])
         finally:
             seen["num_active"] -= 1
             if not finished:
@@ -225,7 +227,7 @@ class FakeEngineProcess:
         raise RuntimeError(f"fake engine did not answer on {self.url} in {self.startup_timeout_s} s")
 
     def configure(self, **values: Any) -> dict[str, Any]:
-        """``POST /fake/config`` (kv_usage, delay_s, num_chunks, chunk_delay_s, ...)."""
+        """``POST /fake/config`` (kv_usage, delay_s, num_chunks, chunk_delay_s, done_linger_s, ...)."""
         import httpx
 
         resp = httpx.post(f"{self.url}/fake/config", json=values, timeout=5.0)

@@ -215,7 +215,7 @@ class _Call:
     """One proxied request: its task, where it is, and why it was interrupted (client gone,
     replica down)."""
 
-    __slots__ = ("task", "is_gone", "fail_reason", "is_done", "watcher", "stage", "turn")
+    __slots__ = ("task", "is_gone", "fail_reason", "is_done", "watcher", "stage", "turn", "is_complete")
 
     def __init__(self, task: asyncio.Task[Any] | None) -> None:
         self.task = task
@@ -227,6 +227,9 @@ class _Call:
         """``RequestAborted.stage``: "admission", "upstream" (no byte to the agent yet), "stream"."""
         self.turn: int | None = None
         """The agent turn it runs as, once started (``None``: not yet, or a side request)."""
+        self.is_complete = False
+        """The stream's last event (``data: [DONE]``) reached the agent: a hang-up after it is an
+        answered turn, not an abort."""
 
     def watch(self, receive: Any) -> None:
         """Start watching for the client's disconnect (a task awaiting ``receive()``)."""
@@ -399,6 +402,9 @@ class ProxyHandler:
             if not why:
                 raise
             if why == "gone":
+                if call.is_complete:  # hung up after the stream's last event (before its EOF)
+                    is_answered = True
+                    return
                 gateway.num_client_disconnects += 1
                 abort.append("client_disconnect")
                 return
@@ -542,10 +548,15 @@ class ProxyHandler:
         try:
             await send({"type": "http.response.start", "status": resp.status_code,
                         "headers": [(b"content-type", content_type), *extra]})
+            tail = b""
             if held.head:
                 await send({"type": "http.response.body", "body": held.head, "more_body": True})
+                tail = held.head[-len(_SSE_END):]
+                call.is_complete = tail == _SSE_END
             async for chunk in resp.iter_chunks():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                tail = (tail + chunk)[-len(_SSE_END):]
+                call.is_complete = tail == _SSE_END
         except asyncio.CancelledError:
             if call.is_gone or call.fail_reason is None:
                 raise
@@ -564,6 +575,10 @@ class ProxyHandler:
                         "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return error is not None
+
+
+_SSE_END = b"data: [DONE]\n\n"
+"""The last event of an OpenAI-style stream (vLLM ends every stream with it)."""
 
 
 def _retry_after_cancel(call: Any) -> BaseException:

@@ -115,9 +115,11 @@ def _run(factory, tmp_path: Path, gpu: str, inbox: str) -> None:
         return [r for r in rows if r["kind"] == "finished" and r["session_id"] == "c"]
 
     def hang_up_until_aborted(hang_up: Callable[[], None], what: str) -> list[dict[str, Any]]:
-        """Hang up as the session's next turn until one ends as an abort (at most 3 turns)."""
+        """Hang up as the session's next turn until one ends as an abort (at most 8 tries: a tiny
+        model can generate every token before the hang-up reaches the engine, more often while
+        another test loads the machine; CI saw three such tries in a row)."""
         num_before = len(of_c())
-        for attempt in range(3):
+        for attempt in range(8):
             hang_up()
             rows = wait_until(lambda n=num_before + 1 + attempt: len(of_c()) == n and of_c(),
                               what=f"c's {what} request to end in the engine")
@@ -136,8 +138,10 @@ def _run(factory, tmp_path: Path, gpu: str, inbox: str) -> None:
     wait_until(lambda: (parse_vllm_metrics(client.get("/metrics").text).num_running or 0) == 0,
                what="vLLM to abort the hung-up request")
     state = client.get("/mars/v1/state", headers=ADMIN).json()
-    # Hung-up attempts give their turn back, and each repeats the same body (issue 33 item 7).
-    assert state["sessions"]["c"]["in_flight"] == 0 and state["sessions"]["c"]["turns"] <= 1
+    # Hung-up attempts give their turn back, and each repeats the same body (issue 33 item 7); one
+    # whose whole stream (to data: [DONE]) was relayed before the hang-up was answered: it counts.
+    num_whole = sum(r["finish_reason"] != "abort" for r in of_c())
+    assert state["sessions"]["c"]["in_flight"] == 0 and state["sessions"]["c"]["turns"] <= 1 + num_whole
     # The same for a whole (non-streamed) response: vLLM runs it under with_cancellation, in a task
     # of its own that only a disconnect on receive() stops. Hang up once the engine runs it.
     body = json.dumps({"model": server.model, "prompt": [1, 40, 41], "max_tokens": 900,
@@ -158,7 +162,7 @@ def _run(factory, tmp_path: Path, gpu: str, inbox: str) -> None:
     rows = hang_up_until_aborted(whole, "whole-response")
     print(f"  hung-up requests: {[(r['finish_reason'], r['num_output_tokens']) for r in rows]}")
     turns = [r["turn"] for r in rows]  # aborted attempts keep one turn number (issue 33 item 7)
-    assert turns == sorted(turns) and set(turns) <= {0, 1}, turns
+    assert turns == sorted(turns) and max(turns) <= 1 + sum(r["finish_reason"] != "abort" for r in rows), rows
     last_streamed = rows[num_streamed - 1]
     assert all(r["finish_reason"] == "abort" and r["num_output_tokens"] < 900
                for r in (last_streamed, rows[-1])), rows  # the last streamed one and the last whole one

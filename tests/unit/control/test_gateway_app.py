@@ -231,6 +231,29 @@ def test_client_disconnect_aborts_upstream_and_frees_the_slot(clean_fakes, gatew
     assert "mars_client_disconnects_total 3" in metrics
 
 
+def test_a_hang_up_after_the_streams_last_event_is_an_answered_turn(clean_fakes, gateway_factory) -> None:
+    # An agent that closes its connection on ``data: [DONE]``, before the engine closed the stream:
+    # it got its whole answer, so the turn counts (the next one is turn 1) and nothing is aborted.
+    # Before: recorded as a client_disconnect, the turn given back, the next request took turn 0
+    # again (compare on the emulated backend then missed the last turn's engine 'finished').
+    fake = clean_fakes[0]
+    server, sink = gateway_factory([fake.url])
+    fake.configure(delay_s=0.0, num_chunks=3, chunk_delay_s=0.0, done_linger_s=3.0)
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        with client.stream("POST", "/v1/chat/completions", json=chat("done-s", stream=True)) as r:
+            assert r.headers["x-mars-turn"] == "0"
+            body = b""
+            for raw in r.iter_raw():
+                body += raw
+                if body.endswith(b"data: [DONE]\n\n"):
+                    break  # hang up now, while the engine still holds the stream open
+        wait_until(lambda: state(server)["sessions"]["done-s"]["in_flight"] == 0, what="in-flight 0")
+        fake.configure(done_linger_s=0.0)
+        assert client.post("/v1/chat/completions", json=chat("done-s")).headers["x-mars-turn"] == "1"
+    assert not [e for e in sink.events if e.kind == "aborted" and e.session_id == "done-s"]
+    assert "mars_client_disconnects_total 0" in httpx.get(f"{server.url}/metrics").text
+
+
 def test_admission_window_queues_sessions_and_can_be_switched_off(clean_fakes, gateway_factory) -> None:
     fake = clean_fakes[0]
     one = {"window_max": 1, "window_init": 1, "window_min": 1}
