@@ -14,8 +14,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["config_error_lines", "count_or_zero", "finite_float", "long_flags", "positive_float",
-           "positive_floats", "positive_int"]
+__all__ = ["config_error_lines", "count_or_zero", "finite_float", "long_flags", "non_negative_float",
+           "positive_float", "positive_floats", "positive_int", "positive_ints"]
 
 
 def finite_float(text: str) -> float:
@@ -45,6 +45,25 @@ def positive_floats(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
     if not values or not all(math.isfinite(v) and v > 0 for v in values):
         raise argparse.ArgumentTypeError(f"expected finite positive numbers, got {text!r}")
+    return values
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0."""
+    value = finite_float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def positive_ints(text: str) -> tuple[int, ...]:
+    """Comma-separated integers >= 1 (at least one), e.g. ``"1,2,4,8"``."""
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
     return values
 
 

@@ -422,28 +422,9 @@ def compare(args: argparse.Namespace) -> int:
     return 0 if worst_gap(rows) <= args.tolerance else 1
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
-    return values
-
-
-def _non_negative(text: str) -> float:
-    from eval.argtypes import finite_float
-
-    value = finite_float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The command line (one-line errors naming the flag, as every mars-openhands command)."""
-    from eval.argtypes import positive_float, positive_int
+    from eval.argtypes import non_negative_float, positive_float, positive_int, positive_ints
     from eval.deployment import add_deployment_flags
     from mars_openhands.cli_style import CliParser
 
@@ -451,8 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     m = sub.add_parser("measure", help="time vLLM's steps on this machine's GPU (dummy weights)")
     add_deployment_flags(m)
-    m.add_argument("--batches", type=_ints, default=DEFAULT_BATCHES, help="requests per point (default 1,2,4,8)")
-    m.add_argument("--contexts", type=_ints, default=DEFAULT_CONTEXTS,
+    m.add_argument("--batches", type=positive_ints, default=DEFAULT_BATCHES, help="requests per point (default 1,2,4,8)")
+    m.add_argument("--contexts", type=positive_ints, default=DEFAULT_CONTEXTS,
                    help="prompt tokens per request (default 8192,16384,32768,65536)")
     m.add_argument("--decode-steps", type=positive_int, default=32, help="decode steps timed per point (default 32)")
     m.add_argument("--budget", type=positive_int, default=DEFAULT_BUDGET_TOKENS,
@@ -462,7 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("sample", help="the JSONL `measure` wrote")
     c.add_argument("--gpu", required=True, help="GPU profile key to compare with (h100_sxm, h200_sxm, ...)")
     c.add_argument("--scale", type=positive_float, default=None, help="try another scale (default: the profile's)")
-    c.add_argument("--overhead-ms", type=_non_negative, default=None,
+    c.add_argument("--overhead-ms", type=non_negative_float, default=None,
                    help="try another per-step overhead in ms (default: the profile's)")
     c.add_argument("--tolerance", type=positive_float, default=0.15,
                    help="largest |measured / modelled - 1| that passes (default 0.15)")
