@@ -31,7 +31,7 @@ from vllm.v1.core.sched.request_queue import create_request_queue
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
-from mars_openhands.engine.seams.blocks import block_pool
+from mars_openhands.engine.seams.blocks import _IS_NULL, _RAW_BLOCK_HASH, _REF_CNT, block_pool
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -59,10 +59,8 @@ __all__ = [
     "watch_prefix_cache",
 ]
 
-_REF_CNT = operator.attrgetter("ref_cnt")
-_IS_NULL = operator.attrgetter("is_null")
 _IS_NOT_NONE = functools.partial(operator.is_not, None)
-raw_block_key = operator.attrgetter("_block_hash")
+raw_block_key = _RAW_BLOCK_HASH
 """``block -> its prefix-cache key or None`` (vLLM's ``KVCacheBlock._block_hash``, without the
 property call: one C-level call per block in a walk)."""
 
