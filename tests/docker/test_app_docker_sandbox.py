@@ -30,6 +30,7 @@ import pytest
 from mars_openhands.openhands.playback import RecordedToolCall, RecordedTurn, Script
 from tests.docker._engine import AgentServerImage, PrivateDockerd
 from tests.openhands._helpers import (
+    assert_app_conversation,
     free_port,
     playback_behind_gateway,
     serve_process,
@@ -101,18 +102,4 @@ def test_an_app_conversation_in_a_docker_sandbox_reaches_the_gateway(
             if ids:
                 docker_engine.docker("rm", "-f", *ids)
     assert note.stdout == "mars\n", note.stderr  # the tools ran in the container
-    events = session_events(sink, sid)
-    kinds = [e.kind for e in events]
-    assert kinds[0] == "session_start" and kinds[-1] == "session_end", kinds
-    assert events[-1].status == "ok"
-    ends = [e for e in events if e.kind == "tool_end"]
-    assert [(e.tool_name, e.status, e.turn) for e in ends] == [("terminal", "ok", 0),
-                                                               ("terminal", "ok", 1)]
-    assert kinds.count("tool_start") == 2 and kinds.count("tool_enqueued") == 2
-    ours = [r for r in requests["requests"] if r["session_id"] == sid]
-    agent = [r["vllm_xargs"] for r in ours if not r["is_side"]]
-    assert [x["mars_turn"] for x in agent] == [0, 1, 2]
-    assert agent[1]["mars_prev_tool"] == "terminal"
-    side = [r["vllm_xargs"] for r in ours if r["is_side"]]
-    assert side and all(x == {"mars_side": 1} for x in side)  # the title request
-    assert sid not in state["sessions"]  # the slot was released at the end, not at the timeout
+    assert_app_conversation(sink, sid, requests, state)

@@ -273,6 +273,36 @@ def session_events(sink: Any, session_id: str) -> list[Any]:
     return [e for e in list(sink.events) if e.kind in cpu and e.session_id == session_id]
 
 
+def assert_app_conversation(sink: Any, session_id: str, requests: dict[str, Any],
+                            state: dict[str, Any]) -> list[dict[str, Any]]:
+    """The OpenHands app's two-terminal-call conversation as the gateway and the playback engine
+    saw it: session_start ... session_end (ok), two terminal calls (turns 0 and 1) with their
+    queue and start events, agent turns numbered 0, 1, 2 (not one ahead of the agent) with the
+    previous tool on turn 1, the title as a side request, the slot released at the end (not at
+    the timeout). ``requests``: the playback engine's ``/playback/requests``; ``state``: the
+    gateway's state. Returns the session's requests to the engine.
+
+    Raises:
+        AssertionError: any of it differs.
+    """
+    events = session_events(sink, session_id)
+    kinds = [e.kind for e in events]
+    assert kinds[0] == "session_start" and kinds[-1] == "session_end", kinds
+    assert events[-1].status == "ok"
+    ends = [e for e in events if e.kind == "tool_end"]
+    assert [(e.tool_name, e.status, e.turn) for e in ends] == [("terminal", "ok", 0),
+                                                               ("terminal", "ok", 1)]
+    assert kinds.count("tool_start") == 2 and kinds.count("tool_enqueued") == 2
+    ours = [r for r in requests["requests"] if r["session_id"] == session_id]
+    agent = [r["vllm_xargs"] for r in ours if not r["is_side"]]
+    assert [x["mars_turn"] for x in agent] == [0, 1, 2]  # not one ahead of the agent
+    assert agent[1]["mars_prev_tool"] == "terminal"
+    side = [r["vllm_xargs"] for r in ours if r["is_side"]]
+    assert side and all(x == {"mars_side": 1} for x in side)  # the title request
+    assert session_id not in state["sessions"]  # the slot was released at the end, not at the timeout
+    return ours
+
+
 def start_app_conversation(client: Any, text: str, timeout_s: float = 300.0) -> str:
     """Start one conversation over the OpenHands app's REST API (``client``: an ``httpx.Client``
     on the app); returns its id once the app says it is ready.

@@ -29,6 +29,7 @@ pytest.importorskip("openhands.app_server", reason="needs the OpenHands app (.ve
 
 from mars_openhands.openhands.playback import RecordedToolCall, RecordedTurn, Script  # noqa: E402
 from tests.openhands._helpers import (  # noqa: E402
+    assert_app_conversation,
     free_port,
     playback_behind_gateway,
     serve_process,
@@ -100,22 +101,8 @@ def test_an_app_conversation_reaches_the_gateway(tmp_path: Path) -> None:
                   f"{time.monotonic() - t0:.1f} s")
             requests = httpx.get(f"{gateway.config.replicas[0].url}/playback/requests").json()
             state = gateway.gateway.state()
-    events = session_events(sink, sid)
-    kinds = [e.kind for e in events]
-    assert kinds[0] == "session_start" and kinds[-1] == "session_end", kinds
-    assert events[-1].status == "ok"
-    ends = [e for e in events if e.kind == "tool_end"]
-    assert [(e.tool_name, e.status, e.turn) for e in ends] == [("terminal", "ok", 0),
-                                                               ("terminal", "ok", 1)]
-    assert kinds.count("tool_start") == 2 and kinds.count("tool_enqueued") == 2
-    ours = [r for r in requests["requests"] if r["session_id"] == sid]
-    agent = [r["vllm_xargs"] for r in ours if not r["is_side"]]
-    assert [x["mars_turn"] for x in agent] == [0, 1, 2]  # not one ahead of the agent
-    assert agent[1]["mars_prev_tool"] == "terminal"
-    side = [r["vllm_xargs"] for r in ours if r["is_side"]]
-    assert side and all(x == {"mars_side": 1} for x in side)  # the title request
+    ours = assert_app_conversation(sink, sid, requests, state)
     assert all(r["stream"] for r in ours if not r["is_side"])  # the app streams its turns
-    assert sid not in state["sessions"]  # the slot was released at the end, not at the timeout
     # Issue 33 item 6: the conversation's calls (the title's too) and event posts carried its own
     # token and the user's key, with nothing set for it; its terminal did not see the token.
     contract = gateway.contract
