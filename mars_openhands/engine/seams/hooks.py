@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from mars_openhands.engine.seams import compat
+
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
@@ -119,10 +121,21 @@ def model_needs_mamba_split(sched: Scheduler) -> bool:
     return bool(sched.has_mamba_layers and sched.cache_config.mamba_cache_mode == "align")
 
 
-def finish_with_error_next_step(sched: Scheduler, request_id: str) -> None:
+def finish_with_error_next_step(sched: Scheduler, request_id: str, message: str = "rejected by the scheduler") -> None:
     """Have vLLM finish ``request_id`` with FINISHED_ERROR (and send its output) at the next
-    ``update_from_output`` (the same path vLLM uses for grammar compile errors)."""
-    sched.grammar_compile_error_reqs.add(request_id)
+    ``update_from_output`` (the same path vLLM uses for grammar compile errors).
+
+    vLLM 0.32 keeps those ids in a set; 0.33 maps each to a ``RequestError`` that reaches the
+    client, so ``message`` (what was wrong and how to fix it) is sent there with code
+    ``validation_error`` (vLLM's non-retryable request error). Mutates ``sched``.
+    """
+    errors = sched.grammar_compile_error_reqs
+    if compat.vllm_release() >= (0, 33):
+        from vllm.outputs import RequestError
+
+        errors[request_id] = RequestError(code="validation_error", message=message)
+    else:
+        errors.add(request_id)
 
 
 def max_num_scheduled_tokens(sched: Scheduler) -> int:

@@ -229,3 +229,19 @@ def test_steps_without_kernel_data_are_extrapolated_or_fail(tmp_path: Path,
     first = trace(tmp_path)[0]
     # 160 tokens -> two 80-token halves: 2 x (2 + 0.8) ms.
     assert first["model_s"] == pytest.approx(0.0056)
+
+
+def test_worker_answers_the_calls_vllm_033_added(tmp_path: Path) -> None:
+    # vLLM 0.33's engine core calls set_kv_cache_layout(name, cp_kv_cache_interleave_size) and
+    # its AsyncModelRunnerOutput declares get_kv_connector_output (abstract): without them the
+    # engine start (a TypeError) or every async step (an abstract class) fails there.
+    import inspect
+
+    from mars_openhands.engine.harness.executor.emulated import _DeadlineOutput
+
+    h = Harness(AsyncScheduler, num_blocks=64, block_size=16)
+    worker = make_worker(h, tmp_path)
+    assert worker.set_kv_cache_layout("NHD", 1) is None
+    assert worker.set_kv_cache_layout("NHD") is None  # vLLM 0.32's call
+    assert not inspect.isabstract(_DeadlineOutput)
+    assert _DeadlineOutput(worker, None).get_kv_connector_output() is None

