@@ -362,7 +362,7 @@ def _main(args: argparse.Namespace, flags: Mapping[str, str] | None = None) -> i
         if spec.is_live and REFERENCE in policies:
             raise ValueError(f"--policies {REFERENCE}: the unbounded-KV reference runs only in the simulator "
                              "(--backend sim); drop it for a live backend")
-        if spec.is_live and (args.host_kv_gib or any(POLICIES[p].host_kv is not None for p in policies)):
+        if spec.is_live and (getattr(args, "host_kv_gib", None) or any(POLICIES[p].host_kv is not None for p in policies)):
             raise ValueError(f"--host-kv-gib / {','.join(HOST_KV_POLICIES)}: the host-memory KV tier runs only "
                              "in the simulator for now (--backend sim); drop them for a live backend")
         policies = with_reference(policies, args, spec)
