@@ -85,7 +85,16 @@ from eval.compare_setup import (
     workload_from_args,
 )
 from eval.deployment import add_deployment_flags, deployment_from_args
-from eval.policies import ABLATIONS, DEFAULT_POLICIES, QUICK_POLICIES, REFERENCE, parse_policies
+from eval.policies import (
+    ABLATIONS,
+    DEFAULT_HOST_KV_GIB,
+    DEFAULT_POLICIES,
+    HOST_KV_POLICIES,
+    POLICIES,
+    QUICK_POLICIES,
+    REFERENCE,
+    parse_policies,
+)
 from eval.pool import default_jobs, start_worker_server
 from eval.progress import LineProgress
 from eval.provenance import source_commit, utc_date
@@ -177,6 +186,11 @@ def add_compare_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--ablations", action="store_true",
                    help=f"add the ablation variants of mars ({','.join(ABLATIONS)}) to the policies and "
                         "a section comparing them with the paper's §6")
+    p.add_argument("--host-kv-gib", type=positive_float, default=None, metavar="G",
+                   help=f"vLLM's host-memory KV tier (--kv-offloading-backend native --kv-offloading-size G) "
+                        f"for the policies that have one, and add them ({','.join(HOST_KV_POLICIES)}: stock "
+                        f"vLLM + native offload, LRU and ARC); default {DEFAULT_HOST_KV_GIB:g} GiB when "
+                        "--policies names them. Copies are modelled (docs/timing.md 'Host-memory KV tier')")
     p.add_argument("--loads", type=positive_floats, default=None,
                    help="comma-separated multipliers of the FCFS base rate (default: 0.5,0.8,1.0,1.2)")
     p.add_argument("--absolute-rates", action="store_true",
@@ -289,6 +303,25 @@ def _apply_defaults(args: argparse.Namespace, spec: Any) -> None:
         args.loads = (1.0, 1.2) if args.quick else (0.5, 0.8, 1.0, 1.2)
 
 
+def host_kv_note(options: CompareOptions) -> str:
+    """The scope line's host-tier sentence: which policies run with vLLM's host-memory KV tier,
+    its size and the copy model, or none. Pure.
+
+    >>> host_kv_note(CompareOptions(policies=("fcfs",), num_gpu_blocks=2))
+    'Host KV tier: none (GPU KV only).'
+    """
+    from mars_openhands.engine.harness.offload.params import HostKvParams
+
+    names = [p for p in options.policies if POLICIES[p].host_kv is not None]
+    if not names:
+        return "Host KV tier: none (GPU KV only)."
+    tier = HostKvParams(size_gib=options.host_kv_gib)
+    others = "; none for the others" if len(names) < len(options.policies) else ""
+    return (f"Host KV tier: {tier.size_gib:g} GiB for {', '.join(names)} (vLLM native offload; copies "
+            f"{tier.h2d_gb_per_s:g} GB/s each way, {tier.duplex_gb_per_s:g} both, steps x{tier.copy_slowdown:g} "
+            f"while copying){others}.")
+
+
 def _options_from_args(args: argparse.Namespace, policies: tuple[str, ...]) -> CompareOptions:
     """:class:`CompareOptions` of the flags; KV blocks are a placeholder until the profile is known.
 
@@ -297,7 +330,10 @@ def _options_from_args(args: argparse.Namespace, policies: tuple[str, ...]) -> C
     """
     if args.ablations:
         policies = tuple(dict.fromkeys((*policies, *ABLATIONS)))
+    if getattr(args, "host_kv_gib", None):
+        policies = tuple(dict.fromkeys((*policies, *HOST_KV_POLICIES)))
     return CompareOptions(
+        host_kv_gib=getattr(args, "host_kv_gib", None) or DEFAULT_HOST_KV_GIB,
         policies=policies, loads=args.loads, is_absolute_rates=args.absolute_rates,
         admission=args.admission, num_gpu_blocks=args.kv_blocks if args.kv_blocks else 2,
         num_tool_workers=args.tool_workers, seed=args.seed, base_rate_per_s=args.base_rate,
@@ -326,6 +362,9 @@ def _main(args: argparse.Namespace, flags: Mapping[str, str] | None = None) -> i
         if spec.is_live and REFERENCE in policies:
             raise ValueError(f"--policies {REFERENCE}: the unbounded-KV reference runs only in the simulator "
                              "(--backend sim); drop it for a live backend")
+        if spec.is_live and (getattr(args, "host_kv_gib", None) or any(POLICIES[p].host_kv is not None for p in policies)):
+            raise ValueError(f"--host-kv-gib / {','.join(HOST_KV_POLICIES)}: the host-memory KV tier runs only "
+                             "in the simulator for now (--backend sim); drop them for a live backend")
         policies = with_reference(policies, args, spec)
         if spec.kind == "url" and args.admission == "auto":
             args.admission = "off"  # the server at the URL is what it is: label it as given
@@ -360,7 +399,11 @@ def _load_and_run(args: argparse.Namespace, spec: Any, options: CompareOptions, 
             # the report names the deployment it stands for (the cpu and URL backends run their own)
             deployment = deployment_from_args(args) if spec.kind in ("sim", "emulated") else None
             scope = f"{scope} {deployment.describe()}" if deployment else scope
-        options = options.model_copy(update={"num_gpu_blocks": setups[0].num_gpu_blocks})
+            scope = f"{scope} {host_kv_note(options)}"
+        update: dict[str, Any] = {"num_gpu_blocks": setups[0].num_gpu_blocks}
+        if deployment is not None:
+            update["host_kv_bytes_per_block"] = deployment.kv_bytes_per_token * 16
+        options = options.model_copy(update=update)
     except ValidationError as e:
         return max(_error(line) for line in config_error_lines(e, flags))
     except (ValueError, OSError, ImportError) as e:

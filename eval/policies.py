@@ -18,7 +18,9 @@ from eval.workloads import Workload
 
 __all__ = [
     "ABLATIONS",
+    "DEFAULT_HOST_KV_GIB",
     "DEFAULT_POLICIES",
+    "HOST_KV_POLICIES",
     "POLICIES",
     "QUICK_POLICIES",
     "REFERENCE",
@@ -54,6 +56,11 @@ class PolicySpec:
     not in ``--policies all``."""
     admission: Mapping[str, Any] = field(default_factory=dict)
     """Gateway admission-window settings (``AdmissionParams`` fields) for its runs with the window."""
+    host_kv: Mapping[str, Any] | None = None
+    """The policy runs with vLLM's host-memory KV tier (``--kv-offloading-backend native``):
+    ``HostKvParams`` fields besides the size (``eviction``, ...); the size is ``compare
+    --host-kv-gib`` (docs/compare.md "Host-memory KV tier"). ``None``: GPU KV only. Not in
+    ``--policies all`` (``--host-kv-gib`` adds them)."""
     is_kv_unbounded: bool = False
     """A reference, not a policy: the engine gets KV for every session's whole context at once
     (:func:`unbounded_kv_blocks`), so nothing ever waits for KV, is preempted or re-prefilled.
@@ -83,6 +90,9 @@ POLICIES: Mapping[str, PolicySpec] = {
     "continuum": PolicySpec("ContinuumScheduler", {"mars": {"continuum": {"mode": "continuum"}}}),
     "continuum-dy": PolicySpec("ContinuumScheduler", {"mars": {"continuum": {"mode": "continuum-dy"}}}),
     "thunderagent": PolicySpec("ThunderAgentScheduler"),
+    # Stock vLLM with its native host-memory KV tier (OffloadingConnector), LRU and ARC eviction.
+    "vllm-offload-lru": PolicySpec("fcfs", host_kv={"eviction": "lru"}),
+    "vllm-offload-arc": PolicySpec("fcfs", host_kv={"eviction": "arc"}),
     # The preview's own CPU overload threshold and no wait bound (a faithful port; ours: 1.5 and 1800 s).
     "mars-preview": PolicySpec("MarsPreviewScheduler", is_baseline=False, has_control_plane=True,
                                admission={"cpu_set_backlog_ratio": 4.0, "max_admission_wait_s": None}),
@@ -100,8 +110,14 @@ POLICIES: Mapping[str, PolicySpec] = {
 """The one policy registry: every ``--policies`` name (design.md §5), in the default order, then
 the ablation variants of ``mars``."""
 DEFAULT_POLICIES: tuple[str, ...] = tuple(n for n, p in POLICIES.items()
-                                          if p.ablates is None and not p.is_kv_unbounded)
-"""``--policies all``: every policy except the ablation variants and the reference."""
+                                          if p.ablates is None and not p.is_kv_unbounded and p.host_kv is None)
+"""``--policies all``: every policy except the ablation variants, the reference and the host-tier
+baselines (:data:`HOST_KV_POLICIES`)."""
+HOST_KV_POLICIES: tuple[str, ...] = tuple(n for n, p in POLICIES.items() if p.host_kv is not None)
+"""The policies with a host-memory KV tier (``compare --host-kv-gib`` adds them)."""
+DEFAULT_HOST_KV_GIB = 256.0
+"""Host KV tier of a host-tier policy without ``--host-kv-gib``, GiB: one GPU's share of a DGX
+H200's 2 TB system memory (8 GPUs), the machine the profiles model."""
 REFERENCE = "unbounded-kv"
 """The unbounded-KV reference (``PolicySpec.is_kv_unbounded``): ``compare`` adds it to every
 simulator sweep unless ``--no-reference`` or ``--quick`` (:func:`eval.compare.with_reference`)."""

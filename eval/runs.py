@@ -80,10 +80,15 @@ def sim_config(options: CompareOptions, policy: str, is_admission_enabled: bool,
     window; KV ``num_gpu_blocks``, default ``options.num_gpu_blocks``)."""
     from eval.sim import SimConfig  # vLLM (~20 s): imported only where runs are simulated
     from mars_openhands.engine.harness.inproc_engine import InprocEngineParams  # vLLM, as above
+    from mars_openhands.engine.harness.offload.params import HostKvParams
 
     spec = POLICIES[policy]
+    host_kv = None
+    if spec.host_kv is not None:
+        host_kv = HostKvParams(size_gib=options.host_kv_gib, kv_bytes_per_block=options.host_kv_bytes_per_block,
+                               **spec.host_kv)
     engine = InprocEngineParams(num_gpu_blocks=num_gpu_blocks or options.num_gpu_blocks,
-                                additional_config=dict(spec.additional_config), **spec.engine)
+                                additional_config=dict(spec.additional_config), host_kv=host_kv, **spec.engine)
     return SimConfig(policy=spec.scheduler, engine=engine, num_tool_workers=options.num_tool_workers,
                      is_admission_enabled=is_admission_enabled, seed=options.seed,
                      admission=AdmissionParams(**spec.admission),

@@ -549,7 +549,12 @@ class Simulator:
             self._next_tick_s += math.floor(gap / interval) * interval
 
     def _idle_until_next_event(self, last_progress_s: float) -> None:
-        """The engine holds work but scheduled nothing: wait for the next event."""
+        """The engine holds work but scheduled nothing: wait for the next event, or for the host
+        KV tier's next copy to finish (a request waiting for its load)."""
+        copy_done_s = self.engine.next_copy_done_s()
+        if copy_done_s < self._next_event_s():
+            self.now_s = max(self.now_s, copy_done_s)
+            return
         if self.now_s - last_progress_s > self.config.stall_timeout_s:
             running, waiting = self.engine.request_counts()
             raise RuntimeError(
@@ -572,14 +577,15 @@ class Simulator:
         record = self.engine.schedule(plan)
         if record.is_empty:
             self.engine.update(record)
-            return False
+            # A host-tier load that finished makes its request schedulable now.
+            return bool(record.loaded_ids)
         t_end = plan.end_s
         if plan.kind in (RunKind.STEADY, RunKind.BLOCKED) and (record.prefill or any(
                 n != plan.num_steps for n in record.num_scheduled_tokens.values())):
             assert plan.kind is RunKind.STEADY, "a blocked decode run is fully determined"
             t_end = None  # the scheduler changed the plan
         if t_end is None:
-            t_end = t_start + self._step_time_s(record)
+            t_end = t_start + self.engine.step_s(self._step_time_s(record))
         dt_s = t_end - t_start
         self._on_scheduled(record, t_start)
         self._check_limit(t_end)

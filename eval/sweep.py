@@ -173,7 +173,7 @@ class _Sweep:
         o = self.options
         try:
             return content_key(kind, self._sessions_key, setup.gpu, setup.step_timer, setup.num_gpu_blocks,
-                               o.num_tool_workers, o.seed, o.max_virtual_s, *extra)
+                               o.num_tool_workers, o.seed, o.max_virtual_s, *o.host_kv_key(), *extra)
         except TypeError:
             return None
 

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from eval.metrics import DEFAULT_ALPHAS
-from eval.policies import DEFAULT_POLICIES
+from eval.policies import DEFAULT_HOST_KV_GIB, DEFAULT_POLICIES, POLICIES
 from mars_openhands.engine.harness.executor.profiles import GpuProfile
 from mars_openhands.engine.harness.executor.timing import StepTimeModel
 
@@ -55,6 +55,19 @@ class CompareOptions(BaseModel):
     alphas: tuple[float, ...] = DEFAULT_ALPHAS
     max_virtual_s: float | None = Field(None, gt=0.0)
     """Abort a run whose virtual clock passes this (a guard against runaway overload)."""
+    host_kv_gib: float = Field(DEFAULT_HOST_KV_GIB, gt=0.0)
+    """Host-memory KV tier of the policies that have one (``PolicySpec.host_kv``), GiB (vLLM
+    ``--kv-offloading-size``; ``compare --host-kv-gib``)."""
+    host_kv_bytes_per_block: int | None = Field(None, gt=0)
+    """KV bytes one block's copy moves (the deployment's bytes per token × 16); ``None``: vLLM's
+    own from the engine's KV cache config."""
+
+    def host_kv_key(self) -> tuple[Any, ...]:
+        """What the host tier adds to a cache key: nothing when no policy has one (older keys stay
+        valid), else its size and block bytes. Pure."""
+        if not any(POLICIES[p].host_kv is not None for p in self.policies):
+            return ()
+        return ("host_kv", self.host_kv_gib, self.host_kv_bytes_per_block)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
-from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
@@ -26,6 +26,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.structured_output import StructuredOutputManager
 
+from mars_openhands.engine.harness.offload.params import HostKvParams
 from mars_openhands.engine.harness.tiny_model import write_tiny_model
 
 __all__ = [
@@ -71,6 +72,9 @@ class InprocEngineParams(BaseModel):
     """vLLM ``--prefix-caching-hash-algo`` (the block hash function)."""
     additional_config: dict[str, Any] = Field(default_factory=dict)
     """vLLM ``--additional-config`` (our schedulers read ``additional_config["mars"]``)."""
+    host_kv: HostKvParams | None = None
+    """vLLM's host-memory KV tier (``--kv-offloading-backend native --kv-offloading-size``) with
+    emulated copies (:mod:`.offload`); ``None``: no host tier (vLLM's default)."""
 
 
 # ----------------------------------------------------------------------------- building
@@ -136,11 +140,18 @@ def build_vllm_config(params: InprocEngineParams, model_dir: Path | None = None)
         max_model_len=params.max_model_len, is_encoder_decoder=False, enable_chunked_prefill=True,
         long_prefill_token_threshold=params.long_prefill_token_threshold,
     )
+    host_kv = params.host_kv
+    offload: dict[str, Any] = {}
+    if host_kv is not None:
+        # What --kv-offloading-backend native --kv-offloading-size does, over our spec.
+        offload = {"kv_offloading_size": host_kv.size_gib, "kv_offloading_backend": "native"}
     cache = CacheConfig(block_size=params.block_size,
                         enable_prefix_caching=params.enable_prefix_caching,
-                        prefix_caching_hash_algo=params.prefix_caching_hash_algo)
+                        prefix_caching_hash_algo=params.prefix_caching_hash_algo, **offload)
+    transfer = (KVTransferConfig(engine_id="inproc", kv_connector_extra_config=host_kv.extra_config())
+                if host_kv is not None else None)
     config = VllmConfig(model_config=model, scheduler_config=sched, cache_config=cache,
-                        additional_config=dict(params.additional_config))
+                        kv_transfer_config=transfer, additional_config=dict(params.additional_config))
     config.cache_config.num_gpu_blocks = params.num_gpu_blocks
     return config
 

@@ -21,6 +21,7 @@ one call, exactly as in speculative decoding. A blocked run also hides the waiti
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,7 @@ from mars_openhands.engine.harness.build import (
     resolve_scheduler_cls,
 )
 from mars_openhands.engine.harness.head import HeadProof
+from mars_openhands.engine.harness.offload.worker_side import HostKvWorkerSide
 from mars_openhands.engine.harness.prefix_memo import PrefixHitMemo
 from mars_openhands.engine.harness.runs import (
     SINGLE_STEP,
@@ -75,6 +77,7 @@ class EngineStepRecord:
         preempted_ids: requests vLLM preempted in this step.
         outputs: ``(request_id, num_new_tokens, finish_reason or None)`` from update_from_output.
         sampled_token_ids: the synthetic model output, one list per scheduled request.
+        loaded_ids: requests whose host-tier load finished by the step's end (host KV tier).
     """
 
     scheduler_output: Any
@@ -86,6 +89,7 @@ class EngineStepRecord:
     preempted_ids: set[str] = field(default_factory=set)
     outputs: list[tuple[str, int, str | None]] = field(default_factory=list)
     sampled_token_ids: list[list[int]] = field(default_factory=list)
+    loaded_ids: set[str] = field(default_factory=set)
 
     @property
     def is_empty(self) -> bool:
@@ -129,6 +133,11 @@ class InprocEngine:
             allocation (:func:`fast_paths.install_fused_block_allocation`), the batched token
             append (:func:`fast_paths.install_batched_token_append`) and the fused prefix lookup
             (:func:`fast_paths.install_fused_prefix_lookup`): exact; the simulator's speed.
+
+    With a host KV tier (``params.host_kv``) vLLM's ``OffloadingConnector`` runs in the
+    scheduler and its worker side here (:class:`~.offload.worker_side.HostKvWorkerSide`) on
+    ``clock``: each step starts its copies at :meth:`schedule`, reports the finished ones at
+    :meth:`update`, and :meth:`step_s` slows the step while copies run. Steps are never merged then.
     """
 
     def __init__(
@@ -147,6 +156,11 @@ class InprocEngine:
         """The scheduler's side of merged runs, or None (a plugin that allows none)."""
         if clock is not None:
             self.set_clock(clock)
+        self.host_kv: HostKvWorkerSide | None = None
+        """The host KV tier's worker side, or None (no ``params.host_kv``)."""
+        if params.host_kv is not None:
+            self.host_kv = HostKvWorkerSide(s.vllm_config, s.kv_cache_config,
+                                            clock if clock is not None else (lambda: 0.0))
         self.hasher = StreamBlockHasher(params.block_size, params.prefix_caching_hash_algo)
         self.prefix_memo = (PrefixHitMemo(s)
                             if memoize_prefix_hits and params.enable_prefix_caching else None)
@@ -252,8 +266,23 @@ class InprocEngine:
             self.probe = None
         return request
 
+    def step_s(self, work_s: float) -> float:
+        """Seconds a step just scheduled takes, given its modelled GPU work ``work_s``: the same
+        without a host KV tier, else slowed while copies run (:meth:`HostKvWorkerSide.step_s`).
+        Mutates (the host tier's flush wait is taken)."""
+        return work_s if self.host_kv is None else self.host_kv.step_s(work_s)
+
+    def next_copy_done_s(self) -> float:
+        """Clock time the host tier's next copy finishes (``inf`` without one or when idle).
+        Pure."""
+        return math.inf if self.host_kv is None else self.host_kv.next_done_s()
+
     def has_work(self) -> bool:
-        """True while the scheduler holds an unfinished request."""
+        """True while the scheduler holds an unfinished request; with a host KV tier, while vLLM's
+        engine core would step (``has_requests``: also a finished request not yet reported, and the
+        connector's pending copies)."""
+        if self.host_kv is not None:
+            return self.scheduler.has_requests()
         return self.scheduler.has_unfinished_requests()
 
     def request(self, request_id: str) -> Request | None:
@@ -293,6 +322,8 @@ class InprocEngine:
             if k > 1:
                 self._propose_drafts(k, self.max_decode_run(k))
             out = self.scheduler.schedule()
+            if self.host_kv is not None:
+                self.host_kv.begin_step(out)
         elif plan is not self._plan:
             raise ValueError(f"a {kind.value} run of {k} steps that is not the one plan_run() "
                              "planned for the engine's current state; call plan_run() first")
@@ -365,6 +396,10 @@ class InprocEngine:
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=record.sampled_token_ids,
         )
+        if self.host_kv is not None:
+            kv_out = self.host_kv.end_step(record.scheduler_output)
+            runner_output.kv_connector_output = kv_out
+            record.loaded_ids = set(kv_out.finished_recving or ())
         engine_outputs = self.scheduler.update_from_output(record.scheduler_output, runner_output)
         self._kv_counts = None
         self._plan = None
@@ -431,6 +466,8 @@ class InprocEngine:
             merge_blocked: also merge steps while requests wait, or a chunked-prefill run (the
                 simulator's fast paths); else only steady decode runs.
         """
+        if self.host_kv is not None:
+            return SINGLE_STEP  # copies change the steps' times and the waiting requests' state
         k = self.max_decode_run(max_steps)
         if k > 1:
             contexts = [r.num_computed_tokens + 1 for r in self.scheduler.running]
@@ -572,7 +609,8 @@ class InprocEngine:
             blocks needed after the step: ceil((c + k) / b); held now: ceil(c / b)
         """
         s = self.scheduler
-        if limit <= 1 or not s.running or s.waiting or fast_paths.is_kv_holding_waiting(s):
+        if (limit <= 1 or not s.running or s.waiting or fast_paths.is_kv_holding_waiting(s)
+                or self.host_kv is not None):
             return 1
         return self._steady_decode_run(limit)
 

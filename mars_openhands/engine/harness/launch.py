@@ -40,6 +40,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from mars_openhands.engine.harness.offload.params import HostKvParams
+
 REPO_ROOT = Path(__file__).resolve().parents[3]
 """Directory holding the ``mars_openhands`` package; put on the server's PYTHONPATH."""
 OWNER_ENV_VAR = "MARS_SERVER_OWNER_PID"
@@ -58,6 +60,9 @@ _MANAGED_FLAGS = frozenset(
         "--distributed-executor-backend",
         "--additional-config",
         "--num-gpu-blocks-override",
+        "--kv-offloading-backend",
+        "--kv-offloading-size",
+        "--kv-transfer-config",
         "--max-num-seqs",
         "--max-num-batched-tokens",
         "--max-model-len",
@@ -104,6 +109,10 @@ class VllmServerOptions(BaseModel):
     """``--additional-config`` (serialized as JSON)."""
     num_gpu_blocks_override: int | None = Field(default=None, ge=1)
     """``--num-gpu-blocks-override``: KV blocks the scheduler sees."""
+    host_kv: HostKvParams | None = None
+    """vLLM's host-memory KV tier: ``--kv-offloading-backend native --kv-offloading-size
+    <size_gib>`` and ``--kv-transfer-config`` naming our emulated spec (the emulated executor runs
+    its copies; :mod:`.offload`). ``None``: none."""
     max_num_seqs: int | None = Field(default=None, ge=1)
     """``--max-num-seqs``: running requests per step."""
     max_num_batched_tokens: int | None = Field(default=None, ge=1)
@@ -242,6 +251,8 @@ def build_command(options: VllmServerOptions, port: int) -> list[str]:
             cmd += [flag, str(value)]
     if options.additional_config is not None:
         cmd += ["--additional-config", json.dumps(options.additional_config, sort_keys=True)]
+    if options.host_kv is not None:
+        cmd += host_kv_flags(options.host_kv)
     if options.enable_prefix_caching is not None:
         cmd.append(
             "--enable-prefix-caching"
@@ -251,6 +262,18 @@ def build_command(options: VllmServerOptions, port: int) -> list[str]:
     if options.enforce_eager:
         cmd.append("--enforce-eager")
     return cmd + list(options.extra_args)
+
+
+def host_kv_flags(host_kv: HostKvParams) -> list[str]:
+    """vLLM server flags of a host KV tier with emulated copies (vLLM merges
+    ``--kv-offloading-size`` into the given ``kv_transfer_config``). Pure.
+
+    >>> host_kv_flags(HostKvParams(size_gib=8))[:4]
+    ['--kv-offloading-backend', 'native', '--kv-offloading-size', '8.0']
+    """
+    transfer = {"kv_connector_extra_config": host_kv.extra_config()}
+    return ["--kv-offloading-backend", "native", "--kv-offloading-size", str(host_kv.size_gib),
+            "--kv-transfer-config", json.dumps(transfer, sort_keys=True)]
 
 
 def build_env(options: VllmServerOptions, base_env: dict[str, str] | None = None) -> dict[str, str]:

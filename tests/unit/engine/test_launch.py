@@ -189,3 +189,17 @@ def test_terminate_process_group_escalates_to_sigkill(tmp_path: Path) -> None:
     assert proc.wait(timeout=5) == -9
     assert 0.4 < time.monotonic() - t0 < 5
     assert live_pids_in_group(proc.pid) == []
+
+
+def test_host_kv_tier_becomes_vllms_offloading_flags() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from mars_openhands.engine.harness.launch import host_kv_flags
+    from mars_openhands.engine.harness.offload.params import SPEC_NAME, HostKvParams
+
+    flags = host_kv_flags(HostKvParams(size_gib=8, eviction="arc"))
+    args = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(flags)
+    assert (args.kv_offloading_backend, args.kv_offloading_size) == ("native", 8.0)
+    extra = args.kv_transfer_config.kv_connector_extra_config
+    assert (extra["spec_name"], extra["eviction_policy"]) == (SPEC_NAME, "arc")

@@ -23,6 +23,7 @@ from eval.knee import find_base_rate
 from eval.policies import (
     ABLATIONS,
     DEFAULT_POLICIES,
+    HOST_KV_POLICIES,
     POLICIES,
     REFERENCE,
     admission_modes,
@@ -35,7 +36,9 @@ from eval.sweep_options import CompareOptions
 
 
 def test_parse_policies_all_and_dedup() -> None:
-    assert parse_policies("all") == DEFAULT_POLICIES == tuple(n for n in POLICIES if n not in (*ABLATIONS, REFERENCE))
+    assert parse_policies("all") == DEFAULT_POLICIES == tuple(
+        n for n in POLICIES if n not in (*ABLATIONS, REFERENCE, *HOST_KV_POLICIES))
+    assert HOST_KV_POLICIES == ("vllm-offload-lru", "vllm-offload-arc")
     assert parse_policies("mars, fcfs,mars") == ("mars", "fcfs")
     assert parse_policies("mars-no-priority,mars") == ("mars-no-priority", "mars")
 
@@ -493,3 +496,19 @@ def test_mars_preview_keeps_the_preview_cpu_threshold_and_mars_has_ours() -> Non
     assert preview.cpu_set_backlog_ratio == 4.0 and ours.cpu_set_backlog_ratio == 1.5
     assert preview.max_admission_wait_s is None and ours.max_admission_wait_s == 1800.0
     assert live_policy_config()["mars-preview"][3] == {"cpu_set_backlog_ratio": 4.0, "max_admission_wait_s": None}
+
+
+def test_host_kv_policies_get_the_sized_tier_and_the_scope_names_it() -> None:
+    from eval.compare import host_kv_note
+
+    options = CompareOptions(policies=("fcfs", "vllm-offload-arc"), num_gpu_blocks=100, host_kv_gib=8.0,
+                             host_kv_bytes_per_block=16 * 98304)
+    tier = sim_config(options, "vllm-offload-arc", False).engine.host_kv
+    assert tier is not None and (tier.size_gib, tier.eviction, tier.kv_bytes_per_block) == (8.0, "arc", 16 * 98304)
+    assert sim_config(options, "fcfs", False).engine.host_kv is None
+    note = host_kv_note(options)
+    assert note.startswith("Host KV tier: 8 GiB for vllm-offload-arc") and "none for the others" in note
+    gpu_only = CompareOptions(policies=("fcfs",), num_gpu_blocks=2)
+    assert host_kv_note(gpu_only) == "Host KV tier: none (GPU KV only)."
+    # Cache keys: unchanged without a host-tier policy, sized with one.
+    assert gpu_only.host_kv_key() == () and options.host_kv_key() == ("host_kv", 8.0, 16 * 98304)

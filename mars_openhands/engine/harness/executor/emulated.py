@@ -40,6 +40,7 @@ scheduler class supports it).
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import time
@@ -67,6 +68,8 @@ from mars_openhands.engine.harness.executor.timing import (
     StepTimeModel,
     StepTimeModelError,
 )
+from mars_openhands.engine.harness.offload.params import SPEC_NAME
+from mars_openhands.engine.harness.offload.worker_side import HostKvWorkerSide
 
 __all__ = [
     "ADDITIONAL_CONFIG_KEY",
@@ -150,6 +153,8 @@ class _Step:
     """``(req_id, num_scheduled_tokens, num_computed_tokens before the step)`` per request."""
     new_requests: dict[str, tuple[int, Any]]
     """First-scheduled requests: req_id -> ``(prompt_len, vllm_xargs "mars_turn" or None)``."""
+    kv_connector_output: Any = None
+    """The host KV tier's ``KVConnectorOutput`` polled at the step's launch, or None."""
 
 
 class _DeadlineOutput(AsyncModelRunnerOutput):
@@ -170,6 +175,7 @@ class _DeadlineOutput(AsyncModelRunnerOutput):
             req_ids=step.req_ids,
             req_id_to_index={r: i for i, r in enumerate(step.req_ids)},
             sampled_token_ids=step.sampled,
+            kv_connector_output=step.kv_connector_output,
         )
 
     def get_kv_connector_output(self) -> None:
@@ -215,6 +221,8 @@ class EmulatedWorker:
             open(config.step_trace_path, "a", buffering=1) if config.step_trace_path else None
         )
         self._warned_fallback = False
+        self._host_kv: HostKvWorkerSide | None = None
+        """The host KV tier's worker side (:meth:`initialize_from_config`), or None."""
         logger.info(
             "Emulated GPU %s: %d KV blocks (%d tokens, %.2f GiB), scale %.3f, overhead %.2f ms, "
             "time_scale %.3f", config.key, self.capacity.num_gpu_blocks,
@@ -243,8 +251,16 @@ class EmulatedWorker:
         return None
 
     def initialize_from_config(self, kv_cache_config: Any) -> None:
-        """No tensors: the emulated GPU never stores KV."""
-        return None
+        """No tensors: the emulated GPU never stores KV. With vLLM's host KV tier over our spec
+        (``--kv-offloading-size`` and ``kv_connector_extra_config`` from
+        :meth:`HostKvParams.extra_config`), start the connector's emulated worker side on the
+        modelled clock (wall seconds / ``time_scale``)."""
+        transfer = self.vllm_config.kv_transfer_config
+        if transfer is None or transfer.kv_connector_extra_config.get("spec_name") != SPEC_NAME:
+            return
+        scale = self.config.time_scale
+        self._host_kv = HostKvWorkerSide(self.vllm_config, kv_cache_config,
+                                         clock=lambda: time.monotonic() / scale)
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         return CompilationTimes(0.0, 0.0)
@@ -289,9 +305,20 @@ class EmulatedWorker:
             self._requests.pop(req_id, None)
         for new in scheduler_output.scheduled_new_reqs:
             self._remember(new)
+        host_kv = self._host_kv
+        if host_kv is not None:
+            host_kv.begin_step(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
-            return EMPTY_MODEL_RUNNER_OUTPUT
+            if host_kv is None:
+                return EMPTY_MODEL_RUNNER_OUTPUT
+            # vLLM's kv_connector_no_forward: the connector's work runs without a forward pass.
+            out = copy.copy(EMPTY_MODEL_RUNNER_OUTPUT)
+            out.kv_connector_output = host_kv.end_step(scheduler_output)
+            return out
         step = self._plan_step(scheduler_output, now_s)
+        if host_kv is not None:
+            # As vLLM's runner: copies polled right after the forward's launch.
+            step.kv_connector_output = host_kv.end_step(scheduler_output)
         self._gpu_free_at_s = step.deadline_s
         self._pending = step
         return None
@@ -338,6 +365,8 @@ class EmulatedWorker:
             scheduled.append((req_id, num_scheduled, num_computed))
         shape = StepShape.from_requests(prefill, contexts)
         model_s = self._model_time_s(shape)
+        if self._host_kv is not None:
+            model_s = self._host_kv.step_s(model_s)  # slower while the host tier copies
         start_s = max(now_s, self._gpu_free_at_s)
         self._num_steps += 1
         new_requests = {} if self._trace is None else {
