@@ -37,7 +37,7 @@ from eval.sweep_options import CompareOptions
 def test_parse_policies_all_and_dedup() -> None:
     assert parse_policies("all") == DEFAULT_POLICIES == tuple(n for n in POLICIES if n not in (*ABLATIONS, REFERENCE))
     assert parse_policies("mars, fcfs,mars") == ("mars", "fcfs")
-    assert parse_policies("mars-no-priority,mars") == ("mars-no-priority", "mars")
+    assert parse_policies("mars-mlfq,mars") == ("mars-mlfq", "mars")
 
 
 def test_unknown_policy_lists_the_supported_ones() -> None:
