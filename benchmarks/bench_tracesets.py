@@ -169,7 +169,7 @@ def is_done(path: Path, labels: set[str], loads: Sequence[float]) -> bool:
 def compare_command(args: argparse.Namespace, trace_dir: Path, seed: int, out: Path,
                     rate: float | None) -> list[str]:
     """The ``mars-openhands compare`` command line for one (set, seed). Pure."""
-    cmd = [sys.executable, "-m", "mars_openhands.cli", "compare", "--traces", str(trace_dir),
+    cmd = [sys.executable, "-m", "eval.cli", "compare", "--traces", str(trace_dir),
            "--gpu", args.gpu, "--loads", args.loads, "--seed", str(seed), "--policies", args.policies,
            "--jobs", str(args.jobs), "--out", str(out)]
     if args.cache_dir:

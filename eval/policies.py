@@ -67,14 +67,10 @@ class PolicySpec:
     Simulator only; no admission window; not a baseline."""
 
 
-_NO_PRIORITY: Mapping[str, Any] = {"mars": {
-    "levels": {"prompt_thresholds_tokens": [], "quanta_tokens": [8192], "aging_interval_s": 0.0},
-    "mars": {"quanta_tokens": [8192], "session_service_thresholds_tokens": [], "use_session_service": False,
-             "max_promotion_levels": 0, "session_fifo": False}}}
-"""``mars-no-priority``: one MLFQ level (every request level 0, one 8192-token quantum = the step
-budget, as mars's level 0), no aging, no session service, request-level FIFO instead of
-session-level: vLLM's arrival order with mars's victim rule reduced to "youngest request first".
-KV residency, retention and the control plane stay on."""
+_WITH_MLFQ: Mapping[str, Any] = {"mars": {"mars": {"mlfq": True}}}
+"""``mars-mlfq``: mars with the MLFQ priority coordinator on (``mars.mlfq``, off in ``mars``):
+levels from the prefill work a turn adds and the session's attained service, bounded aging
+promotion, per-level prefill quanta (8192, 2048, 1024, 512 tokens). Everything else as mars."""
 _NO_COSCHEDULER: Mapping[str, Any] = {"mars": {"retention": {"enabled": False}, "residency": {"enabled": False}}}
 """``mars-no-coscheduler``: no CPU-GPU co-scheduling of KV: neither residency (pinning the
 resident sessions' KV across tool calls, holding the others' turns) nor value-model retention
@@ -98,8 +94,8 @@ POLICIES: Mapping[str, PolicySpec] = {
                                admission={"cpu_set_backlog_ratio": 4.0, "max_admission_wait_s": None}),
     "mars": PolicySpec("MarsScheduler", is_baseline=False, has_control_plane=True),
     # Ablations (MARS §6): mars with one part switched off (docs/compare.md "Ablations").
-    "mars-no-priority": PolicySpec("MarsScheduler", _NO_PRIORITY, is_baseline=False, has_control_plane=True,
-                                   ablates="priority"),
+    "mars-mlfq": PolicySpec("MarsScheduler", _WITH_MLFQ, is_baseline=False, has_control_plane=True,
+                            ablates="priority"),
     "mars-no-control-plane": PolicySpec("MarsScheduler", is_baseline=False, has_control_plane=False,
                                         ablates="control_plane"),
     "mars-no-coscheduler": PolicySpec("MarsScheduler", _NO_COSCHEDULER, is_baseline=False,

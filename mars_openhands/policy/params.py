@@ -73,7 +73,16 @@ class LevelParams(_Frozen):
 
 
 class MarsLevelParams(_Frozen):
-    """Our MLFQ extension: uncached remainder + session service + bounded promotion (§4)."""
+    """Our MLFQ extension: uncached remainder + session service + bounded promotion (§4), and
+    program-level FIFO within a level."""
+
+    mlfq: bool = False
+    """The MLFQ priority coordinator (MARS §4.3): levels from the prefill work a turn adds and
+    the session's attained service, aging promotion, and per-level prefill quanta. Off: every
+    request is level 0 (one quantum, ``quanta_tokens[0]``, the step budget) and the order is
+    ``session_fifo``'s. Off by default: on the full bundled workload, the CPU-bound family and
+    with residency on it changed nothing measurable (mean and P95 within 1%, docs/schedulers.md
+    "Ablations") and it hurt the mix's median; ``mars-mlfq`` runs it on."""
 
     session_service_thresholds_tokens: tuple[int, ...] = (262144, 1048576, 4194304)
     """Session attained-service buckets (scheduled tokens); same shape as prompt thresholds.

@@ -29,6 +29,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from mars_openhands.policy.estimators import EmpiricalCdf
+
 if TYPE_CHECKING:
     from mars_openhands.policy.session import SessionState
 
@@ -184,21 +186,31 @@ def output_reserve_tokens(num_generated: int, mean_remaining: float | None, prio
 
 def displace_value_s(session: SessionState | None, demand_blocks: int, num_busy: int, now_s: float,
                      *, imminent_grace_s: float, tool_queue_wait_s: float,
-                     tool_mean_remaining_s: Callable[[str | None, float], float | None],
+                     tool_cdf: Callable[[str | None], EmpiricalCdf],
                      block_size: int, prefill_s_per_token: float) -> float:
-    """Seconds a waiting session gains from an idle resident's blocks minus what it costs. Pure.
+    """Seconds a held session gains from an idle resident's blocks minus what suspending it
+    costs; at most 0 unless the resident's idle time left is more likely than not to outlast
+    that cost. Pure.
 
-    gain = expected time until the resident's next turn: its tool's expected remaining duration
-    (``tool_mean_remaining_s(tool, elapsed)``, its duration CDF given the time it has already
-    run, policy.estimators; a tool past every sample, or with none, is expected to run as long
-    again, so a session that silently went away is displaced soon), plus, while the call still
-    waits for a tool worker, the rest of the CPU plane's mean queue wait
-    (``tool_queue_wait_s``, from tool_enqueued/tool_start events); cost = re-prefilling the
-    resident's KV at the measured prefill rate, paid by it and by every busy session its prefill
-    delays. A tool that has ended gains nothing for ``imminent_grace_s`` (the next turn is
-    imminent); after that its next turn is expected as late again::
+    The idle time left is the resident's tool's remaining duration D − e given the e seconds it
+    has run (its duration CDF, policy.estimators), plus, while the call still waits for a tool
+    worker, the rest of the CPU plane's mean queue wait q (``tool_queue_wait_s``, from
+    tool_enqueued/tool_start events). The cost is re-prefilling the resident's KV at the measured
+    prefill rate, paid by it and by every busy session its prefill delays::
 
-        value = remaining_tool_s + queue_s - demand_blocks * block_size * s_per_token * (1 + num_busy)
+        cost  = demand_blocks × block_size × prefill_s_per_token × (1 + num_busy)
+        value = E[D − e | D > e] + q − cost   if P(D − e + q > cost | D > e) ≥ 1/2,
+                min(that, 0)                  otherwise
+
+    Not the mean alone: tool durations are heavy-tailed (most calls end within a second, a few
+    run a minute), so a call that has run a second has seconds left on average yet usually
+    returns at once; a displacement whose call returns first costs the re-prefill, the displaced
+    session's wait for room (it is older, so it then suspends a younger resident in turn) and
+    that resident's re-prefill. The median test waits until the elapsed time shows the call is
+    one of the long ones. A call past every sample (or a tool without any) is expected to last as
+    long again, so a session that silently went away is displaced soon. A tool that has ended
+    gains nothing for ``imminent_grace_s`` (the next turn is imminent); after that its next turn
+    is expected as late again.
 
     Args:
         session: the resident's session (0 without one, or before its first finished turn).
@@ -207,7 +219,7 @@ def displace_value_s(session: SessionState | None, demand_blocks: int, num_busy:
         now_s: the scheduler clock.
         imminent_grace_s: ``retention.imminent_grace_s``.
         tool_queue_wait_s: mean seconds a tool call waits for a worker.
-        tool_mean_remaining_s: ``(tool name, elapsed s) -> expected remaining s`` or None.
+        tool_cdf: ``tool name -> its duration CDF`` (pooled when it has too few samples).
         block_size: tokens per KV block.
         prefill_s_per_token: measured prefill seconds per token.
     """
@@ -226,9 +238,15 @@ def displace_value_s(session: SessionState | None, demand_blocks: int, num_busy:
     else:
         elapsed = now_s - session.last_finish_s
     elapsed = max(0.0, elapsed)
-    remaining = None if session.tool_ended else tool_mean_remaining_s(session.pending_tool, elapsed)
-    if remaining is None:
-        remaining = elapsed  # longer than any tool seen: expect it to last as long again
-    remaining += queue_s
-    reload_s = demand_blocks * block_size * prefill_s_per_token
-    return remaining - reload_s * (1 + num_busy)
+    cost_s = demand_blocks * block_size * prefill_s_per_token * (1 + num_busy)
+    cdf = None if session.tool_ended else tool_cdf(session.pending_tool)
+    remaining = None if cdf is None else cdf.mean_remaining_s(elapsed)
+    if remaining is None:  # past every sample, or ended: expected to last as long again
+        return elapsed + queue_s - cost_s
+    value = remaining + queue_s - cost_s
+    need_s = cost_s - queue_s
+    if need_s <= 0.0:
+        return value
+    assert cdf is not None
+    ends_first = cdf.prob_le_given_gt(elapsed + need_s, elapsed)
+    return value if ends_first <= 0.5 else min(value, 0.0)

@@ -2,15 +2,15 @@
 
 Fixes the preview's weaknesses on the same hooks (docs/schedulers.md has each choice's measurement):
 
-* level from the prefill work the turn *adds* (prompt beyond the session's previous context, and
-  beyond the prefix hit measured at arrival, which includes retained KV), plus the session's
-  attained service, with aging promotion bounded by ``mars.max_promotion_levels`` and counted from
-  the request's arrival (waiting) or last scheduled step (running), so a continuation ranks by its
-  new work whether or not its context survived in KV, and no request starves (policy/levels.py);
-  re-prefilling a lost context does not demote the request (``mars.level_from_new_work``);
+* no MLFQ priority levels by default (``mars.mlfq``: every request is level 0 and gets the whole
+  step budget as its prefill quantum; the ablation measured no gain from them with residency on).
+  With ``mars.mlfq``: level from the prefill work the turn *adds* (prompt beyond the session's
+  previous context, and beyond the prefix hit measured at arrival, which includes retained KV),
+  plus the session's attained service, with aging promotion bounded by
+  ``mars.max_promotion_levels`` (policy/levels.py), and per-level prefill quanta;
 * within a level, program-level FIFO: the oldest session first (``mars.session_fifo``);
-* per-level prefill quanta sized for MoE step costs (``mars.quanta_tokens``), then chunk shrinking
-  down to block granularity when KV would not fit;
+* prefill quanta sized for MoE step costs (``mars.quanta_tokens``), then chunk shrinking down to
+  block granularity when KV would not fit;
 * victim ``argmax (level', session arrival, arrival)`` (decode ``level' = -1``): the youngest
   session goes first;
 * KV retention at the end of a non-final turn by the value model (policy/retention.py), with the
@@ -54,7 +54,8 @@ __all__ = ["MarsScheduler"]
 
 
 class MarsScheduler(MarsBaseScheduler):
-    """Our MARS internal scheduler (session-aware MLFQ + KV retention)."""
+    """Our MARS internal scheduler (program-level FIFO, KV residency and retention; MLFQ levels
+    with ``mars.mlfq``)."""
 
     default_window_enabled: ClassVar[bool] = False
     default_chunk_shrinking: ClassVar[bool] = True
@@ -183,14 +184,14 @@ class MarsScheduler(MarsBaseScheduler):
 
     def _displace_value_s(self, session: SessionState | None, demand_blocks: int, num_busy: int,
                           now_s: float) -> float:
-        """Seconds a waiting session gains from an idle resident's blocks minus what it costs
+        """Seconds a held session gains from an idle resident's blocks minus what it costs
         (:func:`~mars_openhands.policy.residency.displace_value_s`, with this engine's tool
         durations, tool queue wait and measured prefill rate)."""
         return displace_value_s(
             session, demand_blocks, num_busy, now_s,
             imminent_grace_s=self.params.retention.imminent_grace_s,
             tool_queue_wait_s=self.tool_queue_wait.value,
-            tool_mean_remaining_s=lambda tool, elapsed: self.tool_durations.cdf_for(tool).mean_remaining_s(elapsed),
+            tool_cdf=self.tool_durations.cdf_for,
             block_size=self.block_size, prefill_s_per_token=self.prefill_s_per_token.value)
 
     def _suspend(self, sid: str, now_s: float) -> None:
@@ -239,7 +240,10 @@ class MarsScheduler(MarsBaseScheduler):
         return seams.blocks.prefix_hit_tokens(self, request)
 
     def level(self, request: Request, now_s: float, num_computed_tokens: int | None = None) -> int:
-        """Effective MLFQ level of ``request`` now (0 = highest priority). Pure w.r.t. state."""
+        """Effective MLFQ level of ``request`` now (0 = highest priority; always 0 without
+        ``mars.mlfq``). Pure w.r.t. state."""
+        if not self.params.mars.mlfq:
+            return 0
         state = self.req_state.get(request.request_id)
         computed = request.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
         if state is None or computed >= request.num_prompt_tokens:

@@ -290,3 +290,28 @@ def test_a_preempted_request_is_not_held_forever_nor_preempted_again() -> None:
     result = run_preemption_scenario(MarsScheduler, long_arrival_steps=(0, 300))
     assert result["preempted"] and max(result["preempted"].values()) == 1, result["preempted"]
     assert result["ratio"] < 1.5, result
+
+
+def test_a_resident_whose_calls_usually_return_at_once_is_displaced_only_once_this_one_runs_long() -> None:
+    # Nine calls in ten return in 0.3 s, one in ten runs 60 s (mean 6.3 s). Reloading old's 26
+    # blocks at the 0.001 s/token prior costs ~0.42 s: at 0.1 s the call will most likely return
+    # first, whatever the mean; at 1.5 s only the long calls are left and young gets the blocks.
+    h = Harness(MarsScheduler, num_blocks=40, mars={
+        "residency": {"output_reserve_tokens": 0, "budget_usage": 1.0},
+        "retention": {"reload_linear_s_per_token": 0.001}})
+    s = h.scheduler
+    for d in [0.3] * 45 + [60.0] * 5:
+        s.tool_durations.observe("pytest", d)
+    old0 = h.add(h.make_request("old", h.tokens(25 * BS), 4, turn(0)))
+    h.run_until_finished(old0.request_id)
+    s.on_stream_event(ToolStart(**now_stamps(), source="t", session_id="old", turn=0,
+                                tool_name="pytest", tool_call_id="c"))
+    h.clock.advance(0.1)
+    y0 = h.add(h.make_request("young", h.tokens(20 * BS), 4, turn(0)))
+    h.step(0.01)
+    assert "young" in s.held and "old" in s.resident and "old" in s.retained
+    h.clock.advance(1.4)
+    h.step(0.01)
+    assert "old" not in s.resident and "young" in s.resident
+    h.run_until_finished(y0.request_id)
+    h.assert_no_leaks()

@@ -40,7 +40,7 @@ def test_parse_policies_all_and_dedup() -> None:
         n for n in POLICIES if n not in (*ABLATIONS, REFERENCE, *HOST_KV_POLICIES))
     assert HOST_KV_POLICIES == ("vllm-offload-lru", "vllm-offload-arc")
     assert parse_policies("mars, fcfs,mars") == ("mars", "fcfs")
-    assert parse_policies("mars-no-priority,mars") == ("mars-no-priority", "mars")
+    assert parse_policies("mars-mlfq,mars") == ("mars-mlfq", "mars")
 
 
 def test_unknown_policy_lists_the_supported_ones() -> None:

@@ -403,12 +403,13 @@ def test_best_baseline_per_load_and_metric_ignores_our_policies() -> None:
 def test_ablations_are_registered_and_switch_off_what_they_say() -> None:
     from mars_openhands.policy.params import parse_scheduler_params
 
-    assert ABLATIONS == ("mars-no-priority", "mars-no-control-plane", "mars-no-coscheduler")
+    assert ABLATIONS == ("mars-mlfq", "mars-no-control-plane", "mars-no-coscheduler")
     assert all(POLICIES[a].scheduler == "MarsScheduler" and not POLICIES[a].is_baseline for a in ABLATIONS)
     assert parse_policies(",".join(ABLATIONS)) == ABLATIONS
-    no_priority = parse_scheduler_params(POLICIES["mars-no-priority"].additional_config["mars"])
-    assert no_priority.levels.num_levels == 1 and not no_priority.mars.session_fifo
-    assert no_priority.residency.enabled and no_priority.retention.enabled
+    mars = parse_scheduler_params(POLICIES["mars"].additional_config.get("mars", {}))
+    with_mlfq = parse_scheduler_params(POLICIES["mars-mlfq"].additional_config["mars"])
+    assert not mars.mars.mlfq and with_mlfq.mars.mlfq and with_mlfq.mars.session_fifo
+    assert with_mlfq.residency.enabled and with_mlfq.retention.enabled
     assert not POLICIES["mars-no-control-plane"].has_control_plane and POLICIES["mars"].has_control_plane
     no_co = parse_scheduler_params(POLICIES["mars-no-coscheduler"].additional_config["mars"])
     assert not no_co.residency.enabled and not no_co.retention.enabled and no_co.levels.num_levels == 4
@@ -424,7 +425,7 @@ def test_ablation_variants_run_and_get_their_section_next_to_the_paper(tmp_path,
     assert math.isnan(retained["mars-no-coscheduler"])  # nothing retained, nothing released
     text = (tmp_path / "summary.md").read_text()
     assert "## Ablations against the paper (MARS §6)" in text
-    for variant, paper in (("mars-no-priority", "2–5×"), ("mars-no-control-plane", "1.5–3×"),
+    for variant, paper in (("mars-mlfq", "2–5×"), ("mars-no-control-plane", "1.5–3×"),
                            ("mars-no-coscheduler", "1.5–2×")):
         assert any(line.startswith(f"| {variant}") and line.endswith(f"| {paper} |") for line in text.splitlines())
 
@@ -435,6 +436,18 @@ def test_ablation_table_ratios_are_variant_over_mars_and_mars_over_variant_for_g
         "is_admission_enabled": [True, False], "load_x": 1.0, "e2e_mean_s": [10.0, 25.0], "e2e_p95_s": [20.0, 30.0],
         "goodput_a3_per_s": [0.3, 0.1], "slowdown_mean": [1.5, 3.0]})
     capacity = pd.DataFrame({"policy": ["mars", "mars-no-control-plane"], "capacity_per_s": [0.06, 0.02]})
+    table = ablation_table(results, capacity).set_index("metric")["worse_x"]
+    assert table.to_dict() == pytest.approx({"mean E2E": 2.5, "P95 E2E": 1.5, "goodput α=3": 3.0,
+                                             "mean slowdown": 2.0, "capacity": 3.0})
+
+
+def test_a_variant_that_adds_a_part_is_the_with_side_of_its_ratio() -> None:
+    # mars lacks the priority coordinator: "without it" is mars, "with it" is mars-mlfq
+    results = pd.DataFrame({
+        "status": "ok", "label": ["mars+adm", "mars-mlfq+adm"], "policy": ["mars", "mars-mlfq"],
+        "is_admission_enabled": True, "load_x": 1.0, "e2e_mean_s": [25.0, 10.0], "e2e_p95_s": [30.0, 20.0],
+        "goodput_a3_per_s": [0.1, 0.3], "slowdown_mean": [3.0, 1.5]})
+    capacity = pd.DataFrame({"policy": ["mars", "mars-mlfq"], "capacity_per_s": [0.02, 0.06]})
     table = ablation_table(results, capacity).set_index("metric")["worse_x"]
     assert table.to_dict() == pytest.approx({"mean E2E": 2.5, "P95 E2E": 1.5, "goodput α=3": 3.0,
                                              "mean slowdown": 2.0, "capacity": 3.0})

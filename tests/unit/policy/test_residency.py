@@ -1,10 +1,13 @@
-"""plan_residency: the resident set is the highest-priority sessions whose KV fits."""
+"""plan_residency: the resident set is the highest-priority sessions whose KV fits; displace_value_s:
+an idle resident is displaced only when its idle time left likely outlasts re-prefilling it."""
 
 from __future__ import annotations
 
 import pytest
 
-from mars_openhands.policy.residency import SessionDemand, plan_residency
+from mars_openhands.policy.estimators import EmpiricalCdf
+from mars_openhands.policy.residency import SessionDemand, displace_value_s, plan_residency
+from mars_openhands.policy.session import SessionState
 
 
 def s(sid: str, prio: float, blocks: int, *, resident: bool = False, busy: bool = False,
@@ -137,27 +140,58 @@ def test_output_reserve_tokens_estimate_prior_and_cap() -> None:
     assert output_reserve_tokens(30, None, 100, 20) == 0
 
 
+def _cdf(samples: list[float]) -> EmpiricalCdf:
+    cdf = EmpiricalCdf()
+    for d in samples:
+        cdf.observe(d)
+    return cdf
+
+
+def _value(session: SessionState | None, now_s: float, cdfs: dict[str, EmpiricalCdf]) -> float:
+    """displace_value_s of a 10-block resident with 2 busy sessions (cost 0.48 s)."""
+    return displace_value_s(session, 10, 2, now_s, imminent_grace_s=1.0, tool_queue_wait_s=3.0,
+                            tool_cdf=lambda tool: cdfs.get(tool or "", EmpiricalCdf()),
+                            block_size=16, prefill_s_per_token=0.001)
+
+
+COST = 10 * 16 * 0.001 * (1 + 2)  # 10 blocks re-prefilled, paid by it and 2 busy sessions
+
+
 def test_displace_value_s_gain_minus_reload_cost() -> None:
-    from mars_openhands.policy.residency import displace_value_s
-    from mars_openhands.policy.session import SessionState
-
-    seen: list[tuple[str | None, float]] = []
-
-    def remaining(tool: str | None, elapsed: float) -> float | None:
-        seen.append((tool, elapsed))
-        return 8.0 if tool == "bash" else None
-
-    kw = {"imminent_grace_s": 1.0, "tool_queue_wait_s": 3.0, "tool_mean_remaining_s": remaining,
-          "block_size": 16, "prefill_s_per_token": 0.001}
-    cost = 10 * 16 * 0.001 * (1 + 2)  # 10 blocks re-prefilled, paid by it and 2 busy sessions
-    assert displace_value_s(None, 10, 2, 50.0, **kw) == 0.0
-    assert displace_value_s(SessionState("s"), 10, 2, 50.0, **kw) == 0.0  # no finished turn yet
+    cdfs = {"bash": _cdf([13.0] * 10)}
+    assert _value(None, 50.0, cdfs) == 0.0
+    assert _value(SessionState("s"), 50.0, cdfs) == 0.0  # no finished turn yet
     running = SessionState("s", last_finish_s=40.0, pending_tool="bash", tool_started_s=45.0)
-    assert displace_value_s(running, 10, 2, 50.0, **kw) == 8.0 - cost and seen[-1] == ("bash", 5.0)
+    assert _value(running, 50.0, cdfs) == pytest.approx(8.0 - COST)  # 13 s calls, 5 s in
     unknown = SessionState("s", last_finish_s=40.0, pending_tool="grep", tool_started_s=44.0)
-    assert displace_value_s(unknown, 10, 2, 50.0, **kw) == 6.0 - cost  # as long again
+    assert _value(unknown, 50.0, cdfs) == pytest.approx(6.0 - COST)  # no samples: as long again
     queued = SessionState("s", last_finish_s=40.0, tool_enqueued_s=49.0)
-    assert displace_value_s(queued, 10, 2, 50.0, **kw) == 0.0 + 2.0 - cost  # the queue wait's rest
+    assert _value(queued, 50.0, cdfs) == pytest.approx(0.0 + 2.0 - COST)  # the queue wait's rest
     ended = SessionState("s", last_finish_s=40.0, last_activity_s=49.5, tool_ended=True)
-    assert displace_value_s(ended, 10, 2, 50.0, **kw) == 0.0  # imminent
-    assert displace_value_s(ended, 10, 2, 52.0, **kw) == 2.5 - cost  # late: as late again
+    assert _value(ended, 50.0, cdfs) == 0.0  # imminent
+    assert _value(ended, 52.0, cdfs) == pytest.approx(2.5 - COST)  # late: as late again
+
+
+HEAVY = [0.3] * 45 + [60.0] * 5
+"""Nine calls in ten return in 0.3 s, one in ten runs 60 s: mean 6.27 s."""
+
+
+def _running_for(elapsed_s: float) -> SessionState:
+    return SessionState("s", last_finish_s=40.0, pending_tool="pytest", tool_started_s=50.0 - elapsed_s)
+
+
+def test_a_call_that_usually_returns_before_its_reload_is_not_displaced_whatever_its_mean() -> None:
+    # 0.1 s in, the mean remaining (~6.2 s) is far above the 0.48 s cost, but 9 in 10 calls end by 0.3 s
+    assert _cdf(HEAVY).mean_remaining_s(0.1) > 10 * COST
+    assert _value(_running_for(0.1), 50.0, {"pytest": _cdf(HEAVY)}) <= 0.0
+
+
+def test_once_a_call_has_outlasted_the_short_ones_its_mean_remaining_counts() -> None:
+    assert _value(_running_for(1.0), 50.0, {"pytest": _cdf(HEAVY)}) == pytest.approx(59.0 - COST)
+
+
+def test_a_queue_wait_longer_than_the_cost_pays_for_the_displacement_on_its_own() -> None:
+    # still waiting ~2.5 s for a tool worker: the call cannot return before the 0.48 s reload
+    queued = SessionState("s", last_finish_s=40.0, pending_tool="pytest", tool_enqueued_s=49.5)
+    value = _value(queued, 50.0, {"pytest": _cdf(HEAVY)})
+    assert value == pytest.approx(_cdf(HEAVY).mean_remaining_s(0.0) + 2.5 - COST)
