@@ -439,6 +439,9 @@ def test_ablation_table_ratios_are_variant_over_mars_and_mars_over_variant_for_g
     table = ablation_table(results, capacity).set_index("metric")["worse_x"]
     assert table.to_dict() == pytest.approx({"mean E2E": 2.5, "P95 E2E": 1.5, "goodput α=3": 3.0,
                                              "mean slowdown": 2.0, "capacity": 3.0})
+    text = render_summary(results.assign(run_id="r", gpu="g", is_baseline=False, rate_per_s=1.0, error="",
+                                         wall_s=1.0, num_completed=1, num_sessions=1), {})
+    assert "| mars-no-control-plane | external control plane | 1 | 2.50× |" in text
 
 
 def test_a_variant_that_adds_a_part_is_the_with_side_of_its_ratio() -> None:
@@ -451,9 +454,6 @@ def test_a_variant_that_adds_a_part_is_the_with_side_of_its_ratio() -> None:
     table = ablation_table(results, capacity).set_index("metric")["worse_x"]
     assert table.to_dict() == pytest.approx({"mean E2E": 2.5, "P95 E2E": 1.5, "goodput α=3": 3.0,
                                              "mean slowdown": 2.0, "capacity": 3.0})
-    text = render_summary(results.assign(run_id="r", gpu="g", is_baseline=False, rate_per_s=1.0, error="",
-                                         wall_s=1.0, num_completed=1, num_sessions=1), {})
-    assert "| mars-no-control-plane | external control plane | 1 | 2.50× |" in text
 
 
 def test_ideal_times_are_in_workload_order_whatever_order_the_chunks_finish(tmp_path, monkeypatch) -> None:
