@@ -6,8 +6,9 @@ what it knows into a :class:`RouteRequest` (the session's bound replica, its pro
 it each replica was last sent) and one :class:`ReplicaLoad` per replica (health, sessions, KV,
 queue, the KV working set of the sessions bound there), and :func:`choose_replica` applies the
 policy named in :data:`ROUTING_POLICIES`. Nothing here keeps state, reads a clock or draws a random
-number: the public routers this file follows pick at random among ties (llm-d's max-score picker,
-Ray's power of two choices); here a tie goes to the lowest index, so a run is reproducible.
+number: where the public routers this file follows draw at random (llm-d's max-score picker among
+ties, Ray's power of two choices), the draw here is a hash of the session id and the prompt's
+size (:func:`_draw`), so a run is reproducible and the draws still spread sessions.
 
 Mental model: a session's KV lives on the replica that served its previous turn. A *sticky* policy
 decides once per session (and again only when its replica goes down); a *per-turn* policy scores
@@ -24,7 +25,7 @@ Policies (name: source, version):
   session key; llm-d's ``session-affinity-scorer``, llm-d-inference-scheduler v0.3).
 * ``llm-d``: per turn, llm-d's default scheduling profile (llm-d-inference-scheduler v0.3,
   ``guides/inference-scheduling``): ``3 * prefix-cache-scorer + 2 * queue-scorer``, max-score
-  picker. The prefix scorer is the matched fraction of the prompt's blocks on the replica (its
+  picker (a draw among ties). The prefix scorer is the matched fraction of the prompt's blocks on the replica (its
   approximate index of the prompts it routed, LRU capacity not modelled); the queue scorer is
   gateway-api-inference-extension's ``QueueScorer`` (``(max - q) / (max - min)`` of the waiting
   queue, 1.0 when all are equal).
@@ -32,8 +33,8 @@ Policies (name: source, version):
   ``ray/llm/_internal/serve/request_router/prefix_aware/prefix_aware_router.py``): when the
   replicas' queue lengths differ by at most ``imbalanced_threshold`` = 10, the replicas with the
   longest prefix match if its rate is >= ``match_rate_threshold`` = 0.1, else the smallest tenants
-  of its prefix tree; the shortest queue among those. Imbalanced: power of two choices, here the
-  shortest queue of all (no random draw).
+  of its prefix tree; imbalanced: power of two choices (two replicas drawn); the shortest queue
+  among those.
 * ``thunderagent``: sticky; ThunderAgent's router (``ThunderAgent-org/ThunderAgent`` a7eef77,
   ``scheduler/router.py`` ``_select_backend_for_new_program``): the healthy backend with the least
   active program tokens that has room for the prompt plus ``BUFFER_PER_PROGRAM`` = 100 tokens per
@@ -180,6 +181,17 @@ def _sticky_hash(request: RouteRequest, healthy: Sequence[ReplicaLoad], num_repl
     return next((i for i in indices if i >= start), indices[0])
 
 
+def _draw(request: RouteRequest, salt: str) -> int:
+    """A reproducible stand-in for a router's random draw for this request."""
+    return _stable_hash(f"{request.session_id}/{request.num_prompt_tokens}/{salt}")
+
+
+def _pick_tie(request: RouteRequest, tied: Sequence[ReplicaLoad]) -> int:
+    """One of ``tied`` (a non-empty list), drawn as the public picker draws (uniformly)."""
+    ordered = sorted(tied, key=lambda r: r.index)
+    return ordered[_draw(request, "tie") % len(ordered)].index
+
+
 def _matched_blocks(request: RouteRequest, index: int) -> int:
     return request.cached_tokens.get(index, 0) // request.block_size_tokens
 
@@ -195,13 +207,18 @@ def _llm_d(request: RouteRequest, healthy: Sequence[ReplicaLoad],
         queue = 1.0 if q_max == q_min else (q_max - r.num_waiting) / (q_max - q_min)
         return LLMD_PREFIX_WEIGHT * prefix + LLMD_QUEUE_WEIGHT * queue
 
-    return max(healthy, key=lambda r: (score(r), -r.index)).index
+    scores = {r.index: score(r) for r in healthy}
+    best = max(scores.values())
+    return _pick_tie(request, [r for r in healthy if scores[r.index] == best])
 
 
 def _prefix_affinity(request: RouteRequest, healthy: Sequence[ReplicaLoad],
                      num_replicas: int) -> int:
     queues = [r.num_in_flight for r in healthy]
-    candidates: Sequence[ReplicaLoad] = healthy
+    ordered = sorted(healthy, key=lambda r: r.index)
+    first = _draw(request, "pow2") % len(ordered)  # power of two choices: two distinct draws
+    second = (first + 1 + _draw(request, "pow2-second") % max(1, len(ordered) - 1)) % len(ordered)
+    candidates: Sequence[ReplicaLoad] = [ordered[first], ordered[second]]
     if max(queues) - min(queues) <= RAY_IMBALANCED_THRESHOLD:
         matched = {r.index: request.cached_tokens.get(r.index, 0) for r in healthy}
         longest = max(matched.values())
@@ -211,7 +228,8 @@ def _prefix_affinity(request: RouteRequest, healthy: Sequence[ReplicaLoad],
         else:
             smallest = min(r.num_prefix_tokens for r in healthy)
             candidates = [r for r in healthy if r.num_prefix_tokens == smallest]
-    return min(candidates, key=lambda r: (r.num_in_flight, r.index)).index
+    shortest = min(r.num_in_flight for r in candidates)
+    return _pick_tie(request, [r for r in candidates if r.num_in_flight == shortest])
 
 
 def _thunderagent(request: RouteRequest, healthy: Sequence[ReplicaLoad],

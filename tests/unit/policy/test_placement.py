@@ -79,9 +79,20 @@ def test_prefix_affinity_follows_the_match_when_balanced_and_the_queue_when_not(
     # No match above 10%: the smallest tenant (replica 1), not the shortest queue overall.
     cold = RouteRequest("t", num_prompt_tokens=1000, cached_tokens={2: 50})
     assert choose_replica(cold, loads, "prefix-affinity") == 1
-    # Imbalanced queues (14 - 2 > 10): the shortest queue, whatever the match.
-    skewed = [loads[0], loads[1], ReplicaLoad(2, num_in_flight=14, num_prefix_tokens=900), loads[3]]
+    # Imbalanced queues (14 - 2 > 10): power of two choices (of two replicas: both), the shorter
+    # queue, whatever the match.
+    skewed = [ReplicaLoad(1, num_in_flight=2), ReplicaLoad(2, num_in_flight=14, num_prefix_tokens=900)]
     assert choose_replica(request, skewed, "prefix-affinity") == 1
+    balanced = [ReplicaLoad(1, num_in_flight=2), ReplicaLoad(2, num_in_flight=12, num_prefix_tokens=900)]
+    assert choose_replica(request, balanced, "prefix-affinity") == 2
+
+
+def test_ties_are_drawn_per_session_not_sent_to_the_lowest_index():
+    loads = [ReplicaLoad(i, num_kv_tokens=KV) for i in range(4)]
+    for name in ("llm-d", "prefix-affinity"):
+        picks = {choose_replica(RouteRequest(f"s{i}", num_prompt_tokens=500), loads, name)
+                 for i in range(40)}
+        assert picks == {0, 1, 2, 3}, (name, picks)
 
 
 def test_thunderagent_takes_the_least_active_tokens_with_room():
