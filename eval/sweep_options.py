@@ -55,6 +55,13 @@ class CompareOptions(BaseModel):
     alphas: tuple[float, ...] = DEFAULT_ALPHAS
     max_virtual_s: float | None = Field(None, gt=0.0)
     """Abort a run whose virtual clock passes this (a guard against runaway overload)."""
+    num_replicas: int = Field(1, ge=1)
+    """Engines behind one control plane (``--replicas``); rates (loads, the base rate, knees) stay
+    per GPU: a run's arrivals come at ``rate x num_replicas``."""
+    router: str = "least-sessions"
+    """The control plane's routing policy (``--router``)."""
+    lose_replica: tuple[int, float] | None = None
+    """``(index, seconds)``: that replica is lost then in every run (``--lose-replica``)."""
 
 
 @dataclass(frozen=True)
