@@ -133,9 +133,9 @@ class GatewayConfig(BaseModel):
     reorder: ReorderParams = ReorderParams()
     """Order of the waiting sessions."""
     routing_policy: str = DEFAULT_ROUTING_POLICY
-    """How sessions are placed across replicas (``--router``): a name of
-    :data:`mars_openhands.policy.placement.ROUTING_POLICIES`; default ``least-sessions`` (sticky,
-    fewest sessions)."""
+    """How sessions are placed across replicas: least-sessions (default: sticky, fewest sessions),
+    sticky-hash, llm-d, prefix-affinity, thunderagent or mars-placement (the registry of
+    mars_openhands/policy/placement.py; docs/compare.md, "Replicas and routers")."""
     num_tool_workers: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1)
     """N_tool: tool workers of the agents (rho = in-flight tool calls / N_tool); default: CPU count."""
     tool_wait_idle_decay: bool = True

@@ -253,7 +253,7 @@ class Router:
         """
         current = session.replica
         if (current is not None and self.policy.is_sticky and not self.policy.rehomes
-                and self.replicas[current].is_healthy):
+                and not self.policy.needs_prompt and self.replicas[current].is_healthy):
             return self.replicas[current]  # the hot path: affinity, no snapshot needed
         if current is not None and not self.replicas[current].is_healthy:
             self.detach(session)

@@ -59,3 +59,11 @@ def test_a_lost_replica_re_places_its_sessions_and_nothing_leaks(policy: str) ->
     assert [r.num_sessions for r in cp.router.replicas] == [0, 0, 0, 0]
     assert cp.router._placement == {}
     assert all(not bound for bound in cp.router._bound)
+
+
+def test_working_sets_follow_each_turns_prompt_for_sticky_policies_that_read_them() -> None:
+    cp = plane("thunderagent", 2)
+    s = cp.open_session("s")
+    home = cp.router.route(s, 1000).index
+    assert cp.router.route(s, 3000).index == home  # sticky
+    assert cp.router.replica_loads()[home].num_working_set_tokens == 5000  # 3000 + 2000 growth
