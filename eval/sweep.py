@@ -174,7 +174,9 @@ class _Sweep:
         try:
             return content_key(kind, self._sessions_key, setup.gpu, setup.step_timer, setup.num_gpu_blocks,
                                o.num_tool_workers, o.seed, o.max_virtual_s, *extra,
-                               *((o.num_replicas, o.router, o.lose_replica) if o.num_replicas > 1 else ()))
+                               # an ideal time is one session alone on one replica
+                               *((o.num_replicas, o.router, o.lose_replica)
+                                 if o.num_replicas > 1 and kind != "ideal" else ()))
         except TypeError:
             return None
 
