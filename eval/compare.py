@@ -92,7 +92,7 @@ from eval.provenance import source_commit, utc_date
 from eval.result_blocks import BLOCKS, BlockError, record_run, save_record, write_blocks
 from eval.runs import plan
 from eval.sweep import CompareInterrupted, run_sweep
-from eval.sweep_options import CompareOptions
+from eval.sweep_options import CompareOptions, GpuSetup
 from eval.workloads import Workload, draw_sessions
 from mars_openhands.cli_style import CliParser, cli_error
 from mars_openhands.policy.placement import DEFAULT_ROUTING_POLICY, ROUTING_POLICIES
@@ -230,6 +230,9 @@ def add_compare_subcommand(subparsers: Any) -> argparse.ArgumentParser:
                    help="sim: N engines behind one control plane on one virtual clock; loads, the base "
                         "rate and capacities stay per GPU (arrivals at rate x N), and each run draws "
                         "--sessions-per-replica x N sessions with replacement from the traces (seeded)")
+    p.add_argument("--replica-gpus", type=_replica_gpu_list, default=None, metavar="GPU,GPU,...",
+                   help="sim: one GPU profile key per replica, a mix (e.g. h100_sxm,h100_sxm,h200_sxm,"
+                        "h200_sxm); sets --replicas and --gpu; ideal times are the first replica's")
     p.add_argument("--sessions-per-replica", type=positive_int, default=100,
                    help="with --replicas N > 1: sessions drawn per replica (default 100; fewer is TRIMMED)")
     p.add_argument("--router", default=DEFAULT_ROUTING_POLICY, choices=tuple(ROUTING_POLICIES),
@@ -254,6 +257,13 @@ def add_compare_subcommand(subparsers: Any) -> argparse.ArgumentParser:
                         "without uncommitted changes, so the blocks name a commit that exists")
     p.set_defaults(func=functools.partial(_main, flags={**long_flags(p), **_FLAG_OF_FIELD}), argv=None)
     return p
+
+
+def _replica_gpu_list(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if len(names) < 2:
+        raise argparse.ArgumentTypeError(f"expected a GPU profile key per replica (2 or more), got {text!r}")
+    return names
 
 
 def _lost_replica(text: str) -> tuple[int, float]:
@@ -306,6 +316,12 @@ def _apply_defaults(args: argparse.Namespace, spec: Any) -> None:
     Raises:
         ValueError: several ``--gpu`` with a live backend (one server models one GPU).
     """
+    if args.replica_gpus:
+        if args.replicas not in (1, len(args.replica_gpus)) or args.gpu is not None:
+            raise ValueError(f"--replica-gpus {','.join(args.replica_gpus)} sets --replicas and --gpu; "
+                             "drop them")
+        args.replicas = len(args.replica_gpus)
+        args.gpu = tuple(dict.fromkeys(args.replica_gpus))
     if args.gpu is None:
         args.gpu = (DEFAULT_GPUS[0],) if args.quick or spec.is_live else DEFAULT_GPUS
     elif spec.is_live and len(args.gpu) > 1:
@@ -389,6 +405,16 @@ def _main(args: argparse.Namespace, flags: Mapping[str, str] | None = None) -> i
         return 130
 
 
+def _mixed_setup(replica_gpus: tuple[str, ...], setups: list[GpuSetup]) -> tuple[list[GpuSetup], tuple[int, ...]]:
+    """One GPU setup for a mix of profiles (``--replica-gpus``): a step timer per replica, the
+    smallest KV as its ``num_gpu_blocks``, and each replica's KV blocks. Pure."""
+    by_gpu = {s.gpu: s for s in setups}
+    mixed = GpuSetup("+".join(replica_gpus), tuple(by_gpu[g].step_timer for g in replica_gpus),
+                     min(s.num_gpu_blocks for s in setups),
+                     "; ".join(f"replica {i}: {by_gpu[g].timing}" for i, g in enumerate(replica_gpus)))
+    return [mixed], tuple(by_gpu[g].num_gpu_blocks for g in replica_gpus)
+
+
 def _replica_workload(args: argparse.Namespace, workload: Workload, scope: str) -> tuple[Workload, str]:
     """With ``--replicas N``: ``--sessions-per-replica x N`` sessions drawn with replacement from
     the (trimmed) traces, seeded by ``--seed``, and the scope line saying so (``TRIMMED`` below
@@ -420,6 +446,9 @@ def _load_and_run(args: argparse.Namespace, spec: Any, options: CompareOptions, 
             # the report names the deployment it stands for (the cpu and URL backends run their own)
             deployment = deployment_from_args(args) if spec.kind in ("sim", "emulated") else None
             scope = f"{scope} {deployment.describe()}" if deployment else scope
+        if args.replica_gpus:
+            setups, replica_blocks = _mixed_setup(args.replica_gpus, setups)
+            options = options.model_copy(update={"replica_blocks": replica_blocks})
         options = options.model_copy(update={"num_gpu_blocks": setups[0].num_gpu_blocks})
     except ValidationError as e:
         return max(_error(line) for line in config_error_lines(e, flags))

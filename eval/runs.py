@@ -82,9 +82,14 @@ def sim_config(options: CompareOptions, policy: str, is_admission_enabled: bool,
     from mars_openhands.engine.harness.inproc_engine import InprocEngineParams  # vLLM, as above
 
     spec = POLICIES[policy]
-    engine = InprocEngineParams(num_gpu_blocks=num_gpu_blocks or options.num_gpu_blocks,
+    blocks = num_gpu_blocks or options.num_gpu_blocks
+    engine = InprocEngineParams(num_gpu_blocks=blocks,
                                 additional_config=dict(spec.additional_config), **spec.engine)
-    return SimConfig(policy=spec.scheduler, engine=engine, num_tool_workers=options.num_tool_workers,
+    # A mix of GPU profiles: each replica its own KV (at least ``blocks``: the unbounded reference's)
+    replica_engines = tuple(engine.model_copy(update={"num_gpu_blocks": max(b, blocks)})
+                            for b in options.replica_blocks) if options.num_replicas > 1 else ()
+    return SimConfig(policy=spec.scheduler, engine=engine, replica_engines=replica_engines,
+                     num_tool_workers=options.num_tool_workers,
                      is_admission_enabled=is_admission_enabled, seed=options.seed,
                      admission=AdmissionParams(**spec.admission),
                      max_virtual_s=options.max_virtual_s, num_replicas=options.num_replicas,
@@ -248,7 +253,9 @@ def ideal_task(workload: Workload, options: CompareOptions, num_gpu_blocks: int,
 
     # Alone on an idle system a session runs on one replica: the ideal is one engine's (the
     # replicas share one GPU profile).
-    alone = options.model_copy(update={"num_replicas": 1, "lose_replica": None})
+    alone = options.model_copy(update={"num_replicas": 1, "lose_replica": None, "replica_blocks": ()})
+    if isinstance(timer, tuple):  # a mix of GPU profiles: alone on the first replica's
+        timer, num_gpu_blocks = timer[0], (options.replica_blocks or (num_gpu_blocks,))[0]
     return sim.ideal_times_s(workload, sim_config(alone, "fcfs", False, num_gpu_blocks), real_timer(timer))
 
 

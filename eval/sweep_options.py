@@ -62,6 +62,9 @@ class CompareOptions(BaseModel):
     """The control plane's routing policy (``--router``)."""
     lose_replica: tuple[int, float] | None = None
     """``(index, seconds)``: that replica is lost then in every run (``--lose-replica``)."""
+    replica_blocks: tuple[int, ...] = ()
+    """KV blocks of each replica for a mix of GPU profiles (``--replica-gpus``; the sweep's GPU
+    setup then carries one step timer per replica); empty: ``num_gpu_blocks`` for every one."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,8 @@ def _profile_step_model(gpu: str, model: str, dtype: str, kv_cache_dtype: str | 
 
 def real_timer(timer: Any) -> Any:
     """The model behind a :class:`ProfileTimer` (skips one call per step), else ``timer`` itself."""
+    if isinstance(timer, tuple):  # one per replica (a mix of GPU profiles)
+        return [real_timer(t) for t in timer]
     return timer.build() if isinstance(timer, ProfileTimer) else timer
 
 

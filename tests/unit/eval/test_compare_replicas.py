@@ -60,3 +60,21 @@ def test_replica_flags_are_checked_before_anything_runs(argv, message, capsys, t
 def test_bad_replica_values_are_rejected_at_parsing(flag, value) -> None:
     with pytest.raises(SystemExit):
         _parser().parse_args(["compare", flag, value])
+
+
+def test_a_mix_of_gpu_profiles_is_one_setup_with_a_timer_and_kv_per_replica() -> None:
+    from eval.compare import _mixed_setup
+    from eval.sweep_options import GpuSetup, real_timer
+
+    setups = [GpuSetup("h100_sxm", "t100", 700, "h100"), GpuSetup("h200_sxm", "t200", 4000, "h200")]
+    (mixed,), blocks = _mixed_setup(("h100_sxm", "h200_sxm", "h200_sxm"), setups)
+    assert mixed.step_timer == ("t100", "t200", "t200") and blocks == (700, 4000, 4000)
+    assert mixed.num_gpu_blocks == 700 and mixed.gpu == "h100_sxm+h200_sxm+h200_sxm"
+    assert real_timer(mixed.step_timer) == ["t100", "t200", "t200"]
+
+
+def test_replica_gpus_set_the_replicas_and_refuse_a_conflicting_count(capsys, tmp_path) -> None:
+    args = _parser().parse_args(["compare", "--replica-gpus", "h100_sxm,h200_sxm", "--replicas", "3",
+                                 "--out", str(tmp_path / "out")])
+    assert args.func(args) == 2
+    assert "sets --replicas and --gpu" in capsys.readouterr().err
