@@ -50,9 +50,9 @@ def _compare(args: argparse.Namespace, out: Path, n: int, seed: int, router: str
     return cmd + extra
 
 
-def _run(cmd: list[str], dry_run: bool) -> None:
-    print("$ " + shlex.join(cmd), flush=True)
-    if not dry_run:
+def _run(cmd: list[str], dry_run: bool, done: bool = False) -> None:
+    print(("# done: " if done else "$ ") + shlex.join(cmd), flush=True)
+    if not dry_run and not done:
         t0 = time.monotonic()
         subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL)
         print(f"  ({time.monotonic() - t0:.0f} s)", flush=True)
@@ -90,6 +90,10 @@ def main() -> int:
                    help="per-GPU rate the capacity searches start from (default 0.01: the H100 knee)")
     p.add_argument("--jobs", type=int, default=None)
     p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--skip-done", action="store_true",
+                   help="skip a compare whose --out already holds its results (resume a grid)")
+    p.add_argument("--no-e2e", action="store_true",
+                   help="capacities only: no runs at 0.9x the best anchor's capacity")
     args = p.parse_args(argv)
     routers = args.routers.split(",")
     rows = []
@@ -97,16 +101,18 @@ def main() -> int:
         for seed in (int(x) for x in args.seeds.split(",")):
             base = Path(args.out) / f"n{n}_seed{seed}"
             for router in routers:
-                _run(_compare(args, base / router, n, seed, router, "mars", extra), args.dry_run)
-            _run(_compare(args, base / BOUND, n, seed, "least-sessions", BOUND, extra), args.dry_run)
+                _run(_compare(args, base / router, n, seed, router, "mars", extra), args.dry_run,
+                     args.skip_done and (base / router / "capacity.parquet").exists())
+            _run(_compare(args, base / BOUND, n, seed, "least-sessions", BOUND, extra), args.dry_run,
+                 args.skip_done and (base / BOUND / "capacity.parquet").exists())
             caps = {r: _capacity(base / r, "mars") for r in routers}
             caps[BOUND] = _capacity(base / BOUND, BOUND)
             anchors = {r: c for r, c in caps.items() if r in ANCHORS and not math.isnan(c)}
             best = max(anchors, key=anchors.__getitem__) if anchors else None
             rate = 0.9 * anchors[best] if best else args.start_rate
-            for router in routers:
+            for router in routers if not args.no_e2e else ():
                 _run(_compare(args, base / f"{router}@0.9", n, seed, router, "mars", extra, rate),
-                     args.dry_run)
+                     args.dry_run, args.skip_done and (base / f"{router}@0.9" / "results.parquet").exists())
             for router in [*routers, BOUND]:
                 cap = caps[router]
                 mean, p95 = _e2e(base / f"{router}@0.9") if router != BOUND else (math.nan, math.nan)
