@@ -101,8 +101,10 @@ from eval.provenance import source_commit, utc_date
 from eval.result_blocks import BLOCKS, BlockError, record_run, save_record, write_blocks
 from eval.runs import plan
 from eval.sweep import CompareInterrupted, run_sweep
-from eval.sweep_options import CompareOptions
+from eval.sweep_options import CompareOptions, GpuSetup
+from eval.workloads import Workload, draw_sessions
 from mars_openhands.cli_style import CliParser, cli_error
+from mars_openhands.policy.placement import DEFAULT_ROUTING_POLICY, ROUTING_POLICIES
 
 __all__ = ["DEFAULT_GPUS", "add_compare_subcommand", "with_reference"]
 
@@ -238,6 +240,21 @@ def add_compare_subcommand(subparsers: Any) -> argparse.ArgumentParser:
                         "meet the KV pressure full traces meet on the whole GPU")
     p.add_argument("--kv-blocks", type=int, default=None,
                    help="KV capacity in blocks of 16 tokens (overrides --kv-scale)")
+    p.add_argument("--replicas", type=positive_int, default=1,
+                   help="sim: N engines behind one control plane on one virtual clock; loads, the base "
+                        "rate and capacities stay per GPU (arrivals at rate x N), and each run draws "
+                        "--sessions-per-replica x N sessions with replacement from the traces (seeded)")
+    p.add_argument("--replica-gpus", type=_replica_gpu_list, default=None, metavar="GPU,GPU,...",
+                   help="sim: one GPU profile key per replica, a mix (e.g. h100_sxm,h100_sxm,h200_sxm,"
+                        "h200_sxm); sets --replicas and --gpu; ideal times are the first replica's")
+    p.add_argument("--sessions-per-replica", type=positive_int, default=100,
+                   help="with --replicas N > 1: sessions drawn per replica (default 100; fewer is TRIMMED)")
+    p.add_argument("--router", default=DEFAULT_ROUTING_POLICY, choices=tuple(ROUTING_POLICIES),
+                   help=f"with --replicas: the control plane's routing policy (default "
+                        f"{DEFAULT_ROUTING_POLICY}); docs/compare.md, 'Replicas and routers'")
+    p.add_argument("--lose-replica", type=_lost_replica, default=None, metavar="INDEX@SECONDS",
+                   help="with --replicas: replica INDEX is lost at SECONDS of virtual time in every run "
+                        "(its sessions re-placed, their turns re-sent)")
     p.add_argument("--tool-workers", type=int, default=16, help="concurrent tool calls (default 16)")
     p.add_argument("--seed", type=int, default=0, help="arrivals and simulator seed (default 0)")
     p.add_argument("--jobs", type=positive_int, default=None,
@@ -254,6 +271,26 @@ def add_compare_subcommand(subparsers: Any) -> argparse.ArgumentParser:
                         "without uncommitted changes, so the blocks name a commit that exists")
     p.set_defaults(func=functools.partial(_main, flags={**long_flags(p), **_FLAG_OF_FIELD}), argv=None)
     return p
+
+
+def _replica_gpu_list(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if len(names) < 2:
+        raise argparse.ArgumentTypeError(f"expected a GPU profile key per replica (2 or more), got {text!r}")
+    return names
+
+
+def _lost_replica(text: str) -> tuple[int, float]:
+    index, sep, at = text.partition("@")
+    try:
+        if not sep:
+            raise ValueError
+        lost = int(index), float(at)
+        if lost[0] < 0 or not lost[1] >= 0:
+            raise ValueError
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected INDEX@SECONDS (e.g. 1@600), got {text!r}") from None
+    return lost
 
 
 def _kv_scale(text: str) -> str:
@@ -293,6 +330,12 @@ def _apply_defaults(args: argparse.Namespace, spec: Any) -> None:
     Raises:
         ValueError: several ``--gpu`` with a live backend (one server models one GPU).
     """
+    if args.replica_gpus:
+        if args.replicas not in (1, len(args.replica_gpus)) or args.gpu is not None:
+            raise ValueError(f"--replica-gpus {','.join(args.replica_gpus)} sets --replicas and --gpu; "
+                             "drop them")
+        args.replicas = len(args.replica_gpus)
+        args.gpu = tuple(dict.fromkeys(args.replica_gpus))
     if args.gpu is None:
         args.gpu = (DEFAULT_GPUS[0],) if args.quick or spec.is_live else DEFAULT_GPUS
     elif spec.is_live and len(args.gpu) > 1:
@@ -338,7 +381,22 @@ def _options_from_args(args: argparse.Namespace, policies: tuple[str, ...]) -> C
         admission=args.admission, num_gpu_blocks=args.kv_blocks if args.kv_blocks else 2,
         num_tool_workers=args.tool_workers, seed=args.seed, base_rate_per_s=args.base_rate,
         knee_slowdown=args.knee_slowdown, search_max_runs=args.search_runs,
-        knee_tolerance=args.knee_tolerance, is_capacity=args.capacity)
+        knee_tolerance=args.knee_tolerance, is_capacity=args.capacity,
+        num_replicas=args.replicas, router=args.router, lose_replica=args.lose_replica)
+
+
+def _check_replicas(args: argparse.Namespace, spec: Any) -> None:
+    """``--replicas``, ``--router``, ``--lose-replica`` together.
+
+    Raises:
+        ValueError: several replicas on a live backend, or a lost replica that is not one of them.
+    """
+    if args.replicas > 1 and spec.is_live:
+        raise ValueError(f"--replicas {args.replicas}: several replicas run only in the simulator "
+                         "(--backend sim); a live deployment puts the gateway before its replicas")
+    if args.lose_replica is not None and not (args.replicas >= 2 and args.lose_replica[0] < args.replicas):
+        raise ValueError(f"--lose-replica {args.lose_replica[0]}@{args.lose_replica[1]:g}: needs "
+                         f"--replicas >= 2 and an index below it (got --replicas {args.replicas})")
 
 
 def _main(args: argparse.Namespace, flags: Mapping[str, str] | None = None) -> int:
@@ -365,6 +423,11 @@ def _main(args: argparse.Namespace, flags: Mapping[str, str] | None = None) -> i
         if spec.is_live and (getattr(args, "host_kv_gib", None) or any(POLICIES[p].host_kv is not None for p in policies)):
             raise ValueError(f"--host-kv-gib / {','.join(HOST_KV_POLICIES)}: the host-memory KV tier runs only "
                              "in the simulator for now (--backend sim); drop them for a live backend")
+        _check_replicas(args, spec)
+        if args.replicas > 1 and (getattr(args, "host_kv_gib", None)
+                                  or any(POLICIES[p].host_kv is not None for p in policies)):
+            raise ValueError(f"--replicas {args.replicas} with the host-memory KV tier: the simulator models "
+                             "the tier's copies on one engine only so far; use --replicas 1 with it")
         policies = with_reference(policies, args, spec)
         if spec.kind == "url" and args.admission == "auto":
             args.admission = "off"  # the server at the URL is what it is: label it as given
@@ -385,6 +448,31 @@ def _main(args: argparse.Namespace, flags: Mapping[str, str] | None = None) -> i
         return 130
 
 
+def _mixed_setup(replica_gpus: tuple[str, ...], setups: list[GpuSetup]) -> tuple[list[GpuSetup], tuple[int, ...]]:
+    """One GPU setup for a mix of profiles (``--replica-gpus``): a step timer per replica, the
+    smallest KV as its ``num_gpu_blocks``, and each replica's KV blocks. Pure."""
+    by_gpu = {s.gpu: s for s in setups}
+    mixed = GpuSetup("+".join(replica_gpus), tuple(by_gpu[g].step_timer for g in replica_gpus),
+                     min(s.num_gpu_blocks for s in setups),
+                     "; ".join(f"replica {i}: {by_gpu[g].timing}" for i, g in enumerate(replica_gpus)))
+    return [mixed], tuple(by_gpu[g].num_gpu_blocks for g in replica_gpus)
+
+
+def _replica_workload(args: argparse.Namespace, workload: Workload, scope: str) -> tuple[Workload, str]:
+    """With ``--replicas N``: ``--sessions-per-replica x N`` sessions drawn with replacement from
+    the (trimmed) traces, seeded by ``--seed``, and the scope line saying so (``TRIMMED`` below
+    100 per replica). Pure."""
+    drawn = draw_sessions(workload, args.sessions_per_replica * args.replicas, args.seed)
+    what = (f"{len(drawn.sessions)} sessions drawn with replacement from {len(workload.sessions)} "
+            f"for {args.replicas} replicas")
+    if args.sessions_per_replica < 100 and not scope.startswith("TRIMMED"):
+        scope = (f"TRIMMED: {what} (fewer than 100 per replica). A quick look, not the real "
+                 "regime: claims need 100 sessions per replica at full length on the whole GPU's KV.")
+    else:
+        scope = f"{scope} {what}."
+    return drawn, scope
+
+
 def _load_and_run(args: argparse.Namespace, spec: Any, options: CompareOptions, flags: Mapping[str, str]) -> int:
     """Load the workload and profiles, then run the sweep (the body of :func:`_main`)."""
     console = Console(stderr=True)
@@ -396,11 +484,17 @@ def _load_and_run(args: argparse.Namespace, spec: Any, options: CompareOptions, 
                 start_worker_server()  # the workers' vLLM import, alongside the set-up below and
                 # the parent's own work (after the workload loaded: a bad path leaves nothing behind)
             setups, live, scope = gpu_setups(args, spec, workload, auto_scale, loaded)
+            if args.replicas > 1:
+                workload, scope = _replica_workload(args, workload, scope)
             # the report names the deployment it stands for (the cpu and URL backends run their own)
             deployment = deployment_from_args(args) if spec.kind in ("sim", "emulated") else None
             scope = f"{scope} {deployment.describe()}" if deployment else scope
             scope = f"{scope} {host_kv_note(options)}"
-        update: dict[str, Any] = {"num_gpu_blocks": setups[0].num_gpu_blocks}
+        update: dict[str, Any] = {}
+        if args.replica_gpus:
+            setups, replica_blocks = _mixed_setup(args.replica_gpus, setups)
+            update["replica_blocks"] = replica_blocks
+        update["num_gpu_blocks"] = setups[0].num_gpu_blocks
         if deployment is not None:
             update["host_kv_bytes_per_block"] = deployment.kv_bytes_per_token * 16
         options = options.model_copy(update=update)
@@ -415,12 +509,20 @@ def _load_and_run(args: argparse.Namespace, spec: Any, options: CompareOptions, 
         "backend": spec.label, "workload": args.workload or args.traces,
         "trim": f"sessions={args.sessions} max_turns={args.max_turns} max_context_tokens={args.max_context_tokens} "
                 f"kv_scale={args.kv_blocks and 'kv_blocks=' + str(args.kv_blocks) or args.kv_scale} "
-                f"tool_time_factor={args.tool_time_factor}"}
+                f"tool_time_factor={args.tool_time_factor}"
+                + (f" sessions_per_replica={args.sessions_per_replica}" if args.replicas > 1 else "")}
     for setup in setups:
         meta[f"timing ({setup.gpu})" if len(setups) > 1 else "timing"] = setup.timing
     meta.update(deployment.facts() if deployment else {})
     meta.update({"tool workers": args.tool_workers, "seed": args.seed, "admission": args.admission,
                  "jobs": jobs if not spec.is_live else 1})
+    if args.replicas > 1:
+        meta["replicas"] = (f"{args.replicas} x {args.gpu[0] if len(args.gpu) == 1 else 'each --gpu'}, "
+                            f"router {args.router}; rates and capacities are per GPU (arrivals at "
+                            f"rate x {args.replicas}); {len(workload.sessions)} sessions drawn with "
+                            f"replacement (seed {args.seed})"
+                            + (f"; replica {args.lose_replica[0]} lost at {args.lose_replica[1]:g} s"
+                               if args.lose_replica else ""))
     if skipped:
         print(f"warning: {args.traces}: {skipped}", file=sys.stderr)
         meta["skipped trace files"] = skipped

@@ -87,12 +87,23 @@ def sim_config(options: CompareOptions, policy: str, is_admission_enabled: bool,
     if spec.host_kv is not None:
         host_kv = HostKvParams(size_gib=options.host_kv_gib, kv_bytes_per_block=options.host_kv_bytes_per_block,
                                **spec.host_kv)
-    engine = InprocEngineParams(num_gpu_blocks=num_gpu_blocks or options.num_gpu_blocks,
-                                additional_config=dict(spec.additional_config), host_kv=host_kv, **spec.engine)
-    return SimConfig(policy=spec.scheduler, engine=engine, num_tool_workers=options.num_tool_workers,
+    blocks = num_gpu_blocks or options.num_gpu_blocks
+    engine = InprocEngineParams(num_gpu_blocks=blocks, additional_config=dict(spec.additional_config),
+                                host_kv=host_kv, **spec.engine)
+    # A mix of GPU profiles: each replica its own KV (at least ``blocks``: the unbounded reference's)
+    replica_engines = tuple(engine.model_copy(update={"num_gpu_blocks": max(b, blocks)})
+                            for b in options.replica_blocks) if options.num_replicas > 1 else ()
+    return SimConfig(policy=spec.scheduler, engine=engine, replica_engines=replica_engines,
+                     num_tool_workers=options.num_tool_workers,
                      is_admission_enabled=is_admission_enabled, seed=options.seed,
                      admission=AdmissionParams(**spec.admission),
-                     max_virtual_s=options.max_virtual_s)
+                     max_virtual_s=options.max_virtual_s, num_replicas=options.num_replicas,
+                     router=options.router, lose_replica=options.lose_replica)
+
+
+def arrivals(rate_per_s: float, options: CompareOptions) -> PoissonArrivals:
+    """The Poisson arrivals of a run at ``rate_per_s`` per GPU: ``rate x num_replicas`` in all. Pure."""
+    return PoissonArrivals(rate_per_s=rate_per_s * options.num_replicas)
 
 
 def stream_frame(events: Sequence[Any]) -> pd.DataFrame:
@@ -223,7 +234,7 @@ def _probe_slowdown(workload: Workload, options: CompareOptions, policy: str, is
                     is_keeping_events: bool = False, cancel_path: str | None = None) -> tuple[float, list[Any] | None]:
     from eval import sim  # vLLM (~20 s): imported only where runs are simulated
 
-    arrived = with_arrivals(workload, PoissonArrivals(rate_per_s=rate_per_s), seed=options.seed)
+    arrived = with_arrivals(workload, arrivals(rate_per_s, options), seed=options.seed)
     config = sim_config(options, policy, is_admission_enabled, num_gpu_blocks)
     guard = _SlowdownGuard(ideal_s, options.knee_slowdown, is_keeping_events=is_keeping_events,
                            cancel_path=cancel_path)
@@ -245,7 +256,12 @@ def ideal_task(workload: Workload, options: CompareOptions, num_gpu_blocks: int,
     :func:`eval.sim.ideal_times_s`). The config is built here: the parent need not import vLLM."""
     from eval import sim  # vLLM (~20 s): imported only where runs are simulated
 
-    return sim.ideal_times_s(workload, sim_config(options, "fcfs", False, num_gpu_blocks), real_timer(timer))
+    # Alone on an idle system a session runs on one replica: the ideal is one engine's (the
+    # replicas share one GPU profile).
+    alone = options.model_copy(update={"num_replicas": 1, "lose_replica": None, "replica_blocks": ()})
+    if isinstance(timer, tuple):  # a mix of GPU profiles: alone on the first replica's
+        timer, num_gpu_blocks = timer[0], (options.replica_blocks or (num_gpu_blocks,))[0]
+    return sim.ideal_times_s(workload, sim_config(alone, "fcfs", False, num_gpu_blocks), real_timer(timer))
 
 
 def run_task(run: Run, workload: Workload, options: CompareOptions, timer: Any, num_gpu_blocks: int,
@@ -306,7 +322,7 @@ def one_run(run: Run, workload: Workload, options: CompareOptions, ideal_s: Mapp
     """
     t0 = time.monotonic()
     try:
-        arrived = with_arrivals(workload, PoissonArrivals(rate_per_s=run.rate_per_s), seed=options.seed)
+        arrived = with_arrivals(workload, arrivals(run.rate_per_s, options), seed=options.seed)
         stream = execute(arrived)
         if not isinstance(stream, pd.DataFrame):
             stream = stream_frame(stream)

@@ -90,7 +90,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from eval.workloads.format import Session, Workload
 from mars_openhands.control.config import GatewayConfig, ReplicaConfig
@@ -110,12 +110,14 @@ from mars_openhands.engine.harness.runs import (
     decode_run_step_time_s,
 )
 from mars_openhands.policy.admission import AdmissionParams
+from mars_openhands.policy.placement import routing_policy
 from mars_openhands.policy.reorder import ReorderParams
 from mars_openhands.stream import events as ev
 from mars_openhands.stream.transport import EventSink
 
 __all__ = [
     "LinearStepTimeModel",
+    "ReplicaLossReport",
     "SessionRecord",
     "SimConfig",
     "SimResult",
@@ -212,6 +214,43 @@ class SimConfig(BaseModel):
     """Virtual seconds the engine may hold work yet schedule nothing before the run fails."""
     max_virtual_s: float | None = Field(None, gt=0.0)
     """Stop (raise) once the virtual clock passes this many seconds; ``None``: no limit."""
+    num_replicas: int = Field(1, ge=1)
+    """Engines behind the one control plane, on the one virtual clock (``compare --replicas``)."""
+    replica_engines: tuple[InprocEngineParams, ...] = ()
+    """Each replica's engine shape (a mix of GPU profiles); empty: ``engine`` for every one."""
+    router: str = "least-sessions"
+    """The control plane's routing policy (:data:`mars_openhands.policy.placement.ROUTING_POLICIES`;
+    ``compare --router``)."""
+    lose_replica: tuple[int, float] | None = None
+    """``(index, seconds)``: that replica is lost at that virtual time (``--lose-replica``): its
+    requests fail and are re-sent, its sessions are re-placed, its KV is gone."""
+
+    @model_validator(mode="after")
+    def _check_replicas(self) -> SimConfig:
+        n = self.num_replicas
+        if self.replica_engines and len(self.replica_engines) != n:
+            raise ValueError(f"replica_engines has {len(self.replica_engines)} shapes for "
+                             f"num_replicas={n}; give one per replica (--replica-gpus)")
+        routing_policy(self.router)  # raises, listing the known names
+        if n > 1 and any(self.engine_of(i).host_kv is not None for i in range(n)):
+            raise ValueError(f"num_replicas={n} with a host KV tier: the tier's copies are modelled "
+                             "on one engine only so far (idle waits for a copy); use one replica")
+        if self.lose_replica is not None:
+            index, at_s = self.lose_replica
+            if n < 2 or not 0 <= index < n or at_s < 0:
+                raise ValueError(f"lose_replica={index}@{at_s} needs 0 <= index < num_replicas={n} "
+                                 "(at least 2, so another can take its sessions) and a time >= 0 "
+                                 "(--lose-replica INDEX@SECONDS)")
+        return self
+
+    def engine_of(self, index: int) -> InprocEngineParams:
+        """Replica ``index``'s engine shape. Pure."""
+        return self.replica_engines[index] if self.replica_engines else self.engine
+
+    def source_of(self, index: int) -> str:
+        """``source`` of replica ``index``'s GPU-plane events (``engine_source`` with one
+        replica, ``engine:<index>`` with several). Pure."""
+        return self.engine_source if self.num_replicas == 1 else f"engine:{index}"
 
 
 @dataclass
@@ -234,6 +273,10 @@ class TurnRecord:
     tool_enqueue_s: float | None = None
     tool_start_s: float | None = None
     tool_end_s: float | None = None
+    replica: int = 0
+    """The replica that served it (the last one it was sent to)."""
+    num_failures: int = 0
+    """Times it was lost with its replica and sent again."""
 
     @property
     def ttft_s(self) -> float | None:
@@ -278,8 +321,12 @@ class SimResult:
         max_admitted_sessions: most sessions holding an admission slot at once.
         num_admissions_over_window: admissions that left more admitted sessions than the window
             (must be 0).
-        kv_blocks_at_end: ``(free, retained, used)`` after the engine's shutdown.
+        kv_blocks_at_end: ``(free, retained, used)`` after the engine's shutdown (summed over the
+            replicas still up).
         num_events: events emitted to the sink (of its ``kinds``).
+        num_replicas: engines behind the control plane.
+        num_rehomes: sessions the routing policy moved off a live replica.
+        replica_loss: what losing a replica cost, if one was lost.
     """
 
     sessions: dict[str, SessionRecord]
@@ -292,6 +339,9 @@ class SimResult:
     num_admissions_over_window: int
     kv_blocks_at_end: tuple[int, int, int]
     num_events: int
+    num_replicas: int = 1
+    num_rehomes: int = 0
+    replica_loss: ReplicaLossReport | None = None
 
     @property
     def speedup(self) -> float:
@@ -310,11 +360,18 @@ def fast_paths_enabled() -> bool:
 
 
 def gateway_config(config: SimConfig) -> GatewayConfig:
-    """The simulated gateway's configuration: the run's admission settings, in front of one replica
-    (the simulated engine, whose ``engine_step`` source is ``config.engine_source``). Pure."""
+    """The simulated gateway's configuration: the run's admission settings and routing policy, in
+    front of the simulated engines (replica ``i``'s ``engine_step`` source is
+    ``config.source_of(i)``). Pure."""
+    if config.num_replicas == 1:
+        replicas = (ReplicaConfig(url="http://simulated-engine", name="sim",
+                                  engine_source=config.engine_source),)
+    else:
+        replicas = tuple(ReplicaConfig(url=f"http://simulated-engine-{i}", name=f"sim{i}",
+                                       engine_source=config.source_of(i))
+                         for i in range(config.num_replicas))
     return GatewayConfig(
-        replicas=(ReplicaConfig(url="http://simulated-engine", name="sim",
-                                engine_source=config.engine_source),),
+        replicas=replicas, routing_policy=config.router,
         is_admission_enabled=config.is_admission_enabled, admission=config.admission,
         reorder=config.reorder, num_tool_workers=config.num_tool_workers,
         tool_wait_idle_decay=config.tool_wait_idle_decay, block_size_tokens=config.engine.block_size,
@@ -322,15 +379,20 @@ def gateway_config(config: SimConfig) -> GatewayConfig:
 
 
 class _VirtualStampSink:
-    """Re-stamps our schedulers' telemetry with the virtual clock; drops their ``engine_step``
-    (the simulator emits snapshots on the virtual clock for every policy)."""
+    """Re-stamps our schedulers' telemetry with the virtual clock (and, with several replicas, the
+    replica's ``source``); drops their ``engine_step`` (the simulator emits snapshots on the
+    virtual clock for every policy)."""
 
-    def __init__(self, sim: Simulator) -> None:
+    def __init__(self, sim: Simulator, source: str | None = None) -> None:
         self._sim = sim
+        self._source = source
 
     def emit(self, event: ev.Event) -> None:
         if event.kind != "engine_step":
-            self._sim._emit_event(event.model_copy(update=self._sim._stamps()))
+            update = self._sim._stamps()
+            if self._source is not None:
+                update["source"] = self._source
+            self._sim._emit_event(event.model_copy(update=update))
 
     def close(self) -> None:
         """Nothing to release (the simulator owns the real sink)."""
@@ -347,6 +409,55 @@ class _SessionRun:
     stream: SessionTokenStream | None = None
     turn: int = 0
     prev_tool: tuple[str, float] | None = None
+    replica: _Replica | None = None
+    """The replica serving (or that served) its latest turn: its CPU-plane events go there."""
+
+
+@dataclass
+class _Replica:
+    """One engine behind the control plane and its step state on the virtual clock."""
+
+    index: int
+    engine: InprocEngine
+    timer: StepTimer
+    source: str
+    """``source`` of its GPU-plane events (the router's ``engine_step`` key)."""
+    deferred: list[tuple[_SessionRun, float]] = field(default_factory=list)
+    """Requests that arrived during its running step (added at the step's end)."""
+    in_step: bool = False
+    run_kv: RunKv | None = None
+    """A merged run that spans admission ticks: the KV its single steps leave (read by a tick)."""
+    step: tuple[RunPlan, EngineStepRecord, float, float] | None = None
+    """Several replicas: its step in progress ``(plan, record, t_start, t_end)``."""
+    is_blocked: bool = False
+    """Several replicas: it scheduled nothing; retried after the next event or a new request."""
+    is_lost: bool = False
+    last_progress_s: float = 0.0
+    last_snapshot_s: float | None = None
+    last_step_s: float = 0.0
+
+
+@dataclass
+class ReplicaLossReport:
+    """What losing a replica cost (``SimConfig.lose_replica``).
+
+    Attributes:
+        index: the replica lost.
+        at_s: virtual seconds of the loss.
+        num_sessions_replaced: sessions bound to it, re-placed by the router.
+        num_turns_failed: turns in flight on it (re-sent to another replica).
+        num_reprefill_tokens: context tokens of those sessions whose KV it held (prefilled again
+            elsewhere).
+        num_requests_aborted: requests its engine held at the loss (aborted, then checked for
+            leaks).
+    """
+
+    index: int
+    at_s: float
+    num_sessions_replaced: int
+    num_turns_failed: int
+    num_reprefill_tokens: int
+    num_requests_aborted: int
 
 
 class _ToolPool:
@@ -376,26 +487,26 @@ class Simulator:
     """
 
     def __init__(
-        self, workload: Workload, config: SimConfig, step_timer: StepTimer,
+        self, workload: Workload, config: SimConfig, step_timer: StepTimer | Sequence[StepTimer],
         sink: EventSink | None = None, wall_origin: datetime | None = None,
     ) -> None:
         self.config = config
         self.workload = workload
-        self.timer = step_timer
+        timers = list(step_timer) if isinstance(step_timer, (list, tuple)) else [step_timer]
+        if len(timers) not in (1, config.num_replicas):
+            raise ValueError(f"{len(timers)} step timers for {config.num_replicas} replicas; give "
+                             "one, or one per replica")
+        self.timer = timers[0]
         self.sink = sink
         self._kinds: frozenset[str] | None = getattr(sink, "kinds", None)
         self._is_wanted: dict[type[Any], bool] = {}
         self.wall_origin = wall_origin if wall_origin is not None else datetime.now(UTC)
         self.now_s = 0.0
         self._fast_paths = fast_paths_enabled()
-        self.engine = InprocEngine(config.policy, config.engine, seed=config.seed,
-                                   clock=lambda: self.now_s, memoize_prefix_hits=self._fast_paths)
-        if self.engine.is_plugin:
-            # Our schedulers' own engine_step snapshots run on the wall clock and the sink
-            # drops them; the fast paths skip their KV walk.
-            self.engine.set_telemetry_sink(
-                _VirtualStampSink(self) if sink is not None else None,
-                engine_steps=not self._fast_paths)
+        self._replicas = [self._make_replica(i, timers[i % len(timers)])
+                          for i in range(config.num_replicas)]
+        self.engine = self._replicas[0].engine
+        """Replica 0's engine (the only one unless ``config.num_replicas`` > 1)."""
         self.plane = ControlPlane(gateway_config(config), clock=lambda: self.now_s)
         self.admission = self.plane.admission
         """The plane's admitted and waiting sets (read by the event loop)."""
@@ -404,20 +515,28 @@ class Simulator:
         self._seq = 0
         self._runs: dict[str, _SessionRun] = {}
         self._by_request: dict[str, tuple[_SessionRun, TurnRecord]] = {}
-        self._deferred: list[tuple[_SessionRun, float]] = []
-        self._in_step = False
-        self._run_kv: RunKv | None = None
-        """A merged run that spans admission ticks: the KV its single steps leave, which a tick
-        inside it reads."""
         self._num_open = 0
         self._next_tick_s = 0.0
         self._quiet_ticks = 0
-        self._last_snapshot_s: float | None = None
-        self._last_step_s = 0.0
+        self.loss: ReplicaLossReport | None = None
         self.num_events = 0
         self.num_preemptions = 0
         self.max_admitted = 0
         self.num_over_window = 0
+
+    def _make_replica(self, index: int, timer: StepTimer) -> _Replica:
+        config = self.config
+        engine = InprocEngine(config.policy, config.engine_of(index), seed=config.seed,
+                              clock=lambda: self.now_s, memoize_prefix_hits=self._fast_paths)
+        source = config.source_of(index)
+        if engine.is_plugin:
+            # Our schedulers' own engine_step snapshots run on the wall clock and the sink
+            # drops them; the fast paths skip their KV walk.
+            engine.set_telemetry_sink(
+                _VirtualStampSink(self, source if config.num_replicas > 1 else None)
+                if self.sink is not None else None,
+                engine_steps=not self._fast_paths)
+        return _Replica(index, engine, timer, source)
 
     # ------------------------------------------------------------------ events out
     def _stamps(self) -> dict[str, Any]:
@@ -446,14 +565,18 @@ class Simulator:
                                                  session_id=session_id, turn=turn, **fields))
 
     def _cpu_event(self, cls: type[Any], run: _SessionRun, turn: int | None, **fields: Any) -> None:
-        """Emit a CPU-plane event and forward it to our scheduler (as the gateway does)."""
+        """Emit a CPU-plane event and forward it to the scheduler of the session's replica (as the
+        gateway does)."""
         if self.sink is None and not self.engine.is_plugin:
             return
         event = cls.model_construct(**self._stamps(), source=self.config.agent_source,
                                     session_id=run.spec.session_id, turn=turn, **fields)
         self._emit_event(event)
-        if self.engine.is_plugin and event.kind != "session_start":
-            self.engine.post_event(event)
+        rep = run.replica
+        if self.engine.is_plugin and event.kind != "session_start" and rep is not None \
+                and not rep.is_lost:
+            rep.engine.post_event(event)
+            rep.is_blocked = False
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> SimResult:
@@ -466,24 +589,60 @@ class Simulator:
         wall_start = time.perf_counter()
         for run in self._make_runs():
             self._push(run.spec.arrival_s, "arrival", run)
+        if self.config.lose_replica is not None:
+            index, at_s = self.config.lose_replica
+            self._push(at_s, "lose_replica", index)
         self._num_open = len(self._runs)
-        last_progress_s = 0.0
         # As vLLM's engine core does after start-up: the KV block pool and the engine's other
         # long-lived objects leave the cyclic GC's scans (a few % of the run's CPU time).
         gc.freeze()
         try:
-            while self._num_open > 0:
-                self._handle_due_events()
-                if not self.engine.has_work():
-                    self._advance_to_next_event()
-                elif self._engine_step():
-                    last_progress_s = self.now_s
-                else:
-                    self._idle_until_next_event(last_progress_s)
+            if len(self._replicas) == 1:
+                self._run_one(self._replicas[0])
+            else:
+                self._run_replicas()
         finally:
             gc.unfreeze()
         wall_s = time.perf_counter() - wall_start
         return self._finish(wall_s)
+
+    def _run_one(self, rep: _Replica) -> None:
+        """The loop with one engine: each step runs to its end, the events inside it handled as
+        they come (requests for the engine deferred to the step's end)."""
+        last_progress_s = 0.0
+        while self._num_open > 0:
+            self._handle_due_events()
+            if not rep.engine.has_work():
+                self._advance_to_next_event()
+            elif self._engine_step(rep):
+                last_progress_s = self.now_s
+            else:
+                self._idle_until_next_event(rep, last_progress_s)
+
+    def _run_replicas(self) -> None:
+        """The loop with several engines on the one clock: each free engine with work starts a
+        step; the earliest of the next event and the next step end comes next (a step end first
+        at equal times, as with one engine). A request routed to an engine in a step is added at
+        that step's end; a merged run is bounded by the events known when it is planned (an
+        admission that another replica's step end triggers reaches an engine in a merged run at
+        the run's end, which a waiting session's admission ticks bound)."""
+        while self._num_open > 0:
+            self._handle_due_events()
+            for rep in self._replicas:
+                if rep.step is None and not rep.is_lost and not rep.is_blocked \
+                        and rep.engine.has_work():
+                    self._start_step(rep)
+            stepping = [r for r in self._replicas if r.step is not None]
+            if stepping:
+                rep = min(stepping, key=lambda r: (r.step[3], r.index))  # type: ignore[index]
+                if rep.step[3] <= self._next_event_s():  # type: ignore[index]
+                    self._finish_step(rep)
+                    continue
+            else:
+                for rep in self._replicas:
+                    if rep.is_blocked and self.now_s - rep.last_progress_s > self.config.stall_timeout_s:
+                        self._raise_stalled(rep)
+            self._advance_to_next_event()
 
     def _make_runs(self) -> list[_SessionRun]:
         runs = []
@@ -515,6 +674,8 @@ class Simulator:
             self._handle_next_event()
 
     def _handle_next_event(self) -> None:
+        for rep in self._replicas:
+            rep.is_blocked = False  # time passed: a blocked engine may schedule again
         if self._next_tick_s <= (self._heap[0][0] if self._heap else math.inf):
             self.now_s = max(self.now_s, self._next_tick_s)
             self._tick()
@@ -524,13 +685,15 @@ class Simulator:
         self.now_s = max(self.now_s, t_s)
         if kind == "arrival":
             self._on_arrival(payload)
-        else:
+        elif kind == "tool_end":
             self._on_tool_end(*payload)
+        else:
+            self._lose_replica(self._replicas[payload])
 
     def _advance_to_next_event(self) -> None:
         """Jump the clock to the next event (the engine is idle or blocked)."""
         if (not self._heap and self.admission.num_waiting == 0 and self.pool.num_busy == 0
-                and not self.engine.has_work()):
+                and not self._has_work()):
             raise RuntimeError(f"simulator has {self._num_open} open session(s) but no pending "
                                "event, tool or admission; this is a bug")
         self._skip_quiet_ticks()
@@ -541,27 +704,34 @@ class Simulator:
         """Idle skipping: with no session in the system, ticks past the first ``_QUIET_TICKS``
         (by then the window and the EMA have converged) are skipped up to the next arrival."""
         if (not self._heap or self._quiet_ticks < _QUIET_TICKS or self.admission.admitted
-                or self.admission.num_waiting or self.pool.num_busy or self.engine.has_work()):
+                or self.admission.num_waiting or self.pool.num_busy or self._has_work()):
             return
         interval = self.config.admission.update_interval_s
         gap = self._heap[0][0] - self._next_tick_s
         if gap > interval:
             self._next_tick_s += math.floor(gap / interval) * interval
 
-    def _idle_until_next_event(self, last_progress_s: float) -> None:
+    def _has_work(self) -> bool:
+        return any(r.engine.has_work() for r in self._replicas if not r.is_lost)
+
+    def _idle_until_next_event(self, rep: _Replica, last_progress_s: float) -> None:
         """The engine holds work but scheduled nothing: wait for the next event, or for the host
         KV tier's next copy to finish (a request waiting for its load)."""
-        copy_done_s = self.engine.next_copy_done_s()
+        copy_done_s = rep.engine.next_copy_done_s()
         if copy_done_s < self._next_event_s():
             self.now_s = max(self.now_s, copy_done_s)
             return
         if self.now_s - last_progress_s > self.config.stall_timeout_s:
-            running, waiting = self.engine.request_counts()
-            raise RuntimeError(
-                f"engine stalled at t={self.now_s:.3f} s: {running} running, {waiting} waiting "
-                "and nothing schedulable (a prompt larger than the KV cache? raise "
-                "engine.num_gpu_blocks or max_model_len)")
+            self._raise_stalled(rep)
         self._advance_to_next_event()
+
+    def _raise_stalled(self, rep: _Replica) -> None:
+        running, waiting = rep.engine.request_counts()
+        where = f" (replica {rep.index})" if len(self._replicas) > 1 else ""
+        raise RuntimeError(
+            f"engine stalled{where} at t={self.now_s:.3f} s: {running} running, {waiting} waiting "
+            "and nothing schedulable (a prompt larger than the KV cache? raise "
+            "engine.num_gpu_blocks or max_model_len)")
 
     def _check_limit(self, t_s: float) -> None:
         limit = self.config.max_virtual_s
@@ -570,89 +740,112 @@ class Simulator:
                                f"{self._num_open} session(s) still open")
 
     # ------------------------------------------------------------------ engine steps
-    def _engine_step(self) -> bool:
-        """One (possibly merged) engine step. Returns False if nothing was scheduled."""
+    def _engine_step(self, rep: _Replica) -> bool:
+        """One (possibly merged) engine step, the events inside it handled as they come (one
+        engine). Returns False if nothing was scheduled and nothing else moved (a host-tier
+        load that finished is progress: its request can be scheduled at once)."""
+        if not self._start_step(rep):
+            return not rep.is_blocked
+        t_end = rep.step[3]  # type: ignore[index]
+        rep.in_step = True
+        while self._next_event_s() < t_end:
+            self._handle_next_event()
+        self._finish_step(rep)
+        return True
+
+    def _start_step(self, rep: _Replica) -> bool:
+        """Plan and schedule ``rep``'s next (possibly merged) step; its end time goes in
+        ``rep.step``. Returns False (and marks it blocked) if nothing was scheduled."""
         t_start = self.now_s
-        plan = self._plan_run()
-        record = self.engine.schedule(plan)
+        plan = self._plan_run(rep)
+        record = rep.engine.schedule(plan)
         if record.is_empty:
-            self.engine.update(record)
-            # A host-tier load that finished makes its request schedulable now.
-            return bool(record.loaded_ids)
+            rep.engine.update(record)
+            # A host-tier load that finished makes its request schedulable now (not blocked).
+            rep.is_blocked = not record.loaded_ids
+            return False
         t_end = plan.end_s
         if plan.kind in (RunKind.STEADY, RunKind.BLOCKED) and (record.prefill or any(
                 n != plan.num_steps for n in record.num_scheduled_tokens.values())):
             assert plan.kind is RunKind.STEADY, "a blocked decode run is fully determined"
             t_end = None  # the scheduler changed the plan
         if t_end is None:
-            t_end = t_start + self.engine.step_s(self._step_time_s(record))
-        dt_s = t_end - t_start
-        self._on_scheduled(record, t_start)
+            t_end = t_start + rep.engine.step_s(self._step_time_s(rep, record))
+        self._on_scheduled(rep, record, t_start)
         self._check_limit(t_end)
-        self._in_step = True
-        while self._next_event_s() < t_end:
-            self._handle_next_event()
-        self._in_step = False
-        if self._run_kv is not None:
-            assert self._run_kv.used_after(record.num_decode_tokens) == self.engine.kv_block_counts()[2], \
-                "a merged run's KV differs from its single steps'"
-            self._run_kv = None
-        self.now_s = t_end
-        self.engine.update(record)
-        self._on_outputs(record)
-        for run, arrival_s in self._deferred:
-            self._add_request(run, arrival_s)
-        self._deferred.clear()
-        self._last_step_s = dt_s / max(1, record.num_decode_tokens)
-        self._maybe_snapshot()
+        rep.step = (plan, record, t_start, t_end)
+        rep.in_step = True
         return True
 
-    def _plan_run(self) -> RunPlan:
+    def _finish_step(self, rep: _Replica) -> None:
+        """``rep``'s step ends now: its model output is applied, finished turns move on, and the
+        requests that arrived during it are added."""
+        assert rep.step is not None
+        _, record, t_start, t_end = rep.step
+        rep.step = None
+        rep.in_step = False
+        if rep.run_kv is not None:
+            assert rep.run_kv.used_after(record.num_decode_tokens) == rep.engine.kv_block_counts()[2], \
+                "a merged run's KV differs from its single steps'"
+            rep.run_kv = None
+        self.now_s = t_end
+        rep.engine.update(record)
+        self._on_outputs(rep, record)
+        for run, arrival_s in rep.deferred:
+            self._add_request(run, arrival_s)
+        rep.deferred.clear()
+        rep.last_step_s = (t_end - t_start) / max(1, record.num_decode_tokens)
+        rep.last_progress_s = t_end
+        self._maybe_snapshot(rep)
+
+    def _plan_run(self, rep: _Replica) -> RunPlan:
         """What the next ``schedule()`` stands for (:meth:`InprocEngine.plan_run`: a merged run
         never crosses the next event that can change the engine's input, :meth:`_next_hard_event_s`);
         an exact run that spans an admission tick keeps the KV its single steps leave
-        (:attr:`_run_kv`), which the tick reads."""
-        plan = self.engine.plan_run(self.config.coalesce_max_steps, self.now_s,
-                                    self._next_hard_event_s(), self.timer,
-                                    merge_blocked=self._fast_paths)
+        (``rep.run_kv``), which the tick reads."""
+        plan = rep.engine.plan_run(self.config.coalesce_max_steps, self.now_s,
+                                   self._next_hard_event_s(), rep.timer,
+                                   merge_blocked=self._fast_paths)
         if (plan.kind not in (RunKind.SINGLE, RunKind.STEADY) and self.config.is_admission_enabled
                 and plan.step_ends_s[-1] > self._next_tick_s):
-            self._run_kv = self.engine.run_kv(plan)
+            rep.run_kv = rep.engine.run_kv(plan)
         return plan
 
-    def _kv_used_blocks(self) -> int:
-        """Used KV blocks as the engine would report them now: inside a merged run (:attr:`_run_kv`)
+    def _kv_used_blocks(self, rep: _Replica) -> int:
+        """Used KV blocks as the engine would report them now: inside a merged run (``rep.run_kv``)
         those after the single steps scheduled by now (a tick at a step's end comes before the
         next step's ``schedule()``, one inside a step after its own). Pure."""
-        if self._run_kv is None or not self._in_step:
-            return self.engine.kv_block_counts()[2]
-        times = self._run_kv.step_ends_s
+        if rep.run_kv is None or not rep.in_step:
+            return rep.engine.kv_block_counts()[2]
+        times = rep.run_kv.step_ends_s
         done = bisect.bisect_right(times, self.now_s)
-        return self._run_kv.used_after(done if done and times[done - 1] == self.now_s else done + 1)
+        return rep.run_kv.used_after(done if done and times[done - 1] == self.now_s else done + 1)
 
-    def _step_time_s(self, record: EngineStepRecord) -> float:
+    def _step_time_s(self, rep: _Replica, record: EngineStepRecord) -> float:
         """Modelled seconds of the step; a coalesced step of ``k`` tokens counts ``k`` steps."""
         k = record.num_decode_tokens
         contexts = record.decode_context_tokens
+        timer = rep.timer
         if k > 1 and not record.prefill:
-            return decode_run_step_time_s(self.timer.step_time_s, contexts, k)
-        first = self.timer.step_time_s(record.prefill, contexts)
+            return decode_run_step_time_s(timer.step_time_s, contexts, k)
+        first = timer.step_time_s(record.prefill, contexts)
         if k == 1:
             return first
         # A plugin admitted a prefill into a planned decode run (not expected with an empty
         # waiting queue): the first step carries the prefill, the other k - 1 are pure decode.
-        return first + decode_run_step_time_s(self.timer.step_time_s, [c + 1 for c in contexts],
+        return first + decode_run_step_time_s(timer.step_time_s, [c + 1 for c in contexts],
                                               k - 1)
 
-    def _on_scheduled(self, record: EngineStepRecord, t_start: float) -> None:
+    def _on_scheduled(self, rep: _Replica, record: EngineStepRecord, t_start: float) -> None:
         """First schedules and preemptions (stamped at the step start)."""
-        stock = not self.engine.is_plugin
+        stock = not rep.engine.is_plugin
+        source = rep.source
         for rid in sorted(record.preempted_ids):  # a set's order follows the per-process hash
             run, turn = self._by_request[rid]
             turn.num_preemptions += 1
             self.num_preemptions += 1
             if stock:
-                self._emit(ev.RequestPreempted, self.config.engine_source, run.spec.session_id,
+                self._emit(ev.RequestPreempted, source, run.spec.session_id,
                            turn.turn, request_id=rid, num_blocks_freed=0)
         for rid, num_cached in record.new_request_cached_tokens.items():
             run, turn = self._by_request[rid]
@@ -661,26 +854,29 @@ class Simulator:
             turn.first_scheduled_s = t_start
             turn.num_cached_tokens = num_cached
             if stock:
-                self._emit(ev.RequestFirstScheduled, self.config.engine_source,
+                self._emit(ev.RequestFirstScheduled, source,
                            run.spec.session_id, turn.turn, request_id=rid,
                            prefill_start_delay_s=t_start - turn.submit_s,
                            num_cached_tokens=num_cached)
 
-    def _on_outputs(self, record: EngineStepRecord) -> None:
-        stock = not self.engine.is_plugin
+    def _on_outputs(self, rep: _Replica, record: EngineStepRecord) -> None:
+        stock = not rep.engine.is_plugin
+        source = rep.source
+        router_replica = self.plane.router.replicas[rep.index]
         for rid, num_new, reason in record.outputs:
             run, turn = self._by_request[rid]
             if turn.first_token_s is None and num_new > 0:
                 turn.first_token_s = self.now_s
                 if stock:
-                    self._emit(ev.RequestFirstToken, self.config.engine_source,
+                    self._emit(ev.RequestFirstToken, source,
                                run.spec.session_id, turn.turn, request_id=rid,
                                ttft_s=self.now_s - turn.submit_s)
             if reason is not None:
                 del self._by_request[rid]
+                router_replica.num_in_flight -= 1
                 turn.finish_s = self.now_s
                 if stock:
-                    self._emit(ev.RequestFinished, self.config.engine_source, run.spec.session_id,
+                    self._emit(ev.RequestFinished, source, run.spec.session_id,
                                turn.turn, request_id=rid,
                                num_prompt_tokens=turn.num_prompt_tokens,
                                num_output_tokens=turn.num_output_tokens,
@@ -689,18 +885,19 @@ class Simulator:
                                finish_reason=reason.lower(), e2e_s=self.now_s - turn.submit_s)
                 self._on_turn_finished(run, turn)
 
-    def _maybe_snapshot(self) -> None:
-        last = self._last_snapshot_s
+    def _maybe_snapshot(self, rep: _Replica) -> None:
+        last = rep.last_snapshot_s
         if not self._wants(ev.EngineStep) or (
                 last is not None and self.now_s - last < self.config.engine_step_interval_s):
             return
-        self._last_snapshot_s = self.now_s
-        free, retained, used = self.engine.kv_block_counts()
-        running, waiting = self.engine.request_counts()
-        self._emit(ev.EngineStep, self.config.engine_source, None, None,
-                   num_gpu_blocks=self.engine.num_gpu_blocks(), num_used_blocks=used,
+        rep.last_snapshot_s = self.now_s
+        engine = rep.engine
+        free, retained, used = engine.kv_block_counts()
+        running, waiting = engine.request_counts()
+        self._emit(ev.EngineStep, rep.source, None, None,
+                   num_gpu_blocks=engine.num_gpu_blocks(), num_used_blocks=used,
                    num_free_blocks=free, num_retained_blocks=retained, num_running=running,
-                   num_waiting=waiting, step_time_s=self._last_step_s)
+                   num_waiting=waiting, step_time_s=rep.last_step_s)
 
     # ------------------------------------------------------------------ sessions
     def _on_arrival(self, run: _SessionRun) -> None:
@@ -723,8 +920,7 @@ class Simulator:
         if self.config.is_admission_enabled and num_admitted > self.admission.window:
             self.num_over_window += 1
         run.record.admitted_s = self.now_s
-        self.plane.router.route(run.gateway)  # the only replica; the gateway binds it the same way
-        run.stream = self.engine.stream(run.spec.session_id)
+        run.stream = self.engine.stream(run.spec.session_id)  # the same ids on every replica
         self._submit_turn(run)
 
     def _submit_turn(self, run: _SessionRun) -> None:
@@ -741,9 +937,33 @@ class Simulator:
         run.record.turns.append(turn)
         self._by_request[rid] = (run, turn)
         assert run.gateway is not None
+        self._route(run, num_prompt)
         _, run.prev_tool = self.plane.start_turn(run.gateway)
-        if self._in_step:
-            self._deferred.append((run, self.now_s))
+        self._send(run)
+
+    def _route(self, run: _SessionRun, num_prompt_tokens: int) -> None:
+        """The gateway's routing decision for the session's request (``Router.route``: the
+        policy's :func:`~mars_openhands.policy.placement.choose_replica`). A session that moves
+        off a live replica has it told ``session_end`` (the KV it kept for the session is
+        released, as a gateway that moves a session would)."""
+        assert run.gateway is not None
+        index = self.plane.router.route(run.gateway, num_prompt_tokens).index
+        old = run.replica
+        if old is not None and old.index != index and not old.is_lost and old.engine.is_plugin:
+            old.engine.post_event(ev.SessionEnd.model_construct(
+                **self._stamps(), source=self.config.gateway_source,
+                session_id=run.spec.session_id, turn=None, status="moved"))
+            old.is_blocked = False
+        run.replica = self._replicas[index]
+
+    def _send(self, run: _SessionRun) -> None:
+        """The session's latest turn goes to its replica: now, or after the replica's step."""
+        rep = run.replica
+        assert rep is not None
+        self.plane.router.replicas[rep.index].num_in_flight += 1
+        run.record.turns[-1].replica = rep.index
+        if rep.in_step:
+            rep.deferred.append((run, self.now_s))
         else:
             self._add_request(run, self.now_s)
 
@@ -754,12 +974,14 @@ class Simulator:
             extra["mars_last_step"] = int(turn.turn == run.spec.num_turns - 1)
         if run.prev_tool is not None:
             extra["mars_prev_tool"], extra["mars_prev_tool_s"] = run.prev_tool
-        assert run.stream is not None
-        self.engine.add_request(turn.request_id, run.stream, turn.num_prompt_tokens,
-                                turn.num_output_tokens, arrival_time_s=arrival_s,
-                                session_id=run.spec.session_id, extra_args=extra)
-        if not self.engine.is_plugin:
-            self._emit(ev.RequestQueued, self.config.engine_source, run.spec.session_id, turn.turn,
+        assert run.stream is not None and run.replica is not None
+        rep = run.replica
+        rep.engine.add_request(turn.request_id, run.stream, turn.num_prompt_tokens,
+                               turn.num_output_tokens, arrival_time_s=arrival_s,
+                               session_id=run.spec.session_id, extra_args=extra)
+        rep.is_blocked = False
+        if not rep.engine.is_plugin:
+            self._emit(ev.RequestQueued, rep.source, run.spec.session_id, turn.turn,
                        request_id=turn.request_id, num_prompt_tokens=turn.num_prompt_tokens,
                        num_projected_blocks=-(-turn.num_prompt_tokens
                                               // self.config.engine.block_size))
@@ -825,9 +1047,14 @@ class Simulator:
         ``admission_update`` (one per tick, unlike the live gateway's recorder)."""
         is_quiet = not (self.admission.admitted or self.admission.num_waiting or self.pool.num_busy)
         self._quiet_ticks = self._quiet_ticks + 1 if is_quiet else 0
-        used = self._kv_used_blocks()
-        self.plane.router.observe_engine_step(self.config.engine_source, used,
-                                              self.engine.num_gpu_blocks())
+        router = self.plane.router
+        for rep in self._replicas:
+            if rep.is_lost:
+                continue
+            router.observe_engine_step(rep.source, self._kv_used_blocks(rep),
+                                       rep.engine.num_gpu_blocks())
+            if len(self._replicas) > 1:  # as the gateway's /metrics poll (llm-d's queue scorer)
+                router.replicas[rep.index].num_waiting = rep.engine.request_counts()[1]
         tick = self.plane.tick()
         if self._wants(ev.AdmissionUpdate):
             self._emit(ev.AdmissionUpdate, self.config.gateway_source, None, None,
@@ -836,16 +1063,51 @@ class Simulator:
 
     # ------------------------------------------------------------------ end
     def _finish(self, wall_s: float) -> SimResult:
-        self.engine.shutdown()
+        live = [r for r in self._replicas if not r.is_lost]
+        for rep in live:
+            rep.engine.shutdown()
         makespan = max((r.record.end_s or 0.0) for r in self._runs.values()) if self._runs else 0.0
+        counts = [r.engine.kv_block_counts() for r in live]
         return SimResult(
             sessions={sid: r.record for sid, r in self._runs.items()}, makespan_s=makespan,
-            wall_s=wall_s, num_schedule_calls=self.engine.num_steps,
-            num_engine_steps=self.engine.num_decode_substeps,
+            wall_s=wall_s, num_schedule_calls=sum(r.engine.num_steps for r in self._replicas),
+            num_engine_steps=sum(r.engine.num_decode_substeps for r in self._replicas),
             num_preemptions=self.num_preemptions, max_admitted_sessions=self.max_admitted,
             num_admissions_over_window=self.num_over_window,
-            kv_blocks_at_end=self.engine.kv_block_counts(), num_events=self.num_events,
+            kv_blocks_at_end=counts[0] if len(counts) == 1 else tuple(  # type: ignore[arg-type]
+                sum(c[i] for c in counts) for i in range(3)),
+            num_events=self.num_events, num_replicas=len(self._replicas),
+            num_rehomes=self.plane.router.num_rehomes, replica_loss=self.loss,
         )
+
+    # ------------------------------------------------------------------ replica loss
+    def _lose_replica(self, rep: _Replica) -> None:
+        """Replica ``rep`` is gone (``SimConfig.lose_replica``): its step never ends, its engine's
+        requests are aborted (and its blocks checked for leaks), the control plane marks it down
+        (its sessions detached, as the gateway does), and the turns it was serving are re-sent:
+        routed again, prefilled again from their whole context elsewhere."""
+        if rep.is_lost:
+            return
+        rep.is_lost = True
+        rep.step, rep.in_step, rep.run_kv = None, False, None
+        rep.deferred.clear()
+        aborted = rep.engine.abort_all()
+        rep.engine.shutdown()
+        rep.engine.assert_no_leaks()
+        bound = [r for r in self._runs.values() if r.replica is rep and r.record.end_s is None]
+        failed = [(run, turn) for run, turn in self._by_request.values() if run.replica is rep]
+        self.plane.replica_failed(rep.index, "lost (--lose-replica)", immediate=True)
+        self.plane.router.replicas[rep.index].num_in_flight = 0
+        self.loss = ReplicaLossReport(
+            rep.index, self.now_s, len(bound), len(failed),
+            sum(len(run.stream) for run in bound if run.stream is not None), len(aborted))
+        for run in bound:
+            run.replica = None
+        for run, turn in failed:
+            turn.first_scheduled_s = turn.first_token_s = turn.num_cached_tokens = None
+            turn.num_failures += 1
+            self._route(run, turn.num_prompt_tokens)
+            self._send(run)
 
 
 def simulate(

@@ -173,7 +173,10 @@ class _Sweep:
         o = self.options
         try:
             return content_key(kind, self._sessions_key, setup.gpu, setup.step_timer, setup.num_gpu_blocks,
-                               o.num_tool_workers, o.seed, o.max_virtual_s, *o.host_kv_key(), *extra)
+                               o.num_tool_workers, o.seed, o.max_virtual_s, *o.host_kv_key(), *extra,
+                               # an ideal time is one session alone on one replica
+                               *((o.num_replicas, o.router, o.lose_replica)
+                                 if o.num_replicas > 1 and kind != "ideal" else ()))
         except TypeError:
             return None
 
@@ -219,6 +222,16 @@ class _Sweep:
             return
         calls, owners, todo = [], [], []
         order = [s.session_id for s in self.workload.sessions]
+        # Sessions drawn with replacement (--replicas) are copies: one ideal per original.
+        representative: dict[str, str] = {}
+        alone = []
+        for s in self.workload.sessions:
+            original = s.session_id.rpartition("~")[0] if self.options.num_replicas > 1 else s.session_id
+            if original not in representative:
+                representative[original] = s.session_id
+                alone.append(s)
+        rep_of = {sid: representative[sid.rpartition("~")[0] if self.options.num_replicas > 1 else sid]
+                  for sid in order}
         for setup in self.gpus:
             key = self._key("ideal", setup, POLICIES["fcfs"].engine)
             cached = self.cache.get("ideal", key) if key else None
@@ -227,9 +240,9 @@ class _Sweep:
                 continue
             self.ideal[setup.gpu] = {}
             todo.append((setup, key))
-            size = max(1, -(-len(self.workload.sessions) // (4 * pool.jobs)))  # ~4 chunks per worker
-            for i in range(0, len(self.workload.sessions), size):
-                chunk = self.workload.model_copy(update={"sessions": self.workload.sessions[i:i + size]})
+            size = max(1, -(-len(alone) // (4 * pool.jobs)))  # ~4 chunks per worker
+            for i in range(0, len(alone), size):
+                chunk = self.workload.model_copy(update={"sessions": tuple(alone[i:i + size])})
                 calls.append((ideal_task, (chunk, self.options, setup.num_gpu_blocks, setup.step_timer)))
                 owners.append(setup.gpu)
         if self.live is not None:
@@ -245,7 +258,7 @@ class _Sweep:
             # Workload order, not the chunks' finishing order: sums over the ideal times (the knee
             # search's start rate) then round the same in every run, so results are bit-identical.
             chunks = self.ideal[setup.gpu]
-            self.ideal[setup.gpu] = {sid: chunks[sid] for sid in order}
+            self.ideal[setup.gpu] = {sid: chunks[rep_of[sid]] for sid in order}
             if key:
                 self.cache.put("ideal", key, self.ideal[setup.gpu])
 

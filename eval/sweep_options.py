@@ -55,6 +55,16 @@ class CompareOptions(BaseModel):
     alphas: tuple[float, ...] = DEFAULT_ALPHAS
     max_virtual_s: float | None = Field(None, gt=0.0)
     """Abort a run whose virtual clock passes this (a guard against runaway overload)."""
+    num_replicas: int = Field(1, ge=1)
+    """Engines behind one control plane (``--replicas``); rates (loads, the base rate, knees) stay
+    per GPU: a run's arrivals come at ``rate x num_replicas``."""
+    router: str = "least-sessions"
+    """The control plane's routing policy (``--router``)."""
+    lose_replica: tuple[int, float] | None = None
+    """``(index, seconds)``: that replica is lost then in every run (``--lose-replica``)."""
+    replica_blocks: tuple[int, ...] = ()
+    """KV blocks of each replica for a mix of GPU profiles (``--replica-gpus``; the sweep's GPU
+    setup then carries one step timer per replica); empty: ``num_gpu_blocks`` for every one."""
     host_kv_gib: float = Field(DEFAULT_HOST_KV_GIB, gt=0.0)
     """Host-memory KV tier of the policies that have one (``PolicySpec.host_kv``), GiB (vLLM
     ``--kv-offloading-size``; ``compare --host-kv-gib``)."""
@@ -103,6 +113,8 @@ def _profile_step_model(gpu: str, model: str, dtype: str, kv_cache_dtype: str | 
 
 def real_timer(timer: Any) -> Any:
     """The model behind a :class:`ProfileTimer` (skips one call per step), else ``timer`` itself."""
+    if isinstance(timer, tuple):  # one per replica (a mix of GPU profiles)
+        return [real_timer(t) for t in timer]
     return timer.build() if isinstance(timer, ProfileTimer) else timer
 
 

@@ -30,7 +30,7 @@ from eval.workloads.format import (
 )
 from eval.workloads.synth import SYNTH_KINDS, WorkloadCaps, synthesize
 from eval.workloads.traces import load_trace_dir, load_trajectory
-from eval.workloads.transform import cap_session, scale_workload, trim_workload
+from eval.workloads.transform import cap_session, draw_sessions, scale_workload, trim_workload
 
 __all__ = [
     "FORMAT_VERSION",
@@ -47,6 +47,7 @@ __all__ = [
     "WorkloadMeta",
     "arrival_times_s",
     "cap_session",
+    "draw_sessions",
     "load_trace_dir",
     "load_trajectory",
     "load_workload",

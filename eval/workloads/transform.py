@@ -109,6 +109,34 @@ def scale_workload(workload: Workload, *, token_factor: float = 1.0, tool_time_f
     return workload.model_copy(update={"sessions": sessions, "meta": meta})
 
 
+def draw_sessions(workload: Workload, num_sessions: int, seed: int = 0) -> Workload:
+    """``num_sessions`` sessions drawn with replacement from ``workload``'s, in the drawn order.
+    Pure.
+
+    Each draw is a copy of a session under the id ``<id>~<k>`` (``k``: the draw's position), so
+    every copy is its own session (its own token stream in the simulator: no KV is shared between
+    copies). Used for N replicas (``compare --replicas``), whose runs need more sessions than the
+    traces hold.
+
+    Args:
+        workload: the sessions to draw from (at least one).
+        num_sessions: how many to draw (>= 1).
+        seed: the draws (``numpy.random.default_rng([seed, 3])``).
+
+    Raises:
+        ValueError: an empty workload or ``num_sessions`` < 1.
+    """
+    if not workload.sessions or num_sessions < 1:
+        raise ValueError(f"draw_sessions needs a non-empty workload and num_sessions >= 1, got "
+                         f"{len(workload.sessions)} sessions and num_sessions={num_sessions}")
+    picks = np.random.default_rng([seed, 3]).integers(0, len(workload.sessions), num_sessions)
+    sessions = tuple(workload.sessions[i].model_copy(
+        update={"session_id": f"{workload.sessions[i].session_id}~{k}"}) for k, i in enumerate(picks))
+    note = f"{num_sessions} sessions drawn with replacement from {len(workload.sessions)} (seed {seed})"
+    meta = workload.meta.model_copy(update={"notes": (*workload.meta.notes, note)})
+    return Workload(meta=meta, sessions=sessions)
+
+
 def mix_workloads(workloads: list[Workload], seed: int = 0) -> Workload:
     """Interleave the sessions of several workloads in a seeded random order. Pure.
 

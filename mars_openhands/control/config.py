@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 
 from mars_openhands.cli_style import check_port_free
 from mars_openhands.policy.admission import AdmissionParams
+from mars_openhands.policy.placement import DEFAULT_ROUTING_POLICY, routing_policy
 from mars_openhands.policy.reorder import ReorderParams
 
 __all__ = ["ConfigError", "GatewayConfig", "ReplicaConfig", "check_runtime", "parse_replica"]
@@ -131,6 +132,10 @@ class GatewayConfig(BaseModel):
     """AIMD window and pressure thresholds (design.md §6)."""
     reorder: ReorderParams = ReorderParams()
     """Order of the waiting sessions."""
+    routing_policy: str = DEFAULT_ROUTING_POLICY
+    """How sessions are placed across replicas: least-sessions (default: sticky, fewest sessions),
+    sticky-hash, llm-d, prefix-affinity, thunderagent or mars-placement (the registry of
+    mars_openhands/policy/placement.py; docs/compare.md, "Replicas and routers")."""
     num_tool_workers: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1)
     """N_tool: tool workers of the agents (rho = in-flight tool calls / N_tool); default: CPU count."""
     tool_wait_idle_decay: bool = True
@@ -207,6 +212,12 @@ class GatewayConfig(BaseModel):
     @classmethod
     def _keys(cls, value: SecretStr | None) -> SecretStr | None:
         return _check_key(value, "the key")
+
+    @field_validator("routing_policy")
+    @classmethod
+    def _known_routing_policy(cls, value: str) -> str:
+        routing_policy(value)  # raises, listing the known names
+        return value
 
     @field_validator("engine_events_address")
     @classmethod

@@ -420,4 +420,5 @@ class ControlPlane:
         for session in self.sessions:
             if session.replica == index:
                 self.router.detach(session)
+        self.router.forget_replica_cache(index)
         return True

@@ -28,6 +28,13 @@ from dataclasses import dataclass, field
 from mars_openhands.control.config import GatewayConfig
 from mars_openhands.control.metrics import EngineMetrics
 from mars_openhands.control.sessions import Session
+from mars_openhands.policy.placement import (
+    NoHealthyReplicaError,
+    ReplicaLoad,
+    RouteRequest,
+    choose_replica,
+    routing_policy,
+)
 
 __all__ = ["NoReplicaError", "ReplicaState", "Router"]
 
@@ -68,6 +75,8 @@ class ReplicaState:
     """``process_start_time_seconds`` of the replica; a change means it restarted."""
     num_restarts: int = 0
     num_failures_total: int = 0
+    num_prefix_tokens: int = 0
+    """Prompt tokens the router's prefix index holds for it (Ray's prefix-tree tenant size)."""
     in_flight: set = field(default_factory=set)
     """In-flight requests (``proxy._Call``), failed when the replica goes down."""
     authorization: str | None = field(default=None, repr=False)
@@ -90,6 +99,34 @@ class ReplicaState:
         return self.kv_usage_polled
 
 
+@dataclass
+class _Placement:
+    """A session's routing history (the router's prefix index and its working-set projection)."""
+
+    routed_tokens: dict[int, int] = field(default_factory=dict)
+    """Replica index -> the longest prompt of the session routed there, tokens."""
+    first_prompt_tokens: int = 0
+    last_prompt_tokens: int = 0
+    num_prompts: int = 0
+
+    def observe_prompt(self, num_prompt_tokens: int) -> None:
+        """A turn's prompt, tokens (0: unknown, ignored). Mutates."""
+        if num_prompt_tokens <= 0:
+            return
+        if self.num_prompts == 0:
+            self.first_prompt_tokens = num_prompt_tokens
+        self.last_prompt_tokens = num_prompt_tokens
+        self.num_prompts += 1
+
+    @property
+    def projected_tokens(self) -> int:
+        """Next turn's context: the last prompt plus the mean growth per turn so far, tokens."""
+        if self.num_prompts < 2:
+            return self.last_prompt_tokens
+        growth = (self.last_prompt_tokens - self.first_prompt_tokens) / (self.num_prompts - 1)
+        return int(self.last_prompt_tokens + growth)
+
+
 class Router:
     """Replica table (what each replica reported: KV, health) and the affinity / least-loaded choice.
 
@@ -107,6 +144,14 @@ class Router:
             for i, r in enumerate(config.replicas)
         ]
         self._by_source = {config.replica_source(i): i for i in range(len(config.replicas))}
+        self.policy = routing_policy(config.routing_policy)
+        """The routing policy (``config.routing_policy``)."""
+        self._bound: list[dict[str, Session]] = [{} for _ in self.replicas]
+        """Per replica: the sessions bound to it."""
+        self._placement: dict[str, _Placement] = {}
+        """Per session: what the prefix-aware and working-set policies read."""
+        self.num_rehomes = 0
+        """Sessions moved off a healthy replica by the policy (per-turn or re-homing)."""
 
     def index_of_source(self, source: str) -> int | None:
         """Replica index whose GPU-plane events carry ``source``, if any."""
@@ -141,6 +186,7 @@ class Router:
             if replica.process_start_s is not None and m.process_start_s != replica.process_start_s:
                 replica.num_restarts += 1
                 logger.warning("replica %s restarted; its sessions' KV is gone", replica.name)
+                self.forget_replica_cache(index)
             replica.process_start_s = m.process_start_s
         replica.kv_usage_polled = m.kv_usage
         replica.kv_usage_polled_mono_s = self.clock()
@@ -171,36 +217,93 @@ class Router:
                     self.config.block_size_tokens)
 
     # ------------------------------------------------------------------ routing
+    def replica_loads(self) -> list[ReplicaLoad]:
+        """Every replica as the routing policy sees it (:class:`ReplicaLoad`). Pure."""
+        now = self.clock()
+        max_age = self.config.engine_step_max_age_s
+        needs_sets = self.policy.needs_prompt
+        loads = []
+        for r in self.replicas:
+            bound = self._bound[r.index]
+            loads.append(ReplicaLoad(
+                index=r.index, is_healthy=r.is_healthy, num_sessions=r.num_sessions,
+                kv_usage=r.kv_usage(now, max_age), num_in_flight=r.num_in_flight,
+                num_waiting=r.num_waiting or 0,
+                num_kv_tokens=(r.num_gpu_blocks * self.block_size_tokens()
+                               if r.num_gpu_blocks else None),
+                num_working_set_tokens=(sum(self._placement[s].projected_tokens for s in bound)
+                                        if needs_sets else 0),
+                num_acting_sessions=(sum(1 for s in bound.values() if s.tools_in_flight)
+                                     if needs_sets else 0),
+                num_prefix_tokens=r.num_prefix_tokens))
+        return loads
 
-    def _load_key(self, r: ReplicaState) -> tuple[int, float, int, int]:
-        usage = r.kv_usage(self.clock(), self.config.engine_step_max_age_s)
-        return (r.num_sessions, usage if usage is not None else 0.0, r.num_in_flight, r.index)
+    def route(self, session: Session, num_prompt_tokens: int = 0) -> ReplicaState:
+        """Return the replica for the session's next request, binding the session to it: the
+        routing policy's choice (``config.routing_policy``,
+        :func:`~mars_openhands.policy.placement.choose_replica`). Mutates.
 
-    def route(self, session: Session) -> ReplicaState:
-        """Return the replica for the session's next request, binding the session to it. Mutates.
+        Args:
+            session: the session.
+            num_prompt_tokens: this request's prompt, tokens (0: unknown); the prefix-aware and
+                working-set policies read it.
 
         Raises:
             NoReplicaError: every replica is down (the message lists them with their last error).
         """
-        if session.replica is not None:
-            current = self.replicas[session.replica]
-            if current.is_healthy:
-                return current
+        current = session.replica
+        if (current is not None and self.policy.is_sticky and not self.policy.rehomes
+                and not self.policy.needs_prompt and self.replicas[current].is_healthy):
+            return self.replicas[current]  # the hot path: affinity, no snapshot needed
+        if current is not None and not self.replicas[current].is_healthy:
             self.detach(session)
-        candidates = self.healthy()
-        if not candidates:
+        placement = self._placement.get(session.session_id)
+        if placement is None:
+            placement = self._placement[session.session_id] = _Placement()
+        placement.observe_prompt(num_prompt_tokens)
+        request = RouteRequest(
+            session_id=session.session_id, replica=session.replica,
+            num_prompt_tokens=num_prompt_tokens, num_projected_tokens=placement.projected_tokens,
+            cached_tokens=placement.routed_tokens, block_size_tokens=self.block_size_tokens())
+        try:
+            index = choose_replica(request, self.replica_loads(), self.policy)
+        except NoHealthyReplicaError:
             states = ", ".join(f"{r.name} ({r.url}): {r.last_error}" for r in self.replicas)
-            raise NoReplicaError(f"no healthy vLLM replica; all are down: {states}")
-        best = min(candidates, key=self._load_key)
-        session.replica = best.index
-        best.num_sessions += 1
-        return best
+            raise NoReplicaError(f"no healthy vLLM replica; all are down: {states}") from None
+        if session.replica != index:
+            self.detach(session)
+            if placement.routed_tokens:
+                self.num_rehomes += 1
+            session.replica = index
+            self.replicas[index].num_sessions += 1
+            self._bound[index][session.session_id] = session
+        self._record_prefix(placement, index, num_prompt_tokens)
+        return self.replicas[index]
+
+    def _record_prefix(self, placement: _Placement, index: int, num_prompt_tokens: int) -> None:
+        """The prefix index (llm-d's approximate scorer, Ray's tree): this prompt is now on
+        ``index``; the replica's tenant grows by what the session's prefix there grew."""
+        before = placement.routed_tokens.get(index, 0)
+        if num_prompt_tokens > before:
+            placement.routed_tokens[index] = num_prompt_tokens
+            self.replicas[index].num_prefix_tokens += num_prompt_tokens - before
 
     def detach(self, session: Session) -> None:
-        """Unbind the session from its replica (session ended or replica down). Mutates."""
+        """Unbind the session from its replica (session ended, re-homed or replica down); an ended
+        session's placement state is forgotten. Mutates."""
         if session.replica is not None:
             self.replicas[session.replica].num_sessions -= 1
+            self._bound[session.replica].pop(session.session_id, None)
             session.replica = None
+        if session.has_ended:
+            self._placement.pop(session.session_id, None)
+
+    def forget_replica_cache(self, index: int) -> None:
+        """Replica ``index`` lost its KV (down or restarted): its prefix index entries go (Ray's
+        ``remove_tenants``). Mutates."""
+        self.replicas[index].num_prefix_tokens = 0
+        for placement in self._placement.values():
+            placement.routed_tokens.pop(index, None)
 
     def record_success(self, index: int) -> bool:
         """A poll or request succeeded. Returns True if the replica came back up. Mutates."""

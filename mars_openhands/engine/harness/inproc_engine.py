@@ -31,7 +31,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 
 from mars_openhands.engine import seams
 from mars_openhands.engine.harness.build import (
@@ -276,6 +276,19 @@ class InprocEngine:
         """Clock time the host tier's next copy finishes (``inf`` without one or when idle).
         Pure."""
         return math.inf if self.host_kv is None else self.host_kv.next_done_s()
+
+    def abort_all(self) -> list[str]:
+        """Abort every unfinished request (the replica is lost): vLLM's ``finish_requests`` with
+        ``FINISHED_ABORTED``, which frees their blocks. A step scheduled but not yet updated is
+        dropped with them. Mutates. Returns the aborted request ids."""
+        request_ids = list(self._requests)
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        for request_id in request_ids:
+            self._forget(request_id)
+        self._kv_counts = None
+        self._plan = None
+        self.probe = None
+        return request_ids
 
     def has_work(self) -> bool:
         """True while the scheduler holds an unfinished request; with a host KV tier, while vLLM's

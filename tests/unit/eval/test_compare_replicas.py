@@ -1,0 +1,80 @@
+"""``compare --replicas / --router / --lose-replica`` (eval/compare.py) and the sessions drawn with
+replacement for them (eval/workloads/transform.draw_sessions)."""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+
+import pytest
+from compare_helpers import small_workload
+
+from eval.compare import add_compare_subcommand
+from eval.runs import arrivals
+from eval.sweep_options import CompareOptions
+from eval.workloads import draw_sessions
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mars-openhands")
+    add_compare_subcommand(parser.add_subparsers(dest="command"))
+    return parser
+
+
+def test_draw_sessions_is_seeded_with_replacement_and_gives_each_copy_its_own_id() -> None:
+    workload = small_workload()
+    drawn = draw_sessions(workload, 50, seed=3)
+    assert len(drawn.sessions) == 50
+    ids = [s.session_id for s in drawn.sessions]
+    assert len(set(ids)) == 50
+    originals = Counter(sid.rpartition("~")[0] for sid in ids)
+    assert set(originals) <= {s.session_id for s in workload.sessions}
+    assert max(originals.values()) > 1  # with replacement
+    by_id = {s.session_id: s for s in workload.sessions}
+    assert all(s.turns == by_id[s.session_id.rpartition("~")[0]].turns for s in drawn.sessions)
+    assert draw_sessions(workload, 50, seed=3) == drawn
+    assert draw_sessions(workload, 50, seed=4) != drawn
+    with pytest.raises(ValueError, match="num_sessions >= 1"):
+        draw_sessions(workload, 0)
+
+
+def test_rates_stay_per_gpu_and_arrivals_scale_with_the_replicas() -> None:
+    options = CompareOptions(num_gpu_blocks=64, num_replicas=4)
+    assert arrivals(0.01, options).rate_per_s == pytest.approx(0.04)
+    assert arrivals(0.01, options.model_copy(update={"num_replicas": 1})).rate_per_s == 0.01
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--replicas", "2", "--backend", "emulated"], "several replicas run only in the simulator"),
+    (["--lose-replica", "0@10"], "--lose-replica 0@10: needs --replicas >= 2"),
+    (["--replicas", "2", "--lose-replica", "2@10"], "an index below it"),
+])
+def test_replica_flags_are_checked_before_anything_runs(argv, message, capsys, tmp_path) -> None:
+    args = _parser().parse_args(["compare", *argv, "--out", str(tmp_path / "out")])
+    assert args.func(args) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--lose-replica", "1"), ("--lose-replica", "x@3"),
+                                             ("--router", "round-robin"), ("--replicas", "0")])
+def test_bad_replica_values_are_rejected_at_parsing(flag, value) -> None:
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["compare", flag, value])
+
+
+def test_a_mix_of_gpu_profiles_is_one_setup_with_a_timer_and_kv_per_replica() -> None:
+    from eval.compare import _mixed_setup
+    from eval.sweep_options import GpuSetup, real_timer
+
+    setups = [GpuSetup("h100_sxm", "t100", 700, "h100"), GpuSetup("h200_sxm", "t200", 4000, "h200")]
+    (mixed,), blocks = _mixed_setup(("h100_sxm", "h200_sxm", "h200_sxm"), setups)
+    assert mixed.step_timer == ("t100", "t200", "t200") and blocks == (700, 4000, 4000)
+    assert mixed.num_gpu_blocks == 700 and mixed.gpu == "h100_sxm+h200_sxm+h200_sxm"
+    assert real_timer(mixed.step_timer) == ["t100", "t200", "t200"]
+
+
+def test_replica_gpus_set_the_replicas_and_refuse_a_conflicting_count(capsys, tmp_path) -> None:
+    args = _parser().parse_args(["compare", "--replica-gpus", "h100_sxm,h200_sxm", "--replicas", "3",
+                                 "--out", str(tmp_path / "out")])
+    assert args.func(args) == 2
+    assert "sets --replicas and --gpu" in capsys.readouterr().err
