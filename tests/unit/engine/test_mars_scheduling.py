@@ -21,10 +21,16 @@ def _first_admitted(h: Harness) -> str:
     return next(iter(res.num_scheduled_tokens))
 
 
-@pytest.mark.parametrize(("cls", "first"), [(Scheduler, "long"), (MarsPreviewScheduler, "short"),
-                                            (MarsScheduler, "short")])
-def test_waiting_order_short_prompt_first(cls, first: str) -> None:
-    h = Harness(cls, num_blocks=512, max_num_seqs=1)
+MLFQ = {"mars": {"mlfq": True}}
+"""MarsScheduler with its MLFQ priority coordinator on (``mars.mlfq``; off by default)."""
+
+
+@pytest.mark.parametrize(("cls", "mars", "first"), [
+    (Scheduler, None, "long"), (MarsPreviewScheduler, None, "short"),
+    (MarsScheduler, None, "long"),  # no levels by default: arrival order
+    (MarsScheduler, MLFQ, "short")])
+def test_waiting_order_short_prompt_first(cls, mars, first: str) -> None:
+    h = Harness(cls, num_blocks=512, max_num_seqs=1, mars=mars)
     h.add(h.make_request(None, h.tokens(3000), 2, request_id="long"))  # level 1
     h.add(h.make_request(None, h.tokens(100), 2, request_id="short"))  # level 0
     assert _first_admitted(h) == first
@@ -64,7 +70,7 @@ def test_victim_is_the_prefill_not_the_decodes(cls, decode_preempted: bool) -> N
 
 
 def test_bounded_promotion_levels() -> None:
-    mars = {"levels": {"aging_interval_s": 30.0}, "mars": {"max_promotion_levels": 1}}
+    mars = {"levels": {"aging_interval_s": 30.0}, "mars": {"mlfq": True, "max_promotion_levels": 1}}
     h = Harness(MarsScheduler, num_blocks=4096, max_num_seqs=1, mars=mars)
     big = h.add(h.make_request(None, h.tokens(40000), 2))
     now = h.clock()
@@ -78,7 +84,7 @@ def test_bounded_promotion_levels() -> None:
 
 def test_no_starvation_under_a_stream_of_short_requests() -> None:
     """A level-3 request waits at most ~3 aging intervals behind an endless short stream."""
-    h = Harness(MarsScheduler, num_blocks=4096, max_num_seqs=1, max_num_batched_tokens=8192)
+    h = Harness(MarsScheduler, num_blocks=4096, max_num_seqs=1, max_num_batched_tokens=8192, mars=MLFQ)
     big = h.add(h.make_request(None, h.tokens(40000), 1, request_id="big"))
     arrival = h.clock()
     admitted_at = None
@@ -191,7 +197,7 @@ def test_lost_context_does_not_demote_a_continuation(from_new_work: bool, first:
     """Without a prefix cache the continuation re-prefills 3k tokens; its *new* work is 20 tokens,
     so (level_from_new_work) it ranks at level 0 ahead of a 2.5k-token fresh prompt, and the reload
     chunk does not demote it."""
-    mars = {"mars": {"level_from_new_work": from_new_work, "session_fifo": False},
+    mars = {"mars": {"mlfq": True, "level_from_new_work": from_new_work, "session_fifo": False},
             "retention": {"enabled": False}}
     h = Harness(MarsScheduler, num_blocks=1024, max_num_seqs=1, max_num_batched_tokens=4096,
                 enable_prefix_caching=False, mars=mars)
