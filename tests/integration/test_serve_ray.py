@@ -1,0 +1,296 @@
+"""``mars-openhands serve`` on a private single-node Ray: 2 CPU vLLM replicas with MarsScheduler.
+
+One test function (each vLLM start costs a minute or two on this machine), in phases, all through
+the command's gateway (the same HTTP API as ``mars-openhands gateway``):
+
+1. six multi-turn sessions with tool events; the admission window is pinned at 3 (min = max), so
+   the fourth session waits until one ends;
+2. each session's turns stay on one replica; the CPU-plane events (``tool_start``,
+   ``session_end``) reach the replica that holds the session (its scheduler's ``kv_retained`` /
+   ``kv_released`` with a ``tool_start:*`` / ``session_end`` reason, recorded in the stream);
+3. the vLLM server of one replica is killed: its sessions' next turns run on the other replica,
+   Ray Serve replaces the replica (health check), the gateway sees it back and routes a new
+   session to it;
+4. every session ends: no slot held, no session bound, and each replica's last ``engine_step``
+   holds no block (used or retained);
+5. SIGTERM: the command stops Ray Serve, the engines and Ray; no process of it is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from mars_openhands.engine.harness.launch import find_free_port
+from mars_openhands.stream.reader import iter_events
+
+pytestmark = pytest.mark.integration
+
+ADMIN_KEY = "admin-of-the-serve-test"
+ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
+NUM_GPU_BLOCKS = 128
+WINDOW = 3
+OWNER_VAR = "MARS_SERVE_TEST_RUN"
+"""Set in the command's environment; Ray's processes and the engines inherit it (leak check)."""
+
+
+def wait_until(predicate, timeout_s: float, what: str, proc: subprocess.Popen | None = None,
+               log: Path | None = None) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"serve exited ({proc.returncode}) waiting for {what}:\n{_tail(log)}")
+        time.sleep(0.1)
+    pytest.fail(f"timed out after {timeout_s} s waiting for {what}:\n{_tail(log)}")
+
+
+def _tail(log: Path | None) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-30:]) if log else ""
+
+
+def owned_pids(token: str) -> list[int]:
+    """Live processes whose environment carries ``OWNER_VAR=token``."""
+    needle = f"{OWNER_VAR}={token}".encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if needle not in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
+                continue
+            status = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        if status.rsplit(")", 1)[1].split()[0] != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+def vllm_pgid(port: int) -> int:
+    """The process group of the vLLM server listening on ``port`` (from /proc)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"vllm.entrypoints.openai.api_server" in argv and str(port).encode() in argv:
+            return os.getpgid(int(entry))
+    raise AssertionError(f"no vLLM server on port {port}")
+
+
+def chat(session: str, turn: int) -> dict[str, Any]:
+    """An agent turn (tools present; tool_choice none: no tool-call parser needed)."""
+    return {"model": "tiny-llama", "max_tokens": 4, "mars_session": session,
+            "messages": [{"role": "user", "content": f"{session} turn {turn} " + "x" * 200}],
+            "tool_choice": "none", "tools": [{"type": "function", "function": {
+                "name": "bash", "parameters": {"type": "object", "properties": {}}}}]}
+
+
+def event(kind: str, session: str, **extra: Any) -> dict[str, Any]:
+    return {"kind": kind, "t_mono_ns": time.monotonic_ns(), "t_wall": "2026-01-01T00:00:00Z",
+            "source": "agent", "session_id": session, **extra}
+
+
+class Agent:
+    """One session's calls through the gateway, with its session token."""
+
+    def __init__(self, client: httpx.Client, session: str) -> None:
+        self.client, self.session, self.turn = client, session, 0
+        self.replicas: list[str] = []
+        self.headers = {"x-mars-session-token": f"token-of-{session}-0123456789abcdef"}
+
+    def step(self) -> str:
+        """One turn; returns the replica that served it."""
+        r = self.client.post("/v1/chat/completions", json=chat(self.session, self.turn),
+                             headers=self.headers)
+        assert r.status_code == 200, (self.session, self.turn, r.status_code, r.text)
+        assert r.headers["x-mars-turn"] == str(self.turn), r.headers
+        self.replicas.append(r.headers["x-mars-replica"])
+        self.turn += 1
+        return self.replicas[-1]
+
+    def tool(self) -> None:
+        """A tool call between turns: enqueued, started, ended."""
+        call = {"tool_name": "bash", "tool_call_id": f"{self.session}-{self.turn}"}
+        for kind, extra in (("tool_enqueued", {}), ("tool_start", {"queue_wait_s": 0.01}),
+                            ("tool_end", {"duration_s": 0.2})):
+            self.post([event(kind, self.session, turn=self.turn, **call, **extra)])
+            time.sleep(0.15)  # the engine applies tool_start before tool_end marks the turn near
+
+    def end(self) -> None:
+        self.post([event("session_end", self.session)])
+
+    def post(self, events: list[dict[str, Any]]) -> None:
+        r = self.client.post("/mars/v1/events", json=events, headers=self.headers)
+        assert r.status_code == 200, r.text
+
+
+def start_serve(tmp_path: Path, token: str) -> tuple[subprocess.Popen, Path, str, Path]:
+    port = find_free_port()
+    stream = tmp_path / "stream.jsonl"
+    gateway = {"admin_key": ADMIN_KEY, "num_tool_workers": 8, "poll_interval_s": 0.2,
+               "replica_failure_threshold": 1, "stream_path": str(stream),
+               "admission": {"window_min": WINDOW, "window_max": WINDOW, "window_init": WINDOW,
+                             "update_interval_s": 0.05}}
+    (tmp_path / "gateway.json").write_text(json.dumps(gateway))
+    mars = {"residency": {"enabled": False},  # tool_start re-decides retention (an event)
+            "telemetry": {"engine_step_interval_ms": 0.0}}
+    log = tmp_path / "serve.log"
+    cmd = [str(Path(sys.executable).parent / "mars-openhands"), "serve", "--replicas", "2", "--scheduler", "mars",
+           "--port", str(port), "--gateway-config", str(tmp_path / "gateway.json"),
+           "--ray-temp-dir", str(tmp_path / "ray"), "--max-model-len", "2048",
+           "--block-size", "32", "--num-gpu-blocks-override", str(NUM_GPU_BLOCKS),
+           "--health-check-period-s", "1", "--additional-config", json.dumps({"mars": mars})]
+    env = {**os.environ, OWNER_VAR: token, "RAY_AUTH_MODE": "disabled",
+           "RAY_USAGE_STATS_ENABLED": "0"}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True, cwd=Path(__file__).resolve().parents[2])
+    return proc, log, f"http://127.0.0.1:{port}", stream
+
+
+def test_serve_two_mars_replicas_on_ray(tmp_path: Path) -> None:
+    token = uuid.uuid4().hex
+    t0 = time.monotonic()
+    proc, log, url, stream = start_serve(tmp_path, token)
+    try:
+        wait_until(lambda: "gateway listening on" in log.read_text(errors="replace"), 480,
+                   "the serve command to come up", proc, log)
+        t_ready = time.monotonic()
+        with httpx.Client(base_url=url, timeout=120) as client:
+            run_phases(client, log)
+        t_phases = time.monotonic()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            rc = proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            rc = None
+        time.sleep(1.0)
+        left = owned_pids(token)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    print(f"\n  serve: ready {t_ready - t0:.0f} s, phases {t_phases - t_ready:.0f} s, "
+          f"shutdown {time.monotonic() - t_phases:.0f} s")
+    assert rc == 0, _tail(log)
+    assert not left, f"processes of the serve command left after shutdown (killed now): {left}"
+    check_stream(stream)
+
+
+PLACEMENT: dict[str, str] = {}
+"""Session → the replica that served its turns before the kill (filled by run_phases)."""
+
+
+def run_phases(client: httpx.Client, log: Path) -> None:
+    def state() -> dict[str, Any]:
+        return client.get("/mars/v1/state", headers=ADMIN).json()
+
+    agents = [Agent(client, f"s{i}") for i in range(6)]
+    # 1. Admission: three sessions fill the window; the fourth waits until one ends.
+    for agent in agents[:3]:
+        agent.step()
+    waiter = threading.Thread(target=agents[3].step)
+    waiter.start()
+    wait_until(lambda: state()["num_waiting"] == 1, 30, "the 4th session waiting for a slot")
+    time.sleep(0.5)
+    assert waiter.is_alive() and agents[3].turn == 0, "the 4th session ran past a full window"
+    agents[0].tool()
+    agents[0].step()
+    agents[0].end()  # frees a slot: the waiting session is admitted
+    waiter.join(timeout=60)
+    assert agents[3].turn == 1
+    # Sessions s1..s5, three turns each with tool calls, the window admitting as they end.
+    def run(agent: Agent, num_turns: int) -> None:
+        while agent.turn < num_turns:
+            if agent.turn:
+                agent.tool()
+            agent.step()
+    threads = [threading.Thread(target=run, args=(a, 2)) for a in agents[1:]]
+    for t in threads:
+        t.start()
+    for a in agents[1:3]:  # end two so that s4, s5 get slots
+        while a.turn < 2:
+            time.sleep(0.1)
+        a.tool()
+    for t in threads[:2]:
+        t.join(timeout=120)
+    # 2. Stickiness: every turn of a session on one replica; both replicas used.
+    for a in agents[:3]:
+        assert len(set(a.replicas)) == 1, (a.session, a.replicas)
+        PLACEMENT[a.session] = a.replicas[0]
+    agents[1].end()
+    agents[2].end()
+    for t in threads[2:]:
+        t.join(timeout=120)
+    for a in agents[3:]:
+        assert len(set(a.replicas)) == 1, (a.session, a.replicas)
+        PLACEMENT[a.session] = a.replicas[0]
+    assert set(PLACEMENT.values()) == {"engine-0", "engine-1"}, PLACEMENT
+    # 3. Kill the vLLM server of the replica holding s3 (s3, s4, s5 are live, between turns).
+    victim = PLACEMENT["s3"]
+    index = int(victim.rsplit("-", 1)[1])
+    st = state()
+    port = int(st["replicas"][index]["url"].rsplit(":", 1)[1])
+    os.killpg(vllm_pgid(port), signal.SIGKILL)
+    for a in agents[3:]:  # the victim's sessions move on; the others stay
+        a.tool()
+        served = a.step()
+        assert served != victim, (a.session, a.replicas)
+        assert PLACEMENT[a.session] == victim or served == PLACEMENT[a.session], a.replicas
+    # Ray Serve replaces the replica; the gateway polls the new server and takes it back.
+    wait_until(lambda: (r := state()["replicas"][index])["healthy"] and r["restarts"] >= 1, 300,
+               f"{victim} replaced by Ray and healthy again", log=log)
+    fresh = Agent(client, "s6")
+    for a in agents[3:5]:
+        a.end()
+    assert fresh.step() == victim, "a new session goes to the least loaded (restarted) replica"
+    fresh.tool()
+    fresh.step()
+    # 4. Everything ends: nothing held by the gateway.
+    for a in (agents[5], fresh):
+        a.end()
+    wait_until(lambda: state()["num_admitted"] == 0, 30, "every slot back")
+    st = state()
+    assert st["num_waiting"] == 0 and st["num_in_flight"] == 0 and not st["sessions"], st
+    assert [r["sessions"] for r in st["replicas"]] == [0, 0], st["replicas"]
+    time.sleep(1.5)  # the engines' last steps reach the stream (polled every 0.25 s)
+
+
+def check_stream(stream: Path) -> None:
+    """CPU-plane events reached the holding replica; no engine holds a block at the end."""
+    events = list(iter_events(stream))
+    by_source: dict[str, list] = {}
+    for e in events:
+        by_source.setdefault(e.source, []).append(e)
+    assert {"engine:0", "engine:1"} <= set(by_source), sorted(by_source)
+    for source in ("engine:0", "engine:1"):
+        steps = [e for e in by_source[source] if e.kind == "engine_step"]
+        assert steps, source
+        last = steps[-1]
+        assert last.num_used_blocks == 0 and last.num_retained_blocks == 0, (source, last)
+    for session in ("s0", "s1", "s2"):  # never moved
+        holder = f"engine:{PLACEMENT[session].rsplit('-', 1)[1]}"
+        released = [e for e in events if e.kind == "kv_released" and e.session_id == session]
+        refined = [e for e in events if e.session_id == session and (
+            e.kind == "kv_retained" and e.reason.startswith("tool_start")
+            or e.kind == "kv_released" and e.reason.startswith("tool_start"))]
+        assert refined and {e.source for e in refined} == {holder}, (session, refined)
+        assert [e.source for e in released if e.reason == "session_end"] in ([holder], []), released
+        assert {e.source for e in released} <= {holder}, (session, released)
