@@ -124,24 +124,32 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         values["vllm_args"] = tuple(values["vllm_args"])
     try:
         config = ServeConfig.model_validate({**values, "gateway": gateway})
-        from mars_openhands.serve.ingress import gateway_config
-
-        gateway_config(config, [f"http://127.0.0.1:{i + 1}" for i in range(config.num_replicas)],
-                       None)  # checks the gateway keys
     except ValidationError as e:
-        raise ValueError("\n".join(
-            f"--{_flag_of(err['loc'])}: {err['msg'].removeprefix('Value error, ')} "
-            f"(got {err.get('input')!r})" for err in e.errors())) from None
+        raise ValueError(_lines(e, "")) from None
+    from mars_openhands.serve.ingress import gateway_config
+
+    try:  # the gateway's keys, checked now rather than in the ingress minutes later
+        gateway_config(config, [f"http://127.0.0.1:{i + 1}" for i in range(config.num_replicas)],
+                       None)
+    except ValidationError as e:
+        raise ValueError(_lines(e, "gateway-config ")) from None
     return config
 
 
-def _flag_of(loc: tuple[Any, ...]) -> str:
-    """The flag of a validation error's location (``gateway`` keys by their dotted path)."""
+def _lines(error: ValidationError, prefix: str) -> str:
+    """One line per problem: the flag (``prefix`` + a gateway key's dotted path), what, the value."""
+    return "\n".join(
+        f"--{prefix}{_flag_of(err['loc'], bool(prefix))}: "
+        f"{err['msg'].removeprefix('Value error, ')} (got {err.get('input')!r})"
+        for err in error.errors())
+
+
+def _flag_of(loc: tuple[Any, ...], is_gateway_key: bool) -> str:
+    """The flag of a validation error's location (a gateway key: its dotted path)."""
+    if is_gateway_key:
+        return ".".join(str(p) for p in loc)
     name = str(loc[0]) if loc else "?"
-    if name == "gateway":
-        return "gateway-config " + ".".join(str(p) for p in loc[1:])
-    flag = _FLAG_NAMES.get(name, name.replace("_", "-"))
-    return flag or name
+    return _FLAG_NAMES.get(name, name.replace("_", "-")) or name
 
 
 def run_from_args(args: argparse.Namespace) -> int:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import shutil
 import tempfile
 import time
 import uuid
@@ -173,7 +174,8 @@ class EngineReplica:
                 "num_running": step.num_running, "num_waiting": step.num_waiting}
 
     def __del__(self) -> None:
-        """Ray Serve's shutdown (graceful): stop vLLM's process group and the sockets."""
+        """Ray Serve's shutdown (graceful): stop vLLM's process group and the sockets, remove the
+        run directory (model, sockets, log)."""
         for close in ("server", "_inbox", "_collector"):
             part = getattr(self, close, None)
             if part is None:
@@ -182,6 +184,9 @@ class EngineReplica:
                 part.stop() if close != "_inbox" else part.close()
             except Exception:  # shutting down: keep stopping the rest
                 logger.exception("engine-%d: stopping %s failed", self.index, close)
+        run_dir = getattr(self, "_run_dir", None)
+        if run_dir is not None:
+            shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _node_ip() -> str:

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -140,7 +142,7 @@ class Agent:
         assert r.status_code == 200, r.text
 
 
-def start_serve(tmp_path: Path, token: str) -> tuple[subprocess.Popen, Path, str, Path]:
+def start_serve(tmp_path: Path, token: str) -> tuple[subprocess.Popen, Path, str, Path, str]:
     port = find_free_port()
     stream = tmp_path / "stream.jsonl"
     gateway = {"admin_key": ADMIN_KEY, "num_tool_workers": 8, "poll_interval_s": 0.2,
@@ -151,9 +153,10 @@ def start_serve(tmp_path: Path, token: str) -> tuple[subprocess.Popen, Path, str
     mars = {"residency": {"enabled": False},  # tool_start re-decides retention (an event)
             "telemetry": {"engine_step_interval_ms": 0.0}}
     log = tmp_path / "serve.log"
+    ray_dir = tempfile.mkdtemp(prefix="mray-", dir="/tmp")  # Ray's AF_UNIX paths: <= 107 bytes
     cmd = [str(Path(sys.executable).parent / "mars-openhands"), "serve", "--replicas", "2", "--scheduler", "mars",
            "--port", str(port), "--gateway-config", str(tmp_path / "gateway.json"),
-           "--ray-temp-dir", str(tmp_path / "ray"), "--max-model-len", "2048",
+           "--ray-temp-dir", ray_dir, "--max-model-len", "2048",
            "--block-size", "32", "--num-gpu-blocks-override", str(NUM_GPU_BLOCKS),
            "--health-check-period-s", "1", "--additional-config", json.dumps({"mars": mars})]
     env = {**os.environ, OWNER_VAR: token, "RAY_AUTH_MODE": "disabled",
@@ -161,13 +164,13 @@ def start_serve(tmp_path: Path, token: str) -> tuple[subprocess.Popen, Path, str
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True, cwd=Path(__file__).resolve().parents[2])
-    return proc, log, f"http://127.0.0.1:{port}", stream
+    return proc, log, f"http://127.0.0.1:{port}", stream, ray_dir
 
 
 def test_serve_two_mars_replicas_on_ray(tmp_path: Path) -> None:
     token = uuid.uuid4().hex
     t0 = time.monotonic()
-    proc, log, url, stream = start_serve(tmp_path, token)
+    proc, log, url, stream, ray_dir = start_serve(tmp_path, token)
     try:
         wait_until(lambda: "gateway listening on" in log.read_text(errors="replace"), 480,
                    "the serve command to come up", proc, log)
@@ -187,6 +190,7 @@ def test_serve_two_mars_replicas_on_ray(tmp_path: Path) -> None:
         left = owned_pids(token)
         for pid in left:
             os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(ray_dir, ignore_errors=True)
     print(f"\n  serve: ready {t_ready - t0:.0f} s, phases {t_phases - t_ready:.0f} s, "
           f"shutdown {time.monotonic() - t_phases:.0f} s")
     assert rc == 0, _tail(log)
