@@ -79,6 +79,10 @@ class ServeConfig(BaseModel):
     vllm_args: tuple[str, ...] = ()
     """More vLLM server arguments for every replica, e.g. --tensor-parallel-size 2 (then also
     --gpus-per-replica 2)."""
+    engine_env: dict[str, str] = Field(default_factory=dict)
+    """Environment variables for every replica's vLLM server as a JSON object, e.g.
+    '{"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}' (CPU: the worker in the engine-core process, one
+    process fewer to start; the tests use it)."""
     kv_cache_space_gib: int = Field(1, ge=1)
     """VLLM_CPU_KVCACHE_SPACE in GiB for CPU replicas (ignored on GPUs)."""
     gpus_per_replica: float = Field(0.0, ge=0)

@@ -72,6 +72,7 @@ def engine_options(config: ServeConfig, index: int, host: str, model_dir: str,
         max_model_len=config.max_model_len or (4096 if config.is_tiny_model else None),
         num_gpu_blocks_override=config.num_gpu_blocks_override, block_size=config.block_size,
         kv_cache_space_gib=config.kv_cache_space_gib, extra_args=config.vllm_args,
+        extra_env=config.engine_env,
         startup_timeout_s=config.engine_startup_timeout_s, log_path=run_dir / "vllm.log",
         stop_timeout_s=5.0,  # SIGTERM, then SIGKILL: within Serve's graceful shutdown
         api_key=None,
