@@ -114,29 +114,47 @@ class SessionTable:
 class SessionRequestRouter(RequestRouter):
     """A ``RequestRouter`` that keeps each session on its replica (module docstring).
 
-    ``request_router_kwargs``: ``max_sessions`` (default :data:`DEFAULT_MAX_SESSIONS`).
+    ``request_router_kwargs``: ``max_sessions`` (default :data:`DEFAULT_MAX_SESSIONS`). The replica
+    table follows Serve's replica set (``update_replicas``), not each call's candidates, so a
+    decision costs O(1) for a session's later turns whatever the fleet size; the chosen replica
+    is returned even when Serve finds it full (Serve backs off and asks again: the session waits
+    for its KV rather than losing it).
     """
 
     def initialize_state(self, max_sessions: int = DEFAULT_MAX_SESSIONS, **kwargs: Any) -> None:
         """Ray Serve's hook for ``request_router_kwargs``."""
         self.table = SessionTable(max_sessions)
+        self._table_replicas: list[RunningReplica] = []
+        self._is_table_stale = True
         self._stats_mono_s = 0.0
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Serve's replica set changed: rebuild the table at the next decision."""
+        super().update_replicas(replicas)
+        self._is_table_stale = True
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None,
                               ) -> list[list[RunningReplica]]:
-        """One rank: the session's replica (or the least loaded one) among the candidates."""
+        """One rank: the session's replica, or the least loaded one."""
         if not candidate_replicas:
             return []
         if not hasattr(self, "table"):
             self.initialize_state()
-        table = self.table
-        ids = tuple(r.replica_id for r in candidate_replicas)
         now = time.monotonic()
-        if ids != table.replica_ids or now - self._stats_mono_s >= STATS_REFRESH_S:
-            table.set_replicas(ids)
-            for i, replica in enumerate(candidate_replicas):
-                table.observe_stats(i, replica.routing_stats)
-            self._stats_mono_s = now
+        if self._is_table_stale or now - self._stats_mono_s >= STATS_REFRESH_S:
+            self._refresh_table(now)
+        if not self._table_replicas:
+            return [list(candidate_replicas)]
         session_id = pending_request.metadata.session_id if pending_request is not None else None
-        return [[candidate_replicas[table.route(session_id)]]]
+        return [[self._table_replicas[self.table.route(session_id)]]]
+
+    def _refresh_table(self, now_s: float) -> None:
+        """Follow Serve's replicas and read their routing stats. O(replicas). Mutates."""
+        replicas = list(self._replicas_list)
+        self.table.set_replicas(tuple(r.replica_id for r in replicas))
+        for i, replica in enumerate(replicas):
+            self.table.observe_stats(i, replica.routing_stats)
+        self._table_replicas = replicas
+        self._is_table_stale = False
+        self._stats_mono_s = now_s
