@@ -139,6 +139,8 @@ class GatewayIngress:
 
     def __del__(self) -> None:
         """Ray Serve's shutdown: stop polling and the server (the stream is flushed and closed)."""
+        if not hasattr(self, "_stop"):  # the constructor did not run
+            return
         self._stop.set()
         if self._server is not None:
             self._server.should_exit = True

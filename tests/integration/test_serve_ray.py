@@ -191,14 +191,14 @@ def start_serve(tmp_path: Path, token: str) -> tuple[subprocess.Popen, Path, str
     return proc, log, f"http://127.0.0.1:{port}", stream, ray_dir
 
 
-@pytest.mark.timeout(1500)  # three vLLM starts (two, then a replacement); see the waits' bounds
+@pytest.mark.timeout(1800)  # three vLLM starts (two, then a replacement); see the waits' bounds
 def test_serve_two_mars_replicas_on_ray(tmp_path: Path) -> None:
     token = uuid.uuid4().hex
     t0 = time.monotonic()
     proc, log, url, stream, ray_dir = start_serve(tmp_path, token)
     placement: dict[str, str] = {}
     try:
-        wait_until(lambda: "gateway listening on" in log.read_text(errors="replace"), 480,
+        wait_until(lambda: "gateway listening on" in log.read_text(errors="replace"), 900,
                    "the serve command to come up", proc, log)
         t_ready = time.monotonic()
         with httpx.Client(base_url=url, timeout=120) as client:
