@@ -172,6 +172,8 @@ def start_serve(tmp_path: Path, token: str) -> tuple[subprocess.Popen, Path, str
                              "update_interval_s": 0.05}}
     (tmp_path / "gateway.json").write_text(json.dumps(gateway))
     mars = {"residency": {"enabled": False},  # tool_start re-decides retention (an event)
+            # a first turn's KV stays retained until its tool_start arrives, however busy the box
+            "retention": {"cold_start_ttl_s": 60.0},
             "telemetry": {"engine_step_interval_ms": 0.0}}
     log = tmp_path / "serve.log"
     ray_dir = tempfile.mkdtemp(prefix="mray-", dir="/tmp")  # Ray's AF_UNIX paths: <= 107 bytes
@@ -179,7 +181,7 @@ def start_serve(tmp_path: Path, token: str) -> tuple[subprocess.Popen, Path, str
            "--port", str(port), "--gateway-config", str(tmp_path / "gateway.json"),
            "--ray-temp-dir", ray_dir, "--max-model-len", "2048",
            "--block-size", "32", "--num-gpu-blocks-override", str(NUM_GPU_BLOCKS),
-           "--health-check-period-s", "1", "--additional-config", json.dumps({"mars": mars}),
+           "--health-check-period-s", "1", "--engine-startup-timeout-s", "1500", "--additional-config", json.dumps({"mars": mars}),
            # The worker in the engine-core process: one process fewer to start (twice as fast
            # under load), slower decoding that 4-token turns do not feel.
            "--engine-env", json.dumps({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})]
@@ -191,14 +193,14 @@ def start_serve(tmp_path: Path, token: str) -> tuple[subprocess.Popen, Path, str
     return proc, log, f"http://127.0.0.1:{port}", stream, ray_dir
 
 
-@pytest.mark.timeout(1800)  # three vLLM starts (two, then a replacement); see the waits' bounds
+@pytest.mark.timeout(2400)  # three vLLM starts (two, then a replacement); see the waits' bounds
 def test_serve_two_mars_replicas_on_ray(tmp_path: Path) -> None:
     token = uuid.uuid4().hex
     t0 = time.monotonic()
     proc, log, url, stream, ray_dir = start_serve(tmp_path, token)
     placement: dict[str, str] = {}
     try:
-        wait_until(lambda: "gateway listening on" in log.read_text(errors="replace"), 900,
+        wait_until(lambda: "gateway listening on" in log.read_text(errors="replace"), 1500,
                    "the serve command to come up", proc, log)
         t_ready = time.monotonic()
         with httpx.Client(base_url=url, timeout=120) as client:
@@ -221,7 +223,8 @@ def test_serve_two_mars_replicas_on_ray(tmp_path: Path) -> None:
           f"shutdown {time.monotonic() - t_phases:.0f} s")
     assert rc == 0, _tail(log)
     assert not left, f"processes of the serve command left after shutdown (killed now): {left}"
-    check_stream(stream, placement)
+    victim = placement.pop("victim")
+    check_stream(stream, placement, victim)
 
 
 def run_phases(client: httpx.Client, log: Path) -> dict[str, str]:
@@ -297,28 +300,30 @@ def run_phases(client: httpx.Client, log: Path) -> dict[str, str]:
     st = state()
     assert st["num_waiting"] == 0 and st["num_in_flight"] == 0 and not st["sessions"], st
     assert [r["sessions"] for r in st["replicas"]] == [0, 0], st["replicas"]
+    # No block held on either engine: vLLM's own KV gauge (/metrics, polled every 0.2 s; retained
+    # blocks are referenced, so they count) is back to 0 once the session_ends are applied.
+    wait_until(lambda: [r["kv_usage"] for r in state()["replicas"]] == [0.0, 0.0], 60,
+               "both engines' KV usage back to 0 (no block used or retained)")
+    PLACEMENT["s6"] = fresh.replicas[0]
+    PLACEMENT["victim"] = victim
     time.sleep(1.5)  # the engines' last steps reach the stream (polled every 0.25 s)
     return PLACEMENT
 
 
-def check_stream(stream: Path, PLACEMENT: dict[str, str]) -> None:  # noqa: N803
-    """CPU-plane events reached the holding replica; no engine holds a block at the end."""
+def check_stream(stream: Path, placement: dict[str, str], victim: str) -> None:
+    """CPU-plane events reached the replica holding each session; every KV retention ended."""
     events = list(iter_events(stream))
-    by_source: dict[str, list] = {}
-    for e in events:
-        by_source.setdefault(e.source, []).append(e)
-    assert {"engine:0", "engine:1"} <= set(by_source), sorted(by_source)
-    for source in ("engine:0", "engine:1"):
-        steps = [e for e in by_source[source] if e.kind == "engine_step"]
-        assert steps, source
-        last = steps[-1]
-        assert last.num_used_blocks == 0 and last.num_retained_blocks == 0, (source, last)
-    for session in ("s0", "s1", "s2"):  # never moved
-        holder = f"engine:{PLACEMENT[session].rsplit('-', 1)[1]}"
-        released = [e for e in events if e.kind == "kv_released" and e.session_id == session]
-        refined = [e for e in events if e.session_id == session and (
-            e.kind == "kv_retained" and e.reason.startswith("tool_start")
-            or e.kind == "kv_released" and e.reason.startswith("tool_start"))]
-        assert refined and {e.source for e in refined} == {holder}, (session, refined)
-        assert [e.source for e in released if e.reason == "session_end"] in ([holder], []), released
-        assert {e.source for e in released} <= {holder}, (session, released)
+    assert {"engine:0", "engine:1"} <= {e.source for e in events}
+    killed = f"engine:{victim.rsplit('-', 1)[1]}"
+    for session, replica in placement.items():
+        holder = f"engine:{replica.rsplit('-', 1)[1]}"
+        mine = [e for e in events if e.session_id == session
+                and e.kind in ("kv_retained", "kv_released")]
+        if holder == killed and session != "s6":  # moved: its KV died with the old server
+            continue
+        assert {e.source for e in mine} == {holder}, (session, holder, mine)
+        # tool_start reached the holder: its scheduler re-decided the retained KV's TTL.
+        assert any(e.reason.startswith("tool_start") for e in mine), (session, mine)
+        # Nothing still pinned: the last retention event of the session is a release, and
+        # session_end (a CPU-plane event) released it unless a tool_start cut it before.
+        assert mine[-1].kind == "kv_released", (session, mine[-1])
