@@ -204,7 +204,7 @@ def test_serve_two_mars_replicas_on_ray(tmp_path: Path) -> None:
                    "the serve command to come up", proc, log)
         t_ready = time.monotonic()
         with httpx.Client(base_url=url, timeout=120) as client:
-            run_phases(client, log)
+            placement = run_phases(client, log)
         t_phases = time.monotonic()
     finally:
         if proc.poll() is None:
@@ -322,8 +322,11 @@ def check_stream(stream: Path, placement: dict[str, str], victim: str) -> None:
         if holder == killed and session != "s6":  # moved: its KV died with the old server
             continue
         assert {e.source for e in mine} == {holder}, (session, holder, mine)
-        # tool_start reached the holder: its scheduler re-decided the retained KV's TTL.
-        assert any(e.reason.startswith("tool_start") for e in mine), (session, mine)
+        if session in ("s0", "s1", "s2"):  # first turns on each engine: cold-start TTL (60 s)
+            # tool_start reached the holder: its scheduler re-decided the retained KV's TTL.
+            # (Later sessions' KV may be retained for less than the trip of their tool_start,
+            # by the value model, and expire first.)
+            assert any(e.reason.startswith("tool_start") for e in mine), (session, mine)
         # Nothing still pinned: the last retention event of the session is a release, and
         # session_end (a CPU-plane event) released it unless a tool_start cut it before.
         assert mine[-1].kind == "kv_released", (session, mine[-1])
