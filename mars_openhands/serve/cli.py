@@ -1,0 +1,163 @@
+"""``mars-openhands serve``: flags generated from :class:`~mars_openhands.serve.config.ServeConfig`.
+
+Every field becomes a flag whose help is the field's docstring (``num_replicas`` → ``--replicas``,
+``vllm_args`` → repeatable ``--vllm-arg``); JSON fields (``--additional-config``) take a JSON
+object. The gateway in the ingress takes the keys of ``mars-openhands gateway --config`` from
+``--gateway-config FILE``; ``--host``, ``--port`` and ``--stream-path`` are its three common keys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from mars_openhands import env
+from mars_openhands.cli_style import cli_error
+from mars_openhands.serve.config import ServeConfig
+
+__all__ = ["add_serve_subcommand", "config_from_args", "run_from_args"]
+
+_PROG = "mars-openhands serve"
+_FLAG_NAMES = {"num_replicas": "replicas", "vllm_args": "vllm-arg", "gateway": None}
+"""Field → flag name where it is not the field's name with dashes; ``None``: no flag of its own."""
+_GATEWAY_KEYS = (("host", str, "gateway's listen address on the ingress's node (default "
+                  "127.0.0.1; 0.0.0.0 to serve other machines)"),
+                 ("port", int, "gateway's TCP port (default 8000)"),
+                 ("stream_path", str, "path of the run's unified stream (JSONL) at this path on the "
+                  "ingress's node; it must not exist yet"))
+
+
+def _flag_type(annotation: Any) -> Any:
+    """argparse ``type`` for a field annotation (``none`` accepted where ``None`` is)."""
+    args = typing.get_args(annotation)
+    is_optional = isinstance(annotation, types.UnionType) and type(None) in args
+    base = next((a for a in args if a is not type(None)), annotation) if is_optional else annotation
+    if typing.get_origin(base) is dict:
+        return _json_object
+    convert = base if base in (int, float, str) else str
+
+    def parse(text: str) -> Any:
+        return None if is_optional and text.lower() == "none" else convert(text)
+
+    parse.__name__ = getattr(convert, "__name__", "value")  # argparse names it in errors
+    return parse
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError("not a JSON object")
+    return value
+
+
+_json_object.__name__ = "JSON object"
+
+
+def add_serve_subcommand(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``serve`` on an argparse sub-parsers object; sets ``func`` (args → exit code)."""
+    parser = subparsers.add_parser(
+        "serve", help="N vLLM replicas with a MARS scheduler on Ray Serve, behind the MARS gateway",
+        description=ServeConfig.__doc__ + " Stops on Ctrl-C / SIGTERM, leaving no process behind.",
+    )
+    for name, field in ServeConfig.model_fields.items():
+        flag = _FLAG_NAMES.get(name, name.replace("_", "-"))
+        if flag is None:
+            continue
+        default = field.get_default(call_default_factory=True)
+        shown = "" if "default" in (field.description or "") else (
+            f" (default: {json.dumps(default) if isinstance(default, dict) else default})")
+        if name == "vllm_args":
+            parser.add_argument(f"--{flag}", dest=name, action="append", default=argparse.SUPPRESS,
+                                metavar="ARG", help=f"{field.description} Repeatable; write "
+                                "--vllm-arg=--flag for an argument that starts with a dash.")
+            continue
+        parser.add_argument(f"--{flag}", dest=name, type=_flag_type(field.annotation),
+                            default=argparse.SUPPRESS, metavar=flag.upper().replace("-", "_"),
+                            help=(field.description or "") + shown)
+    parser.add_argument("--gateway-config", type=Path, default=argparse.SUPPRESS, metavar="FILE",
+                        help="TOML or JSON file of the gateway's keys (those of `mars-openhands "
+                             "gateway --config`, without replicas: they are the engines), e.g. "
+                             "{\"admission\": {\"window_max\": 30}, \"num_tool_workers\": 16}")
+    for key, kind, text in _GATEWAY_KEYS:
+        parser.add_argument(f"--{key.replace('_', '-')}", dest=f"gateway__{key}", type=kind,
+                            default=argparse.SUPPRESS, metavar=key.upper(), help=f"the {text}")
+    parser.set_defaults(func=run_from_args)
+    return parser
+
+
+def _read_gateway_file(path: Path) -> dict[str, Any]:
+    """A ``--gateway-config`` file. Raises ValueError naming the file and the fix."""
+    try:
+        text = path.read_text()
+        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--gateway-config {path}: cannot read it as "
+                         f"{'TOML' if path.suffix == '.toml' else 'JSON'}: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--gateway-config {path}: expected a table/object of gateway keys")
+    return data
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    """The :class:`ServeConfig` of the parsed flags.
+
+    Raises:
+        ValueError: a bad flag value or file (one line per problem, naming the flag).
+    """
+    values = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
+    gateway = _read_gateway_file(values.pop("gateway_config")) if "gateway_config" in values else {}
+    for key, _, _ in _GATEWAY_KEYS:
+        if f"gateway__{key}" in values:
+            gateway[key] = values.pop(f"gateway__{key}")
+    for field, var in (("api_key", env.GATEWAY_API_KEY), ("admin_key", env.GATEWAY_ADMIN_KEY)):
+        secret = var.get_secret()
+        if gateway.get(field) is None and secret is not None:
+            gateway[field] = secret
+    if "vllm_args" in values:
+        values["vllm_args"] = tuple(values["vllm_args"])
+    try:
+        config = ServeConfig.model_validate({**values, "gateway": gateway})
+    except ValidationError as e:
+        raise ValueError(_lines(e, "")) from None
+    from mars_openhands.serve.ingress import gateway_config
+
+    try:  # the gateway's keys, checked now rather than in the ingress minutes later
+        gateway_config(config, [f"http://127.0.0.1:{i + 1}" for i in range(config.num_replicas)],
+                       None)
+    except ValidationError as e:
+        raise ValueError(_lines(e, "gateway-config ")) from None
+    return config
+
+
+def _lines(error: ValidationError, prefix: str) -> str:
+    """One line per problem: the flag (``prefix`` + a gateway key's dotted path), what, the value."""
+    return "\n".join(
+        f"--{prefix}{_flag_of(err['loc'], bool(prefix))}: "
+        f"{err['msg'].removeprefix('Value error, ')} (got {err.get('input')!r})"
+        for err in error.errors())
+
+
+def _flag_of(loc: tuple[Any, ...], is_gateway_key: bool) -> str:
+    """The flag of a validation error's location (a gateway key: its dotted path)."""
+    if is_gateway_key:
+        return ".".join(str(p) for p in loc)
+    name = str(loc[0]) if loc else "?"
+    return _FLAG_NAMES.get(name, name.replace("_", "-")) or name
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run the application until Ctrl-C / SIGTERM; returns the exit code (2: a bad flag)."""
+    try:
+        config = config_from_args(args)
+    except ValueError as e:
+        return max(cli_error(_PROG, line) for line in str(e).splitlines())
+    from mars_openhands.serve.app import serve_forever
+
+    return serve_forever(config)

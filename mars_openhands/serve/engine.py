@@ -1,0 +1,200 @@
+"""One engine replica under Ray Serve: a vLLM OpenAI server with a MARS scheduler, in one actor.
+
+The body of each ``engine-<i>`` deployment (:mod:`~mars_openhands.serve.app`). Its constructor
+starts ``python -m vllm.entrypoints.openai.api_server`` on the actor's node
+(:class:`~mars_openhands.engine.harness.launch.VllmServer`: its own process group, torn down on
+stop) with ``--scheduler-cls`` and ``--additional-config``, and wires the scheduler plugin's two
+ZeroMQ channels to this actor over loopback (the project's sockets never leave a node,
+``stream.transport.check_address``):
+
+* GPU plane: the plugin's telemetry (``mars.telemetry.addr``) → a collector bound here; the events
+  wait in a bounded log that the ingress reads by sequence number (:meth:`EngineReplica.poll`);
+* CPU plane: the ingress calls :meth:`EngineReplica.post_events` (a Ray call, across nodes) → a
+  publisher here → the plugin's inbox (``mars.inbox_addr``), so tool events reach the replica that
+  holds the session.
+
+Ray Serve calls :meth:`EngineReplica.check_health` every ``health_check_period_s``: a dead vLLM
+server raises, Ray replaces the replica (a new actor, a new server, a new ``incarnation``), and the
+ingress sees the new address at its next refresh.
+
+Mental model: the actor is a thin shell; the engine is stock vLLM with our plugin, exactly as
+``vllm serve`` runs it by hand; Ray adds placement, restarts and a control channel.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from mars_openhands.engine.harness.launch import VllmServer, VllmServerOptions
+from mars_openhands.serve.config import ServeConfig
+from mars_openhands.stream.events import Event
+
+__all__ = ["EngineReplica", "engine_options"]
+
+logger = logging.getLogger(__name__)
+
+MAX_LOGGED_EVENTS = 65_536
+"""GPU-plane events an engine keeps for the ingress (oldest dropped first; ~10 MiB)."""
+
+
+def engine_options(config: ServeConfig, index: int, host: str, model_dir: str,
+                   run_dir: Path) -> VllmServerOptions:
+    """The vLLM server of replica ``index`` on a node reachable at ``host``. Pure.
+
+    Args:
+        config: the application's settings.
+        index: the replica's index (its telemetry ``source`` is ``engine:<index>``).
+        host: the address vLLM binds (the node's IP, so the ingress on another node reaches it).
+        model_dir: ``--model`` (the tiny model's directory, or the configured model).
+        run_dir: a directory of this actor for the ZeroMQ sockets and the server log.
+    """
+    mars = dict(config.additional_config.get("mars", {}))
+    mars["telemetry"] = {**mars.get("telemetry", {}), "addr": f"ipc://{run_dir}/gpu.sock",
+                         "source": f"engine:{index}"}
+    mars["inbox_addr"] = f"ipc://{run_dir}/cpu.sock"
+    on_gpu = config.gpus_per_replica > 0
+    return VllmServerOptions(
+        model_dir=Path(model_dir), host=host,
+        served_model_name=config.served_model_name or ("tiny-llama" if config.is_tiny_model
+                                                       else config.model),
+        load_format=config.load_format or ("dummy" if config.is_tiny_model else "auto"),
+        dtype=config.dtype or ("auto" if on_gpu else "float32"), enforce_eager=not on_gpu,
+        scheduler_cls=config.scheduler_cls,
+        additional_config={**config.additional_config, "mars": mars},
+        max_model_len=config.max_model_len or (4096 if config.is_tiny_model else None),
+        num_gpu_blocks_override=config.num_gpu_blocks_override, block_size=config.block_size,
+        kv_cache_space_gib=config.kv_cache_space_gib, extra_args=config.vllm_args,
+        extra_env=config.engine_env,
+        startup_timeout_s=config.engine_startup_timeout_s, log_path=run_dir / "vllm.log",
+        stop_timeout_s=5.0,  # SIGTERM, then SIGKILL: within Serve's graceful shutdown
+        api_key=None,
+    )
+
+
+class EngineReplica:
+    """A vLLM server with a MARS scheduler, its GPU-plane log and its CPU-plane inbox.
+
+    Args:
+        config: the application's settings.
+        index: this replica's index among ``config.num_replicas``.
+        api_key: the vLLM server's ``--api-key`` (the gateway sends it; agents never hold it).
+
+    Raises:
+        VllmServerError: the server did not start (the message has its log tail); Ray Serve
+            retries the constructor.
+    """
+
+    def __init__(self, config: ServeConfig, index: int, api_key: str | None = None) -> None:
+        from mars_openhands.stream.transport import ZmqEventCollector, ZmqEventPublisher
+
+        self.index = index
+        self.incarnation = uuid.uuid4().hex[:12]
+        """Changes when Ray replaces the replica (the ingress resets its event cursor)."""
+        self._run_dir = Path(tempfile.mkdtemp(prefix=f"mars-serve-engine{index}-"))
+        self._events: collections.deque[tuple[int, Event]] = collections.deque(
+            maxlen=MAX_LOGGED_EVENTS)
+        self._next_seq = 0
+        options = engine_options(config, index, _node_ip(), self._model_dir(config),
+                                 self._run_dir)
+        self._collector = ZmqEventCollector(options.additional_config["mars"]["telemetry"]["addr"],
+                                            self._log_event)
+        self.server = VllmServer(options.model_copy(update={"api_key": api_key}))
+        self.server.start()
+        self._inbox = ZmqEventPublisher(options.additional_config["mars"]["inbox_addr"])
+        self.started_s = time.time()
+        logger.info("engine-%d (%s) serves at %s, pid %d, ready in %.1f s", index,
+                    self.incarnation, self.server.url, self.server.pid, self.server.startup_s or 0)
+
+    def _model_dir(self, config: ServeConfig) -> str:
+        if not config.is_tiny_model:
+            return config.model
+        from mars_openhands.engine.harness.tiny_model import write_tiny_model
+
+        return str(write_tiny_model(self._run_dir / "tiny-model"))
+
+    def _log_event(self, event: Event) -> None:
+        """Collector thread: append one GPU-plane event with its sequence number."""
+        self._events.append((self._next_seq, event))
+        self._next_seq += 1
+
+    # ------------------------------------------------------------------ Ray Serve calls
+    def info(self) -> dict[str, Any]:
+        """Where this replica serves: ``url``, ``pid`` (vLLM's process group), ``incarnation``,
+        ``node_ip``, ``started_s`` (wall seconds). Pure."""
+        return {"index": self.index, "url": self.server.url, "pid": self.server.pid,
+                "incarnation": self.incarnation, "node_ip": self.server.options.host,
+                "started_s": self.started_s}
+
+    def poll(self, incarnation: str | None, seq: int) -> dict[str, Any]:
+        """:meth:`info`, plus the GPU-plane events from sequence number ``seq`` on (all of them
+        when ``incarnation`` is not this replica's: the caller knew the one Ray replaced) and
+        ``next_seq``, the number to ask from next time. Pure.
+
+        A cursor, not a drain: an answer lost on the way (the caller timed out) is sent again.
+        """
+        start = seq if incarnation == self.incarnation else 0
+        logged = list(self._events)  # the collector thread appends meanwhile
+        events = [e for s, e in logged if s >= start]
+        return {**self.info(), "next_seq": logged[-1][0] + 1 if logged else 0, "events": events}
+
+    def post_events(self, events: list[Event]) -> int:
+        """Forward CPU-plane events of this replica's sessions to the scheduler's inbox.
+
+        Returns:
+            How many were queued (never blocks; the publisher drops past its buffer).
+        """
+        for event in events:
+            self._inbox.emit(event)
+        return len(events)
+
+    def check_health(self) -> None:
+        """Ray Serve's health check.
+
+        Raises:
+            RuntimeError: the vLLM server exited (Ray then replaces this replica).
+        """
+        if not self.server.is_running:
+            raise RuntimeError(f"engine-{self.index}: vLLM server (pid group {self.server.pid}) "
+                               f"exited; log tail:\n{self.server.log_tail(20)}")
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Routing stats for :class:`~mars_openhands.serve.router.SessionRequestRouter`: the last
+        ``engine_step``'s KV usage (0..1) and queue sizes, when one arrived. Pure."""
+        step = next((e for _, e in reversed(self._events) if e.kind == "engine_step"), None)
+        if step is None or not step.num_gpu_blocks:
+            return {}
+        return {"kv_usage": step.num_used_blocks / step.num_gpu_blocks,
+                "num_running": step.num_running, "num_waiting": step.num_waiting}
+
+    def __del__(self) -> None:
+        """Ray Serve's shutdown (graceful): stop vLLM's process group and the sockets, remove the
+        run directory (model, sockets, log)."""
+        for close in ("server", "_inbox", "_collector"):
+            part = getattr(self, close, None)
+            if part is None:
+                continue
+            try:
+                part.stop() if close != "_inbox" else part.close()
+            except Exception:  # shutting down: keep stopping the rest
+                logger.exception("engine-%d: stopping %s failed", self.index, close)
+        run_dir = getattr(self, "_run_dir", None)
+        if run_dir is not None:
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _node_ip() -> str:
+    """This node's address other nodes reach (Ray's view of it), loopback without Ray."""
+    try:
+        import ray
+
+        return str(ray.util.get_node_ip_address())
+    except Exception:  # not inside Ray (unit tests)
+        return os.environ.get("MARS_SERVE_NODE_IP", "127.0.0.1")

@@ -1,0 +1,95 @@
+"""ServeConfig, scheduler names, the engines' vLLM options and the ingress's gateway config (pure)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from mars_openhands.serve.cli import add_serve_subcommand, config_from_args
+from mars_openhands.serve.config import SCHEDULER_NAMES, ServeConfig, scheduler_qualname
+from mars_openhands.serve.engine import engine_options
+from mars_openhands.serve.ingress import gateway_config
+
+
+def test_every_scheduler_name_is_an_exported_engine_class() -> None:
+    from mars_openhands import engine
+
+    for name, cls in SCHEDULER_NAMES.items():
+        assert cls in engine._LAZY, name
+        assert scheduler_qualname(name) == f"mars_openhands.engine.{cls}"
+    assert scheduler_qualname("pkg.mod.Cls") == "pkg.mod.Cls"
+    with pytest.raises(ValueError, match="unknown scheduler; choose one of mars, mars-preview"):
+        scheduler_qualname("marz")
+
+
+def test_config_refuses_unknown_keys_bad_counts_and_gateway_replicas() -> None:
+    with pytest.raises(ValidationError, match="num_replicas"):
+        ServeConfig(num_replicas=0)
+    with pytest.raises(ValidationError, match="Extra inputs"):
+        ServeConfig(replica_count=2)
+    with pytest.raises(ValidationError, match="gateway.replicas: the replicas are the engine"):
+        ServeConfig(gateway={"replicas": []})
+
+
+def test_engine_options_wire_the_plugin_to_the_actor(tmp_path: Path) -> None:
+    config = ServeConfig(scheduler="mars", additional_config={"mars": {
+        "residency": {"enabled": False}, "telemetry": {"engine_step_interval_ms": 0.0}}},
+        max_model_len=2048, num_gpu_blocks_override=64, vllm_args=("--seed", "1"))
+    options = engine_options(config, 3, "10.0.0.7", "/models/tiny", tmp_path)
+    mars = options.additional_config["mars"]
+    assert mars["telemetry"] == {"engine_step_interval_ms": 0.0, "addr": f"ipc://{tmp_path}/gpu.sock",
+                                 "source": "engine:3"}
+    assert mars["inbox_addr"] == f"ipc://{tmp_path}/cpu.sock"
+    assert mars["residency"] == {"enabled": False}
+    assert options.scheduler_cls == "mars_openhands.engine.MarsScheduler"
+    assert (options.host, options.max_model_len, options.num_gpu_blocks_override) == (
+        "10.0.0.7", 2048, 64)
+    assert options.extra_args == ("--seed", "1")
+    # CPU replicas: the tiny model's defaults; GPU replicas: vLLM's dtype and compiled graphs.
+    assert (options.load_format, options.dtype, options.enforce_eager) == ("dummy", "float32", True)
+    gpu = engine_options(ServeConfig(model="Qwen/Qwen3-8B", gpus_per_replica=1), 0, "h", "Qwen/Qwen3-8B",
+                         tmp_path)
+    assert (gpu.load_format, gpu.dtype, gpu.enforce_eager, gpu.served_model_name) == (
+        "auto", "auto", False, "Qwen/Qwen3-8B")
+
+
+def test_gateway_config_names_the_engines_and_sends_their_key() -> None:
+    config = ServeConfig(num_replicas=2, gateway={"port": 9000, "admission": {"window_max": 5, "window_init": 5}})
+    gw = gateway_config(config, ["http://10.0.0.1:8001", "http://10.0.0.2:8001"], "engine-key")
+    assert [r.name for r in gw.replicas] == ["engine-0", "engine-1"]
+    assert [r.api_key.get_secret_value() for r in gw.replicas] == ["engine-key"] * 2
+    assert (gw.port, gw.admission.window_max) == (9000, 5)
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_serve_subcommand(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["serve", *argv])
+
+
+def test_cli_flags_build_the_config(tmp_path: Path) -> None:
+    file = tmp_path / "gw.json"
+    file.write_text('{"admission": {"window_max": 7, "window_init": 7}, "port": 1}')
+    config = config_from_args(_parse(
+        "--replicas", "3", "--scheduler", "fcfs", "--ray-address", "auto", "--vllm-arg=--seed",
+        "--vllm-arg", "3", "--additional-config", '{"mars": {"x": 1}}', "--gateway-config",
+        str(file), "--port", "8123", "--stream-path", "s.jsonl"))
+    assert (config.num_replicas, config.scheduler, config.ray_address) == (3, "fcfs", "auto")
+    assert config.vllm_args == ("--seed", "3")
+    assert config.additional_config == {"mars": {"x": 1}}
+    assert config.gateway == {"admission": {"window_max": 7, "window_init": 7}, "port": 8123,
+                              "stream_path": "s.jsonl"}
+
+
+def test_cli_errors_name_the_flag(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"^--replicas: Input should be greater than or equal to 1"):
+        config_from_args(_parse("--replicas", "0"))
+    with pytest.raises(ValueError, match="--scheduler: --scheduler 'x': unknown scheduler"):
+        config_from_args(_parse("--scheduler", "x"))
+    bad = tmp_path / "gw.json"
+    bad.write_text('{"admission": {"window_mx": 7}}')
+    with pytest.raises(ValueError, match="--gateway-config admission.window_mx: Extra inputs are not permitted"):
+        config_from_args(_parse("--gateway-config", str(bad)))
