@@ -92,6 +92,8 @@ _declare("MARS_IDEMPOTENCY_KEY", "set for a durable tool call's command: its ide
          "mars_openhands/runtime/tools.py")
 _declare("MARS_TASK_ID", "set for a durable tool call's command: its task id",
          "mars_openhands/runtime/tools.py")
+_declare("MARS_SERVE_NODE_IP", "the address an engine replica of `mars-openhands serve` reports when it "
+         "runs outside a Ray node (tests); inside Ray the node's own IP", "mars_openhands/serve/engine.py")
 _declare("MARS_SERVER_OWNER_PID", "set in every vLLM server the project starts: its owner's pid",
          "mars_openhands/engine/harness/launch.py")
 _declare("MARS_TRACES_DIR", "directory of the agent traces", "eval/compare_setup.py")

@@ -133,7 +133,7 @@ class GatewayConfig(BaseModel):
     reorder: ReorderParams = ReorderParams()
     """Order of the waiting sessions."""
     routing_policy: str = DEFAULT_ROUTING_POLICY
-    """How sessions are placed across replicas: least-sessions (default: sticky, fewest sessions),
+    """How sessions are placed across replicas: least-sessions (sticky, fewest sessions),
     sticky-hash, llm-d, prefix-affinity, thunderagent or mars-placement (the registry of
     mars_openhands/policy/placement.py; docs/compare.md, "Replicas and routers")."""
     num_tool_workers: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1)

@@ -190,10 +190,10 @@ def test_a_merged_run_spans_admission_ticks_and_each_tick_reads_its_single_steps
     spans: list[int] = []
     plan_run = Simulator._plan_run
 
-    def noting(self: Simulator) -> RunPlan:
-        plan = plan_run(self)
-        if self._run_kv is not None:
-            spans.append(sum(t > self._next_tick_s for t in self._run_kv.step_ends_s))
+    def noting(self: Simulator, rep: Any) -> RunPlan:
+        plan = plan_run(self, rep)
+        if rep.run_kv is not None:
+            spans.append(sum(t > self._next_tick_s for t in rep.run_kv.step_ends_s))
         return plan
 
     monkeypatch.setattr(Simulator, "_plan_run", noting)
