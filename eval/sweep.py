@@ -428,7 +428,10 @@ class _Sweep:
             policy = label.removesuffix("+adm")
             rows.append({"gpu": gpu, "label": label, "policy": policy, "is_baseline": POLICIES[policy].is_baseline,
                          "capacity_per_s": search.rate_per_s if search.has_stable else math.nan,
-                         "is_bracketed": search.is_bracketed, "num_probes": len(search.probes), "how": search.how})
+                         "is_bracketed": search.is_bracketed,
+                         "first_unstable_per_s": min((r for r, _, is_stable in search.probes
+                                                      if not is_stable and r > search.rate_per_s), default=math.nan),
+                         "num_probes": len(search.probes), "how": search.how})
         table = pd.DataFrame(rows)
         table.to_parquet(self.out_dir / "capacity.parquet", index=False)
         return table
