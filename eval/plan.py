@@ -371,6 +371,10 @@ def render_plan(table: pd.DataFrame, facts: Mapping[str, Any]) -> str:
         facts: ``name -> value``; ``scope`` is printed in bold first.
     """
     f = format_figure
+
+    def times(value: float) -> str:
+        return "–" if math.isnan(value) else f"{f(value)}×"
+
     rate = table["rate_per_s"].dropna()
     rate_text = f"{rate.iloc[0]:.4g} sessions/s" if len(rate) else "the chosen rate"
     lines = ["# mars-openhands plan", ""]
@@ -386,9 +390,9 @@ def render_plan(table: pd.DataFrame, facts: Mapping[str, Any]) -> str:
         capacity = f(r["capacity_per_s"], 4) if not math.isnan(r["capacity_per_s"]) else "none stable"
         unstable = f(r["first_unstable_per_s"], 4) if r["is_bracketed"] else "not found (budget spent)"
         done = f"{int(r['num_completed'])}/{int(r['num_sessions'])}" if r["status"] == "ok" else "FAILED"
-        lines.append(f"| {name} | {capacity} | {f(r['capacity_per_h'])} | {f(r['capacity_vs_limit'])}× | {unstable} "
-                     f"| {f(r['e2e_p95_s'])} | {f(r['p95_vs_limit'])}× | {f(r['e2e_mean_s'])} "
-                     f"| {f(r['mean_vs_limit'])}× | {f(r['slowdown_mean'])} | {done} |")
+        lines.append(f"| {name} | {capacity} | {f(r['capacity_per_h'])} | {times(r['capacity_vs_limit'])} | {unstable} "
+                     f"| {f(r['e2e_p95_s'])} | {times(r['p95_vs_limit'])} | {f(r['e2e_mean_s'])} "
+                     f"| {times(r['mean_vs_limit'])} | {f(r['slowdown_mean'])} | {done} |")
     lines += ["", "How to read it: *capacity at SLO* is the largest arrival rate probed at which every session "
               "completed with mean slowdown within the SLO; the true knee lies between it and *first unstable*. "
               "*× limit* divides by the unbounded-KV limit (the same arrivals with KV for every session at once): "
