@@ -709,7 +709,7 @@ def _e2e_vs_load_figure(ok: pd.DataFrame, style: Mapping[str, dict[str, Any]], i
             ax.axhline(AT_LIMIT_PCT, color="0.35", linestyle=":", linewidth=1.2,
                        label=f"{'/'.join(sorted(references))}: the limit (runs at or below it on this line)")
             ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}%"))
-            ax.set_ylabel(f"{name} above the unbounded-KV limit (%, log)")
+            ax.set_ylabel(f"{name} above the unbounded-KV\nlimit (%, log scale)")
         else:
             ax.set_ylabel(f"{name} (s, log)")
         ax.set_xticks(range(len(loads)), ticks)
@@ -718,7 +718,7 @@ def _e2e_vs_load_figure(ok: pd.DataFrame, style: Mapping[str, dict[str, Any]], i
         ax.grid(alpha=0.3, which="both")
     handles, names = axes[0].get_legend_handles_labels()
     fig.legend(handles, names, loc="lower center", ncol=min(len(names), 6), fontsize=7, frameon=False)
-    fig.subplots_adjust(bottom=0.18 + 0.05 * ((len(names) - 1) // 6))
+    fig.subplots_adjust(bottom=0.18 + 0.05 * ((len(names) - 1) // 6), wspace=0.3)
     return fig
 
 
