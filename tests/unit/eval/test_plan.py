@@ -129,3 +129,17 @@ def test_a_plan_on_a_tiny_trace_slice_answers_every_policy_next_to_the_limit(sim
     assert "| unbounded-kv (limit) |" in text and "| mars+adm |" in text
     for name in ("capacity.png", "e2e_vs_load.png", "summary.md", "capacity.parquet", "results.parquet"):
         assert (out / name).is_file(), name
+
+
+def test_a_synthetic_family_is_a_workload_and_trimming_is_labelled() -> None:
+    import argparse
+
+    from eval.plan import _workload
+
+    args = argparse.Namespace(synthetic="terminalbench", synthetic_sessions=5, seed=3, workload=None, traces=None,
+                              sessions=0, max_turns=0)
+    workload, loaded, name, skipped = _workload(args)
+    assert len(workload.sessions) == len(loaded.sessions) == 5 and skipped is None
+    assert name == "synthetic terminalbench (5 sessions, seed 3)"
+    trimmed, _, _, _ = _workload(argparse.Namespace(**{**vars(args), "sessions": 2, "max_turns": 1}))
+    assert len(trimmed.sessions) == 2 and trimmed.num_turns == 2
