@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eval.backends import LiveBackend, LiveOptions, parse_backend  # noqa: E402 - after the path
 from eval.compare import add_compare_subcommand  # noqa: E402
 from eval.compare_setup import gpu_setup, workload_from_args  # noqa: E402
+from eval.deployment import add_deployment_flags, deployment_from_args  # noqa: E402
 from eval.policies import live_policy_config, parse_policies  # noqa: E402
 from eval.runs import sim_config  # noqa: E402
 from eval.sweep import run_compare  # noqa: E402
@@ -69,7 +70,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--time-scale", type=float, default=3.0,
                    help="emulated: wall s per modelled s (default 3; see the module docstring)")
     p.add_argument("--gpu", default="h100_sxm")
-    p.add_argument("--model", default="qwen3-coder-30b-a3b-instruct")
+    add_deployment_flags(p)  # --model NAME[/DTYPE], --kv-cache-dtype, --gpu-memory-utilization (as compare)
     p.add_argument("--tool-workers", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/bench_fidelity", help="results directories go here")
@@ -81,9 +82,28 @@ def _compare_args(args: argparse.Namespace) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_compare_subcommand(parser.add_subparsers(dest="command"))
     return parser.parse_args(["compare", "--sessions", str(args.sessions), "--max-turns", str(args.max_turns),
-                              "--kv-scale", "auto", "--gpu", args.gpu, "--model", args.model, "--tool-workers", str(args.tool_workers),
+                              "--kv-scale", "auto", "--gpu", args.gpu, *_deployment_argv(args),
+                              "--tool-workers", str(args.tool_workers),
                               "--seed", str(args.seed), "--time-scale", str(args.time_scale),
                               "--out", str(Path(args.out) / "emulated")])
+
+
+def _deployment_argv(args: argparse.Namespace) -> list[str]:
+    """``--model``, ``--kv-cache-dtype`` and ``--gpu-memory-utilization`` as compare takes them."""
+    argv = ["--model", args.model, "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    return argv + (["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype else [])
+
+
+def live_options(cargs: argparse.Namespace, blocks: int, longest_tokens: int, out: Path) -> LiveOptions:
+    """The emulated server's options: the compare arguments' GPU and deployment (model, weight and
+    KV cache dtypes, memory utilization), ``blocks`` of KV, the scenario's time scale and tools."""
+    deployment = deployment_from_args(cargs)
+    return LiveOptions(
+        num_gpu_blocks=blocks, max_model_len_tokens=min(blocks * 16, max(2048, longest_tokens + 64)),
+        gpu=cargs.gpu[0], model=deployment.model, dtype=deployment.dtype, kv_cache_dtype=deployment.kv_cache_dtype,
+        gpu_memory_utilization=deployment.gpu_memory_utilization, time_scale=cargs.time_scale,
+        num_tool_workers=cargs.tool_workers, log_dir=out / "emulated" / "server-logs",
+        step_trace_dir=out / "emulated" / "step-traces")
 
 
 def _step_stats(trace_dir: Path) -> dict[str, float]:
@@ -129,11 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     sim_results = run_compare(workload, options, timer, out / "sim", ideal_s=ideal)
     t_sim = time.monotonic() - t0
     longest = max(s.max_context_tokens for s in workload.sessions)
-    live = LiveBackend(parse_backend("emulated"), LiveOptions(
-        num_gpu_blocks=blocks, max_model_len_tokens=min(blocks * 16, max(2048, longest + 64)), gpu=args.gpu,
-        model=args.model, time_scale=args.time_scale, num_tool_workers=args.tool_workers,
-        log_dir=out / "emulated" / "server-logs", step_trace_dir=out / "emulated" / "step-traces"),
-        live_policy_config())
+    live = LiveBackend(parse_backend("emulated"), live_options(cargs, blocks, longest, out), live_policy_config())
     t1 = time.monotonic()
     emu_results = run_compare(workload, options, timer, out / "emulated", ideal_s=ideal, live=live)
     t_emu = time.monotonic() - t1

@@ -30,6 +30,7 @@ SUBCOMMANDS: tuple[tuple[str, str], ...] = (
     ("eval.workloads.cli", "add_workload_subcommand"),
     ("eval.replay", "add_replay_subcommand"),
     ("eval.compare", "add_compare_subcommand"),
+    ("eval.plan", "add_plan_subcommand"),
     ("mars_openhands.openhands.cli", "add_openhands_subcommand"),
     ("mars_openhands.runtime.cli", "add_tasks_subcommand"),
 )

@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from eval.sweep_options import ProfileTimer
 from mars_openhands.engine.harness.executor.profiles import KV_CACHE_DTYPES, MODELS, GpuProfile
+
+if TYPE_CHECKING:  # eval.sweep_options imports pandas, which `openhands bench`'s env may lack
+    from eval.sweep_options import ProfileTimer
 
 __all__ = [
     "DEFAULT_GPU_MEMORY_UTILIZATION",
@@ -123,6 +125,8 @@ class Deployment:
 
     def timer(self, gpu: str) -> ProfileTimer:
         """The picklable step-time model of this deployment on ``gpu`` (memory does not enter it)."""
+        from eval.sweep_options import ProfileTimer  # pandas: see the import above
+
         return ProfileTimer(gpu, self.model, self.dtype, self.kv_cache_dtype)
 
     @property

@@ -117,9 +117,20 @@ def summarize(values: Iterable[float]) -> Summary:
     return Summary(count=int(x.size), mean=float(x.mean()), p50=p50, p90=p90, p95=p95, p99=p99)
 
 
-def _seconds(t_wall: pd.Series) -> pd.Series:
-    """UTC datetimes → float seconds since the Unix epoch."""
-    return (pd.to_datetime(t_wall, utc=True) - pd.Timestamp(0, tz="UTC")) / pd.Timedelta(seconds=1)
+def _run_origin(stream: pd.DataFrame) -> pd.Timestamp:
+    """The run's wall origin: the earliest ``t_wall`` of its stream (``NaT`` for an empty one). Pure."""
+    return pd.to_datetime(stream["t_wall"], utc=True).min() if len(stream) else pd.NaT
+
+
+def _seconds(t_wall: pd.Series, origin: pd.Timestamp) -> pd.Series:
+    """UTC datetimes → float seconds since ``origin`` (:func:`_run_origin`). Pure.
+
+    Why not epoch seconds: a float near 1.8e9 has a step of 2.4e-7 s, so an E2E computed from two
+    of them rounded differently depending on the wall time a run started at, and two policies with
+    the same schedule (a tie) came out unequal in the last digits, which flipped tie-breaks (the
+    best baseline) between runs. The difference from ``origin`` is taken in integer nanoseconds,
+    so the same schedule gives bit-equal seconds whatever its origin."""
+    return (pd.to_datetime(t_wall, utc=True) - origin) / pd.Timedelta(seconds=1)
 
 
 def _of_kind(stream: pd.DataFrame, kind: str) -> pd.DataFrame:
@@ -134,7 +145,7 @@ def _per_session_sum(stream: pd.DataFrame, kind: str, column: str) -> pd.Series:
 def session_table(stream: pd.DataFrame, ideal_s: Mapping[str, float] | pd.Series | None = None) -> pd.DataFrame:
     """One row per session that has a ``session_start``, indexed by ``session_id``. Pure.
 
-    Columns: ``arrival_s``, ``end_s`` (epoch seconds), ``e2e_s``, ``status`` and ``error`` (of
+    Columns: ``arrival_s``, ``end_s`` (seconds from the run's first event, :func:`_run_origin`), ``e2e_s``, ``status`` and ``error`` (of
     ``session_end``, ``None`` if absent), ``is_complete``, ``num_turns`` (distinct turns with a ``finished`` event),
     ``tool_s``, ``tool_queue_wait_s``, ``num_preemptions``, and with ``ideal_s`` also ``ideal_s`` and
     ``slowdown``. See the module docstring for the definitions.
@@ -143,11 +154,12 @@ def session_table(stream: pd.DataFrame, ideal_s: Mapping[str, float] | pd.Series
         ValueError: ``ideal_s`` is given but lacks completed sessions (the message lists some ids).
         KeyError: the frame lacks the ``kind``/``t_wall``/``session_id`` columns.
     """
+    origin = _run_origin(stream)
     starts = _of_kind(stream, "session_start")
-    table = pd.DataFrame({"arrival_s": _seconds(starts["t_wall"]).to_numpy()},
+    table = pd.DataFrame({"arrival_s": _seconds(starts["t_wall"], origin).to_numpy()},
                          index=pd.Index(starts["session_id"].to_numpy(), name="session_id"))
     table = table.groupby(level=0).min()
-    finished = _of_kind(stream, "finished").assign(t_s=lambda f: _seconds(f["t_wall"]))
+    finished = _of_kind(stream, "finished").assign(t_s=lambda f: _seconds(f["t_wall"], origin))
     table["end_s"] = finished.groupby("session_id")["t_s"].max()
     table["e2e_s"] = table["end_s"] - table["arrival_s"]
     ends = _of_kind(stream, "session_end").groupby("session_id")
@@ -220,13 +232,14 @@ def agent_ttft_table(stream: pd.DataFrame) -> pd.DataFrame:
     first = first.loc[first["session_id"].notna()]
     if first.empty:
         return pd.DataFrame({"session_id": [], "turn": [], "ttft_s": []})
-    first = (first.assign(t_s=_seconds(first["t_wall"]))
+    origin = _run_origin(stream)
+    first = (first.assign(t_s=_seconds(first["t_wall"], origin))
              .sort_values("t_s").drop_duplicates(["session_id", "turn"], keep="first"))
     starts = _of_kind(stream, "session_start")
-    arrival = pd.Series(_seconds(starts["t_wall"]).to_numpy(), index=starts["session_id"].to_numpy())
+    arrival = pd.Series(_seconds(starts["t_wall"], origin).to_numpy(), index=starts["session_id"].to_numpy())
     arrival = arrival.groupby(level=0).min()
     ends = _of_kind(stream, "tool_end")
-    tool_end = pd.Series(_seconds(ends["t_wall"]).to_numpy(),
+    tool_end = pd.Series(_seconds(ends["t_wall"], origin).to_numpy(),
                          index=pd.MultiIndex.from_arrays([ends["session_id"].to_numpy(),
                                                           ends["turn"].to_numpy() + 1]))
     tool_end = tool_end.groupby(level=[0, 1]).max()
@@ -274,12 +287,13 @@ def admission_wait_s(stream: pd.DataFrame) -> pd.Series:
 
     Sessions never scheduled are left out (their wait is unbounded; they count as incomplete).
     """
+    origin = _run_origin(stream)
     starts = _of_kind(stream, "session_start")
-    arrival = pd.Series(_seconds(starts["t_wall"]).to_numpy(), index=starts["session_id"].to_numpy())
+    arrival = pd.Series(_seconds(starts["t_wall"], origin).to_numpy(), index=starts["session_id"].to_numpy())
     arrival = arrival.groupby(level=0).min()
     sched = _of_kind(stream, "first_scheduled")
     sched = sched.loc[sched["session_id"].isin(arrival.index)]
-    first = pd.Series(_seconds(sched["t_wall"]).to_numpy(), index=sched["session_id"].to_numpy())
+    first = pd.Series(_seconds(sched["t_wall"], origin).to_numpy(), index=sched["session_id"].to_numpy())
     first = first.groupby(level=0).min()
     return (first - arrival.reindex(first.index)).clip(lower=0.0).rename("admission_wait_s")
 

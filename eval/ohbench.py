@@ -101,6 +101,7 @@ __all__ = [
     "PolicyRun",
     "arrival_offsets_s",
     "assign_traces",
+    "emulated_live_options",
     "is_install",
     "policy_summary",
     "ratio_table",
@@ -162,6 +163,13 @@ class BenchOptions(BaseModel):
     """Emulated GPU profile (``h100_sxm``, ``h100_nvl``, ``h200_sxm``, ``h200_nvl``)."""
     model: str = "qwen3-coder-30b-a3b-instruct"
     """Emulated model profile."""
+    dtype: str = "bf16"
+    """Emulated model's weight dtype key (``--model NAME/DTYPE``; with ``model``, a key of ``MODELS``)."""
+    kv_cache_dtype: Literal["bf16", "fp8"] | None = None
+    """Emulated KV cache dtype (``--kv-cache-dtype``); ``None`` = the model's own. Sets the KV
+    blocks of the profile's capacity and the step times, as in ``compare`` (:mod:`eval.deployment`)."""
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    """Emulated ``--gpu-memory-utilization``: the KV pool of the profile's capacity."""
     num_gpu_blocks: int | None = Field(None, ge=2)
     """KV blocks (16 tokens) of the emulated engine; ``None``: the profile's capacity."""
     max_model_len_tokens: int = Field(32_768, ge=256)
@@ -575,15 +583,23 @@ def _engine(policy: str, options: BenchOptions, log_dir: Path,
     """``policy``'s vLLM server (emulated or real), stopped on exit; yields its ``LiveServer``."""
     python = options.engine_python or default_engine_python()
     if options.backend == "emulated":
-        live = LiveOptions(num_gpu_blocks=num_gpu_blocks or 2, gpu=options.gpu, model=options.model,
-                           max_model_len_tokens=options.max_model_len_tokens,
-                           startup_timeout_s=options.startup_timeout_s, log_dir=log_dir,
-                           engine_python=python)
+        live = emulated_live_options(options, num_gpu_blocks, log_dir, python)
         with LiveBackend(BackendSpec("emulated"), live, live_policy_config()) as backend:
             yield backend.server_for(policy)
         return
     with _gpu_server(policy, options, python, log_dir) as server:
         yield server
+
+
+def emulated_live_options(options: BenchOptions, num_gpu_blocks: int | None, log_dir: Path,
+                          python: str) -> LiveOptions:
+    """The emulated engine's :class:`eval.backends.LiveOptions`: the GPU and model profile, the
+    weight and KV cache dtypes and the memory utilization of ``options``, ``num_gpu_blocks``. Pure."""
+    return LiveOptions(num_gpu_blocks=num_gpu_blocks or 2, gpu=options.gpu, model=options.model,
+                       dtype=options.dtype, kv_cache_dtype=options.kv_cache_dtype,
+                       gpu_memory_utilization=options.gpu_memory_utilization,
+                       max_model_len_tokens=options.max_model_len_tokens,
+                       startup_timeout_s=options.startup_timeout_s, log_dir=log_dir, engine_python=python)
 
 
 @contextlib.contextmanager
@@ -733,16 +749,20 @@ def run_policy(policy: str, tasks: Sequence[BenchTask], scripts: Sequence[Any],
     return run
 
 
-def profile_kv_blocks(python: str, gpu: str, model: str) -> int:
-    """KV blocks (16 tokens) of ``gpu`` × ``model`` from the engine env's capacity model.
+def profile_kv_blocks(python: str, gpu: str, model: str, dtype: str = "bf16", kv_cache_dtype: str | None = None,
+                      gpu_memory_utilization: float = 0.9) -> int:
+    """KV blocks (16 tokens) of ``gpu`` × ``model`` (weights ``dtype``, KV ``kv_cache_dtype``, ``None``
+    = the model's own, at ``gpu_memory_utilization``) from the engine env's capacity model.
 
     Runs ``python`` (the engine env: the estimate needs ``aiconfigurator-core``).
 
     Raises:
         RuntimeError: the estimate failed (names the interpreter and its error).
     """
+    profile = (f"GpuProfile(gpu={gpu!r}, model={model!r}, dtype={dtype!r}, kv_cache_dtype={kv_cache_dtype!r}, "
+               f"gpu_memory_utilization={gpu_memory_utilization!r})")
     code = ("from mars_openhands.engine.harness.executor.profiles import GpuProfile, estimate_kv_capacity\n"
-            f"c = estimate_kv_capacity(GpuProfile(gpu={gpu!r}, model={model!r}))\n"
+            f"c = estimate_kv_capacity({profile})\n"
             "print(c.kv_bytes // (c.bytes_per_token * c.block_size))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(_REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([python, "-c", code], capture_output=True, text=True, env=env, timeout=300)
@@ -785,17 +805,20 @@ def run_bench(tasks: Sequence[BenchTask], options: BenchOptions, out_dir: Path,
     blocks = options.num_gpu_blocks
     if options.backend == "emulated" and blocks is None:
         blocks = profile_kv_blocks(options.engine_python or default_engine_python(), options.gpu,
-                                   options.model)
+                                   options.model, options.dtype, options.kv_cache_dtype,
+                                   options.gpu_memory_utilization)
     if blocks is not None and blocks * 16 < options.max_model_len_tokens + 16:
         # vLLM refuses to start when one max-length request does not fit (with a margin: 1024
         # blocks did not hold --max-model-len 16384, "estimated maximum model length 16368").
         raise ValueError(f"--kv-blocks {blocks} holds {blocks * 16} tokens, not one "
                          f"--max-model-len {options.max_model_len_tokens} request; use --kv-blocks "
                          f">= {options.max_model_len_tokens // 16 + 1} or a smaller --max-model-len")
+    kv_dtype = options.kv_cache_dtype or "of the model"
     arrivals = (f"closed loop, {options.concurrency} in flight" if options.concurrency
                 else f"{options.arrival} at {options.rps:g} tasks/s (seed {options.seed})")
     meta = {"tasks": f"{len(tasks)} ({', '.join(sorted({t.source for t in tasks}))})",
-            "backend": (f"emulated {options.gpu} x {options.model}, KV {blocks} blocks of 16 "
+            "backend": (f"emulated {options.gpu} x {options.model}/{options.dtype} (KV cache {kv_dtype}, "
+                        f"gpu-memory-utilization {options.gpu_memory_utilization:g}), KV {blocks} blocks of 16 "
                         "tokens; playback of recorded turns (recorded prompt/decode lengths)"
                         if options.backend == "emulated" else f"gpu, {options.real_model}"),
             "arrivals": arrivals, "admission": options.admission}

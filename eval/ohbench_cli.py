@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from eval.argtypes import config_error_lines, long_flags, positive_float, positive_int
+from eval.deployment import add_deployment_flags, deployment_from_args
 from eval.policies import parse_policies
 from eval.task_sources import SOURCES, load_tasks
 from mars_openhands.cli_style import CliParser, cli_error
@@ -51,7 +52,9 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admission", choices=("auto", "on", "off"), default="auto",
                    help="auto: the gateway's window for mars/mars-preview only (as deployed)")
     p.add_argument("--gpu", default="h100_sxm", help="emulated GPU profile")
-    p.add_argument("--model", default="qwen3-coder-30b-a3b-instruct", help="emulated model profile")
+    # --model NAME[/DTYPE], --kv-cache-dtype, --gpu-memory-utilization: the emulated deployment, as
+    # in compare (the gpu backend's real server takes vLLM's own flags through --engine-arg)
+    add_deployment_flags(p)
     p.add_argument("--kv-blocks", type=positive_int, default=None,
                    help="emulated KV blocks of 16 tokens (default: the profile's capacity)")
     p.add_argument("--max-model-len", type=positive_int, default=32_768,
@@ -96,17 +99,20 @@ def options_from_args(args: argparse.Namespace) -> Any:
 
     Raises:
         ValueError: an unknown policy (names the supported ones), ``--backend gpu`` without
-            ``--real-model``, or a value the options reject.
+            ``--real-model``, an unknown ``--model`` (names the profiles), or a value the options reject.
     """
     from eval.ohbench import BenchOptions  # pandas (the eval extra): see bench_from_args
 
     if args.backend == "gpu" and not args.real_model:
         raise ValueError("--backend gpu needs --real-model (e.g. Qwen/Qwen3-Coder-30B-A3B-Instruct)")
+    deployment = deployment_from_args(args)  # ValueError naming --model
     return BenchOptions(
         policies=parse_policies(args.policies), backend=args.backend,
         rps=None if args.concurrency else args.rps, concurrency=args.concurrency,
         arrival=args.arrival, seed=args.seed, admission=args.admission, gpu=args.gpu,
-        model=args.model, num_gpu_blocks=args.kv_blocks, max_model_len_tokens=args.max_model_len,
+        model=deployment.model, dtype=deployment.dtype, kv_cache_dtype=deployment.kv_cache_dtype,
+        gpu_memory_utilization=deployment.gpu_memory_utilization, num_gpu_blocks=args.kv_blocks,
+        max_model_len_tokens=args.max_model_len,
         engine_python=args.engine_python, traces_dir=args.traces, max_turns=args.max_turns,
         max_prompt_tokens=args.max_prompt_tokens, max_completion_tokens=args.max_completion_tokens,
         max_iterations=args.max_iterations, num_tool_workers=args.tool_workers,

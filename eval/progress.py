@@ -15,7 +15,7 @@ import sys
 import time
 from typing import IO, Any
 
-__all__ = ["LineProgress"]
+__all__ = ["LineProgress", "progress_display"]
 
 
 class LineProgress:
@@ -61,3 +61,22 @@ class LineProgress:
         count = f" ({int(min(task['completed'], total))}/{int(total)})" if total else ""
         print(f"[{elapsed // 60:02d}:{elapsed % 60:02d}] {task['description']}{count}",
               file=self._file or sys.stderr, flush=True)
+
+
+def progress_display(console: Any) -> Any:
+    """rich bars (description, bar, done/total, elapsed, ETA) on ``console`` when it is a terminal,
+    else a :class:`LineProgress` on stderr: the progress a sweep reports to (``plan``; ``compare``
+    builds the same inline)."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    if not console.is_terminal:
+        return LineProgress()
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TextColumn("ETA"), TimeRemainingColumn(), console=console)

@@ -26,6 +26,7 @@ import pandas as pd
 
 __all__ = [
     "ADDS_PART",
+    "AT_LIMIT_PCT",
     "METRICS",
     "PAPER_ABLATIONS",
     "PAPER_GAINS",
@@ -33,6 +34,7 @@ __all__ = [
     "Metric",
     "ablation_table",
     "best_baselines",
+    "excess_over_limit_pct",
     "format_figure",
     "capacity_ratios",
     "goodput_column",
@@ -600,9 +602,10 @@ def write_plots(out_dir: str | Path, results: pd.DataFrame, e2e_by_run: Mapping[
                 is_absolute_rates: bool = False, prefix: str = "", title_prefix: str = "") -> list[Path]:
     """Write the PNG plots (matplotlib, Agg backend) and return their paths.
 
-    * ``e2e_vs_load.png``: mean and P95 E2E (s) against load, one line per run label, ticks at
-      the loads, one legend under both panels; the title names the base rate (sessions/s) the
-      loads multiply.
+    * ``e2e_vs_load.png``: mean and P95 E2E against load, one line per run label, ticks at the
+      loads, one legend under both panels: as the excess over the unbounded-KV reference (%, log
+      axis) when it ran at every load, else in seconds on a log axis; the title names the base
+      rate (sessions/s) the loads multiply.
     * ``e2e_cdf.png``: CDF of session E2E (s) at the heaviest load, one line per run; titled
       ``load <x>× base (<rate> sessions/s)`` (``rate <rate> sessions/s`` for absolute rates).
     * ``goodput_vs_alpha.png``: goodput (sessions/s) against α at the heaviest load; titled likewise.
@@ -657,36 +660,77 @@ def write_plots(out_dir: str | Path, results: pd.DataFrame, e2e_by_run: Mapping[
     return paths
 
 
+AT_LIMIT_PCT = 0.1
+"""E2E-vs-load plot: a run at (or, by noise, below) the unbounded-KV limit is drawn at this excess
+(%), the floor of the log axis (0 has no place on it)."""
+
+
+def excess_over_limit_pct(ok: pd.DataFrame, column: str) -> pd.Series | None:
+    """Per run of ``ok``: ``(value / the unbounded-KV reference's value at the same load − 1) × 100``,
+    how far (%) above the limit the run is; ``None`` when a load has no reference run. Pure.
+
+    Args:
+        ok: successful runs (``load_x``, ``is_reference``, ``column``).
+        column: a lower-is-better metric (E2E).
+
+    Returns:
+        A float Series aligned with ``ok``'s index (0 for the reference itself; negative where a run
+        is below the limit, by noise or by a policy that beats FCFS-with-unbounded-KV).
+    """
+    refs = ok.loc[ok["is_reference"].astype(bool)] if "is_reference" in ok else ok.iloc[:0]
+    ref = refs.drop_duplicates("load_x").set_index("load_x")[column].astype("float64")
+    if ref.empty or not set(ok["load_x"]) <= set(ref.index):
+        return None
+    return (ok[column].astype("float64") / ok["load_x"].map(ref).replace(0.0, np.nan) - 1.0) * 100.0
+
+
 def _e2e_vs_load_figure(ok: pd.DataFrame, style: Mapping[str, dict[str, Any]], is_absolute_rates: bool,
                         plt: Any) -> Any:
     """Mean and P95 E2E against load, one line per run label, one legend for both panels.
 
-    Loads sit at evenly spaced positions ticked with their values (``1×``, ``1.2×`` or the rates),
-    not on a continuous axis with fine ticks between two loads; each label is shifted a little
-    sideways, so runs with near-equal values (mars, thunderagent and the unbounded-KV limit) stay
-    apart instead of hiding one another.
+    With the unbounded-KV reference at every load each run is drawn as its excess over it (%:
+    :func:`excess_over_limit_pct`) on a log axis, the limit itself a dotted line at the floor: in
+    seconds, FCFS's collapse (10× the limit) squeezed mars, thunderagent and the limit (within
+    a few % of each other) into one line, and a ratio on a linear axis still does; on a log axis
+    of the excess 4% and 8% sit a third of a decade apart. Without the reference: seconds on a log
+    axis. Loads sit at evenly spaced positions ticked with their values (``1×``, ``1.2×`` or the
+    rates); each label is shifted a little sideways, so equal values stay visible.
     """
+    from matplotlib.ticker import FuncFormatter
+
+    columns = ("e2e_mean_s", "e2e_p95_s")
+    excess = {c: excess_over_limit_pct(ok, c) for c in columns}
+    is_vs_limit = all(v is not None for v in excess.values())
+    references = set(ok.loc[ok["is_reference"].astype(bool), "label"]) if "is_reference" in ok else set()
+    labels = [lab for lab in style if not (is_vs_limit and lab in references)]
     loads = sorted(ok["load_x"].unique())
     position = {load: i for i, load in enumerate(loads)}
-    labels = list(style)
     width = 0.5 / max(len(labels), 1)  # the labels of one load spread over half a slot
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
-    for i, (label, group) in enumerate((lab, ok.loc[ok["label"] == lab]) for lab in labels):
-        group = group.sort_values("load_x")
+    for i, label in enumerate(labels):
+        group = ok.loc[ok["label"] == label].sort_values("load_x")
         x = [position[v] + (i - (len(labels) - 1) / 2) * width for v in group["load_x"]]
-        for ax, column in zip(axes, ("e2e_mean_s", "e2e_p95_s"), strict=True):
-            ax.plot(x, group[column], label=label, **style[label])
+        for ax, column in zip(axes, columns, strict=True):
+            y = excess[column].loc[group.index].clip(lower=AT_LIMIT_PCT) if is_vs_limit else group[column]
+            ax.plot(x, y, label=label, **style[label])
     rates = ok.groupby("load_x")["rate_per_s"].first()
     ticks = [f"{rates[v]:.3g}/s" if is_absolute_rates else f"{v:g}×" for v in loads]
-    for ax, name in zip(axes, ("mean E2E (s)", "P95 E2E (s)"), strict=True):
+    for ax, name in zip(axes, ("mean E2E", "P95 E2E"), strict=True):
+        ax.set_yscale("log")
+        if is_vs_limit:
+            ax.axhline(AT_LIMIT_PCT, color="0.35", linestyle=":", linewidth=1.2,
+                       label=f"{'/'.join(sorted(references))}: the limit (runs at or below it on this line)")
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}%"))
+            ax.set_ylabel(f"{name} above the unbounded-KV\nlimit (%, log scale)")
+        else:
+            ax.set_ylabel(f"{name} (s, log)")
         ax.set_xticks(range(len(loads)), ticks)
         ax.set_xlim(-0.5, len(loads) - 0.5)
         ax.set_xlabel("arrival rate (sessions/s)" if is_absolute_rates else "load (× base rate)")
-        ax.set_ylabel(name)
-        ax.grid(alpha=0.3)
+        ax.grid(alpha=0.3, which="both")
     handles, names = axes[0].get_legend_handles_labels()
     fig.legend(handles, names, loc="lower center", ncol=min(len(names), 6), fontsize=7, frameon=False)
-    fig.subplots_adjust(bottom=0.18 + 0.05 * ((len(names) - 1) // 6))
+    fig.subplots_adjust(bottom=0.18 + 0.05 * ((len(names) - 1) // 6), wspace=0.3)
     return fig
 
 

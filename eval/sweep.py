@@ -16,7 +16,7 @@ import copy
 import math
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -281,11 +281,14 @@ class _Sweep:
                          o.search_max_runs, o.knee_tolerance)
 
     def _searches(self, pool: Pool, wanted: Sequence[tuple[GpuSetup, str, float]],
-                  description: str, is_keeping_streams: bool = False) -> dict[tuple[str, str], BaseRateSearch]:
+                  description: str, is_keeping_streams: bool = False,
+                  stream_keys: Collection[tuple[tuple[str, str], float]] | None = None,
+                  ) -> dict[tuple[str, str], BaseRateSearch]:
         """Knee searches of ``(gpu, run label, start rate)``, interleaved on ``pool``; cached by content.
 
         Each round gives every open search ``max(1, jobs // open searches)`` parallel probes.
-        ``is_keeping_streams``: keep stable probes' metric events in ``_probe_streams``.
+        ``is_keeping_streams``: keep stable probes' metric events in ``_probe_streams`` (only those
+        of ``stream_keys``, ``((gpu, label), rate)``, when given: the planned runs' rates).
         """
         o = self.options
         done: dict[tuple[str, str], BaseRateSearch] = {}
@@ -305,9 +308,10 @@ class _Sweep:
 
         def make_call(ident: tuple[str, str], rate: float, cancel_path: str | None) -> tuple[Callable[..., Any], tuple[Any, ...]]:
             setup, policy = open_[ident][0], ident[1].removesuffix("+adm")
+            is_keeping = is_keeping_streams and (stream_keys is None or (ident, rate) in stream_keys)
             return probe_task, (self.workload, o, policy, ident[1].endswith("+adm"), rate, setup.step_timer,
                                  self._num_blocks(setup, policy), self.ideal[setup.gpu], self.simulate_fn,
-                                 is_keeping_streams, cancel_path)
+                                 is_keeping, cancel_path)
 
         probes = Probes(pool, make_call)
         rounds: dict[tuple[str, str], list[float]] = {}  # each open search's round in progress
@@ -425,13 +429,22 @@ class _Sweep:
             ideal = self.ideal[setup.gpu]
             start = self.base.get(setup.gpu) or 1.0 / (sum(ideal.values()) / len(ideal))
             wanted += [(setup, label, start) for label in labels if (setup.gpu, label) not in known]
-        found = {**{k: v for k, v in known.items() if k[1] in labels}, **self._searches(pool, wanted, "capacity")}
+        # A search starts at the FCFS knee: its first probe is the run at load 1.0 (same label, rate
+        # and seed), so a stable one's stream stands for that run, as FCFS's own probe does
+        planned = {((r.gpu, r.label), r.rate_per_s) for g in self.gpus
+                   for r in plan(self.options, self.base[g.gpu], g.gpu)}
+        searched = self._searches(pool, wanted, "capacity", is_keeping_streams=self.live is None,
+                                  stream_keys=planned)
+        found = {**{k: v for k, v in known.items() if k[1] in labels}, **searched}
         rows = []
         for (gpu, label), search in found.items():
             policy = label.removesuffix("+adm")
             rows.append({"gpu": gpu, "label": label, "policy": policy, "is_baseline": POLICIES[policy].is_baseline,
                          "capacity_per_s": search.rate_per_s if search.has_stable else math.nan,
-                         "is_bracketed": search.is_bracketed, "num_probes": len(search.probes), "how": search.how})
+                         "is_bracketed": search.is_bracketed,
+                         "first_unstable_per_s": min((r for r, _, is_stable in search.probes
+                                                      if not is_stable and r > search.rate_per_s), default=math.nan),
+                         "num_probes": len(search.probes), "how": search.how})
         table = pd.DataFrame(rows)
         table.to_parquet(self.out_dir / "capacity.parquet", index=False)
         return table

@@ -483,3 +483,30 @@ def test_ideal_times_are_in_workload_order_whatever_order_the_chunks_finish(tmp_
                             cache, {})
     cached._ideal_times(Backwards(), None)
     assert cached.ideal["g"] == sweep.ideal["g"] and list(cached.ideal["g"]) == order
+
+
+def test_a_capacity_searchs_first_probe_is_the_policys_run_at_the_knee(tmp_path, sim) -> None:
+    # Every capacity search starts at the FCFS knee, the rate of load 1.0: a stable first probe is
+    # that run (same label, rate and seed), so the sweep simulates no run at load 1.0 again, and the
+    # rows equal a sweep that simulates them (given the same base rate, no capacity).
+    workload = small_workload(3, 3)
+    calls: list[tuple[str, float]] = []
+
+    def counting(w, config, timer, sink=None):
+        calls.append((config.policy, w.sessions[-1].arrival_s))
+        return sim.simulate(w, config, timer, sink)
+
+    options = CompareOptions(policies=("fcfs", "continuum", "unbounded-kv"), loads=(1.0,), num_gpu_blocks=512,
+                             search_max_runs=3, knee_slowdown=1.5, is_capacity=True)
+    planned = run_compare(workload, options, sim.LinearStepTimeModel(), tmp_path / "a", simulate_fn=counting)
+    capacity = pd.read_parquet(tmp_path / "a" / "capacity.parquet")
+    assert set(capacity["label"]) == {"fcfs", "continuum", "unbounded-kv"}
+    base = planned["rate_per_s"].iloc[0]
+    probed = len(calls)
+    assert probed == int(capacity["num_probes"].sum())  # the 3 runs were all probes
+    given = run_compare(workload, options.model_copy(update={"base_rate_per_s": base, "is_capacity": False}),
+                        sim.LinearStepTimeModel(), tmp_path / "b", simulate_fn=counting)
+    assert len(calls) == probed + 3
+    a, b = (f.set_index("run_id").drop(columns=["wall_s"]) for f in (planned, given))
+    pd.testing.assert_frame_equal(a, b)
+    assert "continuum__load1" in (tmp_path / "a" / "summary.md").read_text()

@@ -205,3 +205,42 @@ def test_same_metrics_after_a_jsonl_round_trip(tmp_path, stream: pd.DataFrame) -
     path = tmp_path / "run.jsonl"
     path.write_text("".join(e.model_dump_json() + "\n" for e in _events()))
     assert compute_metrics(read_stream(path), IDEAL_S) == compute_metrics(stream, IDEAL_S)
+
+
+def _shifted_run(origin: datetime) -> pd.DataFrame:
+    """Sixteen sessions with µs-resolution times (as the simulator writes them: ``wall_origin`` +
+    the virtual offset), recorded from ``origin``."""
+    rng = np.random.default_rng(7)
+    events = []
+    for i in range(16):
+        start_s = float(rng.uniform(0.0, 5000.0))
+        end_s = start_s + float(rng.uniform(1.0, 900.0))
+
+        def at(t_s: float) -> dict:
+            return {"t_mono_ns": int(round(t_s * 1e9)), "t_wall": origin + timedelta(seconds=t_s)}
+
+        sid = f"s{i}"
+        events += [ev.SessionStart(**at(start_s), session_id=sid, source="replay"),
+                   ev.RequestFirstScheduled(**at(start_s + 0.1), session_id=sid, turn=0, source="engine:0",
+                                            request_id=f"{sid}r", prefill_start_delay_s=0.1),
+                   ev.RequestFirstToken(**at(start_s + 0.3), session_id=sid, turn=0, source="engine:0",
+                                        request_id=f"{sid}r", ttft_s=0.3),
+                   ev.RequestFinished(**at(end_s), session_id=sid, turn=0, source="engine:0",
+                                      request_id=f"{sid}r", num_prompt_tokens=10, num_output_tokens=5),
+                   ev.SessionEnd(**at(end_s), session_id=sid, source="replay")]
+    return events_to_frame(events)
+
+
+def test_metrics_do_not_depend_on_the_runs_wall_origin() -> None:
+    """Two runs of the same schedule started at different wall times (two policies that tie, or
+    one policy run twice) must give bit-equal metrics, else a tie-break between policies (the best
+    baseline) flips between runs. Failed before: times were float epoch seconds (~1.8e9, a step of
+    2.4e-7 s), so an E2E's rounding depended on the origin."""
+    ideal = {f"s{i}": 100.0 for i in range(16)}
+    origins = [datetime(2026, 12, 5, 4, 0, tzinfo=UTC) + timedelta(microseconds=k * 123_457) for k in range(6)]
+    metrics = [compute_metrics(_shifted_run(o), ideal) for o in origins]
+    assert all(m == metrics[0] for m in metrics[1:])
+    tables = [session_table(_shifted_run(o), ideal) for o in origins]
+    for table in tables[1:]:
+        assert table["e2e_s"].tolist() == tables[0]["e2e_s"].tolist()
+    assert tables[0]["arrival_s"].min() == 0.0  # seconds from the run's first event, not the epoch

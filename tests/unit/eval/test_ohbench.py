@@ -212,3 +212,42 @@ def test_the_cpu_bench_script_is_quiet_before_the_bench_imports_the_sdk(tmp_path
     with pytest.raises(SystemExit):
         bench.main(["--out", str(tmp_path)])
     assert seen == {"OPENHANDS_SUPPRESS_BANNER": "1", "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+
+
+def test_the_emulated_engine_gets_the_kv_cache_dtype_and_memory_flags(tmp_path: Path):
+    """`openhands bench --model NAME/DTYPE --kv-cache-dtype fp8 --gpu-memory-utilization F` reach the
+    emulated server's LiveOptions, as compare's flags do (they were dropped: fp8 ran as bf16)."""
+    from eval.ohbench import emulated_live_options
+    from eval.ohbench_cli import _add_flags, options_from_args
+    from mars_openhands.cli_style import CliParser
+
+    parser = CliParser(prog="bench")
+    _add_flags(parser)
+    args = parser.parse_args(["--source", "swebench", "--tasks", str(tmp_path), "--out", str(tmp_path),
+                              "--model", "qwen3-30b-a3b", "--kv-cache-dtype", "fp8",
+                              "--gpu-memory-utilization", "0.95"])
+    options = options_from_args(args)
+    assert (options.model, options.dtype, options.kv_cache_dtype) == ("qwen3-30b-a3b", "bf16", "fp8")
+    live = emulated_live_options(options, 4096, tmp_path, "python")
+    assert (live.model, live.dtype, live.kv_cache_dtype, live.gpu_memory_utilization) == (
+        "qwen3-30b-a3b", "bf16", "fp8", 0.95)
+    default = emulated_live_options(BenchOptions(), None, tmp_path, "python")
+    assert (default.kv_cache_dtype, default.gpu_memory_utilization) == (None, 0.9)
+    with pytest.raises(ValueError, match="--model: unknown model 'gpt-5'"):
+        options_from_args(parser.parse_args(["--source", "swebench", "--tasks", str(tmp_path), "--out",
+                                             str(tmp_path), "--model", "gpt-5"]))
+
+
+def test_bench_fidelity_serves_the_deployment_it_simulates(tmp_path: Path):
+    """benchmarks/bench_fidelity.py: the emulated server's KV dtype and memory are the sim's."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[3] / "benchmarks" / "bench_fidelity.py"
+    spec = importlib.util.spec_from_file_location("bench_fidelity", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = bench._args(["--kv-cache-dtype", "fp8", "--gpu-memory-utilization", "0.8", "--out", str(tmp_path)])
+    cargs = bench._compare_args(args)
+    assert (cargs.kv_cache_dtype, cargs.gpu_memory_utilization) == ("fp8", 0.8)
+    live = bench.live_options(cargs, 2000, 1000, tmp_path)
+    assert (live.kv_cache_dtype, live.gpu_memory_utilization, live.gpu) == ("fp8", 0.8, "h100_sxm")

@@ -228,3 +228,41 @@ def test_the_paper_table_has_p99(results) -> None:
     table = paper_comparison(results)
     assert "P99 E2E" in set(table["metric"])
     assert "| mars | P99 E2E |" in render_summary(results, {})
+
+
+def test_e2e_vs_load_draws_the_excess_over_the_unbounded_kv_limit_not_seconds(tmp_path, monkeypatch) -> None:
+    """FCFS's collapse (10× the limit) must not squeeze mars (4% above the limit), thunderagent (8%)
+    and the limit into one line: each run is drawn as its excess over the limit at that load, on a
+    log axis, and the limit is its own line. Fails if the plot draws seconds (or a linear ratio)."""
+    import eval.report as report
+    from eval.report import AT_LIMIT_PCT, excess_over_limit_pct
+
+    runs = pd.DataFrame([
+        _row("fcfs", "fcfs", 1.0, 2170.0, 0.1), _row("fcfs", "fcfs", 1.2, 2260.0, 0.1),
+        _row("thunderagent", "thunderagent", 1.0, 234.36, 0.2), _row("thunderagent", "thunderagent", 1.2, 244.08, 0.2),
+        _row("mars+adm", "mars", 1.0, 225.68, 0.2, adm=True, baseline=False),
+        _row("mars+adm", "mars", 1.2, 226.0, 0.2, adm=True, baseline=False),
+        _row("unbounded-kv", "unbounded-kv", 1.0, 217.0, 0.2, baseline=False, reference=True),
+        _row("unbounded-kv", "unbounded-kv", 1.2, 226.0, 0.2, baseline=False, reference=True)])
+    ok = runs.loc[runs["status"] == "ok"]
+    excess = excess_over_limit_pct(ok, "e2e_mean_s")
+    assert excess.tolist() == pytest.approx([900.0, 900.0, 8.0, 8.0, 4.0, 0.0, 0.0, 0.0])
+    figures = {}
+    monkeypatch.setattr(report, "_save", lambda fig, path, plt: figures.setdefault(path.name, fig) and path)
+    write_plots(tmp_path, runs, {r: [1.0] for r in runs["run_id"]})
+    fig = figures["e2e_vs_load.png"]
+    for ax in fig.axes:
+        assert ax.get_yscale() == "log" and "above the unbounded-KV" in ax.get_ylabel()
+        drawn = {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()}
+        assert drawn["fcfs"] == pytest.approx([900.0, 900.0])
+        assert drawn["thunderagent"] == pytest.approx([8.0, 8.0])
+        assert drawn["mars+adm"] == pytest.approx([4.0, AT_LIMIT_PCT])  # at the limit: on the floor line
+        assert "unbounded-kv" not in drawn  # the limit is the dotted floor line, not a run's line
+        assert any("the limit" in name for name in drawn)
+    assert fig.legends[0].get_texts()[-1].get_text().startswith("unbounded-kv: the limit")
+    # without the reference at every load: seconds, on a log axis
+    figures.clear()
+    write_plots(tmp_path, runs.loc[~runs["is_reference"] | (runs["load_x"] == 1.0)], {r: [1.0] for r in runs["run_id"]})
+    ax = figures["e2e_vs_load.png"].axes[0]
+    assert ax.get_yscale() == "log" and ax.get_ylabel() == "mean E2E (s, log)"
+    assert {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()}["fcfs"] == [2170.0, 2260.0]

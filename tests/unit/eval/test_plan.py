@@ -1,0 +1,145 @@
+"""``mars-openhands plan`` (eval/plan.py): its arguments and their one-line errors, the plan table and
+its text, and a whole plan on a tiny trace slice (in process, seconds)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from eval.cli import main
+from eval.plan import DEFAULT_PLAN_POLICIES, plan_table, render_plan
+
+TRACE_FIXTURES = Path(__file__).parents[2] / "fixtures" / "traces"
+
+
+def _error(capsys, argv: list[str]) -> str:
+    """The one stderr line of ``mars-openhands plan ARGV`` that must fail with exit 2."""
+    try:
+        code = main(["plan", *argv])
+    except SystemExit as e:  # argparse's own errors (choices, types, exclusive flags)
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("mars-openhands plan: error: "), err
+    return err
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--gpu", "a100"], "--gpu: unknown GPU 'a100'; choose one of h100_nvl, h100_sxm, h200_nvl, h200_sxm"),
+    (["--model", "llama-70b"], "--model: unknown model 'llama-70b'; choose one of gpt-oss-120b"),
+    (["--model", "qwen3-coder-30b-a3b-instruct/fp8"], "--model: qwen3-coder-30b-a3b-instruct has no 'fp8' weights"),
+    (["--policies", "fcfs,sjf"], "--policies: unknown policy 'sjf'; supported: fcfs,"),
+    (["--kv-cache-dtype", "fp4"], "--kv-cache-dtype: invalid choice: 'fp4'"),
+    (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization: expected a fraction in (0, 1]"),
+    (["--synthetic", "chatbot"], "--synthetic: invalid choice: 'chatbot'"),
+    (["--load", "1", "--rate", "0.1"], "--rate: not allowed with argument --load"),
+    (["--rate", "-0.1"], "--rate: "),
+    (["--slo-slowdown", "1"], "--slo-slowdown: must be > 1"),
+    (["--tool-workers", "0"], "--tool-workers: "),
+    (["--traces", "x", "--synthetic", "swebench"], "--synthetic: not allowed with argument --traces"),
+])
+def test_bad_input_is_one_line_naming_the_flag_and_writes_nothing(capsys, tmp_path, argv, expected) -> None:
+    out = tmp_path / "out"
+    err = _error(capsys, [*argv, "--out", str(out)])
+    assert expected in err
+    assert not out.exists()
+
+
+def test_an_empty_or_missing_trace_folder_is_one_line_naming_it(capsys, tmp_path) -> None:
+    out = tmp_path / "out"
+    err = _error(capsys, ["--traces", str(TRACE_FIXTURES / "empty"), "--out", str(out)])
+    assert f"--traces: {TRACE_FIXTURES / 'empty'}: no usable trajectory found" in err
+    err = _error(capsys, ["--traces", str(tmp_path / "nowhere"), "--out", str(out)])
+    assert "--traces: trace folder" in err and "does not exist" in err
+    err = _error(capsys, ["--workload", str(tmp_path / "none.json"), "--out", str(out)])
+    assert f"--workload {tmp_path / 'none.json'}: " in err
+    assert not out.exists()
+
+
+def test_help_explains_every_input(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for flag in ("--gpu", "--model", "--kv-cache-dtype", "--gpu-memory-utilization", "--tool-workers", "--traces",
+                 "--workload", "--synthetic", "--synthetic-sessions", "--policies", "--load", "--rate",
+                 "--slo-slowdown", "--knee-tolerance", "--search-runs", "--seed", "--jobs", "--no-cache",
+                 "--cache-dir", "--out", "--sessions", "--max-turns"):
+        assert f"{flag} " in text, flag
+    assert "--host-kv-gib flag will come with it" in text  # the host tier: not modelled yet, said so
+    assert "capacity at SLO" in text and "unbounded-kv limit" in text
+    assert ",".join(DEFAULT_PLAN_POLICIES) in text.replace(", ", ",").replace("vllm- tuned", "vllm-tuned")
+
+
+def _results_and_capacity() -> tuple[pd.DataFrame, pd.DataFrame]:
+    rows = [("fcfs", "fcfs", 400.0, 300.0, 1.8), ("mars+adm", "mars", 220.0, 200.0, 1.2),
+            ("unbounded-kv", "unbounded-kv", 200.0, 190.0, 1.1), ("vllm-tuned", "vllm-tuned", math.nan, math.nan, math.nan)]
+    results = pd.DataFrame([{"label": lab, "policy": pol, "rate_per_s": 0.01, "e2e_p95_s": p95, "e2e_mean_s": mean,
+                             "slowdown_mean": sd, "num_completed": 74 if p95 == p95 else 0, "num_sessions": 74,
+                             "status": "ok" if p95 == p95 else "failed"} for lab, pol, p95, mean, sd in rows])
+    capacity = pd.DataFrame([
+        {"label": "fcfs", "capacity_per_s": 0.01, "is_bracketed": True, "first_unstable_per_s": 0.011, "num_probes": 6},
+        {"label": "mars+adm", "capacity_per_s": 0.015, "is_bracketed": True, "first_unstable_per_s": 0.016,
+         "num_probes": 5},
+        {"label": "unbounded-kv", "capacity_per_s": 0.02, "is_bracketed": False, "first_unstable_per_s": math.nan,
+         "num_probes": 8},
+        {"label": "vllm-tuned", "capacity_per_s": math.nan, "is_bracketed": False, "first_unstable_per_s": math.nan,
+         "num_probes": 8}])
+    return results, capacity
+
+
+def test_plan_table_orders_policies_the_limit_last_and_divides_by_the_limit() -> None:
+    results, capacity = _results_and_capacity()
+    table = plan_table(results, capacity, ("fcfs", "vllm-tuned", "mars", "unbounded-kv")).set_index("label")
+    assert list(table.index) == ["fcfs", "vllm-tuned", "mars+adm", "unbounded-kv"]
+    assert table.at["mars+adm", "capacity_vs_limit"] == pytest.approx(0.75)
+    assert table.at["fcfs", "p95_vs_limit"] == pytest.approx(2.0)
+    assert table.at["mars+adm", "mean_vs_limit"] == pytest.approx(200 / 190)
+    assert table.at["fcfs", "capacity_per_h"] == pytest.approx(36.0)
+    assert table.at["unbounded-kv", "is_limit"] and not table.at["fcfs", "is_limit"]
+    assert math.isnan(table.at["vllm-tuned", "capacity_vs_limit"])
+    text = render_plan(table.reset_index(), {"scope": "Full workload: x.", "GPU": "h100_sxm"})
+    assert text.startswith("# mars-openhands plan\n\n**Full workload: x.**\n\n- **GPU**: h100_sxm")
+    assert "## Capacity at SLO, and E2E at 0.01 sessions/s" in text
+    assert "| mars+adm | 0.015 | 54.0 | 0.75× | 0.016 | 220 | 1.10× | 200 | 1.05× | 1.20 | 74/74 |" in text
+    assert "| unbounded-kv (limit) | 0.02 | 72.0 | 1.00× | not found (budget spent) |" in text
+    assert "| vllm-tuned | none stable | – | – | not found (budget spent) | – | – | – | – | – | FAILED |" in text
+
+
+def test_a_plan_on_a_tiny_trace_slice_answers_every_policy_next_to_the_limit(sim, tmp_path, capsys) -> None:
+    out = tmp_path / "plan"
+    code = main(["plan", "--traces", str(TRACE_FIXTURES / "good"), "--max-turns", "2", "--jobs", "1",
+                 "--policies", "fcfs,mars", "--search-runs", "2", "--no-cache", "--out", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    table = pd.read_parquet(out / "plan.parquet").set_index("label")
+    assert list(table.index) == ["fcfs", "mars+adm", "unbounded-kv"]  # the limit always added, last
+    assert (table["status"] == "ok").all() and (table["num_completed"] == 2).all()
+    assert (table["capacity_per_s"] > 0).all() and (table["num_probes"] <= 2).all()
+    limit = table.loc["unbounded-kv"]
+    assert table["p95_vs_limit"].tolist() == pytest.approx((table["e2e_p95_s"] / limit["e2e_p95_s"]).tolist())
+    assert table["capacity_vs_limit"].tolist() == pytest.approx(
+        (table["capacity_per_s"] / limit["capacity_per_s"]).tolist())
+    # the chosen rate defaults to 1.0 x FCFS's capacity at SLO
+    assert table["rate_per_s"].tolist() == pytest.approx([table.at["fcfs", "capacity_per_s"]] * 3)
+    text = (out / "plan.md").read_text()
+    assert text in printed and text.startswith("# mars-openhands plan\n\n**TRIMMED: ")
+    assert "| unbounded-kv (limit) |" in text and "| mars+adm |" in text
+    for name in ("capacity.png", "e2e_vs_load.png", "summary.md", "capacity.parquet", "results.parquet"):
+        assert (out / name).is_file(), name
+
+
+def test_a_synthetic_family_is_a_workload_and_trimming_is_labelled() -> None:
+    import argparse
+
+    from eval.plan import _workload
+
+    args = argparse.Namespace(synthetic="terminalbench", synthetic_sessions=5, seed=3, workload=None, traces=None,
+                              sessions=0, max_turns=0)
+    workload, loaded, name, skipped = _workload(args)
+    assert len(workload.sessions) == len(loaded.sessions) == 5 and skipped is None
+    assert name == "synthetic terminalbench (5 sessions, seed 3)"
+    trimmed, _, _, _ = _workload(argparse.Namespace(**{**vars(args), "sessions": 2, "max_turns": 1}))
+    assert len(trimmed.sessions) == 2 and trimmed.num_turns == 2
