@@ -55,14 +55,6 @@ from typing import Any
 
 from pydantic import ValidationError
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 
 from eval.argtypes import (
     config_error_lines,
@@ -96,7 +88,7 @@ from eval.policies import (
     parse_policies,
 )
 from eval.pool import default_jobs, start_worker_server
-from eval.progress import LineProgress
+from eval.progress import progress_display
 from eval.provenance import source_commit, utc_date
 from eval.result_blocks import BLOCKS, BlockError, record_run, save_record, write_blocks
 from eval.runs import plan
@@ -531,12 +523,9 @@ def _load_and_run(args: argparse.Namespace, spec: Any, options: CompareOptions, 
     if clear_previous_results(args.out):
         print(f"replacing the previous results in {args.out}", file=sys.stderr)
     cache = ResultCache(None if args.no_cache else (args.cache_dir or default_cache_dir()))
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TextColumn("ETA"), TimeRemainingColumn())
     # A bar on a terminal; a log line per finished run (and knee probe) in a file or pipe, where
     # rich draws nothing
-    bars = Progress(*columns, console=console) if console.is_terminal else LineProgress()
-    with bars as progress:
+    with progress_display(console) as progress:
         results = run_sweep(workload, options, setups, args.out, meta=meta, progress=progress, live=live,
                             jobs=jobs, cache=cache)
     print((Path(args.out) / "summary.md").read_text(encoding="utf-8"))

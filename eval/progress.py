@@ -65,8 +65,7 @@ class LineProgress:
 
 def progress_display(console: Any) -> Any:
     """rich bars (description, bar, done/total, elapsed, ETA) on ``console`` when it is a terminal,
-    else a :class:`LineProgress` on stderr: the progress a sweep reports to (``plan``; ``compare``
-    builds the same inline)."""
+    else a :class:`LineProgress` on stderr: the progress a sweep reports to (``plan``, ``compare``)."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
