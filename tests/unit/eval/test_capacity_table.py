@@ -1,0 +1,73 @@
+"""benchmarks/capacity_table.py: issue 31's capacity table from plan folders on disk (the plans
+themselves are not run here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+_PATH = Path(__file__).resolve().parents[3] / "benchmarks" / "capacity_table.py"
+
+
+@pytest.fixture(scope="module")
+def ct():
+    spec = importlib.util.spec_from_file_location("capacity_table", _PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["capacity_table"] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("capacity_table", None)
+
+
+def _plan(folder: Path, caps: dict[str, tuple[float, float]], scope: str = "Full workload.", **facts) -> Path:
+    folder.mkdir(parents=True)
+    rows = [{"label": label, "is_limit": label == "unbounded-kv", "capacity_per_s": cap,
+             "first_unstable_per_s": unstable} for label, (cap, unstable) in caps.items()]
+    pd.DataFrame(rows).to_parquet(folder / "plan.parquet")
+    base = {"scope": scope, "timing": "h100_sxm × qwen", "model": "qwen/bf16", "kv cache dtype": "bf16",
+            "seed": 0, "workload": "/x/deepseek_chat_test_1-100"}
+    (folder / "run.json").write_text(json.dumps({"facts": {**base, **facts}}))
+    return folder
+
+
+def test_mars_against_the_best_baseline_and_the_limit(ct, tmp_path):
+    folder = _plan(tmp_path / "a", {"fcfs": (0.008, 0.009), "thunderagent": (0.012, 0.013),
+                                    "mars+adm": (0.0132, 0.014), "unbounded-kv": (0.02, 0.021)})
+    row = ct.row_of(folder)
+    assert row["best baseline"] == "thunderagent"
+    assert row["mars ÷ best"] == pytest.approx(1.1)
+    assert row["mars × limit"] == pytest.approx(0.66)
+    assert row["same bracket"] is False
+    assert row["GPU"] == "h100_sxm" and row["host tier"] == "none" and row["workload"] == "deepseek_chat_test_1-100"
+
+
+def test_offload_variants_share_their_policys_column_and_the_tier_is_read_from_the_scope(ct, tmp_path):
+    folder = _plan(tmp_path / "t", {"vllm-offload-lru": (0.010, 0.011), "vllm-offload-arc": (0.011, 0.012),
+                                    "thunderagent-offload": (0.015, 0.016), "mars+adm-offload": (0.015, 0.016),
+                                    "unbounded-kv": (0.02, 0.021)},
+                   scope="Full workload. Host KV tier: 256 GiB for vllm-offload-lru (vLLM native offload).")
+    row = ct.row_of(folder)
+    assert row["vllm-offload"] == 0.011 and row["vllm-offload label"] == "vllm-offload-arc"
+    assert row["host tier"] == "256 GiB"
+    assert row["same bracket"] is True
+    assert "(same bracket)" in ct.render([row])
+
+
+def test_a_folder_without_a_finished_plan_is_a_one_line_error(ct, tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert ct.main([str(tmp_path / "empty")]) == 2
+    assert "not a finished plan" in capsys.readouterr().err
+
+
+def test_missing_policies_render_as_dashes(ct, tmp_path):
+    folder = _plan(tmp_path / "b", {"fcfs": (0.008, 0.009), "unbounded-kv": (0.02, 0.021)})
+    row = ct.row_of(folder)
+    assert "mars ÷ best" not in row
+    line = ct.render([row]).splitlines()[-1]
+    assert line.count("–") >= 5 and not math.isnan(row["limit"])
