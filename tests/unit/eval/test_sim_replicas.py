@@ -131,6 +131,23 @@ def test_the_pooled_kv_bound_preempts_where_one_replicas_own_kv_would() -> None:
     assert pooled.kv_blocks_at_end == (2 * 255, 0, 0)
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "MarsScheduler"])
+def test_the_pooled_kv_bound_is_the_same_with_the_fast_paths_off(
+        policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the first engine memoizes prefix hits and wraps the pool; the others' changes reach its
+    memo through the one prefix-cache map: the same schedule as vLLM's own lookups."""
+    from eval.sim import FAST_PATHS_ENV
+
+    workload = _workload(12, gap_s=0.1)
+    config = _config(policy, blocks=256, num_replicas=2, router="pooled-kv", is_admission_enabled=True)
+    runs = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv(FAST_PATHS_ENV, flag)
+        runs.append(simulate(workload, config, LinearStepTimeModel()))
+    assert _rows(runs[0]) == _rows(runs[1])
+    assert runs[0].num_preemptions == runs[1].num_preemptions
+
+
 def test_replica_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="num_replicas"):
         _config(num_replicas=1, lose_replica=(0, 1.0))
