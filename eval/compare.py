@@ -389,6 +389,9 @@ def _check_replicas(args: argparse.Namespace, spec: Any) -> None:
     if args.lose_replica is not None and not (args.replicas >= 2 and args.lose_replica[0] < args.replicas):
         raise ValueError(f"--lose-replica {args.lose_replica[0]}@{args.lose_replica[1]:g}: needs "
                          f"--replicas >= 2 and an index below it (got --replicas {args.replicas})")
+    if args.lose_replica is not None and ROUTING_POLICIES[args.router].pools_kv:
+        raise ValueError(f"--lose-replica with --router {args.router}: the bound's replicas share "
+                         "one KV pool, so a lost replica's KV would be every replica's; drop one")
 
 
 def _main(args: argparse.Namespace, flags: Mapping[str, str] | None = None) -> int:
