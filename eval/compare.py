@@ -243,7 +243,8 @@ def add_compare_subcommand(subparsers: Any) -> argparse.ArgumentParser:
                    help="with --replicas N > 1: sessions drawn per replica (default 100; fewer is TRIMMED)")
     p.add_argument("--router", default=DEFAULT_ROUTING_POLICY, choices=tuple(ROUTING_POLICIES),
                    help=f"with --replicas: the control plane's routing policy (default "
-                        f"{DEFAULT_ROUTING_POLICY}); docs/compare.md, 'Replicas and routers'")
+                        f"{DEFAULT_ROUTING_POLICY}), or pooled-kv: the bound whose replicas share "
+                        "one KV pool; docs/compare.md, 'Replicas and routers'")
     p.add_argument("--lose-replica", type=_lost_replica, default=None, metavar="INDEX@SECONDS",
                    help="with --replicas: replica INDEX is lost at SECONDS of virtual time in every run "
                         "(its sessions re-placed, their turns re-sent)")
