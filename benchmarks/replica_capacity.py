@@ -1,12 +1,15 @@
 """Capacity at SLO per GPU of every routing policy on N replicas (issue 32 items 5-6, "Done when").
 
 For each N and seed: one ``compare --replicas N --router R --capacity`` per router (``mars`` in
-every engine, the whole GPU's KV, full sessions unless trimming flags are passed through), and the
-bound: ``unbounded-kv`` (KV for every session's whole context on every replica, routed by
-``least-sessions``; the pooled-KV bound is not simulated: vLLM's KV manager is per engine). Then,
-at 0.9x the best anchor router's capacity, one run per router for mean and P95 E2E. Prints, per N
-and seed, each router's capacity per GPU and its ratio to the best anchor, to the bound and to
-sticky-hash, and the mean / P95 at 0.9x; writes ``<out>/replica_capacity.parquet``.
+every engine, the whole GPU's KV, full sessions unless trimming flags are passed through), the
+pooled-KV bound among them (``--router pooled-kv``: the N engines share one KV block pool, so a
+prefix computed on one replica is a hit on every other and no placement can beat it on KV), and the
+looser bound ``unbounded-kv`` (KV for every session's whole context on every replica, routed by
+``least-sessions``). Then, at 0.9x the best anchor router's capacity, one run per router (the
+pooled bound included) for mean and P95 E2E. Prints, per N and seed, each router's capacity per
+GPU (``kind``: anchor, ours or bound) and its ratio to the best anchor, to the pooled bound, to the
+unbounded one and to sticky-hash, and the mean / P95 at 0.9x; writes
+``<out>/replica_capacity.parquet``.
 
 The full grid (issue 32: H100 SXM, N = 4 and 8, seeds 0 and 1)::
 
@@ -32,8 +35,14 @@ import pandas as pd
 ANCHORS = ("sticky-hash", "least-sessions", "llm-d", "prefix-affinity", "thunderagent")
 """The anchor routers (mars_openhands/policy/placement.py names their sources)."""
 OURS = "mars-placement"
+POOLED = "pooled-kv"
+"""The pooled-KV bound: a ``--router`` whose replicas share one KV pool (simulator only)."""
 BOUND = "unbounded-kv"
-"""The upper bound: compare's unbounded-KV reference, on every replica."""
+"""The loose upper bound: compare's unbounded-KV reference, on every replica."""
+
+
+def _kind(router: str) -> str:
+    return "bound" if router in (POOLED, BOUND) else "ours" if router == OURS else "anchor"
 
 
 def _compare(args: argparse.Namespace, out: Path, n: int, seed: int, router: str,
@@ -84,7 +93,9 @@ def main() -> int:
     p.add_argument("--out", default="runs/replicas")
     p.add_argument("--replicas", default="4,8", help="comma-separated N (default 4,8)")
     p.add_argument("--seeds", default="0,1", help="comma-separated seeds (default 0,1)")
-    p.add_argument("--routers", default=",".join((*ANCHORS, OURS)))
+    p.add_argument("--routers", default=",".join((*ANCHORS, OURS, POOLED)),
+                   help="comma-separated --router names (default: the anchors, mars-placement and "
+                        "the pooled-kv bound)")
     p.add_argument("--gpu", default="h100_sxm")
     p.add_argument("--start-rate", type=float, default=0.01,
                    help="per-GPU rate the capacity searches start from (default 0.01: the H100 knee)")
@@ -116,9 +127,11 @@ def main() -> int:
             for router in [*routers, BOUND]:
                 cap = caps[router]
                 mean, p95 = _e2e(base / f"{router}@0.9") if router != BOUND else (math.nan, math.nan)
-                rows.append({"replicas": n, "seed": seed, "router": router, "capacity_per_gpu": cap,
+                rows.append({"replicas": n, "seed": seed, "router": router, "kind": _kind(router),
+                             "capacity_per_gpu": cap,
                              "vs_best_anchor": cap / anchors[best] if best else math.nan,
-                             "best_anchor": best, "vs_bound": cap / caps[BOUND],
+                             "best_anchor": best, "vs_pooled": cap / caps.get(POOLED, math.nan),
+                             "vs_unbounded": cap / caps[BOUND],
                              "vs_sticky_hash": cap / caps.get("sticky-hash", math.nan),
                              "e2e_mean_s_at_0.9": mean, "e2e_p95_s_at_0.9": p95})
     if args.dry_run:

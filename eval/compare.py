@@ -243,7 +243,8 @@ def add_compare_subcommand(subparsers: Any) -> argparse.ArgumentParser:
                    help="with --replicas N > 1: sessions drawn per replica (default 100; fewer is TRIMMED)")
     p.add_argument("--router", default=DEFAULT_ROUTING_POLICY, choices=tuple(ROUTING_POLICIES),
                    help=f"with --replicas: the control plane's routing policy (default "
-                        f"{DEFAULT_ROUTING_POLICY}); docs/compare.md, 'Replicas and routers'")
+                        f"{DEFAULT_ROUTING_POLICY}), or pooled-kv: the bound whose replicas share "
+                        "one KV pool; docs/compare.md, 'Replicas and routers'")
     p.add_argument("--lose-replica", type=_lost_replica, default=None, metavar="INDEX@SECONDS",
                    help="with --replicas: replica INDEX is lost at SECONDS of virtual time in every run "
                         "(its sessions re-placed, their turns re-sent)")
@@ -389,6 +390,9 @@ def _check_replicas(args: argparse.Namespace, spec: Any) -> None:
     if args.lose_replica is not None and not (args.replicas >= 2 and args.lose_replica[0] < args.replicas):
         raise ValueError(f"--lose-replica {args.lose_replica[0]}@{args.lose_replica[1]:g}: needs "
                          f"--replicas >= 2 and an index below it (got --replicas {args.replicas})")
+    if args.lose_replica is not None and ROUTING_POLICIES[args.router].pools_kv:
+        raise ValueError(f"--lose-replica with --router {args.router}: the bound's replicas share "
+                         "one KV pool, so a lost replica's KV would be every replica's; drop one")
 
 
 def _main(args: argparse.Namespace, flags: Mapping[str, str] | None = None) -> int:

@@ -85,6 +85,7 @@ from mars_openhands.engine.harness.inproc_engine import (
     InprocEngine,
     SessionTokenStream,
 )
+from mars_openhands.engine.harness.kv_pool import pooled_params
 from mars_openhands.engine.harness.runs import (
     RunKind,
     RunKv,
@@ -92,6 +93,7 @@ from mars_openhands.engine.harness.runs import (
     StepTimer,
     decode_run_step_time_s,
 )
+from mars_openhands.policy.placement import routing_policy
 from mars_openhands.stream import events as ev
 from mars_openhands.stream.transport import EventSink
 
@@ -136,12 +138,16 @@ def gateway_config(config: SimConfig) -> GatewayConfig:
         replicas = tuple(ReplicaConfig(url=f"http://simulated-engine-{i}", name=f"sim{i}",
                                        engine_source=config.source_of(i))
                          for i in range(config.num_replicas))
-    return GatewayConfig(
-        replicas=replicas, routing_policy=config.router,
+    is_bound = routing_policy(config.router).pools_kv
+    gateway = GatewayConfig(
+        replicas=replicas, routing_policy=config.router if not is_bound else "least-sessions",
         is_admission_enabled=config.is_admission_enabled, admission=config.admission,
         reorder=config.reorder, num_tool_workers=config.num_tool_workers,
         tool_wait_idle_decay=config.tool_wait_idle_decay, block_size_tokens=config.engine.block_size,
     )
+    # The pooled-KV bound is a router only the simulator can run (its engines share one KV pool):
+    # the live gateway's validation refuses it, so it is set past that validation here.
+    return gateway.model_copy(update={"routing_policy": config.router}) if is_bound else gateway
 
 
 class _VirtualStampSink:
@@ -246,8 +252,9 @@ class Simulator:
         self.wall_origin = wall_origin if wall_origin is not None else datetime.now(UTC)
         self.now_s = 0.0
         self._fast_paths = fast_paths_enabled()
-        self._replicas = [self._make_replica(i, timers[i % len(timers)])
-                          for i in range(config.num_replicas)]
+        self._replicas: list[_Replica] = []
+        for i in range(config.num_replicas):
+            self._replicas.append(self._make_replica(i, timers[i % len(timers)]))
         self.engine = self._replicas[0].engine
         """Replica 0's engine (the only one unless ``config.num_replicas`` > 1)."""
         self.plane = ControlPlane(gateway_config(config), clock=lambda: self.now_s)
@@ -268,9 +275,17 @@ class Simulator:
         self.num_over_window = 0
 
     def _make_replica(self, index: int, timer: StepTimer) -> _Replica:
+        """Replica ``index``'s engine; with the pooled-KV bound (``config.pools_kv``) every engine
+        is built with the pool's size and shares replica 0's block pool
+        (:mod:`mars_openhands.engine.harness.kv_pool`)."""
         config = self.config
-        engine = InprocEngine(config.policy, config.engine_of(index), seed=config.seed,
-                              clock=lambda: self.now_s, memoize_prefix_hits=self._fast_paths)
+        params = config.engine_of(index)
+        pool_owner = None
+        if config.pools_kv:
+            params = pooled_params([config.engine_of(i) for i in range(config.num_replicas)])[index]
+            pool_owner = self._replicas[0].engine if index > 0 else None
+        engine = InprocEngine(config.policy, params, seed=config.seed, clock=lambda: self.now_s,
+                              memoize_prefix_hits=self._fast_paths, kv_pool_of=pool_owner)
         source = config.source_of(index)
         if engine.is_plugin:
             # Our schedulers' own engine_step snapshots run on the wall clock and the sink
@@ -539,6 +554,9 @@ class Simulator:
         rep.deferred.clear()
         rep.last_step_s = (t_end - t_start) / max(1, record.num_decode_tokens)
         rep.last_progress_s = t_end
+        if self.config.pools_kv:  # the blocks it freed are every replica's: retry the blocked ones
+            for other in self._replicas:
+                other.is_blocked = False
         self._maybe_snapshot(rep)
 
     def _plan_run(self, rep: _Replica) -> RunPlan:
@@ -546,9 +564,11 @@ class Simulator:
         never crosses the next event that can change the engine's input, :meth:`_next_hard_event_s`);
         an exact run that spans an admission tick keeps the KV its single steps leave
         (``rep.run_kv``), which the tick reads."""
+        # A pooled KV changes under another replica's step: only steady decode runs (nothing waits;
+        # their KV is allocated at the schedule) stay merged, never a run that proves a wait.
         plan = rep.engine.plan_run(self.config.coalesce_max_steps, self.now_s,
                                    self._next_hard_event_s(), rep.timer,
-                                   merge_blocked=self._fast_paths)
+                                   merge_blocked=self._fast_paths and not self.config.pools_kv)
         if (plan.kind not in (RunKind.SINGLE, RunKind.STEADY) and self.config.is_admission_enabled
                 and plan.step_ends_s[-1] > self._next_tick_s):
             rep.run_kv = rep.engine.run_kv(plan)
@@ -811,6 +831,8 @@ class Simulator:
             rep.engine.shutdown()
         makespan = max((r.record.end_s or 0.0) for r in self._runs.values()) if self._runs else 0.0
         counts = [r.engine.kv_block_counts() for r in live]
+        if self.config.pools_kv:
+            counts = counts[:1]  # one pool: every replica counts the same blocks
         return SimResult(
             sessions={sid: r.record for sid, r in self._runs.items()}, makespan_s=makespan,
             wall_s=wall_s, num_schedule_calls=sum(r.engine.num_steps for r in self._replicas),

@@ -110,6 +110,10 @@ class SimConfig(BaseModel):
             raise ValueError(f"replica_engines has {len(self.replica_engines)} shapes for "
                              f"num_replicas={n}; give one per replica (--replica-gpus)")
         routing_policy(self.router)  # raises, listing the known names
+        if self.pools_kv and self.lose_replica is not None:
+            raise ValueError(f"router={self.router!r} (one KV pool for every replica) with "
+                             "lose_replica: a lost replica's KV would be every replica's; drop "
+                             "--lose-replica or use another --router")
         if n > 1 and any(self.engine_of(i).host_kv is not None for i in range(n)):
             raise ValueError(f"num_replicas={n} with a host KV tier: the tier's copies are modelled "
                              "on one engine only so far (idle waits for a copy); use one replica")
@@ -120,6 +124,12 @@ class SimConfig(BaseModel):
                                  "(at least 2, so another can take its sessions) and a time >= 0 "
                                  "(--lose-replica INDEX@SECONDS)")
         return self
+
+    @property
+    def pools_kv(self) -> bool:
+        """The pooled-KV bound: several replicas whose engines share one KV block pool
+        (``router`` is ``pooled-kv``; one replica is the single engine). Pure."""
+        return self.num_replicas > 1 and routing_policy(self.router).pools_kv
 
     def engine_of(self, index: int) -> InprocEngineParams:
         """Replica ``index``'s engine shape. Pure."""

@@ -71,6 +71,7 @@ from mars_openhands.control.upstream import UpstreamBrokenError, UpstreamClient,
 from mars_openhands.stream.events import (
     AdmissionUpdate,
     Event,
+    ReplicaReplaced,
     RequestAborted,
     SessionEnd,
     ToolEnd,
@@ -418,6 +419,19 @@ class Gateway:
             self.hub.record(event)
         if event.kind == "engine_step":
             self.router.observe_engine_step(event.source, event.num_used_blocks, event.num_gpu_blocks)
+
+    def on_replica_replaced(self, index: int, previous_incarnation: str, incarnation: str,
+                            url: str) -> None:
+        """The cluster layer replaced replica ``index`` with a new server at ``url`` (``serve``'s
+        ingress saw a new actor answer): a ``replica_replaced`` event in the stream. The count
+        is the replica's ``restarts`` (``/mars/v1/state``), from its ``/metrics`` poll."""
+        replica = self.router.replicas[index]
+        logger.warning("replica %s replaced by the cluster (%s -> %s): now at %s", replica.name,
+                       previous_incarnation, incarnation, url)
+        if self.hub is not None:
+            self.hub.record(ReplicaReplaced(**now_stamps(), source="gateway", replica=replica.name,
+                                            url=url, previous_incarnation=previous_incarnation,
+                                            incarnation=incarnation))
 
     # ------------------------------------------------------------------ sessions and events
     def ingest_events(self, raw: bytes, token: str | None) -> int:

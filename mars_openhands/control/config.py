@@ -15,7 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 
 from mars_openhands.cli_style import check_port_free
 from mars_openhands.policy.admission import AdmissionParams
-from mars_openhands.policy.placement import DEFAULT_ROUTING_POLICY, routing_policy
+from mars_openhands.policy.placement import (
+    DEFAULT_ROUTING_POLICY,
+    live_routing_policies,
+    routing_policy,
+)
 from mars_openhands.policy.reorder import ReorderParams
 
 __all__ = ["ConfigError", "GatewayConfig", "ReplicaConfig", "check_runtime", "parse_replica"]
@@ -216,7 +220,10 @@ class GatewayConfig(BaseModel):
     @field_validator("routing_policy")
     @classmethod
     def _known_routing_policy(cls, value: str) -> str:
-        routing_policy(value)  # raises, listing the known names
+        if routing_policy(value).pools_kv:  # raises on an unknown name, listing the known ones
+            raise ValueError(f"routing policy {value!r} is the simulator's pooled-KV bound (one KV "
+                             "pool shared by every replica), which live replicas cannot provide; "
+                             f"use one of {', '.join(live_routing_policies())}")
         return value
 
     @field_validator("engine_events_address")

@@ -46,6 +46,13 @@ Policies (name: source, version):
   a replica's compute free), then index. At a turn boundary the session moves when its replica
   is over-committed by at least the session's own context (the re-prefill it is charged is no more
   than the evictions it saves) and another replica takes it below ``rehome_max_fill`` = 0.9.
+* ``pooled-kv`` (a bound, not a router: ``pools_kv``): the replicas' KV is one pool (the
+  simulator shares one vLLM block pool among the engines, so a prefix computed on one replica is a
+  hit on every other and no placement can do better on KV); only compute is placed. Sticky with
+  re-homing: a new session goes to the fewest sessions, ties fewest requests in flight, index; at a
+  turn boundary it moves to the replica with the fewest requests in flight when its own has
+  ``POOLED_REHOME_MIN_GAP`` = 2 more (a move costs no re-prefill in a pool). A live gateway
+  refuses it (``mars-openhands gateway`` / ``serve`` offer only :func:`live_routing_policies`).
 """
 
 from __future__ import annotations
@@ -62,6 +69,7 @@ __all__ = [
     "RouteRequest",
     "RoutingPolicy",
     "choose_replica",
+    "live_routing_policies",
     "routing_policy",
 ]
 
@@ -80,6 +88,10 @@ THUNDER_BUFFER_TOKENS = 100
 REHOME_MAX_FILL = 0.9
 """``mars-placement``: a re-homed session's new replica stays at or below this projected KV fill
 (a margin so that two replicas do not trade the same session back and forth)."""
+POOLED_REHOME_MIN_GAP = 2
+"""``pooled-kv``: a session moves at a turn boundary when its replica has at least this many more
+requests in flight than the least busy one (1 would move sessions back and forth on every
+one-request difference; with one KV pool a move costs only the retention pins it drops)."""
 
 
 class NoHealthyReplicaError(RuntimeError):
@@ -153,6 +165,8 @@ class RoutingPolicy:
             ``choose`` re-decides when ``rehomes``); per-turn policies decide every turn.
         rehomes: a sticky policy that ``choose`` asks again at every turn.
         needs_prompt: it reads ``num_prompt_tokens`` / ``cached_tokens``.
+        pools_kv: a bound, not a router: the simulator gives the replicas one KV pool
+            (``compare --router pooled-kv``); a live gateway cannot, and refuses it.
     """
 
     name: str
@@ -160,6 +174,7 @@ class RoutingPolicy:
     is_sticky: bool = True
     rehomes: bool = False
     needs_prompt: bool = False
+    pools_kv: bool = False
 
 
 # ----------------------------------------------------------------------------- the policies
@@ -271,6 +286,15 @@ def _mars_placement(request: RouteRequest, healthy: Sequence[ReplicaLoad],
                                        r.num_sessions - r.num_acting_sessions, r.index)).index
 
 
+def _pooled_kv(request: RouteRequest, healthy: Sequence[ReplicaLoad], num_replicas: int) -> int:
+    idlest = min(healthy, key=lambda r: (r.num_in_flight, r.num_sessions, r.index))
+    current = next((r for r in healthy if r.index == request.replica), None)
+    if current is not None:
+        gap = current.num_in_flight - idlest.num_in_flight
+        return idlest.index if gap >= POOLED_REHOME_MIN_GAP else current.index
+    return min(healthy, key=lambda r: (r.num_sessions, r.num_in_flight, r.index)).index
+
+
 ROUTING_POLICIES: Mapping[str, RoutingPolicy] = {
     p.name: p for p in (
         RoutingPolicy("least-sessions", _least_sessions),
@@ -279,9 +303,16 @@ ROUTING_POLICIES: Mapping[str, RoutingPolicy] = {
         RoutingPolicy("prefix-affinity", _prefix_affinity, is_sticky=False, needs_prompt=True),
         RoutingPolicy("thunderagent", _thunderagent, needs_prompt=True),
         RoutingPolicy("mars-placement", _mars_placement, rehomes=True, needs_prompt=True),
+        RoutingPolicy("pooled-kv", _pooled_kv, rehomes=True, pools_kv=True),
     )
 }
-"""Every routing policy by ``--router`` name (see the module docstring for each one's source)."""
+"""Every routing policy by ``--router`` name (see the module docstring for each one's source),
+the simulator's ``pooled-kv`` bound included."""
+
+
+def live_routing_policies() -> tuple[str, ...]:
+    """The names a live gateway accepts: every policy but the bounds (``pools_kv``). Pure."""
+    return tuple(name for name, p in ROUTING_POLICIES.items() if not p.pools_kv)
 
 
 def routing_policy(name: str) -> RoutingPolicy:

@@ -75,6 +75,7 @@ def engine_options(config: ServeConfig, index: int, host: str, model_dir: str,
         extra_env=config.engine_env,
         startup_timeout_s=config.engine_startup_timeout_s, log_path=run_dir / "vllm.log",
         stop_timeout_s=5.0,  # SIGTERM, then SIGKILL: within Serve's graceful shutdown
+        reap_with_owner=True,  # Ray SIGKILLs a replaced actor: its vLLM group must not outlive it
         api_key=None,
     )
 

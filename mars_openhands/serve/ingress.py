@@ -10,7 +10,8 @@ replica failure and fail-over. What is new here is only the link to Ray:
 * replicas are the ``engine-<i>`` deployments; a thread per engine asks it
   (:meth:`~mars_openhands.serve.engine.EngineReplica.poll`, a Ray call) for its address and its
   new GPU-plane events every ``poll_interval_s``; the events go to ``Gateway.on_engine_event``
-  (the stream, the KV signal), a changed address (Ray replaced the replica) to the replica table;
+  (the stream, the KV signal), a changed address to the replica table, and a new incarnation
+  (Ray replaced the replica) to ``Gateway.on_replica_replaced`` (a ``replica_replaced`` event);
 * CPU-plane events the gateway forwards to a replica travel as Ray calls
   (:class:`HandlePublisher` → ``EngineReplica.post_events``), in order, one batch at a time.
 
@@ -212,15 +213,15 @@ class GatewayIngress:
                 response.cancel()
                 logger.debug("engine-%d poll failed: %r", index, e)
                 continue
-            if info["incarnation"] != incarnation:
-                logger.warning("engine-%d was replaced by Ray (%s → %s): now at %s", index,
-                               incarnation, info["incarnation"], info["url"])
+            replaced = incarnation if info["incarnation"] != incarnation else None
             incarnation, seq = info["incarnation"], info["next_seq"]
             if not loop.is_closed():
-                loop.call_soon_threadsafe(self._deliver, index, info)
+                loop.call_soon_threadsafe(self._deliver, index, info, replaced)
 
-    def _deliver(self, index: int, info: dict[str, Any]) -> None:
-        """Gateway loop: apply one poll answer (address, GPU-plane events). Mutates the gateway."""
+    def _deliver(self, index: int, info: dict[str, Any],
+                 replaced_incarnation: str | None = None) -> None:
+        """Gateway loop: apply one poll answer (address, GPU-plane events; a new incarnation
+        after ``replaced_incarnation``: Ray replaced the replica). Mutates the gateway."""
         gateway = self.gateway
         if gateway is None:
             return
@@ -228,6 +229,9 @@ class GatewayIngress:
         if replica.url != info["url"]:
             logger.warning("engine-%d moved: %s → %s", index, replica.url, info["url"])
             replica.url = info["url"]
+        if replaced_incarnation is not None:
+            gateway.on_replica_replaced(index, replaced_incarnation, info["incarnation"],
+                                        info["url"])
         for event in info["events"]:
             gateway.on_engine_event(event)
 

@@ -38,6 +38,7 @@ __all__ = [
     "EVENT_TYPES",
     "KvReleased",
     "KvRetained",
+    "ReplicaReplaced",
     "RequestAborted",
     "RequestFinished",
     "RequestFirstScheduled",
@@ -275,6 +276,23 @@ class RequestAborted(_EventBase):
     """Seconds since the gateway received the request."""
 
 
+class ReplicaReplaced(_EventBase):
+    """The cluster layer replaced a dead engine replica (emitted by the gateway under
+    ``mars-openhands serve`` when Ray Serve's new actor for the replica first answers): a new vLLM
+    server, with an empty KV cache, at ``url``. The sessions it held re-prefill their context on
+    their next turn (the gateway detached them when the old one went down)."""
+
+    kind: Literal["replica_replaced"] = "replica_replaced"
+    replica: str
+    """The replica's name (``engine-<i>``)."""
+    url: str
+    """Where the new server serves."""
+    previous_incarnation: str
+    """Id of the actor that died (``EngineReplica.incarnation``)."""
+    incarnation: str
+    """Id of the actor that replaced it."""
+
+
 class AdmissionUpdate(_EventBase):
     """The gateway's AIMD admission window after an update (MARS §4.2)."""
 
@@ -297,6 +315,7 @@ Event = Annotated[
     | RequestFinished
     | RequestPreempted
     | RequestAborted
+    | ReplicaReplaced
     | KvRetained
     | KvReleased
     | EngineStep
@@ -315,7 +334,7 @@ EVENT_TYPES: dict[str, type[BaseModel]] = {
     for cls in (
         RequestQueued, RequestFirstScheduled, RequestFirstToken, RequestFinished, RequestPreempted,
         RequestAborted, KvRetained, KvReleased, EngineStep, SessionStart, SessionEnd, ToolEnqueued, ToolStart,
-        ToolEnd, AdmissionUpdate,
+        ToolEnd, AdmissionUpdate, ReplicaReplaced,
     )
 }
 """kind → event class."""

@@ -315,6 +315,8 @@ def check_stream(stream: Path, placement: dict[str, str], victim: str) -> None:
     events = list(iter_events(stream))
     assert {"engine:0", "engine:1"} <= {e.source for e in events}
     killed = f"engine:{victim.rsplit('-', 1)[1]}"
+    # Ray's replacement of the killed replica is in the stream, not only in the log.
+    assert any(e.kind == "replica_replaced" and e.replica == victim for e in events), victim
     for session, replica in placement.items():
         holder = f"engine:{replica.rsplit('-', 1)[1]}"
         mine = [e for e in events if e.session_id == session

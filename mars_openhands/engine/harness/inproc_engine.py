@@ -40,6 +40,7 @@ from mars_openhands.engine.harness.build import (
     resolve_scheduler_cls,
 )
 from mars_openhands.engine.harness.head import HeadProof
+from mars_openhands.engine.harness.kv_pool import assert_pooled_no_leaks, pooled_kv_block_counts
 from mars_openhands.engine.harness.offload.worker_side import HostKvWorkerSide
 from mars_openhands.engine.harness.prefix_memo import PrefixHitMemo
 from mars_openhands.engine.harness.runs import (
@@ -133,6 +134,10 @@ class InprocEngine:
             allocation (:func:`fast_paths.install_fused_block_allocation`), the batched token
             append (:func:`fast_paths.install_batched_token_append`) and the fused prefix lookup
             (:func:`fast_paths.install_fused_prefix_lookup`): exact; the simulator's speed.
+        kv_pool_of: share this engine's KV block pool (the pooled-KV bound, :mod:`.kv_pool`):
+            both must be built with the same shape (:func:`~.kv_pool.pooled_params`); the pool's
+            fused allocation stays the first engine's, and only the first engine memoizes prefix
+            hits (its memo watches the one prefix-cache map every engine changes).
 
     With a host KV tier (``params.host_kv``) vLLM's ``OffloadingConnector`` runs in the
     scheduler and its worker side here (:class:`~.offload.worker_side.HostKvWorkerSide`) on
@@ -143,13 +148,22 @@ class InprocEngine:
     def __init__(
         self, policy: str | type[Scheduler], params: InprocEngineParams, *, seed: int = 0,
         clock: Callable[[], float] | None = None, model_dir: Path | None = None,
-        memoize_prefix_hits: bool = False,
+        memoize_prefix_hits: bool = False, kv_pool_of: InprocEngine | None = None,
     ) -> None:
         cls = resolve_scheduler_cls(policy) if isinstance(policy, str) else policy
         self.params = params
         self.seed = seed
         self.scheduler = build_scheduler(cls, params, model_dir)
         s = self.scheduler
+        self.pool_peers: list[InprocEngine] = [self]
+        """The engines sharing this one's KV block pool, itself included (one list object)."""
+        if kv_pool_of is not None:
+            if params.host_kv is not None or kv_pool_of.params.host_kv is not None:
+                raise ValueError("a pooled KV cannot have a host KV tier (its copies are modelled "
+                                 "on one engine only); drop host_kv or the pooled-KV bound")
+            seams.blocks.share_block_pool(s, kv_pool_of.scheduler)
+            self.pool_peers = kv_pool_of.pool_peers
+            self.pool_peers.append(self)
         self._plugin: MarsBaseScheduler | None = s if isinstance(s, MarsBaseScheduler) else None
         """Our scheduler (telemetry, a clock, a CPU-event inbox), or None for stock vLLM."""
         self._runs: MergesRuns | None = s if isinstance(s, MergesRuns) else None
@@ -162,10 +176,11 @@ class InprocEngine:
             self.host_kv = HostKvWorkerSide(s.vllm_config, s.kv_cache_config,
                                             clock if clock is not None else (lambda: 0.0))
         self.hasher = StreamBlockHasher(params.block_size, params.prefix_caching_hash_algo)
-        self.prefix_memo = (PrefixHitMemo(s)
-                            if memoize_prefix_hits and params.enable_prefix_caching else None)
+        self.prefix_memo = (PrefixHitMemo(s) if memoize_prefix_hits and kv_pool_of is None
+                            and params.enable_prefix_caching else None)
         if memoize_prefix_hits:
-            fast_paths.install_fused_block_allocation(s)
+            if kv_pool_of is None:  # a shared pool's methods are wrapped once, by its first engine
+                fast_paths.install_fused_block_allocation(s)
             fast_paths.install_batched_token_append(s)
             fast_paths.install_fused_prefix_lookup(s)
         self.head = HeadProof(s, params.block_size,
@@ -191,6 +206,16 @@ class InprocEngine:
         """Point our scheduler's clock at ``clock`` (no-op for stock vLLM). Mutates."""
         if self._plugin is not None:
             self._plugin.set_clock(clock)
+
+    @property
+    def plugin(self) -> MarsBaseScheduler | None:
+        """Our scheduler (the same object as :attr:`scheduler`), or None for stock vLLM."""
+        return self._plugin
+
+    @property
+    def is_kv_pooled(self) -> bool:
+        """True when this engine shares its KV block pool with others (:mod:`.kv_pool`)."""
+        return len(self.pool_peers) > 1
 
     @property
     def is_plugin(self) -> bool:
@@ -748,7 +773,10 @@ class InprocEngine:
 
         Memoized between calls that change the KV state (``add_request``, ``schedule``,
         ``update``, ``shutdown``): our schedulers count by walking every request's blocks, and
-        the simulator asks several times per step (admission ticks, snapshots)."""
+        the simulator asks several times per step (admission ticks, snapshots). A pooled engine
+        counts the whole shared pool, every time (another engine's step changes it)."""
+        if len(self.pool_peers) > 1:
+            return pooled_kv_block_counts(self.pool_peers)
         if self._kv_counts is None:
             s = self.scheduler
             if self._plugin is not None:
@@ -777,9 +805,13 @@ class InprocEngine:
     def assert_no_leaks(self) -> dict[str, int]:
         """Integrity check: block ref counts match request references (+ our pins).
 
+        A pooled engine checks the whole shared pool (:func:`~.kv_pool.assert_pooled_no_leaks`).
+
         Raises:
             AssertionError: naming the counts and the first bad blocks.
         """
+        if len(self.pool_peers) > 1:
+            return assert_pooled_no_leaks(self.pool_peers)
         if self._plugin is not None:
             return self._plugin.assert_no_leaks()
         s = self.scheduler

@@ -41,6 +41,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from mars_openhands.engine.harness.offload.params import HostKvParams
+from mars_openhands.engine.harness.reaper import start_reaper
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 """Directory holding the ``mars_openhands`` package; put on the server's PYTHONPATH."""
@@ -147,6 +148,10 @@ class VllmServerOptions(BaseModel):
     """Seconds to wait for readiness before failing (190 s was measured on a busy 2-core box)."""
     stop_timeout_s: float = Field(default=20.0, gt=0)
     """Seconds between SIGTERM and SIGKILL of the process group."""
+    reap_with_owner: bool = False
+    """Also kill the process group when the process that started it dies without ``stop()``
+    (SIGKILL: no atexit), through a watchdog process (:mod:`.reaper`). ``mars-openhands serve``
+    sets it: Ray kills a replaced replica's actor with SIGKILL."""
     log_path: Path | None = None
     """Server log file; ``None`` creates a temporary file."""
 
@@ -376,6 +381,8 @@ class VllmServer:
             raise TypeError("pass either options=VllmServerOptions(...) or keywords, not both")
         self.options = options if options is not None else VllmServerOptions(**kwargs)
         self._proc: subprocess.Popen[bytes] | None = None
+        self._reaper: subprocess.Popen[bytes] | None = None
+        """The watchdog that kills the group if this process dies first (``reap_with_owner``)."""
         self._port: int | None = None
         self._log_path: Path | None = None
         self.startup_s: float | None = None
@@ -447,6 +454,8 @@ class VllmServer:
                 start_new_session=True,  # own process group: stop() signals all of it
             )
         atexit.register(self.stop)
+        if self.options.reap_with_owner:
+            self._reaper = start_reaper(self._proc.pid, self.options.stop_timeout_s)
         try:
             self._wait_ready()
         except BaseException:
@@ -470,6 +479,11 @@ class VllmServer:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5.0)
             self._proc = None
+            reaper, self._reaper = self._reaper, None
+            if reaper is not None:  # the group is gone: its watchdog has nothing left to do
+                reaper.terminate()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    reaper.wait(timeout=5.0)
 
     def log_tail(self, num_lines: int = 60) -> str:
         """Return the last ``num_lines`` lines of the server log ("" before start)."""

@@ -59,6 +59,9 @@ vLLM private                                      what we do with it (module)
 ``SingleTypeKVCacheManager.req_to_blocks``       the blocks a request holds; a finished request's
                                                  table is cut after its pinned prefix (the pin
                                                  keeps those references)
+``SingleTypeKVCacheManager._null_block``,        rebound with the pool when several schedulers
+``.block_pool`` (and the coordinator's, the      share one (simulator: the pooled-KV bound,
+manager's)                                       :func:`~.blocks.share_block_pool`)
 ``Scheduler.defer_block_free``,                  read: with either, a finished turn is pinned by
 ``BlockPool.metrics_collector``                  touch (frees come later / accesses are reported)
 ``KVCacheManager.get_computed_blocks``           prefix-cache hit length of a waiting request
@@ -89,7 +92,7 @@ from mars_openhands.engine.seams import blocks, compat, hooks
 __all__ = ["PRIVATE_NAMES", "blocks", "compat", "hooks"]
 
 PRIVATE_NAMES: frozenset[str] = frozenset({
-    "_block_hash", "_cache", "_update_request_with_output", "cached_block_hash_to_block",
+    "_block_hash", "_cache", "_null_block", "_update_request_with_output", "cached_block_hash_to_block",
     "cached_block_hashes_by_block", "coordinator", "defer_block_free", "disable_chunked_mm_input",
     "fake_free_list_head", "find_longest_cache_hit", "free_block_queue",
     "grammar_compile_error_reqs", "kv_holding_waiting", "max_num_running_reqs",

@@ -38,6 +38,7 @@ __all__ = [
     "prefix_hit_tokens",
     "referenced_block_counts",
     "request_blocks",
+    "share_block_pool",
     "watermark_blocks",
     "wrap_allocate_slots",
 ]
@@ -160,6 +161,41 @@ def referenced_block_counts(sched: Scheduler) -> dict[int, int]:
                 if not b.is_null:
                     counts[b.block_id] = counts.get(b.block_id, 0) + 1
     return counts
+
+
+def share_block_pool(sched: Scheduler, owner: Scheduler) -> None:
+    """Make ``sched``'s KV cache manager allocate from ``owner``'s ``BlockPool`` (the simulator's
+    pooled-KV bound: one free queue and one prefix-cache map for several schedulers).
+
+    vLLM keeps no per-request state in the pool (a request's blocks live in each single-type
+    manager's ``req_to_blocks``, keyed by request id), so schedulers whose request ids never
+    collide can share one: a block cached by one is a prefix hit for the others, a block freed by
+    one is free for all. The pool is read through three references (the manager's, the
+    coordinator's, each single-type manager's, plus that manager's null block), all rebound
+    here; ``sched``'s own pool is dropped. Call it right after building ``sched``, before it sees
+    a request or anything wraps its pool's methods. Mutates ``sched``.
+
+    Raises:
+        ValueError: the two KV layouts differ (block size, groups, pool size), or ``sched``
+            already holds blocks.
+    """
+    pool = block_pool(owner)
+    mine = sched.kv_cache_manager.coordinator.single_type_managers
+    theirs = owner.kv_cache_manager.coordinator.single_type_managers
+    layout = [(type(m), m.block_size) for m in mine]
+    if (layout != [(type(m), m.block_size) for m in theirs]
+            or num_gpu_blocks(sched) != pool.num_gpu_blocks):
+        raise ValueError(f"cannot share a KV block pool between different layouts: {layout} of "
+                         f"{num_gpu_blocks(sched)} blocks vs {[(type(m), m.block_size) for m in theirs]} "
+                         f"of {pool.num_gpu_blocks}; build every pooled engine with the same shape")
+    if any(m.req_to_blocks for m in mine):
+        raise ValueError("share_block_pool must run before the scheduler holds blocks; call it "
+                         "right after building the scheduler")
+    sched.kv_cache_manager.block_pool = pool
+    sched.kv_cache_manager.coordinator.block_pool = pool
+    for manager in mine:
+        manager.block_pool = pool
+        manager._null_block = pool.null_block
 
 
 def block_ref_count(block: KVCacheBlock) -> int:

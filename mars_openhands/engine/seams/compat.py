@@ -144,8 +144,10 @@ def _seam_problems() -> tuple[str, ...]:
                  "self.scheduler_reserve_full_isl"):
         if attr not in init_src:
             problems.append(f"Scheduler.__init__ sets {attr}")
-    if "req_to_blocks" not in inspect.getsource(SingleTypeKVCacheManager.__init__):
-        problems.append("SingleTypeKVCacheManager.req_to_blocks")
+    single_type_init = inspect.getsource(SingleTypeKVCacheManager.__init__)
+    for attr in ("req_to_blocks", "self.block_pool", "self._null_block"):
+        if attr not in single_type_init:
+            problems.append(f"SingleTypeKVCacheManager.{attr.removeprefix('self.')}")
     if "self.watermark_blocks" not in inspect.getsource(KVCacheManager.__init__):
         problems.append("KVCacheManager.watermark_blocks")
     if not isinstance(getattr(KVCacheManager, "usage", None), property):

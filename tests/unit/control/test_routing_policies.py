@@ -8,7 +8,7 @@ import pytest
 
 from mars_openhands.control.config import GatewayConfig, ReplicaConfig
 from mars_openhands.control.plane import ControlPlane
-from mars_openhands.policy.placement import ROUTING_POLICIES
+from mars_openhands.policy.placement import live_routing_policies
 
 
 def plane(policy: str, num_replicas: int = 4) -> ControlPlane:
@@ -38,7 +38,7 @@ def test_llm_d_sends_a_turn_where_its_prefix_is_unless_the_queue_outweighs_it() 
     assert cp.router.num_rehomes == 0
 
 
-@pytest.mark.parametrize("policy", sorted(ROUTING_POLICIES))
+@pytest.mark.parametrize("policy", live_routing_policies())
 def test_a_lost_replica_re_places_its_sessions_and_nothing_leaks(policy: str) -> None:
     cp = plane(policy)
     sessions = [cp.open_session(f"s{i}") for i in range(12)]

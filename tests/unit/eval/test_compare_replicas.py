@@ -48,6 +48,7 @@ def test_rates_stay_per_gpu_and_arrivals_scale_with_the_replicas() -> None:
     (["--replicas", "2", "--backend", "emulated"], "several replicas run only in the simulator"),
     (["--lose-replica", "0@10"], "--lose-replica 0@10: needs --replicas >= 2"),
     (["--replicas", "2", "--lose-replica", "2@10"], "an index below it"),
+    (["--replicas", "2", "--router", "pooled-kv", "--lose-replica", "1@10"], "share one KV pool"),
 ])
 def test_replica_flags_are_checked_before_anything_runs(argv, message, capsys, tmp_path) -> None:
     args = _parser().parse_args(["compare", *argv, "--out", str(tmp_path / "out")])

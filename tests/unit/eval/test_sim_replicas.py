@@ -50,7 +50,7 @@ def _assert_complete(result: SimResult, workload: Workload) -> None:
 def test_one_replica_is_the_single_engine_run_under_every_router(policy: str) -> None:
     workload = _workload(8)
     base = simulate(workload, _config(policy, is_admission_enabled=True), LinearStepTimeModel())
-    for router in ("least-sessions", "llm-d"):
+    for router in ("least-sessions", "llm-d", "pooled-kv"):
         again = simulate(workload, _config(policy, is_admission_enabled=True, router=router),
                          LinearStepTimeModel())
         assert _rows(again) == _rows(base)
@@ -104,11 +104,57 @@ def test_a_lost_replica_re_places_its_sessions_which_all_complete(policy: str) -
     assert result.kv_blocks_at_end[2] == 0
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "MarsScheduler"])
+def test_the_pooled_kv_bound_moves_sessions_with_their_prefix_and_leaks_nothing(policy: str) -> None:
+    workload = _workload(12, gap_s=0.1)
+    result = simulate(workload, _config(policy, blocks=1024, num_replicas=2, router="pooled-kv",
+                                        is_admission_enabled=True), LinearStepTimeModel())
+    _assert_complete(result, workload)
+    moved = [(prev, t) for r in result.sessions.values()
+             for prev, t in zip(r.turns, r.turns[1:], strict=False) if t.replica != prev.replica]
+    assert moved and result.num_rehomes == len(moved)
+    # A turn moved to the other replica hits the KV its previous turn left on the first one:
+    # at least that turn's whole prompt, in full blocks.
+    assert all((t.num_cached_tokens or 0) >= prev.num_prompt_tokens // 16 * 16 > 0
+               for prev, t in moved), [(t.turn, t.num_cached_tokens) for _, t in moved]
+    assert result.num_preemptions == 0
+    assert result.kv_blocks_at_end == (2 * 1023, 0, 0), "one pool, every block free at the end"
+
+
+def test_the_pooled_kv_bound_preempts_where_one_replicas_own_kv_would() -> None:
+    workload = _workload(12, gap_s=0.1)
+    apart = simulate(workload, _config(blocks=256, num_replicas=2), LinearStepTimeModel())
+    pooled = simulate(workload, _config(blocks=256, num_replicas=2, router="pooled-kv"),
+                      LinearStepTimeModel())
+    _assert_complete(pooled, workload)
+    assert apart.num_preemptions > 0 and pooled.num_preemptions == 0
+    assert pooled.kv_blocks_at_end == (2 * 255, 0, 0)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "MarsScheduler"])
+def test_the_pooled_kv_bound_is_the_same_with_the_fast_paths_off(
+        policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the first engine memoizes prefix hits and wraps the pool; the others' changes reach its
+    memo through the one prefix-cache map: the same schedule as vLLM's own lookups."""
+    from eval.sim import FAST_PATHS_ENV
+
+    workload = _workload(12, gap_s=0.1)
+    config = _config(policy, blocks=256, num_replicas=2, router="pooled-kv", is_admission_enabled=True)
+    runs = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv(FAST_PATHS_ENV, flag)
+        runs.append(simulate(workload, config, LinearStepTimeModel()))
+    assert _rows(runs[0]) == _rows(runs[1])
+    assert runs[0].num_preemptions == runs[1].num_preemptions
+
+
 def test_replica_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="num_replicas"):
         _config(num_replicas=1, lose_replica=(0, 1.0))
     with pytest.raises(ValueError, match="known: least-sessions"):
         _config(router="round-robin")
+    with pytest.raises(ValueError, match="one KV pool for every replica"):
+        _config(num_replicas=2, router="pooled-kv", lose_replica=(0, 1.0))
     engine = InprocEngineParams(num_gpu_blocks=64, max_model_len=1024)
     with pytest.raises(ValueError, match="one per replica"):
         _config(num_replicas=2, replica_engines=(engine,))

@@ -12,6 +12,7 @@ from mars_openhands.policy.placement import (
     RouteRequest,
     _stable_hash,
     choose_replica,
+    live_routing_policies,
     routing_policy,
 )
 
@@ -20,7 +21,8 @@ KV = 100_000
 
 
 def _decisions(request: RouteRequest, loads: list[ReplicaLoad]) -> dict[str, int]:
-    return {name: choose_replica(request, loads, name) for name in ROUTING_POLICIES}
+    """Every router's decision (not the simulator's pooled-KV bound: it places compute only)."""
+    return {name: choose_replica(request, loads, name) for name in live_routing_policies()}
 
 
 def _unique(decisions: dict[str, int], name: str) -> None:
@@ -135,6 +137,29 @@ def test_mars_placement_rehomes_only_when_the_overflow_pays_for_the_re_prefill()
     assert choose_replica(small, full, "mars-placement") == 0  # 97% > 90% after the move
     for name in ("least-sessions", "sticky-hash", "thunderagent"):
         assert choose_replica(small, loads, name) == 0  # the sticky anchors never move it
+
+
+def test_pooled_kv_places_compute_only_and_is_no_live_router():
+    loads = [ReplicaLoad(0, num_sessions=2, num_in_flight=3, kv_usage=0.1),
+             ReplicaLoad(1, num_sessions=3, num_in_flight=1, kv_usage=0.9),
+             ReplicaLoad(2, num_sessions=2, num_in_flight=2, kv_usage=0.2)]
+    # New: the fewest sessions, ties by requests in flight (KV is one pool: not a criterion).
+    assert choose_replica(RouteRequest("s"), loads, "pooled-kv") == 2
+    # Bound: moves only when its replica has >= 2 more requests in flight than the idlest.
+    assert choose_replica(RouteRequest("s", replica=0), loads, "pooled-kv") == 1
+    assert choose_replica(RouteRequest("s", replica=2), loads, "pooled-kv") == 2
+    assert routing_policy("pooled-kv").pools_kv
+    assert "pooled-kv" in ROUTING_POLICIES and "pooled-kv" not in live_routing_policies()
+    assert not any(ROUTING_POLICIES[name].pools_kv for name in live_routing_policies())
+
+
+def test_a_live_gateway_refuses_the_pooled_kv_bound():
+    from mars_openhands.control.config import GatewayConfig, ReplicaConfig
+
+    replicas = [ReplicaConfig(url="http://127.0.0.1:8001")]
+    with pytest.raises(ValueError, match="pooled-KV bound.*use one of least-sessions"):
+        GatewayConfig(replicas=replicas, routing_policy="pooled-kv")
+    assert GatewayConfig(replicas=replicas, routing_policy="mars-placement").routing_policy == "mars-placement"
 
 
 def test_no_healthy_replica_and_unknown_names_raise():

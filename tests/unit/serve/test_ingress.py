@@ -86,3 +86,23 @@ def test_a_poll_answer_moves_the_replica_and_feeds_its_events() -> None:
     assert replica.url == "http://10.0.0.3:9000"
     assert replica.kv_usage_step == 0.4
     assert ingress.gateway.router.replicas[0].url == "http://10.0.0.1:8001"
+
+
+def test_a_replica_ray_replaced_is_an_event_in_the_stream() -> None:
+    from mars_openhands.control.hub import EventHub
+    from mars_openhands.stream.transport import ListSink
+
+    config = ServeConfig(num_replicas=2)
+    ingress = GatewayIngress.__new__(GatewayIngress)  # no threads: only _deliver is exercised
+    ingress.gateway = gateway = Gateway(gateway_config(config, ["http://10.0.0.1:8001",
+                                                                "http://10.0.0.2:8001"], None))
+    sink = ListSink()
+    gateway.hub = EventHub(gateway.config, sink)
+    info = {"url": "http://10.0.0.3:9000", "events": [], "incarnation": "new0000000ab"}
+    ingress._deliver(1, info)  # a poll answer of the same actor: no event
+    assert sink.events == []
+    ingress._deliver(1, info, replaced_incarnation="old0000000ab")
+    [event] = sink.events
+    assert event.kind == "replica_replaced" and event.source == "gateway"
+    assert (event.replica, event.url) == ("engine-1", "http://10.0.0.3:9000")
+    assert (event.previous_incarnation, event.incarnation) == ("old0000000ab", "new0000000ab")

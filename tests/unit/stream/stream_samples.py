@@ -33,6 +33,8 @@ _FIELDS_BY_KIND: dict[str, dict[str, Any]] = {
                    "timeout_s": 35.0},
     "tool_end": {"tool_name": "terminal", "tool_call_id": "c1", "duration_s": 4.5,
                  "status": "timeout"},
+    "replica_replaced": {"replica": "engine-1", "url": "http://10.0.0.3:9000",
+                         "previous_incarnation": "0123456789ab", "incarnation": "ba9876543210"},
     "admission_update": {"window": 12, "num_admitted": 11, "num_waiting": 4, "cpu_overloaded": True,
                          "kv_overloaded": False, "tool_backlog_ratio": 1.5, "tool_wait_ema_s": 0.75,
                          "kv_usage": 0.875},

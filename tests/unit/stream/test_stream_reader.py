@@ -95,7 +95,7 @@ def test_unsupported_suffix(tmp_path: Path) -> None:
         read_stream(tmp_path / "stream.csv")
 
 
-_KINDS_AFTER_V1 = {"aborted"}
+_KINDS_AFTER_V1 = {"aborted", "replica_replaced"}
 """Kinds added after stream_v1.jsonl was written."""
 
 

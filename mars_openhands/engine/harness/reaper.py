@@ -1,0 +1,100 @@
+"""A watchdog that kills a process group when its owner dies without cleaning up.
+
+:class:`~.launch.VllmServer` runs vLLM in its own process group and tears it down in ``stop()``
+(also at interpreter exit). A SIGKILLed owner runs neither: under ``mars-openhands serve`` Ray
+kills a replica's actor that way, and its vLLM server, engine core and worker kept running,
+holding the port, the memory and (on a GPU node) the GPU. With ``reap_with_owner`` the server
+starts this watchdog (``python -m mars_openhands.engine.harness.reaper OWNER_PID PGID
+TIMEOUT_S``): a small process in its own session, so a signal to the owner's group does not reach
+it, that polls every ``POLL_INTERVAL_S`` whether the owner still lives, and once it does not,
+SIGTERMs the group, SIGKILLs the survivors after ``TIMEOUT_S`` and exits. It also exits when the
+group is gone (``stop()`` ran, or the server died by itself).
+
+Why not ``PR_SET_PDEATHSIG``: it fires when the *thread* that forked the child exits, and Ray
+may construct an actor on a thread that does not outlive the constructor; it also reaches only
+the API server, not the engine-core and worker processes of its group.
+
+Mental model: the owner's identity is its pid *and* its start time (``/proc/<pid>/stat`` field
+22), so a pid reused by an unrelated process still reads as the owner's death.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["POLL_INTERVAL_S", "is_process_alive", "main", "process_start_ticks", "start_reaper"]
+
+POLL_INTERVAL_S = 0.5
+"""Seconds between two checks of the owner (a dead owner's group goes within about this)."""
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """Start time of process ``pid`` in clock ticks since boot (``/proc/<pid>/stat`` field 22),
+    or ``None`` if there is no such process (or it is a zombie). Pure read."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()  # after the command name: state ppid pgrp ...
+    return None if fields[0] == "Z" else int(fields[19])
+
+
+def is_process_alive(pid: int, start_ticks: int | None) -> bool:
+    """Whether ``pid`` is still the process that started at ``start_ticks``. Pure read."""
+    return start_ticks is not None and process_start_ticks(pid) == start_ticks
+
+
+def start_reaper(pgid: int, timeout_s: float, owner_pid: int | None = None) -> subprocess.Popen[bytes]:
+    """Start the watchdog of process group ``pgid`` for ``owner_pid`` (default: this process).
+
+    Mutates: spawns a process (in its own session, output discarded).
+
+    Args:
+        pgid: the group to kill when the owner dies.
+        timeout_s: seconds between its SIGTERM and SIGKILL.
+        owner_pid: the process whose death triggers it.
+
+    Returns:
+        The watchdog (stop it with ``terminate()`` once the group is gone).
+    """
+    owner = os.getpid() if owner_pid is None else owner_pid
+    cmd = [sys.executable, "-m", "mars_openhands.engine.harness.reaper", str(owner), str(pgid),
+           str(timeout_s)]
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def watch(owner_pid: int, pgid: int, timeout_s: float) -> bool:
+    """Poll until the group is gone (False) or the owner died, then kill the group (True)."""
+    from mars_openhands.engine.harness.launch import live_pids_in_group, terminate_process_group
+
+    start_ticks = process_start_ticks(owner_pid)
+    while live_pids_in_group(pgid):
+        if not is_process_alive(owner_pid, start_ticks):
+            terminate_process_group(pgid, timeout_s)
+            return True
+        time.sleep(POLL_INTERVAL_S)
+    return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mars_openhands.engine.harness.reaper OWNER_PID PGID TIMEOUT_S``; returns 0.
+
+    Raises:
+        SystemExit: wrong arguments (exit code 2, usage on stderr).
+    """
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 3:
+        print("usage: python -m mars_openhands.engine.harness.reaper OWNER_PID PGID TIMEOUT_S",
+              file=sys.stderr)
+        raise SystemExit(2)
+    watch(int(args[0]), int(args[1]), float(args[2]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
