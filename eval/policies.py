@@ -113,8 +113,8 @@ POLICIES: Mapping[str, PolicySpec] = {
     "mars-preview": PolicySpec("MarsPreviewScheduler", is_baseline=False, has_control_plane=True,
                                admission={"cpu_set_backlog_ratio": 4.0, "max_admission_wait_s": None}),
     "mars": PolicySpec("MarsScheduler", is_baseline=False, has_control_plane=True),
-    # mars over the same tier: its residency charges a displaced session the host load, not the
-    # re-prefill (policy/residency.py), and session ends drop the session's host blocks.
+    # mars over the same tier: its residency charges a displaced idle session the host load of its
+    # stored blocks, not their re-prefill (policy/residency.resume_cost_s), so it keeps less idle KV.
     "mars-offload": PolicySpec("MarsScheduler", is_baseline=False, has_control_plane=True,
                                host_kv={"eviction": "lru"}, offload_of="mars"),
     # Ablations (MARS §6): mars with one part switched off (docs/compare.md "Ablations").
