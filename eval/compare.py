@@ -82,10 +82,13 @@ from eval.policies import (
     DEFAULT_HOST_KV_GIB,
     DEFAULT_POLICIES,
     HOST_KV_POLICIES,
+    OFFLOAD_VARIANTS,
     POLICIES,
     QUICK_POLICIES,
     REFERENCE,
+    STOCK_OFFLOAD_POLICIES,
     parse_policies,
+    with_host_kv_policies,
 )
 from eval.pool import default_jobs, start_worker_server
 from eval.progress import progress_display
@@ -182,9 +185,11 @@ def add_compare_subcommand(subparsers: Any) -> argparse.ArgumentParser:
                         "a section comparing them with the paper's §6")
     p.add_argument("--host-kv-gib", type=positive_float, default=None, metavar="G",
                    help=f"vLLM's host-memory KV tier (--kv-offloading-backend native --kv-offloading-size G) "
-                        f"for the policies that have one, and add them ({','.join(HOST_KV_POLICIES)}: stock "
-                        f"vLLM + native offload, LRU and ARC); default {DEFAULT_HOST_KV_GIB:g} GiB when "
-                        "--policies names them. Copies are modelled (docs/timing.md 'Host-memory KV tier')")
+                        f"for the policies that have one, and add them: stock vLLM + native offload "
+                        f"({','.join(STOCK_OFFLOAD_POLICIES)}, LRU and ARC) and each named policy's "
+                        f"offload variant ({', '.join(f'{k} -> {v}' for k, v in OFFLOAD_VARIANTS.items())}); "
+                        f"default {DEFAULT_HOST_KV_GIB:g} GiB when --policies names them. Copies are modelled "
+                        "(docs/timing.md 'Host-memory KV tier')")
     p.add_argument("--loads", type=positive_floats, default=None,
                    help="comma-separated multipliers of the FCFS base rate (default: 0.5,0.8,1.0,1.2)")
     p.add_argument("--absolute-rates", action="store_true",
@@ -367,7 +372,7 @@ def _options_from_args(args: argparse.Namespace, policies: tuple[str, ...]) -> C
     if args.ablations:
         policies = tuple(dict.fromkeys((*policies, *ABLATIONS)))
     if getattr(args, "host_kv_gib", None):
-        policies = tuple(dict.fromkeys((*policies, *HOST_KV_POLICIES)))
+        policies = with_host_kv_policies(policies)
     return CompareOptions(
         host_kv_gib=getattr(args, "host_kv_gib", None) or DEFAULT_HOST_KV_GIB,
         policies=policies, loads=args.loads, is_absolute_rates=args.absolute_rates,

@@ -53,6 +53,7 @@ from eval.argtypes import (
     positive_int,
 )
 from eval.cache import ResultCache, default_cache_dir
+from eval.compare import host_kv_note
 from eval.compare_setup import (
     DEFAULT_TRACES,
     TRACES_ENV,
@@ -64,7 +65,7 @@ from eval.compare_setup import (
     trim_note,
 )
 from eval.deployment import add_deployment_flags, deployment_from_args
-from eval.policies import POLICIES, REFERENCE, parse_policies
+from eval.policies import OFFLOAD_VARIANTS, POLICIES, REFERENCE, parse_policies
 from eval.pool import default_jobs, start_worker_server
 from eval.progress import progress_display
 from eval.provenance import source_commit, utc_date
@@ -115,8 +116,12 @@ bar per policy), and compare's files of the same sweep (summary.md, results.parq
 capacity.parquet, one Parquet per run, e2e_vs_load.png, e2e_cdf.png, goodput_vs_alpha.png).
 Ideal times and searches are cached by content (--cache-dir, --no-cache): a rerun with the same
 inputs and code skips them. --sessions and --max-turns trim the workload for a quick look; the
-output then says TRIMMED. Not modelled yet: a host (CPU) KV tier; a --host-kv-gib flag will come
-with it (issue 31). docs/compare.md "Planning capacity" has a measured run.
+output then says TRIMMED. --host-kv-gib G adds vLLM's host-memory KV tier (G GiB of host memory per
+GPU, vLLM's native offload; copies over PCIe modelled, docs/timing.md §9): each policy then also runs
+with it as its offload variant (fcfs -> vllm-offload-lru, thunderagent -> thunderagent-offload,
+continuum -> continuum-offload, mars -> mars-offload), and the scope line names the tier. The limit
+stays GPU-only KV for every session, so the tier's rows divide by the same limit.
+docs/compare.md "Planning capacity" has a measured run.
 """
 
 
@@ -156,6 +161,11 @@ def add_plan_subcommand(subparsers: Any) -> argparse.ArgumentParser:
                    help=f"comma-separated policies (default {','.join(DEFAULT_PLAN_POLICIES)}; any of "
                         f"{', '.join(n for n in POLICIES if n != REFERENCE)}); the {REFERENCE} limit is always "
                         "added. mars runs behind the gateway's admission window (its control plane)")
+    q.add_argument("--host-kv-gib", type=positive_float, default=None, metavar="G",
+                   help="vLLM's host-memory KV tier (--kv-offloading-backend native --kv-offloading-size G, "
+                        "GiB of host memory): every policy with an offload variant also runs with it "
+                        f"({', '.join(f'{k} -> {v}' for k, v in OFFLOAD_VARIANTS.items())}); "
+                        "default: none (GPU KV only)")
     rate = q.add_mutually_exclusive_group()
     rate.add_argument("--load", type=positive_float, default=None, metavar="X",
                       help="the rate of the P95 column as a multiple of FCFS's capacity at SLO (default 1.0)")
@@ -188,12 +198,15 @@ def _error(message: str) -> int:
     return cli_error(_PROG, message)
 
 
-def _policies(text: str) -> tuple[str, ...]:
-    """The run labels' policies: ``--policies`` plus the limit, last. Raises ValueError naming the flag."""
+def _policies(text: str, has_host_kv: bool = False) -> tuple[str, ...]:
+    """The run labels' policies: ``--policies`` (each followed by its offload variant with
+    ``--host-kv-gib``) plus the limit, last. Raises ValueError naming the flag."""
     try:
         names = parse_policies(text)
     except ValueError as e:
         raise ValueError(f"--policies: {e}") from None
+    if has_host_kv:
+        names = tuple(n for name in names for n in (name, OFFLOAD_VARIANTS.get(name)) if n)
     return tuple(dict.fromkeys((*(n for n in names if n != REFERENCE), REFERENCE)))
 
 
@@ -210,8 +223,9 @@ def _check_inputs(args: argparse.Namespace) -> tuple[tuple[str, ...], CompareOpt
                          f"got {args.slo_slowdown:g}")
     if not args.knee_tolerance > 1.0:
         raise ValueError(f"--knee-tolerance: must be > 1, got {args.knee_tolerance:g}")
-    policies = _policies(args.policies)
-    options = CompareOptions(
+    policies = _policies(args.policies, args.host_kv_gib is not None)
+    tier = {"host_kv_gib": args.host_kv_gib} if args.host_kv_gib is not None else {}
+    options = CompareOptions(**tier,
         policies=policies, loads=(args.rate if args.rate is not None else (args.load or 1.0),),
         is_absolute_rates=args.rate is not None, admission="auto", num_gpu_blocks=2,
         num_tool_workers=args.tool_workers, seed=args.seed, knee_slowdown=args.slo_slowdown,
@@ -286,9 +300,10 @@ def _load_and_plan(args: argparse.Namespace, policies: tuple[str, ...], options:
     except (ValueError, OSError) as e:
         return _error(str(e).splitlines()[0])
     scope = trim_note(loaded, workload, kv_scale=scale, profile_blocks=profile_blocks)
-    options = options.model_copy(update={"num_gpu_blocks": setup.num_gpu_blocks})
+    options = options.model_copy(update={"num_gpu_blocks": setup.num_gpu_blocks,
+                                         "host_kv_bytes_per_block": deployment.kv_bytes_per_token * 16})
     meta: dict[str, Any] = {
-        "scope": f"{scope} {deployment.describe()}", "commit": source_commit(), "date": utc_date(),
+        "scope": f"{scope} {deployment.describe()} {host_kv_note(options)}", "commit": source_commit(), "date": utc_date(),
         "command": f"{_PROG} " + shlex.join(getattr(args, "argv", None) or []), "backend": "sim",
         "workload": name, "timing": setup.timing, **deployment.facts(),
         "tool workers": args.tool_workers, "seed": args.seed, "admission": "auto", "jobs": jobs}

@@ -21,14 +21,17 @@ __all__ = [
     "DEFAULT_HOST_KV_GIB",
     "DEFAULT_POLICIES",
     "HOST_KV_POLICIES",
+    "OFFLOAD_VARIANTS",
     "POLICIES",
     "QUICK_POLICIES",
+    "STOCK_OFFLOAD_POLICIES",
     "REFERENCE",
     "PolicySpec",
     "admission_modes",
     "live_policy_config",
     "parse_policies",
     "unbounded_kv_blocks",
+    "with_host_kv_policies",
 ]
 
 
@@ -61,6 +64,10 @@ class PolicySpec:
     ``HostKvParams`` fields besides the size (``eviction``, ...); the size is ``compare
     --host-kv-gib`` (docs/compare.md "Host-memory KV tier"). ``None``: GPU KV only. Not in
     ``--policies all`` (``--host-kv-gib`` adds them)."""
+    offload_of: str | None = None
+    """For a host-tier policy: the GPU-only policy it is (the same scheduler and settings with
+    vLLM's tier underneath; ``compare --host-kv-gib`` / ``plan --host-kv-gib`` add it next to
+    that policy, :func:`with_host_kv_policies`)."""
     is_kv_unbounded: bool = False
     """A reference, not a policy: the engine gets KV for every session's whole context at once
     (:func:`unbounded_kv_blocks`), so nothing ever waits for KV, is preempted or re-prefilled.
@@ -87,12 +94,29 @@ POLICIES: Mapping[str, PolicySpec] = {
     "continuum-dy": PolicySpec("ContinuumScheduler", {"mars": {"continuum": {"mode": "continuum-dy"}}}),
     "thunderagent": PolicySpec("ThunderAgentScheduler"),
     # Stock vLLM with its native host-memory KV tier (OffloadingConnector), LRU and ARC eviction.
-    "vllm-offload-lru": PolicySpec("fcfs", host_kv={"eviction": "lru"}),
+    "vllm-offload-lru": PolicySpec("fcfs", host_kv={"eviction": "lru"}, offload_of="fcfs"),
     "vllm-offload-arc": PolicySpec("fcfs", host_kv={"eviction": "arc"}),
+    # The baselines with offload as their authors ran it (docs/schedulers.md "With the host
+    # tier"): the scheduler unchanged, vLLM's native tier underneath in place of LMCache.
+    # Continuum: vllm-continuum's README "With CPU offload (requires lmcache)" runs the same
+    # `--scheduling-policy continuum` with `--kv-transfer-config {"kv_connector": "LMCacheConnectorV1",
+    # "kv_role": "kv_both"}` (as vendored in Afterglow231/MARS_preview @ 7e649f3); the scheduler
+    # itself does not change with offload. ThunderAgent: its router (ThunderAgent-org/ThunderAgent
+    # @ a7eef77) has no offload setting and sits in front of any vLLM; the paper's appendix A.2
+    # (arXiv 2602.13692) measured vLLM + LMCache CPU offload underneath. Both: offload-unaware
+    # schedulers over an offloading engine, which is what these variants run.
+    "continuum-offload": PolicySpec("ContinuumScheduler", {"mars": {"continuum": {"mode": "continuum"}}},
+                                    host_kv={"eviction": "lru"}, offload_of="continuum"),
+    "thunderagent-offload": PolicySpec("ThunderAgentScheduler", host_kv={"eviction": "lru"},
+                                       offload_of="thunderagent"),
     # The preview's own CPU overload threshold and no wait bound (a faithful port; ours: 1.5 and 1800 s).
     "mars-preview": PolicySpec("MarsPreviewScheduler", is_baseline=False, has_control_plane=True,
                                admission={"cpu_set_backlog_ratio": 4.0, "max_admission_wait_s": None}),
     "mars": PolicySpec("MarsScheduler", is_baseline=False, has_control_plane=True),
+    # mars over the same tier: its residency charges a displaced idle session the host load of its
+    # stored blocks, not their re-prefill (policy/residency.resume_cost_s), so it keeps less idle KV.
+    "mars-offload": PolicySpec("MarsScheduler", is_baseline=False, has_control_plane=True,
+                               host_kv={"eviction": "lru"}, offload_of="mars"),
     # Ablations (MARS §6): mars with one part switched off (docs/compare.md "Ablations").
     "mars-mlfq": PolicySpec("MarsScheduler", _WITH_MLFQ, is_baseline=False, has_control_plane=True,
                             ablates="priority"),
@@ -110,7 +134,12 @@ DEFAULT_POLICIES: tuple[str, ...] = tuple(n for n, p in POLICIES.items()
 """``--policies all``: every policy except the ablation variants, the reference and the host-tier
 baselines (:data:`HOST_KV_POLICIES`)."""
 HOST_KV_POLICIES: tuple[str, ...] = tuple(n for n, p in POLICIES.items() if p.host_kv is not None)
-"""The policies with a host-memory KV tier (``compare --host-kv-gib`` adds them)."""
+"""The policies with a host-memory KV tier."""
+STOCK_OFFLOAD_POLICIES: tuple[str, ...] = ("vllm-offload-lru", "vllm-offload-arc")
+"""Stock vLLM with its tier: ``--host-kv-gib`` always adds them (the baseline every tier needs)."""
+OFFLOAD_VARIANTS: Mapping[str, str] = {p.offload_of: n for n, p in POLICIES.items() if p.offload_of}
+"""GPU-only policy -> its host-tier variant (``fcfs`` -> ``vllm-offload-lru``, ``mars`` ->
+``mars-offload``, ...)."""
 DEFAULT_HOST_KV_GIB = 256.0
 """Host KV tier of a host-tier policy without ``--host-kv-gib``, GiB: one GPU's share of a DGX
 H200's 2 TB system memory (8 GPUs), the machine the profiles model."""
@@ -139,6 +168,22 @@ def parse_policies(text: str | Sequence[str]) -> tuple[str, ...]:
         problem = f"unknown policy {unknown[0]!r}" if unknown else "no policy given"
         raise ValueError(f"{problem}; supported: {', '.join(POLICIES)} (or 'all')")
     return tuple(dict.fromkeys(names))
+
+
+def with_host_kv_policies(policies: Sequence[str]) -> tuple[str, ...]:
+    """``policies`` plus what ``--host-kv-gib`` adds: stock vLLM's tier
+    (:data:`STOCK_OFFLOAD_POLICIES`) and each named policy's host-tier variant
+    (:data:`OFFLOAD_VARIANTS`), each variant right after its policy. Pure.
+
+    >>> with_host_kv_policies(("fcfs", "mars", "vllm-tuned"))
+    ('fcfs', 'vllm-offload-lru', 'mars', 'mars-offload', 'vllm-tuned', 'vllm-offload-arc')
+    """
+    out: list[str] = []
+    for name in policies:
+        out.append(name)
+        if name in OFFLOAD_VARIANTS:
+            out.append(OFFLOAD_VARIANTS[name])
+    return tuple(dict.fromkeys((*out, *STOCK_OFFLOAD_POLICIES)))
 
 
 def admission_modes(admission: str, policy: str) -> tuple[bool, ...]:

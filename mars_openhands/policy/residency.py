@@ -34,7 +34,29 @@ from mars_openhands.policy.estimators import EmpiricalCdf
 if TYPE_CHECKING:
     from mars_openhands.policy.session import SessionState
 
-__all__ = ["ResidencyPlan", "SessionDemand", "displace_value_s", "output_reserve_tokens", "plan_residency"]
+__all__ = [
+    "HostReload",
+    "ResidencyPlan",
+    "SessionDemand",
+    "displace_value_s",
+    "output_reserve_tokens",
+    "plan_residency",
+    "resume_cost_s",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class HostReload:
+    """What a cold resume costs with a host-memory KV tier (vLLM's native offload) underneath.
+
+    Attributes:
+        load_s_per_block: seconds to copy one GPU block host→GPU (its bytes / the H2D bandwidth).
+        copy_slowdown: how much slower the other sessions' steps run while a copy is in flight
+            (``HostKvParams.copy_slowdown``; 1 = copies are free for them).
+    """
+
+    load_s_per_block: float
+    copy_slowdown: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,10 +206,37 @@ def output_reserve_tokens(num_generated: int, mean_remaining: float | None, prio
     return int(remaining)
 
 
+def resume_cost_s(demand_blocks: int, num_busy: int, *, block_size: int, prefill_s_per_token: float,
+                  host: HostReload | None = None, num_host_blocks: int = 0) -> float:
+    """Seconds a displaced idle session's cold resume costs it and the busy sessions. Pure.
+
+    GPU KV only: re-prefilling its KV, which delays every busy session as well. With a host tier
+    (``host``), the ``num_host_blocks`` blocks stored there are loaded instead (a copy that slows
+    the busy sessions' steps ``copy_slowdown`` times while it runs), and only the rest (the blocks
+    vLLM did not store: the last turn's output, ``offload_prompt_only``) is re-prefilled::
+
+        demand_blocks:  |==== on the host (num_host_blocks) ====|== not stored ==|
+        cost:              load_s_per_block × (1 + num_busy × (slowdown − 1))
+                                                                + block_size × prefill_s_per_token × (1 + num_busy)
+
+    >>> resume_cost_s(10, 1, block_size=16, prefill_s_per_token=0.01)
+    3.2
+    >>> round(resume_cost_s(10, 1, block_size=16, prefill_s_per_token=0.01,
+    ...                     host=HostReload(0.001, 1.5), num_host_blocks=8), 6)
+    0.652
+    """
+    if host is None:
+        return demand_blocks * block_size * prefill_s_per_token * (1 + num_busy)
+    stored = min(num_host_blocks, demand_blocks)
+    load_s = stored * host.load_s_per_block * (1 + num_busy * (host.copy_slowdown - 1.0))
+    return load_s + (demand_blocks - stored) * block_size * prefill_s_per_token * (1 + num_busy)
+
+
 def displace_value_s(session: SessionState | None, demand_blocks: int, num_busy: int, now_s: float,
                      *, imminent_grace_s: float, tool_queue_wait_s: float,
                      tool_cdf: Callable[[str | None], EmpiricalCdf],
-                     block_size: int, prefill_s_per_token: float) -> float:
+                     block_size: int, prefill_s_per_token: float,
+                     host: HostReload | None = None, num_host_blocks: int = 0) -> float:
     """Seconds a held session gains from an idle resident's blocks minus what suspending it
     costs; at most 0 unless the resident's idle time left is more likely than not to outlast
     that cost. Pure.
@@ -196,9 +245,11 @@ def displace_value_s(session: SessionState | None, demand_blocks: int, num_busy:
     has run (its duration CDF, policy.estimators), plus, while the call still waits for a tool
     worker, the rest of the CPU plane's mean queue wait q (``tool_queue_wait_s``, from
     tool_enqueued/tool_start events). The cost is re-prefilling the resident's KV at the measured
-    prefill rate, paid by it and by every busy session its prefill delays::
+    prefill rate, paid by it and by every busy session its prefill delays; with a host tier, loading
+    the part of it stored on the host instead (:func:`resume_cost_s`), so displacement is cheap and
+    mars keeps less idle KV on the GPU::
 
-        cost  = demand_blocks × block_size × prefill_s_per_token × (1 + num_busy)
+        cost  = demand_blocks × block_size × prefill_s_per_token × (1 + num_busy)   (no tier)
         value = E[D − e | D > e] + q − cost   if P(D − e + q > cost | D > e) ≥ 1/2,
                 min(that, 0)                  otherwise
 
@@ -222,6 +273,8 @@ def displace_value_s(session: SessionState | None, demand_blocks: int, num_busy:
         tool_cdf: ``tool name -> its duration CDF`` (pooled when it has too few samples).
         block_size: tokens per KV block.
         prefill_s_per_token: measured prefill seconds per token.
+        host: the host tier's reload cost, or None (GPU KV only).
+        num_host_blocks: the resident's blocks stored on the host (with ``host``).
     """
     if session is None or session.last_finish_s is None:
         return 0.0
@@ -238,7 +291,8 @@ def displace_value_s(session: SessionState | None, demand_blocks: int, num_busy:
     else:
         elapsed = now_s - session.last_finish_s
     elapsed = max(0.0, elapsed)
-    cost_s = demand_blocks * block_size * prefill_s_per_token * (1 + num_busy)
+    cost_s = resume_cost_s(demand_blocks, num_busy, block_size=block_size,
+                           prefill_s_per_token=prefill_s_per_token, host=host, num_host_blocks=num_host_blocks)
     cdf = None if session.tool_ended else tool_cdf(session.pending_tool)
     remaining = None if cdf is None else cdf.mean_remaining_s(elapsed)
     if remaining is None:  # past every sample, or ended: expected to last as long again

@@ -33,6 +33,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from mars_openhands.engine import seams
 from mars_openhands.engine.schedulers.base import MarsBaseScheduler, RetainedKv
+from mars_openhands.engine.schedulers.host_tier import host_reload
 from mars_openhands.engine.schedulers.request_state import update_mlfq_feedback
 from mars_openhands.policy.estimators import EmpiricalCdf
 from mars_openhands.policy.levels import DECODE_VICTIM_LEVEL, mars_level
@@ -71,6 +72,12 @@ class MarsScheduler(MarsBaseScheduler):
         self.output_tokens = EmpiricalCdf(self.params.retention.max_samples_per_tool)
         """Output lengths of finished turns: a request's decode reserve is its expected
         remaining output given what it has generated."""
+        self.host_reload = host_reload(self.vllm_config, self.kv_cache_config)
+        """vLLM's host KV tier's reload cost, or None (GPU KV only): a displaced session's cold
+        resume then loads its stored blocks instead of re-prefilling them."""
+        self.host_prompt_tokens: dict[str, int] = {}
+        """With the tier: session -> prompt tokens of its last finished turn (vLLM stores a
+        turn's computed prompt blocks, ``offload_prompt_only``), dropped at ``session_end``."""
 
     # ------------------------------------------------------------------ residency
     @property
@@ -106,6 +113,8 @@ class MarsScheduler(MarsBaseScheduler):
         the base's retention decision reads it)."""
         if request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED):
             self.output_tokens.observe(float(request.num_output_tokens))
+            if self.host_reload is not None and request.session_id is not None:
+                self.host_prompt_tokens[request.session_id] = request.num_prompt_tokens
 
     def _blocks(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -186,13 +195,18 @@ class MarsScheduler(MarsBaseScheduler):
                           now_s: float) -> float:
         """Seconds a held session gains from an idle resident's blocks minus what it costs
         (:func:`~mars_openhands.policy.residency.displace_value_s`, with this engine's tool
-        durations, tool queue wait and measured prefill rate)."""
+        durations, tool queue wait and measured prefill rate; with a host tier, the load of the
+        prompt blocks vLLM stored at its last turn instead of their re-prefill)."""
+        host = {}
+        if self.host_reload is not None and session is not None:
+            num_stored = self.host_prompt_tokens.get(session.session_id, 0) // self.block_size
+            host = {"host": self.host_reload, "num_host_blocks": num_stored}
         return displace_value_s(
             session, demand_blocks, num_busy, now_s,
             imminent_grace_s=self.params.retention.imminent_grace_s,
             tool_queue_wait_s=self.tool_queue_wait.value,
             tool_cdf=self.tool_durations.cdf_for,
-            block_size=self.block_size, prefill_s_per_token=self.prefill_s_per_token.value)
+            block_size=self.block_size, prefill_s_per_token=self.prefill_s_per_token.value, **host)
 
     def _suspend(self, sid: str, now_s: float) -> None:
         if sid in self.resident:
@@ -233,6 +247,7 @@ class MarsScheduler(MarsBaseScheduler):
         super().on_stream_event(event, now_s)
         if event.kind == "session_end" and event.session_id is not None:
             self.resident.discard(event.session_id)
+            self.host_prompt_tokens.pop(event.session_id, None)
 
     # ------------------------------------------------------------------ levels
     def cached_tokens_at_arrival(self, request: Request) -> int:

@@ -38,7 +38,8 @@ from eval.sweep_options import CompareOptions
 def test_parse_policies_all_and_dedup() -> None:
     assert parse_policies("all") == DEFAULT_POLICIES == tuple(
         n for n in POLICIES if n not in (*ABLATIONS, REFERENCE, *HOST_KV_POLICIES))
-    assert HOST_KV_POLICIES == ("vllm-offload-lru", "vllm-offload-arc")
+    assert HOST_KV_POLICIES == ("vllm-offload-lru", "vllm-offload-arc", "continuum-offload",
+                                "thunderagent-offload", "mars-offload")
     assert parse_policies("mars, fcfs,mars") == ("mars", "fcfs")
     assert parse_policies("mars-mlfq,mars") == ("mars-mlfq", "mars")
 
@@ -512,3 +513,25 @@ def test_host_kv_policies_get_the_sized_tier_and_the_scope_names_it() -> None:
     assert host_kv_note(gpu_only) == "Host KV tier: none (GPU KV only)."
     # Cache keys: unchanged without a host-tier policy, sized with one.
     assert gpu_only.host_kv_key() == () and options.host_kv_key() == ("host_kv", 8.0, 16 * 98304)
+
+
+def test_host_kv_adds_stock_offload_and_the_named_policies_variants() -> None:
+    from eval.compare import _options_from_args
+    from eval.policies import OFFLOAD_VARIANTS
+
+    args = _parser().parse_args(["compare", "--policies", "fcfs,thunderagent,continuum,mars,vllm-tuned",
+                                      "--host-kv-gib", "64", "--kv-blocks", "100", "--loads", "1"])
+    options = _options_from_args(args, parse_policies(args.policies))
+    assert options.policies == ("fcfs", "vllm-offload-lru", "thunderagent", "thunderagent-offload",
+                                "continuum", "continuum-offload", "mars", "mars-offload", "vllm-tuned",
+                                "vllm-offload-arc")
+    assert OFFLOAD_VARIANTS == {"fcfs": "vllm-offload-lru", "continuum": "continuum-offload",
+                                "thunderagent": "thunderagent-offload", "mars": "mars-offload"}
+    for name, variant in OFFLOAD_VARIANTS.items():
+        # The variant is its policy with the tier: the same scheduler, settings and control plane.
+        base, spec = POLICIES[name], POLICIES[variant]
+        assert (spec.scheduler, dict(spec.additional_config), spec.has_control_plane, spec.is_baseline) == (
+            base.scheduler, dict(base.additional_config), base.has_control_plane, base.is_baseline)
+        tier = sim_config(options, variant, spec.has_control_plane).engine.host_kv
+        assert tier is not None and tier.size_gib == 64.0
+        assert sim_config(options, name, base.has_control_plane).engine.host_kv is None

@@ -66,9 +66,10 @@ def test_help_explains_every_input(capsys) -> None:
     for flag in ("--gpu", "--model", "--kv-cache-dtype", "--gpu-memory-utilization", "--tool-workers", "--traces",
                  "--workload", "--synthetic", "--synthetic-sessions", "--policies", "--load", "--rate",
                  "--slo-slowdown", "--knee-tolerance", "--search-runs", "--seed", "--jobs", "--no-cache",
-                 "--cache-dir", "--out", "--sessions", "--max-turns"):
+                 "--cache-dir", "--out", "--sessions", "--max-turns", "--host-kv-gib"):
         assert f"{flag} " in text, flag
-    assert "--host-kv-gib flag will come with it" in text  # the host tier: not modelled yet, said so
+    assert "--host-kv-gib " in text and "mars -> mars-offload" in text  # the host tier, explained
+    assert "not modelled yet" not in text.lower()
     assert "capacity at SLO" in text and "unbounded-kv limit" in text
     assert ",".join(DEFAULT_PLAN_POLICIES) in text.replace(", ", ",").replace("vllm- tuned", "vllm-tuned")
 
@@ -143,3 +144,17 @@ def test_a_synthetic_family_is_a_workload_and_trimming_is_labelled() -> None:
     assert name == "synthetic terminalbench (5 sessions, seed 3)"
     trimmed, _, _, _ = _workload(argparse.Namespace(**{**vars(args), "sessions": 2, "max_turns": 1}))
     assert len(trimmed.sessions) == 2 and trimmed.num_turns == 2
+
+
+def test_host_kv_gib_adds_each_policys_offload_variant_and_the_scope_names_the_tier(sim, tmp_path, capsys) -> None:
+    out = tmp_path / "plan"
+    code = main(["plan", "--traces", str(TRACE_FIXTURES / "good"), "--max-turns", "2", "--jobs", "1",
+                 "--policies", "fcfs,mars", "--search-runs", "1", "--rate", "0.01", "--host-kv-gib", "64",
+                 "--no-cache", "--out", str(out)])
+    assert code == 0
+    capsys.readouterr()
+    table = pd.read_parquet(out / "plan.parquet").set_index("label")
+    assert list(table.index) == ["fcfs", "vllm-offload-lru", "mars+adm", "mars-offload+adm", "unbounded-kv"]
+    assert (table["num_completed"] == 2).all()
+    text = (out / "plan.md").read_text()
+    assert "Host KV tier: 64 GiB for vllm-offload-lru, mars-offload" in text

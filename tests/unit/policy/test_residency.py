@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 
 from mars_openhands.policy.estimators import EmpiricalCdf
-from mars_openhands.policy.residency import SessionDemand, displace_value_s, plan_residency
+from mars_openhands.policy.residency import (
+    HostReload,
+    SessionDemand,
+    displace_value_s,
+    plan_residency,
+    resume_cost_s,
+)
 from mars_openhands.policy.session import SessionState
 
 
@@ -195,3 +201,29 @@ def test_a_queue_wait_longer_than_the_cost_pays_for_the_displacement_on_its_own(
     queued = SessionState("s", last_finish_s=40.0, pending_tool="pytest", tool_enqueued_s=49.5)
     value = _value(queued, 50.0, {"pytest": _cdf(HEAVY)})
     assert value == pytest.approx(_cdf(HEAVY).mean_remaining_s(0.0) + 2.5 - COST)
+
+
+@pytest.mark.parametrize(("host", "num_host_blocks", "expected_s"), [
+    (None, 10, COST),  # GPU KV only: all 10 blocks re-prefilled, paid by it and 2 busy sessions
+    (HostReload(0.001, 1.0), 10, 0.01),  # all on the host, copies free for the others: 10 loads
+    (HostReload(0.001, 1.5), 10, 0.01 * (1 + 2 * 0.5)),  # the busy steps run 1.5x while it loads
+    (HostReload(0.001, 1.0), 6, 0.006 + 4 * 16 * 0.001 * 3),  # 4 blocks not stored: re-prefilled
+    (HostReload(0.001, 1.0), 25, 0.01),  # never more than its demand
+])
+def test_resume_cost_s_loads_what_the_host_holds_and_re_prefills_the_rest(
+        host: HostReload | None, num_host_blocks: int, expected_s: float) -> None:
+    cost = resume_cost_s(10, 2, block_size=16, prefill_s_per_token=0.001, host=host,
+                         num_host_blocks=num_host_blocks)
+    assert cost == pytest.approx(expected_s)
+
+
+def test_with_the_tier_a_call_that_usually_returns_before_a_re_prefill_is_worth_displacing() -> None:
+    # 0.2 s in: on GPU KV only the 0.48 s re-prefill outlasts most calls (no displacement); the
+    # 10 ms host load does not, and the long calls' mean remaining pays for it.
+    session = _running_for(0.35)
+    cdfs = {"pytest": _cdf([0.3] * 4 + [0.5] * 4 + [60.0] * 2)}
+    assert _value(session, 50.0, cdfs) <= 0.0
+    with_tier = displace_value_s(session, 10, 2, 50.0, imminent_grace_s=1.0, tool_queue_wait_s=3.0,
+                                 tool_cdf=lambda tool: cdfs[tool or "pytest"], block_size=16,
+                                 prefill_s_per_token=0.001, host=HostReload(0.001, 1.0), num_host_blocks=10)
+    assert with_tier > 0.0
