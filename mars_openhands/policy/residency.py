@@ -25,6 +25,7 @@ session's wait: nothing younger can take the room it waits for.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -36,11 +37,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HostReload",
+    "RESIDENT_FIRST",
     "ResidencyPlan",
     "SessionDemand",
     "displace_value_s",
     "output_reserve_tokens",
     "plan_residency",
+    "response_ratio_priority",
     "resume_cost_s",
 ]
 
@@ -168,6 +171,39 @@ def plan_residency(sessions: Sequence[SessionDemand], budget_blocks: int) -> Res
         activate.append(h.session_id)
         used += h.demand_blocks
     return ResidencyPlan(tuple(activate), tuple(suspend), used, ())
+
+
+RESIDENT_FIRST = -math.inf
+"""First element of a resident's priority under ``order: response-ratio``: residents rank above
+every held session (kept in arrival order), so a held one displaces an idle resident only when
+that pays (``displace_value_s``), never by rank."""
+
+
+def response_ratio_priority(now_s: float, first_arrival_s: float, held_since_s: float | None,
+                            prior_s: float) -> tuple[float, float]:
+    """Priority key (smaller first) of one session under highest-response-ratio-next. Pure.
+
+    Source: Brinch Hansen, "Short-term scheduling in multiprogramming systems" (SOSP 1971): the
+    job with the highest (wait + E) / E runs next, E its expected service. An agent session's size
+    is unknown when its turn is held, so E = ``prior_s`` + its age when the turn was held (time in
+    the system as the estimate of what is left, as least-attained-service assumes): a new session
+    doubles its ratio after ``prior_s`` seconds of waiting, one that has run for an hour after an
+    hour; every wait raises a ratio, so no held session starves.
+
+    Args:
+        now_s: now, seconds (the engine's clock).
+        first_arrival_s: when the session's first request reached the engine, seconds.
+        held_since_s: when its held turn arrived, seconds; None for a resident (not held).
+        prior_s: E of a session held at its first turn, seconds (> 0).
+
+    Returns:
+        ``(-ratio, first_arrival_s)`` for a held session (ties: the older first);
+        ``(RESIDENT_FIRST, first_arrival_s)`` for a resident.
+    """
+    if held_since_s is None:
+        return (RESIDENT_FIRST, first_arrival_s)
+    expected_s = prior_s + max(0.0, held_since_s - first_arrival_s)
+    return (-(max(0.0, now_s - held_since_s) + expected_s) / expected_s, first_arrival_s)
 
 
 def _victims(kept: list[SessionDemand], head: SessionDemand) -> list[SessionDemand]:

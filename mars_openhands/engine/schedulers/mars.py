@@ -42,6 +42,7 @@ from mars_openhands.policy.residency import (
     displace_value_s,
     output_reserve_tokens,
     plan_residency,
+    response_ratio_priority,
 )
 from mars_openhands.policy.retention import (
     RetentionDecision,
@@ -170,7 +171,7 @@ class MarsScheduler(MarsBaseScheduler):
             num_busy += busy
             views.append((sid, session, demand, busy))
         views = [SessionDemand(
-            sid, (session.first_arrival_s if session else now_s,), demand,
+            sid, self._residency_priority(sid, session, now_s), demand,
             is_resident=sid in self.resident, is_busy=busy, is_held=sid in self.held,
             displace_value_s=self._displace_value_s(session, demand, num_busy, now_s)
             if self.held and not busy and sid in self.resident else 0.0,
@@ -184,6 +185,17 @@ class MarsScheduler(MarsBaseScheduler):
             self.resident.add(sid)
             for request in self.held.pop(sid, ()):
                 self.waiting.add_request(request)
+
+    def _residency_priority(self, sid: str, session: SessionState | None, now_s: float) -> tuple[float, ...]:
+        """The residency plan's rank key of one session (smaller first): its first arrival
+        (``residency.order: fifo``) or :func:`response_ratio_priority` of its held turn."""
+        first = session.first_arrival_s if session else now_s
+        if self.params.residency.order == "fifo":
+            return (first,)
+        held = self.held.get(sid)
+        state = self.req_state.get(held[0].request_id) if held else None
+        since = None if not held else (state.arrival_s if state is not None else now_s)
+        return response_ratio_priority(now_s, first, since, self.params.residency.response_ratio_prior_s)
 
     def _is_overdue(self, request: Request, now_s: float) -> bool:
         """A held turn never scheduled that arrived ``residency.max_hold_s`` ago or more."""

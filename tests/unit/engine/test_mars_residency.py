@@ -315,3 +315,40 @@ def test_a_resident_whose_calls_usually_return_at_once_is_displaced_only_once_th
     assert "old" not in s.resident and "young" in s.resident
     h.run_until_finished(y0.request_id)
     h.assert_no_leaks()
+
+
+@pytest.mark.parametrize("order", ["fifo", "response-ratio"])
+def test_a_new_session_passes_an_old_held_one_that_does_not_fit_only_by_response_ratio(order: str) -> None:
+    # old runs 600 s, is displaced in a long tool call, and its next turn (26 blocks) cannot fit
+    # beside mid's running 21; new (5 blocks) would. FIFO keeps new behind old (no bypass); by
+    # response ratio new's wait weighs more than old's after 2 s (old's E: 60 + 600 s, new's: 60).
+    h = harness(num_blocks=40, order=order)
+    s = h.scheduler
+    for _ in range(5):
+        s.tool_durations.observe("pytest", 600.0)
+    old0 = h.add(h.make_request("old", h.tokens(25 * BS), 4, turn(0)))
+    h.run_until_finished(old0.request_id)
+    s.on_stream_event(ToolStart(**now_stamps(), source="t", session_id="old", turn=0,
+                                tool_name="pytest", tool_call_id="c"))
+    h.clock.advance(600.0)
+    mid0 = h.add(h.make_request("mid", h.tokens(20 * BS), 48, turn(0)))
+    h.step(0.01)
+    assert "old" not in s.resident and "mid" in s.resident
+    h.add(h.next_turn(old0, 1 * BS, 4, turn(1)))
+    h.step(0.01)
+    assert "old" in s.held
+    h.clock.advance(1.0)
+    h.add(h.make_request("new", h.tokens(4 * BS), 4, turn(0)))
+    h.step(0.01)
+    h.clock.advance(2.0)
+    h.step(0.01)
+    assert mid0.request_id in {r.request_id for r in s.running}
+    if order == "fifo":
+        assert "new" in s.held and "old" in s.held
+    else:
+        assert "new" in s.resident and "old" in s.held
+    h.run_until_finished(mid0.request_id)
+    s.on_stream_event(SessionEnd(**now_stamps(), source="t", session_id="mid", turn=None, status="ok"))
+    h.run_until_done()  # old and new both fit once mid has ended
+    assert not s.held
+    h.assert_no_leaks()

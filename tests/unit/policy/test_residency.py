@@ -7,10 +7,12 @@ import pytest
 
 from mars_openhands.policy.estimators import EmpiricalCdf
 from mars_openhands.policy.residency import (
+    RESIDENT_FIRST,
     HostReload,
     SessionDemand,
     displace_value_s,
     plan_residency,
+    response_ratio_priority,
     resume_cost_s,
 )
 from mars_openhands.policy.session import SessionState
@@ -227,3 +229,34 @@ def test_with_the_tier_a_call_that_usually_returns_before_a_re_prefill_is_worth_
                                  tool_cdf=lambda tool: cdfs[tool or "pytest"], block_size=16,
                                  prefill_s_per_token=0.001, host=HostReload(0.001, 1.0), num_host_blocks=10)
     assert with_tier > 0.0
+
+
+def test_response_ratio_puts_a_new_held_session_before_an_old_one_after_a_short_wait() -> None:
+    # old was in the system 600 s when its turn was held (E = 660 s); new was held on arrival (E = 60 s).
+    old = response_ratio_priority(now_s=603.0, first_arrival_s=0.0, held_since_s=600.0, prior_s=60.0)
+    new = response_ratio_priority(now_s=603.0, first_arrival_s=601.0, held_since_s=601.0, prior_s=60.0)
+    assert old[0] == pytest.approx(-663.0 / 660.0) and new[0] == pytest.approx(-62.0 / 60.0)
+    assert new < old  # new's 2 s of waiting weigh more than old's 3 s
+    old_later = response_ratio_priority(now_s=1003.0, first_arrival_s=0.0, held_since_s=600.0, prior_s=60.0)
+    new_later = response_ratio_priority(now_s=1003.0, first_arrival_s=1000.0, held_since_s=1000.0, prior_s=60.0)
+    assert old_later < new_later  # old held 403 s (ratio 1.61) goes before a new one held 3 s (1.05)
+
+
+def test_response_ratio_never_starves_a_held_session_and_keeps_residents_first() -> None:
+    old = [response_ratio_priority(t, 0.0, 3600.0, 60.0) for t in (3600.0, 7200.0, 14400.0)]
+    assert old[0] > old[1] > old[2]  # its rank only rises while it waits
+    fresh = response_ratio_priority(14400.0, 14400.0, 14400.0, 60.0)
+    assert old[2] < fresh  # held 3 h with E = 1 h: ratio 4 against a new arrival's 1
+    resident = response_ratio_priority(14400.0, 14000.0, None, 60.0)
+    assert resident < old[2] and resident[0] == RESIDENT_FIRST
+
+
+def test_plan_activates_a_fitting_new_session_past_an_old_one_only_by_response_ratio() -> None:
+    busy = SessionDemand("mid", (RESIDENT_FIRST, 600.0), 21, is_resident=True, is_busy=True)
+    old = SessionDemand("old", response_ratio_priority(603.0, 0.0, 600.0, 60.0), 27, is_resident=False, is_held=True)
+    new = SessionDemand("new", response_ratio_priority(603.0, 601.0, 601.0, 60.0), 5, is_resident=False, is_held=True)
+    plan = plan_residency([busy, old, new], budget_blocks=39)
+    assert plan.activate == ("new",) and plan.blocked == ("old",)
+    fifo = [SessionDemand("mid", (600.0,), 21, is_resident=True, is_busy=True),
+            SessionDemand("old", (0.0,), 27, is_resident=False, is_held=True), SessionDemand("new", (601.0,), 5, is_resident=False, is_held=True)]
+    assert plan_residency(fifo, budget_blocks=39).activate == ()  # strict FIFO: new waits behind old
