@@ -59,6 +59,9 @@ def row_of(folder: Path) -> dict[str, object]:
     Raises:
         FileNotFoundError: ``folder`` has no ``plan.parquet`` or ``run.json`` (not a finished plan).
     """
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder}: {'no such folder' if not folder.exists() else 'not a folder'}; "
+                                "give plan --out folders")
     for name in ("plan.parquet", "run.json"):
         if not (folder / name).is_file():
             raise FileNotFoundError(f"{folder}: {name} missing: not a finished plan")
@@ -67,12 +70,16 @@ def row_of(folder: Path) -> dict[str, object]:
     row: dict[str, object] = dict(deployment_of(facts))
     caps: dict[str, tuple[float, float, str]] = {}
     for _, r in table.iterrows():
+        cap, unstable = float(r["capacity_per_s"]), float(r["first_unstable_per_s"])
+        if not r.get("is_bracketed", True):
+            row["unbracketed"] = [*row.get("unbracketed", []), str(r["label"])]  # type: ignore[misc]
+            cap = math.nan  # a lower bound only (the search's budget ran out): no capacity to compare
         if r["is_limit"]:
-            row["limit"] = float(r["capacity_per_s"])
+            row["limit"] = cap
             continue
         column = column_of(str(r["label"]))
-        cap, unstable = float(r["capacity_per_s"]), float(r["first_unstable_per_s"])
-        if column and (column not in caps or cap > caps[column][0]):
+        if column and (column not in caps or cap > caps[column][0]
+                       or (math.isnan(caps[column][0]) and not math.isnan(cap))):
             caps[column] = (cap, unstable, str(r["label"]))
     for column, (cap, _, label) in caps.items():
         row[column] = cap
@@ -103,9 +110,15 @@ def render(rows: list[dict[str, object]]) -> str:
         if r.get("same bracket"):
             ratio += " (same bracket)"
         cells = [str(r[k]) for k in ("GPU", "model", "KV", "host tier", "workload", "seed")]
-        cells += [figure(r.get(c)) for c in (*COLUMNS, "limit")]
+        cells += [figure(r.get(c)) + (f" ({r[c + ' label']})" if "offload" in str(r.get(c + " label", "")) else "")
+                  for c in COLUMNS]
+        cells.append(figure(r.get("limit")))
         cells += [str(r.get("best baseline", "–")), ratio, figure(r.get("mars × limit"))]
         lines.append("| " + " | ".join(cells) + " |")
+    unbracketed = sorted({label for r in rows for label in r.get("unbracketed", [])})  # type: ignore[attr-defined]
+    if unbracketed:
+        lines.append(f"\n– also: no unstable rate found within the search's budget ({', '.join(unbracketed)}), "
+                     "so that capacity is only a lower bound; rerun plan with more --search-runs")
     return "\n".join(lines) + "\n"
 
 
@@ -120,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             rows.append(row_of(folder))
         except FileNotFoundError as e:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"capacity_table.py: error: {e}", file=sys.stderr)
             return 2
     sys.stdout.write(render(rows))
     return 0

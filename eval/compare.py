@@ -387,7 +387,8 @@ def _check_replicas(args: argparse.Namespace, spec: Any) -> None:
     """``--replicas``, ``--router``, ``--lose-replica`` together.
 
     Raises:
-        ValueError: several replicas on a live backend, or a lost replica that is not one of them.
+        ValueError: several replicas on a live backend, a lost replica that is not one of them, or
+            the pooled-KV bound without several simulated replicas.
     """
     if args.replicas > 1 and spec.is_live:
         raise ValueError(f"--replicas {args.replicas}: several replicas run only in the simulator "
@@ -395,6 +396,9 @@ def _check_replicas(args: argparse.Namespace, spec: Any) -> None:
     if args.lose_replica is not None and not (args.replicas >= 2 and args.lose_replica[0] < args.replicas):
         raise ValueError(f"--lose-replica {args.lose_replica[0]}@{args.lose_replica[1]:g}: needs "
                          f"--replicas >= 2 and an index below it (got --replicas {args.replicas})")
+    if ROUTING_POLICIES[args.router].pools_kv and (spec.is_live or args.replicas < 2):
+        raise ValueError(f"--router {args.router}: the pooled-KV bound exists only in the simulator over "
+                         f"several replicas (--backend sim --replicas >= 2; got --replicas {args.replicas})")
     if args.lose_replica is not None and ROUTING_POLICIES[args.router].pools_kv:
         raise ValueError(f"--lose-replica with --router {args.router}: the bound's replicas share "
                          "one KV pool, so a lost replica's KV would be every replica's; drop one")

@@ -346,7 +346,8 @@ def plan_table(results: pd.DataFrame, capacity: pd.DataFrame, policies: Sequence
 
     Returns:
         Columns ``label``, ``is_limit``, ``capacity_per_s``, ``capacity_per_h``,
-        ``capacity_vs_limit`` (capacity / the limit's: <= 1 up to the search's tolerance),
+        ``capacity_vs_limit`` (capacity / the limit's: <= 1 up to the search's tolerance; NaN where
+        either search found no unstable rate: a lower bound is no capacity to divide),
         ``first_unstable_per_s``, ``is_bracketed``, ``num_probes``, ``rate_per_s``, ``e2e_p95_s``,
         ``p95_vs_limit`` (P95 / the limit's P95: >= 1 up to noise), ``e2e_mean_s``,
         ``mean_vs_limit``, ``slowdown_mean``, ``num_completed``, ``num_sessions``, ``status``;
@@ -375,6 +376,10 @@ def plan_table(results: pd.DataFrame, capacity: pd.DataFrame, policies: Sequence
                           ("e2e_mean_s", "mean_vs_limit")):
         ref = float(limit[column].iloc[0]) if len(limit) else math.nan
         table[ratio] = table[column] / ref if ref and not math.isnan(ref) else math.nan
+    # A search that found no unstable rate within its budget gives only a lower bound: no ratio.
+    if not (len(limit) and bool(limit["is_bracketed"].iloc[0])):
+        table["capacity_vs_limit"] = math.nan
+    table.loc[~table["is_bracketed"].astype(bool), "capacity_vs_limit"] = math.nan
     return table.reset_index(drop=True)
 
 
@@ -403,6 +408,8 @@ def render_plan(table: pd.DataFrame, facts: Mapping[str, Any]) -> str:
     for _, r in table.iterrows():
         name = f"{r['label']} (limit)" if r["is_limit"] else str(r["label"])
         capacity = f(r["capacity_per_s"], 4) if not math.isnan(r["capacity_per_s"]) else "none stable"
+        if not r["is_bracketed"] and not math.isnan(r["capacity_per_s"]):
+            capacity = f"≥ {capacity}"  # the search's budget ran out below the knee
         unstable = f(r["first_unstable_per_s"], 4) if r["is_bracketed"] else "not found (budget spent)"
         done = f"{int(r['num_completed'])}/{int(r['num_sessions'])}" if r["status"] == "ok" else "FAILED"
         lines.append(f"| {name} | {capacity} | {f(r['capacity_per_h'])} | {times(r['capacity_vs_limit'])} | {unstable} "

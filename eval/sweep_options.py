@@ -65,9 +65,9 @@ class CompareOptions(BaseModel):
     replica_blocks: tuple[int, ...] = ()
     """KV blocks of each replica for a mix of GPU profiles (``--replica-gpus``; the sweep's GPU
     setup then carries one step timer per replica); empty: ``num_gpu_blocks`` for every one."""
-    host_kv_gib: float = Field(DEFAULT_HOST_KV_GIB, gt=0.0)
+    host_kv_gib: float = Field(DEFAULT_HOST_KV_GIB, gt=0.0, le=65536.0)
     """Host-memory KV tier of the policies that have one (``PolicySpec.host_kv``), GiB (vLLM
-    ``--kv-offloading-size``; ``compare --host-kv-gib``)."""
+    ``--kv-offloading-size``; ``compare --host-kv-gib``); at most 64 TiB, far above any host."""
     host_kv_bytes_per_block: int | None = Field(None, gt=0)
     """KV bytes one block's copy moves (the deployment's bytes per token × 16); ``None``: vLLM's
     own from the engine's KV cache config."""

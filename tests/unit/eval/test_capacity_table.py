@@ -56,7 +56,7 @@ def test_offload_variants_share_their_policys_column_and_the_tier_is_read_from_t
     assert row["vllm-offload"] == 0.011 and row["vllm-offload label"] == "vllm-offload-arc"
     assert row["host tier"] == "256 GiB"
     assert row["same bracket"] is True
-    assert "(same bracket)" in ct.render([row])
+    assert "(same bracket)" in ct.render([row]) and "(thunderagent-offload)" in ct.render([row])
 
 
 def test_a_folder_without_a_finished_plan_is_a_one_line_error(ct, tmp_path, capsys):
@@ -71,3 +71,23 @@ def test_missing_policies_render_as_dashes(ct, tmp_path):
     assert "mars ÷ best" not in row
     line = ct.render([row]).splitlines()[-1]
     assert line.count("–") >= 5 and not math.isnan(row["limit"])
+
+
+def test_an_unbracketed_search_is_a_lower_bound_not_a_capacity(ct, tmp_path):
+    folder = _plan(tmp_path / "u", {"fcfs": (23.96, math.nan), "mars+adm": (3067.0, math.nan),
+                                    "thunderagent": (0.012, 0.013), "unbounded-kv": (3067.0, math.nan)})
+    table = pd.read_parquet(folder / "plan.parquet")
+    table["is_bracketed"] = table["label"] == "thunderagent"
+    table.to_parquet(folder / "plan.parquet")
+    row = ct.row_of(folder)
+    assert math.isnan(row["mars"]) and math.isnan(row["limit"]) and math.isnan(row["fcfs"])
+    assert row["best baseline"] == "thunderagent" and math.isnan(row["mars ÷ best"])
+    assert "only a lower bound" in ct.render([row])
+
+
+def test_a_missing_folder_or_a_file_is_named_as_such(ct, tmp_path, capsys):
+    (tmp_path / "f.md").write_text("x")
+    assert ct.main([str(tmp_path / "nope")]) == 2
+    assert "no such folder" in capsys.readouterr().err
+    assert ct.main([str(tmp_path / "f.md")]) == 2
+    assert "not a folder" in capsys.readouterr().err

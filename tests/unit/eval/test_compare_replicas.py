@@ -49,6 +49,9 @@ def test_rates_stay_per_gpu_and_arrivals_scale_with_the_replicas() -> None:
     (["--lose-replica", "0@10"], "--lose-replica 0@10: needs --replicas >= 2"),
     (["--replicas", "2", "--lose-replica", "2@10"], "an index below it"),
     (["--replicas", "2", "--router", "pooled-kv", "--lose-replica", "1@10"], "share one KV pool"),
+    (["--router", "pooled-kv"], "--router pooled-kv: the pooled-KV bound exists only in the simulator"),
+    (["--router", "pooled-kv", "--backend", "http://127.0.0.1:9", "--policies", "mars", "--absolute-rates", "--loads", "0.01"], "exists only in the simulator over"),
+    (["--host-kv-gib", "1e9"], "--host-kv-gib"),
 ])
 def test_replica_flags_are_checked_before_anything_runs(argv, message, capsys, tmp_path) -> None:
     args = _parser().parse_args(["compare", *argv, "--out", str(tmp_path / "out")])

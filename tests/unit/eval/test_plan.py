@@ -84,7 +84,7 @@ def _results_and_capacity() -> tuple[pd.DataFrame, pd.DataFrame]:
         {"label": "fcfs", "capacity_per_s": 0.01, "is_bracketed": True, "first_unstable_per_s": 0.011, "num_probes": 6},
         {"label": "mars+adm", "capacity_per_s": 0.015, "is_bracketed": True, "first_unstable_per_s": 0.016,
          "num_probes": 5},
-        {"label": "unbounded-kv", "capacity_per_s": 0.02, "is_bracketed": False, "first_unstable_per_s": math.nan,
+        {"label": "unbounded-kv", "capacity_per_s": 0.02, "is_bracketed": True, "first_unstable_per_s": 0.021,
          "num_probes": 8},
         {"label": "vllm-tuned", "capacity_per_s": math.nan, "is_bracketed": False, "first_unstable_per_s": math.nan,
          "num_probes": 8}])
@@ -105,8 +105,19 @@ def test_plan_table_orders_policies_the_limit_last_and_divides_by_the_limit() ->
     assert text.startswith("# mars-openhands plan\n\n**Full workload: x.**\n\n- **GPU**: h100_sxm")
     assert "## Capacity at SLO, and E2E at 0.01 sessions/s" in text
     assert "| mars+adm | 0.015 | 54.0 | 0.75× | 0.016 | 220 | 1.10× | 200 | 1.05× | 1.20 | 74/74 |" in text
-    assert "| unbounded-kv (limit) | 0.02 | 72.0 | 1.00× | not found (budget spent) |" in text
+    assert "| unbounded-kv (limit) | 0.02 | 72.0 | 1.00× | 0.021 |" in text
     assert "| vllm-tuned | none stable | – | – | not found (budget spent) | – | – | – | – | – | FAILED |" in text
+
+
+def test_an_unbracketed_search_is_shown_as_a_lower_bound_without_a_ratio() -> None:
+    results, capacity = _results_and_capacity()
+    capacity.loc[capacity["label"] == "fcfs", ["is_bracketed", "first_unstable_per_s"]] = [False, math.nan]
+    table = plan_table(results, capacity, ("fcfs", "vllm-tuned", "mars", "unbounded-kv")).set_index("label")
+    assert math.isnan(table.at["fcfs", "capacity_vs_limit"]) and table.at["mars+adm", "capacity_vs_limit"] > 0
+    assert "| fcfs | ≥ 0.01 | 36.0 | – |" in render_plan(table.reset_index(), {})
+    capacity.loc[capacity["label"] == "unbounded-kv", "is_bracketed"] = False  # the limit itself a lower bound
+    table = plan_table(results, capacity, ("fcfs", "vllm-tuned", "mars", "unbounded-kv"))
+    assert table["capacity_vs_limit"].isna().all()
 
 
 def test_a_plan_on_a_tiny_trace_slice_answers_every_policy_next_to_the_limit(sim, tmp_path, capsys) -> None:
@@ -121,8 +132,11 @@ def test_a_plan_on_a_tiny_trace_slice_answers_every_policy_next_to_the_limit(sim
     assert (table["capacity_per_s"] > 0).all() and (table["num_probes"] <= 2).all()
     limit = table.loc["unbounded-kv"]
     assert table["p95_vs_limit"].tolist() == pytest.approx((table["e2e_p95_s"] / limit["e2e_p95_s"]).tolist())
-    assert table["capacity_vs_limit"].tolist() == pytest.approx(
-        (table["capacity_per_s"] / limit["capacity_per_s"]).tolist())
+    if limit["is_bracketed"]:
+        ok = table["is_bracketed"].astype(bool)
+        assert table.loc[ok, "capacity_vs_limit"].tolist() == pytest.approx(
+            (table.loc[ok, "capacity_per_s"] / limit["capacity_per_s"]).tolist())
+    assert table.loc[~table["is_bracketed"].astype(bool), "capacity_vs_limit"].isna().all()
     # the chosen rate defaults to 1.0 x FCFS's capacity at SLO
     assert table["rate_per_s"].tolist() == pytest.approx([table.at["fcfs", "capacity_per_s"]] * 3)
     text = (out / "plan.md").read_text()
