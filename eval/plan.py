@@ -65,7 +65,13 @@ from eval.compare_setup import (
     trim_note,
 )
 from eval.deployment import add_deployment_flags, deployment_from_args
-from eval.policies import OFFLOAD_VARIANTS, POLICIES, REFERENCE, parse_policies
+from eval.policies import (
+    OFFLOAD_VARIANTS,
+    POLICIES,
+    REFERENCE,
+    parse_policies,
+    with_host_kv_policies,
+)
 from eval.pool import default_jobs, start_worker_server
 from eval.progress import progress_display
 from eval.provenance import source_commit, utc_date
@@ -206,7 +212,7 @@ def _policies(text: str, has_host_kv: bool = False) -> tuple[str, ...]:
     except ValueError as e:
         raise ValueError(f"--policies: {e}") from None
     if has_host_kv:
-        names = tuple(n for name in names for n in (name, OFFLOAD_VARIANTS.get(name)) if n)
+        names = with_host_kv_policies(names, with_stock=False)
     return tuple(dict.fromkeys((*(n for n in names if n != REFERENCE), REFERENCE)))
 
 

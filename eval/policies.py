@@ -170,20 +170,19 @@ def parse_policies(text: str | Sequence[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def with_host_kv_policies(policies: Sequence[str]) -> tuple[str, ...]:
-    """``policies`` plus what ``--host-kv-gib`` adds: stock vLLM's tier
-    (:data:`STOCK_OFFLOAD_POLICIES`) and each named policy's host-tier variant
-    (:data:`OFFLOAD_VARIANTS`), each variant right after its policy. Pure.
+def with_host_kv_policies(policies: Sequence[str], *, with_stock: bool = True) -> tuple[str, ...]:
+    """``policies`` plus what ``--host-kv-gib`` adds: each named policy's host-tier variant
+    (:data:`OFFLOAD_VARIANTS`) right after it, then stock vLLM's tier
+    (:data:`STOCK_OFFLOAD_POLICIES`) unless ``with_stock`` is False (``plan``: the variants
+    only). Pure.
 
     >>> with_host_kv_policies(("fcfs", "mars", "vllm-tuned"))
     ('fcfs', 'vllm-offload-lru', 'mars', 'mars-offload', 'vllm-tuned', 'vllm-offload-arc')
+    >>> with_host_kv_policies(("fcfs", "mars"), with_stock=False)
+    ('fcfs', 'vllm-offload-lru', 'mars', 'mars-offload')
     """
-    out: list[str] = []
-    for name in policies:
-        out.append(name)
-        if name in OFFLOAD_VARIANTS:
-            out.append(OFFLOAD_VARIANTS[name])
-    return tuple(dict.fromkeys((*out, *STOCK_OFFLOAD_POLICIES)))
+    out = [n for name in policies for n in (name, OFFLOAD_VARIANTS.get(name)) if n]
+    return tuple(dict.fromkeys((*out, *(STOCK_OFFLOAD_POLICIES if with_stock else ()))))
 
 
 def admission_modes(admission: str, policy: str) -> tuple[bool, ...]:
