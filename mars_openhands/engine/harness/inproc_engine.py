@@ -775,7 +775,7 @@ class InprocEngine:
         ``update``, ``shutdown``): our schedulers count by walking every request's blocks, and
         the simulator asks several times per step (admission ticks, snapshots). A pooled engine
         counts the whole shared pool, every time (another engine's step changes it)."""
-        if len(self.pool_peers) > 1:
+        if self.is_kv_pooled:
             return pooled_kv_block_counts(self.pool_peers)
         if self._kv_counts is None:
             s = self.scheduler
@@ -810,7 +810,7 @@ class InprocEngine:
         Raises:
             AssertionError: naming the counts and the first bad blocks.
         """
-        if len(self.pool_peers) > 1:
+        if self.is_kv_pooled:
             return assert_pooled_no_leaks(self.pool_peers)
         if self._plugin is not None:
             return self._plugin.assert_no_leaks()

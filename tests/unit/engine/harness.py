@@ -352,3 +352,14 @@ def run_preemption_scenario(scheduler_cls: type[Scheduler], mars: dict[str, Any]
                            f"held {sorted(getattr(h.scheduler, 'held', {}))}")
     h.assert_no_leaks()
     return {"ratio": num_prefill / num_prompt, "preempted": preempted, "resumed_hits": hits}
+
+
+def add_stream_turn(engine: Any, stream: Any, rid: str, appended: int, output: int, t_s: float = 0.0) -> int:
+    """One turn on an in-process engine: ``appended`` new prompt tokens, then ``output`` tokens the
+    request will decode, on the session's token ``stream``. Returns the turn's prompt length.
+    Mutates ``stream`` and ``engine`` (``InprocEngine``, ``SessionTokenStream``)."""
+    stream.append(appended)
+    prompt = len(stream)
+    stream.append(output)
+    engine.add_request(rid, stream, prompt, output, arrival_time_s=t_s)
+    return prompt

@@ -21,6 +21,7 @@ from mars_openhands.engine.harness.inproc_engine import (  # noqa: E402
 )
 from mars_openhands.engine.schedulers.coalesce import HeadRule  # noqa: E402
 from mars_openhands.engine.seams import fast_paths  # noqa: E402
+from tests.unit.engine.harness import add_stream_turn  # noqa: E402
 
 BS = 16
 
@@ -28,15 +29,6 @@ BS = 16
 def _engine(policy: str = "fcfs", num_gpu_blocks: int = 512, **kw: object) -> InprocEngine:
     return InprocEngine(policy, InprocEngineParams(num_gpu_blocks=num_gpu_blocks,
                                                    max_model_len=8192, **kw))
-
-
-def _add_turn(engine: InprocEngine, stream: SessionTokenStream, rid: str, appended: int,
-              output: int, t_s: float = 0.0) -> int:
-    stream.append(appended)
-    prompt = len(stream)
-    stream.append(output)
-    engine.add_request(rid, stream, prompt, output, arrival_time_s=t_s)
-    return prompt
 
 
 class _UnitTimer:
@@ -82,12 +74,12 @@ def test_stream_ids_are_deterministic_and_distinct_per_session() -> None:
 def test_prefix_cache_hits_on_next_turn_and_memo_matches_vllm_hashes() -> None:
     engine = _engine()
     stream = engine.stream("s")
-    p0 = _add_turn(engine, stream, "s#0", 1000, 50)
+    p0 = add_stream_turn(engine, stream, "s#0", 1000, 50)
     first = engine.step()
     assert first.new_request_cached_tokens == {"s#0": 0}
     assert first.prefill == [(1000, 0)]
     _drain(engine)
-    p1 = _add_turn(engine, stream, "s#1", 300, 20, t_s=1.0)
+    p1 = add_stream_turn(engine, stream, "s#1", 300, 20, t_s=1.0)
     req = engine.request("s#1")
     fresh = Request("x", stream.ids(0, p1), SamplingParams(max_tokens=1), None,
                     block_hasher=engine.hasher._inner)
@@ -107,7 +99,7 @@ def test_coalesced_decode_equals_single_steps() -> None:
         engine = _engine()
         streams = [engine.stream(f"s{i}") for i in range(3)]
         for i, st in enumerate(streams):
-            _add_turn(engine, st, f"s{i}#0", 100 + 37 * i, 40 + 9 * i)
+            add_stream_turn(engine, st, f"s{i}#0", 100 + 37 * i, 40 + 9 * i)
         records = _drain(engine, coalesce)
         tokens = {}
         for r in records:
@@ -125,13 +117,13 @@ def test_coalesced_decode_equals_single_steps() -> None:
 def test_max_decode_run_requires_steady_decode_and_bounds_k() -> None:
     engine = _engine(num_gpu_blocks=64)
     st = engine.stream("s")
-    _add_turn(engine, st, "s#0", 100, 30)
+    add_stream_turn(engine, st, "s#0", 100, 30)
     assert engine.max_decode_run(32) == 1, "a waiting request is not a steady decode"
     engine.step()  # prefill + first token
     assert engine.max_decode_run(32) == 29, "bounded by the 29 tokens left"
     assert engine.max_decode_run(8) == 8
     other = engine.stream("t")
-    _add_turn(engine, other, "t#0", 50, 5)
+    add_stream_turn(engine, other, "t#0", 50, 5)
     assert engine.max_decode_run(32) == 1
     with pytest.raises(ValueError, match="at most 1 coalesced"):
         engine.step(4)
@@ -140,7 +132,7 @@ def test_max_decode_run_requires_steady_decode_and_bounds_k() -> None:
 def test_max_decode_run_respects_free_blocks() -> None:
     engine = _engine(num_gpu_blocks=10)  # 9 usable blocks = 144 tokens
     st = engine.stream("s")
-    _add_turn(engine, st, "s#0", 120, 100)
+    add_stream_turn(engine, st, "s#0", 120, 100)
     engine.step()
     k = engine.max_decode_run(64)
     assert 1 <= k < 64
@@ -172,7 +164,7 @@ def test_plugin_scheduler_gets_the_clock() -> None:
                        clock=lambda: now[0])
     assert eng.is_plugin and eng.scheduler.clock() == 123.0
     st = eng.stream("s")
-    _add_turn(eng, st, "s#0", 64, 4, t_s=123.0)
+    add_stream_turn(eng, st, "s#0", 64, 4, t_s=123.0)
     _drain(eng, 8)
     eng.shutdown()
     eng.assert_no_leaks()
@@ -191,9 +183,9 @@ def test_blocked_run_may_evict_the_waiting_heads_hit_from_its_end_only(policy: s
 
     engine = _engine(policy)
     stream = engine.stream("a")
-    _add_turn(engine, stream, "a#0", 480, 10)
+    add_stream_turn(engine, stream, "a#0", 480, 10)
     _drain(engine)
-    _add_turn(engine, stream, "a#1", 100, 5, t_s=1.0)
+    add_stream_turn(engine, stream, "a#1", 100, 5, t_s=1.0)
     head = engine.scheduler.waiting.peek_request()
     hit = seams.blocks.prefix_hit_tokens(engine.scheduler, head) // BS
     assert hit == 30
@@ -226,12 +218,12 @@ def _preview_head_blocked_by_its_chunk() -> InprocEngine:
     engine = InprocEngine("MarsPreviewScheduler", InprocEngineParams(num_gpu_blocks=64, max_model_len=4096),
                           memoize_prefix_hits=True, clock=lambda: 0.0)
     a, b = engine.stream("a"), engine.stream("b")
-    _add_turn(engine, a, "a#0", 50, 2)
+    add_stream_turn(engine, a, "a#0", 50, 2)
     _drain(engine)
-    _add_turn(engine, b, "b#0", 670, 400)
+    add_stream_turn(engine, b, "b#0", 670, 400)
     for _ in range(6):  # b's prefill (256-token chunks at the preview's last level) and a decode
         engine.step()
-    _add_turn(engine, a, "a#1", 300, 5)
+    add_stream_turn(engine, a, "a#1", 300, 5)
     engine.step()  # the probe: a#1 asked and refused
     return engine
 
@@ -303,9 +295,9 @@ def _memo_engine_with_waiting_turn(num_gpu_blocks: int) -> tuple[InprocEngine, o
     memo = eng.prefix_memo
     assert memo is not None
     st = eng.stream("s")
-    _add_turn(eng, st, "s#0", 20 * BS, 4)
+    add_stream_turn(eng, st, "s#0", 20 * BS, 4)
     _drain(eng)
-    _add_turn(eng, st, "s#1", 3 * BS, 4)
+    add_stream_turn(eng, st, "s#1", 3 * BS, 4)
     return eng, memo, eng.scheduler.waiting.peek_request(), eng.scheduler.kv_cache_manager.get_computed_blocks
 
 

@@ -11,9 +11,9 @@ pytest.importorskip("vllm")
 from mars_openhands.engine.harness.inproc_engine import (  # noqa: E402
     InprocEngine,
     InprocEngineParams,
-    SessionTokenStream,
 )
 from mars_openhands.engine.harness.kv_pool import pooled_params  # noqa: E402
+from tests.unit.engine.harness import add_stream_turn  # noqa: E402
 
 BS = 16
 
@@ -26,15 +26,6 @@ def _pooled(policy: str = "fcfs", n: int = 2, blocks: int = 64,
         engines.append(InprocEngine(policy, p, memoize_prefix_hits=memoize,
                                     kv_pool_of=engines[0] if engines else None))
     return engines
-
-
-def _add_turn(engine: InprocEngine, stream: SessionTokenStream, rid: str, appended: int,
-              output: int, t_s: float = 0.0) -> int:
-    stream.append(appended)
-    prompt = len(stream)
-    stream.append(output)
-    engine.add_request(rid, stream, prompt, output, arrival_time_s=t_s)
-    return prompt
 
 
 def _drain(*engines: InprocEngine) -> list:
@@ -60,7 +51,7 @@ def test_the_engines_share_one_free_count(policy: str) -> None:
     a, b = _pooled(policy)
     assert a.is_kv_pooled and b.is_kv_pooled and a.pool_peers is b.pool_peers
     assert a.num_gpu_blocks() == b.num_gpu_blocks() == 1 + 2 * 63
-    _add_turn(a, a.stream("s"), "s#0", 600, 10)
+    add_stream_turn(a, a.stream("s"), "s#0", 600, 10)
     a.step()
     free, _, used = b.kv_block_counts()
     assert used == 600 // BS + 1 and a.kv_block_counts() == b.kv_block_counts()
@@ -71,9 +62,9 @@ def test_the_engines_share_one_free_count(policy: str) -> None:
 def test_a_prefix_computed_on_one_engine_is_a_hit_on_the_other(policy: str) -> None:
     a, b = _pooled(policy)
     stream = a.stream("s")
-    p0 = _add_turn(a, stream, "s#0", 500, 20)
+    p0 = add_stream_turn(a, stream, "s#0", 500, 20)
     _drain(a)
-    _add_turn(b, stream, "s#1", 100, 10, t_s=1.0)
+    add_stream_turn(b, stream, "s#1", 100, 10, t_s=1.0)
     rec = b.step()
     cached = rec.new_request_cached_tokens["s#1"]
     assert cached == (p0 + 20) // BS * BS > 0, "turn 1 on engine b must hit turn 0's KV from a"
@@ -87,9 +78,9 @@ def test_separate_pools_give_no_hit_across_engines() -> None:
     shape = InprocEngineParams(num_gpu_blocks=64, max_model_len=4096)
     a, b = InprocEngine("fcfs", shape), InprocEngine("fcfs", shape)
     stream = a.stream("s")
-    _add_turn(a, stream, "s#0", 500, 20)
+    add_stream_turn(a, stream, "s#0", 500, 20)
     _drain(a)
-    _add_turn(b, stream, "s#1", 100, 10, t_s=1.0)
+    add_stream_turn(b, stream, "s#1", 100, 10, t_s=1.0)
     assert b.step().new_request_cached_tokens["s#1"] == 0
 
 
@@ -98,7 +89,7 @@ def test_load_over_one_engines_kv_completes_without_preemption_in_the_pool(polic
     def load(engine: InprocEngine) -> tuple[int, int]:
         """(preemptions, most requests scheduled in one step)"""
         for i in range(3):  # 3 x (400 + 200) tokens = 3 x 38 blocks: over 63, under 126
-            _add_turn(engine, engine.stream(f"s{i}"), f"s{i}#0", 400, 200)
+            add_stream_turn(engine, engine.stream(f"s{i}"), f"s{i}#0", 400, 200)
         records = _drain(engine)
         return (sum(len(r.preempted_ids) for r in records),
                 max(len(r.num_scheduled_tokens) for r in records))
@@ -118,7 +109,7 @@ def test_load_over_one_engines_kv_completes_without_preemption_in_the_pool(polic
 
 def test_the_leak_check_covers_every_engine_of_the_pool() -> None:
     a, b = _pooled()
-    _add_turn(b, b.stream("s"), "s#0", 300, 5)
+    add_stream_turn(b, b.stream("s"), "s#0", 300, 5)
     b.step()
     a.assert_no_leaks()  # b's references count: no false leak from a's side
     block = next(x for x in b.scheduler.kv_cache_manager.block_pool.blocks if x.ref_cnt == 1)
