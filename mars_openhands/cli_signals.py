@@ -1,0 +1,67 @@
+"""SIGTERM as a normal exit for command lines that start child processes.
+
+Python's default SIGTERM action ends the process at once: no ``finally`` block and no ``atexit``
+handler runs, so a vLLM server in its own process group
+(:class:`~mars_openhands.engine.harness.launch.VllmServer`) outlived a ``compare`` that ``timeout``
+killed, re-parented to pid 1. Inside :func:`sigterm_exits` the first SIGTERM raises
+:class:`Terminated` (a ``SystemExit`` with status 143, ``128 + SIGTERM``) in the main thread, so
+the command unwinds as on any other exit: its ``finally`` blocks and ``with`` exits stop what it
+started, then ``atexit`` stops what is left. Further SIGTERMs are ignored while that teardown runs
+(a second one would abort it half-way); SIGKILL still ends the process, and each server's
+watchdog (:mod:`mars_openhands.engine.harness.reaper`) then kills its group.
+
+SIGINT needs nothing: Python raises ``KeyboardInterrupt``, which unwinds the same way.
+
+Every ``mars-openhands`` subcommand runs inside it (``eval/cli.py``), and so do the standalone
+entry points that start servers (``python -m mars_openhands.openhands.cli``, the benchmarks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+from types import FrameType
+
+__all__ = ["EXIT_TERMINATED", "Terminated", "sigterm_exits"]
+
+EXIT_TERMINATED = 128 + int(signal.SIGTERM)
+"""Exit status after SIGTERM (143), the status a shell reports for a process SIGTERM ended."""
+
+
+class Terminated(SystemExit):
+    """Raised in the main thread by SIGTERM inside :func:`sigterm_exits`; exits with status 143."""
+
+    def __init__(self) -> None:
+        super().__init__(EXIT_TERMINATED)
+
+
+@contextlib.contextmanager
+def sigterm_exits() -> Iterator[None]:
+    """Within the block, SIGTERM raises :class:`Terminated` in the main thread (once; later
+    SIGTERMs are ignored until the block is left); the previous handler is restored on leaving.
+
+    Mutates: the process's SIGTERM handler (only from the main thread; elsewhere, e.g. a command
+    run in a test's worker thread, the block runs unchanged: only the main thread may set one).
+
+    Raises:
+        Terminated: SIGTERM arrived within the block (propagates out of it).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    fired = False
+
+    def on_sigterm(_signum: int, _frame: FrameType | None) -> None:
+        nonlocal fired
+        if fired:
+            return  # teardown is under way: let it finish
+        fired = True
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,173 @@
+"""Nothing a launcher started keeps running once the launcher is killed (SIGTERM, SIGINT, SIGKILL).
+
+Two launcher kinds, each in a child Python process that starts a ``VllmServer`` and waits:
+``script`` (a benchmark-style script: ``start()``, then ``stop()`` in ``finally``) and ``cli``
+(``mars-openhands compare``: ``eval.cli.main`` running the subcommand, whose body is swapped for
+the same start-and-wait). The server is a stand-in for vLLM's API server (``FAKE_SERVER``: it
+answers ``/health`` and ``/v1/models`` and starts a ``sleep`` as its "engine core", in its group),
+run through ``VllmServerOptions.python_executable``, so ``VllmServer`` takes the same path as with
+vLLM: own session, readiness probe, watchdog, ``stop()``, atexit. The real server under the real
+``compare --backend cpu`` is tests/integration/test_launcher_killed_cpu.py.
+
+What is checked is selected by pid, never by name (other people's vLLM servers run on the same
+machine): every descendant of the launcher just before the signal (pid and start time, from
+/proc), plus the server's process group; all must be gone within ``BOUND_S``. Where the launcher
+can run its teardown (the ``cli`` kind on SIGTERM or SIGINT), the group must already be gone when
+the launcher has exited: the teardown ran in it, not in the watchdog afterwards.
+
+Before the fix (no ``reap_with_owner`` by default, no SIGTERM handler in the CLI) the SIGTERM and
+SIGKILL cases of both kinds failed: the stand-in server and its ``sleep`` stayed, re-parented.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from mars_openhands.cli_signals import EXIT_TERMINATED
+from mars_openhands.engine.harness.launch import live_pids_in_group
+from mars_openhands.engine.harness.reaper import is_process_alive, process_start_ticks
+
+REPO = Path(__file__).resolve().parents[2]
+BOUND_S = 15.0
+"""Seconds within which everything the launcher started must be gone (the watchdog polls every
+0.5 s, then SIGTERM; the stand-ins die on SIGTERM; generous for a busy 2-core machine)."""
+
+FAKE_SERVER = textwrap.dedent("""
+    import http.server, json, subprocess, sys
+    args = sys.argv[1:]
+    port = int(args[args.index("--port") + 1])
+    body = json.dumps({"data": [{"id": args[args.index("--served-model-name") + 1]}]}).encode()
+    subprocess.Popen(["sleep", "300"])  # the "engine core": same process group
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+""")
+
+LAUNCHER = textwrap.dedent("""
+    import signal, sys, time
+    from pathlib import Path
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even if inherited ignored
+    kind, fake_python, model_dir = sys.argv[1:4]
+
+    def serve_forever(*_args, **_kwargs):
+        from mars_openhands.engine.harness.launch import VllmServer
+        server = VllmServer(model_dir=Path(model_dir), python_executable=fake_python,
+                            startup_timeout_s=120.0, stop_timeout_s=3.0)
+        server.start()
+        try:
+            print(server.pid, flush=True)
+            time.sleep(300)
+        finally:
+            server.stop()
+        return 0
+
+    if kind == "script":
+        serve_forever()
+    else:
+        import eval.compare
+        eval.compare._main = serve_forever  # the subcommand's body: start a server and wait
+        from eval.cli import main
+        sys.exit(main(["compare"]))
+""")
+
+
+def _fake_python(tmp_path: Path) -> Path:
+    """An executable that ``VllmServer`` runs as its ``python -m vllm...``: FAKE_SERVER."""
+    path = tmp_path / "fake-vllm-python"
+    path.write_text(f"#!{sys.executable}\n{FAKE_SERVER}")
+    path.chmod(0o755)
+    return path
+
+
+def _children(pid: int) -> dict[int, list[int]]:
+    """ppid -> pids of every process now (from /proc)."""
+    tree: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            tree.setdefault(ppid, []).append(int(entry.name))
+    return tree
+
+
+def descendants(pid: int) -> dict[int, int]:
+    """Every live descendant of ``pid``: pid -> start time in clock ticks (its identity)."""
+    tree, found, todo = _children(pid), {}, [pid]
+    while todo:
+        for child in tree.get(todo.pop(), []):
+            ticks = process_start_ticks(child)
+            if ticks is not None:
+                found[child] = ticks
+                todo.append(child)
+    return found
+
+
+def alive(processes: dict[int, int]) -> list[int]:
+    """The pids of ``processes`` still running as the same process (not zombies, not reused)."""
+    return sorted(pid for pid, ticks in processes.items() if is_process_alive(pid, ticks))
+
+
+def _wait_until(predicate: object, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return True
+        time.sleep(0.1)
+    return bool(predicate())  # type: ignore[operator]
+
+
+def _kill(processes: dict[int, int]) -> None:
+    """SIGKILL what is left of ``processes`` (ours: same pid and start time)."""
+    for pid in alive(processes):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
+@pytest.mark.parametrize("kind", ["script", "cli"])
+def test_a_killed_launcher_leaves_no_process(kind: str, sig: signal.Signals, tmp_path: Path) -> None:
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, kind, str(_fake_python(tmp_path)), str(tmp_path)],
+        stdout=subprocess.PIPE, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    started: dict[int, int] = {}
+    try:
+        assert launcher.stdout is not None
+        line = launcher.stdout.readline()
+        assert line.strip().isdigit(), f"the launcher did not start its server (exit {launcher.wait()})"
+        pgid = int(line)
+        assert _wait_until(lambda: len(live_pids_in_group(pgid)) >= 2, 30.0), "server and engine core"
+        started = descendants(launcher.pid)
+        assert set(live_pids_in_group(pgid)) <= set(started), "the group is the launcher's"
+        time.sleep(0.5)  # a watchdog has read the launcher's start time
+        launcher.send_signal(sig)
+        rc = launcher.wait(timeout=60)
+        if kind == "cli" and sig != signal.SIGKILL:  # the teardown ran in the launcher itself
+            assert live_pids_in_group(pgid) == [], f"exit {rc}: the server's group outlived it"
+            assert rc == (EXIT_TERMINATED if sig == signal.SIGTERM else -signal.SIGINT), rc
+        assert _wait_until(lambda: not alive(started), BOUND_S), (
+            f"{kind} launcher killed by {sig.name} (exit {rc}): still running {alive(started)} "
+            f"of {sorted(started)}")
+    finally:
+        launcher.kill()
+        launcher.wait()
+        _kill(started)
