@@ -73,6 +73,7 @@ import httpx
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from mars_openhands.cli_signals import sigterm_exits  # noqa: E402
 from mars_openhands.control.fake_engine import FakeEngineProcess  # noqa: E402
 from mars_openhands.control.upstream import UpstreamClient  # noqa: E402
 
@@ -420,4 +421,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with sigterm_exits():  # SIGTERM unwinds: the servers it started stop
+        main()

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from mars_openhands.cli_signals import sigterm_exits
 from mars_openhands.cli_style import CliParser, cli_error
 
 __all__ = ["add_openhands_subcommand", "main"]
@@ -284,7 +285,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     one.set_defaults(func=run_one_from_args)
     _add_playback(sub)
     args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
+    with sigterm_exits():  # SIGTERM unwinds: `run` stops its task processes
+        return int(args.func(args) or 0)
 
 
 if __name__ == "__main__":

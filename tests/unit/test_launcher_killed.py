@@ -21,7 +21,6 @@ SIGKILL cases of both kinds failed: the stand-in server and its ``sleep`` stayed
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -34,7 +33,7 @@ import pytest
 
 from mars_openhands.cli_signals import EXIT_TERMINATED
 from mars_openhands.engine.harness.launch import live_pids_in_group
-from mars_openhands.engine.harness.reaper import is_process_alive, process_start_ticks
+from tests.proc_tree import alive, descendants, kill_alive, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 BOUND_S = 15.0
@@ -97,52 +96,6 @@ def _fake_python(tmp_path: Path) -> Path:
     return path
 
 
-def _children(pid: int) -> dict[int, list[int]]:
-    """ppid -> pids of every process now (from /proc)."""
-    tree: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            tree.setdefault(ppid, []).append(int(entry.name))
-    return tree
-
-
-def descendants(pid: int) -> dict[int, int]:
-    """Every live descendant of ``pid``: pid -> start time in clock ticks (its identity)."""
-    tree, found, todo = _children(pid), {}, [pid]
-    while todo:
-        for child in tree.get(todo.pop(), []):
-            ticks = process_start_ticks(child)
-            if ticks is not None:
-                found[child] = ticks
-                todo.append(child)
-    return found
-
-
-def alive(processes: dict[int, int]) -> list[int]:
-    """The pids of ``processes`` still running as the same process (not zombies, not reused)."""
-    return sorted(pid for pid, ticks in processes.items() if is_process_alive(pid, ticks))
-
-
-def _wait_until(predicate: object, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
-            return True
-        time.sleep(0.1)
-    return bool(predicate())  # type: ignore[operator]
-
-
-def _kill(processes: dict[int, int]) -> None:
-    """SIGKILL what is left of ``processes`` (ours: same pid and start time)."""
-    for pid in alive(processes):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
 @pytest.mark.parametrize("kind", ["script", "cli"])
 def test_a_killed_launcher_leaves_no_process(kind: str, sig: signal.Signals, tmp_path: Path) -> None:
@@ -155,7 +108,7 @@ def test_a_killed_launcher_leaves_no_process(kind: str, sig: signal.Signals, tmp
         line = launcher.stdout.readline()
         assert line.strip().isdigit(), f"the launcher did not start its server (exit {launcher.wait()})"
         pgid = int(line)
-        assert _wait_until(lambda: len(live_pids_in_group(pgid)) >= 2, 30.0), "server and engine core"
+        assert wait_until(lambda: len(live_pids_in_group(pgid)) >= 2, 30.0), "server and engine core"
         started = descendants(launcher.pid)
         assert set(live_pids_in_group(pgid)) <= set(started), "the group is the launcher's"
         time.sleep(0.5)  # a watchdog has read the launcher's start time
@@ -164,10 +117,10 @@ def test_a_killed_launcher_leaves_no_process(kind: str, sig: signal.Signals, tmp
         if kind == "cli" and sig != signal.SIGKILL:  # the teardown ran in the launcher itself
             assert live_pids_in_group(pgid) == [], f"exit {rc}: the server's group outlived it"
             assert rc == (EXIT_TERMINATED if sig == signal.SIGTERM else -signal.SIGINT), rc
-        assert _wait_until(lambda: not alive(started), BOUND_S), (
+        assert wait_until(lambda: not alive(started), BOUND_S), (
             f"{kind} launcher killed by {sig.name} (exit {rc}): still running {alive(started)} "
             f"of {sorted(started)}")
     finally:
         launcher.kill()
         launcher.wait()
-        _kill(started)
+        kill_alive(started)
