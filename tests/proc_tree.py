@@ -1,16 +1,19 @@
 """Which processes a test started, by pid and start time from /proc (never by name: other
-people's vLLM servers and Ray clusters run on the same machine), and whether they are gone."""
+people's vLLM servers and Ray clusters run on the same machine), and whether they are gone; and
+:func:`reap_with_this_process`, which every long-lived server a test starts in its own session
+goes through, so that a killed pytest leaves none behind."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from mars_openhands.engine.harness.reaper import is_process_alive, process_start_ticks
+from mars_openhands.engine.harness.reaper import is_process_alive, process_start_ticks, start_reaper
 
 
 def _children() -> dict[int, list[int]]:
@@ -63,3 +66,16 @@ def kill_alive(processes: dict[int, int]) -> None:
     for pid in alive(processes):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+def reap_with_this_process(pgid: int, timeout_s: float = 10.0) -> subprocess.Popen[bytes]:
+    """Kill process group ``pgid`` (a server a test started with ``start_new_session=True``:
+    ``serve`` with its Ray cluster, a gateway, the OpenHands app, PostgreSQL) once this process
+    dies without stopping it (pytest killed, even by SIGKILL): SIGTERM, then SIGKILL after
+    ``timeout_s``, by the watchdog of ``mars_openhands/engine/harness/reaper.py``. The watchdog
+    leaves by itself once the group is gone, so the test's own teardown needs no change.
+
+    Returns:
+        The watchdog process.
+    """
+    return start_reaper(pgid, timeout_s)

@@ -22,6 +22,7 @@ SIGKILL cases of both kinds failed: the stand-in server and its ``sleep`` stayed
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,7 +34,7 @@ import pytest
 
 from mars_openhands.cli_signals import EXIT_TERMINATED
 from mars_openhands.engine.harness.launch import live_pids_in_group
-from tests.proc_tree import alive, descendants, kill_alive, wait_until
+from tests.proc_tree import alive, descendants, identities, kill_alive, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 BOUND_S = 15.0
@@ -124,3 +125,55 @@ def test_a_killed_launcher_leaves_no_process(kind: str, sig: signal.Signals, tmp
         launcher.kill()
         launcher.wait()
         kill_alive(started)
+
+
+PYTEST_LIKE_OWNER = textwrap.dedent("""
+    import sys, time
+    from tests.unit.runtime import helpers
+    find_postmaster = helpers.postmaster_pid
+
+    def postmaster_pid(data):  # the fixture's own look-up, also told to the test
+        pid = find_postmaster(data)
+        print(pid, flush=True)
+        return pid
+
+    helpers.postmaster_pid = postmaster_pid
+    with helpers.postgres_cluster() as url:
+        time.sleep(300)
+""")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
+def test_a_killed_test_process_leaves_no_postgres_cluster(sig: signal.Signals, tmp_path: Path) -> None:
+    """The runtime tests' throwaway PostgreSQL (tests/unit/runtime/helpers.py) runs in a session of
+    its own (pg_ctl): its owner, killed, must not leave it running (tests/proc_tree.py's
+    ``reap_with_this_process``). Before, the cluster stayed."""
+    from tests.unit.runtime.helpers import _pg_bin
+
+    if _pg_bin() is None:
+        pytest.skip("PostgreSQL not available (apt-get install postgresql)")
+    owner = subprocess.Popen([sys.executable, "-c", PYTEST_LIKE_OWNER], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    started: dict[int, int] = {}
+    cluster_dir: Path | None = None
+    try:
+        assert owner.stdout is not None and owner.stderr is not None
+        line = owner.stdout.readline()
+        if not line.strip().isdigit():
+            owner.wait()
+            pytest.skip(f"the cluster did not start: {owner.stderr.read().decode()[-300:]}")
+        postmaster = int(line)
+        cluster_dir = Path(os.readlink(f"/proc/{postmaster}/cwd")).parent  # its data directory's parent
+        time.sleep(1.0)  # the watchdog has read the owner's start time; backends started
+        started = {**identities([postmaster]), **descendants(postmaster), **descendants(owner.pid)}
+        assert postmaster in started and len(started) >= 3, "postmaster, its workers, the watchdog"
+        owner.send_signal(sig)
+        owner.wait(timeout=30)
+        assert wait_until(lambda: not alive(started), BOUND_S), (
+            f"killed by {sig.name}: still running {alive(started)} of {sorted(started)}")
+    finally:
+        owner.kill()
+        owner.wait()
+        kill_alive(started)
+        if cluster_dir is not None and cluster_dir.name.startswith("mars-pg-"):  # the owner died
+            shutil.rmtree(cluster_dir, ignore_errors=True)  # before its fixture could remove it

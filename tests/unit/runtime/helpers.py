@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from tests.openhands._helpers import free_port
+from tests.proc_tree import reap_with_this_process
 
 ROOT = Path(__file__).resolve().parents[3]
 ENV_REQUIRE_POSTGRES = "MARS_REQUIRE_POSTGRES"
@@ -69,12 +70,20 @@ def postgres_cluster() -> Iterator[str]:
     except subprocess.CalledProcessError as e:
         shutil.rmtree(base, ignore_errors=True)
         postgres_unavailable(f"{Path(e.cmd[len(prefix)]).name} failed: {(e.stderr or e.stdout)[-300:]}")
+    postmaster = postmaster_pid(data)
+    if os.getpgid(postmaster) == postmaster:  # pg_ctl runs it in a session of its own (setsid)
+        reap_with_this_process(postmaster)  # a killed pytest leaves no cluster
     try:
         yield f"postgresql://mars@127.0.0.1:{port}"
     finally:
         subprocess.run([*prefix, str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"],
                        capture_output=True)
         shutil.rmtree(base, ignore_errors=True)
+
+
+def postmaster_pid(data: Path) -> int:
+    """The pid of the cluster's postmaster (the first line of ``<data>/postmaster.pid``)."""
+    return int((data / "postmaster.pid").read_text().split()[0])
 
 
 def create_database(base_url: str, name: str) -> str:
