@@ -23,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from types import TracebackType
@@ -209,7 +210,7 @@ class FakeEngineProcess:
         import httpx
 
         command = [sys.executable, "-m", "mars_openhands.control.fake_engine", "--port", str(self.port),
-                   "--name", self.name]
+                   "--name", self.name, "--exit-with-parent", str(os.getpid())]
         for dotted in self.middleware:
             command += ["--middleware", dotted]
         self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -256,6 +257,14 @@ class FakeEngineProcess:
         self.kill()
 
 
+def _exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
+    """Exit this process (``os._exit``: nothing of a fake is worth a clean shutdown) once it is no
+    longer ``parent_pid``'s child (re-parented: the parent died), checked every ``poll_s``."""
+    while os.getppid() == parent_pid:
+        time.sleep(poll_s)
+    os._exit(0)
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m mars_openhands.control.fake_engine --port N``."""
     import uvicorn
@@ -265,7 +274,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--name", default="fake")
     parser.add_argument("--middleware", action="append", default=[],
                         help="dotted ASGI middleware class, added like vLLM's --middleware (repeatable)")
+    parser.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
+                        help="exit once the process PID (the parent that started it) is gone, even "
+                             "if it was SIGKILLed: a killed test leaves no fake engine behind")
     args = parser.parse_args(argv)
+    if args.exit_with_parent is not None:
+        threading.Thread(target=_exit_with_parent, args=(args.exit_with_parent,), daemon=True,
+                         name="exit-with-parent").start()
     app = build_fake_engine_app(args.name)
     for dotted in args.middleware:
         module, _, name = dotted.rpartition(".")

@@ -177,3 +177,37 @@ def test_a_killed_test_process_leaves_no_postgres_cluster(sig: signal.Signals, t
         kill_alive(started)
         if cluster_dir is not None and cluster_dir.name.startswith("mars-pg-"):  # the owner died
             shutil.rmtree(cluster_dir, ignore_errors=True)  # before its fixture could remove it
+
+
+FAKE_ENGINE_OWNER = textwrap.dedent("""
+    import time
+    from mars_openhands.control.fake_engine import FakeEngineProcess
+    with FakeEngineProcess() as engine:
+        print(engine.proc.pid, flush=True)
+        time.sleep(300)
+""")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
+def test_a_killed_owner_leaves_no_fake_engine(sig: signal.Signals) -> None:
+    """The gateway tests' and bench_gateway's fake vLLM server (``FakeEngineProcess``, in its
+    owner's process group: a signal to the group reaches it, one to the owner alone did not)
+    exits once its owner is gone (``--exit-with-parent``). Before, it kept serving."""
+    pytest.importorskip("fastapi")
+    owner = subprocess.Popen([sys.executable, "-c", FAKE_ENGINE_OWNER], stdout=subprocess.PIPE,
+                             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    started: dict[int, int] = {}
+    try:
+        assert owner.stdout is not None
+        line = owner.stdout.readline()
+        assert line.strip().isdigit(), f"the fake engine did not start (exit {owner.wait()})"
+        started = descendants(owner.pid)
+        assert int(line) in started
+        owner.send_signal(sig)
+        owner.wait(timeout=30)
+        assert wait_until(lambda: not alive(started), BOUND_S), (
+            f"killed by {sig.name}: still running {alive(started)} of {sorted(started)}")
+    finally:
+        owner.kill()
+        owner.wait()
+        kill_alive(started)
