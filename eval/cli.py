@@ -131,7 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Parse `argv` (default: sys.argv[1:]) and run the chosen subcommand; return its exit code.
 
     The subcommand runs inside :func:`~mars_openhands.cli_signals.sigterm_exits`: SIGTERM ends it
-    like an exception (its ``finally`` blocks and atexit stop the servers it started), status 143.
+    like an exception (its ``finally`` blocks and atexit stop the servers it started), status 143;
+    except where it sets ``sigterm_is_crash`` (``tasks``: SIGTERM ends it at once, as before).
 
     Raises:
         SystemExit: bad arguments (status 2, argparse's message), ``--help``, ``--version``;
@@ -149,6 +150,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2 if args.command is None else 1
+    if getattr(args, "sigterm_is_crash", False):  # `tasks`: a SIGTERMed runner resumes later
+        return int(args.func(args) or 0)
     with sigterm_exits():  # SIGTERM (e.g. `timeout`) unwinds: servers a subcommand started stop
         return int(args.func(args) or 0)
 

@@ -13,7 +13,12 @@ watchdog (:mod:`mars_openhands.engine.harness.reaper`) then kills its group.
 SIGINT needs nothing: Python raises ``KeyboardInterrupt``, which unwinds the same way.
 
 Every ``mars-openhands`` subcommand runs inside it (``eval/cli.py``), and so do the standalone
-entry points that start servers (``python -m mars_openhands.openhands.cli``, the benchmarks).
+entry points that start servers (``python -m mars_openhands.openhands.cli``, the benchmarks),
+except a subcommand whose parser sets ``sigterm_is_crash=True``: ``tasks``, whose runner, killed,
+is resumed like a crashed one (``mars-openhands tasks resume``), and whose workflow runs in a
+thread of its own: unwinding the main thread under it tore DBOS down beneath the running workflow,
+which then failed over to compensation. Its only children are tool commands, each in a session of
+its own, ended at their timeout.
 """
 
 from __future__ import annotations

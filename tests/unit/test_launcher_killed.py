@@ -211,3 +211,42 @@ def test_a_killed_owner_leaves_no_fake_engine(sig: signal.Signals) -> None:
         owner.kill()
         owner.wait()
         kill_alive(started)
+
+
+SIGTERM_TWICE = textwrap.dedent("""
+    import os, signal, time
+    from mars_openhands.cli_signals import Terminated, sigterm_exits
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        with sigterm_exits():
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(30)
+            finally:  # the teardown: a second SIGTERM must not cut it short
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.3)
+                print("teardown finished", flush=True)
+    except Terminated as e:
+        print("terminated", e.code, signal.getsignal(signal.SIGTERM) is before, flush=True)
+""")
+
+
+def test_sigterm_exits_once_lets_the_teardown_finish_and_restores_the_handler() -> None:
+    done = subprocess.run([sys.executable, "-c", SIGTERM_TWICE], capture_output=True, text=True,
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
+    assert done.stdout.splitlines() == ["teardown finished", f"terminated {EXIT_TERMINATED} True"], (
+        done.returncode, done.stderr[-2000:])
+
+
+def test_every_subcommand_but_tasks_unwinds_on_sigterm() -> None:
+    """``tasks`` keeps SIGTERM a crash (its runner is resumed like a crashed one); the others run
+    inside ``sigterm_exits`` (eval/cli.py)."""
+    from eval.cli import build_parser
+
+    parser = build_parser()
+    for argv, is_crash in ((["compare"], False), (["serve"], False),
+                           (["tasks", "submit", "t.json"], True), (["tasks", "resume"], True)):
+        args, _ = parser.parse_known_args(argv)
+        if getattr(args, "accepts_any_args", False):
+            continue  # unavailable in this environment
+        assert getattr(args, "sigterm_is_crash", False) is is_crash, argv
