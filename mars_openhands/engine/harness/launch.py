@@ -458,10 +458,10 @@ class VllmServer:
                 cwd=str(REPO_ROOT),
                 start_new_session=True,  # own process group: stop() signals all of it
             )
-        atexit.register(self.stop)
-        if self.options.reap_with_owner:
-            self._reaper = start_reaper(self._proc.pid, self.options.stop_timeout_s)
-        try:
+        try:  # a SIGTERM (cli_signals.Terminated) from here on still stops the group
+            atexit.register(self.stop)
+            if self.options.reap_with_owner:
+                self._reaper = start_reaper(self._proc.pid, self.options.stop_timeout_s)
             self._wait_ready()
         except BaseException:
             self.stop()
