@@ -19,17 +19,24 @@ is resumed like a crashed one (``mars-openhands tasks resume``), and whose workf
 thread of its own: unwinding the main thread under it tore DBOS down beneath the running workflow,
 which then failed over to compensation. Its only children are tool commands, each in a session of
 its own, ended at their timeout.
+
+The other direction, for a child that must not outlive a parent that may be SIGKILLed (nothing
+runs in the parent then): :func:`end_with_parent`, which the child runs (the fake engine, each
+``openhands run`` task). The engine's servers use a watchdog process instead
+(:mod:`mars_openhands.engine.harness.reaper`): vLLM is not our code to add a thread to.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from types import FrameType
 
-__all__ = ["EXIT_TERMINATED", "Terminated", "sigterm_exits"]
+__all__ = ["EXIT_TERMINATED", "Terminated", "end_with_parent", "sigterm_exits"]
 
 EXIT_TERMINATED = 128 + int(signal.SIGTERM)
 """Exit status after SIGTERM (143), the status a shell reports for a process SIGTERM ended."""
@@ -70,3 +77,32 @@ def sigterm_exits() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def end_with_parent(parent_pid: int, grace_s: float = 10.0, poll_s: float = 0.5) -> threading.Thread:
+    """Start a daemon thread that ends this process once ``parent_pid`` is no longer its parent
+    (the parent died, even by SIGKILL, and this process was re-parented), checked every ``poll_s``
+    seconds: SIGTERM, then SIGKILL after ``grace_s`` seconds; to this process's whole group where
+    it leads one (a process started with ``start_new_session=True``: its tools go with it), else
+    to this process alone (never to a group it shares with its parent's other children).
+
+    Mutates: signals this process (or its group) when the parent is gone.
+
+    Returns:
+        The started thread.
+    """
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        leads_group = os.getpgrp() == os.getpid()
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if leads_group:
+                os.killpg(0, sig)
+            else:
+                os.kill(os.getpid(), sig)
+            time.sleep(grace_s)
+
+    thread = threading.Thread(target=watch, name="end-with-parent", daemon=True)
+    thread.start()
+    return thread

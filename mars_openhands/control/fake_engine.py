@@ -23,7 +23,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import AsyncIterator
 from types import TracebackType
@@ -31,6 +30,8 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from mars_openhands.cli_signals import end_with_parent
 
 __all__ = ["FakeEngineProcess", "build_fake_engine_app", "main"]
 
@@ -257,14 +258,6 @@ class FakeEngineProcess:
         self.kill()
 
 
-def _exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
-    """Exit this process (``os._exit``: nothing of a fake is worth a clean shutdown) once it is no
-    longer ``parent_pid``'s child (re-parented: the parent died), checked every ``poll_s``."""
-    while os.getppid() == parent_pid:
-        time.sleep(poll_s)
-    os._exit(0)
-
-
 def main(argv: list[str] | None = None) -> None:
     """``python -m mars_openhands.control.fake_engine --port N``."""
     import uvicorn
@@ -279,8 +272,7 @@ def main(argv: list[str] | None = None) -> None:
                              "if it was SIGKILLed: a killed test leaves no fake engine behind")
     args = parser.parse_args(argv)
     if args.exit_with_parent is not None:
-        threading.Thread(target=_exit_with_parent, args=(args.exit_with_parent,), daemon=True,
-                         name="exit-with-parent").start()
+        end_with_parent(args.exit_with_parent)
     app = build_fake_engine_app(args.name)
     for dotted in args.middleware:
         module, _, name = dotted.rpartition(".")

@@ -596,14 +596,16 @@ def _stop_tasks(procs: list[subprocess.Popen[bytes]], grace_s: float = 5.0) -> N
 
 def _start_task(task: TaskSpec, out: Path, python: str | None,
                 env: dict[str, str]) -> subprocess.Popen[bytes]:
-    """Start ``task``'s ``run-one`` process (own process group, log in ``process.log``)."""
+    """Start ``task``'s ``run-one`` process (own process group, log in ``process.log``; it ends
+    its group once this process is gone: ``--exit-with-parent``)."""
     (out / task.task_id).mkdir(parents=True, exist_ok=True)
     task_file = out / task.task_id / "task.json"
     task_file.write_text(task.model_dump_json())
     log = (out / task.task_id / "process.log").open("wb")
     return subprocess.Popen(
         [python or sys.executable, "-m", "mars_openhands.openhands.cli", "run-one",
-         "--task", str(task_file), "--config", str(out / "run_config.json")],
+         "--task", str(task_file), "--config", str(out / "run_config.json"),
+         "--exit-with-parent", str(os.getpid())],  # a SIGKILLed runner leaves no task running
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
