@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import threading
 import time
@@ -80,11 +81,11 @@ def sigterm_exits() -> Iterator[None]:
 
 
 def end_with_parent(parent_pid: int, grace_s: float = 10.0, poll_s: float = 0.5) -> threading.Thread:
-    """Start a daemon thread that ends this process once ``parent_pid`` is no longer its parent
-    (the parent died, even by SIGKILL, and this process was re-parented), checked every ``poll_s``
-    seconds: SIGTERM, then SIGKILL after ``grace_s`` seconds; to this process's whole group where
-    it leads one (a process started with ``start_new_session=True``: its tools go with it), else
-    to this process alone (never to a group it shares with its parent's other children).
+    """Start a daemon thread that ends this process once process ``parent_pid`` (the one that
+    started it) has exited, even by SIGKILL: SIGTERM, then SIGKILL after ``grace_s`` seconds; to
+    this process's whole group where it leads one (a process started with
+    ``start_new_session=True``: its tools go with it), else to this process alone (never to a
+    group it shares with its parent's other children). ``parent_pid`` already gone ends it at once.
 
     Mutates: signals this process (or its group) when the parent is gone.
 
@@ -93,8 +94,7 @@ def end_with_parent(parent_pid: int, grace_s: float = 10.0, poll_s: float = 0.5)
     """
 
     def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(poll_s)
+        _wait_for_exit(parent_pid, poll_s)
         leads_group = os.getpgrp() == os.getpid()
         for sig in (signal.SIGTERM, signal.SIGKILL):
             if leads_group:
@@ -106,3 +106,25 @@ def end_with_parent(parent_pid: int, grace_s: float = 10.0, poll_s: float = 0.5)
     thread = threading.Thread(target=watch, name="end-with-parent", daemon=True)
     thread.start()
     return thread
+
+
+def _wait_for_exit(pid: int, poll_s: float) -> None:
+    """Block until process ``pid`` has exited: its pidfd turns readable (Linux >= 5.3; immune to
+    the pid's reuse), else ``kill(pid, 0)`` every ``poll_s`` seconds."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    except (AttributeError, OSError):  # no pidfd here
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            except PermissionError:
+                pass  # alive, another user's (a reused pid): keep watching
+            time.sleep(poll_s)
+    try:
+        select.select([fd], [], [])
+    finally:
+        os.close(fd)

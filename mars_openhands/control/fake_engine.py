@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--middleware", action="append", default=[],
                         help="dotted ASGI middleware class, added like vLLM's --middleware (repeatable)")
     parser.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
-                        help="exit once the process PID (the parent that started it) is gone, even "
+                        help="exit once the process PID (the one that started it) is gone, even "
                              "if it was SIGKILLed: a killed test leaves no fake engine behind")
     args = parser.parse_args(argv)
     if args.exit_with_parent is not None:
