@@ -5,7 +5,7 @@ session of its own) with the playback engine scripting one ``terminal`` call tha
 command runs, the runner gets the signal; every process it had started (its descendants then, by
 pid and start time) must be gone within ``BOUND_S``. SIGTERM: the runner unwinds
 (``sigterm_exits``) and stops its tasks' groups; SIGKILL: each task ends its own group once
-gone (``run-one --exit-with-parent``, ``mars_openhands/cli_signals.py``). Before, the task
+the runner is gone (``run-one --exit-with-parent``, ``mars_openhands/cli_signals.py``). Before, the task
 and its tool ran on.
 """
 
