@@ -161,9 +161,13 @@ def cli(db_url: str, *args: str, env: dict[str, str] | None = None, timeout_s: f
 
 
 def start_runner(db_url: str, *args: str, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    """Start ``mars-openhands tasks ARGS`` (submit/resume) as a runner process, output to ``log``."""
+    """Start ``mars-openhands tasks ARGS`` (submit/resume) as a runner process, output to ``log``;
+    in a session of its own under the test process's watchdog: a runner waits for approvals
+    forever, and a killed pytest must not leave it waiting."""
     out = log.open("ab")
-    return subprocess.Popen([*TASKS_CLI, *args, "--db", db_url],
-                            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                            env={**os.environ, "GIT_AUTHOR_NAME": "agent", "GIT_AUTHOR_EMAIL": "a@a",
-                                 "GIT_COMMITTER_NAME": "agent", "GIT_COMMITTER_EMAIL": "a@a", **env})
+    runner = subprocess.Popen([*TASKS_CLI, *args, "--db", db_url],
+                              cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                              env={**os.environ, "GIT_AUTHOR_NAME": "agent", "GIT_AUTHOR_EMAIL": "a@a",
+                                   "GIT_COMMITTER_NAME": "agent", "GIT_COMMITTER_EMAIL": "a@a", **env})
+    reap_with_this_process(runner.pid)
+    return runner
