@@ -73,8 +73,10 @@ import httpx
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from mars_openhands.cli_signals import sigterm_exits  # noqa: E402
 from mars_openhands.control.fake_engine import FakeEngineProcess  # noqa: E402
 from mars_openhands.control.upstream import UpstreamClient  # noqa: E402
+from mars_openhands.engine.harness.reaper import start_reaper  # noqa: E402
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "bench_gateway.parquet"
 IDLE_WINDOW_S = 2.0
@@ -257,7 +259,9 @@ class GatewayProcess:
             command, cwd=REPO_ROOT / "benchmarks" if reference else REPO_ROOT,
             env={**os.environ, "UPSTREAM_URL": upstream_url},
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            start_new_session=True,  # its own group, which the watchdog kills if we are SIGKILLed
         )
+        start_reaper(self.proc.pid, 10.0)  # leaves by itself once stop() ended the gateway
         if nice:
             os.setpriority(os.PRIO_PROCESS, self.proc.pid, nice)  # negative values need root
         deadline = time.monotonic() + 30
@@ -420,4 +424,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with sigterm_exits():  # SIGTERM unwinds: the servers it started stop
+        main()

@@ -86,6 +86,7 @@ import httpx
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from mars_openhands.cli_signals import sigterm_exits  # noqa: E402
 from mars_openhands.control.config import GatewayConfig, ReplicaConfig  # noqa: E402
 from mars_openhands.control.fake_engine import FakeEngineProcess  # noqa: E402
 from mars_openhands.control.metrics import parse_vllm_metrics  # noqa: E402
@@ -819,4 +820,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with sigterm_exits():  # SIGTERM unwinds: the servers it started stop
+        sys.exit(main())

@@ -41,6 +41,7 @@ import httpx_sse
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from mars_openhands.cli_signals import sigterm_exits  # noqa: E402
 from mars_openhands.engine.harness.launch import VllmServer  # noqa: E402
 from mars_openhands.engine.harness.tiny_model import write_tiny_model  # noqa: E402
 
@@ -242,7 +243,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with sigterm_exits():  # SIGTERM unwinds: the servers it started stop
+        main()
 
 
 __all__ = ["PublishedRun", "RUNS", "RequestResult", "reproduce", "run_load", "trace_summary"]

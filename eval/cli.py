@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from types import MappingProxyType
 
 from mars_openhands import __version__
+from mars_openhands.cli_signals import sigterm_exits
 from mars_openhands.cli_style import EXIT_USAGE, CliParser, cli_error
 from mars_openhands.openhands.quiet import quiet_environment
 
@@ -129,8 +130,13 @@ def _subparser(parser: argparse.ArgumentParser, command: str | None) -> argparse
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse `argv` (default: sys.argv[1:]) and run the chosen subcommand; return its exit code.
 
+    The subcommand runs inside :func:`~mars_openhands.cli_signals.sigterm_exits`: SIGTERM ends it
+    like an exception (its ``finally`` blocks and atexit stop the servers it started), status 143;
+    except where it sets ``sigterm_is_crash`` (``tasks``: SIGTERM ends it at once, as before).
+
     Raises:
-        SystemExit: bad arguments (status 2, argparse's message), ``--help``, ``--version``.
+        SystemExit: bad arguments (status 2, argparse's message), ``--help``, ``--version``;
+            :class:`~mars_openhands.cli_signals.Terminated` (status 143) on SIGTERM.
     """
     quiet_environment()  # before any subcommand imports the OpenHands SDK or LiteLLM
     parser = build_parser()
@@ -144,7 +150,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2 if args.command is None else 1
-    return int(args.func(args) or 0)
+    if getattr(args, "sigterm_is_crash", False):  # `tasks`: a SIGTERMed runner resumes later
+        return int(args.func(args) or 0)
+    with sigterm_exits():  # SIGTERM (e.g. `timeout`) unwinds: servers a subcommand started stop
+        return int(args.func(args) or 0)
 
 
 if __name__ == "__main__":

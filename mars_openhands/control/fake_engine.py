@@ -31,6 +31,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from mars_openhands.cli_signals import end_with_parent
+
 __all__ = ["FakeEngineProcess", "build_fake_engine_app", "main"]
 
 
@@ -209,7 +211,7 @@ class FakeEngineProcess:
         import httpx
 
         command = [sys.executable, "-m", "mars_openhands.control.fake_engine", "--port", str(self.port),
-                   "--name", self.name]
+                   "--name", self.name, "--exit-with-parent", str(os.getpid())]
         for dotted in self.middleware:
             command += ["--middleware", dotted]
         self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -265,7 +267,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--name", default="fake")
     parser.add_argument("--middleware", action="append", default=[],
                         help="dotted ASGI middleware class, added like vLLM's --middleware (repeatable)")
+    parser.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
+                        help="exit once the process PID (the one that started it) is gone, even "
+                             "if it was SIGKILLed: a killed test leaves no fake engine behind")
     args = parser.parse_args(argv)
+    if args.exit_with_parent is not None:
+        end_with_parent(args.exit_with_parent)
     app = build_fake_engine_app(args.name)
     for dotted in args.middleware:
         module, _, name = dotted.rpartition(".")

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from mars_openhands.cli_signals import end_with_parent, sigterm_exits
 from mars_openhands.cli_style import CliParser, cli_error
 
 __all__ = ["add_openhands_subcommand", "main"]
@@ -176,6 +177,8 @@ def run_one_from_args(args: argparse.Namespace) -> int:
     from mars_openhands.openhands.llm import ENV_API_KEY
     from mars_openhands.openhands.runner import RunConfig, TaskSpec, run_task
 
+    if getattr(args, "exit_with_parent", None) is not None:
+        end_with_parent(args.exit_with_parent)  # a killed runner leaves no task running
     task = TaskSpec.model_validate_json(args.task.read_text())
     config = RunConfig.model_validate_json(args.config.read_text())
     # run_config.json holds "**********", never the key. Taken out of the environment before any
@@ -281,10 +284,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     one = sub.add_parser("run-one")
     one.add_argument("--task", type=Path, required=True)
     one.add_argument("--config", type=Path, required=True)
+    one.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
+                     help="end this task (its process group: the agent's tools too) once the "
+                          "runner PID is gone, even if it was SIGKILLed")
     one.set_defaults(func=run_one_from_args)
     _add_playback(sub)
     args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
+    with sigterm_exits():  # SIGTERM unwinds: `run` stops its task processes
+        return int(args.func(args) or 0)
 
 
 if __name__ == "__main__":

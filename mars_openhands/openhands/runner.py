@@ -15,10 +15,12 @@ the end last and can release the session's KV and admission slot at once.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -561,26 +563,49 @@ def run_tasks(tasks: Sequence[TaskSpec], config: RunConfig, rps: float,
     offsets = list(start_offsets_s) if start_offsets_s is not None else [i / rps for i in
                                                                           range(len(tasks))]
     t0 = time.monotonic()
-    for i, task in enumerate(tasks):
-        if concurrency is None:
-            time.sleep(max(0.0, t0 + offsets[i] - time.monotonic()))
-        else:
-            while sum(1 for _, p, _ in procs if p.poll() is None) >= concurrency:
-                time.sleep(0.05)
-        procs.append((task, _start_task(task, out, python, env), time.monotonic()))
-    return [_wait(task, proc, started, config, out) for task, proc, started in procs]
+    try:
+        for i, task in enumerate(tasks):
+            if concurrency is None:
+                time.sleep(max(0.0, t0 + offsets[i] - time.monotonic()))
+            else:
+                while sum(1 for _, p, _ in procs if p.poll() is None) >= concurrency:
+                    time.sleep(0.05)
+            procs.append((task, _start_task(task, out, python, env), time.monotonic()))
+        return [_wait(task, proc, started, config, out) for task, proc, started in procs]
+    except BaseException:  # Ctrl-C, SIGTERM (cli_signals.sigterm_exits), an error: no task outlives us
+        _stop_tasks([proc for _, proc, _ in procs])
+        raise
+
+
+def _stop_tasks(procs: list[subprocess.Popen[bytes]], grace_s: float = 5.0) -> None:
+    """SIGTERM the process group of every task still running, SIGKILL what is left after
+    ``grace_s`` seconds, and reap them. Mutates: signals processes."""
+    targets = [proc for proc in procs if proc.poll() is None]
+    for sig in (signal.SIGTERM, signal.SIGKILL):  # SIGKILL also reaches a group's leftover tools
+        for proc in targets:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+        deadline = time.monotonic() + grace_s
+        while sig == signal.SIGTERM and time.monotonic() < deadline and any(
+                proc.poll() is None for proc in targets):
+            time.sleep(0.05)
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5.0)
 
 
 def _start_task(task: TaskSpec, out: Path, python: str | None,
                 env: dict[str, str]) -> subprocess.Popen[bytes]:
-    """Start ``task``'s ``run-one`` process (own process group, log in ``process.log``)."""
+    """Start ``task``'s ``run-one`` process (own process group, log in ``process.log``; it ends
+    its group once this process is gone: ``--exit-with-parent``)."""
     (out / task.task_id).mkdir(parents=True, exist_ok=True)
     task_file = out / task.task_id / "task.json"
     task_file.write_text(task.model_dump_json())
     log = (out / task.task_id / "process.log").open("wb")
     return subprocess.Popen(
         [python or sys.executable, "-m", "mars_openhands.openhands.cli", "run-one",
-         "--task", str(task_file), "--config", str(out / "run_config.json")],
+         "--task", str(task_file), "--config", str(out / "run_config.json"),
+         "--exit-with-parent", str(os.getpid())],  # a SIGKILLed runner leaves no task running
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 

@@ -242,7 +242,10 @@ def add_tasks_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     for name, func, text in commands:
         p = sub.add_parser(name, help=text, description=text)
         _add_common(p)
-        p.set_defaults(func=_guarded(func), decision=name)
+        # SIGTERM stays a crash (no unwinding, see mars_openhands/cli_signals.py): a killed runner
+        # is resumed like a crashed one, and unwinding the main thread under a running workflow
+        # thread tore DBOS down beneath it, which then tried to compensate.
+        p.set_defaults(func=_guarded(func), decision=name, sigterm_is_crash=True)
         if name == "submit":
             p.add_argument("file", type=Path, help="task file (see docs/tasks.md)")
             p.add_argument("--workspace", default=None, help="set every task's workspace")

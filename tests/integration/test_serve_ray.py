@@ -36,6 +36,7 @@ import pytest
 
 from mars_openhands.engine.harness.launch import find_free_port
 from mars_openhands.stream.reader import iter_events
+from tests.proc_tree import reap_with_this_process
 
 pytestmark = pytest.mark.integration
 
@@ -190,6 +191,7 @@ def start_serve(tmp_path: Path, token: str) -> tuple[subprocess.Popen, Path, str
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True, cwd=Path(__file__).resolve().parents[2])
+    reap_with_this_process(proc.pid, timeout_s=60.0)  # a killed pytest: serve, Ray and engines go
     return proc, log, f"http://127.0.0.1:{port}", stream, ray_dir
 
 

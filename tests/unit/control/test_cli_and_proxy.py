@@ -16,6 +16,7 @@ from mars_openhands.control.cli import ConfigError, add_gateway_subcommand, form
 from mars_openhands.control.config import GatewayConfig
 from mars_openhands.control.metadata import BadRequestError, build_engine_body
 from mars_openhands.control.proxy import engine_content, probe_body
+from tests.proc_tree import reap_with_this_process
 
 
 def run_cli(*args: str, cwd=None) -> subprocess.CompletedProcess[str]:
@@ -94,8 +95,9 @@ def _start_gateway(*args: str) -> tuple[subprocess.Popen[str], str]:
     start-up line."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "mars_openhands.control", "--port", "0", *args],
-        stderr=subprocess.PIPE, text=True,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    reap_with_this_process(proc.pid)  # a killed pytest leaves no gateway
     deadline = time.monotonic() + 60
     line = ""
     while time.monotonic() < deadline and "listening" not in line:

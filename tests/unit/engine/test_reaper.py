@@ -101,4 +101,5 @@ def test_serves_engines_are_reaped_with_their_actor(tmp_path: Path) -> None:
 
     options = engine_options(ServeConfig(num_replicas=1), 0, "127.0.0.1", str(tmp_path), tmp_path)
     assert options.reap_with_owner
-    assert not VllmServerOptions(model_dir=tmp_path).reap_with_owner
+    assert VllmServerOptions(model_dir=tmp_path).reap_with_owner  # every server, by default
+    assert not VllmServerOptions(model_dir=tmp_path, reap_with_owner=False).reap_with_owner

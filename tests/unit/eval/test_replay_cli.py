@@ -22,6 +22,7 @@ from eval.replay import EXIT_BAD_INPUT, EXIT_INTERRUPTED, add_replay_subcommand
 from eval.workloads.format import save_workload
 from eval.workloads.synth import synthesize
 from mars_openhands.stream.reader import read_stream
+from tests.proc_tree import reap_with_this_process
 
 
 def _cli(*argv: str) -> int:
@@ -98,8 +99,9 @@ def test_ctrl_c_prints_one_line_exits_130_and_keeps_the_stream(
         [sys.executable, "-m", "eval.cli", "replay", str(workload_path), "-o",
          str(stream), "--endpoint-url", hanging_endpoint, "--model", "m",
          "--max-model-len-tokens", "100000", "--no-show-progress"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as from a terminal
+    reap_with_this_process(proc.pid)  # it waits on a hanging endpoint: not after a killed pytest
     try:
         deadline = time.monotonic() + 60  # until both sessions started (flushed every 1 s)
         while time.monotonic() < deadline and (

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from tests.openhands._helpers import free_port
+from tests.proc_tree import reap_with_this_process
 
 ROOT = Path(__file__).resolve().parents[3]
 ENV_REQUIRE_POSTGRES = "MARS_REQUIRE_POSTGRES"
@@ -69,12 +70,20 @@ def postgres_cluster() -> Iterator[str]:
     except subprocess.CalledProcessError as e:
         shutil.rmtree(base, ignore_errors=True)
         postgres_unavailable(f"{Path(e.cmd[len(prefix)]).name} failed: {(e.stderr or e.stdout)[-300:]}")
+    postmaster = postmaster_pid(data)
+    if os.getpgid(postmaster) == postmaster:  # pg_ctl runs it in a session of its own (setsid)
+        reap_with_this_process(postmaster)  # a killed pytest leaves no cluster
     try:
         yield f"postgresql://mars@127.0.0.1:{port}"
     finally:
         subprocess.run([*prefix, str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"],
                        capture_output=True)
         shutil.rmtree(base, ignore_errors=True)
+
+
+def postmaster_pid(data: Path) -> int:
+    """The pid of the cluster's postmaster (the first line of ``<data>/postmaster.pid``)."""
+    return int((data / "postmaster.pid").read_text().split()[0])
 
 
 def create_database(base_url: str, name: str) -> str:
@@ -152,9 +161,13 @@ def cli(db_url: str, *args: str, env: dict[str, str] | None = None, timeout_s: f
 
 
 def start_runner(db_url: str, *args: str, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    """Start ``mars-openhands tasks ARGS`` (submit/resume) as a runner process, output to ``log``."""
+    """Start ``mars-openhands tasks ARGS`` (submit/resume) as a runner process, output to ``log``;
+    in a session of its own under the test process's watchdog: a runner waits for approvals
+    forever, and a killed pytest must not leave it waiting."""
     out = log.open("ab")
-    return subprocess.Popen([*TASKS_CLI, *args, "--db", db_url],
-                            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                            env={**os.environ, "GIT_AUTHOR_NAME": "agent", "GIT_AUTHOR_EMAIL": "a@a",
-                                 "GIT_COMMITTER_NAME": "agent", "GIT_COMMITTER_EMAIL": "a@a", **env})
+    runner = subprocess.Popen([*TASKS_CLI, *args, "--db", db_url],
+                              cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                              env={**os.environ, "GIT_AUTHOR_NAME": "agent", "GIT_AUTHOR_EMAIL": "a@a",
+                                   "GIT_COMMITTER_NAME": "agent", "GIT_COMMITTER_EMAIL": "a@a", **env})
+    reap_with_this_process(runner.pid)
+    return runner
