@@ -105,7 +105,8 @@ from mars_openhands.cli_style import CliParser, cli_error
 from mars_openhands.policy.params import parse_scheduler_params
 from mars_openhands.policy.placement import DEFAULT_ROUTING_POLICY, ROUTING_POLICIES
 
-__all__ = ["DEFAULT_GPUS", "add_compare_subcommand", "with_reference"]
+__all__ = ["DEFAULT_GPUS", "add_compare_subcommand", "checked_mars_config", "host_kv_note", "mars_config_note",
+           "with_reference"]
 
 
 DEFAULT_GPUS: tuple[str, ...] = ("h100_sxm", "h200_sxm")
@@ -390,10 +391,10 @@ def _options_from_args(args: argparse.Namespace, policies: tuple[str, ...]) -> C
         knee_slowdown=args.knee_slowdown, search_max_runs=args.search_runs,
         knee_tolerance=args.knee_tolerance, is_capacity=args.capacity,
         num_replicas=args.replicas, router=args.router, lose_replica=args.lose_replica,
-        mars_config=_checked_mars_config(getattr(args, "mars_config", None)))
+        mars_config=checked_mars_config(getattr(args, "mars_config", None)))
 
 
-def _checked_mars_config(mars_config: dict[str, Any] | None) -> dict[str, Any]:
+def checked_mars_config(mars_config: dict[str, Any] | None) -> dict[str, Any]:
     """``--mars-config`` after checking it against ``SchedulerParams`` (the registry's ``mars``
     settings merged with it); ``{}`` for None.
 
