@@ -54,7 +54,7 @@ def deployment_of(facts: dict) -> dict[str, str]:
 
 
 def row_of(folder: Path) -> dict[str, object]:
-    """One table row of a plan folder.
+    """One table row of a plan folder (:func:`judged` adds the comparison columns).
 
     Raises:
         FileNotFoundError: ``folder`` has no ``plan.parquet`` or ``run.json`` (not a finished plan).
@@ -81,20 +81,52 @@ def row_of(folder: Path) -> dict[str, object]:
         if column and (column not in caps or cap > caps[column][0]
                        or (math.isnan(caps[column][0]) and not math.isnan(cap))):
             caps[column] = (cap, unstable, str(r["label"]))
-    for column, (cap, _, label) in caps.items():
+    for column, (cap, unstable, label) in caps.items():
         row[column] = cap
+        row[f"{column} unstable"] = unstable
         row[f"{column} label"] = label
-    baselines = {c: v for c, v in caps.items() if c != "mars" and not math.isnan(v[0])}
-    if "mars" in caps and baselines:
-        best = max(baselines, key=lambda c: baselines[c][0])
-        mars, mars_unstable, _ = caps["mars"]
-        cap, unstable, label = baselines[best]
-        row["best baseline"] = label
-        row["mars ÷ best"] = mars / cap if cap else math.nan
-        row["same bracket"] = bool(mars == cap and mars_unstable == unstable)
-    if "mars" in caps and row.get("limit"):
-        row["mars × limit"] = caps["mars"][0] / float(row["limit"])  # type: ignore[arg-type]
-    return row
+    return judged(row)
+
+
+def judged(row: dict[str, object]) -> dict[str, object]:
+    """``row`` with ``mars`` against the best baseline (``best baseline``, ``mars ÷ best``, ``same
+    bracket``) and the limit (``mars × limit``). Pure."""
+    out = {k: v for k, v in row.items() if k not in ("best baseline", "mars ÷ best", "same bracket", "mars × limit")}
+    baselines = {c: float(out[c]) for c in COLUMNS  # type: ignore[arg-type]
+                 if c != "mars" and c in out and not math.isnan(float(out[c]))}  # type: ignore[arg-type]
+    if "mars" in out and baselines:
+        best = max(baselines, key=baselines.__getitem__)
+        mars, cap = float(out["mars"]), baselines[best]  # type: ignore[arg-type]
+        out["best baseline"] = out.get(f"{best} label", best)
+        out["mars ÷ best"] = mars / cap if cap else math.nan
+        out["same bracket"] = bool(mars == cap and out.get("mars unstable") == out.get(f"{best} unstable"))
+    if "mars" in out and out.get("limit"):
+        out["mars × limit"] = float(out["mars"]) / float(out["limit"])  # type: ignore[arg-type]
+    return out
+
+
+DEPLOYMENT_KEYS = ("GPU", "model", "KV", "host tier", "workload", "seed")
+"""What makes two plan folders the same deployment (one row)."""
+
+
+def merged(rows: list[dict[str, object]]) -> list[dict[str, object]]:
+    """One row per deployment, in first-seen order: folders of the same deployment (e.g. a plan of
+    the baselines and a later one of ``mars`` alone after a change to it) are combined, a later
+    folder's policy columns and limit replacing an earlier one's. Pure.
+
+    >>> a = {**dict.fromkeys(DEPLOYMENT_KEYS, "x"), "fcfs": 1.0, "mars": 2.0, "limit": 4.0}
+    >>> [(r["fcfs"], r["mars"], r["mars ÷ best"]) for r in merged([a, {**a, "mars": 3.0}])]
+    [(1.0, 3.0, 3.0)]
+    """
+    by_key: dict[tuple[object, ...], dict[str, object]] = {}
+    for row in rows:
+        key = tuple(row[k] for k in DEPLOYMENT_KEYS)
+        if key in by_key:
+            unbracketed = [*by_key[key].get("unbracketed", []), *row.get("unbracketed", [])]  # type: ignore[misc]
+            by_key[key] = {**by_key[key], **row, **({"unbracketed": unbracketed} if unbracketed else {})}
+        else:
+            by_key[key] = dict(row)
+    return [judged(r) for r in by_key.values()]
 
 
 def render(rows: list[dict[str, object]]) -> str:
@@ -102,14 +134,14 @@ def render(rows: list[dict[str, object]]) -> str:
     def figure(value: object) -> str:
         return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.4g}"
 
-    head = ["GPU", "model", "KV", "host tier", "workload", "seed", *COLUMNS, "limit", "best baseline",
+    head = [*DEPLOYMENT_KEYS, *COLUMNS, "limit", "best baseline",
             "mars ÷ best", "mars × limit"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         ratio = figure(r.get("mars ÷ best"))
         if r.get("same bracket"):
             ratio += " (same bracket)"
-        cells = [str(r[k]) for k in ("GPU", "model", "KV", "host tier", "workload", "seed")]
+        cells = [str(r[k]) for k in DEPLOYMENT_KEYS]
         cells += [figure(r.get(c)) + (f" ({r[c + ' label']})" if "offload" in str(r.get(c + " label", "")) else "")
                   for c in COLUMNS]
         cells.append(figure(r.get("limit")))
@@ -126,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     """Print the table of the given plan folders; 2 on a folder that is not a finished plan."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("folders", nargs="+", type=Path, help="plan --out folders (plan.parquet, run.json)")
+    p.add_argument("folders", nargs="+", type=Path,
+                   help="plan --out folders (plan.parquet, run.json); folders of the same deployment make "
+                        "one row, a later folder's policies replacing an earlier one's")
     args = p.parse_args(argv)
     rows = []
     for folder in args.folders:
@@ -135,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         except FileNotFoundError as e:
             print(f"capacity_table.py: error: {e}", file=sys.stderr)
             return 2
-    sys.stdout.write(render(rows))
+    sys.stdout.write(render(merged(rows)))
     return 0
 
 

@@ -9,12 +9,13 @@ that belong to a config model stay in the model; :func:`config_error_lines` repo
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["config_error_lines", "count_or_zero", "finite_float", "long_flags", "non_negative_float",
+__all__ = ["config_error_lines", "count_or_zero", "finite_float", "json_object", "long_flags", "non_negative_float",
            "positive_float", "positive_floats", "positive_int", "positive_ints"]
 
 
@@ -26,6 +27,18 @@ def finite_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A JSON object (e.g. ``'{"residency": {"order": "response-ratio"}}'``)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({e.msg} at column "
+                                         f"{e.colno})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object {{...}}, got {text!r}")
     return value
 
 

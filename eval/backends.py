@@ -58,6 +58,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from eval.metrics import session_table
+from eval.policies import merge_config
 from eval.replay import ReplayConfig, run_replay
 from eval.workloads import Workload
 from mars_openhands.control.config import GatewayConfig, ReplicaConfig
@@ -82,7 +83,6 @@ __all__ = [
     "scale_time_fields",
     "first_served_model",
     "live_scheduler",
-    "merge_config",
     "order_for_servers",
     "parse_backend",
     "scale_workload_time",
@@ -197,15 +197,6 @@ def live_scheduler(scheduler: str) -> str:
     """``--scheduler-cls`` for a ``PolicySpec.scheduler`` (``"fcfs"`` -> ``FcfsScheduler``). Pure."""
     name = "FcfsScheduler" if scheduler == "fcfs" else scheduler
     return name if "." in name or ":" in name else f"mars_openhands.engine.{name}"
-
-
-def merge_config(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
-    """Deep merge of two JSON-like dicts (``extra`` wins). Pure."""
-    out = dict(base)
-    for key, value in extra.items():
-        out[key] = (merge_config(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), Mapping)
-                    else value)
-    return out
 
 
 _ENGINE_FLAGS: Mapping[str, str] = {"long_prefill_token_threshold": "--long-prefill-token-threshold"}

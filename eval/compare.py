@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import logging
 import os
 import re
@@ -60,6 +61,7 @@ from eval.argtypes import (
     config_error_lines,
     count_or_zero,
     finite_float,
+    json_object,
     long_flags,
     positive_float,
     positive_floats,
@@ -88,6 +90,7 @@ from eval.policies import (
     REFERENCE,
     STOCK_OFFLOAD_POLICIES,
     parse_policies,
+    policy_additional_config,
     with_host_kv_policies,
 )
 from eval.pool import default_jobs, start_worker_server
@@ -99,9 +102,11 @@ from eval.sweep import CompareInterrupted, run_sweep
 from eval.sweep_options import CompareOptions, GpuSetup
 from eval.workloads import Workload, draw_sessions
 from mars_openhands.cli_style import CliParser, cli_error
+from mars_openhands.policy.params import parse_scheduler_params
 from mars_openhands.policy.placement import DEFAULT_ROUTING_POLICY, ROUTING_POLICIES
 
-__all__ = ["DEFAULT_GPUS", "add_compare_subcommand", "with_reference"]
+__all__ = ["DEFAULT_GPUS", "add_compare_subcommand", "checked_mars_config", "host_kv_note", "mars_config_note",
+           "with_reference"]
 
 
 DEFAULT_GPUS: tuple[str, ...] = ("h100_sxm", "h200_sxm")
@@ -183,6 +188,11 @@ def add_compare_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--ablations", action="store_true",
                    help=f"add the ablation variants of mars ({','.join(ABLATIONS)}) to the policies and "
                         "a section comparing them with the paper's §6")
+    p.add_argument("--mars-config", type=json_object, default=None, metavar="JSON",
+                   help="scheduler keys merged into the 'mars' section of every mars policy's "
+                        "--additional-config (mars, its variants and mars-offload; the baselines are "
+                        "unchanged), e.g. '{\"residency\": {\"order\": \"response-ratio\"}}'; the keys and "
+                        "their defaults are in docs/schedulers.md. Every report's scope line names it")
     p.add_argument("--host-kv-gib", type=positive_float, default=None, metavar="G",
                    help=f"vLLM's host-memory KV tier (--kv-offloading-backend native --kv-offloading-size G) "
                         f"for the policies that have one, and add them: stock vLLM + native offload "
@@ -380,7 +390,38 @@ def _options_from_args(args: argparse.Namespace, policies: tuple[str, ...]) -> C
         num_tool_workers=args.tool_workers, seed=args.seed, base_rate_per_s=args.base_rate,
         knee_slowdown=args.knee_slowdown, search_max_runs=args.search_runs,
         knee_tolerance=args.knee_tolerance, is_capacity=args.capacity,
-        num_replicas=args.replicas, router=args.router, lose_replica=args.lose_replica)
+        num_replicas=args.replicas, router=args.router, lose_replica=args.lose_replica,
+        mars_config=checked_mars_config(getattr(args, "mars_config", None)))
+
+
+def checked_mars_config(mars_config: dict[str, Any] | None) -> dict[str, Any]:
+    """``--mars-config`` after checking it against ``SchedulerParams`` (the registry's ``mars``
+    settings merged with it); ``{}`` for None.
+
+    Raises:
+        ValueError: an unknown key or a bad value (one line naming each).
+    """
+    if not mars_config:
+        return {}
+    try:
+        parse_scheduler_params(policy_additional_config("mars", mars_config)["mars"])
+    except ValueError as e:
+        raise ValueError(f"--mars-config: {e}") from None
+    return mars_config
+
+
+def mars_config_note(options: CompareOptions) -> str:
+    """The scope line's sentence for ``--mars-config``: empty without it. Pure.
+
+    >>> mars_config_note(CompareOptions(policies=("mars",), num_gpu_blocks=2,
+    ...                                 mars_config={"residency": {"order": "response-ratio"}}))
+    'mars config: {"residency": {"order": "response-ratio"}} (compare --mars-config) for mars.'
+    """
+    names = [p for p in options.policies if POLICIES[p].scheduler == "MarsScheduler"]
+    if not options.mars_config or not names:
+        return ""
+    return (f"mars config: {json.dumps(options.mars_config, sort_keys=True)} (compare --mars-config) "
+            f"for {', '.join(names)}.")
 
 
 def _check_replicas(args: argparse.Namespace, spec: Any) -> None:
@@ -495,6 +536,7 @@ def _load_and_run(args: argparse.Namespace, spec: Any, options: CompareOptions, 
             deployment = deployment_from_args(args) if spec.kind in ("sim", "emulated") else None
             scope = f"{scope} {deployment.describe()}" if deployment else scope
             scope = f"{scope} {host_kv_note(options)}"
+            scope = f"{scope} {mars_config_note(options)}".rstrip()
         update: dict[str, Any] = {}
         if args.replica_gpus:
             setups, replica_blocks = _mixed_setup(args.replica_gpus, setups)

@@ -84,10 +84,9 @@ from eval.backends import (
     LiveServer,
     engine_flags,
     live_scheduler,
-    merge_config,
     telemetry_handshake,
 )
-from eval.policies import POLICIES, live_policy_config, parse_policies
+from eval.policies import POLICIES, live_policy_config, merge_config, parse_policies
 from eval.task_sources import BenchTask, materialize, safe_dir_name
 from mars_openhands.control.config import GatewayConfig, ReplicaConfig
 from mars_openhands.engine.harness.launch import VllmServer, VllmServerOptions

@@ -48,12 +48,13 @@ from eval.argtypes import (
     config_error_lines,
     count_or_zero,
     finite_float,
+    json_object,
     long_flags,
     positive_float,
     positive_int,
 )
 from eval.cache import ResultCache, default_cache_dir
-from eval.compare import host_kv_note
+from eval.compare import checked_mars_config, host_kv_note, mars_config_note
 from eval.compare_setup import (
     DEFAULT_TRACES,
     TRACES_ENV,
@@ -172,6 +173,10 @@ def add_plan_subcommand(subparsers: Any) -> argparse.ArgumentParser:
                         "GiB of host memory): every policy with an offload variant also runs with it "
                         f"({', '.join(f'{k} -> {v}' for k, v in OFFLOAD_VARIANTS.items())}); "
                         "default: none (GPU KV only)")
+    q.add_argument("--mars-config", type=json_object, default=None, metavar="JSON",
+                   help="scheduler keys merged into every mars policy's 'mars' settings, e.g. "
+                        "'{\"residency\": {\"order\": \"response-ratio\"}}' (compare's flag; "
+                        "docs/compare.md 'Scheduler keys'); the baselines are unchanged")
     rate = q.add_mutually_exclusive_group()
     rate.add_argument("--load", type=positive_float, default=None, metavar="X",
                       help="the rate of the P95 column as a multiple of FCFS's capacity at SLO (default 1.0)")
@@ -235,7 +240,8 @@ def _check_inputs(args: argparse.Namespace) -> tuple[tuple[str, ...], CompareOpt
         policies=policies, loads=(args.rate if args.rate is not None else (args.load or 1.0),),
         is_absolute_rates=args.rate is not None, admission="auto", num_gpu_blocks=2,
         num_tool_workers=args.tool_workers, seed=args.seed, knee_slowdown=args.slo_slowdown,
-        search_max_runs=args.search_runs, knee_tolerance=args.knee_tolerance, is_capacity=True)
+        search_max_runs=args.search_runs, knee_tolerance=args.knee_tolerance, is_capacity=True,
+        mars_config=checked_mars_config(args.mars_config))
     return policies, options
 
 
@@ -309,7 +315,8 @@ def _load_and_plan(args: argparse.Namespace, policies: tuple[str, ...], options:
     options = options.model_copy(update={"num_gpu_blocks": setup.num_gpu_blocks,
                                          "host_kv_bytes_per_block": deployment.kv_bytes_per_token * 16})
     meta: dict[str, Any] = {
-        "scope": f"{scope} {deployment.describe()} {host_kv_note(options)}", "commit": source_commit(), "date": utc_date(),
+        "scope": f"{scope} {deployment.describe()} {host_kv_note(options)} {mars_config_note(options)}".rstrip(),
+        "commit": source_commit(), "date": utc_date(),
         "command": f"{_PROG} " + shlex.join(getattr(args, "argv", None) or []), "backend": "sim",
         "workload": name, "timing": setup.timing, **deployment.facts(),
         "tool workers": args.tool_workers, "seed": args.seed, "admission": "auto", "jobs": jobs}

@@ -29,7 +29,9 @@ __all__ = [
     "PolicySpec",
     "admission_modes",
     "live_policy_config",
+    "merge_config",
     "parse_policies",
+    "policy_additional_config",
     "unbounded_kv_blocks",
     "with_host_kv_policies",
 ]
@@ -198,10 +200,44 @@ def admission_modes(admission: str, policy: str) -> tuple[bool, ...]:
     return {"off": (False,), "on": (True,), "both": (False, True)}[admission]
 
 
-def live_policy_config() -> dict[str, tuple[str, Mapping[str, Any], Mapping[str, Any], Mapping[str, Any]]]:
+def merge_config(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    """Deep merge of two JSON-like dicts (``extra`` wins). Pure.
+
+    >>> merge_config({"mars": {"a": 1, "b": {"c": 2}}}, {"mars": {"b": {"d": 3}}})
+    {'mars': {'a': 1, 'b': {'c': 2, 'd': 3}}}
+    """
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = (merge_config(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), Mapping)
+                    else value)
+    return out
+
+
+def policy_additional_config(policy: str, mars_config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``policy``'s vLLM ``--additional-config``: its registry entry's, with ``mars_config``
+    (``compare --mars-config``: keys of ``SchedulerParams``) merged into the ``mars`` section when
+    the policy runs ``MarsScheduler`` (``mars`` and its variants); other policies are unchanged. Pure.
+
+    >>> policy_additional_config("mars-mlfq", {"residency": {"order": "response-ratio"}})
+    {'mars': {'mars': {'mlfq': True}, 'residency': {'order': 'response-ratio'}}}
+    >>> policy_additional_config("thunderagent", {"residency": {"order": "response-ratio"}})
+    {}
+
+    Raises:
+        KeyError: ``policy`` is not in the registry.
+    """
+    spec = POLICIES[policy]
+    if not mars_config or spec.scheduler != "MarsScheduler":
+        return dict(spec.additional_config)
+    return merge_config(spec.additional_config, {"mars": mars_config})
+
+
+def live_policy_config(mars_config: Mapping[str, Any] | None = None,
+                       ) -> dict[str, tuple[str, Mapping[str, Any], Mapping[str, Any], Mapping[str, Any]]]:
     """``LiveBackend``'s ``policy_config``: name -> (scheduler, additional config, engine, admission
-    settings). Pure."""
-    return {name: (p.scheduler, p.additional_config, p.engine, p.admission) for name, p in POLICIES.items()}
+    settings), with ``mars_config`` as in :func:`policy_additional_config`. Pure."""
+    return {name: (p.scheduler, policy_additional_config(name, mars_config), p.engine, p.admission)
+            for name, p in POLICIES.items()}
 
 
 def unbounded_kv_blocks(workload: Workload, block_size: int = 16) -> int:

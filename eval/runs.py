@@ -24,7 +24,7 @@ from typing import Any
 import pandas as pd
 
 from eval.metrics import admission_wait_s, compute_metrics, session_table
-from eval.policies import POLICIES, admission_modes
+from eval.policies import POLICIES, admission_modes, policy_additional_config
 from eval.report import RESULT_COLUMNS, goodput_column, ttft_share_column
 from eval.sweep_options import CompareOptions, real_timer
 from eval.workloads import PoissonArrivals, Workload, with_arrivals
@@ -88,7 +88,8 @@ def sim_config(options: CompareOptions, policy: str, is_admission_enabled: bool,
         host_kv = HostKvParams(size_gib=options.host_kv_gib, kv_bytes_per_block=options.host_kv_bytes_per_block,
                                **spec.host_kv)
     blocks = num_gpu_blocks or options.num_gpu_blocks
-    engine = InprocEngineParams(num_gpu_blocks=blocks, additional_config=dict(spec.additional_config),
+    engine = InprocEngineParams(num_gpu_blocks=blocks,
+                                additional_config=policy_additional_config(policy, options.mars_config),
                                 host_kv=host_kv, **spec.engine)
     # A mix of GPU profiles: each replica its own KV (at least ``blocks``: the unbounded reference's)
     replica_engines = tuple(engine.model_copy(update={"num_gpu_blocks": max(b, blocks)})

@@ -173,7 +173,8 @@ class _Sweep:
         o = self.options
         try:
             return content_key(kind, self._sessions_key, setup.gpu, setup.step_timer, setup.num_gpu_blocks,
-                               o.num_tool_workers, o.seed, o.max_virtual_s, *o.host_kv_key(), *extra,
+                               o.num_tool_workers, o.seed, o.max_virtual_s, *o.host_kv_key(),
+                               *(o.mars_config_key() if kind != "ideal" else ()), *extra,
                                # an ideal time is one session alone on one replica
                                *((o.num_replicas, o.router, o.lose_replica)
                                  if o.num_replicas > 1 and kind != "ideal" else ()))

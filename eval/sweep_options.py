@@ -9,6 +9,7 @@ each worker builds once (:func:`real_timer`).
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -71,6 +72,16 @@ class CompareOptions(BaseModel):
     host_kv_bytes_per_block: int | None = Field(None, gt=0)
     """KV bytes one block's copy moves (the deployment's bytes per token × 16); ``None``: vLLM's
     own from the engine's KV cache config."""
+
+    mars_config: dict[str, Any] = Field(default_factory=dict)
+    """``SchedulerParams`` keys merged into the ``mars`` section of every ``MarsScheduler`` policy's
+    additional config (``compare --mars-config``; :func:`eval.policies.policy_additional_config`);
+    empty: the registry's settings."""
+
+    def mars_config_key(self) -> tuple[Any, ...]:
+        """What ``--mars-config`` adds to a cache key: nothing when empty (older keys stay valid).
+        Pure."""
+        return ("mars_config", json.dumps(self.mars_config, sort_keys=True)) if self.mars_config else ()
 
     def host_kv_key(self) -> tuple[Any, ...]:
         """What the host tier adds to a cache key: nothing when no policy has one (older keys stay

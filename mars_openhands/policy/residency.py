@@ -7,8 +7,9 @@ pages that are about to be used. An agent session's working set is its KV contex
 traces only ~3 sessions' final contexts fit an H100 SXM's KV, and once the active contexts overflow
 it an LRU prefix cache evicts exactly the session whose tool returns next (design.md §7).
 
-Mental model: sessions are ranked by priority (oldest session first: program-level FIFO). The
-*resident set* is the highest-priority sessions whose KV demand fits the budget. A resident
+Mental model: sessions are ranked by priority (residents by arrival; held sessions by highest
+response ratio, :func:`response_ratio_priority`, or oldest first under ``residency.order: fifo``).
+The *resident set* is the highest-priority sessions whose KV demand fits the budget. A resident
 session's KV stays pinned across its tool calls; a non-resident session's next turn is held
 outside vLLM's waiting queue until it becomes resident. Sessions with a request in the engine
 (busy) are never displaced by this plan — only vLLM's preemption can take their blocks — so a
@@ -19,8 +20,9 @@ plan only *suspends idle residents* (in a tool call) and *activates held session
     kept:            s1 s2 .......... s4   -> s3 does not fit even with s4 suspended: s4 stays
     or, if s3 fits once s4 goes:  s1 s2 s3 (activate), s4 suspended, s5 waits (strict order)
 
-Candidates are activated strictly in priority order (no bypass), which bounds every held
-session's wait: nothing younger can take the room it waits for.
+Candidates are activated strictly in priority order (no bypass): under ``fifo`` nothing younger
+can take the room a held session waits for; under the response ratio every wait raises a held
+session's rank, and ``max_hold_s`` bounds it.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.request import Request
 
-from eval.policies import POLICIES
+from eval.policies import POLICIES, merge_config
 from mars_openhands.stream.events import SessionEnd, ToolEnd, ToolStart, now_stamps
 from tests.unit.engine.async_engine import AsyncEngineLoop
 from tests.unit.engine.harness import Harness
@@ -66,11 +66,19 @@ def _policies() -> dict[str, Any]:
     return {name: spec for name, spec in POLICIES.items() if not spec.is_kv_unbounded}
 
 
+_SETTINGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "mars[order=fifo]": ("mars", {"residency": {"order": "fifo"}}),
+    "mars[order=response-ratio]": ("mars", {"residency": {"order": "response-ratio"}}),
+}
+"""Settings a user may pick besides a policy's own (``compare --mars-config``): name -> (policy,
+its ``additional_config["mars"]`` on top). Both residency orders run here, whichever is the default."""
+
+
 @functools.cache
 def policy_names() -> tuple[str, ...]:
-    """Every shipped policy name (``eval.policies.POLICIES`` but the unbounded-KV reference),
-    then ``vllm-stock`` (vLLM's own ``AsyncScheduler``, the control)."""
-    return (*_policies(), "vllm-stock")
+    """Every shipped policy name (``eval.policies.POLICIES`` but the unbounded-KV reference), the
+    :data:`_SETTINGS` variants, then ``vllm-stock`` (vLLM's own ``AsyncScheduler``, the control)."""
+    return (*_policies(), *_SETTINGS, "vllm-stock")
 
 
 
@@ -82,13 +90,6 @@ class Case:
     scheduler_cls: type
     mars: dict[str, Any] | None
     long_prefill_token_threshold: int = 0
-
-
-def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in extra.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
 
 
 @functools.cache
@@ -103,9 +104,11 @@ def build_case(name: str) -> Case:
     from eval.backends import live_scheduler
     from mars_openhands.engine.harness.inproc_engine import resolve_scheduler_cls
 
-    spec = _policies()[name]
+    policy, setting = _SETTINGS.get(name, (name, {}))
+    spec = _policies()[policy]
     cls = resolve_scheduler_cls(live_scheduler(spec.scheduler))
-    mars = _merge(dict(spec.additional_config.get("mars", {})), _TINY.get(name, {}))
+    mars = merge_config(merge_config(dict(spec.additional_config.get("mars", {})), setting),
+                        _TINY.get(policy, {}))
     long_prefill = spec.engine.get("long_prefill_token_threshold", 0)
     return Case(name, cls, mars, min(long_prefill, _TINY_LONG_PREFILL_TOKENS))
 

@@ -91,3 +91,20 @@ def test_a_missing_folder_or_a_file_is_named_as_such(ct, tmp_path, capsys):
     assert "no such folder" in capsys.readouterr().err
     assert ct.main([str(tmp_path / "f.md")]) == 2
     assert "not a folder" in capsys.readouterr().err
+
+
+def test_folders_of_one_deployment_make_one_row_the_later_policies_replacing(ct, tmp_path, capsys):
+    # the baselines' plan, then a plan of mars alone after a change to it: one row, the new mars
+    # judged against the first plan's thunderagent; another seed stays its own row
+    before = _plan(tmp_path / "b", {"fcfs": (0.008, 0.009), "thunderagent": (0.012, 0.013),
+                                    "mars+adm": (0.010, 0.011), "unbounded-kv": (0.02, 0.021)})
+    after = _plan(tmp_path / "m", {"fcfs": (0.008, 0.009), "mars+adm": (0.013, 0.014), "unbounded-kv": (0.02, 0.021)})
+    other = _plan(tmp_path / "s", {"thunderagent": (0.011, 0.012), "mars+adm": (0.011, 0.012),
+                                   "unbounded-kv": (0.02, 0.021)}, seed=1)
+    assert ct.main([str(before), str(after), str(other)]) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("| h100_sxm")]
+    assert len(lines) == 2
+    assert "| 0.012 | – | 0.013 | 0.02 | thunderagent | 1.083 |" in lines[0]
+    assert "1 (same bracket)" in lines[1]
+    assert ct.main([str(after), str(before)]) == 0  # the other order: the old mars wins
+    assert "| 0.012 | – | 0.01 | 0.02 | thunderagent | 0.8333 |" in capsys.readouterr().out

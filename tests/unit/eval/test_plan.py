@@ -40,6 +40,9 @@ def _error(capsys, argv: list[str]) -> str:
     (["--slo-slowdown", "1"], "--slo-slowdown: must be > 1"),
     (["--tool-workers", "0"], "--tool-workers: "),
     (["--traces", "x", "--synthetic", "swebench"], "--synthetic: not allowed with argument --traces"),
+    (["--mars-config", "{\"residency\": {\"order\": \"lifo\"}}"], "--mars-config: invalid --additional-config mars: "
+     "mars.residency.order: Input should be 'fifo' or 'response-ratio'"),
+    (["--mars-config", "[]"], "--mars-config: expected a JSON object"),
 ])
 def test_bad_input_is_one_line_naming_the_flag_and_writes_nothing(capsys, tmp_path, argv, expected) -> None:
     out = tmp_path / "out"
@@ -66,7 +69,7 @@ def test_help_explains_every_input(capsys) -> None:
     for flag in ("--gpu", "--model", "--kv-cache-dtype", "--gpu-memory-utilization", "--tool-workers", "--traces",
                  "--workload", "--synthetic", "--synthetic-sessions", "--policies", "--load", "--rate",
                  "--slo-slowdown", "--knee-tolerance", "--search-runs", "--seed", "--jobs", "--no-cache",
-                 "--cache-dir", "--out", "--sessions", "--max-turns", "--host-kv-gib"):
+                 "--cache-dir", "--out", "--sessions", "--max-turns", "--host-kv-gib", "--mars-config"):
         assert f"{flag} " in text, flag
     assert "--host-kv-gib " in text and "mars -> mars-offload" in text  # the host tier, explained
     assert "not modelled yet" not in text.lower()
