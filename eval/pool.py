@@ -18,6 +18,8 @@ from concurrent.futures import wait as wait_futures
 from pathlib import Path
 from typing import Any
 
+from mars_openhands.cli_signals import end_with_parent
+
 __all__ = ["WORKER_PRELOAD", "Pool", "Probes", "default_jobs", "start_worker_server"]
 
 WORKER_PRELOAD: tuple[str, ...] = ("eval.runs", "eval.sim")
@@ -33,9 +35,26 @@ def default_jobs() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _quiet_worker() -> None:
-    """Worker initializer: vLLM's per-engine log lines would break the progress bar."""
+def _init_worker(owner_pid: int) -> None:
+    """Worker initializer: vLLM's per-engine log lines would break the progress bar, and the worker
+    ends once the process that owns the pool (``owner_pid``) has exited, even by SIGKILL
+    (:func:`~mars_openhands.cli_signals.end_with_parent`). A forkserver's workers are the server's
+    children, not the owner's, and each holds the server's "alive" pipe, so without this a killed
+    ``compare --jobs 2`` left its workers waiting on their call queue and the forkserver waiting on
+    them, for good."""
     logging.getLogger("vllm").setLevel(logging.ERROR)
+    end_with_parent(owner_pid)
+
+
+def _terminate_workers(executor: ProcessPoolExecutor) -> None:
+    """Stop ``executor``'s worker processes now (SIGTERM), the calls they run with them. Python
+    3.14's ``terminate_workers``; before it, the executor's process table (no public API)."""
+    terminate = getattr(executor, "terminate_workers", None)
+    if terminate is not None:  # pragma: no cover - Python >= 3.14
+        terminate()
+        return
+    for process in list(getattr(executor, "_processes", {}).values()):
+        process.terminate()
 
 
 def start_worker_server() -> str:
@@ -81,12 +100,19 @@ class Pool:
     def __enter__(self) -> Pool:
         if self.jobs > 1:
             context = multiprocessing.get_context(start_worker_server())
-            self._executor = ProcessPoolExecutor(self.jobs, mp_context=context, initializer=_quiet_worker)
+            self._executor = ProcessPoolExecutor(self.jobs, mp_context=context, initializer=_init_worker,
+                                                 initargs=(os.getpid(),))
         return self
 
     def __exit__(self, exc_type: Any, *exc: object) -> None:
+        """Leave the pool: at a normal exit wait for the workers; on an exception (Ctrl-C,
+        SIGTERM as :class:`~mars_openhands.cli_signals.Terminated`, an error) cancel what has not
+        started and stop the running calls' workers, or the interpreter's exit would wait for
+        them (``concurrent.futures`` joins its workers at exit)."""
         executor, self._executor = self._executor, None
         if executor is not None:
+            if exc_type is not None:
+                _terminate_workers(executor)
             executor.shutdown(wait=exc_type is None, cancel_futures=True)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Any:
