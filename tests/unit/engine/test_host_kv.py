@@ -207,3 +207,33 @@ def test_the_default_engine_has_no_host_tier() -> None:
     engine = InprocEngine("fcfs", InprocEngineParams(num_gpu_blocks=40))
     assert engine.host_kv is None and engine.scheduler.connector is None
     assert engine.step_s(0.25) == 0.25 and math.isinf(engine.next_copy_done_s())
+
+
+@pytest.mark.parametrize("prompt_only", [True, False])
+def test_a_decode_run_merges_only_while_the_tier_is_idle_and_ends_before_a_stored_chunk(
+        prompt_only: bool) -> None:
+    """A merged decode run with the tier: none while a1's prompt store is in flight; then, with
+    vLLM's default (prompt blocks only), as long as the request allows; with every computed block
+    stored, it ends at the step before the one whose tokens fill the next block (that step's
+    ``build_connector_meta`` creates a store job)."""
+    clock = _Clock()
+    engine = _engine(clock, offload_prompt_only=prompt_only)
+    _turn(engine, clock, "a", "a1", 320, 60)
+    record = engine.schedule()  # the whole prompt: its 20 blocks are stored from the next step
+    clock.now_s += engine.step_s(WORK_S)
+    engine.update(record)
+    assert engine.max_decode_run(64) == 1, "a store job is pending: no run"
+    while engine.max_decode_run(64) == 1:
+        assert engine.host_kv is not None and (engine.host_kv.is_busy() or clock.steps == [])
+        record = engine.schedule()
+        clock.now_s += engine.step_s(WORK_S)
+        engine.update(record)
+        clock.steps.append((0.0, clock.now_s, record))
+    request = engine.request("a1")
+    assert request is not None
+    c = request.num_computed_tokens
+    # keep_last with the tier: the finishing token takes a single step.
+    by_request = request.max_tokens - request.num_output_tokens - 1
+    expected = min(64, by_request) if prompt_only else min(64, by_request, 21 * BS - 1 - c)
+    assert engine.max_decode_run(64) == expected
+    assert prompt_only or c + expected == 21 * BS - 1
