@@ -310,9 +310,14 @@ class InprocEngine:
         else None (no merged run). Pure."""
         if self.host_kv is None:
             return {}
-        if self.host_kv.is_busy():
+        if not self.host_kv.is_idle():
             return None
         return fast_paths.host_tier_store_horizons(self.scheduler)
+
+    def _can_merge_tier_runs(self) -> bool:
+        """No host KV tier, or stock vLLM, or one of our schedulers that merges runs
+        (:class:`MergesRuns`): the others merge no run with the tier (:meth:`_tier_steady_run`). Pure."""
+        return self.host_kv is None or not self.is_plugin or self._runs is not None
 
     def _is_tier_idle(self) -> bool:
         """No host KV tier, or one with nothing queued, running or pending. Pure."""
@@ -372,7 +377,9 @@ class InprocEngine:
             k, kind = plan, RunKind.SINGLE if plan == 1 else RunKind.STEADY
         else:
             k, kind = plan.num_steps, plan.kind
-        was_tier_idle = self._is_tier_idle()
+        # A probe needs requests waiting before the step (one preempted in it voids the probe).
+        was_tier_idle = self.host_kv is None or (bool(self.scheduler.waiting) and self._can_merge_tier_runs()
+                                                 and self._is_tier_idle())
         if kind in (RunKind.SINGLE, RunKind.STEADY):
             if k > 1:
                 self._propose_drafts(k, self.max_decode_run(k))
@@ -531,6 +538,8 @@ class InprocEngine:
         run too: :meth:`_tier_steady_run`); no chunked-prefill run (each chunk fills blocks the
         connector stores).
         """
+        if not self._can_merge_tier_runs():
+            return SINGLE_STEP
         k = self.max_decode_run(max_steps)
         plan = None
         if k > 1:
