@@ -569,7 +569,7 @@ class Simulator:
         plan = rep.engine.plan_run(self.config.coalesce_max_steps, self.now_s,
                                    self._next_hard_event_s(), rep.timer,
                                    merge_blocked=self._fast_paths and not self.config.pools_kv)
-        if (plan.kind not in (RunKind.SINGLE, RunKind.STEADY) and self.config.is_admission_enabled
+        if (plan.is_exact and self.config.is_admission_enabled
                 and plan.step_ends_s[-1] > self._next_tick_s):
             rep.run_kv = rep.engine.run_kv(plan)
         return plan

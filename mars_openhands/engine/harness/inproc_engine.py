@@ -142,7 +142,8 @@ class InprocEngine:
     With a host KV tier (``params.host_kv``) vLLM's ``OffloadingConnector`` runs in the
     scheduler and its worker side here (:class:`~.offload.worker_side.HostKvWorkerSide`) on
     ``clock``: each step starts its copies at :meth:`schedule`, reports the finished ones at
-    :meth:`update`, and :meth:`step_s` slows the step while copies run. Steps are never merged then.
+    :meth:`update`, and :meth:`step_s` slows the step while copies run. Decode steps merge then
+    only while the tier would do nothing in any of them (:meth:`plan_run`).
     """
 
     def __init__(
@@ -302,6 +303,26 @@ class InprocEngine:
         Pure."""
         return math.inf if self.host_kv is None else self.host_kv.next_done_s()
 
+    def _tier_store_horizons(self) -> dict[str, float] | None:
+        """Without a host KV tier an empty dict; with one, while it is idle (no copy queued or
+        running, nothing pending in vLLM's connector), running request id -> tokens computed from
+        which the connector stores its next chunk (:func:`fast_paths.host_tier_store_horizons`),
+        else None (no merged run). Pure."""
+        if self.host_kv is None:
+            return {}
+        if not self.host_kv.is_idle():
+            return None
+        return fast_paths.host_tier_store_horizons(self.scheduler)
+
+    def _can_merge_tier_runs(self) -> bool:
+        """No host KV tier, or stock vLLM, or one of our schedulers that merges runs
+        (:class:`MergesRuns`): the others merge no run with the tier (:meth:`_tier_steady_run`). Pure."""
+        return self.host_kv is None or not self.is_plugin or self._runs is not None
+
+    def _is_tier_idle(self) -> bool:
+        """No host KV tier, or one with nothing queued, running or pending. Pure."""
+        return self._tier_store_horizons() is not None
+
     def abort_all(self) -> list[str]:
         """Abort every unfinished request (the replica is lost): vLLM's ``finish_requests`` with
         ``FINISHED_ABORTED``, which frees their blocks. A step scheduled but not yet updated is
@@ -356,17 +377,20 @@ class InprocEngine:
             k, kind = plan, RunKind.SINGLE if plan == 1 else RunKind.STEADY
         else:
             k, kind = plan.num_steps, plan.kind
+        # A probe needs requests waiting before the step (one preempted in it voids the probe).
+        was_tier_idle = self.host_kv is None or (bool(self.scheduler.waiting) and self._can_merge_tier_runs()
+                                                 and self._is_tier_idle())
         if kind in (RunKind.SINGLE, RunKind.STEADY):
             if k > 1:
                 self._propose_drafts(k, self.max_decode_run(k))
             out = self.scheduler.schedule()
-            if self.host_kv is not None:
-                self.host_kv.begin_step(out)
         elif plan is not self._plan:
             raise ValueError(f"a {kind.value} run of {k} steps that is not the one plan_run() "
                              "planned for the engine's current state; call plan_run() first")
         else:
             out = self._schedule_merged(plan)
+        if self.host_kv is not None:
+            self.host_kv.begin_step(out)
         self._kv_counts = None
         self._plan = None
         self.num_steps += 1
@@ -383,7 +407,10 @@ class InprocEngine:
             is_prefill_run = kind in (RunKind.PREFILL, RunKind.BLOCKED_PREFILL)
             self.num_decode_substeps += k if is_prefill_run or not record.prefill else 1
         if kind not in (RunKind.BLOCKED, RunKind.BLOCKED_PREFILL):
-            self.probe = self._blocked_probe(record)
+            # With a host tier the step proves a wait only if the tier did nothing in it: its
+            # waiting requests' host hits were then the ones a merged run's steps would see.
+            is_quiet = was_tier_idle and self._is_tier_idle()
+            self.probe = self._blocked_probe(record) if is_quiet else None
         return record
 
     def _schedule_merged(self, plan: RunPlan) -> Any:
@@ -503,19 +530,48 @@ class InprocEngine:
             timer: the step-time model (its step times chain a run's end).
             merge_blocked: also merge steps while requests wait, or a chunked-prefill run (the
                 simulator's fast paths); else only steady decode runs.
+
+        With a host KV tier (``params.host_kv``) a run merges only steps in which the tier does
+        nothing (no copy queued, in flight or pending in vLLM's connector, and no step filling a
+        chunk the connector stores: :func:`fast_paths.host_tier_store_horizons`), so every step
+        runs at full speed and the run ends as its single steps' chain of additions (a steady
+        run too: :meth:`_tier_steady_run`); no chunked-prefill run (each chunk fills blocks the
+        connector stores).
         """
-        if self.host_kv is not None:
-            return SINGLE_STEP  # copies change the steps' times and the waiting requests' state
+        if not self._can_merge_tier_runs():
+            return SINGLE_STEP
         k = self.max_decode_run(max_steps)
-        if k > 1:
-            contexts = [r.num_computed_tokens + 1 for r in self.scheduler.running]
-            return steady_run(now_s, k, contexts, timer, bound_s)
         plan = None
+        if k > 1:
+            running = self.scheduler.running
+            contexts = [r.num_computed_tokens + 1 for r in running]
+            if self.host_kv is None:
+                return steady_run(now_s, k, contexts, timer, bound_s)
+            plan = self._tier_steady_run(k, now_s, bound_s, contexts, timer)
+            self._plan = plan
+            return plan if plan is not None else SINGLE_STEP
         if merge_blocked:
             plan = (self._blocked_decode_run(max_steps, now_s, bound_s, timer)
                     or self._prefill_run(max_steps, now_s, bound_s, timer))
         self._plan = plan
         return plan if plan is not None else SINGLE_STEP
+
+    def _tier_steady_run(self, k: int, now_s: float, bound_s: float, contexts: list[int],
+                         timer: StepTimer) -> RunPlan | None:
+        """A steady decode run of at most ``k`` steps with a host KV tier, or None: timed as its
+        single steps (bit-identical to one step at a time, as the tier's steps ran before they
+        merged), not at the mean context. Our schedulers: only one that merges runs
+        (:class:`MergesRuns`, bounded by its ``run_limits``) and holds no request outside vLLM's
+        queues (it could admit one in the run's first step). Pure."""
+        if self.is_plugin:
+            if self._runs is None or self.request_counts()[1]:
+                return None
+            limits = self._runs.run_limits(k, now_s)
+            if limits is None or limits.max_steps <= 1:
+                return None
+            k, bound_s = limits.max_steps, min(bound_s, limits.until_s)
+        return plan_exact_run(RunKind.STEADY, now_s, k, bound_s, decode_step_durations(contexts, timer),
+                              None, [1] * len(contexts))
 
     def _blocked_decode_run(self, limit: int, now_s: float, bound_s: float,
                             timer: StepTimer) -> RunPlan | None:
@@ -537,6 +593,13 @@ class InprocEngine:
         every step, and hiding them is exact. With stock vLLM a request added behind the head
         leaves the probe valid.
 
+        With a host KV tier vLLM's connector also looks the head up in the host cache each step
+        (a pure lookup; its bookkeeping is rebuilt at every lookup) and skips a request only while
+        a copy of its is pending. The run needs the tier idle (:meth:`_tier_store_horizons`: no
+        copy pending, no store in any of its steps), a quiet probe (the tier idle before and
+        after it, so the host cache the probe's lookups saw is the run's) and vLLM's
+        full-sequence gate, under which a head's admission does not depend on its host hit.
+
         Our schedulers add time- and event-driven decisions of their own; a class that allows
         merged runs (:class:`~mars_openhands.engine.schedulers.coalesce.MergesRuns`) bounds the
         run by them (``run_limits``: its counters and timers); a class that does not merges
@@ -548,6 +611,8 @@ class InprocEngine:
             return None
         if self.is_plugin and (probe.has_prefill or self._runs is None):
             return None
+        if self.host_kv is not None and not fast_paths.has_full_sequence_gate(s):
+            return None  # a head's chunk may then depend on its host hit (this proof ignores it)
         # Our schedulers decide on a finish (retained KV from the other requests' lengths): the
         # finishing token takes a single step, where every other request is one token further.
         k = self._steady_decode_run(limit, keep_last=self.is_plugin)
@@ -592,8 +657,8 @@ class InprocEngine:
             |<-------------------- num_tokens --------------------->|
         """
         s = self.scheduler
-        if limit <= 1 or fast_paths.is_kv_holding_waiting(s):
-            return None
+        if limit <= 1 or fast_paths.is_kv_holding_waiting(s) or self.host_kv is not None:
+            return None  # with a host tier each chunk fills blocks the connector stores
         if not s.waiting:
             if self.is_plugin:
                 return None
@@ -637,9 +702,11 @@ class InprocEngine:
 
         Requires a steady decode state: nothing waiting, every running request decoding with
         exactly its last sampled token pending, none finishing before its ``k``-th token (with
-        the sync ``Scheduler``: none finishing within the run, see the code comment), and
-        enough free KV blocks and token budget for ``k`` more tokens each (so vLLM neither
-        preempts nor splits). Returns 1 when not steady.
+        the sync ``Scheduler`` or a host KV tier: none finishing within the run, see the code
+        comments), and enough free KV blocks and token budget for ``k`` more tokens each (so
+        vLLM neither preempts nor splits); with a host KV tier also the tier idle and no step
+        filling a chunk its connector would store (:func:`fast_paths.host_tier_store_horizons`).
+        Returns 1 when not steady.
 
         Region diagram of one decoding request (``c`` computed tokens, block size ``b``)::
 
@@ -647,10 +714,11 @@ class InprocEngine:
             blocks needed after the step: ceil((c + k) / b); held now: ceil(c / b)
         """
         s = self.scheduler
-        if (limit <= 1 or not s.running or s.waiting or fast_paths.is_kv_holding_waiting(s)
-                or self.host_kv is not None):
+        if limit <= 1 or not s.running or s.waiting or fast_paths.is_kv_holding_waiting(s):
             return 1
-        return self._steady_decode_run(limit)
+        # With a host tier a finish takes a single step: the run then frees nothing (its KV
+        # after each step is RunKv's, which an admission tick inside it reads).
+        return self._steady_decode_run(limit, keep_last=self.host_kv is not None)
 
     def _steady_decode_run(self, limit: int, keep_last: bool = False) -> int:
         """:meth:`max_decode_run` without its empty-waiting condition (``keep_last``: no request
@@ -664,6 +732,9 @@ class InprocEngine:
         # run must not end a request: its last token takes a single step, after which vLLM
         # caches the blocks the drafts filled (AsyncScheduler caches them at update time).
         keep_last = int(keep_last or not isinstance(s, AsyncScheduler))
+        horizons = self._tier_store_horizons()  # {} without a host tier
+        if horizons is None:
+            return 1
         for r in running:
             c = r.num_computed_tokens
             if (c != r.num_tokens - 1 or c < r.num_prompt_tokens or r.num_output_placeholders
@@ -671,6 +742,10 @@ class InprocEngine:
                 return 1
             k = min(k, r.max_tokens - r.num_output_tokens - keep_last,
                     self.params.max_model_len - c - 1 - keep_last)
+            if horizons:  # the step whose tokens reach the horizon stores a chunk: not merged
+                horizon = horizons[r.request_id]
+                if horizon < math.inf:
+                    k = min(k, int(horizon) - 1 - c)
         while k > 1:
             if self._run_new_blocks(k) <= seams.blocks.num_free_blocks(s):
                 break

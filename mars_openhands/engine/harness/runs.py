@@ -97,6 +97,11 @@ class RunPlan:
         return self.step_ends_s[-1] if self.step_ends_s else None
 
     @property
+    def is_exact(self) -> bool:
+        """It has each single step's end (every run but a steady one timed at the mean context)."""
+        return self.num_steps > 1 and len(self.step_ends_s) == self.num_steps
+
+    @property
     def is_waiting_hidden(self) -> bool:
         """The waiting queue is hidden for it (a blocked run)."""
         return self.kind in (RunKind.BLOCKED, RunKind.BLOCKED_PREFILL)

@@ -79,6 +79,15 @@ manager's)                                       :func:`~.blocks.share_block_poo
 (instance)                                       (single full-attention group)
 ``Scheduler._update_request_with_output``        simulator: one append + one stop check for a
 (instance; ``AsyncScheduler``'s, unmodified)     coalesced decode run's tokens (same state)
+``OffloadingConnector.connector_scheduler``      read (simulator, host KV tier): a merged run only
+and its ``_jobs``, ``_req_status``,              while the connector does nothing in its steps: no
+``_current_batch_load_jobs``,                    job pending, and no step filling the next chunk
+``_current_batch_jobs_to_flush``,                to store (:func:`~.fast_paths.host_tier_store_horizons`)
+``_block_id_to_pending_jobs``,
+``_sliding_window_groups``; per request
+``group_states``, ``finished_signaled``,
+``max_offload_tokens``,
+``next_stored_chunk_idx``
 ``EngineCoreProc.input_queue``,                  put a WAKEUP (vLLM's own no-op, used at shutdown)
 ``EngineCoreRequestType.WAKEUP``                 to wake an idle engine-core loop for work only the
                                                  scheduler knows of (CPU-plane events, KV expiry)
@@ -92,13 +101,15 @@ from mars_openhands.engine.seams import blocks, compat, hooks
 __all__ = ["PRIVATE_NAMES", "blocks", "compat", "hooks"]
 
 PRIVATE_NAMES: frozenset[str] = frozenset({
-    "_block_hash", "_cache", "_null_block", "_update_request_with_output", "cached_block_hash_to_block",
-    "cached_block_hashes_by_block", "coordinator", "defer_block_free", "disable_chunked_mm_input",
-    "fake_free_list_head", "find_longest_cache_hit", "free_block_queue",
-    "grammar_compile_error_reqs", "kv_holding_waiting", "max_num_running_reqs",
-    "max_num_scheduled_tokens", "metrics_collector", "need_mamba_block_aligned_split",
-    "prefill_capacity_bound", "req_to_blocks", "scheduler_reserve_full_isl",
-    "single_type_managers", "watermark_blocks",
+    "_block_hash", "_block_id_to_pending_jobs", "_cache", "_current_batch_jobs_to_flush",
+    "_current_batch_load_jobs", "_jobs", "_null_block", "_req_status", "_sliding_window_groups",
+    "_update_request_with_output", "cached_block_hash_to_block",
+    "cached_block_hashes_by_block", "connector_scheduler", "coordinator", "defer_block_free",
+    "disable_chunked_mm_input", "fake_free_list_head", "find_longest_cache_hit", "finished_signaled",
+    "free_block_queue", "grammar_compile_error_reqs", "group_states", "kv_holding_waiting",
+    "max_num_running_reqs", "max_num_scheduled_tokens", "metrics_collector",
+    "need_mamba_block_aligned_split", "next_stored_chunk_idx", "prefill_capacity_bound",
+    "req_to_blocks", "scheduler_reserve_full_isl", "single_type_managers", "watermark_blocks",
 })
 """vLLM attribute names only :mod:`mars_openhands.engine.seams` may name (checked on every other
 module of the package by ``tests/unit/engine/test_seams_only.py``; ``Scheduler.waiting``,

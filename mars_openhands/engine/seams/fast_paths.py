@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import operator
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -44,6 +45,7 @@ __all__ = [
     "has_full_sequence_gate",
     "has_one_plain_kv_group",
     "hidden_waiting",
+    "host_tier_store_horizons",
     "install_batched_token_append",
     "install_fused_block_allocation",
     "install_fused_prefix_lookup",
@@ -576,6 +578,71 @@ def has_one_plain_kv_group(sched: Scheduler) -> bool:
     ``_block_hash``. Pure."""
     return (len(sched.kv_cache_config.kv_cache_groups) == 1
             and not block_pool(sched).cached_block_hashes_by_block)
+
+
+def host_tier_store_horizons(sched: Scheduler) -> dict[str, float] | None:
+    """When vLLM's host KV tier (the scheduler side of its ``OffloadingConnector``) does nothing in
+    a step but bookkeeping a merged run repeats: running request id -> the tokens computed by a
+    step's end from which the connector would store that request's next chunk (``inf``: never).
+    None when it may act in the next step whatever the run: a copy is queued or in flight (its
+    job not yet reported done), a finished request's store is still to be built, a load or a
+    flush is pending, or its KV layout is not one plain full-attention group. Without a host
+    tier: an empty dict. Pure.
+
+    Mental model (vLLM 0.32, ``offloading/scheduler.py``): each step's ``build_connector_meta``
+    stores, per scheduled request, the chunks between ``next_stored_chunk_idx`` and the chunks its
+    offloadable tokens fill, ``min(computed + scheduled, prompt if offload_prompt_only)`` (vLLM's
+    default: only prompt blocks, so a decode never stores), and, per request finished since the
+    last step, its last chunks. A step that fills no new chunk only extends the request's keys and
+    block ids (the same after one merged step) and leaves ``next_stored_chunk_idx``. Loads start
+    only when a waiting request is admitted (a step of its own). A chunk is stored once the step's
+    offloadable tokens reach ``(next_stored_chunk_idx + 1) × tokens_per_chunk`` (an upper bound
+    on what ``storable_chunks`` allows; a retention interval or a reachability mask only stores
+    fewer)::
+
+        | stored chunks (next_stored_chunk_idx) | chunk being filled | ...
+                                                 ^ horizon = (next + 1) × tokens_per_chunk
+    """
+    connector = sched.connector
+    if connector is None:
+        return {}
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+        OffloadingConnectorScheduler,
+    )
+
+    side = getattr(connector, "connector_scheduler", None)
+    if not isinstance(side, OffloadingConnectorScheduler):
+        return None
+    config = side.config
+    if (side._jobs or side._current_batch_load_jobs or side._current_batch_jobs_to_flush
+            or side._block_id_to_pending_jobs or side.manager.has_pending_work()
+            or side._sliding_window_groups or config.supports_partial_tail
+            or any(g.is_eagle_group or g.requires_cow_source or g.sliding_window_size_in_chunks is not None
+                   for g in config.kv_group_configs)):
+        return None
+    statuses = side._req_status
+    for status in statuses.values():
+        req = status.req
+        if req.is_finished() and not status.finished_signaled and (
+                _store_horizon(config, status) <= req.num_tokens):
+            return None  # the next step builds its last store
+    return {r.request_id: _store_horizon(config, statuses[r.request_id])
+            for r in sched.running}
+
+
+def _store_horizon(config: Any, status: Any) -> float:
+    """Tokens computed from which the connector stores ``status``'s request's next chunk
+    (:func:`host_tier_store_horizons`; vLLM's ``_calc_num_offloadable_tokens`` caps). Pure."""
+    req = status.req
+    cap = math.inf if status.max_offload_tokens is None else status.max_offload_tokens
+    if config.offload_prompt_only:
+        cap = min(cap, req.num_prompt_tokens)
+    horizon = math.inf
+    for group, state in zip(config.kv_group_configs, status.group_states, strict=True):
+        next_tokens = (state.next_stored_chunk_idx + 1) * group.tokens_per_chunk
+        if cap >= next_tokens:
+            horizon = min(horizon, next_tokens)
+    return horizon
 
 
 def num_cached_copies(sched: Scheduler, key: Any) -> int:

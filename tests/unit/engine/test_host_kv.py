@@ -207,3 +207,58 @@ def test_the_default_engine_has_no_host_tier() -> None:
     engine = InprocEngine("fcfs", InprocEngineParams(num_gpu_blocks=40))
     assert engine.host_kv is None and engine.scheduler.connector is None
     assert engine.step_s(0.25) == 0.25 and math.isinf(engine.next_copy_done_s())
+
+
+@pytest.mark.parametrize("prompt_only", [True, False])
+def test_a_decode_run_merges_only_while_the_tier_is_idle_and_ends_before_a_stored_chunk(
+        prompt_only: bool) -> None:
+    """A merged decode run with the tier: none while a1's prompt store is in flight; then, with
+    vLLM's default (prompt blocks only), as long as the request allows; with every computed block
+    stored, it ends at the step before the one whose tokens fill the next block (that step's
+    ``build_connector_meta`` creates a store job)."""
+    clock = _Clock()
+    engine = _engine(clock, offload_prompt_only=prompt_only)
+    _turn(engine, clock, "a", "a1", 320, 60)
+    record = engine.schedule()  # the whole prompt: its 20 blocks are stored from the next step
+    clock.now_s += engine.step_s(WORK_S)
+    engine.update(record)
+    assert engine.max_decode_run(64) == 1, "a store job is pending: no run"
+    while engine.max_decode_run(64) == 1:
+        assert engine.host_kv is not None and (engine.host_kv.is_busy() or clock.steps == [])
+        record = engine.schedule()
+        clock.now_s += engine.step_s(WORK_S)
+        engine.update(record)
+        clock.steps.append((0.0, clock.now_s, record))
+    request = engine.request("a1")
+    assert request is not None
+    c = request.num_computed_tokens
+    # keep_last with the tier: the finishing token takes a single step.
+    by_request = request.max_tokens - request.num_output_tokens - 1
+    expected = min(64, by_request) if prompt_only else min(64, by_request, 21 * BS - 1 - c)
+    assert engine.max_decode_run(64) == expected
+    assert prompt_only or c + expected == 21 * BS - 1
+
+
+def test_a_step_proves_a_blocked_wait_only_while_the_tier_is_quiet() -> None:
+    """A blocked run hides the waiting queue on the proof of the last single step (the probe).
+    With the tier that step's host lookups must be the run's: a step with a store job pending or
+    created proves nothing; once the copies are done, a blocked step is a probe again."""
+    clock = _Clock()
+    engine = _engine(clock)
+    _evicting_scenario(clock, engine, b_output=40)
+    _turn(engine, clock, "a", "a2", 32, 2)  # waits behind b1 (b1 holds ~37 of the 39 blocks)
+    record = engine.schedule()  # b1's prefill: a store job of its prompt blocks is created
+    clock.now_s += engine.step_s(WORK_S)
+    engine.update(record)
+    assert engine.probe is None
+    assert engine.host_kv is not None
+    num_busy = 0
+    while engine.host_kv.is_busy() or num_busy == 0:
+        record = engine.schedule()  # b1 decodes while its store copies; a2 waits
+        assert "a2" not in record.num_scheduled_tokens
+        assert engine.probe is None, "a step with a copy in flight proved a wait"
+        clock.now_s += engine.step_s(WORK_S)
+        engine.update(record)
+        num_busy += 1
+    record = engine.schedule()
+    assert "a2" not in record.num_scheduled_tokens and engine.probe is not None

@@ -87,3 +87,8 @@ class HostKvWorkerSide:
     def is_busy(self) -> bool:
         """True while a copy is queued or running. Pure."""
         return self.worker.copies.is_busy()
+
+    def is_idle(self) -> bool:
+        """No copy queued or running and no flush wait still to charge to a step (:meth:`step_s`):
+        a step now runs at full speed. Pure."""
+        return not self.is_busy() and self.worker.stall_s == 0.0
