@@ -217,7 +217,7 @@ def _live_setup(args: argparse.Namespace, spec: Any, workload: Workload, blocks:
         time_scale=args.time_scale, num_tool_workers=args.tool_workers, endpoint_kind=args.endpoint_kind,
         served_model_name=args.served_model, run_timeout_s=args.run_timeout,
         ideal_repeats=args.ideal_repeats, log_dir=Path(args.out) / "server-logs")
-    return LiveBackend(spec, options, live_policy_config(options.mars_config)), blocks, timing
+    return LiveBackend(spec, options, live_policy_config(getattr(args, "mars_config", None))), blocks, timing
 
 
 def gpu_setups(args: argparse.Namespace, spec: Any, workload: Workload, auto_scale: float,

@@ -84,3 +84,21 @@ def test_a_run_uses_it_and_the_scope_line_names_it(tmp_path, sim) -> None:
     scope = json.loads((out / "run.json").read_text())["facts"]["scope"]
     assert ('mars config: {"residency": {"order": "response-ratio", "response_ratio_prior_s": 120.0}} '
             "(compare --mars-config) for mars.") in scope
+
+
+def test_a_live_backend_gets_it_too() -> None:
+    pytest.importorskip("vllm")
+    from compare_helpers import small_workload
+
+    import eval.compare as compare
+    from eval.backends import parse_backend
+    from eval.compare_setup import _live_setup
+
+    parser = argparse.ArgumentParser(prog="mars-openhands")
+    add_compare_subcommand(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["compare", "--backend", "emulated", "--mars-config", json.dumps(RR)])
+    spec = parse_backend(args.backend)
+    compare._apply_defaults(args, spec)
+    live, _, _ = _live_setup(args, spec, small_workload(), 512, "timing")
+    assert live.policy_config["mars"][1]["mars"]["residency"] == RR["residency"]
+    assert live.policy_config["thunderagent"][1] == POLICIES["thunderagent"].additional_config
