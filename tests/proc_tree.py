@@ -68,6 +68,23 @@ def kill_alive(processes: dict[int, int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+def assert_ends_with_owner(owner: subprocess.Popen[bytes], started: dict[int, int], sig: signal.Signals,
+                           bound_s: float, owner_timeout_s: float = 30.0) -> None:
+    """Send ``sig`` to ``owner``, wait for it to exit, and assert that every process of ``started``
+    (pid -> start time) has ended within ``bound_s`` seconds after that."""
+    owner.send_signal(sig)
+    owner.wait(timeout=owner_timeout_s)
+    assert wait_until(lambda: not alive(started), bound_s), (
+        f"{sig.name} to pid {owner.pid}: still running {alive(started)} of {sorted(started)}")
+
+
+def kill_leftovers(owner: subprocess.Popen[bytes], started: dict[int, int]) -> None:
+    """A test's ``finally``: SIGKILL ``owner`` and what is left of ``started``."""
+    owner.kill()
+    owner.wait()
+    kill_alive(started)
+
+
 def reap_with_this_process(pgid: int, timeout_s: float = 10.0) -> subprocess.Popen[bytes]:
     """Kill process group ``pgid`` (a server a test started with ``start_new_session=True``:
     ``serve`` with its Ray cluster, a gateway, the OpenHands app, PostgreSQL) once this process

@@ -22,7 +22,7 @@ import pytest
 
 pytest.importorskip("openhands.sdk", reason="needs the OpenHands env (.venv-openhands)")
 
-from tests.proc_tree import alive, descendants, kill_alive, wait_until  # noqa: E402
+from tests.proc_tree import assert_ends_with_owner, descendants, kill_leftovers, wait_until  # noqa: E402
 
 pytestmark = [pytest.mark.openhands, pytest.mark.timeout(300)]
 
@@ -66,11 +66,6 @@ def test_a_killed_runner_leaves_no_task_process(sig: signal.Signals, tmp_path: P
         assert runner.poll() is None, runner.communicate()[1][-3000:]
         started = descendants(runner.pid)
         assert len(started) >= 2, "the task process and its tool"
-        runner.send_signal(sig)
-        runner.wait(timeout=60)
-        assert wait_until(lambda: not alive(started), BOUND_S), (
-            f"runner killed by {sig.name}: still running {alive(started)} of {sorted(started)}")
+        assert_ends_with_owner(runner, started, sig, BOUND_S, owner_timeout_s=60)
     finally:
-        runner.kill()
-        runner.wait()
-        kill_alive(started)
+        kill_leftovers(runner, started)

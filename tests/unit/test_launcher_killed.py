@@ -34,7 +34,15 @@ import pytest
 
 from mars_openhands.cli_signals import EXIT_TERMINATED
 from mars_openhands.engine.harness.launch import live_pids_in_group
-from tests.proc_tree import alive, descendants, identities, kill_alive, wait_until
+from tests.proc_tree import (
+    alive,
+    assert_ends_with_owner,
+    descendants,
+    identities,
+    kill_alive,
+    kill_leftovers,
+    wait_until,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 BOUND_S = 15.0
@@ -167,14 +175,9 @@ def test_a_killed_test_process_leaves_no_postgres_cluster(sig: signal.Signals, t
         time.sleep(1.0)  # the watchdog has read the owner's start time; backends started
         started = {**identities([postmaster]), **descendants(postmaster), **descendants(owner.pid)}
         assert postmaster in started and len(started) >= 3, "postmaster, its workers, the watchdog"
-        owner.send_signal(sig)
-        owner.wait(timeout=30)
-        assert wait_until(lambda: not alive(started), BOUND_S), (
-            f"killed by {sig.name}: still running {alive(started)} of {sorted(started)}")
+        assert_ends_with_owner(owner, started, sig, BOUND_S)
     finally:
-        owner.kill()
-        owner.wait()
-        kill_alive(started)
+        kill_leftovers(owner, started)
         if cluster_dir is not None and cluster_dir.name.startswith("mars-pg-"):  # the owner died
             shutil.rmtree(cluster_dir, ignore_errors=True)  # before its fixture could remove it
 
@@ -203,14 +206,9 @@ def test_a_killed_owner_leaves_no_fake_engine(sig: signal.Signals) -> None:
         assert line.strip().isdigit(), f"the fake engine did not start (exit {owner.wait()})"
         started = descendants(owner.pid)
         assert int(line) in started
-        owner.send_signal(sig)
-        owner.wait(timeout=30)
-        assert wait_until(lambda: not alive(started), BOUND_S), (
-            f"killed by {sig.name}: still running {alive(started)} of {sorted(started)}")
+        assert_ends_with_owner(owner, started, sig, BOUND_S)
     finally:
-        owner.kill()
-        owner.wait()
-        kill_alive(started)
+        kill_leftovers(owner, started)
 
 
 SIGTERM_TWICE = textwrap.dedent("""

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from proc_tree import alive, descendants, kill_alive, wait_until  # noqa: E402
+from tests.proc_tree import assert_ends_with_owner, descendants, kill_leftovers
 
 REPO = Path(__file__).resolve().parents[3]
 _OWNER = textwrap.dedent("""
@@ -42,10 +41,6 @@ def test_a_killed_pool_owner_leaves_no_worker_or_forkserver(sig: signal.Signals)
         assert owner.stdout is not None and owner.stdout.readline().strip() == b"READY"
         processes = descendants(owner.pid)
         assert len(processes) >= 3  # the forkserver and two workers (and the resource tracker)
-        owner.send_signal(sig)
-        owner.wait(timeout=30)
-        assert wait_until(lambda: not alive(processes), timeout_s=20), (
-            f"left after {sig.name}: {alive(processes)} of {sorted(processes)}")
+        assert_ends_with_owner(owner, processes, sig, bound_s=20)
     finally:
-        owner.kill()
-        kill_alive(processes)
+        kill_leftovers(owner, processes)

@@ -8,12 +8,13 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from compare_helpers import growing_sessions
 
 pytest.importorskip("vllm")
 
 from eval.runs import METRIC_KINDS  # noqa: E402
 from eval.sim import FAST_PATHS_ENV, LinearStepTimeModel, SimConfig, SimResult, Simulator  # noqa: E402
-from eval.workloads.format import Session, Turn, Workload, WorkloadMeta  # noqa: E402
+from eval.workloads.format import Workload  # noqa: E402
 from mars_openhands.engine.harness.inproc_engine import InprocEngineParams  # noqa: E402
 from mars_openhands.engine.harness.runs import RunPlan  # noqa: E402
 from mars_openhands.policy.admission import AdmissionParams  # noqa: E402
@@ -28,14 +29,7 @@ _SKIPPED_KINDS = frozenset({"engine_step", "admission_update"})
 
 
 def _kv_bound_workload(num_sessions: int = 7, num_turns: int = 5) -> Workload:
-    sessions = []
-    for i in range(num_sessions):
-        turns = [Turn(prompt_tokens_appended=180 + 37 * i + 23 * k, output_tokens=60 + 11 * ((i + k) % 5),
-                      tool_name="bash", tool_duration_s=0.05 + 0.07 * ((i * k) % 4))
-                 for k in range(num_turns - 1)]
-        turns.append(Turn(prompt_tokens_appended=40, output_tokens=30 + i))
-        sessions.append(Session(session_id=f"s{i}", arrival_s=0.15 * i, turns=tuple(turns)))
-    return Workload(meta=WorkloadMeta(source="test"), sessions=tuple(sessions))
+    return growing_sessions(num_sessions, num_turns)
 
 
 def _preview_config(**admission: Any) -> SimConfig:

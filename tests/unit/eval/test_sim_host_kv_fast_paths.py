@@ -9,12 +9,13 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from compare_helpers import growing_sessions
 
 pytest.importorskip("vllm")
 
 from eval.policies import POLICIES  # noqa: E402
 from eval.sim import FAST_PATHS_ENV, LinearStepTimeModel, SimConfig, SimResult, Simulator  # noqa: E402
-from eval.workloads.format import Session, Turn, Workload, WorkloadMeta  # noqa: E402
+from eval.workloads.format import Workload  # noqa: E402
 from mars_openhands.engine.harness.inproc_engine import InprocEngineParams  # noqa: E402
 from mars_openhands.engine.harness.offload.copies import Direction  # noqa: E402
 from mars_openhands.engine.harness.offload.params import HostKvParams  # noqa: E402
@@ -30,17 +31,10 @@ _SKIPPED_KINDS = frozenset({"engine_step", "admission_update"})
 """Telemetry snapshots: a merged run takes fewer of them (they report, never decide)."""
 
 
-def _workload(num_sessions: int = 7, num_turns: int = 5) -> Workload:
+def _workload() -> Workload:
     """Sessions with long decodes (merged decode runs) and tool gaps (their prefixes go to the host
     while they wait)."""
-    sessions = []
-    for i in range(num_sessions):
-        turns = [Turn(prompt_tokens_appended=180 + 37 * i + 23 * k, output_tokens=90 + 13 * ((i + k) % 5),
-                      tool_name="bash", tool_duration_s=0.2 + 0.15 * ((i * k) % 4))
-                 for k in range(num_turns - 1)]
-        turns.append(Turn(prompt_tokens_appended=40, output_tokens=30 + i))
-        sessions.append(Session(session_id=f"s{i}", arrival_s=0.15 * i, turns=tuple(turns)))
-    return Workload(meta=WorkloadMeta(source="test"), sessions=tuple(sessions))
+    return growing_sessions(output_tokens=(90, 13), tool_s=(0.2, 0.15))
 
 
 def _config(policy: str, **tier: Any) -> SimConfig:
