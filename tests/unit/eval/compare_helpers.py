@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from eval.workloads.format import Session, Turn, Workload, WorkloadMeta
+
+SNAPSHOT_KINDS = frozenset({"engine_step", "admission_update"})
+"""Telemetry snapshots: a merged (coalesced) run takes fewer of them (they report, never decide)."""
 
 
 def small_workload(n: int = 4, turns: int = 3) -> Workload:
@@ -32,3 +37,18 @@ def growing_sessions(num_sessions: int = 7, num_turns: int = 5, *, output_tokens
         turns.append(Turn(prompt_tokens_appended=40, output_tokens=30 + i))
         sessions.append(Session(session_id=f"s{i}", arrival_s=0.15 * i, turns=tuple(turns)))
     return Workload(meta=WorkloadMeta(source="test"), sessions=tuple(sessions))
+
+
+def sim_fingerprint(result: Any, events: Any) -> tuple[Any, ...]:
+    """What two simulations of the same workload must share to be the same run: every turn's
+    timings, cache hits, preemptions and tool times, every stream event but the snapshots
+    (:data:`SNAPSHOT_KINDS`), steps, preemptions, KV at the end and the makespan."""
+    sessions = {
+        sid: (r.admitted_s, r.end_s, [
+            (t.request_id, t.submit_s, t.first_scheduled_s, t.first_token_s, t.finish_s,
+             t.num_cached_tokens, t.num_preemptions, t.tool_enqueue_s, t.tool_start_s, t.tool_end_s)
+            for t in r.turns])
+        for sid, r in result.sessions.items()}
+    kept = [e.model_dump() for e in events if e.kind not in SNAPSHOT_KINDS]
+    return (sessions, kept, result.num_engine_steps, result.num_preemptions,
+            result.kv_blocks_at_end, result.makespan_s)

@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from compare_helpers import growing_sessions
+from compare_helpers import growing_sessions, sim_fingerprint
 
 pytest.importorskip("vllm")
 
@@ -24,8 +24,6 @@ NUM_BLOCKS = 160
 """2,560 tokens of KV for sessions that grow to ~1,600 tokens each: requests wait for KV."""
 
 ORIGIN = datetime(2026, 1, 1, tzinfo=UTC)
-_SKIPPED_KINDS = frozenset({"engine_step", "admission_update"})
-"""Telemetry snapshots: a coalesced run takes fewer of them (they report, never decide)."""
 
 
 def _kv_bound_workload(num_sessions: int = 7, num_turns: int = 5) -> Workload:
@@ -41,15 +39,7 @@ def _preview_config(**admission: Any) -> SimConfig:
 
 
 def _fingerprint(result: SimResult, sink: ListSink) -> tuple[Any, ...]:
-    sessions = {
-        sid: (r.admitted_s, r.end_s, [
-            (t.request_id, t.submit_s, t.first_scheduled_s, t.first_token_s, t.finish_s,
-             t.num_cached_tokens, t.num_preemptions, t.tool_enqueue_s, t.tool_start_s, t.tool_end_s)
-            for t in r.turns])
-        for sid, r in result.sessions.items()}
-    events = [e.model_dump() for e in sink.events if e.kind not in _SKIPPED_KINDS]
-    return (sessions, events, result.num_engine_steps, result.num_preemptions,
-            result.kv_blocks_at_end, result.makespan_s)
+    return sim_fingerprint(result, sink.events)
 
 
 def _both_ways(monkeypatch: pytest.MonkeyPatch, config: SimConfig,

@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from compare_helpers import growing_sessions
+from compare_helpers import growing_sessions, sim_fingerprint
 
 pytest.importorskip("vllm")
 
@@ -27,8 +27,6 @@ NUM_BLOCKS = 160
 and sessions' prefixes leave the GPU (stored to the host, loaded back)."""
 
 ORIGIN = datetime(2026, 1, 1, tzinfo=UTC)
-_SKIPPED_KINDS = frozenset({"engine_step", "admission_update"})
-"""Telemetry snapshots: a merged run takes fewer of them (they report, never decide)."""
 
 
 def _workload() -> Workload:
@@ -48,17 +46,9 @@ def _config(policy: str, **tier: Any) -> SimConfig:
 
 
 def _fingerprint(sim: Simulator, result: SimResult, sink: ListSink) -> tuple[Any, ...]:
-    sessions = {
-        sid: (r.admitted_s, r.end_s, [
-            (t.request_id, t.submit_s, t.first_scheduled_s, t.first_token_s, t.finish_s,
-             t.num_cached_tokens, t.num_preemptions, t.tool_enqueue_s, t.tool_start_s, t.tool_end_s)
-            for t in r.turns])
-        for sid, r in result.sessions.items()}
-    events = [e.model_dump() for e in sink.events if e.kind not in _SKIPPED_KINDS]
     host_kv = sim.engine.host_kv
     assert host_kv is not None
-    return (sessions, events, result.num_engine_steps, result.num_preemptions,
-            result.kv_blocks_at_end, result.makespan_s, list(host_kv.worker.history))
+    return (*sim_fingerprint(result, sink.events), list(host_kv.worker.history))
 
 
 def _run(monkeypatch: pytest.MonkeyPatch, config: SimConfig, *, merged: bool) -> tuple[Simulator, SimResult, Any]:
