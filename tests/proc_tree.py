@@ -68,6 +68,14 @@ def kill_alive(processes: dict[int, int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+def command_line(pid: int) -> str:
+    """The command line of process ``pid`` (at most 200 characters), or "" if it is gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
+    except OSError:
+        return ""
+
+
 def assert_ends_with_owner(owner: subprocess.Popen[bytes], started: dict[int, int], sig: signal.Signals,
                            bound_s: float, owner_timeout_s: float = 30.0) -> None:
     """Send ``sig`` to ``owner``, wait for it to exit, and assert that every process of ``started``
@@ -75,7 +83,8 @@ def assert_ends_with_owner(owner: subprocess.Popen[bytes], started: dict[int, in
     owner.send_signal(sig)
     owner.wait(timeout=owner_timeout_s)
     assert wait_until(lambda: not alive(started), bound_s), (
-        f"{sig.name} to pid {owner.pid}: still running {alive(started)} of {sorted(started)}")
+        f"{sig.name} to pid {owner.pid}: still running {alive(started)} of {sorted(started)}: "
+        + "; ".join(f"{pid} {command_line(pid)!r}" for pid in alive(started)))
 
 
 def kill_leftovers(owner: subprocess.Popen[bytes], started: dict[int, int]) -> None:
