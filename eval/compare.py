@@ -91,6 +91,7 @@ from eval.policies import (
     STOCK_OFFLOAD_POLICIES,
     parse_policies,
     policy_additional_config,
+    takes_mars_config,
     with_host_kv_policies,
 )
 from eval.pool import default_jobs, start_worker_server
@@ -417,7 +418,7 @@ def mars_config_note(options: CompareOptions) -> str:
     ...                                 mars_config={"residency": {"order": "response-ratio"}}))
     'mars config: {"residency": {"order": "response-ratio"}} (compare --mars-config) for mars.'
     """
-    names = [p for p in options.policies if POLICIES[p].scheduler == "MarsScheduler"]
+    names = [p for p in options.policies if takes_mars_config(p)]
     if not options.mars_config or not names:
         return ""
     return (f"mars config: {json.dumps(options.mars_config, sort_keys=True)} (compare --mars-config) "

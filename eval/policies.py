@@ -32,6 +32,7 @@ __all__ = [
     "merge_config",
     "parse_policies",
     "policy_additional_config",
+    "takes_mars_config",
     "unbounded_kv_blocks",
     "with_host_kv_policies",
 ]
@@ -213,6 +214,16 @@ def merge_config(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str,
     return out
 
 
+def takes_mars_config(policy: str) -> bool:
+    """Whether ``compare --mars-config`` reaches ``policy``: it runs ``MarsScheduler`` (``mars``,
+    its variants, ``mars-offload``). Pure.
+
+    Raises:
+        KeyError: ``policy`` is not in the registry.
+    """
+    return POLICIES[policy].scheduler == "MarsScheduler"
+
+
 def policy_additional_config(policy: str, mars_config: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """``policy``'s vLLM ``--additional-config``: its registry entry's, with ``mars_config``
     (``compare --mars-config``: keys of ``SchedulerParams``) merged into the ``mars`` section when
@@ -227,7 +238,7 @@ def policy_additional_config(policy: str, mars_config: Mapping[str, Any] | None 
         KeyError: ``policy`` is not in the registry.
     """
     spec = POLICIES[policy]
-    if not mars_config or spec.scheduler != "MarsScheduler":
+    if not mars_config or not takes_mars_config(policy):
         return dict(spec.additional_config)
     return merge_config(spec.additional_config, {"mars": mars_config})
 
