@@ -47,6 +47,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from mars_openhands.cli_signals import run_child, sigterm_exits
+
 REPO = Path(__file__).resolve().parents[1]
 TRACES_ROOT = REPO.parent / "shared" / "data" / "traces" / "mini-swe-agent"
 BUNDLED = "deepseek_chat_test_1-100"
@@ -210,7 +212,7 @@ def run_grid(args: argparse.Namespace, sets: Sequence[str], seeds: Sequence[int]
             print(f"[tracesets] {trace_set} seed {seed}: {' '.join(cmd[2:])}", flush=True)
             log_path = out.parent / f"s{seed}.log"
             with open(log_path, "w") as log:
-                rc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT).returncode
+                rc = run_child(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
             if rc != 0:
                 raise RuntimeError(f"compare for {trace_set} seed {seed} exited {rc}; see {log_path} "
                                    "(rerun: finished (set, seed) pairs are not run again)")
@@ -318,4 +320,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with sigterm_exits():  # SIGTERM unwinds: the running compare gets it, then its tree ends
+        sys.exit(main())

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from mars_openhands.cli_signals import run_child, sigterm_exits
+
 ANCHORS = ("sticky-hash", "least-sessions", "llm-d", "prefix-affinity", "thunderagent")
 """The anchor routers (mars_openhands/policy/placement.py names their sources)."""
 OURS = "mars-placement"
@@ -63,7 +65,7 @@ def _run(cmd: list[str], dry_run: bool, done: bool = False) -> None:
     print(("# done: " if done else "$ ") + shlex.join(cmd), flush=True)
     if not dry_run and not done:
         t0 = time.monotonic()
-        subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL)
+        run_child(cmd, stdout=subprocess.DEVNULL)  # killed, this script ends it first
         print(f"  ({time.monotonic() - t0:.0f} s)", flush=True)
 
 
@@ -145,4 +147,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with sigterm_exits():  # SIGTERM unwinds: the running compare gets it, then its tree ends
+        sys.exit(main())

@@ -21,23 +21,33 @@ which then failed over to compensation. Its only children are tool commands, eac
 its own, ended at their timeout.
 
 The other direction, for a child that must not outlive a parent that may be SIGKILLed (nothing
-runs in the parent then): :func:`end_with_parent`, which the child runs (the fake engine, each
-``openhands run`` task). The engine's servers use a watchdog process instead
-(:mod:`mars_openhands.engine.harness.reaper`): vLLM is not our code to add a thread to.
+runs in the parent then): :func:`end_with_parent`, which the child runs (the fake engine, the
+pool workers, each ``openhands run`` task); it ends the child's whole process tree, also what
+left its group or session (the agent's terminal shell: :mod:`mars_openhands.process_tree`). The
+engine's servers use a watchdog process instead (:mod:`mars_openhands.engine.harness.reaper`):
+vLLM is not our code to add a thread to.
+
+On the parent's side: :func:`stop_children` (SIGTERM, then each still running child's whole tree
+after a grace) and :func:`run_child` (``subprocess.run`` that does so when interrupted).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import select
 import signal
+import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from types import FrameType
+from typing import Any
 
-__all__ = ["EXIT_TERMINATED", "Terminated", "end_with_parent", "sigterm_exits"]
+from mars_openhands.process_tree import become_subreaper, kill_tree
+
+__all__ = ["EXIT_TERMINATED", "Terminated", "end_with_parent", "run_child", "sigterm_exits", "stop_children"]
 
 EXIT_TERMINATED = 128 + int(signal.SIGTERM)
 """Exit status after SIGTERM (143), the status a shell reports for a process SIGTERM ended."""
@@ -80,32 +90,97 @@ def sigterm_exits() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def end_with_parent(parent_pid: int, grace_s: float = 10.0, poll_s: float = 0.5) -> threading.Thread:
-    """Start a daemon thread that ends this process once process ``parent_pid`` (the one that
-    started it) has exited, even by SIGKILL: SIGTERM, then SIGKILL after ``grace_s`` seconds; to
-    this process's whole group where it leads one (a process started with
-    ``start_new_session=True``: its tools go with it), else to this process alone (never to a
-    group it shares with its parent's other children). ``parent_pid`` already gone ends it at once.
+def stop_children(procs: Sequence[subprocess.Popen[bytes]], grace_s: float = 5.0,
+                  signal_group: bool = False) -> None:
+    """End processes this process started, each with every process below it, and reap them:
+    SIGTERM to each still running (to its group with ``signal_group``: one started with
+    ``start_new_session=True``), then, for each still running after ``grace_s`` seconds, freeze
+    and SIGKILL its whole tree (:func:`~mars_openhands.process_tree.kill_tree`: also what runs in
+    a session of its own below it).
 
-    Mutates: signals this process (or its group) when the parent is gone.
+    Mutates: signals processes; waits for ``procs``.
+    """
+    targets = [proc for proc in procs if proc.poll() is None]
+    for proc in targets:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if signal_group:
+                os.killpg(proc.pid, signal.SIGTERM)
+            else:
+                proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(proc.poll() is None for proc in targets):
+        time.sleep(0.05)
+    for proc in targets:
+        if proc.poll() is None:
+            kill_tree(proc.pid, 0.0)
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5.0)
+
+
+def run_child(cmd: Sequence[str], grace_s: float = 30.0, **popen: Any) -> int:
+    """``subprocess.run(cmd, **popen).returncode``, except that when this process is interrupted
+    meanwhile (``KeyboardInterrupt``; :class:`Terminated` inside :func:`sigterm_exits`) the child
+    gets SIGTERM, ``grace_s`` seconds to stop what it started (a ``compare`` stops its servers),
+    then SIGKILL with its whole tree (:func:`stop_children`); the exception then propagates.
+
+    Returns:
+        The child's exit status.
+
+    Raises:
+        KeyboardInterrupt, Terminated: as received, once the child has ended.
+    """
+    proc = subprocess.Popen(list(cmd), **popen)
+    try:
+        return proc.wait()
+    except BaseException:
+        stop_children([proc], grace_s)
+        raise
+
+
+def end_with_parent(parent_pid: int, grace_s: float = 10.0, poll_s: float = 0.5) -> threading.Thread:
+    """Make this process end, with every process below it, once process ``parent_pid`` (the one
+    that started it) has exited, even by SIGKILL; ``parent_pid`` already gone ends it at once.
+
+    This process becomes the subreaper of its descendants
+    (:func:`~mars_openhands.process_tree.become_subreaper`: one that ``setsid``s, double-forks or
+    outlives its own parent stays in its tree). A daemon thread waits for the parent, then
+    SIGTERMs this process's tree and this process (which unwinds where it handles SIGTERM: inside
+    :func:`sigterm_exits`), freezes and SIGKILLs what of the tree is left after ``grace_s``
+    seconds, then SIGKILLs this process. An ``atexit`` handler ends the tree the same way when
+    this process exits first (:func:`~mars_openhands.process_tree.kill_tree`, 2 s grace).
+
+    Mutates: this process's prctl state and atexit handlers; signals this process and its tree
+    when the parent is gone.
 
     Returns:
         The started thread.
     """
+    become_subreaper()
+    me = os.getpid()
+    atexit.register(_end_tree_at_exit, me)
 
     def watch() -> None:
         _wait_for_exit(parent_pid, poll_s)
-        leads_group = os.getpgrp() == os.getpid()
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            if leads_group:
-                os.killpg(0, sig)
-            else:
-                os.kill(os.getpid(), sig)
-            time.sleep(grace_s)
+        deadline = time.monotonic() + grace_s
+        handles_sigterm = signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None)
+        if handles_sigterm:
+            os.kill(me, signal.SIGTERM)  # unwinds alongside its tree
+        kill_tree(me, grace_s, include_root=False)
+        if not handles_sigterm:
+            os.kill(me, signal.SIGTERM)
+        time.sleep(max(0.0, deadline - time.monotonic()))
+        os.kill(me, signal.SIGKILL)
 
     thread = threading.Thread(target=watch, name="end-with-parent", daemon=True)
     thread.start()
     return thread
+
+
+def _end_tree_at_exit(pid: int) -> None:
+    """atexit: end what this process started (not in a fork of it, whose atexit copy this is)."""
+    if os.getpid() == pid:
+        kill_tree(pid, 2.0, include_root=False)
 
 
 def _wait_for_exit(pid: int, poll_s: float) -> None:

@@ -9,36 +9,13 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from mars_openhands.engine.harness.reaper import is_process_alive, process_start_ticks, start_reaper
-
-
-def _children() -> dict[int, list[int]]:
-    """ppid -> pids of every process now."""
-    tree: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue  # exited while we looked
-            tree.setdefault(ppid, []).append(int(entry.name))
-    return tree
-
-
-def descendants(pid: int) -> dict[int, int]:
-    """Every live descendant of ``pid``: pid -> start time in clock ticks (its identity)."""
-    tree, found, todo = _children(), {}, [pid]
-    while todo:
-        for child in tree.get(todo.pop(), []):
-            ticks = process_start_ticks(child)
-            if ticks is not None:
-                found[child] = ticks
-                todo.append(child)
-    return found
+from mars_openhands.engine.harness.reaper import start_reaper
+from mars_openhands.process_tree import descendants, is_process_alive, process_start_ticks  # noqa: F401 (descendants: re-exported for the tests)
 
 
 def identities(pids: list[int]) -> dict[int, int]:
@@ -105,3 +82,36 @@ def reap_with_this_process(pgid: int, timeout_s: float = 10.0) -> subprocess.Pop
         The watchdog process.
     """
     return start_reaper(pgid, timeout_s)
+
+
+def with_marker(marker: str) -> dict[int, int]:
+    """Live processes whose command line holds ``marker`` (a test's unique temporary path: safe
+    on a shared machine), with every process below them: pid -> start time. Finds what left a
+    launcher's tree (re-parented to pid 1) and could not be found by parent pid."""
+    found: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            marked = entry.name.isdigit() and marker.encode() in (entry / "cmdline").read_bytes()
+        except OSError:
+            continue  # exited while we looked
+        if marked:
+            pid = int(entry.name)
+            if (ticks := process_start_ticks(pid)) is not None:
+                found[pid] = ticks
+                found.update(descendants(pid))
+    return found
+
+
+@contextlib.contextmanager
+def busy_cpus(count: int = 2, max_s: float = 300.0) -> Iterator[None]:
+    """``count`` processes that busy-loop (nice 0) through the block: the load of another job on a
+    2-core CI machine. Each also ends by itself after ``max_s`` seconds (a killed pytest leaves
+    none for long). Mutates: starts and kills processes."""
+    loop = f"import time\nend = time.monotonic() + {max_s}\nwhile time.monotonic() < end: pass"
+    procs = [subprocess.Popen([sys.executable, "-c", loop]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()

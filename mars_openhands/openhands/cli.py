@@ -285,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     one.add_argument("--task", type=Path, required=True)
     one.add_argument("--config", type=Path, required=True)
     one.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
-                     help="end this task (its process group: the agent's tools too) once the "
+                     help="end this task (its process tree: the agent's tools too) once the "
                           "runner PID is gone, even if it was SIGKILLed")
     one.set_defaults(func=run_one_from_args)
     _add_playback(sub)

@@ -69,6 +69,7 @@ from mars_openhands.openhands.credentials import (
 )
 from mars_openhands.openhands.policy_check import PolicyConfig, check_action
 from mars_openhands.openhands.quiet import replacing_stock_tool
+from mars_openhands.openhands.terminal_ready import CLEAN_ROUNDS, wait_until_ready
 from mars_openhands.stream.events import Event, ToolEnd, ToolEnqueued, ToolStart, now_stamps
 
 __all__ = [
@@ -666,6 +667,12 @@ class _EventedToolBase(ToolDefinition):
         mars = {k: params.pop(k) for k in _MARS_PARAMS if k in params}
         inner_cls = _inner_tool_class(cls.inner_name)
         tools = inner_cls.create(conv_state=conv_state, **params)
+        if cls.inner_name == "terminal":  # its shell in step before the first command's events
+            for tool in tools:
+                rounds = wait_until_ready(tool.executor)
+                if rounds > CLEAN_ROUNDS:
+                    logger.warning("terminal: its shell answered after %d handshakes (a busy "
+                                   "machine; mars_openhands/openhands/terminal_ready.py)", rounds)
         session_id = str(mars.get("mars_session_id") or conv_state.id)
         workspace = Path(mars.get("mars_workspace") or conv_state.workspace.working_dir)
         lifecycle = cls.lifecycle

@@ -15,12 +15,10 @@ the end last and can release the session's KV and admission slot at once.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -31,6 +29,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from mars_openhands.cli_signals import stop_children
 from mars_openhands.openhands.credentials import (
     SESSION_CREDENTIALS,
     SessionCredentials,
@@ -44,6 +43,7 @@ from mars_openhands.openhands.executor import (
     register_evented_tools,
 )
 from mars_openhands.openhands.llm import ENV_API_KEY, LLMSettings, TurnTracker, build_session_llm
+from mars_openhands.process_tree import kill_tree
 from mars_openhands.stream.events import SessionEnd, SessionStart, now_stamps
 
 __all__ = ["LLMCall", "RunConfig", "TaskResult", "TaskSpec", "events_url_for", "run_task",
@@ -578,26 +578,17 @@ def run_tasks(tasks: Sequence[TaskSpec], config: RunConfig, rps: float,
 
 
 def _stop_tasks(procs: list[subprocess.Popen[bytes]], grace_s: float = 5.0) -> None:
-    """SIGTERM the process group of every task still running, SIGKILL what is left after
-    ``grace_s`` seconds, and reap them. Mutates: signals processes."""
-    targets = [proc for proc in procs if proc.poll() is None]
-    for sig in (signal.SIGTERM, signal.SIGKILL):  # SIGKILL also reaches a group's leftover tools
-        for proc in targets:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, sig)
-        deadline = time.monotonic() + grace_s
-        while sig == signal.SIGTERM and time.monotonic() < deadline and any(
-                proc.poll() is None for proc in targets):
-            time.sleep(0.05)
-    for proc in procs:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=5.0)
+    """SIGTERM the process group of every task still running (each unwinds and ends its tools),
+    then freeze and SIGKILL the whole process tree of each still running after ``grace_s``
+    seconds: its terminal's shell runs in a session of its own, out of the group's reach
+    (:func:`~mars_openhands.cli_signals.stop_children`). Mutates: signals processes."""
+    stop_children(procs, grace_s, signal_group=True)
 
 
 def _start_task(task: TaskSpec, out: Path, python: str | None,
                 env: dict[str, str]) -> subprocess.Popen[bytes]:
     """Start ``task``'s ``run-one`` process (own process group, log in ``process.log``; it ends
-    its group once this process is gone: ``--exit-with-parent``)."""
+    its whole process tree once this process is gone: ``--exit-with-parent``)."""
     (out / task.task_id).mkdir(parents=True, exist_ok=True)
     task_file = out / task.task_id / "task.json"
     task_file.write_text(task.model_dump_json())
@@ -614,7 +605,7 @@ def _wait(task: TaskSpec, proc: subprocess.Popen[bytes], started_s: float, confi
     try:
         proc.wait(timeout=max(1.0, started_s + config.task_timeout_s - time.monotonic()))
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
+        kill_tree(proc.pid, 0.0)  # the task with its tools, in sessions of their own too
         proc.wait()
         return _failed(task, out, "timeout", f"task exceeded task_timeout_s={config.task_timeout_s}")
     result_path = out / task.task_id / "result.json"

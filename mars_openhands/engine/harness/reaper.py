@@ -27,28 +27,13 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
+
+from mars_openhands.process_tree import is_process_alive, process_start_ticks
 
 __all__ = ["POLL_INTERVAL_S", "is_process_alive", "main", "process_start_ticks", "start_reaper"]
 
 POLL_INTERVAL_S = 0.5
 """Seconds between two checks of the owner (a dead owner's group goes within about this)."""
-
-
-def process_start_ticks(pid: int) -> int | None:
-    """Start time of process ``pid`` in clock ticks since boot (``/proc/<pid>/stat`` field 22),
-    or ``None`` if there is no such process (or it is a zombie). Pure read."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()  # after the command name: state ppid pgrp ...
-    return None if fields[0] == "Z" else int(fields[19])
-
-
-def is_process_alive(pid: int, start_ticks: int | None) -> bool:
-    """Whether ``pid`` is still the process that started at ``start_ticks``. Pure read."""
-    return start_ticks is not None and process_start_ticks(pid) == start_ticks
 
 
 def start_reaper(pgid: int, timeout_s: float, owner_pid: int | None = None) -> subprocess.Popen[bytes]:
