@@ -8,7 +8,7 @@ killed, re-parented to pid 1. Inside :func:`sigterm_exits` the first SIGTERM rai
 the command unwinds as on any other exit: its ``finally`` blocks and ``with`` exits stop what it
 started, then ``atexit`` stops what is left. Further SIGTERMs are ignored while that teardown runs
 (a second one would abort it half-way); SIGKILL still ends the process, and each server's
-watchdog (:mod:`mars_openhands.engine.harness.reaper`) then kills its group.
+watchdog (:mod:`mars_openhands.engine.harness.reaper`) then kills its group and process tree.
 
 SIGINT needs nothing: Python raises ``KeyboardInterrupt``, which unwinds the same way.
 
@@ -17,8 +17,9 @@ entry points that start servers (``python -m mars_openhands.openhands.cli``, the
 except a subcommand whose parser sets ``sigterm_is_crash=True``: ``tasks``, whose runner, killed,
 is resumed like a crashed one (``mars-openhands tasks resume``), and whose workflow runs in a
 thread of its own: unwinding the main thread under it tore DBOS down beneath the running workflow,
-which then failed over to compensation. Its only children are tool commands, each in a session of
-its own, ended at their timeout.
+which then failed over to compensation. Its only children are tool, compensation and acceptance
+commands, each under a host that ends the command's tree once the runner has exited
+(:mod:`mars_openhands.process_host`).
 
 The other direction, for a child that must not outlive a parent that may be SIGKILLed (nothing
 runs in the parent then): :func:`end_with_parent`, which the child runs (the fake engine, the

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import os
 import signal
 import time
@@ -79,10 +78,10 @@ def _walk(tree: dict[int, list[int]], roots: list[int]) -> dict[int, int]:
     return found
 
 
-def descendants(pid: int) -> dict[int, int]:
-    """Every live descendant of ``pid`` (not ``pid`` itself): pid -> start time in clock ticks.
-    Pure read of ``/proc``."""
-    return _walk(_children(), [pid])
+def descendants(pid: int, *more: int) -> dict[int, int]:
+    """Every live descendant of ``pid`` and of each of ``more`` (not those themselves): pid ->
+    start time in clock ticks. Pure read of ``/proc`` (one pass however many roots)."""
+    return _walk(_children(), [pid, *more])
 
 
 def become_subreaper() -> bool:
@@ -96,7 +95,9 @@ def become_subreaper() -> bool:
         Whether it took effect (``False`` where ``prctl`` is missing: not Linux).
     """
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        # The symbols this process already has (libc's among them): no ctypes.util.find_library,
+        # which runs ldconfig and gcc (about 0.2 s: paid by every tool command's host).
+        libc = ctypes.CDLL(None, use_errno=True)
         return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
@@ -135,11 +136,13 @@ def _freeze(root: int, include_root: bool, more: dict[int, int]) -> dict[int, in
     return frozen
 
 
-def kill_tree(root: int, grace_s: float, include_root: bool = True, poll_s: float = 0.05) -> list[int]:
+def kill_tree(root: int, grace_s: float, include_root: bool = True, poll_s: float = 0.05,
+              also: dict[int, int] | None = None) -> list[int]:
     """End process ``root`` and every process below it: SIGTERM to each, then, after ``grace_s``
     seconds (at once when 0) for whatever is still running, freeze and SIGKILL, including what
     left the tree meanwhile (re-parented to pid 1 when ``root`` is no subreaper) and what that
-    started.
+    started. ``also`` (pid -> start ticks, from :func:`descendants`) are processes known to have
+    belonged to the tree earlier: those still alive end with it, with what is below them.
 
     ``root`` may be this process with ``include_root=False`` (end everything this process
     started and keep running); this process itself is never signalled.
@@ -151,11 +154,12 @@ def kill_tree(root: int, grace_s: float, include_root: bool = True, poll_s: floa
         grace_s: seconds between SIGTERM and SIGKILL (>= 0).
         include_root: end ``root`` too.
         poll_s: seconds between two checks during the grace.
+        also: more processes to end with their trees (a pid reused since is never signalled).
 
     Returns:
         The pids that needed SIGKILL (sorted).
     """
-    started = _tree(root, include_root)
+    started = _tree(root, include_root, also)
     if grace_s > 0:
         _signal(started, signal.SIGTERM)
         deadline = time.monotonic() + grace_s

@@ -25,7 +25,6 @@ compensable writes (newest first) and records why.
 
 from __future__ import annotations
 
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +33,7 @@ from typing import Any, Literal
 from dbos import DBOS
 from pydantic import BaseModel, ConfigDict
 
+from mars_openhands.process_host import run_hosted
 from mars_openhands.runtime import crash
 from mars_openhands.runtime.config import RuntimeConfig
 from mars_openhands.runtime.effects import (
@@ -405,12 +405,12 @@ class TaskRun:
 
     # ---- ending ------------------------------------------------------------------------------
     def _shell(self, command: str, timeout_s: float) -> dict[str, Any]:
-        try:
-            proc = subprocess.run(["bash", "-c", command], cwd=self.workspace, capture_output=True,
-                                  text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
+        """A compensation or acceptance command: ``bash -c`` in the workspace, ended with its
+        whole tree at ``timeout_s`` or once this runner has exited (:mod:`mars_openhands.process_host`)."""
+        exit_code, out = run_hosted(["bash", "-c", command], timeout_s, cwd=self.workspace)
+        if exit_code is None:
             return {"exit_code": None, "text": f"timed out after {timeout_s:g} s"}
-        return {"exit_code": proc.returncode, "text": (proc.stdout + proc.stderr)[-4000:]}
+        return {"exit_code": exit_code, "text": out[-4000:]}
 
     def _compensate_one(self, row: dict[str, Any], why: str) -> dict[str, Any]:
         template = row["intent"]["effect"].get("compensation")

@@ -15,11 +15,11 @@ File edits are idempotent by content: ``create`` writes the whole text; a ``str_
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
+
+from mars_openhands.process_host import run_hosted
 
 __all__ = ["TOOL_SCHEMAS", "run_file_editor", "run_terminal", "run_tool"]
 
@@ -47,23 +47,21 @@ def _cut(text: str, max_chars: int) -> str:
 
 def run_terminal(command: str, workspace: Path, key: str, task_id: str, timeout_s: float,
                  max_chars: int) -> dict[str, Any]:
-    """Run ``command`` with ``bash -c`` in ``workspace``; kill its process group at ``timeout_s``.
+    """Run ``command`` with ``bash -c`` in ``workspace``, in a session of its own, stdin empty,
+    under a host that ends its whole process tree once this process has exited, even by SIGKILL
+    (:mod:`mars_openhands.process_host`: a killed runner leaves nothing of it running; the
+    resumed task finds the call in doubt); at ``timeout_s`` the tree is killed.
 
     Returns:
         ``{"status": "ok"|"error"|"timeout", "exit_code", "text"}`` (stdout+stderr, cut to ``max_chars``).
     """
     env = {**os.environ, "MARS_IDEMPOTENCY_KEY": key, "MARS_TASK_ID": task_id}
-    proc = subprocess.Popen(["bash", "-c", command], cwd=workspace, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+    exit_code, out = run_hosted(["bash", "-c", command], timeout_s, cwd=workspace, env=env,
+                                start_new_session=True)
+    if exit_code is None:
         return {"status": "timeout", "exit_code": None,
-                "text": _cut(out or "", max_chars) + f"\n[timed out after {timeout_s:g} s]"}
-    return {"status": "ok" if proc.returncode == 0 else "error", "exit_code": proc.returncode,
-            "text": _cut(out or "", max_chars)}
+                "text": _cut(out, max_chars) + f"\n[timed out after {timeout_s:g} s]"}
+    return {"status": "ok" if exit_code == 0 else "error", "exit_code": exit_code, "text": _cut(out, max_chars)}
 
 
 def _edit(path: Path, args: dict[str, Any], is_retry: bool) -> str:

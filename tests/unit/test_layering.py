@@ -58,8 +58,10 @@ LAZY_ONLY: dict[str, set[str]] = {"stream": {"zmq", "pandas", "pyarrow", "numpy"
 # package entry point that pyproject.toml declares for the OpenHands layer.)
 KNOWN_STRING_IMPORTS: dict[tuple[str, str], str] = {}
 # The only modules the runtime may import at all, besides the standard library and itself.
+# process_tree and process_host are top-level, standard-library-only process plumbing that belongs
+# to no layer (a runner's tool commands end with it: mars_openhands/process_host.py).
 RUNTIME_ALLOWED = ("mars_openhands.runtime", "mars_openhands.stream", "mars_openhands.policy",
-                   "mars_openhands", "pydantic", "dbos", "sqlalchemy", "pandas", "pyarrow",
+                   "mars_openhands.process_tree", "mars_openhands.process_host", "mars_openhands", "pydantic", "dbos", "sqlalchemy", "pandas", "pyarrow",
                    "matplotlib", "rich")
 
 

@@ -45,6 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from mars_openhands.engine.harness.offload.params import HostKvParams
 from mars_openhands.engine.harness.reaper import start_reaper
+from mars_openhands.process_tree import kill_tree, process_start_ticks
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 """Directory holding the ``mars_openhands`` package; put on the server's PYTHONPATH."""
@@ -361,6 +362,23 @@ def terminate_process_group(pgid: int, timeout_s: float) -> None:
         raise VllmServerError(f"processes {survivors} of group {pgid} survived SIGKILL")
 
 
+def terminate_server_tree(pgid: int, timeout_s: float, also: dict[int, int] | None = None) -> None:
+    """End a server started in a session of its own (leader pid ``pgid``): every process of its
+    group and every process below those, also one that left the group (``setsid``), and of
+    ``also`` (pid -> start ticks: processes seen in the tree earlier, since re-parented):
+    SIGTERM, SIGKILL after ``timeout_s`` (:func:`~mars_openhands.process_tree.kill_tree`), then
+    the group once more for a member that started meanwhile.
+
+    Mutates: signals processes. Returns once no live process is left in the group.
+
+    Raises:
+        VllmServerError: if processes of the group survive SIGKILL for 10 s (should not happen).
+    """
+    group = {pid: ticks for pid in live_pids_in_group(pgid) if (ticks := process_start_ticks(pid)) is not None}
+    kill_tree(pgid, timeout_s, also={**(also or {}), **group})
+    terminate_process_group(pgid, 0.0)
+
+
 class VllmServer:
     """A vLLM OpenAI server subprocess: start, wait for readiness, stop without orphans.
 
@@ -470,7 +488,8 @@ class VllmServer:
         return self
 
     def stop(self) -> None:
-        """Terminate the whole process group (SIGTERM, then SIGKILL). Idempotent.
+        """Terminate the whole process group and every process below it (SIGTERM, then SIGKILL;
+        :func:`terminate_server_tree`). Idempotent.
 
         Mutates: kills processes, reaps the API server, unregisters the atexit hook.
         """
@@ -479,7 +498,7 @@ class VllmServer:
             return
         atexit.unregister(self.stop)
         try:
-            terminate_process_group(proc.pid, self.options.stop_timeout_s)
+            terminate_server_tree(proc.pid, self.options.stop_timeout_s)
         finally:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5.0)

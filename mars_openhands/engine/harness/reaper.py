@@ -1,4 +1,5 @@
-"""A watchdog that kills a process group when its owner dies without cleaning up.
+"""A watchdog that kills a server's process group, and every process below it, when its owner
+dies without cleaning up.
 
 :class:`~.launch.VllmServer` runs vLLM in its own process group and tears it down in ``stop()``
 (also at interpreter exit). A SIGKILLed owner runs neither: under ``mars-openhands serve`` Ray
@@ -7,15 +8,18 @@ holding the port, the memory and (on a GPU node) the GPU; so did a ``compare`` t
 SIGTERMed. With ``reap_with_owner`` (on by default) the server starts this watchdog (``python -m mars_openhands.engine.harness.reaper OWNER_PID PGID
 TIMEOUT_S``): a small process in its own session, so a signal to the owner's group does not reach
 it, that polls every ``POLL_INTERVAL_S`` whether the owner still lives, and once it does not,
-SIGTERMs the group, SIGKILLs the survivors after ``TIMEOUT_S`` and exits. It also exits when the
+SIGTERMs the group and its process tree (also a child that left the group with ``setsid``:
+:func:`~mars_openhands.process_tree.kill_tree`, and one seen in the tree at an earlier poll
+and re-parented since), freezes and SIGKILLs the survivors after ``TIMEOUT_S`` and exits. It also exits when the
 group is gone (``stop()`` ran, or the server died by itself).
 
 Why not ``PR_SET_PDEATHSIG``: it fires when the *thread* that forked the child exits, and Ray
 may construct an actor on a thread that does not outlive the constructor; it also reaches only
 the API server, not the engine-core and worker processes of its group.
 
-Cost: one small Python process per server, reading ``/proc/<pid>/stat`` of every process each
-poll (about 2 ms of CPU per poll with ~100 processes on the machine).
+Cost: one small Python process per server, reading ``/proc/<pid>/stat`` of every process twice
+each poll (the group, then the tree below it: about 4 ms of CPU per poll with ~100 processes on
+the machine).
 
 Mental model: the owner's identity is its pid *and* its start time (``/proc/<pid>/stat`` field
 22), so a pid reused by an unrelated process still reads as the owner's death.
@@ -28,7 +32,7 @@ import subprocess
 import sys
 import time
 
-from mars_openhands.process_tree import is_process_alive, process_start_ticks
+from mars_openhands.process_tree import descendants, is_process_alive, process_start_ticks
 
 __all__ = ["POLL_INTERVAL_S", "is_process_alive", "main", "process_start_ticks", "start_reaper"]
 
@@ -57,13 +61,19 @@ def start_reaper(pgid: int, timeout_s: float, owner_pid: int | None = None) -> s
 
 
 def watch(owner_pid: int, pgid: int, timeout_s: float) -> bool:
-    """Poll until the group is gone (False) or the owner died, then kill the group (True)."""
-    from mars_openhands.engine.harness.launch import live_pids_in_group, terminate_process_group
+    """Poll until the group is gone (False) or the owner died, then kill the group and every
+    process below it (True). Each poll remembers the tree (pid and start time), so a process
+    that left the group (``setsid``) and then lost its parent (re-parented to pid 1, out of any
+    later walk from the group) still ends with the server."""
+    from mars_openhands.engine.harness.launch import live_pids_in_group, terminate_server_tree
 
     start_ticks = process_start_ticks(owner_pid)
-    while live_pids_in_group(pgid):
+    seen: dict[int, int] = {}
+    while group := live_pids_in_group(pgid):
+        seen = {pid: ticks for pid, ticks in seen.items() if is_process_alive(pid, ticks)}
+        seen.update(descendants(*group))
         if not is_process_alive(owner_pid, start_ticks):
-            terminate_process_group(pgid, timeout_s)
+            terminate_server_tree(pgid, timeout_s, also=seen)
             return True
         time.sleep(POLL_INTERVAL_S)
     return False

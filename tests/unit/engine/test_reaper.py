@@ -1,6 +1,6 @@
 """The process-group watchdog (mars_openhands/engine/harness/reaper.py): a SIGKILLed owner's
-group goes (it stays without the watchdog), the watchdog leaves with the group, and a reused pid
-does not pass for the owner."""
+group goes (it stays without the watchdog), and with it what the server started that left the
+group (setsid); the watchdog leaves with the group, and a reused pid does not pass for the owner."""
 
 from __future__ import annotations
 
@@ -13,8 +13,18 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from mars_openhands.engine.harness.launch import VllmServerOptions, live_pids_in_group
 from mars_openhands.engine.harness.reaper import is_process_alive, process_start_ticks, start_reaper
+from tests.proc_tree import (
+    assert_ends_with_owner,
+    busy_cpus,
+    identities,
+    kill_leftovers,
+    wait_until,
+    with_marker,
+)
 
 _OWNER = textwrap.dedent("""
     import subprocess, sys, time
@@ -103,3 +113,41 @@ def test_serves_engines_are_reaped_with_their_actor(tmp_path: Path) -> None:
     assert options.reap_with_owner
     assert VllmServerOptions(model_dir=tmp_path).reap_with_owner  # every server, by default
     assert not VllmServerOptions(model_dir=tmp_path, reap_with_owner=False).reap_with_owner
+
+
+_OWNER_OF_A_SETSID_CHILD = textwrap.dedent("""
+    import subprocess, sys, time
+    from mars_openhands.engine.harness.reaper import start_reaper
+    marker = sys.argv[1]
+    # The stand-in server (its own session, as VllmServer starts it) starts an "engine child" that
+    # leaves the group (setsid), then waits: killing the group alone leaves that child running.
+    server = subprocess.Popen(["bash", "-c", f"setsid bash -c 'sleep 300; : {marker}' & wait"],
+                              start_new_session=True)
+    start_reaper(server.pid, 1.0)
+    print(server.pid, flush=True)
+    time.sleep(300)
+""")
+
+
+@pytest.mark.parametrize("load", ["idle", "busy"])
+@pytest.mark.parametrize("repeat", range(2))
+def test_a_sigkilled_owners_server_ends_with_what_left_its_group(load: str, repeat: int, tmp_path: Path) -> None:
+    """The watchdog ends the server's process tree, not only its group: a child that ``setsid``
+    (its own session and group) goes too, with both cores busy as well. Failed before (group kill
+    only): the ``setsid`` shell and its ``sleep`` ran on, re-parented to pid 1."""
+    repo = Path(__file__).parents[3]
+    marker = str(tmp_path / "engine-child")
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER_OF_A_SETSID_CHILD, marker], stdout=subprocess.PIPE,
+                             cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)})
+    started: dict[int, int] = {}
+    try:
+        with busy_cpus() if load == "busy" else contextlib.nullcontext():
+            assert owner.stdout is not None
+            pgid = int(owner.stdout.readline())
+            assert wait_until(lambda: len(with_marker(marker)) >= 2, 20.0), "the setsid child and its sleep run"
+            time.sleep(1.5)  # the watchdog has read the owner's start time and polled the tree
+            started = {**identities(live_pids_in_group(pgid)), **with_marker(marker)}
+            assert any(os.getpgid(pid) != pgid for pid in with_marker(marker)), "a child left the group"
+            assert_ends_with_owner(owner, started, signal.SIGKILL, bound_s=15.0)
+    finally:
+        kill_leftovers(owner, {**started, **with_marker(marker)})
