@@ -297,28 +297,27 @@ class MarsScheduler(CertifiedRuns, MarsBaseScheduler):
 
     # ------------------------------------------------------------------ merged runs
     def can_merge_run(self) -> bool:
-        """With vLLM's host KV tier (or :attr:`merges_gpu_only_runs`): base conditions, the
-        running requests in their running order (a step that may fail an allocation sorts them;
-        the merged call, its waiting queue hidden, may not), and a residency plan that does
-        nothing now (:meth:`_is_residency_quiet`). Pure."""
+        """With vLLM's host KV tier (or :attr:`merges_gpu_only_runs`): base conditions and a
+        residency plan that does nothing now (:meth:`_is_residency_quiet`). Pure."""
         return ((self.host_reload is not None or self.merges_gpu_only_runs)
-                and super().can_merge_run() and self._is_running_in_key_order()
-                and self._is_residency_quiet(0))
+                and super().can_merge_run() and self._is_residency_quiet(0))
 
     def run_max_steps(self, limit: int, step_tokens: int | None = None) -> int:
-        """Most steps (<= ``limit``) in each of which the residency plan does nothing: the first
-        step whose plan may act ends the run (1 while a running request is in its prompt: a run
-        of ours is decode only). Pure.
+        """Most steps (<= ``limit``) in each of which the residency plan does nothing and whose
+        running order merging keeps (:meth:`_run_steps_keeping_running_order`): the first step
+        whose plan may act ends the run (1 while a running request is in its prompt: a run of
+        ours is decode only). Pure.
 
         Bisection is exact: a session's demand only grows over a decode run (its context grows a
         token a step, and its reserve ``E[L | L > n] - n`` from integer output lengths, or the
         prior's ``max(prior, 2n) - n``, capped by ``max_tokens``, never drops by more), so a plan
         that suspends an idle resident at step ``i`` suspends one at every later step, and one
         whose held sessions fit nowhere now fits them nowhere later."""
-        if limit <= 1 or not self._residency_on or not (self.held or self.resident):
-            return limit
         if any(r.num_computed_tokens < r.num_prompt_tokens for r in self.running):
             return 1
+        limit = self._run_steps_keeping_running_order(limit)
+        if limit <= 1 or not self._residency_on or not (self.held or self.resident):
+            return limit
         if self._is_residency_quiet(limit - 1):
             return limit
         lo, hi = 0, limit - 1  # quiet at step lo, not at step hi: find the first step it acts
@@ -343,14 +342,41 @@ class MarsScheduler(CertifiedRuns, MarsBaseScheduler):
                     t = min(t, state.arrival_s + max_hold_s - RUN_MARGIN_S)
         return t
 
-    def _is_running_in_key_order(self) -> bool:
-        """Whether sorting the running requests by :meth:`running_key` would leave them as they
-        are (decode keys do not move within a run). Pure."""
+    def _run_steps_keeping_running_order(self, limit: int) -> int:
+        """Most steps (<= ``limit``) whose running order a merged call leaves as the single steps
+        would. Pure.
+
+        A step sorts the running requests by :meth:`running_key` while one is prefilling or an
+        allocation may fail (the free blocks fall below a step's budget plus a block per running
+        and waiting request, ``_allocation_may_fail``); the merged call checks once, at the
+        run's start and with its waiting queue hidden. Sorted requests stay sorted (decode keys
+        do not move within a run; the sort is stable); unsorted ones may only merge the steps
+        that surely sort nothing: the free blocks at the start of the last one (``k - 1`` steps'
+        new blocks taken) still above the bound with the real waiting queue."""
         if len(self.running) < 2:
-            return True
+            return limit
         now = self.clock()
         keys = [self.running_key(r, now) for r in self.running]
-        return all(a <= b for a, b in zip(keys, keys[1:], strict=False))
+        if all(a <= b for a, b in zip(keys, keys[1:], strict=False)):
+            return limit
+        if self.prefilling:
+            return 1
+        bs = self.block_size
+        bound = (-(-seams.hooks.max_num_scheduled_tokens(self) // bs) + len(self.running)
+                 + min(len(self.waiting), seams.hooks.max_num_running_reqs(self)))
+        room = seams.blocks.num_free_blocks(self) - bound  # blocks the run may take before a sort
+
+        def new_blocks(k: int) -> int:
+            return sum(-(-(r.num_computed_tokens + k) // bs) - -(-r.num_computed_tokens // bs)
+                       for r in self.running)
+
+        if room < 0:
+            return 1
+        lo, hi = 0, limit - 1  # largest i <= limit - 1 with new_blocks(i) <= room (monotone)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if new_blocks(mid) <= room else (lo, mid - 1)
+        return max(1, lo + 1)
 
     def _is_residency_quiet(self, num_steps: int) -> bool:
         """Whether the residency plan of the step ``num_steps`` decode steps from now (each running
