@@ -217,10 +217,11 @@ mars-preview   72.2    156x     91,024    469,545    2,784
 =============  ======  =======  ========  =========  ========
 
 Measured 2026-12-05, mars-offload (MarsScheduler over vLLM's host KV tier, 256 GiB) before and
-after its merged runs were certified (old 4e51397, new 0e4ec90, one at a time, load ~2), on the
-first 15 sessions x 40 turns (``--policies mars-offload --sessions 15 --max-turns 40``): 14.8 ->
-6.2 CPU s, 86,686 -> 14,961 ``schedule()`` calls for the same 86,409 steps; every event but the
-``engine_step`` snapshots, every turn's times and the makespan the same (sha256 of both runs).
+after its merged runs were certified (old 4e51397; new 0e4ec90, then 2f53129: an unsorted running
+list bounds a run instead of refusing it; one at a time, load ~2), on the first 15 sessions x 40
+turns (``--policies mars-offload --sessions 15 --max-turns 40``): 14.8 -> 6.2 -> 4.2 CPU s,
+86,686 -> 14,961 -> 3,689 ``schedule()`` calls for the same 86,409 steps; every event but the
+``engine_step`` snapshots, every turn's times and the makespan the same (sha256 of the runs).
 
 Prints one row per policy (simulated s, wall s, CPU s, simulated s per CPU s, ``schedule()``
 calls, engine steps, preemptions) and appends the rows to
