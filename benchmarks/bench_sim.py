@@ -216,6 +216,13 @@ autellix       64.8    189x     76,508    487,472    2,051
 mars-preview   72.2    156x     91,024    469,545    2,784
 =============  ======  =======  ========  =========  ========
 
+Measured 2026-12-05, mars-offload (MarsScheduler over vLLM's host KV tier, 256 GiB) before and
+after its merged runs were certified (old 4e51397; new 0e4ec90, then 2f53129: an unsorted running
+list bounds a run instead of refusing it; one at a time, load ~2), on the first 15 sessions x 40
+turns (``--policies mars-offload --sessions 15 --max-turns 40``): 14.8 -> 6.2 -> 4.2 CPU s,
+86,686 -> 14,961 -> 3,689 ``schedule()`` calls for the same 86,409 steps; every event but the
+``engine_step`` snapshots, every turn's times and the makespan the same (sha256 of the runs).
+
 Prints one row per policy (simulated s, wall s, CPU s, simulated s per CPU s, ``schedule()``
 calls, engine steps, preemptions) and appends the rows to
 ``benchmarks/results/bench_sim.parquet`` (git sha, vLLM version, machine, parameters).
@@ -225,6 +232,8 @@ calls, engine steps, preemptions) and appends the rows to
     python benchmarks/bench_sim.py --profile 25            # + cProfile's top 25 per policy
     MARS_SIM_FAST_PATHS=0 python benchmarks/bench_sim.py   # fast paths off (the reference)
     python benchmarks/bench_sim.py --smoke                 # CI: 4 sessions x 10 turns
+    python benchmarks/bench_sim.py --policies mars-offload --sessions 15 --max-turns 40
+                                      # a host-tier policy, 256 GiB (--host-kv-gib), trimmed
 """
 
 from __future__ import annotations
@@ -244,7 +253,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eval.compare_setup import default_traces_dir  # noqa: E402 - after the path
-from eval.policies import POLICIES  # noqa: E402
+from eval.policies import DEFAULT_HOST_KV_GIB, POLICIES  # noqa: E402
 from eval.runs import METRIC_KINDS  # noqa: E402
 
 KNEE_H100_PER_S = 0.010
@@ -277,6 +286,11 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="cProfile each run and print its top N functions by cumulative time")
     p.add_argument("--smoke", action="store_true", help="tiny size for CI (4 sessions x 10 turns)")
+    p.add_argument("--sessions", type=int, default=0, help="keep the first N sessions (0: all)")
+    p.add_argument("--max-turns", type=int, default=0, help="keep each session's first N turns (0: all)")
+    p.add_argument("--host-kv-gib", type=float, default=None,
+                   help="host KV tier of the policies that have one (mars-offload, vllm-offload-*), GiB, "
+                        "as compare --host-kv-gib (default 256); the others run without")
     p.add_argument("--no-record", action="store_true", help="do not append the Parquet rows")
     return p.parse_args(argv)
 
@@ -288,17 +302,25 @@ def _workload(args: argparse.Namespace) -> Any:
     workload = load_trace_dir(traces, on_error="skip")
     if args.smoke:
         workload = trim_workload(workload, num_sessions=4, max_turns=10)
+    elif args.sessions or args.max_turns:
+        workload = trim_workload(workload, num_sessions=args.sessions or None,
+                                 max_turns=args.max_turns or None)
     return with_arrivals(workload, PoissonArrivals(rate_per_s=args.base_rate * args.load),
                          seed=args.seed)
 
 
-def _config(policy: str, num_gpu_blocks: int, seed: int) -> Any:
-    """``SimConfig`` of one compare policy (as ``compare --admission auto`` builds it)."""
+def _config(policy: str, num_gpu_blocks: int, seed: int, host_kv: tuple[float, int] | None = None) -> Any:
+    """``SimConfig`` of one compare policy (as ``compare --admission auto`` builds it); ``host_kv``:
+    (GiB, KV bytes per block) of the tier of a policy that has one (else it runs without)."""
     from eval.sim import SimConfig
     from mars_openhands.engine.harness.inproc_engine import InprocEngineParams
+    from mars_openhands.engine.harness.offload.params import HostKvParams
 
     spec = POLICIES[policy]
-    engine = InprocEngineParams(num_gpu_blocks=num_gpu_blocks,
+    tier = None
+    if spec.host_kv is not None and host_kv is not None:
+        tier = HostKvParams(size_gib=host_kv[0], kv_bytes_per_block=host_kv[1], **spec.host_kv)
+    engine = InprocEngineParams(num_gpu_blocks=num_gpu_blocks, host_kv=tier,
                                 additional_config=dict(spec.additional_config), **spec.engine)
     return SimConfig(policy=spec.scheduler, engine=engine, seed=seed,
                      is_admission_enabled=spec.has_control_plane)
@@ -330,7 +352,7 @@ def _run_one(policy: str, workload: Any, timer: Any, num_blocks: int,
     from eval.sim import Simulator, fast_paths_enabled
     from mars_openhands.stream.transport import ListSink
 
-    config = _config(policy, num_blocks, args.seed)
+    config = _config(policy, num_blocks, args.seed, args.host_kv)
     # compare's runs keep the kinds the metrics read; the simulator builds no others.
     sink = None if args.no_events else ListSink(kinds=None if args.all_events else METRIC_KINDS)
     sim = Simulator(workload, config, timer, sink)
@@ -369,6 +391,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
     profile = GpuProfile(gpu=args.gpu, model=args.model)
     timer, num_blocks = StepTimeModel(profile), estimate_kv_capacity(profile).num_gpu_blocks
+    args.host_kv = (DEFAULT_HOST_KV_GIB if args.host_kv_gib is None else args.host_kv_gib,
+                    profile.kv_bytes_per_token * 16)  # compare's: the deployment's bytes per block
     workload = _workload(args)
     rate = args.base_rate * args.load
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -376,10 +400,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "bench": "bench_sim", "git_sha": _git_sha(), "vllm": vllm.__version__,
         "machine": f"{platform.node()} {platform.machine()} cpus={os.cpu_count()}",
         "gpu": args.gpu, "model": args.model, "num_gpu_blocks": num_blocks, "rate_per_s": rate,
+        "host_kv_gib": args.host_kv[0],
         "load_x": args.load, "num_sessions": len(workload.sessions), "num_turns": workload.num_turns,
         "events": "none" if args.no_events else "all" if args.all_events else "metric kinds",
     }
-    length = "trimmed to 4 sessions x 10 turns (--smoke)" if args.smoke else "full length"
+    length = ("trimmed to 4 sessions x 10 turns (--smoke)" if args.smoke
+              else "trimmed (--sessions/--max-turns)" if args.sessions or args.max_turns else "full length")
     print(f"bench_sim: {common['num_sessions']} sessions / {common['num_turns']} turns, {length}, "
           f"{args.gpu} x {args.model}, {num_blocks} KV blocks, Poisson {rate:.4g}/s "
           f"({args.load}x knee {args.base_rate}/s), seed {args.seed}, target >= {TARGET_PER_CPU_X:g}x")
@@ -389,7 +415,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for policy in policies:
         # Warm-up: engine construction and first-call costs, on a 2-session slice.
         warm = trim_workload(workload, num_sessions=2, max_turns=3)
-        Simulator(warm, _config(policy, num_blocks, args.seed), timer, ListSink()).run()
+        Simulator(warm, _config(policy, num_blocks, args.seed, args.host_kv), timer, ListSink()).run()
         row = {**common, **_run_one(policy, workload, timer, num_blocks, args),
                "load_avg_1m": os.getloadavg()[0]}
         rows.append(row)

@@ -562,9 +562,10 @@ class InprocEngine:
         single steps (bit-identical to one step at a time, as the tier's steps ran before they
         merged), not at the mean context. Our schedulers: only one that merges runs
         (:class:`MergesRuns`, bounded by its ``run_limits``) and holds no request outside vLLM's
-        queues (it could admit one in the run's first step). Pure."""
+        queues (it could admit one in the run's first step), unless its ``run_limits`` keep its
+        holds (``run_limits_cover_held``: MARS's residency). Pure."""
         if self.is_plugin:
-            if self._runs is None or self.request_counts()[1]:
+            if self._runs is None or (self.request_counts()[1] and not self._runs.run_limits_cover_held()):
                 return None
             limits = self._runs.run_limits(k, now_s)
             if limits is None or limits.max_steps <= 1:

@@ -17,9 +17,13 @@ is the contract between the two, in plain data both ways::
 A scheduler class allows merged runs by implementing :class:`MergesRuns`; our classes do it by
 listing :class:`CertifiedRuns` before :class:`~.base.MarsBaseScheduler` (``class
 InferceptScheduler(CertifiedRuns, MarsBaseScheduler)``) and overriding the parts their hooks need.
-A class that does not (``FcfsScheduler``, ``MarsScheduler``) is always stepped one step at a time.
-Stock vLLM schedulers need no contract: they have no per-step decisions of their own. Nothing
-here runs in a vLLM server: ``schedule()`` is called there without ``run``.
+A class that does not (``FcfsScheduler``) is always stepped one step at a time. ``MarsScheduler``
+certifies its runs with vLLM's host KV tier (``mars-offload``; GPU-only only with
+``merges_gpu_only_runs``): its residency plan must do nothing in any step of a run, which it
+proves without reading the plan's clocks (``MarsScheduler._is_residency_quiet``), and its held
+turns stay held (:meth:`MergesRuns.run_limits_cover_held`). Stock vLLM schedulers need no
+contract: they have no per-step decisions of their own. Nothing here runs in a vLLM server:
+``schedule()`` is called there without ``run``.
 """
 
 from __future__ import annotations
@@ -103,6 +107,12 @@ class MergesRuns(Protocol):
         """Which evictions keep a blocked waiting head blocked. Pure."""
         ...
 
+    def run_limits_cover_held(self) -> bool:
+        """Whether :meth:`run_limits` also proves that no request the scheduler holds outside
+        vLLM's queues enters them during the run (else the planner merges no steady run while
+        one is held). Pure."""
+        ...
+
     def schedule(self, *args: Any, run: MergedRun | None = None, **kwargs: Any) -> Any:
         """vLLM's ``schedule()``; with ``run``, the run's steps in one call."""
         ...
@@ -171,6 +181,11 @@ class CertifiedRuns:
         """Whether the waiting key reads no clock and puts the requests vLLM prepends (preempted
         or skipped) where vLLM put them, so the queue is always in key order and the periodic
         re-sort leaves it as it is: a run need not end before one (default: no). Pure."""
+        return False
+
+    def run_limits_cover_held(self: Any) -> bool:
+        """See :meth:`MergesRuns.run_limits_cover_held` (default: no; a class whose holds are
+        released only at its timers, bounded by :meth:`run_until_s`, may say yes). Pure."""
         return False
 
     def prefill_run_chunk_tokens(self: Any, request: Request) -> int | None:

@@ -33,6 +33,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from mars_openhands.engine import seams
 from mars_openhands.engine.schedulers.base import MarsBaseScheduler, RetainedKv
+from mars_openhands.engine.schedulers.coalesce import RUN_MARGIN_S, CertifiedRuns
 from mars_openhands.engine.schedulers.host_tier import host_reload
 from mars_openhands.engine.schedulers.request_state import update_mlfq_feedback
 from mars_openhands.policy.estimators import EmpiricalCdf
@@ -55,13 +56,31 @@ from mars_openhands.policy.victim import victim_key
 __all__ = ["MarsScheduler"]
 
 
-class MarsScheduler(MarsBaseScheduler):
+class MarsScheduler(CertifiedRuns, MarsBaseScheduler):
     """Our MARS internal scheduler (program-level FIFO, KV residency and retention; MLFQ levels
-    with ``mars.mlfq``)."""
+    with ``mars.mlfq``).
+
+    Merged runs (:class:`CertifiedRuns`; decode runs only, no prefill run; with vLLM's host KV
+    tier, ``mars-offload``, unless :attr:`merges_gpu_only_runs`): in a run every running
+    request decodes, so its level is 0 (with ``mars.mlfq`` too), its running key is constant and no
+    MLFQ clock or feedback moves (``on_prefill_scheduled`` sees no chunk); retention is decided at a
+    finish or an event (none inside a run) and expires on the base class's timer. What is left is
+    the residency plan of every step (``on_step_start``), which a run must leave doing nothing in
+    each of its steps (the first included: the merged call runs it with the waiting queue hidden):
+    :meth:`_is_residency_quiet` proves that without the plan's clocks (held sessions' response
+    ratios, idle residents' displacement values), :meth:`run_max_steps` ends the run before the
+    decode growth of the busy sessions would suspend an idle resident, and :meth:`run_until_s`
+    before a held turn becomes overdue."""
 
     default_window_enabled: ClassVar[bool] = False
     default_chunk_shrinking: ClassVar[bool] = True
     default_resume_when_context_fits: ClassVar[bool] = True
+    merges_gpu_only_runs: ClassVar[bool] = False
+    """Merge blocked decode runs without a host KV tier too. Off: GPU-only mars keeps one
+    ``schedule()`` per blocked step (its steady runs merge as before), so its golden runs, which
+    hash the ``schedule()`` calls and every ``engine_step`` snapshot, stay what they were. On,
+    they are the same run (every other event and every turn's times equal; fewer calls and
+    snapshots: ``tests/unit/eval/test_sim_fast_paths.py``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -120,16 +139,17 @@ class MarsScheduler(MarsBaseScheduler):
     def _blocks(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
-    def _output_reserve_tokens(self, request: Request) -> int:
-        """Decode growth to reserve for ``request``, tokens
+    def _output_reserve_tokens(self, request: Request, num_steps: int = 0) -> int:
+        """Decode growth to reserve for ``request`` (``num_steps`` decode tokens from now), tokens
         (:func:`~mars_openhands.policy.residency.output_reserve_tokens`, from the output lengths
         of the engine's finished turns)."""
-        num_generated = request.num_output_tokens
+        num_generated = request.num_output_tokens + num_steps
         return output_reserve_tokens(num_generated, self.output_tokens.mean_remaining_s(num_generated),
                                      self.params.residency.output_reserve_tokens, request.max_tokens)
 
-    def _demand(self, sid: str, session: SessionState | None) -> tuple[int, bool]:
-        """(demand blocks, is_busy) of one session. O(its requests)."""
+    def _demand(self, sid: str, session: SessionState | None, num_steps: int = 0) -> tuple[int, bool]:
+        """(demand blocks, is_busy) of one session, ``num_steps`` decode steps from now (each
+        running request one token longer per step). O(its requests)."""
         held = self.held.get(sid)
         if held:
             # A preempted turn (held again) has generated part of its output already: reserve
@@ -144,41 +164,55 @@ class MarsScheduler(MarsBaseScheduler):
                 if r is None:
                     continue
                 busy = True
-                blocks += self._blocks(r.num_tokens + self._output_reserve_tokens(r))
+                grown = num_steps if num_steps and r.status == RequestStatus.RUNNING else 0
+                blocks += self._blocks(r.num_tokens + grown + self._output_reserve_tokens(r, grown))
             if not busy:
                 entry = self.retained.get(sid)
                 blocks = entry.num_blocks if entry is not None else 0
         return blocks, busy
 
-    def on_step_start(self, now_s: float) -> None:
-        """Plan the resident set and apply it (suspend idle residents, activate held sessions)."""
-        if not self._residency_on or not (self.held or self.resident):
-            return
-        views = []
-        num_busy = 0
+    def _residency_sessions(self, num_steps: int = 0) -> tuple[list[tuple[str, SessionState | None, int, bool]],
+                                                                  list[str]]:
+        """What the residency plan of the step ``num_steps`` decode steps from now sees: each
+        session's ``(id, session, demand blocks, is_busy)`` in the plan's input order, and the
+        residents it drops first (no session record, or idle with no KV to keep). Pure."""
+        views: list[tuple[str, SessionState | None, int, bool]] = []
+        dropped: list[str] = []
         # sorted: a set's order follows the per-process string hash (runs differed between processes)
         for sid in sorted(self.resident) + [h for h in self.held if h not in self.resident]:
             session = self.sessions.get(sid)
             if session is None and sid not in self.held:
-                self.resident.discard(sid)
+                dropped.append(sid)
                 continue
-            demand, busy = self._demand(sid, session)
+            demand, busy = self._demand(sid, session, num_steps)
             if not busy and sid not in self.held and sid not in self.retained:
                 # An idle resident without KV (its final turn is done, or its KV was released)
                 # has nothing to keep: its next turn, if any, is held and activated by priority.
-                self.resident.discard(sid)
+                dropped.append(sid)
                 continue
-            num_busy += busy
             views.append((sid, session, demand, busy))
+        return views, dropped
+
+    def _residency_budget_blocks(self) -> int:
+        """KV blocks the resident set may use. Pure."""
+        return int((seams.blocks.num_gpu_blocks(self) - 1) * self.params.residency.budget_usage)
+
+    def on_step_start(self, now_s: float) -> None:
+        """Plan the resident set and apply it (suspend idle residents, activate held sessions)."""
+        if not self._residency_on or not (self.held or self.resident):
+            return
+        sessions, dropped = self._residency_sessions()
+        for sid in dropped:
+            self.resident.discard(sid)
+        num_busy = sum(busy for _, _, _, busy in sessions)
         views = [SessionDemand(
             sid, self._residency_priority(sid, session, now_s), demand,
             is_resident=sid in self.resident, is_busy=busy, is_held=sid in self.held,
             displace_value_s=self._displace_value_s(session, demand, num_busy, now_s)
             if self.held and not busy and sid in self.resident else 0.0,
             is_overdue=sid in self.held and self._is_overdue(self.held[sid][0], now_s))
-            for sid, session, demand, busy in views]
-        budget = int((seams.blocks.num_gpu_blocks(self) - 1) * self.params.residency.budget_usage)
-        plan = plan_residency(views, budget)
+            for sid, session, demand, busy in sessions]
+        plan = plan_residency(views, self._residency_budget_blocks())
         for sid in plan.suspend:
             self._suspend(sid, now_s)
         for sid in plan.activate:
@@ -260,6 +294,123 @@ class MarsScheduler(MarsBaseScheduler):
         if event.kind == "session_end" and event.session_id is not None:
             self.resident.discard(event.session_id)
             self.host_prompt_tokens.pop(event.session_id, None)
+
+    # ------------------------------------------------------------------ merged runs
+    def can_merge_run(self) -> bool:
+        """With vLLM's host KV tier (or :attr:`merges_gpu_only_runs`): base conditions and a
+        residency plan that does nothing now (:meth:`_is_residency_quiet`). Pure."""
+        return ((self.host_reload is not None or self.merges_gpu_only_runs)
+                and super().can_merge_run() and self._is_residency_quiet(0))
+
+    def run_max_steps(self, limit: int, step_tokens: int | None = None) -> int:
+        """Most steps (<= ``limit``) in each of which the residency plan does nothing and whose
+        running order merging keeps (:meth:`_run_steps_keeping_running_order`): the first step
+        whose plan may act ends the run (1 while a running request is in its prompt: a run of
+        ours is decode only). Pure.
+
+        Bisection is exact: a session's demand only grows over a decode run (its context grows a
+        token a step, and its reserve ``E[L | L > n] - n`` from integer output lengths, or the
+        prior's ``max(prior, 2n) - n``, capped by ``max_tokens``, never drops by more), so a plan
+        that suspends an idle resident at step ``i`` suspends one at every later step, and one
+        whose held sessions fit nowhere now fits them nowhere later."""
+        if any(r.num_computed_tokens < r.num_prompt_tokens for r in self.running):
+            return 1
+        limit = self._run_steps_keeping_running_order(limit)
+        if limit <= 1 or not self._residency_on or not (self.held or self.resident):
+            return limit
+        if self._is_residency_quiet(limit - 1):
+            return limit
+        lo, hi = 0, limit - 1  # quiet at step lo, not at step hi: find the first step it acts
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self._is_residency_quiet(mid) else (lo, mid)
+        return max(1, hi)
+
+    def run_limits_cover_held(self) -> bool:
+        """Yes: a run's limits keep every held session held (:meth:`_is_residency_quiet`). Pure."""
+        return True
+
+    def run_until_s(self, now_s: float) -> float:
+        """Base timers and the first held turn to become overdue (``residency.max_hold_s``: it is
+        then activated whether or not it fits). Pure."""
+        t = super().run_until_s(now_s)
+        if self._residency_on:
+            max_hold_s = self.params.residency.max_hold_s
+            for queue in self.held.values():
+                state = self.req_state.get(queue[0].request_id)
+                if state is not None and queue[0].num_preemptions == 0:
+                    t = min(t, state.arrival_s + max_hold_s - RUN_MARGIN_S)
+        return t
+
+    def _run_steps_keeping_running_order(self, limit: int) -> int:
+        """Most steps (<= ``limit``) whose running order a merged call leaves as the single steps
+        would. Pure.
+
+        A step sorts the running requests by :meth:`running_key` while one is prefilling or an
+        allocation may fail (the free blocks fall below a step's budget plus a block per running
+        and waiting request, ``_allocation_may_fail``); the merged call checks once, at the
+        run's start and with its waiting queue hidden. Sorted requests stay sorted (decode keys
+        do not move within a run; the sort is stable); unsorted ones may only merge the steps
+        that surely sort nothing: the free blocks at the start of the last one (``k - 1`` steps'
+        new blocks taken) still above the bound with the real waiting queue."""
+        if len(self.running) < 2:
+            return limit
+        now = self.clock()
+        keys = [self.running_key(r, now) for r in self.running]
+        if all(a <= b for a, b in zip(keys, keys[1:], strict=False)):
+            return limit
+        if self.prefilling:
+            return 1
+        bs = self.block_size
+        bound = (-(-seams.hooks.max_num_scheduled_tokens(self) // bs) + len(self.running)
+                 + min(len(self.waiting), seams.hooks.max_num_running_reqs(self)))
+        room = seams.blocks.num_free_blocks(self) - bound  # blocks the run may take before a sort
+
+        def new_blocks(k: int) -> int:
+            return sum(-(-(r.num_computed_tokens + k) // bs) - -(-r.num_computed_tokens // bs)
+                       for r in self.running)
+
+        if room < 0:
+            return 1
+        lo, hi = 0, limit - 1  # largest i <= limit - 1 with new_blocks(i) <= room (monotone)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if new_blocks(mid) <= room else (lo, mid - 1)
+        return max(1, lo + 1)
+
+    def _is_residency_quiet(self, num_steps: int) -> bool:
+        """Whether the residency plan of the step ``num_steps`` decode steps from now (each running
+        request a token longer per step) surely neither suspends nor activates anyone, whatever
+        the clock says to its ranks and displacement values. Pure.
+
+        Residents rank by arrival (no clock): no idle one may overflow the budget beside the
+        sessions ranked above it. Held sessions rank by response ratio (a clock) and idle
+        residents may be displaced for them by value (a clock), so neither is read: each held
+        turn must be too large for the budget even with every idle resident suspended (then
+        whichever comes first blocks the rest), none may be overdue now, and a busy resident
+        must be there (else the plan's progress rule activates one whatever its size)."""
+        if not self._residency_on or not (self.held or self.resident):
+            return True
+        sessions, _ = self._residency_sessions(num_steps)
+        now = self.clock()
+        residents = sorted(((self._residency_priority(sid, session, now), demand, busy)
+                            for sid, session, demand, busy in sessions if sid in self.resident),
+                           key=lambda v: v[0])
+        budget = self._residency_budget_blocks()
+        used = busy_used = 0
+        for _, demand, busy in residents:
+            if not busy and used + demand > budget:
+                return False  # this idle resident would be suspended
+            used += demand
+            busy_used += demand if busy else 0
+        held = [(sid, demand) for sid, _, demand, _ in sessions
+                if sid in self.held and sid not in self.resident]
+        if not held:
+            return True
+        if not any(busy for _, _, busy in residents):
+            return False
+        return all(demand > budget - busy_used and not self._is_overdue(self.held[sid][0], now)
+                   for sid, demand in held)
 
     # ------------------------------------------------------------------ levels
     def cached_tokens_at_arrival(self, request: Request) -> int:

@@ -50,8 +50,8 @@ def test_the_classes_that_merge_runs_declare_it_through_the_run_contract() -> No
     from mars_openhands.engine.schedulers.coalesce import CertifiedRuns, MergesRuns
 
     merging = {AutellixScheduler, ContinuumScheduler, InferceptScheduler, MarsPreviewScheduler,
-               ThunderAgentScheduler}
-    for cls in (*merging, FcfsScheduler, MarsScheduler, MarsBaseScheduler):
+               MarsScheduler, ThunderAgentScheduler}
+    for cls in (*merging, FcfsScheduler, MarsBaseScheduler):
         assert issubclass(cls, MergesRuns) == issubclass(cls, CertifiedRuns) == (cls in merging), cls
     assert not any(name.startswith(("run_", "blocked_run")) for name in vars(PolicyHooks))
 

@@ -215,3 +215,39 @@ def test_the_previews_waiting_queue_is_always_in_key_order(monkeypatch: pytest.M
     sim.engine.schedule = checking
     result = sim.run()
     assert result.num_preemptions > 0 and checked and any(checked), "no queue with a prepended request"
+
+
+_MARS_CONFIGS: dict[str, dict[str, Any]] = {
+    "response-ratio": {},
+    "fifo": {"residency": {"order": "fifo"}},
+    "mlfq": {"mars": {"mlfq": True}},
+    "short-hold": {"residency": {"max_hold_s": 0.2}},
+}
+"""MarsScheduler's residency orders, its MLFQ levels, and a hold bound short enough to act."""
+
+
+@pytest.mark.parametrize("gpu_only_runs", [False, True])
+@pytest.mark.parametrize("mars", list(_MARS_CONFIGS))
+def test_mars_blocked_runs_without_the_tier(monkeypatch: pytest.MonkeyPatch, mars: str,
+                                            gpu_only_runs: bool) -> None:
+    """MarsScheduler without a host tier merges blocked runs only with ``merges_gpu_only_runs``
+    (off: one ``schedule()`` per blocked step, so its golden runs keep their hashes); on, the run
+    is the same to the last bit with fewer calls."""
+    from mars_openhands.engine.schedulers.mars import MarsScheduler
+
+    monkeypatch.setattr(MarsScheduler, "merges_gpu_only_runs", gpu_only_runs)
+    config = SimConfig(policy="MarsScheduler", num_tool_workers=3, is_admission_enabled=True,
+                       admission=AdmissionParams(cpu_set_backlog_ratio=4.0),
+                       engine=InprocEngineParams(num_gpu_blocks=NUM_BLOCKS, max_model_len=4096,
+                                                 additional_config={"mars": _MARS_CONFIGS[mars]}))
+    workload = growing_sessions(output_tokens=(90, 13), tool_s=(0.2, 0.15))  # long decodes, long tools
+    slow, fast, slow_print, fast_print, _ = _both_ways(monkeypatch, config, workload)
+    assert slow.num_preemptions > 0, "the workload must be KV-bound"
+    assert fast_print[0] == slow_print[0], "per-request times differ"
+    assert fast_print == slow_print
+    if gpu_only_runs:
+        # steady runs merge both ways here (nothing waits in vLLM's queue while turns are held)
+        assert fast.num_schedule_calls < slow.num_schedule_calls, (
+            f"blocked runs unused: {fast.num_schedule_calls} vs {slow.num_schedule_calls} calls")
+    else:
+        assert fast.num_schedule_calls == slow.num_schedule_calls

@@ -35,14 +35,15 @@ def _workload() -> Workload:
     return growing_sessions(output_tokens=(90, 13), tool_s=(0.2, 0.15))
 
 
-def _config(policy: str, **tier: Any) -> SimConfig:
+def _config(policy: str, mars: dict[str, Any] | None = None, **tier: Any) -> SimConfig:
     spec = POLICIES[policy]
     assert spec.host_kv is not None
     host_kv = HostKvParams(size_gib=1.0, kv_bytes_per_block=16 * 98_304, **{**spec.host_kv, **tier})
+    additional = {"mars": mars} if mars is not None else dict(spec.additional_config)
     return SimConfig(policy=spec.scheduler, num_tool_workers=3, is_admission_enabled=spec.has_control_plane,
                      admission=AdmissionParams(cpu_set_backlog_ratio=4.0, **spec.admission),
                      engine=InprocEngineParams(num_gpu_blocks=NUM_BLOCKS, max_model_len=4096, host_kv=host_kv,
-                                               additional_config=dict(spec.additional_config), **spec.engine))
+                                               additional_config=additional, **spec.engine))
 
 
 def _fingerprint(sim: Simulator, result: SimResult, sink: ListSink) -> tuple[Any, ...]:
@@ -51,12 +52,13 @@ def _fingerprint(sim: Simulator, result: SimResult, sink: ListSink) -> tuple[Any
     return (*sim_fingerprint(result, sink.events), list(host_kv.worker.history))
 
 
-def _run(monkeypatch: pytest.MonkeyPatch, config: SimConfig, *, merged: bool) -> tuple[Simulator, SimResult, Any]:
+def _run(monkeypatch: pytest.MonkeyPatch, config: SimConfig, *, merged: bool,
+         workload: Workload | None = None) -> tuple[Simulator, SimResult, Any]:
     monkeypatch.setenv(FAST_PATHS_ENV, "1" if merged else "0")
     if not merged:
         config = config.model_copy(update={"coalesce_max_steps": 1})
     sink = ListSink()
-    sim = Simulator(_workload(), config, LinearStepTimeModel(), sink, ORIGIN)
+    sim = Simulator(workload or _workload(), config, LinearStepTimeModel(), sink, ORIGIN)
     result = sim.run()
     return sim, result, _fingerprint(sim, result, sink)
 
@@ -67,9 +69,7 @@ def _run(monkeypatch: pytest.MonkeyPatch, config: SimConfig, *, merged: bool) ->
     ("vllm-offload-lru", {"offload_prompt_only": False}, True),  # every block a decode fills is stored
     ("thunderagent-offload", {}, True),
     ("continuum-offload", {}, True),
-    # MarsScheduler merges no run with the tier (its per-step residency plan is not certified for
-    # merged runs): one step at a time, as before.
-    ("mars-offload", {}, False),
+    ("mars-offload", {}, True),  # more configurations below
 ])
 def test_merged_runs_with_the_host_tier_are_exact(monkeypatch: pytest.MonkeyPatch, policy: str,
                                                   tier: dict[str, Any], merges: bool) -> None:
@@ -91,3 +91,38 @@ def test_merged_runs_with_the_host_tier_are_exact(monkeypatch: pytest.MonkeyPatc
     if merges:
         assert fast.num_schedule_calls < 0.7 * slow.num_schedule_calls, (
             f"merged runs unused with the tier: {fast.num_schedule_calls} vs {slow.num_schedule_calls} calls")
+
+
+_MARS_CONFIGS: dict[str, dict[str, Any]] = {
+    "response-ratio": {},
+    "fifo": {"residency": {"order": "fifo"}},
+    "mlfq": {"mars": {"mlfq": True}},
+    # Held turns become overdue within a run's reach: forced activations (run_until_s's timer).
+    "short-hold": {"residency": {"max_hold_s": 0.2}},
+    "fifo-short-hold": {"residency": {"order": "fifo", "max_hold_s": 0.5}},
+}
+"""MarsScheduler's residency orders, its MLFQ levels, and a hold bound short enough to act."""
+
+_MARS_WORKLOADS: dict[str, Workload] = {
+    "long-decodes": _workload(),
+    "nine-sessions": growing_sessions(9, 5, output_tokens=(70, 17), tool_s=(0.1, 0.25)),
+}
+
+
+@pytest.mark.parametrize("workload", list(_MARS_WORKLOADS))
+@pytest.mark.parametrize("mars", list(_MARS_CONFIGS))
+def test_mars_offload_merged_runs_are_exact(monkeypatch: pytest.MonkeyPatch, mars: str, workload: str) -> None:
+    """MarsScheduler with the tier (``mars-offload``): its merged runs leave its residency plan
+    nothing to do in any of their steps (MarsScheduler.run_limits), so every turn's times, every
+    event and every copy equal one step at a time; and runs do merge (held sessions included)."""
+    config = _config("mars-offload", _MARS_CONFIGS[mars])
+    _, slow, slow_print = _run(monkeypatch, config, merged=False, workload=_MARS_WORKLOADS[workload])
+    fast_sim, fast, fast_print = _run(monkeypatch, config, merged=True, workload=_MARS_WORKLOADS[workload])
+    assert all(r.end_s is not None for r in slow.sessions.values())
+    assert slow.num_preemptions > 0 and fast_sim.engine.scheduler.num_suspensions > 0, "not KV-bound"
+    assert fast_print[0] == slow_print[0], "per-turn times differ"
+    first = next((i for i, (a, b) in enumerate(zip(slow_print[1], fast_print[1], strict=False)) if a != b), None)
+    assert first is None, f"event {first} differs: {slow_print[1][first]} vs {fast_print[1][first]}"
+    assert fast_print == slow_print
+    assert fast.num_schedule_calls < 0.6 * slow.num_schedule_calls, (
+        f"mars-offload's runs unused: {fast.num_schedule_calls} vs {slow.num_schedule_calls} calls")
