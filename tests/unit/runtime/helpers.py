@@ -160,6 +160,19 @@ def cli(db_url: str, *args: str, env: dict[str, str] | None = None, timeout_s: f
                           env={**os.environ, **(env or {})})
 
 
+def deny_in_doubt(store: Any, db_url: str, task_id: str, reason: str) -> list[str]:
+    """Deny every pending approval of ``task_id`` through ``tasks deny``; each must be an
+    ``in_doubt`` escalation (a killed call the runner will not repeat on its own). Returns the
+    denied digests (empty when none is pending)."""
+    denied = []
+    for request in store.approvals(task_id, status="pending"):
+        assert request["kind"] == "in_doubt", request
+        r = cli(db_url, "deny", task_id, request["digest"], "--reason", reason)
+        assert r.returncode == 0, r.stderr
+        denied.append(request["digest"])
+    return denied
+
+
 def start_runner(db_url: str, *args: str, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     """Start ``mars-openhands tasks ARGS`` (submit/resume) as a runner process, output to ``log``;
     in a session of its own under the test process's watchdog: a runner waits for approvals

@@ -29,7 +29,12 @@ from mars_openhands.openhands.playback import (
 from mars_openhands.runtime.agent import session_id_of
 from mars_openhands.runtime.store import TERMINAL_STATUSES, Store
 from tests.openhands._helpers import serve_app
-from tests.unit.runtime.helpers import CounterServer, cli, git_workspace, start_runner
+from tests.unit.runtime.helpers import (
+    CounterServer,
+    deny_in_doubt,
+    git_workspace,
+    start_runner,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -82,11 +87,7 @@ def _run_chain(db_url: str, task_file: Path, task_id: str, tmp_path: Path) -> tu
         proc = start_runner(db_url, *args, env=env, log=tmp_path / "runner.log")
         num_runs += 1
         while proc.poll() is None:
-            for request in store.approvals(task_id, status="pending"):
-                assert request["kind"] == "in_doubt", request
-                r = cli(db_url, "deny", task_id, request["digest"], "--reason", "checked: it was sent")
-                assert r.returncode == 0, r.stderr
-                denied.append(request["digest"])
+            denied += deny_in_doubt(store, db_url, task_id, "checked: it was sent")
             time.sleep(0.05)
         row = store.task(task_id)
         if row is not None and row["status"] in TERMINAL_STATUSES:

@@ -40,7 +40,12 @@ from tests.proc_tree import (
     wait_until,
     with_marker,
 )
-from tests.unit.runtime.helpers import CounterServer, cli, git_workspace, start_runner
+from tests.unit.runtime.helpers import (
+    CounterServer,
+    deny_in_doubt,
+    git_workspace,
+    start_runner,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -111,11 +116,7 @@ def _resume_and_deny(db_url: str, log: Path) -> None:
     deadline = time.monotonic() + 120.0
     try:
         while runner.poll() is None and time.monotonic() < deadline:
-            for request in store.approvals(TASK_ID, status="pending"):
-                assert request["kind"] == "in_doubt", request
-                r = cli(db_url, "deny", TASK_ID, request["digest"], "--reason", "checked: it ran")
-                assert r.returncode == 0, r.stderr
-                denied.append(request["digest"])
+            denied += deny_in_doubt(store, db_url, TASK_ID, "checked: it ran")
             time.sleep(0.05)
         assert runner.returncode == 0 and len(denied) == 1, (runner.returncode, denied, log.read_text()[-3000:])
     finally:
