@@ -372,6 +372,10 @@ class Simulator:
             self._handle_due_events()
             if not rep.engine.has_work():
                 self._advance_to_next_event()
+                # An engine without work is not stalled: the stall clock starts with its next work
+                # (it used to count the idle time before it, so the load-only first step of a turn
+                # that arrived after a long idle stretch read as a stall).
+                last_progress_s = self.now_s
             elif self._engine_step(rep):
                 last_progress_s = self.now_s
             else:
@@ -479,8 +483,8 @@ class Simulator:
         if copy_done_s < self._next_event_s():
             self.now_s = max(self.now_s, copy_done_s)
             return
-        if self.now_s - last_progress_s > self.config.stall_timeout_s:
-            self._raise_stalled(rep)
+        if copy_done_s == math.inf and self.now_s - last_progress_s > self.config.stall_timeout_s:
+            self._raise_stalled(rep)  # (a copy in flight is progress: the tier is working)
         self._advance_to_next_event()
 
     def _raise_stalled(self, rep: _Replica) -> None:
