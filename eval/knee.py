@@ -36,11 +36,14 @@ class BaseRateSearch:
             smallest rate probed.
         probes: ``(rate_per_s, mean slowdown or inf, is_stable)`` in probe order.
         how: one sentence on how the rate was found (for ``summary.md``).
+        error: why the search failed (a probe raised, e.g. an engine stall), else ``None``;
+            a failed search has no capacity, whatever its probes say.
     """
 
     rate_per_s: float
     probes: tuple[tuple[float, float, bool], ...]
     how: str
+    error: str | None = None
 
     @property
     def is_bracketed(self) -> bool:
@@ -79,6 +82,8 @@ class KneeSearch:
         self.tolerance, self.label = tolerance, label
         self.probes: list[tuple[float, float, bool]] = []
         self._pending: set[float] = set()
+        self.error: str | None = None
+        """Set by :meth:`fail`: the search is over, with no capacity."""
 
     @property
     def _stable(self) -> list[float]:
@@ -95,7 +100,9 @@ class KneeSearch:
 
     @property
     def is_done(self) -> bool:
-        """No more probes are wanted (budget spent, or the bracket is within ``tolerance``)."""
+        """No more probes are wanted (failed, budget spent, or the bracket is within ``tolerance``)."""
+        if self.error is not None:
+            return True
         if len(self.probes) + len(self._pending) >= self.max_runs:
             return True
         if self.is_bracketed:
@@ -130,9 +137,19 @@ class KneeSearch:
         self.probes.append((rate_per_s, mean_slowdown, stable))
         return stable
 
+    def fail(self, rate_per_s: float, error: str) -> None:
+        """End the search: the probe at ``rate_per_s`` raised ``error`` (one line). A fault is not
+        a load effect, so it is neither stable nor unstable; :meth:`result` carries it."""
+        self._pending.discard(rate_per_s)
+        self.error = f"the probe at {rate_per_s:.4g}/s failed: {error}"
+
     def result(self) -> BaseRateSearch:
         """The largest stable rate and the sentence saying how it was found (see :class:`BaseRateSearch`)."""
         probes = tuple(self.probes)
+        if self.error is not None:
+            rate = max(self._stable, default=self.start_rate_per_s)
+            return BaseRateSearch(rate, probes, f"{self.label} knee search FAILED after {len(probes)} runs: "
+                                                f"{self.error}", self.error)
         stable, unstable = self._stable, self._unstable
         if stable:
             best = max(stable)

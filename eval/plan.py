@@ -345,7 +345,9 @@ def _load_and_plan(args: argparse.Namespace, policies: tuple[str, ...], options:
                                                f"{Path(name).name}")
     print(text)
     console.print(f"wrote {args.out} in {wall_s:.0f} s ({scope.split(':')[0]})")
-    return 0 if (results["status"] == "ok").all() else 1
+    for _, r in table.loc[table["capacity_error"] != ""].iterrows():
+        print(f"error: {r['label']}'s capacity search: {r['capacity_error']}", file=sys.stderr)
+    return 0 if (results["status"] == "ok").all() and (table["capacity_error"] == "").all() else 1
 
 
 def plan_table(results: pd.DataFrame, capacity: pd.DataFrame, policies: Sequence[str]) -> pd.DataFrame:
@@ -363,8 +365,9 @@ def plan_table(results: pd.DataFrame, capacity: pd.DataFrame, policies: Sequence
         either search found no unstable rate: a lower bound is no capacity to divide),
         ``first_unstable_per_s``, ``is_bracketed``, ``num_probes``, ``rate_per_s``, ``e2e_p95_s``,
         ``p95_vs_limit`` (P95 / the limit's P95: >= 1 up to noise), ``e2e_mean_s``,
-        ``mean_vs_limit``, ``slowdown_mean``, ``num_completed``, ``num_sessions``, ``status``;
-        NaN where a value is missing (a failed run, no limit).
+        ``mean_vs_limit``, ``slowdown_mean``, ``num_completed``, ``num_sessions``, ``status``,
+        ``capacity_error`` (why the capacity search failed, e.g. an engine stall; ``""`` if it did
+        not); NaN where a value is missing (a failed run or search, no limit).
     """
     order = {p: i for i, p in enumerate(policies)}
     cap = capacity.set_index("label")
@@ -378,6 +381,7 @@ def plan_table(results: pd.DataFrame, capacity: pd.DataFrame, policies: Sequence
             "first_unstable_per_s": float(c.get("first_unstable_per_s", math.nan)) if c is not None else math.nan,
             "is_bracketed": bool(c["is_bracketed"]) if c is not None else False,
             "num_probes": int(c["num_probes"]) if c is not None else 0,
+            "capacity_error": c.get("error") if c is not None and isinstance(c.get("error"), str) else "",
             "rate_per_s": float(r["rate_per_s"]), "e2e_p95_s": float(r["e2e_p95_s"]),
             "e2e_mean_s": float(r["e2e_mean_s"]), "slowdown_mean": float(r["slowdown_mean"]),
             "num_completed": r["num_completed"], "num_sessions": r["num_sessions"], "status": r["status"],
@@ -423,6 +427,8 @@ def render_plan(table: pd.DataFrame, facts: Mapping[str, Any]) -> str:
         capacity = f(r["capacity_per_s"], 4) if not math.isnan(r["capacity_per_s"]) else "none stable"
         if not r["is_bracketed"] and not math.isnan(r["capacity_per_s"]):
             capacity = f"≥ {capacity}"  # the search's budget ran out below the knee
+        if r.get("capacity_error"):
+            capacity = f"FAILED: {r['capacity_error']}"
         unstable = f(r["first_unstable_per_s"], 4) if r["is_bracketed"] else "not found (budget spent)"
         done = f"{int(r['num_completed'])}/{int(r['num_sessions'])}" if r["status"] == "ok" else "FAILED"
         lines.append(f"| {name} | {capacity} | {f(r['capacity_per_h'])} | {times(r['capacity_vs_limit'])} | {unstable} "

@@ -207,7 +207,10 @@ class Probes:
             key = next(iter(self._running))
             del self._running[key]
             fn, args = self._make_call(key[0], key[1], None)
-            self.results[key] = fn(*args)
+            try:
+                self.results[key] = fn(*args)
+            except Exception as e:  # noqa: BLE001 - kept as a worker's is: the search it ends decides
+                self.results[key] = e
             return
         finished, _ = wait_futures(list(self._running.values()), return_when=FIRST_COMPLETED)
         for key in [k for k, f in self._running.items() if f in finished]:

@@ -208,7 +208,8 @@ def probe_task(workload: Workload, options: CompareOptions, policy: str, is_admi
                cancel_path: str | None = None) -> tuple[float, float, pd.DataFrame | None]:
     """One knee-search probe (worker side): ``(mean slowdown at rate_per_s, wall seconds, stream)``;
     the slowdown is ``inf`` if a session did not finish, the virtual clock passed ``max_virtual_s``
-    or the guard proved it unstable (see :class:`_SlowdownGuard`). ``stream``: with
+    or the guard proved it unstable (see :class:`_SlowdownGuard`). An engine that stalls raises
+    (:class:`eval.sim.EngineStalled`): a bug or an impossible prompt is not an overloaded rate. ``stream``: with
     ``is_keeping_stream``, a stable probe's metric events (:func:`stream_frame`: the stream a
     sweep run with the same policy, rate and seed records); else ``None``. ``cancel_path``: stop
     early (slowdown ``inf``, to be discarded) once this file exists."""
@@ -243,7 +244,7 @@ def _probe_slowdown(workload: Workload, options: CompareOptions, policy: str, is
         result = (simulate_fn or sim.simulate)(arrived, config, real_timer(timer), guard)
     except _Unstable:
         return math.inf, None
-    except RuntimeError as e:  # a run past max_virtual_s (or stalled) is unstable, not an error
+    except sim.SimulationOverrun as e:  # overloaded: unstable, not an error (a stall raises on)
         logging.getLogger(__name__).debug("probe at %.4g/s: %s", rate_per_s, e)
         return math.inf, None
     e2e = {sid: rec.e2e_s for sid, rec in result.sessions.items()}

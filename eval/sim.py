@@ -69,11 +69,13 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from eval.sim_types import (
+    EngineStalled,
     LinearStepTimeModel,
     ReplicaLossReport,
     SessionRecord,
     SimConfig,
     SimResult,
+    SimulationOverrun,
     TurnRecord,
 )
 from eval.workloads.format import Session, Workload
@@ -98,11 +100,13 @@ from mars_openhands.stream import events as ev
 from mars_openhands.stream.transport import EventSink
 
 __all__ = [
+    "EngineStalled",
     "LinearStepTimeModel",
     "ReplicaLossReport",
     "SessionRecord",
     "SimConfig",
     "SimResult",
+    "SimulationOverrun",
     "Simulator",
     "StepTimer",
     "TurnRecord",
@@ -341,8 +345,10 @@ class Simulator:
         """Run to completion. Mutates the engine.
 
         Raises:
-            RuntimeError: the engine stalls (a request that can never be scheduled) or the
-                virtual clock passes ``max_virtual_s``.
+            EngineStalled: an engine holds work it never schedules (a request larger than the KV
+                cache, or a bug).
+            SimulationOverrun: the virtual clock passes ``max_virtual_s``.
+            RuntimeError: open sessions with nothing left to happen (a bug).
         """
         wall_start = time.perf_counter()
         for run in self._make_runs():
@@ -490,7 +496,7 @@ class Simulator:
     def _raise_stalled(self, rep: _Replica) -> None:
         running, waiting = rep.engine.request_counts()
         where = f" (replica {rep.index})" if len(self._replicas) > 1 else ""
-        raise RuntimeError(
+        raise EngineStalled(
             f"engine stalled{where} at t={self.now_s:.3f} s: {running} running, {waiting} waiting "
             "and nothing schedulable (a prompt larger than the KV cache? raise "
             "engine.num_gpu_blocks or max_model_len)")
@@ -498,7 +504,7 @@ class Simulator:
     def _check_limit(self, t_s: float) -> None:
         limit = self.config.max_virtual_s
         if limit is not None and t_s > limit:
-            raise RuntimeError(f"virtual time {t_s:.1f} s passed max_virtual_s={limit} with "
+            raise SimulationOverrun(f"virtual time {t_s:.1f} s passed max_virtual_s={limit} with "
                                f"{self._num_open} session(s) still open")
 
     # ------------------------------------------------------------------ engine steps

@@ -14,7 +14,20 @@ from mars_openhands.policy.admission import AdmissionParams
 from mars_openhands.policy.placement import routing_policy
 from mars_openhands.policy.reorder import ReorderParams
 
-__all__ = ["LinearStepTimeModel", "ReplicaLossReport", "SessionRecord", "SimConfig", "SimResult", "TurnRecord"]
+__all__ = ["EngineStalled", "LinearStepTimeModel", "ReplicaLossReport", "SessionRecord", "SimConfig", "SimResult",
+           "SimulationOverrun", "TurnRecord"]
+
+
+class SimulationOverrun(RuntimeError):
+    """The virtual clock passed ``SimConfig.max_virtual_s`` with sessions still open: the load is
+    more than the engine serves in that time (a knee probe counts the rate unstable), not a fault."""
+
+
+class EngineStalled(RuntimeError):
+    """An engine held work yet scheduled nothing, with no copy in flight, for
+    ``SimConfig.stall_timeout_s`` of virtual time: a prompt larger than the KV cache, or a bug in a
+    scheduler or the simulator. Never a load effect: a knee probe that meets it fails visibly
+    instead of counting the rate unstable."""
 
 
 @dataclass(frozen=True)

@@ -334,6 +334,12 @@ class _Sweep:
                     search = open_[ident][1]
                     for rate in rounds.pop(ident):  # the round's order: results do not depend on timing
                         value = probes.results.pop((ident, rate))
+                        if search.error is not None:  # an earlier probe of the round failed
+                            continue
+                        if isinstance(value, Exception):  # a fault (a stall), not a load effect:
+                            search.fail(rate, f"{type(value).__name__}: {value}")  # this search ends
+                            print(f"error: {ident[1]}'s {search.error}", file=sys.stderr)
+                            continue
                         if isinstance(value, BaseException):
                             raise value
                         slowdown, wall_s, stream = value
@@ -347,7 +353,7 @@ class _Sweep:
                         done[ident] = result = search.result()
                         if self.progress is not None and task is not None:  # the budget not spent
                             self.progress.update(task, advance=o.search_max_runs - len(search.probes))
-                        if key:
+                        if key and result.error is None:
                             self.cache.put("knee", key, {"rate_per_s": result.rate_per_s,
                                                          "probes": [list(p) for p in result.probes],
                                                          "how": result.how})
@@ -406,6 +412,9 @@ class _Sweep:
         found = self._searches(pool, wanted, "FCFS knee search", is_keeping_streams=self.live is None)
         for setup in self.gpus:
             search = found[(setup.gpu, "fcfs")]
+            if search.error is not None:  # no base rate, no loads: nothing else can run
+                raise RuntimeError(f"the FCFS knee search{' on ' + setup.gpu if setup.gpu else ''} "
+                                   f"failed: {search.error}")
             self.base[setup.gpu] = search.rate_per_s
             self.info[self._fact("base rate", setup)] = f"{search.rate_per_s:.4g} sessions/s"
             if not search.is_bracketed:
@@ -441,11 +450,13 @@ class _Sweep:
         for (gpu, label), search in found.items():
             policy = label.removesuffix("+adm")
             rows.append({"gpu": gpu, "label": label, "policy": policy, "is_baseline": POLICIES[policy].is_baseline,
-                         "capacity_per_s": search.rate_per_s if search.has_stable else math.nan,
+                         "capacity_per_s": (search.rate_per_s if search.has_stable and search.error is None
+                                            else math.nan),
                          "is_bracketed": search.is_bracketed,
                          "first_unstable_per_s": min((r for r, _, is_stable in search.probes
                                                       if not is_stable and r > search.rate_per_s), default=math.nan),
-                         "num_probes": len(search.probes), "how": search.how})
+                         "num_probes": len(search.probes), "how": search.how,
+                         "error": search.error or ""})
         table = pd.DataFrame(rows)
         table.to_parquet(self.out_dir / "capacity.parquet", index=False)
         return table
