@@ -81,8 +81,8 @@ class PolicySpec:
     is_tier_bound: bool = False
     """A bound, not a policy: a scheduler over a host tier whose copies are free (:data:`FREE_COPIES`:
     a copy takes ~0 s and slows no step), so its capacity bounds every store / drop / load decision
-    of that scheduler's order over the tier, not other orders (docs/schedulers.md "With the host
-    tier"). Simulator only; not a baseline; not in ``--policies all``; reports name it
+    of that scheduler's order over the tier (vLLM's prompt-only stores kept), not other orders
+    (docs/schedulers.md "The tier bound"). Simulator only; not a baseline; not in ``--policies all``; reports name it
     :func:`reference_tag`."""
 
 
