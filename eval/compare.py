@@ -83,12 +83,14 @@ from eval.policies import (
     ABLATIONS,
     DEFAULT_HOST_KV_GIB,
     DEFAULT_POLICIES,
+    FREE_COPIES,
     HOST_KV_POLICIES,
     OFFLOAD_VARIANTS,
     POLICIES,
     QUICK_POLICIES,
     REFERENCE,
     STOCK_OFFLOAD_POLICIES,
+    TIER_BOUNDS,
     parse_policies,
     policy_additional_config,
     takes_mars_config,
@@ -185,7 +187,8 @@ def add_compare_subcommand(subparsers: Any) -> argparse.ArgumentParser:
                         f"{REFERENCE} reference unless --policies names it")
     p.add_argument("--policies", default=None,
                    help=f"comma-separated, or 'all' = {','.join(DEFAULT_POLICIES)} (default: all); also "
-                        f"the ablation variants {','.join(ABLATIONS)}")
+                        f"the ablation variants {','.join(ABLATIONS)}, the host-tier policies "
+                        f"{','.join(HOST_KV_POLICIES)} ({','.join(TIER_BOUNDS)}: free copies, a tier bound)")
     p.add_argument("--ablations", action="store_true",
                    help=f"add the ablation variants of mars ({','.join(ABLATIONS)}) to the policies and "
                         "a section comparing them with the paper's §6")
@@ -357,21 +360,31 @@ def _apply_defaults(args: argparse.Namespace, spec: Any) -> None:
 
 def host_kv_note(options: CompareOptions) -> str:
     """The scope line's host-tier sentence: which policies run with vLLM's host-memory KV tier,
-    its size and the copy model, or none. Pure.
+    its size and the copy model, which run over free copies (a tier bound,
+    ``PolicySpec.is_tier_bound``), or none. Pure.
 
     >>> host_kv_note(CompareOptions(policies=("fcfs",), num_gpu_blocks=2))
     'Host KV tier: none (GPU KV only).'
+    >>> host_kv_note(CompareOptions(policies=("mars-offload-free",), num_gpu_blocks=2, host_kv_gib=64))
+    'Host KV tier: 64 GiB for mars-offload-free with free copies (tier bound: 1e+06 GB/s each way, steps x1).'
     """
     from mars_openhands.engine.harness.offload.params import HostKvParams
 
     names = [p for p in options.policies if POLICIES[p].host_kv is not None]
     if not names:
         return "Host KV tier: none (GPU KV only)."
-    tier = HostKvParams(size_gib=options.host_kv_gib)
+    priced = [p for p in names if not POLICIES[p].is_tier_bound]
+    bounds = [p for p in names if POLICIES[p].is_tier_bound]
+    tier, free = HostKvParams(size_gib=options.host_kv_gib), HostKvParams(size_gib=options.host_kv_gib, **FREE_COPIES)
+    parts = []
+    if priced:
+        parts.append(f"{', '.join(priced)} (vLLM native offload; copies {tier.h2d_gb_per_s:g} GB/s each way, "
+                     f"{tier.duplex_gb_per_s:g} both, steps x{tier.copy_slowdown:g} while copying)")
+    if bounds:
+        parts.append(f"{', '.join(bounds)} with free copies (tier bound: {free.h2d_gb_per_s:g} GB/s each way, "
+                     f"steps x{free.copy_slowdown:g})")
     others = "; none for the others" if len(names) < len(options.policies) else ""
-    return (f"Host KV tier: {tier.size_gib:g} GiB for {', '.join(names)} (vLLM native offload; copies "
-            f"{tier.h2d_gb_per_s:g} GB/s each way, {tier.duplex_gb_per_s:g} both, steps x{tier.copy_slowdown:g} "
-            f"while copying){others}.")
+    return f"Host KV tier: {tier.size_gib:g} GiB for {'; '.join(parts)}{others}."
 
 
 def _options_from_args(args: argparse.Namespace, policies: tuple[str, ...]) -> CompareOptions:

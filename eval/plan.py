@@ -71,6 +71,7 @@ from eval.policies import (
     POLICIES,
     REFERENCE,
     parse_policies,
+    reference_tag,
     with_host_kv_policies,
 )
 from eval.pool import default_jobs, start_worker_server
@@ -423,7 +424,8 @@ def render_plan(table: pd.DataFrame, facts: Mapping[str, Any]) -> str:
               f"| P95 E2E at {rate_text} (s) | × limit | mean E2E (s) | × limit | mean slowdown | completed |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     for _, r in table.iterrows():
-        name = f"{r['label']} (limit)" if r["is_limit"] else str(r["label"])
+        tag = reference_tag(str(r["label"]).removesuffix("+adm"))
+        name = f"{r['label']} ({tag})" if tag else str(r["label"])
         capacity = f(r["capacity_per_s"], 4) if not math.isnan(r["capacity_per_s"]) else "none stable"
         if not r["is_bracketed"] and not math.isnan(r["capacity_per_s"]):
             capacity = f"≥ {capacity}"  # the search's budget ran out below the knee
@@ -453,7 +455,8 @@ def write_capacity_plot(out_dir: Path, table: pd.DataFrame, title: str) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{x} (limit)" if lim else str(x) for x, lim in zip(table["label"], table["is_limit"], strict=True)]
+    tags = [reference_tag(str(x).removesuffix("+adm")) for x in table["label"]]
+    labels = [f"{x} ({tag})" if tag else str(x) for x, tag in zip(table["label"], tags, strict=True)]
     fig, axes = plt.subplots(1, 2, figsize=(11, 0.5 * len(labels) + 1.8))
     panels = (("capacity_vs_limit", "capacity at SLO, × the limit (higher is better)"),
               ("p95_vs_limit", "P95 E2E at the rate, × the limit (lower is better)"))

@@ -20,18 +20,21 @@ __all__ = [
     "ABLATIONS",
     "DEFAULT_HOST_KV_GIB",
     "DEFAULT_POLICIES",
+    "FREE_COPIES",
     "HOST_KV_POLICIES",
     "OFFLOAD_VARIANTS",
     "POLICIES",
     "QUICK_POLICIES",
     "STOCK_OFFLOAD_POLICIES",
     "REFERENCE",
+    "TIER_BOUNDS",
     "PolicySpec",
     "admission_modes",
     "live_policy_config",
     "merge_config",
     "parse_policies",
     "policy_additional_config",
+    "reference_tag",
     "takes_mars_config",
     "unbounded_kv_blocks",
     "with_host_kv_policies",
@@ -75,6 +78,12 @@ class PolicySpec:
     """A reference, not a policy: the engine gets KV for every session's whole context at once
     (:func:`unbounded_kv_blocks`), so nothing ever waits for KV, is preempted or re-prefilled.
     Simulator only; no admission window; not a baseline."""
+    is_tier_bound: bool = False
+    """A bound, not a policy: a scheduler over a host tier whose copies are free (:data:`FREE_COPIES`:
+    a copy takes ~0 s and slows no step), so its capacity bounds every store / drop / load decision
+    of that scheduler's order over the tier (vLLM's prompt-only stores kept), not other orders
+    (docs/schedulers.md "The tier bound"). Simulator only; not a baseline; not in ``--policies all``; reports name it
+    :func:`reference_tag`."""
 
 
 _WITH_MLFQ: Mapping[str, Any] = {"mars": {"mars": {"mlfq": True}}}
@@ -86,6 +95,13 @@ _NO_COSCHEDULER: Mapping[str, Any] = {"mars": {"retention": {"enabled": False}, 
 resident sessions' KV across tool calls, holding the others' turns) nor value-model retention
 (TTL by the tool's duration CDF); a finished turn's KV goes back to vLLM's prefix cache as under
 stock vLLM. Priority levels and the control plane stay on."""
+
+FREE_COPIES: Mapping[str, Any] = {"eviction": "lru", "h2d_gb_per_s": 1e6, "d2h_gb_per_s": 1e6,
+                                   "duplex_gb_per_s": 2e6, "copy_slowdown": 1.0}
+"""``HostKvParams`` of a tier bound: copies at 10^6 GB/s each way (each direction keeps it while both
+copy: the duplex sum is twice that), so a 16-token block of a 100 kB/token model moves in ~2 ns and
+a 120k-token context in ~12 µs, against the modelled 50 GB/s (~30 µs a block, ~0.2 s a context);
+no step slows while copying (``copy_slowdown`` 1). The size stays ``--host-kv-gib``."""
 
 POLICIES: Mapping[str, PolicySpec] = {
     "fcfs": PolicySpec("fcfs"),
@@ -120,6 +136,10 @@ POLICIES: Mapping[str, PolicySpec] = {
     # stored blocks, not their re-prefill (policy/residency.resume_cost_s), so it keeps less idle KV.
     "mars-offload": PolicySpec("MarsScheduler", is_baseline=False, has_control_plane=True,
                                host_kv={"eviction": "lru"}, offload_of="mars"),
+    # mars-offload with free copies: a bound on mars's tier decisions (docs/schedulers.md "With the
+    # host tier"); not an offload variant of mars (with_host_kv_policies never adds it).
+    "mars-offload-free": PolicySpec("MarsScheduler", is_baseline=False, has_control_plane=True,
+                                    host_kv=FREE_COPIES, is_tier_bound=True),
     # Ablations (MARS §6): mars with one part switched off (docs/compare.md "Ablations").
     "mars-mlfq": PolicySpec("MarsScheduler", _WITH_MLFQ, is_baseline=False, has_control_plane=True,
                             ablates="priority"),
@@ -149,6 +169,8 @@ H200's 2 TB system memory (8 GPUs), the machine the profiles model."""
 REFERENCE = "unbounded-kv"
 """The unbounded-KV reference (``PolicySpec.is_kv_unbounded``): ``compare`` adds it to every
 simulator sweep unless ``--no-reference`` or ``--quick`` (:func:`eval.compare.with_reference`)."""
+TIER_BOUNDS: tuple[str, ...] = tuple(n for n, p in POLICIES.items() if p.is_tier_bound)
+"""The host-tier bounds (``PolicySpec.is_tier_bound``): run only when ``--policies`` names them."""
 ABLATIONS: tuple[str, ...] = tuple(n for n, p in POLICIES.items() if p.ablates is not None)
 """The ablation variants (``--ablations`` adds them to the policies)."""
 QUICK_POLICIES: tuple[str, ...] = ("fcfs", "continuum", "thunderagent", "mars")
@@ -186,6 +208,20 @@ def with_host_kv_policies(policies: Sequence[str], *, with_stock: bool = True) -
     """
     out = [n for name in policies for n in (name, OFFLOAD_VARIANTS.get(name)) if n]
     return tuple(dict.fromkeys((*out, *(STOCK_OFFLOAD_POLICIES if with_stock else ()))))
+
+
+def reference_tag(policy: str) -> str | None:
+    """How reports mark a reference's rows after its name: ``"limit"`` for the unbounded-KV
+    reference, ``"free copies (tier bound)"`` for a tier bound, ``None`` for a policy. Pure.
+
+    >>> reference_tag("unbounded-kv"), reference_tag("mars-offload-free"), reference_tag("mars-offload")
+    ('limit', 'free copies (tier bound)', None)
+
+    Raises:
+        KeyError: ``policy`` is not in the registry.
+    """
+    spec = POLICIES[policy]
+    return "limit" if spec.is_kv_unbounded else "free copies (tier bound)" if spec.is_tier_bound else None
 
 
 def admission_modes(admission: str, policy: str) -> tuple[bool, ...]:

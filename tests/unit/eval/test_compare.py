@@ -39,7 +39,7 @@ def test_parse_policies_all_and_dedup() -> None:
     assert parse_policies("all") == DEFAULT_POLICIES == tuple(
         n for n in POLICIES if n not in (*ABLATIONS, REFERENCE, *HOST_KV_POLICIES))
     assert HOST_KV_POLICIES == ("vllm-offload-lru", "vllm-offload-arc", "continuum-offload",
-                                "thunderagent-offload", "mars-offload")
+                                "thunderagent-offload", "mars-offload", "mars-offload-free")
     assert parse_policies("mars, fcfs,mars") == ("mars", "fcfs")
     assert parse_policies("mars-mlfq,mars") == ("mars-mlfq", "mars")
 

@@ -123,6 +123,19 @@ def test_an_unbracketed_search_is_shown_as_a_lower_bound_without_a_ratio() -> No
     assert table["capacity_vs_limit"].isna().all()
 
 
+def test_the_tier_bound_is_tagged_as_a_bound_not_the_limit() -> None:
+    results, capacity = _results_and_capacity()
+    results = pd.concat([results, results.loc[results["label"] == "mars+adm"].assign(
+        label="mars-offload-free+adm", policy="mars-offload-free")], ignore_index=True)
+    capacity = pd.concat([capacity, capacity.loc[capacity["label"] == "mars+adm"].assign(
+        label="mars-offload-free+adm")], ignore_index=True)
+    table = plan_table(results, capacity, ("fcfs", "vllm-tuned", "mars", "mars-offload-free", "unbounded-kv"))
+    assert not table.set_index("label").at["mars-offload-free+adm", "is_limit"]
+    text = render_plan(table, {})
+    assert "| mars-offload-free+adm (free copies (tier bound)) | 0.015 | 54.0 | 0.75× |" in text
+    assert "| unbounded-kv (limit) | 0.02 |" in text
+
+
 def test_a_plan_on_a_tiny_trace_slice_answers_every_policy_next_to_the_limit(sim, tmp_path, capsys) -> None:
     out = tmp_path / "plan"
     code = main(["plan", "--traces", str(TRACE_FIXTURES / "good"), "--max-turns", "2", "--jobs", "1",
