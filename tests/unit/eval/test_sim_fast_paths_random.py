@@ -14,16 +14,18 @@ service a decode attains, a timer, a held turn) shows up here as a difference on
 What is random (all from the seed, :func:`random_case`): 3-8 sessions of 2-6 turns arriving in
 the first 1.5 s (some at the same instant: ties in the running keys), prompts of 20-900 tokens,
 outputs of 1-220 tokens (multi-step decode runs; the scaled levels demote inside them), tools of
-1 ms to 3 s, a KV pool between one session's context and half the workload's (waits,
+1 ms to 3 s, a KV pool between one session's context and a third of the workload's (waits,
 preemptions), the step budget and running cap (how often ``_allocation_may_fail`` makes a step
-sort its running queue), tool workers and the host tier's size.
+sort its running queue), tool workers, the host tier's size, and on odd seeds two replicas
+behind a random router (one replica's merged run must not move what another does).
 
-``MARS_TEST_FAST_PATH_SEEDS`` (default 3) sets the workloads per policy; a deeper hunt:
+``MARS_TEST_FAST_PATH_SEEDS`` (default 6) sets the workloads per policy; a deeper hunt:
 ``MARS_TEST_FAST_PATH_SEEDS=40 pytest tests/unit/eval/test_sim_fast_paths_random.py``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 from collections.abc import Iterator
@@ -48,10 +50,12 @@ from eval.sim import FAST_PATHS_ENV, LinearStepTimeModel, SimConfig, SimResult, 
 from eval.sweep_options import CompareOptions  # noqa: E402
 from eval.workloads.format import Session, Turn, Workload, WorkloadMeta  # noqa: E402
 from mars_openhands.engine.schedulers.mars import MarsScheduler  # noqa: E402
+from mars_openhands.policy.placement import ROUTING_POLICIES  # noqa: E402
 from mars_openhands.stream.transport import ListSink  # noqa: E402
 
-NUM_SEEDS = int(os.environ.get("MARS_TEST_FAST_PATH_SEEDS", "3"))
-"""Random workloads per policy (3: the suite's budget, ~1 s of simulation per policy)."""
+NUM_SEEDS = int(os.environ.get("MARS_TEST_FAST_PATH_SEEDS", "6"))
+"""Random workloads per policy (6, ~35 s of simulation in all: seed 5 is the first whose two
+replicas caught a merged run crossing another replica's step end)."""
 
 ORIGIN = datetime(2026, 1, 1, tzinfo=UTC)
 BLOCK_SIZE = 16
@@ -76,6 +80,10 @@ class PolicyCase:
     merges: bool = True
     """Merged runs are expected on some workload (GPU-only mars merges no blocked run; nothing
     waits under ``unbounded-kv``)."""
+    is_kv_bound: bool = True
+    """Some workload preempts, suspends or blocks a request on KV (not ``unbounded-kv``; not the
+    preview at its own settings, which none of the default seeds' workloads fills: its scaled
+    case is KV-bound)."""
 
     @property
     def name(self) -> str:
@@ -85,7 +93,8 @@ class PolicyCase:
 
 _CASES: tuple[PolicyCase, ...] = (
     *(PolicyCase(p, merges=not (POLICIES[p].scheduler == "MarsScheduler" and POLICIES[p].host_kv is None)
-                 and not POLICIES[p].is_kv_unbounded) for p in POLICIES),
+                 and not POLICIES[p].is_kv_unbounded,
+                 is_kv_bound=not POLICIES[p].is_kv_unbounded and p != "mars-preview") for p in POLICIES),
     # Autellix's levels as test_sim_fast_paths.py scales them: decodes of 1-220 tokens use up
     # 16-128-token quanta (demotions inside decode runs), programs pass the service thresholds.
     PolicyCase("autellix", {"mars": {"autellix": {"service_thresholds_tokens": [64, 256, 1024],
@@ -111,6 +120,10 @@ class RandomCase:
     max_num_seqs: int
     num_tool_workers: int
     host_kv_gib: float
+    num_replicas: int
+    """1, or 2 on odd seeds: engines behind one control plane, each stepping on the one clock."""
+    router: str
+    """The control plane's router (several replicas)."""
 
 
 def random_case(seed: int) -> RandomCase:
@@ -129,12 +142,16 @@ def random_case(seed: int) -> RandomCase:
     workload = Workload(meta=WorkloadMeta(source="test:random", seed=seed), sessions=tuple(sessions))
     largest = max(-(-s.max_context_tokens // BLOCK_SIZE) for s in workload.sessions)
     total = sum(-(-s.max_context_tokens // BLOCK_SIZE) for s in workload.sessions)
+    num_blocks = rng.randint(largest + 2, max(largest + 3, total // 3))
     max_num_seqs = rng.choice([4, 8, 256])
+    num_replicas = 1 + seed % 2
     return RandomCase(
-        workload, num_gpu_blocks=rng.randint(largest + 2, max(largest + 3, total // 2)),
+        workload, num_gpu_blocks=max(largest + 2, num_blocks // num_replicas),  # per replica
         max_num_batched_tokens=max(max_num_seqs, rng.choice([256, 512, 1024, 8192])),
         max_num_seqs=max_num_seqs, num_tool_workers=rng.randint(1, 4),
-        host_kv_gib=round(rng.uniform(0.05, 0.5), 3))
+        host_kv_gib=round(rng.uniform(0.05, 0.5), 3), num_replicas=num_replicas,
+        # pooled-kv is left out: it merges steady runs only (test_sim_replicas.py compares it).
+        router=rng.choice(sorted(set(ROUTING_POLICIES) - {"pooled-kv"})))
 
 
 def case_config(case: PolicyCase, rc: RandomCase) -> SimConfig:
@@ -150,7 +167,8 @@ def case_config(case: PolicyCase, rc: RandomCase) -> SimConfig:
     engine = config.engine.model_copy(update={
         "additional_config": additional, "max_num_batched_tokens": rc.max_num_batched_tokens,
         "max_num_seqs": rc.max_num_seqs})
-    return config.model_copy(update={"engine": engine})
+    return config.model_copy(update={"engine": engine, "num_replicas": rc.num_replicas,
+                                     "router": rc.router if rc.num_replicas > 1 else config.router})
 
 
 @contextmanager
@@ -187,7 +205,7 @@ def _record_running_orders(sim: Simulator) -> dict[float, tuple[str, ...]]:
 def run_case(monkeypatch: pytest.MonkeyPatch, config: SimConfig, workload: Workload, *,
              fast: bool) -> tuple[SimResult, tuple[Any, ...], dict[float, tuple[str, ...]], int]:
     """One run: its result, fingerprint (:func:`sim_fingerprint`, plus the host tier's copies),
-    running orders and KV waits (preemptions, and MARS's suspensions). The reference (``fast=False``) with a host tier also steps its steady
+    running orders and KV waits (preemptions, MARS's suspensions, blocked merged runs). The reference (``fast=False``) with a host tier also steps its steady
     runs one at a time (``coalesce_max_steps=1``, as test_sim_host_kv_fast_paths.py: with the
     tier those are exact too); without one steady runs are the model both ways."""
     monkeypatch.setenv(FAST_PATHS_ENV, "1" if fast else "0")
@@ -196,12 +214,21 @@ def run_case(monkeypatch: pytest.MonkeyPatch, config: SimConfig, workload: Workl
     sink = ListSink()
     sim = Simulator(workload, config, LinearStepTimeModel(), sink, ORIGIN)
     orders = _record_running_orders(sim)
+    schedule, num_blocked_runs = sim.engine.schedule, [0]
+
+    def counting(plan: Any = 1) -> Any:
+        num_blocked_runs[0] += bool(getattr(plan, "is_waiting_hidden", False))
+        return schedule(plan)
+
+    sim.engine.schedule = counting
     result = sim.run()
     fingerprint = sim_fingerprint(result, sink.events)
     if sim.engine.host_kv is not None:
         fingerprint = (*fingerprint, list(sim.engine.host_kv.worker.history))
-    # KV-bound: requests preempted, or (MARS's residency) sessions suspended to make room.
-    num_kv_waits = result.num_preemptions + getattr(sim.engine.scheduler, "num_suspensions", 0)
+    # KV-bound: requests preempted, (MARS's residency) sessions suspended to make room, or a
+    # merged run that proved a waiting request blocked on KV.
+    num_kv_waits = (result.num_preemptions + getattr(sim.engine.scheduler, "num_suspensions", 0)
+                    + num_blocked_runs[0])
     return result, fingerprint, orders, num_kv_waits
 
 
@@ -226,8 +253,8 @@ def assert_same_run(slow_print: tuple[Any, ...], fast_print: tuple[Any, ...],
 @pytest.mark.parametrize("case", _CASES, ids=lambda c: c.name)
 def test_fast_paths_are_exact_on_random_workloads(monkeypatch: pytest.MonkeyPatch, case: PolicyCase) -> None:
     """Every seed's run is the same with and without the fast paths (:func:`assert_same_run`);
-    over the seeds the workloads reach the paths (a preemption or suspension; merged runs where
-    expected)."""
+    over the seeds the workloads reach the paths (a preemption, suspension or blocked run; merged
+    runs where expected)."""
     num_kv_waits, calls = 0, []
     with _gpu_only_runs(monkeypatch, case.gpu_only_runs):
         for seed in range(NUM_SEEDS):
@@ -239,8 +266,8 @@ def test_fast_paths_are_exact_on_random_workloads(monkeypatch: pytest.MonkeyPatc
             assert_same_run(slow_print, fast_print, slow_orders, fast_orders, f"{case.name} seed {seed}")
             num_kv_waits += kv_waits
             calls.append((fast.num_schedule_calls, slow.num_schedule_calls))
-    if not POLICIES[case.policy].is_kv_unbounded:
-        assert num_kv_waits > 0, f"{case.name}: no workload preempted or suspended (not KV-bound)"
+    if case.is_kv_bound:
+        assert num_kv_waits > 0, f"{case.name}: no workload preempted, suspended or blocked (not KV-bound)"
     if case.merges:
         assert any(f < s for f, s in calls), f"{case.name}: no merged run saved a schedule() call: {calls}"
 
@@ -249,15 +276,15 @@ def test_a_merged_run_that_skips_a_running_sort_rejoins_the_single_steps(monkeyp
     """The suspected fault class, reached: a step sorts its running queue by ``running_key`` only
     while a request prefills or an allocation may fail (``_allocation_may_fail``, which counts
     the waiting requests), and a merged run checks once, at its start, with its waiting queue
-    hidden. Here (the preview, scaled levels, seed 10) the single steps sort inside a run whose
+    hidden. Here (Autellix, seed 4) the single steps sort inside a run whose
     merged call did not, so at the next step both runs share the running queue comes in in
     another order; that step sorts it (the free blocks only fell in the run, and the waiting
     queue is seen again), and the two runs are the same run, the order vLLM schedules from at
     every shared step included."""
     from mars_openhands.engine.schedulers.base import MarsBaseScheduler
 
-    case = next(c for c in _CASES if c.name == "mars-preview-scaled")
-    rc = random_case(10)
+    case = next(c for c in _CASES if c.name == "autellix")
+    rc = random_case(4)
     config = case_config(case, rc)
     before: dict[float, tuple[str, ...]] = {}
     reorder = MarsBaseScheduler._reorder
@@ -274,4 +301,24 @@ def test_a_merged_run_that_skips_a_running_sort_rejoins_the_single_steps(monkeyp
     rejoined = [t for t in before if before[t] != slow_before[t]]
     assert rejoined, "no merged run carried a running order the single steps had sorted"
     assert all(fast_orders[t] == slow_orders[t] for t in rejoined)
-    assert_same_run(slow_print, fast_print, slow_orders, fast_orders, "mars-preview-scaled seed 10")
+    assert_same_run(slow_print, fast_print, slow_orders, fast_orders, "autellix seed 4")
+
+
+def test_an_idle_replicas_retained_kv_expires_as_one_step_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two replicas, continuum over the tier (its TTL pins): replica 1 idles with retained KV
+    while replica 0 decodes. With the tier an idle engine steps once its retained KV expires
+    (``has_requests``), which the loop notices at its first pass after the expiry: one step at a
+    time, replica 0's next single step end. A merged run of replica 0 must not cross that wake
+    (``Simulator._other_replicas_bound_s``, ``InprocEngine.next_wake_s``), or the expiry comes at
+    the run's end (seed 1's workload: 'kv_released' at 4.400 s instead of 4.320 s before)."""
+    case = next(c for c in _CASES if c.name == "continuum-offload")
+    rc = dataclasses.replace(random_case(1), num_gpu_blocks=246, max_num_batched_tokens=8192,
+                             max_num_seqs=8, num_tool_workers=2, host_kv_gib=0.187, num_replicas=2,
+                             router="least-sessions")
+    config = case_config(case, rc)
+    slow, slow_print, slow_orders, _ = run_case(monkeypatch, config, rc.workload, fast=False)
+    fast, fast_print, fast_orders, _ = run_case(monkeypatch, config, rc.workload, fast=True)
+    assert any(e["kind"] == "kv_released" and e["reason"] == "expired" and e["source"] == "engine:1"
+               for e in slow_print[1]), "no retained KV expired on replica 1"
+    assert_same_run(slow_print, fast_print, slow_orders, fast_orders, "continuum-offload, 2 replicas")
+    assert fast.num_schedule_calls < slow.num_schedule_calls
