@@ -391,9 +391,12 @@ class Simulator:
         while self._num_open > 0:
             self._handle_due_events()
             for rep in self._replicas:
-                if rep.step is None and not rep.is_lost and not rep.is_blocked \
-                        and rep.engine.has_work():
-                    self._start_step(rep)
+                # An empty step whose host-tier load finished leaves its request schedulable at
+                # once (not blocked): try again now, as with one engine, not at whichever step
+                # end or event comes next (which a merged run of another replica would move).
+                while (rep.step is None and not rep.is_lost and not rep.is_blocked
+                       and rep.engine.has_work() and not self._start_step(rep)):
+                    pass
             stepping = [r for r in self._replicas if r.step is not None]
             if stepping:
                 rep = min(stepping, key=lambda r: (r.step[3], r.index))  # type: ignore[index]
@@ -572,13 +575,14 @@ class Simulator:
         # their KV is allocated at the schedule) stay merged, never a run that proves a wait.
         bound_s = self._next_hard_event_s()
         merge_blocked = self._fast_paths and not self.config.pools_kv
+        others_s = self._other_replicas_bound_s(rep) if len(self._replicas) > 1 else math.inf
+        if rep.engine.host_kv is not None:  # with the tier every merged run is exact: bound it
+            bound_s = min(bound_s, others_s)
         plan = rep.engine.plan_run(self.config.coalesce_max_steps, self.now_s, bound_s, rep.timer,
                                    merge_blocked=merge_blocked)
-        if plan.is_exact and len(self._replicas) > 1:
-            others_s = self._other_replicas_bound_s(rep)
-            if plan.step_ends_s[-1] > others_s:
-                plan = rep.engine.plan_run(self.config.coalesce_max_steps, self.now_s,
-                                           min(bound_s, others_s), rep.timer, merge_blocked=merge_blocked)
+        if plan.is_exact and plan.step_ends_s[-1] > others_s:
+            plan = rep.engine.plan_run(self.config.coalesce_max_steps, self.now_s,
+                                       min(bound_s, others_s), rep.timer, merge_blocked=merge_blocked)
         if (plan.is_exact and self.config.is_admission_enabled
                 and plan.step_ends_s[-1] > self._next_tick_s):
             rep.run_kv = rep.engine.run_kv(plan)
@@ -602,8 +606,10 @@ class Simulator:
                 continue
             if other.step is not None:
                 t_s = min(t_s, other.step[3])
-            elif not other.is_blocked:  # a blocked one is retried only at the next event
-                t_s = min(t_s, self.now_s if other.engine.has_work() else other.engine.next_wake_s())
+            elif not other.is_blocked and other.engine.has_work():
+                t_s = self.now_s
+            else:  # idle, or blocked until the next event (then maybe idle, to wake by its clock)
+                t_s = min(t_s, other.engine.next_wake_s())
         return t_s
 
     def _kv_used_blocks(self, rep: _Replica) -> int:

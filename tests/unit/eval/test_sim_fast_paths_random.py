@@ -322,3 +322,19 @@ def test_an_idle_replicas_retained_kv_expires_as_one_step_at_a_time(monkeypatch:
                for e in slow_print[1]), "no retained KV expired on replica 1"
     assert_same_run(slow_print, fast_print, slow_orders, fast_orders, "continuum-offload, 2 replicas")
     assert fast.num_schedule_calls < slow.num_schedule_calls
+
+
+def test_a_replica_whose_host_load_finished_schedules_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two replicas, stock vLLM over the tier (seed 9's workload, sticky-hash): a turn of replica 1
+    waits for its host load; the empty step that sees the load finished leaves it schedulable
+    (not blocked), and, as with one engine, the replica steps again at once. It used to retry at
+    the loop's next pass, another replica's next step end: one step at a time s0#2 was first
+    scheduled at 2.603 s, behind a merged run of replica 0 at 2.800 s."""
+    case = next(c for c in _CASES if c.name == "vllm-offload-lru")
+    rc = random_case(9)
+    assert rc.num_replicas == 2 and rc.router == "sticky-hash"
+    config = case_config(case, rc)
+    slow, slow_print, slow_orders, _ = run_case(monkeypatch, config, rc.workload, fast=False)
+    fast, fast_print, fast_orders, _ = run_case(monkeypatch, config, rc.workload, fast=True)
+    assert_same_run(slow_print, fast_print, slow_orders, fast_orders, "vllm-offload-lru, 2 replicas")
+    assert fast.num_schedule_calls < slow.num_schedule_calls
