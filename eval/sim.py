@@ -391,15 +391,18 @@ class Simulator:
         """The loop with several engines on the one clock: each free engine with work starts a
         step; the earliest of the next event and the next step end comes next (a step end first
         at equal times, as with one engine). A request routed to an engine in a step is added at
-        that step's end; a merged run is bounded by the events known when it is planned (an
-        admission that another replica's step end triggers reaches an engine in a merged run at
-        the run's end, which a waiting session's admission ticks bound)."""
+        that step's end; a merged run is bounded by the events known when it is planned and, when
+        exact, by the other replicas' step ends and wakes (:meth:`_other_replicas_bound_s`: an
+        admission another replica's finish triggers reaches this one as after its single step)."""
         while self._num_open > 0:
             self._handle_due_events()
             for rep in self._replicas:
-                if rep.step is None and not rep.is_lost and not rep.is_blocked \
-                        and rep.engine.has_work():
-                    self._start_step(rep)
+                # An empty step whose host-tier load finished leaves its request schedulable at
+                # once (not blocked): try again now, as with one engine, not at whichever step
+                # end or event comes next (which a merged run of another replica would move).
+                while (rep.step is None and not rep.is_lost and not rep.is_blocked
+                       and rep.engine.has_work() and not self._start_step(rep)):
+                    pass
             stepping = [r for r in self._replicas if r.step is not None]
             if stepping:
                 rep = min(stepping, key=lambda r: (r.step[3], r.index))  # type: ignore[index]
@@ -576,13 +579,44 @@ class Simulator:
         (``rep.run_kv``), which the tick reads."""
         # A pooled KV changes under another replica's step: only steady decode runs (nothing waits;
         # their KV is allocated at the schedule) stay merged, never a run that proves a wait.
-        plan = rep.engine.plan_run(self.config.coalesce_max_steps, self.now_s,
-                                   self._next_hard_event_s(), rep.timer,
-                                   merge_blocked=self._fast_paths and not self.config.pools_kv)
+        bound_s = self._next_hard_event_s()
+        merge_blocked = self._fast_paths and not self.config.pools_kv
+        others_s = self._other_replicas_bound_s(rep) if len(self._replicas) > 1 else math.inf
+        if rep.engine.host_kv is not None:  # with the tier every merged run is exact: bound it
+            bound_s = min(bound_s, others_s)
+        plan = rep.engine.plan_run(self.config.coalesce_max_steps, self.now_s, bound_s, rep.timer,
+                                   merge_blocked=merge_blocked)
+        if plan.is_exact and plan.step_ends_s[-1] > others_s:
+            plan = rep.engine.plan_run(self.config.coalesce_max_steps, self.now_s,
+                                       min(bound_s, others_s), rep.timer, merge_blocked=merge_blocked)
         if (plan.is_exact and self.config.is_admission_enabled
                 and plan.step_ends_s[-1] > self._next_tick_s):
             rep.run_kv = rep.engine.run_kv(plan)
         return plan
+
+    def _other_replicas_bound_s(self, rep: _Replica) -> float:
+        """Several replicas: the time an exact merged run of ``rep`` must end by so that the other
+        replicas see it as its single steps (virtual seconds). Pure.
+
+        Another replica's step end can change ``rep``'s input before the next known event (a turn
+        it finishes frees a slot of the admission window, and the admitted session's request may
+        be routed to ``rep``; a tool it starts may end inside the run, its next turn routed to
+        ``rep``), so no exact run crosses one; a replica about to start a step (its end not known
+        yet) allows none. And an idle replica starts a step at the first loop pass after its clock
+        wakes it (:meth:`InprocEngine.next_wake_s`), which one step at a time is the first single
+        step's end after it: no exact run crosses that wake either. (Steady runs timed at the mean
+        context are the model, merged the same way with the fast paths off: not bounded here.)"""
+        t_s = math.inf
+        for other in self._replicas:
+            if other is rep or other.is_lost:
+                continue
+            if other.step is not None:
+                t_s = min(t_s, other.step[3])
+            elif not other.is_blocked and other.engine.has_work():
+                t_s = self.now_s
+            else:  # idle, or blocked until the next event (then maybe idle, to wake by its clock)
+                t_s = min(t_s, other.engine.next_wake_s())
+        return t_s
 
     def _kv_used_blocks(self, rep: _Replica) -> int:
         """Used KV blocks as the engine would report them now: inside a merged run (``rep.run_kv``)

@@ -303,6 +303,15 @@ class InprocEngine:
         Pure."""
         return math.inf if self.host_kv is None else self.host_kv.next_done_s()
 
+    def next_wake_s(self) -> float:
+        """Clock time at which an idle engine's :meth:`has_work` turns true by the clock alone:
+        with a host KV tier (vLLM's ``has_requests``) our scheduler's next retained-KV expiry;
+        ``inf`` otherwise (without the tier an idle engine wakes only for a request). Pure."""
+        if self.host_kv is None or not self.is_plugin:
+            return math.inf
+        retained = getattr(self.scheduler, "retained", None)
+        return math.inf if retained is None else retained.next_expiry_s
+
     def _tier_store_horizons(self) -> dict[str, float] | None:
         """Without a host KV tier an empty dict; with one, while it is idle (no copy queued or
         running, nothing pending in vLLM's connector), running request id -> tokens computed from
