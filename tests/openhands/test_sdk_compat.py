@@ -42,3 +42,19 @@ def test_stream_events_round_trip_in_the_openhands_env() -> None:
     e = ToolEnd(**now_stamps(), source="agent", session_id="s1", turn=2, tool_name="terminal",
                 tool_call_id="c", duration_s=0.25, status="ok")
     assert parse_event(e.model_dump_json()) == e
+
+
+def test_the_sdks_cipher_takes_every_secret_key() -> None:
+    """The agent-server encrypts a conversation's secrets with the SDK's ``Cipher``, keyed by the
+    session API key (``OH_SECRET_KEY``). The SDK derives the Fernet key with standard base64, and
+    cryptography 51's Fernet refuses one with '+' or '/' (~3 keys in 4): every conversation start
+    then fails with a 500. pyproject pins ``cryptography<51`` in the ``openhands`` extra for it."""
+    import secrets
+
+    from openhands.sdk.utils.cipher import Cipher
+    from pydantic import SecretStr
+
+    for _ in range(64):  # P(64 keys all url-safe by chance) ~ 0.25**64
+        key = secrets.token_urlsafe(32)
+        cipher = Cipher(key)
+        assert cipher.decrypt(cipher.encrypt(SecretStr("v"))).get_secret_value() == "v", key
