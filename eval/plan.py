@@ -424,7 +424,7 @@ def render_plan(table: pd.DataFrame, facts: Mapping[str, Any]) -> str:
               f"| P95 E2E at {rate_text} (s) | × limit | mean E2E (s) | × limit | mean slowdown | completed |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     for _, r in table.iterrows():
-        tag = reference_tag(str(r["label"]).removesuffix("+adm"))
+        tag = reference_tag(str(r["label"]))
         name = f"{r['label']} ({tag})" if tag else str(r["label"])
         capacity = f(r["capacity_per_s"], 4) if not math.isnan(r["capacity_per_s"]) else "none stable"
         if not r["is_bracketed"] and not math.isnan(r["capacity_per_s"]):
@@ -455,7 +455,7 @@ def write_capacity_plot(out_dir: Path, table: pd.DataFrame, title: str) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tags = [reference_tag(str(x).removesuffix("+adm")) for x in table["label"]]
+    tags = [reference_tag(str(x)) for x in table["label"]]
     labels = [f"{x} ({tag})" if tag else str(x) for x, tag in zip(table["label"], tags, strict=True)]
     fig, axes = plt.subplots(1, 2, figsize=(11, 0.5 * len(labels) + 1.8))
     panels = (("capacity_vs_limit", "capacity at SLO, × the limit (higher is better)"),

@@ -210,17 +210,17 @@ def with_host_kv_policies(policies: Sequence[str], *, with_stock: bool = True) -
     return tuple(dict.fromkeys((*out, *(STOCK_OFFLOAD_POLICIES if with_stock else ()))))
 
 
-def reference_tag(policy: str) -> str | None:
+def reference_tag(name: str) -> str | None:
     """How reports mark a reference's rows after its name: ``"limit"`` for the unbounded-KV
-    reference, ``"free copies (tier bound)"`` for a tier bound, ``None`` for a policy. Pure.
+    reference, ``"free copies (tier bound)"`` for a tier bound, ``None`` for a policy or a name not
+    in the registry. ``name``: a policy or a run label (``mars-offload-free+adm``). Pure.
 
-    >>> reference_tag("unbounded-kv"), reference_tag("mars-offload-free"), reference_tag("mars-offload")
+    >>> reference_tag("unbounded-kv"), reference_tag("mars-offload-free+adm"), reference_tag("mars-offload")
     ('limit', 'free copies (tier bound)', None)
-
-    Raises:
-        KeyError: ``policy`` is not in the registry.
     """
-    spec = POLICIES[policy]
+    spec = POLICIES.get(name.removesuffix("+adm"))
+    if spec is None:
+        return None
     return "limit" if spec.is_kv_unbounded else "free copies (tier bound)" if spec.is_tier_bound else None
 
 

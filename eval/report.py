@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from eval.policies import POLICIES, reference_tag
+from eval.policies import reference_tag
 
 __all__ = [
     "ADDS_PART",
@@ -503,8 +503,7 @@ def _capacity_section(capacity: pd.DataFrame | None) -> list[str]:
              "Each policy's own knee: the largest Poisson rate at which every session completes and the "
              "mean slowdown stays within --knee-slowdown (the FCFS base-rate search, run for every policy); "
              "× best baseline = capacity / the highest baseline capacity. '–': no stable rate was found.", ""]
-    tags = {p: reference_tag(p) for p in table["policy"].unique() if p in POLICIES} if "policy" in table else {}
-    rows = [[f"{r['label']} ({tags[r['policy']]})" if tags.get(r.get("policy")) else r["label"],
+    rows = [[f"{r['label']} ({tag})" if (tag := reference_tag(str(r.get("policy")))) else r["label"],
              f"FAILED: {r['error']}" if isinstance(r.get("error"), str) and r["error"]
              else _fmt(r["capacity_per_s"], 4),
              f"{_fmt(r['vs_best_baseline'])}×",

@@ -32,7 +32,7 @@ from typing import Any
 
 import pandas as pd
 
-from eval.policies import POLICIES, reference_tag
+from eval.policies import reference_tag
 from eval.provenance import REPO_ROOT
 from eval.report import (
     METRICS,
@@ -189,7 +189,7 @@ def _cell(column: str, value: Any) -> str:
 def _runs_table(frame: pd.DataFrame, columns: Sequence[tuple[str, str]], corner: str) -> str:
     lines = [f"| {corner} | " + " | ".join(h for h, _ in columns) + " |", "|" + "---|" * (len(columns) + 1)]
     for _, r in frame.sort_values(["load_x"], kind="stable").iterrows():
-        tag = "limit" if r.get("is_reference") else reference_tag(str(r["policy"])) if r.get("policy") in POLICIES else None
+        tag = "limit" if r.get("is_reference") else reference_tag(str(r.get("policy")))
         name = f"*{r['label']} ({tag})*" if tag else _label(r["label"])
         lines.append(f"| {r['load_x']:g}×: {name} | " + " | ".join(_cell(c, r[c]) for _, c in columns) + " |")
     return "\n".join(lines)
