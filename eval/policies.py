@@ -128,9 +128,11 @@ POLICIES: Mapping[str, PolicySpec] = {
                                     host_kv={"eviction": "lru"}, offload_of="continuum"),
     "thunderagent-offload": PolicySpec("ThunderAgentScheduler", host_kv={"eviction": "lru"},
                                        offload_of="thunderagent"),
-    # The preview's own CPU overload threshold and no wait bound (a faithful port; ours: 1.5 and 1800 s).
+    # The preview's own CPU overload threshold, no wait bound and C_cpu with f = 1 (a faithful port;
+    # ours: 1.5, 1800 s and the measured tool fraction).
     "mars-preview": PolicySpec("MarsPreviewScheduler", is_baseline=False, has_control_plane=True,
-                               admission={"cpu_set_backlog_ratio": 4.0, "max_admission_wait_s": None}),
+                               admission={"cpu_set_backlog_ratio": 4.0, "max_admission_wait_s": None,
+                                          "tool_fraction_horizon_s": None}),
     "mars": PolicySpec("MarsScheduler", is_baseline=False, has_control_plane=True),
     # mars over the same tier: its residency charges a displaced idle session the host load of its
     # stored blocks, not their re-prefill (policy/residency.resume_cost_s), so it keeps less idle KV.

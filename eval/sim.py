@@ -704,7 +704,8 @@ class Simulator:
         self._emit(ev.EngineStep, rep.source, None, None,
                    num_gpu_blocks=engine.num_gpu_blocks(), num_used_blocks=used,
                    num_free_blocks=free, num_retained_blocks=retained, num_running=running,
-                   num_waiting=waiting, step_time_s=rep.last_step_s)
+                   num_waiting=waiting, step_time_s=rep.last_step_s,
+                   num_host_blocks=rep.engine.num_host_blocks())
 
     # ------------------------------------------------------------------ sessions
     def _on_arrival(self, run: _SessionRun) -> None:
@@ -859,7 +860,7 @@ class Simulator:
             if rep.is_lost:
                 continue
             router.observe_engine_step(rep.source, self._kv_used_blocks(rep),
-                                       rep.engine.num_gpu_blocks())
+                                       rep.engine.num_gpu_blocks(), rep.engine.num_host_blocks())
             if len(self._replicas) > 1:  # as the gateway's /metrics poll (llm-d's queue scorer)
                 router.replicas[rep.index].num_waiting = rep.engine.request_counts()[1]
         tick = self.plane.tick()

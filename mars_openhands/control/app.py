@@ -418,7 +418,8 @@ class Gateway:
             self.hub.num_gpu_events += 1
             self.hub.record(event)
         if event.kind == "engine_step":
-            self.router.observe_engine_step(event.source, event.num_used_blocks, event.num_gpu_blocks)
+            self.router.observe_engine_step(event.source, event.num_used_blocks, event.num_gpu_blocks,
+                                            event.num_host_blocks)
 
     def on_replica_replaced(self, index: int, previous_incarnation: str, incarnation: str,
                             url: str) -> None:

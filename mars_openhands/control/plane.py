@@ -384,6 +384,9 @@ class ControlPlane:
             logger.info("session %s idle for %.1f s: releasing its slot", session.session_id,
                         now - session.last_activity_s)
             admitted += self.end_session(session)
+        horizon_s = self.config.admission.tool_fraction_horizon_s
+        if horizon_s is not None:
+            self.tools.observe_fraction(len(self.admission.admitted), now, horizon_s)
         snap = self.snapshot()
         decision, more = self.admission.tick(snap, now, self.kv_budget_blocks())
         st = decision.state
@@ -402,6 +405,7 @@ class ControlPlane:
         return PressureSnapshot(
             tool_backlog_ratio=self.tools.backlog_ratio, tool_wait_ema_s=self.tools.wait_ema_s,
             kv_usage=self.router.kv_usage(), num_tool_workers=self.config.num_tool_workers,
+            tool_fraction=self.tools.tool_fraction,
         )
 
     def kv_budget_blocks(self) -> int | None:

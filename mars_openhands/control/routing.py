@@ -68,6 +68,8 @@ class ReplicaState:
     """Usage from the last ``engine_step`` event (used / total blocks)."""
     kv_usage_step_mono_s: float = 0.0
     num_gpu_blocks: int | None = None
+    num_host_blocks: int = 0
+    """Its host-memory KV tier in GPU blocks (0: none), from its last ``engine_step``."""
     block_size_tokens: int | None = None
     num_running: int | None = None
     num_waiting: int | None = None
@@ -97,6 +99,19 @@ class ReplicaState:
                      or self.kv_usage_step_mono_s >= self.kv_usage_polled_mono_s)):
             return step
         return self.kv_usage_polled
+
+    def kv_pool_usage(self, now_mono_s: float, max_step_age_s: float) -> tuple[float, int | None] | None:
+        """``(usage, blocks)`` of the KV pool a session keeps its KV in without a re-prefill: the
+        GPU's, and with a host tier the host's too (a session displaced from the GPU resumes by a
+        copy): ``u x gpu / (gpu + host)`` over ``gpu + host`` blocks. ``None`` if the usage is
+        unknown; ``blocks`` ``None`` (and ``u`` unscaled) if the GPU's blocks are."""
+        usage = self.kv_usage(now_mono_s, max_step_age_s)
+        if usage is None:
+            return None
+        if not self.num_gpu_blocks:
+            return usage, None
+        blocks = self.num_gpu_blocks + self.num_host_blocks
+        return usage * self.num_gpu_blocks / blocks, blocks
 
 
 @dataclass
@@ -162,8 +177,10 @@ class Router:
         return [r for r in self.replicas if r.is_healthy]
 
     # ------------------------------------------------------------------ KV signals
-    def observe_engine_step(self, source: str, num_used_blocks: int, num_gpu_blocks: int) -> bool:
-        """An engine's ``engine_step`` KV snapshot: u = used / total blocks, stamped now.
+    def observe_engine_step(self, source: str, num_used_blocks: int, num_gpu_blocks: int,
+                            num_host_blocks: int = 0) -> bool:
+        """An engine's ``engine_step`` KV snapshot: u = used / total blocks, stamped now, and its
+        host tier's blocks (``num_host_blocks``, 0: none).
 
         Returns:
             False if no replica has that ``source`` (or it reports no blocks). Mutates the replica.
@@ -175,6 +192,7 @@ class Router:
         replica.kv_usage_step = min(1.0, num_used_blocks / num_gpu_blocks)
         replica.kv_usage_step_mono_s = self.clock()
         replica.num_gpu_blocks = num_gpu_blocks
+        replica.num_host_blocks = num_host_blocks
         return True
 
     def observe_metrics(self, index: int, m: EngineMetrics) -> None:
@@ -195,20 +213,22 @@ class Router:
         replica.block_size_tokens = m.block_size_tokens or replica.block_size_tokens
 
     def kv_usage(self) -> float | None:
-        """KV usage u across healthy replicas (max), 0..1, or ``None`` if no replica reported."""
+        """KV usage u of the admission window: the max over healthy replicas of their KV pool's
+        usage (:meth:`ReplicaState.kv_pool_usage`: with a host tier, GPU + host), 0..1, or
+        ``None`` if no replica reported."""
         now = self.clock()
-        values = [u for r in self.healthy()
-                  if (u := r.kv_usage(now, self.config.engine_step_max_age_s)) is not None]
+        values = [pool[0] for r in self.healthy()
+                  if (pool := r.kv_pool_usage(now, self.config.engine_step_max_age_s)) is not None]
         return max(values) if values else None
 
     def kv_budget_blocks(self, kv_set_usage: float) -> int | None:
         """Blocks a new session may still commit before usage ``kv_set_usage`` on the best replica:
-        ``max(0, max over replicas of floor((kv_set_usage - u) * num_gpu_blocks))``; ``None`` if
-        no replica reported."""
+        ``max(0, max over replicas of floor((kv_set_usage - u) * blocks))`` over each replica's KV
+        pool (:meth:`ReplicaState.kv_pool_usage`); ``None`` if no replica reported."""
         now = self.clock()
-        budgets = [int((kv_set_usage - usage) * r.num_gpu_blocks) for r in self.healthy()
-                   if (usage := r.kv_usage(now, self.config.engine_step_max_age_s)) is not None
-                   and r.num_gpu_blocks]
+        budgets = [int((kv_set_usage - pool[0]) * pool[1]) for r in self.healthy()
+                   if (pool := r.kv_pool_usage(now, self.config.engine_step_max_age_s)) is not None
+                   and pool[1]]
         return max(0, max(budgets)) if budgets else None
 
     def block_size_tokens(self) -> int:

@@ -11,6 +11,7 @@ Mutates only its own objects; single-threaded. Both are components of
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -171,6 +172,26 @@ class ToolTracker:
         self.num_in_flight = 0
         """Tool calls enqueued or running, not yet ended."""
         self.wait_ema_s: float | None = None
+        self._fraction_num = 0.0
+        self._fraction_den = 0.0
+        self._fraction_at_s: float | None = None
+
+    @property
+    def tool_fraction(self) -> float | None:
+        """f: share of admitted sessions' time in tool calls (queued or running), the ratio of the
+        two decayed integrals :meth:`observe_fraction` keeps; ``None`` before any admitted time."""
+        return min(1.0, self._fraction_num / self._fraction_den) if self._fraction_den > 0.0 else None
+
+    def observe_fraction(self, num_admitted: int, now_s: float, horizon_s: float) -> None:
+        """Add the interval since the last call to the tool fraction: its in-flight tool calls and
+        ``num_admitted`` sessions, each integral decayed by ``exp(-dt / horizon_s)``. Mutates."""
+        last, self._fraction_at_s = self._fraction_at_s, now_s
+        if last is None or now_s <= last:
+            return
+        dt = now_s - last
+        decay = math.exp(-dt / horizon_s)
+        self._fraction_num = self._fraction_num * decay + self.num_in_flight * dt
+        self._fraction_den = self._fraction_den * decay + num_admitted * dt
 
     @property
     def backlog_ratio(self) -> float:

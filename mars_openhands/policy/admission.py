@@ -14,9 +14,9 @@ like TCP's congestion window, driven by two pressure signals, each with hysteres
 Mental model: overload (either plane) multiplies the window down (``W <- max(W_min, floor(0.7 W))``)
 on every tick while it lasts; the window grows by one per tick only when both planes are *healthy*
 (below the clear thresholds), and holds in the band between. Two caps bound the window from above
-at every tick: ``C_cpu = ceil(N_tool (L + H) / 2)`` sessions (enough sessions to keep the tool
-workers between their clear and set thresholds) and ``C_kv``, which falls linearly from ``W_max`` at
-``u = 0.85`` to ``W_min`` at ``u = 0.90``::
+at every tick: ``C_cpu = ceil(N_tool (L + H) / (2 f))`` sessions (enough sessions to keep the tool
+workers between their clear and set thresholds when a share ``f`` of their time is in tool calls)
+and ``C_kv``, which falls linearly from ``W_max`` at ``u = 0.85`` to ``W_min`` at ``u = 0.90``::
 
     C_kv
     W_max |‾‾‾‾‾‾‾‾‾‾‾\\
@@ -26,8 +26,8 @@ workers between their clear and set thresholds) and ``C_kv``, which falls linear
                      0.85 0.90
 
 Defaults are the public preview's (``Afterglow231/MARS_preview``,
-``experiments/replay/vllm_tool_baseline/run_experiment.py``, ``_fill_active_mars``), except ``H``:
-W_max / init / min = 30 / 30 / 4 for replay (8 / 8 / 2 for OpenHands runs); the window itself is clamped by the caps,
+``experiments/replay/vllm_tool_baseline/run_experiment.py``, ``_fill_active_mars``), except ``H`` and
+``f`` (the preview's is 1; ours is measured, ``tool_fraction_horizon_s``): W_max / init / min = 30 / 30 / 4 for replay (8 / 8 / 2 for OpenHands runs); the window itself is clamped by the caps,
 so after pressure clears it regrows one slot per tick from the cap. The functions here are pure
 (snapshot in, decision out); :mod:`mars_openhands.control.admission` (``AimdWindow``) keeps the state, and
 :mod:`mars_openhands.control.plane` the clock.
@@ -95,6 +95,11 @@ class AdmissionParams(BaseModel):
     """KV overload clears, and C_kv = W_max, when u <= this (default 0.85)."""
     tool_wait_ema_alpha: float = Field(0.2, gt=0.0, le=1.0)
     """Weight of the newest tool queue-wait sample in the EMA (default 0.2)."""
+    tool_fraction_horizon_s: float | None = Field(600.0, gt=0.0)
+    """Time constant, seconds, of the measured tool fraction ``f`` (the share of admitted sessions'
+    time spent in tool calls, queued or running) that scales C_cpu to ``N_tool (L + H) / (2 f)``
+    (:func:`cpu_window_cap`). ``None``: the preview's cap, which counts every admitted session as
+    always in a tool (``f = 1``). Default 600 s: many tool calls of even minute-long tools."""
     max_admission_wait_s: float | None = Field(1800.0, gt=0.0)
     """Forced admission: a session that has waited this many seconds is admitted whatever the
     window (the bound on admission wait; ``None``: unbounded). Default 1800 s, ThunderAgent's
@@ -139,6 +144,9 @@ class PressureSnapshot(BaseModel):
     """KV usage u in 0..1 (evictable prefix-cache blocks excluded); max over replicas."""
     num_tool_workers: int = Field(1, ge=1)
     """N_tool: tool workers serving all sessions."""
+    tool_fraction: float | None = Field(None, ge=0.0, le=1.0)
+    """f: share of admitted sessions' time in tool calls (queued or running), averaged over
+    ``tool_fraction_horizon_s``; ``None`` when not measured (no session admitted yet)."""
 
 
 class AdmissionState(BaseModel):
@@ -228,13 +236,21 @@ def overdue_sessions(waiting: Sequence[WaitingSession], now_s: float, params: Ad
     return [s.session_id for s in sorted(overdue, key=lambda s: s.arrival_s)]
 
 
-def cpu_window_cap(num_tool_workers: int, params: AdmissionParams) -> int:
-    """C_cpu = ceil(N_tool * (L + H) / 2), clamped to [W_min, W_max], in sessions. Pure.
+def cpu_window_cap(num_tool_workers: int, params: AdmissionParams, tool_fraction: float | None = None) -> int:
+    """C_cpu = ceil(N_tool * (L + H) / (2 f)), clamped to [W_min, W_max], in sessions. Pure.
 
-    Source: the preview's ``cpu_window_cap`` (L, H = clear/set backlog ratios).
+    The admitted sessions at which the tool calls in flight sit midway between the clear and set
+    backlog ratios: by Little's law ``f x sessions`` of them are in a tool call at a time, where
+    ``f`` (``tool_fraction``) is the measured share of an admitted session's time spent in tool
+    calls. ``f`` unknown, or ``params.tool_fraction_horizon_s`` None: ``f = 1``, the preview's
+    ``cpu_window_cap`` (every admitted session counted as in a tool); ``f = 0`` (no tool call yet):
+    W_max.
     """
     ratio = (params.cpu_clear_backlog_ratio + params.cpu_set_backlog_ratio) / 2.0
-    cap = math.ceil(num_tool_workers * ratio)
+    share = 1.0 if tool_fraction is None or params.tool_fraction_horizon_s is None else tool_fraction
+    if share <= 0.0:
+        return params.window_max
+    cap = math.ceil(num_tool_workers * ratio / share - 1e-9)
     return max(params.window_min, min(params.window_max, cap))
 
 
@@ -276,7 +292,7 @@ def update_window(
         window = min(params.window_max, window + params.increase_step)
     else:
         action = "hold"
-    cpu_cap = cpu_window_cap(snapshot.num_tool_workers, params)
+    cpu_cap = cpu_window_cap(snapshot.num_tool_workers, params, snapshot.tool_fraction)
     kv_cap = kv_window_cap(snapshot.kv_usage, params)
     window = max(params.window_min, min(window, cpu_cap, kv_cap, params.window_max))
     new_state = AdmissionState(window=window, is_cpu_overloaded=cpu_over, is_kv_overloaded=kv_over)

@@ -168,11 +168,13 @@ class EngineReplica:
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Routing stats for :class:`~mars_openhands.serve.router.SessionRequestRouter`: the last
-        ``engine_step``'s KV usage (0..1) and queue sizes, when one arrived. Pure."""
+        ``engine_step``'s KV usage (0..1), GPU and host-tier blocks and queue sizes, when one
+        arrived. Pure."""
         step = next((e for _, e in reversed(self._events) if e.kind == "engine_step"), None)
         if step is None or not step.num_gpu_blocks:
             return {}
         return {"kv_usage": step.num_used_blocks / step.num_gpu_blocks,
+                "num_gpu_blocks": step.num_gpu_blocks, "num_host_blocks": step.num_host_blocks,
                 "num_running": step.num_running, "num_waiting": step.num_waiting}
 
     def __del__(self) -> None:

@@ -80,13 +80,16 @@ class SessionTable:
         self.replica_ids = replica_ids
 
     def observe_stats(self, index: int, stats: dict[str, Any]) -> None:
-        """A replica's routing stats (``kv_usage`` 0..1) as the KV signal. Mutates."""
+        """A replica's routing stats (``kv_usage`` 0..1; its GPU and host-tier blocks, which size
+        the window's KV pool, ``Router.kv_usage``) as the KV signal. Mutates."""
         assert self.router is not None, "set_replicas() first"
         usage = stats.get("kv_usage")
         if usage is not None:
             replica = self.router.replicas[index]
             replica.kv_usage_polled = float(usage)
             replica.kv_usage_polled_mono_s = time.monotonic()
+            replica.num_gpu_blocks = stats.get("num_gpu_blocks") or replica.num_gpu_blocks
+            replica.num_host_blocks = int(stats.get("num_host_blocks") or 0)
 
     def route(self, session_id: str | None) -> int:
         """The replica index for a request of ``session_id`` (``None`` or empty: not bound).

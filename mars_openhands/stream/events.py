@@ -194,6 +194,8 @@ class EngineStep(_EventBase):
     num_projected_blocks: NonNegInt | None = None
     """Blocks that admitted (running + waiting) work will need at full prompt length."""
     step_time_s: NonNegFloat | None = None
+    num_host_blocks: NonNegInt = 0
+    """The host-memory KV tier's capacity in GPU blocks (``--kv-offloading-size``; 0: no tier)."""
 
 
 # ----------------------------------------------------------------------------- CPU plane

@@ -56,6 +56,7 @@ from mars_openhands.engine.harness.runs import (
 from mars_openhands.engine.harness.tokens import SessionTokenStream, StreamBlockHasher
 from mars_openhands.engine.schedulers.base import MarsBaseScheduler
 from mars_openhands.engine.schedulers.coalesce import HeadRule, MergedRun, MergesRuns
+from mars_openhands.engine.schedulers.host_tier import host_blocks
 from mars_openhands.engine.seams import fast_paths
 
 __all__ = ["BlockedProbe", "EngineStepRecord", "InprocEngine", "InprocEngineParams",
@@ -171,6 +172,7 @@ class InprocEngine:
         """The scheduler's side of merged runs, or None (a plugin that allows none)."""
         if clock is not None:
             self.set_clock(clock)
+        self._num_host_blocks: int | None = None
         self.host_kv: HostKvWorkerSide | None = None
         """The host KV tier's worker side, or None (no ``params.host_kv``)."""
         if params.host_kv is not None:
@@ -880,6 +882,13 @@ class InprocEngine:
     def num_gpu_blocks(self) -> int:
         """Total KV blocks of the pool (including vLLM's null block)."""
         return seams.blocks.num_gpu_blocks(self.scheduler)
+
+    def num_host_blocks(self) -> int:
+        """The host KV tier's capacity in GPU blocks, 0 without one (``host_tier.host_blocks``). Pure."""
+        if self._num_host_blocks is None:
+            s = self.scheduler
+            self._num_host_blocks = host_blocks(s.vllm_config, s.kv_cache_config)
+        return self._num_host_blocks
 
     def shutdown(self) -> None:
         """Release what the scheduler still holds (our schedulers: retained KV). Mutates."""

@@ -63,6 +63,7 @@ from mars_openhands.engine.schedulers.chunks import ChunkSizing
 from mars_openhands.engine.schedulers.coalesce import MergedRun
 from mars_openhands.engine.schedulers.cpu_events import CpuEvents
 from mars_openhands.engine.schedulers.hooks import PolicyHooks, is_overridden
+from mars_openhands.engine.schedulers.host_tier import host_blocks
 from mars_openhands.engine.schedulers.inbox import CpuEventInbox
 from mars_openhands.engine.schedulers.integrity import KvIntegrity
 from mars_openhands.engine.schedulers.kv_retention import KvRetention
@@ -154,6 +155,8 @@ class MarsBaseScheduler(KvRetention, CpuEvents, SessionTracking, StepTelemetry, 
         self.prefilling: set[str] = set()
         """Running requests still inside their prompt (kept up to date after each step)."""
         self.telemetry: EngineTelemetry = make_telemetry(self.params.telemetry)
+        self.num_host_blocks = host_blocks(self.vllm_config, self.kv_cache_config)
+        """The host-memory KV tier's capacity in GPU blocks (0: no tier), reported in ``engine_step``."""
         self._init_seams()
 
     # ------------------------------------------------------------------ wiring

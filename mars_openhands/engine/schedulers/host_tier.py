@@ -17,7 +17,7 @@ from typing import Any
 
 from mars_openhands.policy.residency import HostReload
 
-__all__ = ["DEFAULT_COPY_SLOWDOWN", "DEFAULT_H2D_GB_PER_S", "EXTRA_CONFIG_KEY", "host_reload"]
+__all__ = ["DEFAULT_COPY_SLOWDOWN", "DEFAULT_H2D_GB_PER_S", "EXTRA_CONFIG_KEY", "host_blocks", "host_reload"]
 
 EXTRA_CONFIG_KEY = "mars_host_kv"
 """``kv_connector_extra_config`` key of the emulated tier's parameters (``offload.params``)."""
@@ -25,6 +25,32 @@ DEFAULT_H2D_GB_PER_S = 50.0
 """``HostKvParams.h2d_gb_per_s``'s default: H100, PCIe Gen5 x16, pinned memory (issue 31)."""
 DEFAULT_COPY_SLOWDOWN = 1.5
 """``HostKvParams.copy_slowdown``'s default (docs/timing.md §9)."""
+
+
+def _native_tier(vllm_config: Any) -> dict[str, Any] | None:
+    """The ``kv_connector_extra_config`` of a native offloading tier, or None without one. Pure."""
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    if transfer is None or transfer.kv_connector != "OffloadingConnector":
+        return None
+    return transfer.kv_connector_extra_config or {}
+
+
+def _bytes_per_block(extra: dict[str, Any], kv_cache_config: Any) -> float:
+    raw: dict[str, Any] = extra.get(EXTRA_CONFIG_KEY) or {}
+    bytes_per_block = raw.get("kv_bytes_per_block")
+    if bytes_per_block is None:
+        total = sum(t.size for t in kv_cache_config.kv_cache_tensors)
+        bytes_per_block = total / max(1, kv_cache_config.num_blocks)
+    return float(bytes_per_block)
+
+
+def host_blocks(vllm_config: Any, kv_cache_config: Any) -> int:
+    """The host tier's capacity in GPU blocks (``cpu_bytes_to_use``, which vLLM sets from
+    ``--kv-offloading-size``, over one block's bytes); 0 without a native offloading tier. Pure."""
+    extra = _native_tier(vllm_config)
+    if extra is None or not extra.get("cpu_bytes_to_use"):
+        return 0
+    return int(int(extra["cpu_bytes_to_use"]) // _bytes_per_block(extra, kv_cache_config))
 
 
 def host_reload(vllm_config: Any, kv_cache_config: Any) -> HostReload | None:
@@ -35,14 +61,11 @@ def host_reload(vllm_config: Any, kv_cache_config: Any) -> HostReload | None:
         kv_cache_config: the engine's ``KVCacheConfig`` (``kv_cache_tensors``, ``num_blocks``):
             the bytes one block's copy moves when the tier's parameters do not give them.
     """
-    transfer = getattr(vllm_config, "kv_transfer_config", None)
-    if transfer is None or transfer.kv_connector != "OffloadingConnector":
+    extra = _native_tier(vllm_config)
+    if extra is None:
         return None
-    raw: dict[str, Any] = (transfer.kv_connector_extra_config or {}).get(EXTRA_CONFIG_KEY) or {}
-    bytes_per_block = raw.get("kv_bytes_per_block")
-    if bytes_per_block is None:
-        total = sum(t.size for t in kv_cache_config.kv_cache_tensors)
-        bytes_per_block = total / max(1, kv_cache_config.num_blocks)
+    raw: dict[str, Any] = extra.get(EXTRA_CONFIG_KEY) or {}
+    bytes_per_block = _bytes_per_block(extra, kv_cache_config)
     h2d = float(raw.get("h2d_gb_per_s", DEFAULT_H2D_GB_PER_S)) * 1e9
     return HostReload(load_s_per_block=bytes_per_block / h2d,
                       copy_slowdown=float(raw.get("copy_slowdown", DEFAULT_COPY_SLOWDOWN)))

@@ -50,7 +50,7 @@ class StepTelemetry:
         self.telemetry.engine_step(
             num_gpu_blocks=seams.blocks.num_gpu_blocks(self), num_used_blocks=used,
             num_free_blocks=free, num_retained_blocks=retained, num_running=num_running,
-            num_waiting=num_waiting,
+            num_waiting=num_waiting, num_host_blocks=self.num_host_blocks,
         )
 
     def _is_idle_snapshot_due(self) -> bool:

@@ -67,6 +67,30 @@ def test_tool_calls_keep_a_session_alive_and_its_last_tool_travels_with_the_next
     assert cp.start_turn(s) == (1, ("pytest", 2.5))
 
 
+def test_the_tool_fraction_is_the_share_of_admitted_time_in_tool_calls() -> None:
+    """Two admitted sessions, one in a tool call half the time: f = 1/4, the window's C_cpu
+    4 x 1.25 / 0.25 = 20 sessions instead of the preview's 5; the preview's keeps 5."""
+    for horizon, cap in ((600.0, 20), (None, 5)):
+        now = [0.0]
+        cp = plane(now, admission={"tool_fraction_horizon_s": horizon})
+        sessions = [cp.open_session(sid) for sid in "ab"]
+        for s in sessions:
+            cp.begin_request(s)
+            assert cp.request_slot(s, 10)
+        cp.tick()
+        assert cp.tools.tool_fraction in (None, 0.0)
+        for step in range(1, 102):  # session a: in a tool call for 1 s of every 2 (ends in one)
+            if step % 2:
+                cp.tool_enqueued(sessions[0], f"c{step}", "pytest")
+            else:
+                cp.tool_ended(sessions[0], f"c{step - 1}", "pytest", duration_s=1.0)
+            now[0] = float(step)
+            tick = cp.tick()
+        expected = None if horizon is None else pytest.approx(0.25, abs=0.01)
+        assert cp.snapshot().tool_fraction == expected
+        assert tick.decision.cpu_cap == cap
+
+
 def test_retries_of_a_turn_keep_its_number_until_one_answers() -> None:
     """Attempts of one turn (the same body fingerprint) share its number, however they overlap;
     the turn is given back only when its last attempt ends and none answered (issue 33 item 7)."""
@@ -224,6 +248,18 @@ def test_kv_usage_and_budget_come_from_fresh_engine_steps() -> None:
     assert cp.kv_budget_blocks() == 40  # floor((0.90 - 0.5) * 100)
     now[0] = 2.5  # the step is stale and nothing was polled: unknown again
     assert cp.snapshot().kv_usage is None and cp.kv_budget_blocks() is None
+
+
+def test_with_a_host_tier_kv_usage_and_budget_are_over_the_gpu_and_host_pool() -> None:
+    """A session displaced from the GPU resumes from the host by a copy: the window's KV pool is
+    GPU + host (80 of 100 GPU blocks used with a 300-block tier: u = 0.2, budget 0.7 x 400)."""
+    now = [0.0]
+    cp = plane(now)
+    assert cp.router.observe_engine_step("engine:0", 80, 100, num_host_blocks=300)
+    assert cp.snapshot().kv_usage == pytest.approx(0.2) and cp.kv_budget_blocks() == 280
+    assert cp.router.replicas[0].kv_usage(now[0], 2.0) == 0.8  # routing still sees the GPU's
+    assert cp.router.observe_engine_step("engine:1", 85, 100)  # no tier: GPU usage, the max
+    assert cp.snapshot().kv_usage == 0.85 and cp.kv_budget_blocks() == 280
 
 
 def test_a_failed_replica_detaches_its_sessions_which_keep_their_slots() -> None:

@@ -128,3 +128,8 @@ def test_the_scheduler_reads_the_tier_the_harness_configures() -> None:
     assert reload is not None
     assert reload.load_s_per_block == pytest.approx(BLOCK_BYTES / 25e9) and reload.copy_slowdown == 2.0
     assert _Run(None).engine.scheduler.host_reload is None
+    # The tier's capacity in GPU blocks (vLLM's cpu_bytes_to_use over one block), reported in
+    # engine_step for the admission window; 0 without one.
+    assert _Run(tier).engine.scheduler.num_host_blocks == 2**30 // BLOCK_BYTES
+    assert _Run(tier).engine.num_host_blocks() == 2**30 // BLOCK_BYTES
+    assert _Run(None).engine.scheduler.num_host_blocks == 0

@@ -496,7 +496,9 @@ def test_mars_preview_keeps_the_preview_cpu_threshold_and_mars_has_ours() -> Non
     ours = sim_config(options, "mars", True).admission
     assert preview.cpu_set_backlog_ratio == 4.0 and ours.cpu_set_backlog_ratio == 1.5
     assert preview.max_admission_wait_s is None and ours.max_admission_wait_s == 1800.0
-    assert live_policy_config()["mars-preview"][3] == {"cpu_set_backlog_ratio": 4.0, "max_admission_wait_s": None}
+    assert preview.tool_fraction_horizon_s is None and ours.tool_fraction_horizon_s == 600.0
+    assert live_policy_config()["mars-preview"][3] == {"cpu_set_backlog_ratio": 4.0, "max_admission_wait_s": None,
+                                                       "tool_fraction_horizon_s": None}
 
 
 def test_host_kv_policies_get_the_sized_tier_and_the_scope_names_it() -> None:

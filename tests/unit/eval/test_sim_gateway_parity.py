@@ -207,7 +207,9 @@ def test_the_gateway_admits_what_the_simulator_admitted_at_the_same_times() -> N
     # The run exercised every signal: sessions waited, the window moved, both planes overloaded.
     waited = [sid for sid, r in records.items() if r.admitted_s > r.arrival_s]
     assert len(waited) >= 4, waited
-    assert {u.window for u in sim_updates} == {1, 2, 3}  # C_cpu = ceil(1 * 2.5) caps it at 3
+    # C_cpu = ceil(1 * 2.5 / f) lets the window reach W_max (4) while the admitted sessions spend
+    # under 5/6 of their time in tool calls (f), and caps it at 3 above
+    assert {u.window for u in sim_updates} == {1, 2, 3, 4}
     assert any(u.cpu_overloaded for u in sim_updates) and any(u.kv_overloaded for u in sim_updates)
 
     admitted_at = {sid: t for t, sid, turn in arrivals if turn == 0}

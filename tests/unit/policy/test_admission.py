@@ -80,6 +80,29 @@ def test_cpu_cap(workers: int, expected: int) -> None:
 
 
 @pytest.mark.parametrize(
+    "workers, fraction, expected",
+    [(16, None, 20), (16, 1.0, 20), (16, 0.8, 25), (16, 0.7, 29), (16, 0.5, 30), (16, 0.0, 30),
+     (2, 0.5, 5), (1, 1.0, 4)],  # ceil(N * 1.25 / f) in [4, 30]
+)
+def test_cpu_cap_counts_only_the_sessions_in_tools(workers: int, fraction: float | None,
+                                                  expected: int) -> None:
+    """Little's law: f x sessions are in a tool call at a time, so C_cpu = N (L + H) / (2 f)."""
+    assert cpu_window_cap(workers, AdmissionParams(), fraction) == expected
+    preview = AdmissionParams(tool_fraction_horizon_s=None)  # the preview's cap: f = 1 whatever
+    assert cpu_window_cap(workers, preview, fraction) == cpu_window_cap(workers, preview)
+
+
+def test_the_window_caps_at_the_measured_fraction() -> None:
+    d = AdmissionParams()
+    grown = update_window(AdmissionState(window=30), PressureSnapshot(
+        tool_backlog_ratio=0.5, num_tool_workers=16, tool_fraction=0.5), d)
+    held = update_window(AdmissionState(window=30), PressureSnapshot(
+        tool_backlog_ratio=0.5, num_tool_workers=16), d)
+    assert (grown.cpu_cap, grown.state.window) == (30, 30)
+    assert (held.cpu_cap, held.state.window) == (20, 20)
+
+
+@pytest.mark.parametrize(
     "kv, expected",
     [(None, 30), (0.5, 30), (0.85, 30), (0.875, 17), (0.90, 4), (0.99, 4)],
 )

@@ -91,3 +91,12 @@ def test_request_router_keeps_each_session_on_one_replica() -> None:
     seen = asyncio.run(run())
     assert all(len(v) == 1 for v in seen.values()), seen
     assert sorted(next(iter(v)) for v in seen.values()) == ["r0", "r0", "r1", "r1"]
+
+
+def test_a_replicas_host_tier_sizes_the_windows_kv_pool() -> None:
+    table = SessionTable()
+    table.set_replicas(("a",))
+    table.observe_stats(0, {"kv_usage": 0.8, "num_gpu_blocks": 100, "num_host_blocks": 300})
+    assert table.router is not None and abs(table.router.kv_usage() - 0.2) < 1e-12
+    table.observe_stats(0, {"kv_usage": 0.8})  # an engine without the fields: GPU usage alone
+    assert table.router.kv_usage() == 0.8
