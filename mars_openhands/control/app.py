@@ -581,6 +581,7 @@ class Gateway:
             "reorder_mode": policy.last_mode,
             "tool_backlog_ratio": plane.tools.backlog_ratio,
             "tool_wait_ema_s": plane.tools.wait_ema_s,
+            "tool_fraction": plane.tools.tool_fraction,
             "kv_usage": self.router.kv_usage(),
             "replicas": [
                 {"name": r.name, "healthy": r.is_healthy, "sessions": r.num_sessions,
@@ -619,6 +620,9 @@ class Gateway:
              [({}, tools.wait_ema_s or 0.0)]),
             ("mars_tool_calls_in_flight", g, "Tool calls enqueued or running",
              [({}, tools.num_in_flight)]),
+            ("mars_tool_fraction", g,
+             "Share of admitted session-time with a tool call in flight (f of C_cpu)",
+             [({}, tools.tool_fraction or 0.0)]),
             ("mars_kv_usage", g, "KV usage used by admission (max over healthy replicas)",
              [({}, self.router.kv_usage() or 0.0)]),
             ("mars_replica_kv_usage", g, "KV usage per replica (0..1)",

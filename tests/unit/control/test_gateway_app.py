@@ -325,7 +325,7 @@ def test_metrics_and_healthz(clean_fakes, gateway_factory) -> None:
                in httpx.get(f"{server.url}/metrics").text, what="polled KV usage")
     text = httpx.get(f"{server.url}/metrics").text
     for name in ("mars_admission_window", "mars_sessions_admitted", "mars_sessions_waiting",
-                 "mars_tool_backlog_ratio", "mars_tool_wait_ema_seconds", "mars_kv_usage",
+                 "mars_tool_backlog_ratio", "mars_tool_wait_ema_seconds", "mars_tool_fraction", "mars_kv_usage",
                  'mars_replica_healthy{replica="r0"} 1.0'):
         assert name in text
     r = httpx.get(f"{server.url}/healthz")

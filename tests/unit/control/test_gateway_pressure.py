@@ -72,6 +72,22 @@ def test_tool_wait_ema_sets_cpu_overload(clean_fakes, gateway_factory) -> None:
         assert state(server)["tool_wait_ema_s"] == 9.0
 
 
+def test_the_cpu_cap_follows_the_share_of_time_in_tool_calls(clean_fakes, gateway_factory) -> None:
+    """Two admitted sessions, one always in a tool call: f -> 1/2, so with 2 tool workers
+    C_cpu = ceil(2 x 1.25 / f) = 5 (the preview's f = 1 would give 3); state and /metrics show f."""
+    server, _ = gateway_factory([clean_fakes[0].url], admission=WINDOW, num_tool_workers=2)
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        for sid in ("frac-a", "frac-b"):
+            assert client.post("/v1/chat/completions", json=chat(sid)).status_code == 200
+        post_events(client, event("tool_start", "frac-a", tool_name="bash", tool_call_id="t"))
+        wait_until(lambda: abs((state(server)["tool_fraction"] or 0.0) - 0.5) < 0.05,
+                   what="tool fraction near 1/2")
+        assert state(server)["cpu_cap"] in (5, 6)  # f just under 1/2: both were admitted before the call
+        gauge = next(line for line in client.get("/metrics").text.splitlines()
+                     if line.startswith("mars_tool_fraction "))
+        assert abs(float(gauge.split()[1]) - 0.5) < 0.05
+
+
 def test_kv_usage_shrinks_window_with_hysteresis(clean_fakes, gateway_factory) -> None:
     fake = clean_fakes[0]
     server, sink = gateway_factory([fake.url], admission=WINDOW)
