@@ -109,7 +109,8 @@ class ResidencyPlan:
     """Held sessions left waiting, in priority order."""
 
 
-def plan_residency(sessions: Sequence[SessionDemand], budget_blocks: int) -> ResidencyPlan:
+def plan_residency(sessions: Sequence[SessionDemand], budget_blocks: int,
+                   displaces_by_age: bool = False) -> ResidencyPlan:
     """Choose the resident set for ``budget_blocks`` KV blocks. Pure.
 
     1. Residents, in priority order: busy ones always stay; an idle one stays if it fits beside
@@ -158,7 +159,7 @@ def plan_residency(sessions: Sequence[SessionDemand], budget_blocks: int) -> Res
             activate.append(h.session_id)
             used += h.demand_blocks
             continue
-        victims = _victims(kept, h)
+        victims = _victims(kept, h, displaces_by_age)
         is_last_resort = num_busy == 0 and not activate and len(victims) == len(kept)
         if (not h.is_overdue and not is_last_resort
                 and h.demand_blocks > budget_blocks - used + sum(v.demand_blocks for v in victims)):
@@ -208,11 +209,12 @@ def response_ratio_priority(now_s: float, first_arrival_s: float, held_since_s: 
     return (-(max(0.0, now_s - held_since_s) + expected_s) / expected_s, first_arrival_s)
 
 
-def _victims(kept: list[SessionDemand], head: SessionDemand) -> list[SessionDemand]:
+def _victims(kept: list[SessionDemand], head: SessionDemand, by_age: bool = False) -> list[SessionDemand]:
     """Idle residents ``head`` may displace, in the order they go. Pure."""
     by_value = sorted((k for k in kept if k.displace_value_s > 0 and k.can_suspend),
                       key=lambda k: -k.displace_value_s)
-    younger = [k for k in reversed(kept) if k.priority > head.priority and k.can_suspend
+    younger = [k for k in reversed(kept)
+               if (k.priority[-1] > head.priority[-1] if by_age else k.priority > head.priority) and k.can_suspend
                and k.displace_value_s <= 0]
     return by_value + younger
 
