@@ -109,7 +109,8 @@ class ResidencyPlan:
     """Held sessions left waiting, in priority order."""
 
 
-def plan_residency(sessions: Sequence[SessionDemand], budget_blocks: int) -> ResidencyPlan:
+def plan_residency(sessions: Sequence[SessionDemand], budget_blocks: int,
+                   displaces_by_age: bool = False) -> ResidencyPlan:
     """Choose the resident set for ``budget_blocks`` KV blocks. Pure.
 
     1. Residents, in priority order: busy ones always stay; an idle one stays if it fits beside
@@ -119,7 +120,8 @@ def plan_residency(sessions: Sequence[SessionDemand], budget_blocks: int) -> Res
     2. Held sessions, strictly in priority order: activated if they fit beside every resident;
        if not, idle residents are suspended to make room — those whose blocks are worth more to a
        waiting session (``displace_value_s > 0``, highest first), then residents younger than the
-       held session (youngest first) — but only if that makes it fit. The first held session
+       held session (youngest first; by rank, or with ``displaces_by_age`` by first arrival) —
+       but only if that makes it fit. The first held session
        that cannot fit stops all later activations (no bypass). Progress: when nothing is
        busy and every idle resident left may be displaced for it (no resident left, or only
        ones it may suspend), the first held session is activated whatever its size, after
@@ -131,6 +133,12 @@ def plan_residency(sessions: Sequence[SessionDemand], budget_blocks: int) -> Res
     Args:
         sessions: every session the engine tracks that is resident or held.
         budget_blocks: KV blocks the resident set may use.
+        displaces_by_age: an idle resident that arrived after a held session may be suspended
+            for it whatever their ranks (the last element of ``priority`` is the first arrival).
+            Under the response ratio residents rank first, so without it only a displacement
+            that pays (``displace_value_s``) happens; with a host KV tier the displaced session
+            resumes by a host load, and the engine sets it so that age protects old sessions as
+            under ``fifo``.
 
     Returns:
         The plan; ``used_blocks`` is the resident set's demand after it (above the budget only
@@ -158,7 +166,7 @@ def plan_residency(sessions: Sequence[SessionDemand], budget_blocks: int) -> Res
             activate.append(h.session_id)
             used += h.demand_blocks
             continue
-        victims = _victims(kept, h)
+        victims = _victims(kept, h, displaces_by_age)
         is_last_resort = num_busy == 0 and not activate and len(victims) == len(kept)
         if (not h.is_overdue and not is_last_resort
                 and h.demand_blocks > budget_blocks - used + sum(v.demand_blocks for v in victims)):
@@ -208,11 +216,13 @@ def response_ratio_priority(now_s: float, first_arrival_s: float, held_since_s: 
     return (-(max(0.0, now_s - held_since_s) + expected_s) / expected_s, first_arrival_s)
 
 
-def _victims(kept: list[SessionDemand], head: SessionDemand) -> list[SessionDemand]:
-    """Idle residents ``head`` may displace, in the order they go. Pure."""
+def _victims(kept: list[SessionDemand], head: SessionDemand, by_age: bool = False) -> list[SessionDemand]:
+    """Idle residents ``head`` may displace, in the order they go (``by_age``: younger by first
+    arrival rather than by rank). Pure."""
     by_value = sorted((k for k in kept if k.displace_value_s > 0 and k.can_suspend),
                       key=lambda k: -k.displace_value_s)
-    younger = [k for k in reversed(kept) if k.priority > head.priority and k.can_suspend
+    younger = [k for k in reversed(kept)
+               if (k.priority[-1] > head.priority[-1] if by_age else k.priority > head.priority) and k.can_suspend
                and k.displace_value_s <= 0]
     return by_value + younger
 

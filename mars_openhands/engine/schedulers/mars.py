@@ -212,7 +212,10 @@ class MarsScheduler(CertifiedRuns, MarsBaseScheduler):
             if self.held and not busy and sid in self.resident else 0.0,
             is_overdue=sid in self.held and self._is_overdue(self.held[sid][0], now_s))
             for sid, session, demand, busy in sessions]
-        plan = plan_residency(views, self._residency_budget_blocks())
+        # With the host tier a displaced idle resident resumes by a host load, not a re-prefill:
+        # age may displace it (fifo's protection of old sessions) under the response ratio too.
+        plan = plan_residency(views, self._residency_budget_blocks(),
+                              displaces_by_age=self.host_reload is not None)
         for sid in plan.suspend:
             self._suspend(sid, now_s)
         for sid in plan.activate:

@@ -260,3 +260,21 @@ def test_plan_activates_a_fitting_new_session_past_an_old_one_only_by_response_r
     fifo = [SessionDemand("mid", (600.0,), 21, is_resident=True, is_busy=True),
             SessionDemand("old", (0.0,), 27, is_resident=False, is_held=True), SessionDemand("new", (601.0,), 5, is_resident=False, is_held=True)]
     assert plan_residency(fifo, budget_blocks=39).activate == ()  # strict FIFO: new waits behind old
+
+
+def test_with_a_host_tier_an_older_held_session_displaces_a_younger_idle_resident() -> None:
+    """Response-ratio order: residents rank first, so without a tier a younger idle resident whose
+    displacement does not pay keeps its KV and the older held session waits; with a tier
+    (``displaces_by_age``) its resume is a host load, and age decides as under fifo."""
+    busy = SessionDemand("busy", (RESIDENT_FIRST, 100.0), 20, is_resident=True, is_busy=True)
+    young = SessionDemand("young", (RESIDENT_FIRST, 500.0), 15, is_resident=True, displace_value_s=-1.0)
+    pinned = SessionDemand("pinned", (RESIDENT_FIRST, 550.0), 5, is_resident=True, can_suspend=False)
+    old = SessionDemand("old", response_ratio_priority(600.0, 0.0, 590.0, 60.0), 12,
+                        is_resident=False, is_held=True)
+    assert plan_residency([busy, young, pinned, old], budget_blocks=45).blocked == ("old",)
+    plan = plan_residency([busy, young, pinned, old], budget_blocks=45, displaces_by_age=True)
+    assert (plan.suspend, plan.activate, plan.used_blocks) == (("young",), ("old",), 37)
+    # A held session younger than every idle resident displaces nothing by age.
+    new = SessionDemand("new", response_ratio_priority(600.0, 590.0, 590.0, 60.0), 12,
+                        is_resident=False, is_held=True)
+    assert plan_residency([busy, young, pinned, new], budget_blocks=45, displaces_by_age=True).blocked == ("new",)
