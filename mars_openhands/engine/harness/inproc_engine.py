@@ -172,7 +172,8 @@ class InprocEngine:
         """The scheduler's side of merged runs, or None (a plugin that allows none)."""
         if clock is not None:
             self.set_clock(clock)
-        self._num_host_blocks: int | None = None
+        self._num_host_blocks = host_blocks(s.vllm_config, s.kv_cache_config)
+        """The host KV tier's capacity in GPU blocks (0: none), for ``engine_step``."""
         self.host_kv: HostKvWorkerSide | None = None
         """The host KV tier's worker side, or None (no ``params.host_kv``)."""
         if params.host_kv is not None:
@@ -885,9 +886,6 @@ class InprocEngine:
 
     def num_host_blocks(self) -> int:
         """The host KV tier's capacity in GPU blocks, 0 without one (``host_tier.host_blocks``). Pure."""
-        if self._num_host_blocks is None:
-            s = self.scheduler
-            self._num_host_blocks = host_blocks(s.vllm_config, s.kv_cache_config)
         return self._num_host_blocks
 
     def shutdown(self) -> None:

@@ -122,7 +122,7 @@ def test_mars_offload_merged_runs_are_exact(monkeypatch: pytest.MonkeyPatch, mar
     assert fast_sim.engine.scheduler.num_suspensions > 0, "not KV-bound"
     # Preemptions too (with the tier the response ratio's residency may suspend an idle younger
     # session by age instead, so the long-decodes workload preempts under fifo only).
-    assert slow.num_preemptions > 0 or (workload == "long-decodes" and mars != "fifo"), "no preemption"
+    assert slow.num_preemptions > 0 or (workload == "long-decodes" and not mars.startswith("fifo")), "no preemption"
     assert fast_print[0] == slow_print[0], "per-turn times differ"
     first = next((i for i, (a, b) in enumerate(zip(slow_print[1], fast_print[1], strict=False)) if a != b), None)
     assert first is None, f"event {first} differs: {slow_print[1][first]} vs {fast_print[1][first]}"
