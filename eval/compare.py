@@ -507,7 +507,7 @@ def _main(args: argparse.Namespace, flags: Mapping[str, str] | None = None) -> i
         policies = with_reference(policies, args, spec)
         if spec.kind == "url" and args.admission == "auto":
             args.admission = "off"  # the server at the URL is what it is: label it as given
-        check_profile_keys(args.gpu, args.model)
+        check_profile_keys(args.gpu, args.model, "--replica-gpus" if args.replica_gpus else "--gpu")
         options = _options_from_args(args, policies)
         if not args.workload and not args.traces:
             args.traces = str(default_traces_dir(os.environ, Path.cwd()))

@@ -136,10 +136,12 @@ def workload_from_args(args: argparse.Namespace) -> tuple[Workload, float, str |
 
     Raises:
         FileNotFoundError: no ``--traces``/``--workload`` and no default trace folder (see
-            :func:`default_traces_dir`).
+            :func:`default_traces_dir`), or no ``--workload`` file.
     """
     if not args.workload and not args.traces:
         args.traces = str(default_traces_dir(os.environ, Path.cwd()))
+    if args.workload and not Path(args.workload).is_file():
+        raise FileNotFoundError(f"--workload {args.workload}: no such file")
     loaded = load_workload(args.workload) if args.workload else load_trace_dir(args.traces, on_error="skip")
     skipped = None if args.workload else skipped_traces_note(loaded)
     full = trim_workload(loaded, num_sessions=args.sessions or None)
@@ -263,12 +265,13 @@ def gpu_setups(args: argparse.Namespace, spec: Any, workload: Workload, auto_sca
     return setups, live, scope
 
 
-def check_profile_keys(gpus: Sequence[str], model: str) -> None:
-    """Raises ValueError naming ``--gpu``/``--model`` and their choices (not the server's config keys);
-    ``model`` is ``NAME`` or ``NAME/WEIGHT_DTYPE`` (:func:`eval.deployment.parse_model`)."""
+def check_profile_keys(gpus: Sequence[str], model: str, flag: str = "--gpu") -> None:
+    """Raises ValueError naming ``flag`` (``--gpu``, or ``--replica-gpus`` for a mix) or ``--model``
+    and their choices (not the server's config keys); ``model`` is ``NAME`` or ``NAME/WEIGHT_DTYPE``
+    (:func:`eval.deployment.parse_model`)."""
     for gpu in gpus:
         if gpu not in GPUS:
-            raise ValueError(f"--gpu: unknown GPU {gpu!r}; choose one of {', '.join(sorted(GPUS))}")
+            raise ValueError(f"{flag}: unknown GPU {gpu!r}; choose one of {', '.join(sorted(GPUS))}")
     parse_model(model)
 
 

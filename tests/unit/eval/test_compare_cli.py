@@ -147,6 +147,12 @@ def test_kv_below_the_longest_session_is_an_error_for_kv_blocks_and_labelled_whe
     assert "raised to the longest session's context" in setup.timing
 
 
+def test_a_missing_workload_file_is_one_error_line_naming_the_flag(tmp_path, capsys) -> None:
+    missing = tmp_path / "none.json"
+    assert _run(["--workload", str(missing), "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"mars-openhands compare: error: --workload {missing}: no such file\n"
+
+
 def test_unknown_gpu_names_the_compare_flag_and_its_choices(tmp_path, capsys) -> None:
     assert _run(["--gpu", "a100", "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err

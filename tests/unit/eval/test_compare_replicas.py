@@ -54,6 +54,7 @@ def test_rates_stay_per_gpu_and_arrivals_scale_with_the_replicas() -> None:
     (["--host-kv-gib", "1e9"], "--host-kv-gib"),
     (["--router", "least-sessions"], "--router: needs --replicas >= 2 (got --replicas 1)"),
     (["--sessions-per-replica", "3"], "--sessions-per-replica: needs --replicas >= 2"),
+    (["--replica-gpus", "h100_sxm,a100"], "--replica-gpus: unknown GPU 'a100'"),
 ])
 def test_replica_flags_are_checked_before_anything_runs(argv, message, capsys, tmp_path) -> None:
     args = _parser().parse_args(["compare", *argv, "--out", str(tmp_path / "out")])
