@@ -95,6 +95,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """An integer >= 0 (e.g. a random seed)."""
+    value = _integer(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
 def count_or_zero(text: str) -> int:
     """An integer >= 0, where 0 means no limit."""
     value = _integer(text)

@@ -63,6 +63,7 @@ from eval.argtypes import (
     finite_float,
     json_object,
     long_flags,
+    non_negative_int,
     positive_float,
     positive_floats,
     positive_int,
@@ -188,7 +189,9 @@ def add_compare_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--policies", default=None,
                    help=f"comma-separated, or 'all' = {','.join(DEFAULT_POLICIES)} (default: all); also "
                         f"the ablation variants {','.join(ABLATIONS)}, the host-tier policies "
-                        f"{','.join(HOST_KV_POLICIES)} ({','.join(TIER_BOUNDS)}: free copies, a tier bound)")
+                        f"{','.join(HOST_KV_POLICIES)} ({','.join(TIER_BOUNDS)}: free copies, a tier bound); "
+                        f"the limit {REFERENCE} is added in the simulator (--no-reference drops it; "
+                        "--quick adds it only when named here)")
     p.add_argument("--ablations", action="store_true",
                    help=f"add the ablation variants of mars ({','.join(ABLATIONS)}) to the policies and "
                         "a section comparing them with the paper's §6")
@@ -249,8 +252,9 @@ def add_compare_subcommand(subparsers: Any) -> argparse.ArgumentParser:
                    help="fraction of the profile's KV capacity to simulate; 1 (default) = the whole GPU; "
                         "'auto' = the sessions' kept context / their full context, so trimmed sessions "
                         "meet the KV pressure full traces meet on the whole GPU")
-    p.add_argument("--kv-blocks", type=int, default=None,
-                   help="KV capacity in blocks of 16 tokens (overrides --kv-scale)")
+    p.add_argument("--kv-blocks", type=positive_int, default=None,
+                   help="KV capacity in blocks of 16 tokens (overrides --kv-scale; at least the longest "
+                        "session's context, which the error names)")
     p.add_argument("--replicas", type=positive_int, default=1,
                    help="sim: N engines behind one control plane on one virtual clock; loads, the base "
                         "rate and capacities stay per GPU (arrivals at rate x N), and each run draws "
@@ -258,9 +262,9 @@ def add_compare_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--replica-gpus", type=_replica_gpu_list, default=None, metavar="GPU,GPU,...",
                    help="sim: one GPU profile key per replica, a mix (e.g. h100_sxm,h100_sxm,h200_sxm,"
                         "h200_sxm); sets --replicas and --gpu; ideal times are the first replica's")
-    p.add_argument("--sessions-per-replica", type=positive_int, default=100,
+    p.add_argument("--sessions-per-replica", type=positive_int, default=None,
                    help="with --replicas N > 1: sessions drawn per replica (default 100; fewer is TRIMMED)")
-    p.add_argument("--router", default=DEFAULT_ROUTING_POLICY, choices=tuple(ROUTING_POLICIES),
+    p.add_argument("--router", default=None, choices=tuple(ROUTING_POLICIES),
                    help=f"with --replicas: the control plane's routing policy (default "
                         f"{DEFAULT_ROUTING_POLICY}), or pooled-kv: the bound whose replicas share "
                         "one KV pool; docs/compare.md, 'Replicas and routers'")
@@ -268,7 +272,7 @@ def add_compare_subcommand(subparsers: Any) -> argparse.ArgumentParser:
                    help="with --replicas: replica INDEX is lost at SECONDS of virtual time in every run "
                         "(its sessions re-placed, their turns re-sent)")
     p.add_argument("--tool-workers", type=int, default=16, help="concurrent tool calls (default 16)")
-    p.add_argument("--seed", type=int, default=0, help="arrivals and simulator seed (default 0)")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="arrivals and simulator seed, >= 0 (default 0)")
     p.add_argument("--jobs", type=positive_int, default=None,
                    help="worker processes for sim runs (default: the CPUs this process may use, "
                         f"here {default_jobs()})")
@@ -404,7 +408,7 @@ def _options_from_args(args: argparse.Namespace, policies: tuple[str, ...]) -> C
         num_tool_workers=args.tool_workers, seed=args.seed, base_rate_per_s=args.base_rate,
         knee_slowdown=args.knee_slowdown, search_max_runs=args.search_runs,
         knee_tolerance=args.knee_tolerance, is_capacity=args.capacity,
-        num_replicas=args.replicas, router=args.router, lose_replica=args.lose_replica,
+        num_replicas=args.replicas, router=args.router or DEFAULT_ROUTING_POLICY, lose_replica=args.lose_replica,
         mars_config=checked_mars_config(getattr(args, "mars_config", None)))
 
 
@@ -441,10 +445,22 @@ def mars_config_note(options: CompareOptions) -> str:
 def _check_replicas(args: argparse.Namespace, spec: Any) -> None:
     """``--replicas``, ``--router``, ``--lose-replica`` together.
 
+    Fills in the defaults of ``--router`` and ``--sessions-per-replica``.
+
     Raises:
-        ValueError: several replicas on a live backend, a lost replica that is not one of them, or
-            the pooled-KV bound without several simulated replicas.
+        ValueError: several replicas on a live backend, a lost replica that is not one of them,
+            the pooled-KV bound without several simulated replicas, or ``--router`` /
+            ``--sessions-per-replica`` without ``--replicas`` >= 2 (they would be ignored).
     """
+    given = [flag for flag, value in (("--router", args.router), ("--sessions-per-replica", args.sessions_per_replica))
+             if value is not None]
+    if given and args.replicas < 2 and not (args.router is not None and ROUTING_POLICIES[args.router].pools_kv):
+        raise ValueError(f"{given[0]}: needs --replicas >= 2 (got --replicas {args.replicas}); with one "
+                         "replica there is nothing to route")
+    if args.router is None:
+        args.router = DEFAULT_ROUTING_POLICY
+    if args.sessions_per_replica is None:
+        args.sessions_per_replica = 100
     if args.replicas > 1 and spec.is_live:
         raise ValueError(f"--replicas {args.replicas}: several replicas run only in the simulator "
                          "(--backend sim); a live deployment puts the gateway before its replicas")
@@ -491,7 +507,7 @@ def _main(args: argparse.Namespace, flags: Mapping[str, str] | None = None) -> i
         policies = with_reference(policies, args, spec)
         if spec.kind == "url" and args.admission == "auto":
             args.admission = "off"  # the server at the URL is what it is: label it as given
-        check_profile_keys(args.gpu, args.model)
+        check_profile_keys(args.gpu, args.model, "--replica-gpus" if args.replica_gpus else "--gpu")
         options = _options_from_args(args, policies)
         if not args.workload and not args.traces:
             args.traces = str(default_traces_dir(os.environ, Path.cwd()))

@@ -136,10 +136,12 @@ def workload_from_args(args: argparse.Namespace) -> tuple[Workload, float, str |
 
     Raises:
         FileNotFoundError: no ``--traces``/``--workload`` and no default trace folder (see
-            :func:`default_traces_dir`).
+            :func:`default_traces_dir`), or no ``--workload`` file.
     """
     if not args.workload and not args.traces:
         args.traces = str(default_traces_dir(os.environ, Path.cwd()))
+    if args.workload and not Path(args.workload).is_file():
+        raise FileNotFoundError(f"--workload {args.workload}: no such file")
     loaded = load_workload(args.workload) if args.workload else load_trace_dir(args.traces, on_error="skip")
     skipped = None if args.workload else skipped_traces_note(loaded)
     full = trim_workload(loaded, num_sessions=args.sessions or None)
@@ -161,20 +163,35 @@ def skipped_traces_note(workload: Workload) -> str | None:
 
 def gpu_setup(args: argparse.Namespace, gpu: str, workload: Workload, auto_scale: float) -> tuple[GpuSetup, float, int]:
     """One GPU's :class:`GpuSetup` (KV blocks = profile × scale, at least the longest session), the
-    KV scale used and the profile's own KV blocks (at the flags' :class:`eval.deployment.Deployment`)."""
+    KV scale used and the profile's own KV blocks (at the flags' :class:`eval.deployment.Deployment`).
+
+    Raises:
+        ValueError: the whole GPU's KV (``--kv-scale 1``) cannot hold the longest session's context
+            (vLLM refuses a ``--max-model-len`` its KV cannot hold; a scaled-down KV is raised to it
+            instead, and the timing line says so).
+    """
     deployment = deployment_from_args(args)
     profile, timer = deployment.profile(gpu), deployment.timer(gpu)
     timing = (f"{gpu} × {deployment.model} ({deployment.dtype} weights, KV {deployment.kv_dtype}, "
               f"gpu-memory-utilization {deployment.gpu_memory_utilization:g}; aiconfigurator step times)")
     full_blocks = estimate_kv_capacity(profile).num_gpu_blocks
+    longest_tokens = max(_context_tokens(s) for s in workload.sessions)
+    longest_blocks = longest_tokens // profile.block_size + 2
     if args.kv_blocks:
         return (GpuSetup(gpu, timer, args.kv_blocks, f"{timing}; KV {args.kv_blocks} blocks (--kv-blocks)"),
                 args.kv_blocks / full_blocks, full_blocks)
     scale = auto_scale if args.kv_scale == "auto" else float(args.kv_scale)
-    longest_blocks = max(_context_tokens(s) for s in workload.sessions) // profile.block_size + 2
+    if scale >= 1.0 and full_blocks < longest_blocks:
+        raise ValueError(
+            f"--gpu {gpu}: its KV at --gpu-memory-utilization {deployment.gpu_memory_utilization:g} "
+            f"(KV {deployment.kv_dtype}) holds {full_blocks * profile.block_size} tokens < the longest "
+            f"session's context ({longest_tokens} tokens), a --max-model-len vLLM would refuse; raise "
+            "--gpu-memory-utilization, use fp8 KV or a larger GPU, or trim the sessions")
     blocks = max(round(full_blocks * scale), longest_blocks)
     how = ("the whole GPU" if scale == 1.0 else
            f"{full_blocks} of the profile × {scale:.3f} (--kv-scale {args.kv_scale})")
+    if blocks > round(full_blocks * scale):
+        how += f", raised to the longest session's context ({longest_tokens} tokens)"
     return GpuSetup(gpu, timer, blocks, f"{timing}; KV {blocks} blocks = {how}"), scale, full_blocks
 
 
@@ -226,9 +243,17 @@ def gpu_setups(args: argparse.Namespace, spec: Any, workload: Workload, auto_sca
     None for sim) and the summary's scope line (:func:`trim_note`).
 
     Raises:
-        ValueError: see :func:`_live_setup`.
+        ValueError: see :func:`gpu_setup` and :func:`_live_setup`; in the simulator, ``--kv-blocks``
+            below the longest session's context (its turn would never fit: the engine stalls).
     """
     setups, notes = [], []
+    if args.kv_blocks and not spec.is_live:
+        longest_tokens = max(_context_tokens(s) for s in workload.sessions)
+        need = longest_tokens // 16 + 2
+        if args.kv_blocks < need:
+            raise ValueError(f"--kv-blocks {args.kv_blocks}: {args.kv_blocks * 16} tokens of KV < the longest "
+                             f"session's context ({longest_tokens} tokens); give at least {need}, or trim the "
+                             "sessions (--max-turns, --max-context-tokens)")
     for gpu in args.gpu:
         setup, scale, profile_blocks = gpu_setup(args, gpu, workload, auto_scale)
         live, blocks, timing = _live_setup(args, spec, workload, setup.num_gpu_blocks, setup.timing)
@@ -240,12 +265,13 @@ def gpu_setups(args: argparse.Namespace, spec: Any, workload: Workload, auto_sca
     return setups, live, scope
 
 
-def check_profile_keys(gpus: Sequence[str], model: str) -> None:
-    """Raises ValueError naming ``--gpu``/``--model`` and their choices (not the server's config keys);
-    ``model`` is ``NAME`` or ``NAME/WEIGHT_DTYPE`` (:func:`eval.deployment.parse_model`)."""
+def check_profile_keys(gpus: Sequence[str], model: str, flag: str = "--gpu") -> None:
+    """Raises ValueError naming ``flag`` (``--gpu``, or ``--replica-gpus`` for a mix) or ``--model``
+    and their choices (not the server's config keys); ``model`` is ``NAME`` or ``NAME/WEIGHT_DTYPE``
+    (:func:`eval.deployment.parse_model`)."""
     for gpu in gpus:
         if gpu not in GPUS:
-            raise ValueError(f"--gpu: unknown GPU {gpu!r}; choose one of {', '.join(sorted(GPUS))}")
+            raise ValueError(f"{flag}: unknown GPU {gpu!r}; choose one of {', '.join(sorted(GPUS))}")
     parse_model(model)
 
 

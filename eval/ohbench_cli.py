@@ -17,7 +17,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from eval.argtypes import config_error_lines, long_flags, positive_float, positive_int
+from eval.argtypes import (
+    config_error_lines,
+    long_flags,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from eval.deployment import add_deployment_flags, deployment_from_args
 from eval.policies import parse_policies
 from eval.task_sources import SOURCES, load_tasks
@@ -47,7 +53,7 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
                       help="closed loop: this many tasks in flight instead of --rps")
     p.add_argument("--arrival", choices=("fixed", "poisson"), default="fixed",
                    help="gaps between task arrivals at --rps: fixed (default) or Poisson")
-    p.add_argument("--seed", type=int, default=0,
+    p.add_argument("--seed", type=non_negative_int, default=0,
                    help="seed of the arrivals, the session ids and the playback (default 0)")
     p.add_argument("--admission", choices=("auto", "on", "off"), default="auto",
                    help="auto: the gateway's window for mars/mars-preview only (as deployed)")

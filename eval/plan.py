@@ -50,6 +50,7 @@ from eval.argtypes import (
     finite_float,
     json_object,
     long_flags,
+    non_negative_int,
     positive_float,
     positive_int,
 )
@@ -192,7 +193,7 @@ def add_plan_subcommand(subparsers: Any) -> argparse.ArgumentParser:
                         "(default 1.1: finer than one arrival seed's noise)")
     q.add_argument("--search-runs", type=positive_int, default=8, metavar="N",
                    help="at most this many simulations per capacity search (default 8)")
-    q.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the arrivals and the simulator (default 0)")
+    q.add_argument("--seed", type=non_negative_int, default=0, metavar="N", help="seed of the arrivals and the simulator (default 0)")
     run = p.add_argument_group("running")
     run.add_argument("--jobs", type=positive_int, default=None, metavar="N",
                      help=f"worker processes (default: the CPUs this process may use, here {default_jobs()})")

@@ -420,7 +420,7 @@ class _Sweep:
             if not search.is_bracketed:
                 print(f"warning: the FCFS knee search{' on ' + setup.gpu if setup.gpu else ''} did not bracket "
                       f"the knee in {len(search.probes)} runs; loads are multiples of {search.rate_per_s:.4g} "
-                      "sessions/s (raise --search-runs or give --base-rate)", file=sys.stderr)
+                      "sessions/s (raise --search-runs, or give the base rate: compare --base-rate, plan --rate)", file=sys.stderr)
             prefix = "in the simulator (same GPU model): " if self.live is not None else ""
             walls = [self._probe_wall_s.get(((setup.gpu, "fcfs"), r)) for r, _, _ in search.probes]
             self.info[self._fact("base rate search", setup)] = prefix + search.how + " (probes: " + ", ".join(

@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from eval.argtypes import positive_int
+from eval.argtypes import non_negative_int, positive_int
 from eval.workloads.arrivals import BurstArrivals, FixedRateArrivals, PoissonArrivals, with_arrivals
 from eval.workloads.format import Workload, WorkloadFormatError, load_workload, save_workload
 from eval.workloads.stats import Distribution, WorkloadStats, workload_stats
@@ -44,7 +44,7 @@ def _add_shaping_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--rate", type=float, default=None, help="sessions/s for fixed and poisson")
     group.add_argument("--burst-size", type=int, default=None, help="sessions per burst")
     group.add_argument("--burst-interval-s", type=float, default=None, help="seconds between bursts")
-    group.add_argument("--seed", type=int, default=0, help="seed of the generator and arrivals")
+    group.add_argument("--seed", type=non_negative_int, default=0, help="seed of the generator and arrivals")
     caps = parser.add_argument_group("caps (fit small engines)")
     caps.add_argument("--max-turns", type=int, default=None, help="at most this many turns/session")
     caps.add_argument("--max-context-tokens", type=int, default=None,
@@ -87,7 +87,7 @@ def add_workload_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     mix = commands.add_parser("mix", help="interleave several workloads (e.g. long prompts among agents)")
     mix.add_argument("files", nargs="+", help="two or more workload files")
     mix.add_argument("-o", "--output", required=True, help="workload file (.json/.jsonl[.gz])")
-    mix.add_argument("--seed", type=int, default=0, help="order of the interleaving (default: 0)")
+    mix.add_argument("--seed", type=non_negative_int, default=0, help="order of the interleaving (default: 0)")
     mix.set_defaults(func=_guarded(_mix))
 
     stats = commands.add_parser("stats", help="print a workload's distributions")

@@ -86,6 +86,7 @@ def test_out_that_is_a_file_is_one_error_line(tmp_path, capsys) -> None:
     ("--loads", "nan"), ("--loads", "inf"), ("--loads", "0.5,inf"), ("--base-rate", "nan"),
     ("--base-rate", "inf"), ("--knee-slowdown", "nan"), ("--time-scale", "inf"),
     ("--tool-time-factor", "nan"), ("--run-timeout", "inf"), ("--run-timeout", "0"), ("--sessions", "-3"),
+    ("--seed", "-1"), ("--kv-blocks", "-5"), ("--kv-blocks", "0"),
 ])
 def test_non_finite_or_negative_values_are_rejected_at_parsing(flag, value, capsys) -> None:
     with pytest.raises(SystemExit) as info:
@@ -98,7 +99,6 @@ def test_non_finite_or_negative_values_are_rejected_at_parsing(flag, value, caps
 @pytest.mark.parametrize(("argv", "expected"), [
     (["--base-rate", "-0.1"], "mars-openhands compare: error: --base-rate: Input should be greater than 0 (got -0.1)"),
     (["--tool-workers", "0"], "mars-openhands compare: error: --tool-workers: Input should be greater than or equal to 1 (got 0)"),
-    (["--kv-blocks", "-5"], "mars-openhands compare: error: --kv-blocks: Input should be greater than or equal to 2 (got -5)"),
     (["--knee-slowdown", "0"], "mars-openhands compare: error: --knee-slowdown: Input should be greater than 1 (got 0.0)"),
     (["--search-runs", "0"], "mars-openhands compare: error: --search-runs: Input should be greater than or equal to 1 (got 0)"),
 ])
@@ -114,6 +114,43 @@ def test_several_bad_flags_give_one_line_each(tmp_path, capsys) -> None:
     lines = capsys.readouterr().err.splitlines()
     assert [line.split(":")[2].strip() for line in lines] == ["--tool-workers", "--search-runs"]
     assert not any("pydantic.dev" in line or "input_value" in line for line in lines)
+
+
+def _synthetic(tmp_path: Path) -> Path:
+    """Two swebench-like sessions (final contexts to ~88k tokens) as a workload file."""
+    from eval.workloads.synth import synthesize
+    path = tmp_path / "w.json"
+    save_workload(synthesize("swebench", 2, 0), path)
+    return path
+
+
+def test_a_gpu_whose_kv_cannot_hold_the_longest_session_is_one_error_line(tmp_path, capsys) -> None:
+    # 0.8 of an H100 leaves ~31k tokens of bf16 KV beside Qwen3-Coder's weights: vLLM would refuse
+    # the --max-model-len of an 88k-token session. It used to be raised silently to the session.
+    argv = ["--workload", str(_synthetic(tmp_path)), "--gpu", "h100_sxm", "--policies", "fcfs",
+            "--absolute-rates", "--loads", "0.001", "--no-reference", "--no-cache"]
+    assert _run([*argv, "--gpu-memory-utilization", "0.8", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--gpu h100_sxm: its KV at --gpu-memory-utilization 0.8" in err
+    assert "vLLM would refuse" in err and not (tmp_path / "out").exists()
+
+
+def test_kv_below_the_longest_session_is_an_error_for_kv_blocks_and_labelled_when_scaled(tmp_path, capsys) -> None:
+    workload = _synthetic(tmp_path)
+    assert _run(["--workload", str(workload), "--kv-blocks", "100", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "--kv-blocks 100: 1600 tokens of KV < the longest session's context" in err and err.count("\n") == 1
+    from eval.workloads.format import load_workload
+    args = _parser().parse_args(["compare", "--kv-scale", "0.01"])
+    setup, scale, full = compare_setup.gpu_setup(args, "h100_sxm", load_workload(workload), 1.0)
+    assert scale == 0.01 and setup.num_gpu_blocks > round(full * 0.01)
+    assert "raised to the longest session's context" in setup.timing
+
+
+def test_a_missing_workload_file_is_one_error_line_naming_the_flag(tmp_path, capsys) -> None:
+    missing = tmp_path / "none.json"
+    assert _run(["--workload", str(missing), "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"mars-openhands compare: error: --workload {missing}: no such file\n"
 
 
 def test_unknown_gpu_names_the_compare_flag_and_its_choices(tmp_path, capsys) -> None:

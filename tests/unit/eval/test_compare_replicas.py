@@ -52,6 +52,9 @@ def test_rates_stay_per_gpu_and_arrivals_scale_with_the_replicas() -> None:
     (["--router", "pooled-kv"], "--router pooled-kv: the pooled-KV bound exists only in the simulator"),
     (["--router", "pooled-kv", "--backend", "http://127.0.0.1:9", "--policies", "mars", "--absolute-rates", "--loads", "0.01"], "exists only in the simulator over"),
     (["--host-kv-gib", "1e9"], "--host-kv-gib"),
+    (["--router", "least-sessions"], "--router: needs --replicas >= 2 (got --replicas 1)"),
+    (["--sessions-per-replica", "3"], "--sessions-per-replica: needs --replicas >= 2"),
+    (["--replica-gpus", "h100_sxm,a100"], "--replica-gpus: unknown GPU 'a100'"),
 ])
 def test_replica_flags_are_checked_before_anything_runs(argv, message, capsys, tmp_path) -> None:
     args = _parser().parse_args(["compare", *argv, "--out", str(tmp_path / "out")])
