@@ -534,6 +534,24 @@ def _mixed_setup(replica_gpus: tuple[str, ...], setups: list[GpuSetup]) -> tuple
     return [mixed], tuple(by_gpu[g].num_gpu_blocks for g in replica_gpus)
 
 
+def replicas_fact(args: argparse.Namespace, num_sessions: int) -> str:
+    """The summary's ``replicas`` line: how many of which GPU (a ``--replica-gpus`` mix by name),
+    the router, the per-GPU rates, the sessions drawn and a lost replica. Pure.
+
+    >>> import argparse
+    >>> replicas_fact(argparse.Namespace(replicas=2, gpu=["h100_sxm", "h200_sxm"], replica_gpus=
+    ...     ("h100_sxm", "h200_sxm"), router="least-sessions", seed=0, lose_replica=None), 200)[:49]
+    '2 replicas (h100_sxm+h200_sxm), router least-sess'
+    """
+    if args.replica_gpus:
+        gpus = f"{args.replicas} replicas ({'+'.join(args.replica_gpus)})"
+    else:
+        gpus = f"{args.replicas} x {args.gpu[0] if len(args.gpu) == 1 else 'each --gpu'}"
+    return (f"{gpus}, router {args.router}; rates and capacities are per GPU (arrivals at rate x "
+            f"{args.replicas}); {num_sessions} sessions drawn with replacement (seed {args.seed})"
+            + (f"; replica {args.lose_replica[0]} lost at {args.lose_replica[1]:g} s" if args.lose_replica else ""))
+
+
 def _replica_workload(args: argparse.Namespace, workload: Workload, scope: str) -> tuple[Workload, str]:
     """With ``--replicas N``: ``--sessions-per-replica x N`` sessions drawn with replacement from
     the (trimmed) traces, seeded by ``--seed``, and the scope line saying so (``TRIMMED`` below
@@ -594,12 +612,7 @@ def _load_and_run(args: argparse.Namespace, spec: Any, options: CompareOptions, 
     meta.update({"tool workers": args.tool_workers, "seed": args.seed, "admission": args.admission,
                  "jobs": jobs if not spec.is_live else 1})
     if args.replicas > 1:
-        meta["replicas"] = (f"{args.replicas} x {args.gpu[0] if len(args.gpu) == 1 else 'each --gpu'}, "
-                            f"router {args.router}; rates and capacities are per GPU (arrivals at "
-                            f"rate x {args.replicas}); {len(workload.sessions)} sessions drawn with "
-                            f"replacement (seed {args.seed})"
-                            + (f"; replica {args.lose_replica[0]} lost at {args.lose_replica[1]:g} s"
-                               if args.lose_replica else ""))
+        meta["replicas"] = replicas_fact(args, len(workload.sessions))
     if skipped:
         print(f"warning: {args.traces}: {skipped}", file=sys.stderr)
         meta["skipped trace files"] = skipped

@@ -80,6 +80,18 @@ def test_a_mix_of_gpu_profiles_is_one_setup_with_a_timer_and_kv_per_replica() ->
     assert real_timer(mixed.step_timer) == ["t100", "t200", "t200"]
 
 
+def test_the_replicas_fact_names_a_mix_by_its_gpus_not_each_gpu_flag() -> None:
+    from eval.compare import replicas_fact
+
+    base = dict(router="llm-d", seed=3, lose_replica=None)
+    mixed = replicas_fact(argparse.Namespace(replicas=3, gpu=["h100_sxm", "h200_sxm"],
+                                             replica_gpus=("h100_sxm", "h200_sxm", "h200_sxm"), **base), 300)
+    assert mixed.startswith("3 replicas (h100_sxm+h200_sxm+h200_sxm), router llm-d;") and "--gpu" not in mixed
+    same = replicas_fact(argparse.Namespace(replicas=4, gpu=["h100_sxm"], replica_gpus=None,
+                                            **{**base, "lose_replica": (1, 60.0)}), 400)
+    assert same.startswith("4 x h100_sxm, router llm-d") and same.endswith("(seed 3); replica 1 lost at 60 s")
+
+
 def test_replica_gpus_set_the_replicas_and_refuse_a_conflicting_count(capsys, tmp_path) -> None:
     args = _parser().parse_args(["compare", "--replica-gpus", "h100_sxm,h200_sxm", "--replicas", "3",
                                  "--out", str(tmp_path / "out")])
