@@ -34,8 +34,8 @@ def test_bench_is_an_openhands_subcommand(capsys) -> None:
     (lambda d: _rows(d, []), ["--repos-dir", "."], "rows.jsonl: no tasks in it"),
     (lambda d: _rows(d, []), ["--repos-dir", ".", "--policies", "fcfs,nope"], "unknown policy 'nope'"),
     (lambda d: _rows(d, []), ["--repos-dir", ".", "--backend", "gpu"], "needs --real-model"),
-    (lambda d: _valid_rows(d), ["--repos-dir", "mirror", "--traces", "/nonexistent"],
-     "--traces /nonexistent: not a directory"),
+    (lambda d: _valid_rows(d), ["--repos-dir", "mirror", "--traces", "no-such-dir"],  # under tmp_path (chdir)
+     "--traces no-such-dir: not a directory"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys, monkeypatch, make, extra,
                                           message) -> None:
