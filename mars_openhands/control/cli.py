@@ -241,6 +241,9 @@ def format_validation_error(error: ValidationError, config_file: Path | None = N
             continue
         message = str(item["msg"]).removeprefix("Value error, ")
         got = item.get("input")
+        if not loc:  # a check across fields (distinct replica URLs, distinct keys): no one flag
+            lines.append(message)
+            continue
         flag = _flag_of(loc)
         if item["type"] == "missing":
             example = " http://127.0.0.1:8001" if flag == "--replica" else " VALUE"

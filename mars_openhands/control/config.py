@@ -21,6 +21,7 @@ from mars_openhands.policy.placement import (
     routing_policy,
 )
 from mars_openhands.policy.reorder import ReorderParams
+from mars_openhands.stream.transport import check_address
 
 __all__ = ["ConfigError", "GatewayConfig", "ReplicaConfig", "check_runtime", "parse_replica"]
 
@@ -35,9 +36,10 @@ def _check_http_url(value: str) -> str:
 
 
 def _check_zmq_address(value: str | None) -> str | None:
-    if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
-        raise ValueError(f"a ZeroMQ address starts with tcp://, ipc:// or inproc://, got {value!r}; "
-                         "e.g. ipc:///tmp/mars-r0.sock or tcp://127.0.0.1:5600")
+    """``value`` if it is a loopback-only ZeroMQ address (:func:`~mars_openhands.stream.transport.check_address`:
+    what the gateway binds or connects at start-up), checked with the rest of the configuration."""
+    if value is not None:
+        check_address(value)  # ValueError naming the address and the two loopback forms
     return value
 
 
@@ -244,6 +246,16 @@ class GatewayConfig(BaseModel):
         urls = [r.url for r in self.replicas]
         if len(set(urls)) != len(urls):
             raise ValueError(f"replica URLs must be distinct, got {urls}")
+        return self
+
+    @model_validator(mode="after")
+    def _distinct_keys(self) -> Self:
+        # The admin key reads every session's id (GET /mars/v1/state); equal to the API key, every
+        # agent holding the API key could read them and act as another session.
+        if (self.api_key is not None and self.admin_key is not None
+                and self.api_key.get_secret_value() == self.admin_key.get_secret_value()):
+            raise ValueError("the admin key equals the API key: every agent that holds the API key "
+                             "could read other sessions' ids; give the admin key its own value")
         return self
 
     def replica_name(self, index: int) -> str:

@@ -79,6 +79,18 @@ def test_validation_error_lines_name_nested_flags() -> None:
     assert issubclass(ConfigError, ValueError)
 
 
+def test_a_check_across_fields_is_a_line_without_an_empty_flag() -> None:
+    key = "k" * 32
+    with pytest.raises(Exception) as info:
+        GatewayConfig.model_validate({"replicas": [{"url": "http://a"}, {"url": "http://a"}]})
+    assert format_validation_error(info.value).startswith("replica URLs must be distinct")
+    with pytest.raises(Exception) as info:
+        GatewayConfig.model_validate({"replicas": [{"url": "http://a"}], "api_key": key, "admin_key": key})
+    assert format_validation_error(info.value) == (
+        "the admin key equals the API key: every agent that holds the API key could read other "
+        "sessions' ids; give the admin key its own value")
+
+
 def test_config_help_states_the_nested_file_format_and_no_contradictory_default() -> None:
     parser = argparse.ArgumentParser()
     gateway = add_gateway_subcommand(parser.add_subparsers())

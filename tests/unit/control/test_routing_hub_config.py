@@ -124,10 +124,22 @@ def test_parse_replica_and_bad_configs() -> None:
         GatewayConfig(replicas=[ReplicaConfig(url="http://a"), ReplicaConfig(url="http://a")])
     with pytest.raises(ValidationError, match="Extra inputs"):
         GatewayConfig(replicas=[ReplicaConfig(url="http://a")], colour="red")
-    with pytest.raises(ValidationError, match="ZeroMQ address starts with"):
+    with pytest.raises(ValidationError, match="not loopback-only"):
         parse_replica("http://127.0.0.1:9,events=bogus://x")
-    with pytest.raises(ValidationError, match="ZeroMQ address starts with"):
+    with pytest.raises(ValidationError, match="not loopback-only"):
         GatewayConfig(replicas=[ReplicaConfig(url="http://a")], engine_events_address="127.0.0.1:5")
+    # Checked with the configuration, not at start-up (it was a traceback after the app started).
+    for address in ("tcp://8.8.8.8:5", "tcp://0.0.0.0:5600", "inproc://x"):
+        with pytest.raises(ValidationError, match="not loopback-only"):
+            parse_replica(f"http://127.0.0.1:9,events={address}")
+        with pytest.raises(ValidationError, match="not loopback-only"):
+            GatewayConfig(replicas=[ReplicaConfig(url="http://a")], engine_events_address=address)
+    assert GatewayConfig(replicas=[ReplicaConfig(url="http://a", events_address="ipc:///tmp/r0.sock")],
+                         engine_events_address="tcp://127.0.0.1:*")
+    key = "k" * 32
+    with pytest.raises(ValidationError, match="the admin key equals the API key"):
+        GatewayConfig(replicas=[ReplicaConfig(url="http://a")], api_key=key, admin_key=key)
+    assert GatewayConfig(replicas=[ReplicaConfig(url="http://a")], api_key=key, admin_key="a" * 32).admin_key
     with pytest.raises(ValidationError, match="give a .jsonl path"):  # the stream is JSONL
         GatewayConfig(replicas=[ReplicaConfig(url="http://a")], stream_path="runs/x/s.parquet")
 
