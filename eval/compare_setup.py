@@ -75,6 +75,16 @@ def _context_tokens(session: Any) -> int:
     return sum(t.prompt_tokens_appended + t.output_tokens for t in session.turns)
 
 
+def _longest_context_tokens(workload: Workload) -> int:
+    """Tokens of the longest final context among ``workload``'s sessions. Pure."""
+    return max(_context_tokens(s) for s in workload.sessions)
+
+
+def _sim_blocks_needed(tokens: int, block_size: int = 16) -> int:
+    """KV blocks the simulator needs to hold a context of ``tokens`` (its blocks, plus two spare). Pure."""
+    return tokens // block_size + 2
+
+
 def kv_scale_for_trim(full: Workload, trimmed: Workload) -> float:
     """Mean final context of ``trimmed``'s sessions / that of the same sessions in ``full``. Pure.
 
@@ -175,8 +185,8 @@ def gpu_setup(args: argparse.Namespace, gpu: str, workload: Workload, auto_scale
     timing = (f"{gpu} × {deployment.model} ({deployment.dtype} weights, KV {deployment.kv_dtype}, "
               f"gpu-memory-utilization {deployment.gpu_memory_utilization:g}; aiconfigurator step times)")
     full_blocks = estimate_kv_capacity(profile).num_gpu_blocks
-    longest_tokens = max(_context_tokens(s) for s in workload.sessions)
-    longest_blocks = longest_tokens // profile.block_size + 2
+    longest_tokens = _longest_context_tokens(workload)
+    longest_blocks = _sim_blocks_needed(longest_tokens, profile.block_size)
     if args.kv_blocks:
         return (GpuSetup(gpu, timer, args.kv_blocks, f"{timing}; KV {args.kv_blocks} blocks (--kv-blocks)"),
                 args.kv_blocks / full_blocks, full_blocks)
@@ -209,7 +219,7 @@ def _live_setup(args: argparse.Namespace, spec: Any, workload: Workload, blocks:
     """
     if not spec.is_live:
         return None, blocks, timing
-    longest_tokens = max(_context_tokens(s) for s in workload.sessions)
+    longest_tokens = _longest_context_tokens(workload)
     if spec.kind == "cpu":
         need = -(-longest_tokens // _CPU_BLOCK_TOKENS) + 1
         blocks = args.kv_blocks or 4 * need
@@ -248,8 +258,8 @@ def gpu_setups(args: argparse.Namespace, spec: Any, workload: Workload, auto_sca
     """
     setups, notes = [], []
     if args.kv_blocks and not spec.is_live:
-        longest_tokens = max(_context_tokens(s) for s in workload.sessions)
-        need = longest_tokens // 16 + 2
+        longest_tokens = _longest_context_tokens(workload)
+        need = _sim_blocks_needed(longest_tokens)
         if args.kv_blocks < need:
             raise ValueError(f"--kv-blocks {args.kv_blocks}: {args.kv_blocks * 16} tokens of KV < the longest "
                              f"session's context ({longest_tokens} tokens); give at least {need}, or trim the "
