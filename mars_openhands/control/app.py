@@ -60,7 +60,7 @@ from mars_openhands.control.auth import (
     SessionTokens,
 )
 from mars_openhands.control.config import GatewayConfig
-from mars_openhands.control.hub import EventHub, parse_cpu_batch, validate_cpu_batch
+from mars_openhands.control.hub import GATEWAY_SOURCE, EventHub, parse_cpu_batch, validate_cpu_batch
 from mars_openhands.control.metadata import BadRequestError
 from mars_openhands.control.metrics import parse_vllm_metrics, render_prometheus
 from mars_openhands.control.plane import AdmissionReport, ControlPlane, Tick
@@ -158,6 +158,9 @@ class Gateway:
         self.plane = ControlPlane(config, clock if clock is not None else time.monotonic, policy)
         self.sessions = self.plane.sessions
         self.router = self.plane.router
+        self._engine_sources = frozenset(config.replica_source(i)
+                                         for i in range(len(config.replicas)))
+        """The replicas' GPU-plane sources: an agent's event may not claim one."""
         self._waiters: dict[str, asyncio.Future[None]] = {}
         self.credentials = Credentials(_secret(config.api_key), _secret(config.admin_key))
         self.tokens = SessionTokens(config.session_token_keep_s)
@@ -259,14 +262,14 @@ class Gateway:
                 and now - self._last_update_mono_s < self.config.admission_update_heartbeat_s):
             return tick
         self._last_update, self._last_update_mono_s = tick.report, now
-        self.hub.record(AdmissionUpdate(**now_stamps(), source="gateway", **tick.report._asdict()))
+        self.hub.record(AdmissionUpdate(**now_stamps(), source=GATEWAY_SOURCE, **tick.report._asdict()))
         return tick
 
     def _record_interrupted(self, closed: Any) -> None:
         """Record (and forward to the session's replica, if still bound) the ``tool_end`` of a
         tool call the tick closed as interrupted."""
         assert self.hub is not None, "Gateway.start() must run first"
-        event = ToolEnd(**now_stamps(), source="gateway", session_id=closed.session_id,
+        event = ToolEnd(**now_stamps(), source=GATEWAY_SOURCE, session_id=closed.session_id,
                         turn=closed.turn, tool_name=closed.tool_name,
                         tool_call_id=closed.tool_call_id, duration_s=closed.waited_s,
                         status="interrupted")
@@ -282,7 +285,7 @@ class Gateway:
         this the KV of its last turn stays pinned until the engine's own expiry)."""
         assert self.hub is not None, "Gateway.start() must run first"
         timeout_s = self.config.session_idle_timeout_s
-        event = SessionEnd(**now_stamps(), source="gateway", session_id=session_id,
+        event = SessionEnd(**now_stamps(), source=GATEWAY_SOURCE, session_id=session_id,
                            status="idle_timeout",
                            error=f"no request or event for {timeout_s:g} s (session_idle_timeout_s)")
         self.hub.record(event)
@@ -299,7 +302,7 @@ class Gateway:
             return
         is_named = session is not None and not session.is_one_turn
         self.hub.record(RequestAborted(
-            **now_stamps(), source="gateway",
+            **now_stamps(), source=GATEWAY_SOURCE,
             session_id=session.session_id if is_named else None,
             turn=turn if is_named else None,
             request_id=request_id,
@@ -430,7 +433,7 @@ class Gateway:
         logger.warning("replica %s replaced by the cluster (%s -> %s): now at %s", replica.name,
                        previous_incarnation, incarnation, url)
         if self.hub is not None:
-            self.hub.record(ReplicaReplaced(**now_stamps(), source="gateway", replica=replica.name,
+            self.hub.record(ReplicaReplaced(**now_stamps(), source=GATEWAY_SOURCE, replica=replica.name,
                                             url=url, previous_incarnation=previous_incarnation,
                                             incarnation=incarnation))
 
@@ -445,7 +448,7 @@ class Gateway:
                 several sessions (403). Nothing is applied in any of these cases.
         """
         assert self.hub is not None, "Gateway.start() must run first"
-        events = parse_cpu_batch(raw, self.config.max_events_per_post)
+        events = parse_cpu_batch(raw, self.config.max_events_per_post, self._engine_sources)
         if token is None:
             raise AuthError("header X-Mars-Session-Token is required on POST /mars/v1/events; send "
                             "the token of the session the events belong to", 400)

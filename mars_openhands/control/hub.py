@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from mars_openhands.control.config import GatewayConfig
@@ -38,7 +38,8 @@ from mars_openhands.stream.events import (
 )
 from mars_openhands.stream.transport import EventSink
 
-__all__ = ["CPU_PLANE_KINDS", "EventHub", "parse_cpu_batch", "validate_cpu_batch"]
+__all__ = ["CPU_PLANE_KINDS", "GATEWAY_SOURCE", "EventHub", "is_reserved_source", "parse_cpu_batch",
+           "validate_cpu_batch"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,13 +48,35 @@ CPU_PLANE_KINDS = ("session_start", "session_end", "tool_enqueued", "tool_start"
 
 CpuEvent = SessionStart | SessionEnd | ToolEnqueued | ToolStart | ToolEnd
 
+GATEWAY_SOURCE = "gateway"
+"""``source`` of the events the gateway records itself (idle ``session_end``, interrupted
+``tool_end``, ``admission_update``, ``aborted``)."""
 
-def parse_cpu_batch(raw: bytes, max_events: int) -> list[CpuEvent]:
+
+def is_reserved_source(source: str, engine_sources: Collection[str] = ()) -> bool:
+    """Whether ``source`` names the gateway or an engine, which an agent's event may not claim. Pure.
+
+    Reserved: ``"gateway"``, ``"engine"``, any ``"engine:..."`` and each of ``engine_sources`` (the
+    replicas' configured GPU-plane sources, which need not start with ``engine``).
+    """
+    return (source in (GATEWAY_SOURCE, "engine") or source.startswith("engine:")
+            or source in engine_sources)
+
+
+def parse_cpu_batch(raw: bytes, max_events: int,
+                    engine_sources: Collection[str] = ()) -> list[CpuEvent]:
     """Parse a ``POST /mars/v1/events`` body: one event, a list, or ``{"events": [...]}``. Pure.
+
+    Args:
+        raw: the request body.
+        max_events: the most events one body may carry.
+        engine_sources: the replicas' GPU-plane sources (also refused as an agent's ``source``).
 
     Raises:
         BadRequestError: not JSON, not an event/list, too many events, an invalid or unknown kind, a
-            non-CPU-plane kind, or no ``session_id``; the message names the event index and field.
+            non-CPU-plane kind, no ``session_id``, or a ``source`` of the gateway or an engine (an
+            agent could otherwise record e.g. an idle-timeout ``session_end`` as the gateway's); the
+            message names the event index and field.
     """
     try:
         data: Any = json.loads(raw)
@@ -83,6 +106,10 @@ def parse_cpu_batch(raw: bytes, max_events: int) -> list[CpuEvent]:
             )
         if event.session_id is None:
             raise BadRequestError(f"event [{i}] ({event.kind}): session_id is required")
+        if is_reserved_source(event.source, engine_sources):
+            raise BadRequestError(
+                f"event [{i}] ({event.kind}): source {event.source!r} is the gateway's or an "
+                "engine's; an agent's events name the agent, e.g. \"agent\"")
         events.append(event)  # type: ignore[arg-type]
     return events
 

@@ -144,6 +144,27 @@ def test_a_bound_session_refuses_calls_without_its_token(clean_fakes, gateway_fa
         assert reused.status_code == 200 and reused.headers["x-mars-turn"] == "0"  # a new session
 
 
+def test_an_agent_cannot_record_events_as_the_gateway_or_an_engine(clean_fakes,
+                                                                   gateway_factory) -> None:
+    """A session's own client (right token) still may not post an event whose ``source`` is the
+    gateway's or a replica's: it would read in the stream as, e.g., the gateway's idle release."""
+    urls = [clean_fakes[0].url, clean_fakes[1].url]
+    server, sink = gateway_factory(urls, replicas=[ReplicaConfig(url=urls[0]),
+                                                   ReplicaConfig(url=urls[1], engine_source="gpu-b")])
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        assert client.post("/v1/chat/completions", json=chat("own"),
+                           headers=owner("own")).status_code == 200
+        before = state(server)["sessions"]["own"]
+        for source in ("gateway", "engine:0", "engine:1", "gpu-b"):
+            r = post_events(client, [event("session_end", "own", source=source,
+                                           status="idle_timeout")])
+            assert r.status_code == 400 and f"source '{source}'" in r.json()["error"]["message"]
+        assert state(server)["sessions"]["own"] == before
+        assert not [e for e in sink.events if e.kind == "session_end"]
+        assert post_events(client, [event("session_end", "own")]).status_code == 200
+        assert [e.source for e in sink.events if e.kind == "session_end"] == ["agent"]
+
+
 def test_an_idle_released_binding_is_kept_for_its_client_to_resume(clean_fakes,
                                                                   gateway_factory) -> None:
     """A client that crashed comes back after its session idled out with the same persisted

@@ -82,6 +82,17 @@ def test_parse_cpu_batch_errors(body: bytes, match: str, status: int) -> None:
     assert info.value.status_code == status
 
 
+@pytest.mark.parametrize("source, engine_sources", [
+    ("gateway", ()), ("engine", ()), ("engine:0", ()), ("engine:r7", ()), ("gpu-a", ("gpu-a",))])
+def test_an_agent_may_not_claim_the_gateways_or_an_engines_source(source, engine_sources) -> None:
+    body = json.dumps([ev("session_start"), ev("session_end", source=source)]).encode()
+    with pytest.raises(BadRequestError, match=rf"event \[1\] \(session_end\): source '{source}'"):
+        parse_cpu_batch(body, 10, engine_sources)
+    for own in ("agent", "replay", "gateway-client", "my-engine"):  # only the exact names are kept
+        assert parse_cpu_batch(json.dumps(ev("session_end", source=own)).encode(), 10,
+                               engine_sources)[0].source == own
+
+
 def test_gpu_kind_rejected_from_agents() -> None:
     body = json.dumps(ev("kv_released", num_blocks=1, reason="expired")).encode()
     with pytest.raises(BadRequestError, match="cannot be posted by agents"):
