@@ -27,8 +27,9 @@ What changes against the standalone gateway:
   (once per distinct ``Authorization`` value) before admission, and guards ``/mars/v1/events`` and
   ``/mars/v1/state`` with it: vLLM's key is the gateway's API key here. The admin key
   (``admin_key`` or ``MARS_GATEWAY_ADMIN_KEY``) and the session tokens work as in the standalone
-  gateway (control/auth.py); ``/mars/v1/metrics`` and ``/mars/v1/healthz`` are open, as vLLM's own
-  ``/metrics`` and ``/health``.
+  gateway (control/auth.py); an admin key that is also one of vLLM's keys opens nothing (a config
+  error when ``VLLM_API_KEY`` shows it; else found at its first use). ``/mars/v1/metrics`` and
+  ``/mars/v1/healthz`` are open, as vLLM's own ``/metrics`` and ``/health``.
 * A client that hangs up is passed on as uvicorn would (``http.disconnect`` on ``receive``,
   ``OSError`` on ``send``), then the request is cancelled after :data:`HANG_UP_GRACE_S`.
 
@@ -48,6 +49,7 @@ import collections
 import hashlib
 import json
 import os
+import secrets
 import sys
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
@@ -80,6 +82,9 @@ _OPEN_PATHS = frozenset(("/mars/v1/metrics", "/mars/v1/healthz"))
 """Gateway paths without a key (aggregate figures, as vLLM's own ``/metrics`` and ``/health``)."""
 _ADMIN_PATHS = frozenset(("/mars/v1/state",))
 """Gateway paths the admin key opens (besides vLLM's own key)."""
+_SHARED_ADMIN_KEY = ("the admin key is one of vLLM's API keys (--api-key / VLLM_API_KEY): every "
+                     "agent that holds the API key could read other sessions' ids; give the admin "
+                     "key (admin_key or MARS_GATEWAY_ADMIN_KEY) its own value")
 
 
 def config_from_env(environ: Mapping[str, str] | None = None) -> GatewayConfig:
@@ -120,6 +125,8 @@ def config_from_env(environ: Mapping[str, str] | None = None) -> GatewayConfig:
     admin_key = env.GATEWAY_ADMIN_KEY.get_secret(environ)
     if admin_key is not None and "admin_key" not in data:
         data["admin_key"] = admin_key
+    if data.get("admin_key") and data["admin_key"] == environ.get("VLLM_API_KEY"):
+        raise ValueError(f"{where}: {_SHARED_ADMIN_KEY}")
     try:
         local = ReplicaConfig(**{"name": "local", **replica, "url": IN_PROCESS_URL})
     except ValidationError as e:
@@ -372,6 +379,8 @@ class MarsGatewayMiddleware:
         self.handler = ProxyHandler(self.gateway)
         self._start: asyncio.Future[None] | None = None
         self._auth_cache: dict[bytes, bool] = {}
+        self._is_admin_key_shared: bool | None = None
+        """Whether vLLM's ``--api-key`` check takes the admin key (asked once, at its first use)."""
 
     def _client(self, config: GatewayConfig) -> InProcessClient:
         return InProcessClient(self.app, config.upstream_read_timeout_s, self._base_scope)
@@ -417,16 +426,32 @@ class MarsGatewayMiddleware:
             self._auth_cache[key] = allowed
         return allowed
 
+    async def _admin_key_is_shared(self, admin_header: bytes) -> bool:
+        """Whether the admin key is also one of vLLM's API keys: vLLM's check takes it and refuses
+        a random key (without ``--api-key`` it takes every key, and nothing is shared). Asked at
+        the admin key's first use (vLLM's ``--api-key`` is known only to vLLM's own check), then
+        remembered: the keys are fixed for the server's life."""
+        if self._is_admin_key_shared is None:
+            random_header = f"Bearer {secrets.token_urlsafe(24)}".encode()
+            self._is_admin_key_shared = (
+                await self._is_authorized({"headers": [(b"authorization", admin_header)]})
+                and not await self._is_authorized({"headers": [(b"authorization", random_header)]}))
+            if self._is_admin_key_shared:
+                print(f"MARS gateway in-process: error: {_SHARED_ADMIN_KEY}; /mars/v1/state "
+                      "refuses it", file=sys.stderr, flush=True)
+        return self._is_admin_key_shared
+
     async def _may_enter(self, path: str, scope: Mapping[str, Any]) -> bool:
         """Whether a request to a gateway path passes the keys: open paths always, the admin
-        paths with the admin key, everything else with vLLM's own (:meth:`_is_authorized`). The
-        routes then apply the admin and session-token rules (control/auth.py)."""
+        paths with the admin key (unless it is also vLLM's API key: then with nothing), everything
+        else with vLLM's own (:meth:`_is_authorized`). The routes then apply the admin and
+        session-token rules (control/auth.py)."""
         if path in _OPEN_PATHS:
             return True
         if path in _ADMIN_PATHS:
             header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             if self.gateway.credentials.is_admin(header.decode("latin-1")):
-                return True
+                return not await self._admin_key_is_shared(header)
         return await self._is_authorized(scope)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:

@@ -430,7 +430,45 @@ def test_the_admin_key_opens_the_state_with_session_ids_in_process(monkeypatch) 
         thread.join(timeout=10)
 
 
+def test_an_admin_key_equal_to_vllms_api_key_opens_nothing(monkeypatch, capsys) -> None:
+    """vLLM's ``--api-key`` is known only to vLLM's own check: an admin key that check takes (and
+    that is not taken because vLLM has no key) would make every agent holding the API key an
+    admin. The state then refuses that key; the stderr line says why."""
+    monkeypatch.setenv(CONFIG_ENV, "{}")
+    monkeypatch.setenv("MARS_GATEWAY_ADMIN_KEY", "secret")
+    middleware = MarsGatewayMiddleware(_ApiKey(build_fake_engine_app(), "secret"))
+    server, thread, url = _serve(middleware)
+    try:
+        with httpx.Client(base_url=url, timeout=10) as client:
+            key = {"authorization": "Bearer secret"}
+            assert client.post("/v1/chat/completions", json=chat("s"), headers=key).status_code == 200
+            for _ in range(2):  # asked once, remembered
+                r = client.get("/mars/v1/state", headers=key)
+                assert r.status_code == 401 and "sessions" not in r.text
+        assert "the admin key is one of vLLM's API keys" in capsys.readouterr().err
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+    # Without a vLLM key every key passes vLLM's check: the admin key is the only one that opens.
+    monkeypatch.setenv("MARS_GATEWAY_ADMIN_KEY", "admin-only")
+    middleware = MarsGatewayMiddleware(build_fake_engine_app())
+    server, thread, url = _serve(middleware)
+    try:
+        with httpx.Client(base_url=url, timeout=10) as client:
+            assert client.post("/v1/chat/completions", json=chat("t")).status_code == 200
+            admin = client.get("/mars/v1/state", headers={"authorization": "Bearer admin-only"})
+            assert admin.status_code == 200 and "t" in admin.json()["sessions"]
+            assert "sessions" not in client.get("/mars/v1/state").json()
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
 def test_api_keys_are_refused_in_the_in_process_config() -> None:
+    with pytest.raises(ValueError, match="the admin key is one of vLLM's API keys"):
+        config_from_env({CONFIG_ENV: "{}", "MARS_GATEWAY_ADMIN_KEY": "k", "VLLM_API_KEY": "k"})
+    with pytest.raises(ValueError, match="the admin key is one of vLLM's API keys"):
+        config_from_env({CONFIG_ENV: json.dumps({"admin_key": "k"}), "VLLM_API_KEY": "k"})
     with pytest.raises(ValueError, match="api_key cannot be set in-process"):
         config_from_env({CONFIG_ENV: json.dumps({"api_key": "k"})})
     with pytest.raises(ValueError, match="replica.api_key cannot be set in-process"):
