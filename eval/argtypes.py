@@ -59,13 +59,22 @@ def positive_float(text: str) -> float:
     return value
 
 
+def _items(text: str, what: str) -> list[str]:
+    """The comma-separated items of ``text``, stripped; an empty one (``"1,,2"``, ``"1,"``) is an
+    error rather than skipped, as it is more likely a typo than a wish."""
+    items = [v.strip() for v in text.split(",")]
+    if "" in items:
+        raise argparse.ArgumentTypeError(f"expected comma-separated {what} with no empty item, got {text!r}")
+    return items
+
+
 def positive_floats(text: str) -> tuple[float, ...]:
-    """Comma-separated finite numbers > 0 (at least one), e.g. ``"0.5,1,1.2"``."""
+    """Comma-separated finite numbers > 0 (at least one, none empty), e.g. ``"0.5,1,1.2"``."""
     try:
-        values = tuple(float(v) for v in text.split(",") if v.strip())
+        values = tuple(float(v) for v in _items(text, "numbers"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not values or not all(math.isfinite(v) and v > 0 for v in values):
+    if not all(math.isfinite(v) and v > 0 for v in values):
         raise argparse.ArgumentTypeError(f"expected finite positive numbers, got {text!r}")
     return values
 
@@ -79,11 +88,11 @@ def non_negative_float(text: str) -> float:
 
 
 def positive_ints(text: str) -> tuple[int, ...]:
-    """Comma-separated integers >= 1 (at least one), e.g. ``"1,2,4,8"``."""
+    """Comma-separated integers >= 1 (at least one, none empty), e.g. ``"1,2,4,8"``."""
     try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
+        values = tuple(int(v) for v in _items(text, "integers"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
+    if min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
     return values
