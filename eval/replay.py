@@ -678,7 +678,7 @@ async def replay(workload: Workload, config: ReplayConfig, *,
             before anything is sent or emitted; the message names the sessions and the fix).
         asyncio.CancelledError: the run was cancelled (after the cleanup above).
     """
-    sinks = ([] if open_sinks is not None else [ListSink()]) if sink is None else (
+    sinks: list[EventSink] = ([] if open_sinks is not None else [ListSink()]) if sink is None else (
         [sink] if isinstance(sink, EventSink) else list(sink))
     result = ReplayResult(started_at=datetime.now(UTC), sessions=[
         SessionRecord(s.session_id, s.arrival_s) for s in workload.sessions])
