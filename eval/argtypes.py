@@ -11,12 +11,21 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
-from collections.abc import Mapping
 from typing import Any
 
+# The integer types and the config error lines serve the mars_openhands layers' command lines too,
+# which may not import eval: they live in mars_openhands.cli_style and are re-exported here.
+from mars_openhands.cli_style import (
+    config_error_lines,
+    count_or_zero,
+    long_flags,
+    non_negative_int,
+    port_number,
+    positive_int,
+)
+
 __all__ = ["config_error_lines", "count_or_zero", "finite_float", "json_object", "long_flags", "non_negative_float",
-           "positive_float", "positive_floats", "positive_int", "positive_ints"]
+           "non_negative_int", "port_number", "positive_float", "positive_floats", "positive_int", "positive_ints"]
 
 
 def finite_float(text: str) -> float:
@@ -50,13 +59,22 @@ def positive_float(text: str) -> float:
     return value
 
 
+def _items(text: str, what: str) -> list[str]:
+    """The comma-separated items of ``text``, stripped; an empty one (``"1,,2"``, ``"1,"``) is an
+    error rather than skipped, as it is more likely a typo than a wish."""
+    items = [v.strip() for v in text.split(",")]
+    if "" in items:
+        raise argparse.ArgumentTypeError(f"expected comma-separated {what} with no empty item, got {text!r}")
+    return items
+
+
 def positive_floats(text: str) -> tuple[float, ...]:
-    """Comma-separated finite numbers > 0 (at least one), e.g. ``"0.5,1,1.2"``."""
+    """Comma-separated finite numbers > 0 (at least one, none empty), e.g. ``"0.5,1,1.2"``."""
     try:
-        values = tuple(float(v) for v in text.split(",") if v.strip())
+        values = tuple(float(v) for v in _items(text, "numbers"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not values or not all(math.isfinite(v) and v > 0 for v in values):
+    if not all(math.isfinite(v) and v > 0 for v in values):
         raise argparse.ArgumentTypeError(f"expected finite positive numbers, got {text!r}")
     return values
 
@@ -70,79 +88,11 @@ def non_negative_float(text: str) -> float:
 
 
 def positive_ints(text: str) -> tuple[int, ...]:
-    """Comma-separated integers >= 1 (at least one), e.g. ``"1,2,4,8"``."""
+    """Comma-separated integers >= 1 (at least one, none empty), e.g. ``"1,2,4,8"``."""
     try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
+        values = tuple(int(v) for v in _items(text, "integers"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
+    if min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
     return values
-
-
-def _integer(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-
-
-def positive_int(text: str) -> int:
-    """An integer >= 1."""
-    value = _integer(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    """An integer >= 0 (e.g. a random seed)."""
-    value = _integer(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
-
-
-def count_or_zero(text: str) -> int:
-    """An integer >= 0, where 0 means no limit."""
-    value = _integer(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0 (0 = no limit), got {text!r}")
-    return value
-
-
-def long_flags(parser: argparse.ArgumentParser) -> dict[str, str]:
-    """``dest -> long option`` of every optional flag of ``parser`` (``--help`` left out)."""
-    return {action.dest: next(o for o in action.option_strings if o.startswith("--"))
-            for action in parser._actions
-            if action.dest != "help" and any(o.startswith("--") for o in action.option_strings)}
-
-
-def config_error_lines(error: Any, flags: Mapping[str, str]) -> list[str]:
-    """One ``--flag: <msg> (got <value>)`` line per problem of a config built from flags. Pure.
-
-    Args:
-        error: a pydantic ``ValidationError``.
-        flags: field name → flag, e.g. ``{"num_tool_workers": "--num-tool-workers"}``; a field not
-            in it prints as ``--<field with dashes>``. Errors of a model-level check (no field
-            location) are assigned to the first field their message names.
-
-    Returns:
-        The lines, without pydantic's input dump and documentation URL (no ``error:`` prefix).
-    """
-    lines = []
-    for item in error.errors(include_url=False):
-        message = str(item["msg"]).removeprefix("Value error, ")
-        loc, got = tuple(item["loc"]), item.get("input")
-        if not loc and isinstance(got, dict):  # the model validator: find the field it names
-            named = [w for w in re.findall(r"[a-z][a-z0-9_]*", message) if w in flags]
-            loc, got = ((named[0],), got.get(named[0])) if named else ((), got)
-        flag = flags.get(str(loc[0]), "--" + str(loc[0]).replace("_", "-")) if loc else "config"
-        message = message.removesuffix(f" ({flag})")
-        if item["type"] == "missing":
-            lines.append(f"{flag}: required; pass {flag} VALUE")
-        elif "got " in message or isinstance(got, dict):
-            lines.append(f"{flag}: {message}")
-        else:
-            lines.append(f"{flag}: {message} (got {got!r})")
-    return lines

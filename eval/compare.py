@@ -50,7 +50,7 @@ import re
 import shlex
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -409,15 +409,16 @@ def _options_from_args(args: argparse.Namespace, policies: tuple[str, ...]) -> C
         knee_slowdown=args.knee_slowdown, search_max_runs=args.search_runs,
         knee_tolerance=args.knee_tolerance, is_capacity=args.capacity,
         num_replicas=args.replicas, router=args.router or DEFAULT_ROUTING_POLICY, lose_replica=args.lose_replica,
-        mars_config=checked_mars_config(getattr(args, "mars_config", None)))
+        mars_config=checked_mars_config(getattr(args, "mars_config", None), policies))
 
 
-def checked_mars_config(mars_config: dict[str, Any] | None) -> dict[str, Any]:
+def checked_mars_config(mars_config: dict[str, Any] | None, policies: Sequence[str]) -> dict[str, Any]:
     """``--mars-config`` after checking it against ``SchedulerParams`` (the registry's ``mars``
-    settings merged with it); ``{}`` for None.
+    settings merged with it) and that one of ``policies`` runs ``MarsScheduler``; ``{}`` for None.
 
     Raises:
-        ValueError: an unknown key or a bad value (one line naming each).
+        ValueError: an unknown key or a bad value (one line naming each), or no mars policy to
+            take it (the flag would be ignored).
     """
     if not mars_config:
         return {}
@@ -425,6 +426,11 @@ def checked_mars_config(mars_config: dict[str, Any] | None) -> dict[str, Any]:
         parse_scheduler_params(policy_additional_config("mars", mars_config)["mars"])
     except ValueError as e:
         raise ValueError(f"--mars-config: {e}") from None
+    if not any(takes_mars_config(p) for p in policies):
+        takers = [p for p in POLICIES if takes_mars_config(p)]
+        raise ValueError(f"--mars-config: only the mars policies take it ({', '.join(takers)}), and none "
+                         f"of the policies run here ({', '.join(policies)}) is one; add mars (or a variant) "
+                         "to --policies, or drop --mars-config")
     return mars_config
 
 

@@ -243,7 +243,7 @@ def _check_inputs(args: argparse.Namespace) -> tuple[tuple[str, ...], CompareOpt
         is_absolute_rates=args.rate is not None, admission="auto", num_gpu_blocks=2,
         num_tool_workers=args.tool_workers, seed=args.seed, knee_slowdown=args.slo_slowdown,
         search_max_runs=args.search_runs, knee_tolerance=args.knee_tolerance, is_capacity=True,
-        mars_config=checked_mars_config(args.mars_config))
+        mars_config=checked_mars_config(args.mars_config, policies))
     return policies, options
 
 

@@ -67,11 +67,13 @@ import hashlib
 import json
 import logging
 import os
+import re
 import secrets
 import sys
 import time
 import types
 import typing
+import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -172,7 +174,13 @@ class ReplayConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> ReplayConfig:
-        if not self.endpoint_url.startswith(("http://", "https://")):
+        try:  # "http://" (no host) or "http://[bad" reached every session as a connection error
+            parts = urllib.parse.urlsplit(self.endpoint_url)
+            parts.port  # noqa: B018 -- raises ValueError for a port that is not one
+        except ValueError as e:
+            raise ValueError(f"endpoint_url is not a URL ({e}); give an http(s) server root such as "
+                             f"http://127.0.0.1:8000, got {self.endpoint_url!r} (--endpoint-url)") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(
                 f"endpoint_url must be an http(s) server root such as http://127.0.0.1:8000, got "
                 f"{self.endpoint_url!r} (--endpoint-url)"
@@ -439,7 +447,7 @@ def check_fits(workload: Workload, max_model_len_tokens: int) -> None:
             f"{max_model_len_tokens} tokens, e.g. {examples}; cap them with "
             f"trim_workload(workload, max_context_tokens={max_model_len_tokens}) (or "
             "`mars-openhands workload ... --max-context-tokens`), raise the engine's "
-            "--max-model-len, or replay with overflow='end_session'"
+            "--max-model-len, or replay with overflow='end_session' (replay --overflow end_session)"
         )
 
 
@@ -643,7 +651,8 @@ def _token_ids(choice: dict[str, Any], where: str) -> list[int]:
 # ----------------------------------------------------------------------------- entry points
 async def replay(workload: Workload, config: ReplayConfig, *,
                  sink: EventSink | Sequence[EventSink] | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None) -> ReplayResult:
+                 transport: httpx.AsyncBaseTransport | None = None,
+                 open_sinks: Callable[[], Sequence[EventSink]] | None = None) -> ReplayResult:
     """Replay ``workload`` against ``config.endpoint_url``; the async core.
 
     Every session runs as its own task; a failing session never stops the others. On return (or
@@ -655,8 +664,11 @@ async def replay(workload: Workload, config: ReplayConfig, *,
         workload: the sessions (see :mod:`eval.workloads.format`).
         config: endpoint, concurrency, tools, token ids, limits.
         sink: local event sink(s), each gets every event: e.g. a ``StreamRecorder``, a
-            ``ZmqEventPublisher``; default: a new ``ListSink``.
+            ``ZmqEventPublisher``; default (with no ``open_sinks`` either): a new ``ListSink``.
         transport: HTTP transport for tests (e.g. ``httpx.MockTransport``); default: the network.
+        open_sinks: called once the up-front checks passed, before the first event; the sinks it
+            returns get every event too (its caller closes them). A run refused by a check never
+            calls it, so e.g. a stream file made there is not left behind (:func:`run_replay`).
 
     Returns:
         Per-session and per-turn records.
@@ -666,7 +678,8 @@ async def replay(workload: Workload, config: ReplayConfig, *,
             before anything is sent or emitted; the message names the sessions and the fix).
         asyncio.CancelledError: the run was cancelled (after the cleanup above).
     """
-    sinks = [ListSink()] if sink is None else [sink] if isinstance(sink, EventSink) else list(sink)
+    sinks: list[EventSink] = ([] if open_sinks is not None else [ListSink()]) if sink is None else (
+        [sink] if isinstance(sink, EventSink) else list(sink))
     result = ReplayResult(started_at=datetime.now(UTC), sessions=[
         SessionRecord(s.session_id, s.arrival_s) for s in workload.sessions])
     limits = httpx.Limits(max_connections=config.max_connections,
@@ -677,6 +690,8 @@ async def replay(workload: Workload, config: ReplayConfig, *,
         result.max_model_len_tokens = max_len
         if max_len is not None and config.overflow == "error":
             check_fits(workload, max_len)
+        if open_sinks is not None:  # every check passed: the run goes ahead
+            sinks += open_sinks()
         poster = None
         tokens = SessionTokens()
         if config.endpoint_kind == "gateway" and config.post_events:
@@ -763,23 +778,34 @@ def run_replay(workload: Workload, config: ReplayConfig, *,
     Args:
         workload, config, transport: as for :func:`replay`.
         stream_path: write the events to a new :class:`StreamRecorder` at this JSONL path (a
-            Parquet copy is written next to it); it is closed even on error or Ctrl-C.
+            Parquet copy is written next to it); it is made once the up-front checks passed (a
+            refused run leaves no file) and closed even on error or Ctrl-C.
         sink: also (or only) emit into these sinks (left open).
 
     Raises:
-        ValueError: a session does not fit.
-        FileExistsError: ``stream_path`` exists (one run yields one stream).
+        ValueError: a session does not fit (nothing was written).
+        FileExistsError: ``stream_path`` exists (one run yields one stream; checked first).
         KeyboardInterrupt: Ctrl-C (after every started session emitted ``session_end`` and the
             recorder was closed).
         RuntimeError: called from a running event loop (``await replay(...)`` there instead).
     """
-    recorder = StreamRecorder(stream_path) if stream_path is not None else None
+    path = Path(stream_path) if stream_path is not None else None
+    if path is not None and path.exists():
+        raise FileExistsError(f"stream file {path} already exists; one run yields one stream: choose a "
+                              "new path or run directory")
     sinks: list[EventSink] = [] if sink is None else [sink] if isinstance(sink, EventSink) else list(sink)
-    sinks += [recorder] if recorder is not None else []
+    recorders: list[StreamRecorder] = []
+
+    def open_recorder() -> list[StreamRecorder]:
+        assert path is not None, "open_sinks is passed only with a stream path"
+        recorders.append(StreamRecorder(path))
+        return recorders
+
     try:
-        return asyncio.run(replay(workload, config, sink=sinks or None, transport=transport))
+        return asyncio.run(replay(workload, config, sink=sinks or None, transport=transport,
+                                  open_sinks=open_recorder if path is not None else None))
     finally:
-        if recorder is not None:
+        for recorder in recorders:
             recorder.close()
 
 
@@ -817,14 +843,19 @@ def add_replay_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     Returns:
         The ``replay`` parser.
     """
-    parser = subparsers.add_parser("replay", help="replay a workload against an engine or gateway")
+    parser = subparsers.add_parser(
+        "replay", help="replay a workload against an engine or gateway",
+        description="Replay a workload's sessions against an OpenAI-compatible engine or the MARS "
+                    "gateway, recording the event stream. Exit status: 0 every session ok, 1 some "
+                    "did not finish ok, 2 bad input (nothing written), 130 interrupted.")
     parser.add_argument("workload", help="workload file (.json/.jsonl[.gz])")
     parser.add_argument("-o", "--output", required=True,
-                        help="new stream file, e.g. runs/x/stream.jsonl (+ .parquet, .result.json)")
+                        help="new stream file, e.g. runs/x/stream.jsonl (+ .parquet, .result.json); "
+                             "none of the three may exist")
     for name, info in ReplayConfig.model_fields.items():
         flag = "--" + name.replace("_", "-")
         kind, choices = _flag_type(info.annotation)
-        help_text = (info.description or "").replace("%", "%%")
+        help_text = _flag_help(info, flag).replace("%", "%%")
         if kind is bool:
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=help_text)
@@ -835,6 +866,20 @@ def add_replay_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     parser.set_defaults(func=functools.partial(
         _replay_command, flags={**long_flags(parser), **_FLAG_RENAMES}))
     return parser
+
+
+def _flag_help(info: Any, flag: str) -> str:
+    """A :class:`ReplayConfig` field's ``--help``: its docstring without reST markup, ``None``
+    (which no flag can pass) said as "not given", and its default once. Pure."""
+    text = re.sub(r"``([^`]*)``|:[a-z]+:`~?([^`]*)`", lambda m: m.group(1) or m.group(2),
+                  " ".join((info.description or "").split()))
+    text = re.sub(r"(^|\. )None: ", r"\1Not given: ", text)
+    text = re.sub(r"\bNone: ", "not given: ", text)
+    if info.is_required() or info.default is None or "(default" in text:
+        return text  # a None default is explained by the docstring's "not given: ..."
+    if info.default is True or info.default is False:
+        return f"{text} (default: {flag if info.default else '--no-' + flag[2:]})"
+    return f"{text} (default: {info.default})"
 
 
 def _error(message: str) -> int:
@@ -855,13 +900,19 @@ def _replay_command(args: argparse.Namespace, flags: dict[str, str] | None = Non
         return max(_error(line) for line in config_error_lines(e, flags or {}))
     # The recorder writes JSONL live and its Parquet copy on close: "-o x.parquet" records x.jsonl.
     stream_path = Path(args.output).with_suffix(".jsonl")
+    outputs = [stream_path, stream_path.with_suffix(".parquet"), stream_path.with_suffix(".result.json")]
+    existing = [str(path) for path in outputs if path.exists()]
+    if existing:  # checked first: a run never overwrites a file, and is refused before it starts
+        return _error(f"--output {args.output}: {', '.join(existing)} already exist{'s' * (len(existing) == 1)}; "
+                      "one run yields one stream: choose a new path or run directory")
     try:
         workload = load_workload(args.workload)
         result = run_replay(workload, config, stream_path=stream_path)
-    except (WorkloadFormatError, ValueError, FileNotFoundError, FileExistsError) as e:
+    except (WorkloadFormatError, ValueError, OSError) as e:  # refused: nothing was written
         return _error(str(e))
     except KeyboardInterrupt:
-        print(f"interrupted; the stream so far is in {stream_path}", file=sys.stderr)
+        print(f"interrupted; the stream so far is in {stream_path}" if stream_path.exists()
+              else "interrupted before the run started; nothing was written", file=sys.stderr)
         return EXIT_INTERRUPTED
     result_path = Path(args.output).with_suffix(".result.json")
     result_path.write_text(json.dumps(dataclasses.asdict(result), default=str, indent=1))

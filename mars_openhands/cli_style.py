@@ -9,6 +9,11 @@ reads the same wherever it is made::
     mars-openhands compare: error: --admission: invalid choice: 'x' (choose from 'auto', 'off', 'on', 'both')
     mars-openhands gateway: error: --port 8000: 127.0.0.1:8000 is in use; pass a free --port
 
+The integer ``type=`` helpers (:func:`positive_int`, :func:`non_negative_int`,
+:func:`count_or_zero`, :func:`port_number`) and :func:`config_error_lines` live here, not in
+``eval.argtypes`` (which re-exports them), because the ``mars_openhands`` layers may not import
+``eval`` (tests/unit/test_layering.py) and their command lines need them too.
+
 Standard library only: every layer's command line imports it.
 """
 
@@ -19,9 +24,11 @@ import errno
 import re
 import socket
 import sys
-from typing import IO, NoReturn
+from collections.abc import Mapping
+from typing import IO, Any, NoReturn
 
-__all__ = ["EXIT_USAGE", "CliParser", "check_port_free", "cli_error", "one_line"]
+__all__ = ["EXIT_USAGE", "CliParser", "check_port_free", "cli_error", "config_error_lines", "count_or_zero",
+           "long_flags", "non_negative_int", "one_line", "port_number", "positive_int"]
 
 EXIT_USAGE = 2
 """Exit status of a usage error (argparse's, and the shell convention)."""
@@ -89,3 +96,83 @@ def check_port_free(host: str, port: int, flag: str = "--port") -> str | None:
                         f"root); pass {flag} 1024 or above")
             return f"{flag} {port}: cannot listen on {host}:{port} ({e.strerror or e}); check --host and {flag}"
     return None
+
+
+# -- argparse types and config errors (shared by every layer's command line) ---------------------
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    value = _integer(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0 (e.g. a random seed)."""
+    value = _integer(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def count_or_zero(text: str) -> int:
+    """An integer >= 0, where 0 means no limit."""
+    value = _integer(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0 (0 = no limit), got {text!r}")
+    return value
+
+
+def port_number(text: str) -> int:
+    """A TCP port to listen on: an integer in 1..65535 (0, "any free port", is not offered: the
+    server would not say which port it got)."""
+    value = _integer(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in 1..65535, got {text!r}")
+    return value
+
+
+
+def long_flags(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """``dest -> long option`` of every optional flag of ``parser`` (``--help`` left out)."""
+    return {action.dest: next(o for o in action.option_strings if o.startswith("--"))
+            for action in parser._actions
+            if action.dest != "help" and any(o.startswith("--") for o in action.option_strings)}
+
+
+def config_error_lines(error: Any, flags: Mapping[str, str]) -> list[str]:
+    """One ``--flag: <msg> (got <value>)`` line per problem of a config built from flags. Pure.
+
+    Args:
+        error: a pydantic ``ValidationError``.
+        flags: field name → flag, e.g. ``{"num_tool_workers": "--num-tool-workers"}``; a field not
+            in it prints as ``--<field with dashes>``. Errors of a model-level check (no field
+            location) are assigned to the first field their message names.
+
+    Returns:
+        The lines, without pydantic's input dump and documentation URL (no ``error:`` prefix).
+    """
+    lines = []
+    for item in error.errors(include_url=False):
+        message = str(item["msg"]).removeprefix("Value error, ")
+        loc, got = tuple(item["loc"]), item.get("input")
+        if not loc and isinstance(got, dict):  # the model validator: find the field it names
+            named = [w for w in re.findall(r"[a-z][a-z0-9_]*", message) if w in flags]
+            loc, got = ((named[0],), got.get(named[0])) if named else ((), got)
+        flag = flags.get(str(loc[0]), "--" + str(loc[0]).replace("_", "-")) if loc else "config"
+        message = message.removesuffix(f" ({flag})")
+        if item["type"] == "missing":
+            lines.append(f"{flag}: required; pass {flag} VALUE")
+        elif "got " in message or isinstance(got, dict):
+            lines.append(f"{flag}: {message}")
+        else:
+            lines.append(f"{flag}: {message} (got {got!r})")
+    return lines

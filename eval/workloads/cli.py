@@ -21,9 +21,18 @@ written unless the whole workload was built.
 from __future__ import annotations
 
 import argparse
+import types
 from typing import Any
 
-from eval.argtypes import non_negative_int, positive_int
+from pydantic import ValidationError
+
+from eval.argtypes import (
+    config_error_lines,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from eval.workloads.arrivals import BurstArrivals, FixedRateArrivals, PoissonArrivals, with_arrivals
 from eval.workloads.format import Workload, WorkloadFormatError, load_workload, save_workload
 from eval.workloads.stats import Distribution, WorkloadStats, workload_stats
@@ -37,19 +46,33 @@ __all__ = ["add_workload_subcommand"]
 EXIT_BAD_INPUT = EXIT_USAGE
 
 
+# Field of an arrival process or of the caps -> the flag that sets it, for one-line errors.
+_FLAGS = types.MappingProxyType({
+    "rate_per_s": "--rate", "burst_size": "--burst-size", "burst_interval_s": "--burst-interval-s",
+    "max_turns": "--max-turns", "max_context_tokens": "--max-context-tokens", "num_sessions": "--sessions",
+})
+
+
 def _add_shaping_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("arrivals (default: every session at t = 0)")
     group.add_argument("--arrival", choices=["fixed", "poisson", "burst"], default=None,
-                       help="arrival process (design.md §8)")
-    group.add_argument("--rate", type=float, default=None, help="sessions/s for fixed and poisson")
-    group.add_argument("--burst-size", type=int, default=None, help="sessions per burst")
-    group.add_argument("--burst-interval-s", type=float, default=None, help="seconds between bursts")
-    group.add_argument("--seed", type=non_negative_int, default=0, help="seed of the generator and arrivals")
+                       help="arrival process (design.md §8): fixed and poisson need --rate, burst needs "
+                            "--burst-size and --burst-interval-s")
+    group.add_argument("--rate", type=positive_float, default=None, metavar="R",
+                       help="sessions/s (> 0) of --arrival fixed or poisson; an error without one of "
+                            "them (which of the two is meant cannot be guessed)")
+    group.add_argument("--burst-size", type=positive_int, default=None, metavar="N",
+                       help="sessions per burst (>= 1), with --arrival burst")
+    group.add_argument("--burst-interval-s", type=non_negative_float, default=None, metavar="S",
+                       help="seconds between bursts (>= 0), with --arrival burst")
+    group.add_argument("--seed", type=non_negative_int, default=0,
+                       help="seed of the generator and arrivals (default 0)")
     caps = parser.add_argument_group("caps (fit small engines)")
-    caps.add_argument("--max-turns", type=int, default=None, help="at most this many turns/session")
-    caps.add_argument("--max-context-tokens", type=int, default=None,
-                      help="end each session at its last turn whose prompt + output fits in this "
-                           "many tokens (that turn becomes final); a first turn that does not fit "
+    caps.add_argument("--max-turns", type=positive_int, default=None, metavar="N",
+                      help="at most N >= 1 turns/session (default: all)")
+    caps.add_argument("--max-context-tokens", type=positive_int, default=None, metavar="N",
+                      help="end each session at its last turn whose prompt + output fits in N >= 2 "
+                           "tokens (that turn becomes final); a first turn that does not fit "
                            "is shrunk to it (output at most half, prompt the rest), so every "
                            "session keeps one turn")
 
@@ -70,16 +93,17 @@ def add_workload_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     traces.add_argument("-o", "--output", required=True, help="workload file (.json/.jsonl[.gz])")
     traces.add_argument("--skip-malformed", action="store_true",
                         help="skip malformed trajectories (noted in meta.notes) instead of failing")
-    traces.add_argument("--sessions", type=int, default=None, help="keep the first N sessions")
-    traces.add_argument("--tool-time-factor", type=float, default=1.0,
-                        help="multiply tool durations (e.g. 0.1 for a fast smoke run)")
+    traces.add_argument("--sessions", type=positive_int, default=None, metavar="N",
+                        help="keep the first N sessions (default: all)")
+    traces.add_argument("--tool-time-factor", type=positive_float, default=1.0,
+                        help="multiply tool durations (e.g. 0.1 for a fast smoke run; default: %(default)s)")
     _add_shaping_options(traces)
     traces.set_defaults(func=_guarded(_from_traces))
 
     synth = commands.add_parser("synth", help="generate a calibrated synthetic workload")
     synth.add_argument("--kind", choices=sorted(SYNTH_KINDS), required=True,
                        help="which benchmark's statistics to draw from (docs/workloads.md)")
-    synth.add_argument("--sessions", type=int, required=True, help="number of sessions")
+    synth.add_argument("--sessions", type=positive_int, required=True, metavar="N", help="number of sessions")
     synth.add_argument("-o", "--output", required=True, help="workload file (.json/.jsonl[.gz])")
     _add_shaping_options(synth)
     synth.set_defaults(func=_guarded(_synth))
@@ -100,14 +124,33 @@ def add_workload_subcommand(subparsers: Any) -> argparse.ArgumentParser:
 
 def _guarded(handler: Any) -> Any:
     def run(args: argparse.Namespace) -> int:
+        prog = f"mars-openhands workload {args.workload_command}"
         try:
             return handler(args)
+        except ValidationError as e:  # an arrival process or cap out of range: one line per flag
+            return max(cli_error(prog, line) for line in config_error_lines(e, _FLAGS))
         except (WorkloadFormatError, ValueError, FileNotFoundError) as e:
-            return cli_error(f"mars-openhands workload {args.workload_command}", str(e))
+            return cli_error(prog, str(e))
     return run
 
 
 def _arrival(args: argparse.Namespace) -> FixedRateArrivals | PoissonArrivals | BurstArrivals | None:
+    """The arrival process of the flags; ``None`` without ``--arrival``.
+
+    Raises:
+        ValueError: a flag the chosen process (or no process) would ignore, or one it needs is
+            missing (one line naming them).
+        ValidationError: a value the process model rejects.
+    """
+    burst = [f for f, v in (("--burst-size", args.burst_size), ("--burst-interval-s", args.burst_interval_s))
+             if v is not None]
+    if args.arrival in (None, "burst") and args.rate is not None:
+        raise ValueError(f"--rate {args.rate:g}: is the rate of --arrival fixed or poisson, and "
+                         f"{'no --arrival is given' if args.arrival is None else '--arrival burst has none'}; "
+                         "add --arrival fixed (evenly spaced) or --arrival poisson")
+    if args.arrival != "burst" and burst:
+        raise ValueError(f"{burst[0]}: needs --arrival burst (got "
+                         f"{'no --arrival' if args.arrival is None else '--arrival ' + args.arrival})")
     if args.arrival is None:
         return None
     if args.arrival in ("fixed", "poisson"):
@@ -121,13 +164,14 @@ def _arrival(args: argparse.Namespace) -> FixedRateArrivals | PoissonArrivals | 
 
 
 def _from_traces(args: argparse.Namespace) -> int:
+    arrival = _arrival(args)  # the flags first: a mistake there costs no trace parsing
+    WorkloadCaps(max_turns=args.max_turns, max_context_tokens=args.max_context_tokens)  # its bounds
     workload = load_trace_dir(args.directory, on_error="skip" if args.skip_malformed else "raise")
     if any(v is not None for v in (args.sessions, args.max_turns, args.max_context_tokens)):
         workload = trim_workload(workload, num_sessions=args.sessions, max_turns=args.max_turns,
                                  max_context_tokens=args.max_context_tokens)
     if args.tool_time_factor != 1.0:
         workload = scale_workload(workload, tool_time_factor=args.tool_time_factor)
-    arrival = _arrival(args)
     if arrival is not None:
         workload = with_arrivals(workload, arrival, args.seed)
     return _save(workload, args.output)

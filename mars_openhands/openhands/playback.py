@@ -40,6 +40,7 @@ import random
 import re
 import threading
 import time
+import typing
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -47,9 +48,16 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from mars_openhands.cli_style import CliParser, check_port_free, cli_error
+from mars_openhands.cli_style import (
+    CliParser,
+    check_port_free,
+    cli_error,
+    config_error_lines,
+    port_number,
+    positive_int,
+)
 
 __all__ = [
     "PlaybackConfig",
@@ -551,18 +559,21 @@ def add_playback_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--script", action="append", type=Path, required=True,
                         help="playback script JSON or mini-swe-agent *.traj.json(.gz); repeatable. "
                              + TRACES_HINT.replace("%", "%%"))
-    parser.add_argument("--max-turns", type=int, default=None,
-                        help="play at most this many turns of each trace script (default: all)")
+    parser.add_argument("--max-turns", type=positive_int, default=None, metavar="N",
+                        help="play at most the first N >= 1 turns of each trace script (default: all)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default 127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=int, default=8100, help="port to listen on (default 8100)")
+    parser.add_argument("--port", type=port_number, default=8100,
+                        help="port to listen on, 1..65535 (default 8100)")
     for name, field in PlaybackConfig.model_fields.items():
         text = re.sub(r"``([^`]*)``|:[a-z]+:`~?([^`]*)`", lambda m: m.group(1) or m.group(2),
                       " ".join((field.description or "").split()))  # no reST in --help
-        default = "none" if field.default is None else field.default
-        if "(default" not in text:  # a docstring that explains its default keeps its words
-            text += f" (default: {default})"
-        parser.add_argument("--" + name.replace("_", "-"), default=field.default,
+        # A flag cannot be set to None: say what leaving it out does, and show no "(default: none)".
+        text = re.sub(r"\bNone\b: ", "not given: ", text)
+        if "(default" not in text and field.default is not None:  # a docstring that explains its
+            text += f" (default: {field.default})"  # default keeps its words
+        choices = typing.get_args(field.annotation) if typing.get_origin(field.annotation) is Literal else None
+        parser.add_argument("--" + name.replace("_", "-"), default=field.default, choices=choices,
                             type=type(field.default) if field.default is not None else str,
                             help=text.replace("%", "%%"))
     parser.add_argument("--check", action="store_true",
@@ -575,8 +586,11 @@ def run_from_args(args: argparse.Namespace) -> int:
     """Serve the playback engine (or, with ``--check``, list the scripts). Exit code 2 on bad input
     (one line on stderr)."""
     try:
-        scripts = load_scripts(args.script, args.max_turns)
         config = PlaybackConfig(**{k: getattr(args, k) for k in PlaybackConfig.model_fields})
+    except ValidationError as e:  # one line per flag out of range, e.g. --max-prompt-chars 0
+        return max(cli_error(_PROG, line) for line in config_error_lines(e, {}))
+    try:
+        scripts = load_scripts(args.script, args.max_turns)
     except ValueError as e:
         return cli_error(_PROG, str(e).splitlines()[0])
     if args.check:

@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mars_openhands.cli_style import EXIT_USAGE, CliParser, cli_error
+from mars_openhands.cli_style import EXIT_USAGE, CliParser, cli_error, count_or_zero
+from mars_openhands.runtime.config import TASK_STATUSES
 
 __all__ = ["add_tasks_subcommand", "format_event", "main"]
 
@@ -24,6 +25,8 @@ if importlib.util.find_spec("dbos") is None:  # the top-level CLI lists `tasks` 
     raise ImportError("DBOS Transact is not installed here (the 'runtime' extra)", name="dbos")
 
 _DIGEST = re.compile(r"[0-9a-f]{64}")
+_PASSWORD = re.compile(r"(://[^/@:]*):[^/@]*@")
+"""The ``:password@`` of a URL (hidden in error lines)."""
 EXIT_INPUT = EXIT_USAGE
 
 
@@ -31,15 +34,71 @@ class InputError(ValueError):
     """Bad input: printed as one line, exit 2."""
 
 
+def _db_url(args: argparse.Namespace) -> tuple[str, str]:
+    """The tasks database's URL, and how an error line names it: ``--db VALUE``,
+    ``$MARS_TASKS_DB=VALUE`` or ``the default tasks database PATH`` (a password shown as ``***``).
+
+    Raises:
+        InputError: an empty value or an unsupported scheme, a URL that does not parse (e.g. a port
+            that is not a number), a SQLite URL without a file (``sqlite://``: an in-memory
+            database no other process sees) or a SQLite path that is a directory.
+    """
+    import os
+
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    from mars_openhands.runtime.config import DEFAULT_DB_PATH, ENV_TASKS_DB, normalize_db_url
+
+    given = args.db if args.db is not None else os.environ.get(ENV_TASKS_DB) or None
+    shown = _PASSWORD.sub(r"\1:***@", given) if given is not None else None
+    label = (f"--db {shown}" if args.db is not None else f"${ENV_TASKS_DB}={shown}" if given is not None
+             else f"the default tasks database {DEFAULT_DB_PATH}")
+    try:
+        url = normalize_db_url(str(DEFAULT_DB_PATH) if given is None else given)
+    except ValueError as e:  # empty, or an unsupported scheme: the message names the value and the fix
+        raise InputError(f"{label.split(' ')[0]}: {e}") from None
+    try:
+        parsed = make_url(url)
+    except (ValueError, ArgumentError) as e:  # a port that is not a number is int()'s ValueError
+        raise InputError(f"{label}: not a database URL ({e}); give a SQLite file path, sqlite:///PATH "
+                         "or postgresql://user@host:port/db") from None
+    if parsed.get_backend_name() == "sqlite":
+        if parsed.database in (None, "", ":memory:"):
+            raise InputError(f"{label}: no database file (SQLite in memory is seen by no other process); "
+                             "give sqlite:///PATH or a file path")
+        if Path(parsed.database).is_dir():
+            raise InputError(f"{label}: {parsed.database} is a directory; give a database file path, "
+                             f"e.g. {Path(parsed.database) / 'tasks.sqlite'}")
+    return url, label
+
+
+def _opened(label: str, open_db: Any) -> Any:
+    """``open_db()`` (a :class:`Store` or :class:`Runtime`, which connect at once); a database that
+    cannot be reached or opened is an :class:`InputError` naming ``label`` (``--db URL``)."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        return open_db()
+    except SQLAlchemyError as e:  # psycopg's "connection refused", SQLite's "unable to open"
+        cause = str(getattr(e, "orig", None) or e).strip().splitlines()[0]
+        fix = ("is the server running and reachable? start it or fix the URL" if "postgresql" in label
+               else "check the path and its permissions")
+        raise InputError(f"{label}: cannot open the tasks database ({cause}); {fix}") from None
+    except OSError as e:  # the SQLite file's directory cannot be made
+        where = f": {e.filename}" if e.filename else ""
+        raise InputError(f"{label}: cannot create the tasks database ({e.strerror or e}{where}); check "
+                         "the path and its permissions") from None
+
+
 def _store(args: argparse.Namespace) -> Any:
-    from mars_openhands.runtime.config import default_db_url, normalize_db_url
     from mars_openhands.runtime.store import Store
 
-    url = normalize_db_url(args.db) if args.db else default_db_url()
+    url, label = _db_url(args)
     if url.startswith("sqlite:///") and not Path(url[len("sqlite:///"):]).exists():
-        raise InputError(f"no tasks database at {url[len('sqlite:///'):]} (submit a task first, or "
-                         "give --db / MARS_TASKS_DB)")
-    return Store(url)
+        raise InputError(f"{label}: no tasks database at {url[len('sqlite:///'):]} (submit a task "
+                         "first, or give --db / MARS_TASKS_DB)")
+    return _opened(label, lambda: Store(url))
 
 
 def _task(store: Any, task_id: str) -> dict[str, Any]:
@@ -84,11 +143,12 @@ def _print_event(event: dict[str, Any]) -> None:
 
 def _run_tasks(args: argparse.Namespace, task_ids: list[str] | None, specs: list[Any]) -> int:
     """Open a runner, submit ``specs``, start ``task_ids`` (+ the specs'), wait, print a summary."""
-    from mars_openhands.runtime.config import RuntimeConfig, normalize_db_url
+    from mars_openhands.runtime.config import RuntimeConfig
     from mars_openhands.runtime.engine import Runtime
 
-    config = RuntimeConfig(**({"db_url": normalize_db_url(args.db)} if args.db else {}))
-    with Runtime(config) as runtime:
+    url, label = _db_url(args)
+    config = RuntimeConfig(db_url=url)
+    with _opened(label, lambda: Runtime(config)) as runtime:
         ids = list(task_ids or [])
         for spec in specs:
             _row, is_new = runtime.submit(spec)
@@ -122,11 +182,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def cmd_resume(args: argparse.Namespace) -> int:
     """``tasks resume [TASK ...]``: continue tasks whose runner died, from their last checkpoint."""
-    if args.task_ids:
-        store = _store(args)
-        for task_id in args.task_ids:
-            _task(store, task_id)
-        store.close()
+    store = _store(args)  # a missing SQLite file is an error here: there is nothing to resume
+    for task_id in args.task_ids:
+        _task(store, task_id)
+    store.close()
     return _run_tasks(args, args.task_ids or None, [])
 
 
@@ -218,8 +277,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--db", default=None, help="tasks database: a SQLite file path, sqlite:///PATH "
-                        "or postgresql://user@host:port/db (default $MARS_TASKS_DB, else "
+    parser.add_argument("--db", default=None, metavar="URL|PATH",
+                        help="tasks database: a SQLite file path, sqlite:///PATH or "
+                        "postgresql://user@host:port/db (default $MARS_TASKS_DB, else "
                         "runs/tasks/tasks.sqlite under the cwd)")
 
 
@@ -257,13 +317,12 @@ def add_tasks_subcommand(subparsers: Any) -> argparse.ArgumentParser:
                 p.add_argument("--out", type=Path, default=None, help="directory for tasks.parquet, "
                                "summary.json and task_times.png")
         elif name == "list":
-            p.add_argument("--status", default=None,
-                           help="only tasks with this status: submitted, running, waiting_approval, "
-                                "escalated, succeeded, failed, error, ended_budget, ended_deadline, "
-                                "ended_policy (default: all)")
+            p.add_argument("--status", default=None, choices=TASK_STATUSES, metavar="STATUS",
+                           help=f"only tasks with this status: {', '.join(TASK_STATUSES)} (default: all)")
         elif name == "show":
             p.add_argument("task_id", metavar="TASK")
-            p.add_argument("--events", type=int, default=20, help="last N events (0: all)")
+            p.add_argument("--events", type=count_or_zero, default=20, metavar="N",
+                           help="print the last N events (0: all; default: %(default)s)")
             p.add_argument("--follow", action="store_true", help="keep printing until the task ends")
         else:
             p.add_argument("task_id", metavar="TASK")

@@ -17,6 +17,7 @@ __all__ = [
     "ENV_CRASH_AT",
     "ENV_CRASH_LOG",
     "ENV_TASKS_DB",
+    "TASK_STATUSES",
     "RuntimeConfig",
     "default_db_url",
     "normalize_db_url",
@@ -31,6 +32,12 @@ ENV_CRASH_LOG = "MARS_RUNTIME_CRASH_LOG"
 """Test hook: file listing the boundaries already crashed at (one per line), so each fires once."""
 
 DEFAULT_DB_PATH = Path("runs") / "tasks" / "tasks.sqlite"
+
+TASK_STATUSES = ("submitted", "running", "waiting_approval", "escalated", "succeeded", "failed", "error",
+                 "ended_budget", "ended_deadline", "ended_policy")
+"""Every status a task row takes, in lifecycle order (the choices of ``tasks list --status``); the
+last six are ``store.TERMINAL_STATUSES``. Kept here, not in ``store``, so that building the command
+line does not import SQLAlchemy."""
 
 
 def normalize_db_url(value: str) -> str:

@@ -92,3 +92,35 @@ def test_playback_on_a_busy_port_names_the_flag(tmp_path, capsys) -> None:
     err = capsys.readouterr().err
     assert err == (f"mars-openhands openhands playback: error: --port {port}: 127.0.0.1:{port} is in use "
                    "(another server listens there); stop it or pass a free --port\n")
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    # --check: before the fix these would serve (--port 0, on a port nobody is told) or raise an
+    # OverflowError traceback (--port 99999); the check must come at parsing, before --check
+    (["--port", "99999", "--check"], "--port: expected a port in 1..65535, got '99999'"),
+    (["--port", "0", "--check"], "--port: expected a port in 1..65535, got '0'"),
+    (["--max-turns", "0", "--check"], "--max-turns: expected an integer >= 1, got '0'"),  # played 1 turn
+    (["--max-prompt-chars", "0", "--check"],  # was "1 validation error for PlaybackConfig"
+     "--max-prompt-chars: Input should be greater than or equal to 1 (got 0)"),
+    (["--upstream-prompt", "bogus", "--check"], "--upstream-prompt: invalid choice: 'bogus'"),
+])
+def test_playback_out_of_range_values_are_one_line_naming_the_flag(argv, expected, tmp_path, capsys) -> None:
+    script = tmp_path / "x__y-1.traj.json"
+    script.write_text(json.dumps({"instance_id": "x__y-1", "messages": [
+        {"role": "assistant", "content": "look", "tool_calls": [{"id": "c0", "type": "function", "function": {
+            "name": "bash", "arguments": json.dumps({"command": "ls"})}}]}]}))
+    try:
+        code = main(["openhands", "playback", "--script", str(script), *argv])
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"mars-openhands openhands playback: error: {expected}"), err
+
+
+def test_playback_help_shows_no_none_for_flags_that_cannot_be_none(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["openhands", "playback", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "None" not in text and "(default: none)" not in text
+    assert "not given: answer at once with no engine" in text and "1..65535 (default 8100)" in text

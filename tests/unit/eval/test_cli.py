@@ -65,6 +65,40 @@ def test_bad_arguments_exit_2(tmp_path: Path, capsys) -> None:
     assert not (tmp_path / "w.json").exists()
 
 
+@pytest.mark.parametrize(("argv", "expected"), [
+    # each was a raw pydantic dump ("1 validation error for FixedRateArrivals; rate_per_s; ...")
+    (["--arrival", "fixed", "--rate", "-1"], "--rate: expected a number > 0, got '-1'"),
+    (["--arrival", "poisson", "--rate", "nan"], "--rate: expected a finite number, got 'nan'"),
+    (["--arrival", "burst", "--burst-size", "0", "--burst-interval-s", "1"],
+     "--burst-size: expected an integer >= 1, got '0'"),
+    (["--arrival", "burst", "--burst-size", "2", "--burst-interval-s", "-1"],
+     "--burst-interval-s: expected a number >= 0, got '-1'"),
+    (["--max-turns", "0"], "--max-turns: expected an integer >= 1, got '0'"),
+    (["--max-context-tokens", "1"], "--max-context-tokens: Input should be greater than or equal to 2 (got 1)"),
+    # each was accepted, and the flag ignored
+    (["--rate", "3"], "--rate 3: is the rate of --arrival fixed or poisson, and no --arrival is given; add "
+     "--arrival fixed (evenly spaced) or --arrival poisson"),
+    (["--arrival", "burst", "--burst-size", "2", "--burst-interval-s", "1", "--rate", "3"],
+     "--rate 3: is the rate of --arrival fixed or poisson, and --arrival burst has none"),
+    (["--arrival", "poisson", "--rate", "1", "--burst-size", "2"],
+     "--burst-size: needs --arrival burst (got --arrival poisson)"),
+])
+@pytest.mark.parametrize("command", ["synth", "from-traces"])
+def test_arrival_and_cap_errors_are_one_line_naming_the_flag(tmp_path: Path, capsys, command, argv, expected) -> None:
+    from eval.cli import main
+
+    out = tmp_path / "w.json"
+    source = ["--kind", "swebench", "--sessions", "2"] if command == "synth" else [str(FIXTURES / "good")]
+    try:
+        code = main(["workload", command, *source, "-o", str(out), *argv])
+    except SystemExit as e:  # argparse's own errors (the flag types)
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith(f"mars-openhands workload {command}: error: {expected}"), err
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("top", ["-1", "0", "two"])
 def test_stats_top_below_1_is_rejected_with_exit_2(tmp_path: Path, capsys, top: str) -> None:
     out = tmp_path / "w.json"

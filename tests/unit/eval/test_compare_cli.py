@@ -83,7 +83,8 @@ def test_out_that_is_a_file_is_one_error_line(tmp_path, capsys) -> None:
 
 
 @pytest.mark.parametrize(("flag", "value"), [
-    ("--loads", "nan"), ("--loads", "inf"), ("--loads", "0.5,inf"), ("--base-rate", "nan"),
+    ("--loads", "nan"), ("--loads", "inf"), ("--loads", "0.5,inf"), ("--loads", "1,,2"), ("--loads", "1,"),
+    ("--base-rate", "nan"),
     ("--base-rate", "inf"), ("--knee-slowdown", "nan"), ("--time-scale", "inf"),
     ("--tool-time-factor", "nan"), ("--run-timeout", "inf"), ("--run-timeout", "0"), ("--sessions", "-3"),
     ("--seed", "-1"), ("--kv-blocks", "-5"), ("--kv-blocks", "0"),

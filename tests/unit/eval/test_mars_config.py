@@ -68,6 +68,26 @@ def test_an_unknown_key_or_bad_value_is_one_line_naming_it(config, names, tmp_pa
     assert err.count("\n") == 1 and not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("policies", ["fcfs", "fcfs,continuum,thunderagent"])
+def test_it_without_a_mars_policy_is_one_line_and_writes_nothing(policies, tmp_path, capsys) -> None:
+    """It reached no policy and was dropped without a word. (A missing --traces: had the check not
+    come first, the run would end at once on that instead of running a sweep.)"""
+    assert _run(["--mars-config", json.dumps(RR), "--policies", policies, "--out", str(tmp_path / "o"),
+                 "--traces", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mars-openhands compare: error: --mars-config: only the mars policies take it (mars, ")
+    assert "add mars (or a variant) to --policies, or drop --mars-config" in err
+    assert err.count("\n") == 1 and not (tmp_path / "o").exists()
+
+
+def test_a_mars_policy_that_only_ablations_or_the_host_tier_add_takes_it() -> None:
+    from eval.compare import checked_mars_config
+
+    assert checked_mars_config(RR, ("fcfs", "mars-mlfq")) == RR  # as --policies fcfs --ablations runs
+    assert checked_mars_config(RR, ("fcfs", "mars-offload")) == RR
+    assert checked_mars_config(None, ("fcfs",)) == {}
+
+
 def test_a_run_uses_it_and_the_scope_line_names_it(tmp_path, sim) -> None:
     pytest.importorskip("vllm")
     from eval.runs import sim_config

@@ -43,6 +43,9 @@ def _error(capsys, argv: list[str]) -> str:
     (["--mars-config", "{\"residency\": {\"order\": \"lifo\"}}"], "--mars-config: invalid --additional-config mars: "
      "mars.residency.order: Input should be 'fifo' or 'response-ratio'"),
     (["--mars-config", "[]"], "--mars-config: expected a JSON object"),
+    (["--policies", "fcfs,continuum", "--mars-config", "{\"residency\": {\"order\": \"fifo\"}}",
+      "--traces", "no-such-traces"],  # (a missing folder: checked after the flags, so no plan runs)
+     "--mars-config: only the mars policies take it"),  # it reached no policy, silently
 ])
 def test_bad_input_is_one_line_naming_the_flag_and_writes_nothing(capsys, tmp_path, argv, expected) -> None:
     out = tmp_path / "out"

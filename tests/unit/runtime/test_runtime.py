@@ -142,6 +142,65 @@ def test_cli_input_errors_are_one_line_and_exit_2(db_url: str, tmp_path: Path) -
     assert listing.returncode == 0 and "t1" in listing.stdout and "submitted" in listing.stdout
 
 
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_cli_database_and_flag_errors_are_one_line_naming_the_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A database that is down, malformed or not a file was a 130-line traceback (or, for
+    ``sqlite://``, a quiet in-memory database); ``--status bogus`` and ``--events -1`` were taken."""
+    from mars_openhands.runtime.cli import main
+
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    spec = tmp_path / "t.json"
+    spec.write_text(json.dumps({"task_id": "t1", "problem_statement": "p", "workspace": str(workspace),
+                                "agent": {"base_url": "http://127.0.0.1:9/v1", "model": "m"}}))
+    down = f"postgresql://mars:secret@127.0.0.1:{_closed_port()}/tasks"
+    shown = down.replace(":secret@", ":***@")
+    refused = f"--db {shown}: cannot open the tasks database ("
+    (tmp_path / "afile").write_text("")
+    digest = "a" * 64
+    cases = [
+        *[((*args, "--db", down), refused) for args in (
+            ("list",), ("show", "t1"), ("report",), ("approve", "t1", digest), ("deny", "t1", digest),
+            ("resume",), ("resume", "t1"), ("submit", str(spec), "--no-wait"))],
+        (("list", "--db", "postgresql://mars:secret@127.0.0.1:notaport/x"),
+         "--db postgresql://mars:***@127.0.0.1:notaport/x: not a database URL"),
+        (("list", "--db", "mysql://h/x"), "--db: tasks database 'mysql://h/x': unsupported scheme 'mysql'"),
+        (("list", "--db", "sqlite://"), "--db sqlite://: no database file"),
+        (("list", "--db", str(tmp_path)), f"--db {tmp_path}: {tmp_path} is a directory"),
+        (("list", "--db", str(tmp_path / "none" / "t.sqlite")), "no tasks database at"),
+        (("resume", "--db", str(tmp_path / "none" / "t.sqlite")), "no tasks database at"),
+        (("submit", str(spec), "--no-wait", "--db", str(tmp_path / "afile" / "t.sqlite")),
+         "cannot create the tasks database"),
+        (("list", "--status", "bogus"), "--status: invalid choice: 'bogus' (choose from 'submitted', "),
+        (("show", "t1", "--events", "-1"), "--events: expected an integer >= 0"),
+    ]
+    for args, expected in cases:
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse's own errors
+            code = e.code
+        err = capsys.readouterr().err
+        assert code == 2, (args, err)
+        assert expected in err and len(err.strip().splitlines()) == 1, (args, err)
+        assert "secret" not in err and "Traceback" not in err, (args, err)
+    assert not (tmp_path / "none").exists()  # a refused resume made no database
+
+
+def test_list_status_choices_are_every_status_a_task_takes() -> None:
+    from mars_openhands.runtime.config import TASK_STATUSES
+    from mars_openhands.runtime.store import TERMINAL_STATUSES
+
+    assert TERMINAL_STATUSES <= set(TASK_STATUSES)
+    assert {"submitted", "running", "waiting_approval", "escalated"} <= set(TASK_STATUSES)
+
+
 def test_a_task_sends_the_session_token_it_keeps_in_the_database(db_url: str, tmp_path: Path) -> None:
     """Issue 33 items 4/6: the token a gateway binds the task's session to is made once and kept
     with the task, so every run of the task (a resume by another process too) sends it."""
