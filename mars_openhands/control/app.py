@@ -20,7 +20,9 @@ Failure behaviour (never a hang, never a leaked slot):
   request), the session's in-flight count drops and an ``aborted`` event is recorded; the session's
   slot goes back at once unless more of it is in flight (``ControlPlane.client_gone``).
 * a dead agent (no ``tool_end`` within a tool call's bound): the tick closes the call with a
-  recorded ``tool_end`` of status ``"interrupted"``, and the session then idles out.
+  recorded ``tool_end`` of status ``"interrupted"``, and the session then idles out. A
+  ``session_end`` closes its session's calls still open the same way first (a resumed agent's
+  lost ``tool_end``), so every ``tool_start`` recorded gets a ``tool_end``.
 * replica cannot be reached, dies mid-request (the connection breaks and ``/health`` does not
   answer) or is marked down by the poller while requests run: it is marked down, its sessions are
   re-routed (keeping their slots and turn counts), and every request that has not yet sent bytes to
@@ -267,7 +269,7 @@ class Gateway:
 
     def _record_interrupted(self, closed: Any) -> None:
         """Record (and forward to the session's replica, if still bound) the ``tool_end`` of a
-        tool call the tick closed as interrupted."""
+        tool call the tick or its session's ``session_end`` closed as interrupted."""
         assert self.hub is not None, "Gateway.start() must run first"
         event = ToolEnd(**now_stamps(), source=GATEWAY_SOURCE, session_id=closed.session_id,
                         turn=closed.turn, tool_name=closed.tool_name,
@@ -467,6 +469,9 @@ class Gateway:
             self.tokens.bind(session_id, digest)
         for event in events:
             session = self.plane.open_session(event.session_id)
+            if event.kind == "session_end":  # a lost tool_end's call must not stay open forever
+                for closed in self.plane.interrupt_tools_of(session):
+                    self._record_interrupted(closed)
             self.hub.num_cpu_events += 1
             self.hub.record(event)
             self.hub.forward(session.replica, event)  # before session_end unbinds the replica
@@ -649,7 +654,7 @@ class Gateway:
             ("mars_client_gone_releases_total", c, "Slots released because the client hung up",
              [({}, plane.num_client_gone_releases)]),
             ("mars_tool_calls_interrupted_total", c,
-             "Tool calls closed as interrupted (no tool_end within their bound)",
+             "Tool calls closed as interrupted (no tool_end within their bound or by their session's end)",
              [({}, plane.num_tools_interrupted)]),
             ("mars_sessions_admitted_total", c, "Admissions", [({}, admission.num_admitted_total)]),
             ("mars_events_cpu_total", c, "CPU-plane events received",

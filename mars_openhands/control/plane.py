@@ -41,6 +41,10 @@ Dead clients (an agent killed mid-tool, a client that hangs up) must not hold an
   idle-released session's replica is named (``Tick.idle_replicas``: the gateway records a
   ``session_end`` of status ``"idle_timeout"`` and forwards it, so the engine releases the
   session's KV instead of holding it for a next turn that never comes);
+* a ``session_end`` that finds tool calls of its session in flight (their ``tool_end`` was lost:
+  an agent killed between a call's start and that post, resumed, then ended) closes them first
+  (:meth:`ControlPlane.interrupt_tools_of`: the gateway records their ``tool_end``, status
+  ``"interrupted"``, before the ``session_end``);
 * a client that goes away (:meth:`ControlPlane.client_gone`) gives back its session's slot at
   once when nothing else of the session is in flight; the session keeps its turns and queues again
   on its next request.
@@ -317,17 +321,29 @@ class ControlPlane:
         dead). The session's idle clock is not reset: a session silent past the idle timeout
         ends at the same tick. Mutates the counts; the caller records the ``tool_end`` events."""
         now = self.clock()
-        closed = []
-        for session, call_id, call in self.sessions.overdue_tools(now):
-            self.tools.on_end(session, call_id, call.tool_name, now - call.since_s,
-                              is_measured=False)
-            closed.append(InterruptedTool(session.session_id, session.num_turns, call_id,
-                                          call.tool_name, now - call.since_s))
-            logger.info("tool call %s (%s) of session %s: no tool_end %.1f s after its %s; closed "
-                        "as interrupted", call_id, call.tool_name, session.session_id,
-                        now - call.since_s, "start" if call.is_started else "enqueue")
-        self.num_tools_interrupted += len(closed)
-        return closed
+        return [self._interrupt(session, call_id, now, "past its bound")
+                for session, call_id, _ in self.sessions.overdue_tools(now)]
+
+    def interrupt_tools_of(self, session: Session) -> list[InterruptedTool]:
+        """Close the session's tool calls still in flight: call before its ``session_end`` is
+        applied. Their ``tool_end`` never came (an agent killed between a call's start and its
+        ``tool_end``'s post, then resumed and ended), and the gateway's view stays whole: every
+        call it saw start, it saw end. Mutates the counts; the caller records the ``tool_end``
+        events, before the ``session_end``."""
+        now = self.clock()
+        return [self._interrupt(session, call_id, now, "at its session's end")
+                for call_id in list(session.tools_in_flight)]
+
+    def _interrupt(self, session: Session, call_id: str, now: float, why: str) -> InterruptedTool:
+        """Close one in-flight tool call as interrupted (unmeasured). Mutates the counts."""
+        call = session.tools_in_flight[call_id]
+        self.tools.on_end(session, call_id, call.tool_name, now - call.since_s, is_measured=False)
+        self.num_tools_interrupted += 1
+        logger.info("tool call %s (%s) of session %s: no tool_end %.1f s after its %s; closed "
+                    "as interrupted %s", call_id, call.tool_name, session.session_id,
+                    now - call.since_s, "start" if call.is_started else "enqueue", why)
+        return InterruptedTool(session.session_id, session.num_turns, call_id, call.tool_name,
+                               now - call.since_s)
 
     def on_cpu_event(self, session: Session, event: Event) -> list[str]:
         """Apply a CPU-plane event posted by an agent (``session_start``, ``tool_*``, ``session_end``).

@@ -37,12 +37,14 @@ from pydantic import PrivateAttr
 
 from mars_openhands.openhands.credentials import SESSION_CREDENTIALS
 from mars_openhands.openhands.executor import (
+    EventedExecutor,
     EventSender,
     MarsFileEditorTool,
     MarsTaskTrackerTool,
     MarsTerminalTool,
     WrappingExecutor,
     _denied_observation,
+    _text_observation,
 )
 from mars_openhands.openhands.llm import Backend, LLMSettings, build_session_llm
 from mars_openhands.openhands.quiet import quiet_sdk_logs
@@ -115,7 +117,17 @@ class DurableLLM(LLM):
 
 class DurableExecutor(WrappingExecutor):
     """Wraps a (evented) tool executor: each call is a runtime tool step of task ``task_id``.
-    Other attributes read through to ``inner`` (:class:`WrappingExecutor`)."""
+    Other attributes read through to ``inner`` (:class:`WrappingExecutor`).
+
+    Tool events across a kill (what the gateway sees): every attempt made in this process is
+    reported by the evented ``inner`` (``tool_enqueued`` / ``tool_start`` / ``tool_end`` with the
+    call's id), a retried edit found already applied included, though it is not run again: a
+    first attempt killed after its edit and before its ``tool_end`` was posted is closed by the
+    retry's. An outcome recorded before a kill is replayed with no events: its ``tool_end`` was
+    posted before it was recorded (the evented executor waits for the post, at most its
+    ``end_wait_s``), and one still unposted then is closed by the gateway at ``session_end``
+    (status ``interrupted``).
+    """
 
     def __init__(self, inner: ToolExecutor, tool_name: str, observation_type: Any, task_id: str) -> None:
         self.inner = inner
@@ -132,8 +144,10 @@ class DurableExecutor(WrappingExecutor):
         def execute(ctx: ExecContext) -> dict[str, Any]:
             t0 = time.monotonic()
             if ctx.is_retry and self._edit_already_applied(arguments, run.workspace):
-                observation = self.observation_type.from_text(
+                applied = _text_observation(
+                    self.observation_type, action, is_error=False,
                     text=f"[runtime] the edit of {arguments.get('path')} was already applied before a restart")
+                observation = self._reported(action, conversation, applied)
             else:
                 observation = self.inner(action, conversation)
             is_error = bool(getattr(observation, "is_error", False))
@@ -145,6 +159,13 @@ class DurableExecutor(WrappingExecutor):
         if "observation" in result:
             return self.observation_type.model_validate(result["observation"])
         return _denied_observation(self.observation_type, action, result.get("text", result["status"]))
+
+    def _reported(self, action: Any, conversation: Any, observation: Any) -> Any:
+        """``observation`` as the answer of this attempt, reported by the evented ``inner`` (its
+        tool events); as it is when ``inner`` emits none."""
+        if isinstance(self.inner, EventedExecutor):
+            return self.inner.call_with(action, conversation, lambda *_: observation)
+        return observation
 
     def _edit_already_applied(self, arguments: dict[str, Any], workspace: Path) -> bool:
         """A repeated ``str_replace`` whose edit is in the file already (idempotent by content): the

@@ -343,14 +343,21 @@ def _enqueued_stamps(action: Any) -> dict[str, Any]:
 
 
 def _denied_observation(observation_type: Any, action: Any, reason: str) -> Any:
-    """An error observation of the tool's own type carrying ``reason`` (fields it requires and the
-    action has, such as ``command``, are copied from the action)."""
-    text = f"[MARS policy] {reason}. The command was NOT executed."
+    """An error observation of the tool's own type carrying ``reason`` (see
+    :func:`_text_observation`)."""
+    return _text_observation(observation_type, action,
+                             f"[MARS policy] {reason}. The command was NOT executed.", is_error=True)
+
+
+def _text_observation(observation_type: Any, action: Any, text: str, is_error: bool) -> Any:
+    """An observation of the tool's own type carrying ``text``; the fields it requires and the
+    action has (the file editor's ``command``, the terminal's) are copied from the action, as
+    ``from_text`` alone fails on them (pydantic ``ValidationError``)."""
     extra = {}
     for name, field in getattr(observation_type, "model_fields", {}).items():
         if field.is_required() and name not in ("content",) and hasattr(action, name):
             extra[name] = getattr(action, name)
-    return observation_type.from_text(text=text, is_error=True, **extra)
+    return observation_type.from_text(text=text, is_error=is_error, **extra)
 
 
 def _wrapper_class(wrapper_cls: type, inner_cls: type) -> type:
@@ -465,6 +472,15 @@ class EventedExecutor(WrappingExecutor):
         self.timings: list[tuple[str, str, int, int, str]] = []
 
     def __call__(self, action: Any, conversation: Any = None) -> Any:
+        return self.call_with(action, conversation, self.inner)
+
+    def call_with(self, action: Any, conversation: Any, answer: Callable[[Any, Any], Any]) -> Any:
+        """As ``__call__``, with ``answer(action, conversation)`` in place of the inner executor:
+        the call is reported (``tool_enqueued`` / ``tool_start`` / ``tool_end``, its timings) as
+        if the tool ran. The durable runtime answers a retried call this way when it finds the
+        first attempt's effect already done (``durable.py``): a killed first attempt may have
+        posted its ``tool_start`` and not its ``tool_end``, and this attempt's events close it.
+        """
         tool_call_id, turn = _find_action_event(action, conversation)
         tool_call_id = tool_call_id or f"mars-{uuid.uuid4().hex[:12]}"
         common = {"session_id": self.session_id, "turn": turn, "source": self.source,
@@ -485,7 +501,7 @@ class EventedExecutor(WrappingExecutor):
                                    timeout_s=_bound_s(action)))
         status = "error"
         try:
-            observation = self.inner(action, conversation)
+            observation = answer(action, conversation)
             status = "error" if getattr(observation, "is_error", False) else "ok"
             if getattr(observation, "timeout", False) is True:
                 status = "timeout"

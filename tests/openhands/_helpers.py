@@ -201,12 +201,150 @@ class SessionTokenContract:
         return 0, session_id, ends
 
 
+class ToolEndDropper:
+    """ASGI middleware: takes every ``tool_end`` whose ``tool_call_id`` starts with
+    :attr:`call_id_prefix` and that was stamped before :attr:`until_mono_ns` out of
+    ``POST /mars/v1/events`` bodies and passes the rest on (an empty post is answered
+    ``{"accepted": 0}``): a ``tool_end`` lost on its way, as when its runner is killed before the
+    post. The sender is answered 200, so it neither retries nor counts the event lost. By stamp,
+    not by arrival: a killed runner's post that arrives late is dropped all the same.
+
+    Attributes:
+        until_mono_ns: ``time.monotonic_ns()`` (one clock for the machine's processes) from
+            which on nothing is dropped; ``None``: drop them all.
+        dropped: the ``tool_call_id`` of every ``tool_end`` taken out, in order.
+    """
+
+    def __init__(self, call_id_prefix: str) -> None:
+        self.call_id_prefix = call_id_prefix
+        self.until_mono_ns: int | None = None
+        self.dropped: list[str] = []
+        self.app: Any = None
+
+    def wrap(self, app: Any) -> ToolEndDropper:
+        """Put this in front of ``app``. Mutates self; returns it."""
+        self.app = app
+        return self
+
+    def _drops(self, event: Any) -> bool:
+        return (isinstance(event, dict) and event.get("kind") == "tool_end"
+                and str(event.get("tool_call_id", "")).startswith(self.call_id_prefix)
+                and (self.until_mono_ns is None or event.get("t_mono_ns", 0) < self.until_mono_ns))
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope.get("path") != "/mars/v1/events":
+            await self.app(scope, receive, send)
+            return
+        chunks = []
+        while True:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        events = json.loads(b"".join(chunks))
+        kept = [e for e in events if not self._drops(e)]
+        self.dropped += [e["tool_call_id"] for e in events if self._drops(e)]
+        if not kept:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": b'{"accepted": 0}'})
+            return
+        body = json.dumps(kept).encode()
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
+        scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
+
+        sent = False
+
+        async def replay() -> Any:
+            nonlocal sent
+            if sent:
+                return await receive()
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+class TurnHold:
+    """ASGI middleware: holds the agent turns (``POST /v1/*`` with ``tools``) of ``session_id``
+    after its first ``num_free`` until ``is_released()`` (polled every 50 ms), at most
+    ``timeout_s``. A turn released while held is answered 503 and goes no further (it was held
+    across its runner's kill: nobody waits for it); one held past ``timeout_s`` is passed on, so
+    the test fails on its own assertions, never hangs. Turns arriving once released pass.
+
+    Attributes:
+        num_held: turns held so far.
+    """
+
+    def __init__(self, session_id: str, num_free: int, is_released: Any,
+                 timeout_s: float = 120.0) -> None:
+        self.session_id = session_id
+        self.num_free = num_free
+        self.is_released = is_released
+        self.timeout_s = timeout_s
+        self.num_held = 0
+        self._num_seen = 0
+        self.app: Any = None
+
+    def wrap(self, app: Any) -> TurnHold:
+        """Put this in front of ``app``. Mutates self; returns it."""
+        self.app = app
+        return self
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if (scope["type"] != "http" or not scope.get("path", "").startswith("/v1/")
+                or self.is_released()):
+            await self.app(scope, receive, send)
+            return
+        from mars_openhands.control.metadata import extract_session_id
+
+        chunks = []
+        while True:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        body = b"".join(chunks)
+        data = json.loads(body or b"{}")
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if extract_session_id(headers, data)[0] == self.session_id and data.get("tools"):
+            self._num_seen += 1
+            if self._num_seen > self.num_free and await self._held():
+                await send({"type": "http.response.start", "status": 503,
+                            "headers": [(b"content-type", b"application/json")]})
+                await send({"type": "http.response.body", "body": b'{"error": "held"}'})
+                return
+        sent = False
+
+        async def replay() -> Any:
+            nonlocal sent
+            if sent:
+                return await receive()
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _held(self) -> bool:
+        """Wait until released (True) or ``timeout_s`` passed (False)."""
+        import asyncio
+
+        self.num_held += 1
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            if self.is_released():
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+
 @contextmanager
 def playback_behind_gateway(scripts: Any, api_key: str | None = None,
-                            **gateway: Any) -> Iterator[tuple[Any, Any]]:
+                            middleware: Any = None, **gateway: Any) -> Iterator[tuple[Any, Any]]:
     """The playback engine (a thread) behind a real MARS gateway (a thread) recording its stream
     into a ``ListSink``, with the credential contract (:class:`SessionTokenContract`, as
-    ``gateway_server.contract``; ``api_key`` required when given) in front of the gateway;
+    ``gateway_server.contract``; ``api_key`` required when given) in front of the gateway, and
+    ``middleware(app)`` in front of that when given (e.g. :meth:`ToolEndDropper.wrap`);
     yields ``(gateway_server, sink)``."""
     from mars_openhands.control.config import GatewayConfig, ReplicaConfig
     from mars_openhands.control.server import GatewayServer
@@ -219,7 +357,9 @@ def playback_behind_gateway(scripts: Any, api_key: str | None = None,
                                poll_interval_s=0.2, **gateway)
         server = GatewayServer(config, sink)
         server.contract = SessionTokenContract(server.gateway.app, api_key)
-        server._server.config.app = server.contract  # uvicorn loads it at start
+        # uvicorn loads it at start
+        server._server.config.app = (server.contract if middleware is None
+                                     else middleware(server.contract))
         with server:
             yield server, sink
 

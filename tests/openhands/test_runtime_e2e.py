@@ -2,7 +2,8 @@
 
 Two OpenHands conversations (playback engine, real tools in temporary workspaces) run as durable
 tasks in one runner process (``mars-openhands tasks submit``). The runner SIGKILLs itself after a
-tool call ran and before its outcome was recorded; ``tasks resume`` continues both from their logs:
+tool call of one ran and before its outcome was recorded, the other anywhere before its last turn
+(held until the kill); ``tasks resume`` continues both from their logs:
 recorded LLM responses are not asked again, recorded tool calls not run again, and the
 conversations go on. Then ``tasks report`` shows the task metrics (table, Parquet, plot).
 
@@ -33,7 +34,11 @@ from mars_openhands.openhands.playback import (  # noqa: E402
 )
 from mars_openhands.runtime.agent import session_id_of  # noqa: E402
 from mars_openhands.runtime.store import Store  # noqa: E402
-from tests.openhands._helpers import playback_behind_gateway, session_events  # noqa: E402
+from tests.openhands._helpers import (  # noqa: E402
+    TurnHold,
+    playback_behind_gateway,
+    session_events,
+)
 
 pytestmark = [pytest.mark.openhands, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,7 +72,10 @@ def test_openhands_tasks_resume_after_a_kill_and_report(tmp_path: Path) -> None:
     # Step 3 of oh-hello (the file create) runs, then the runner dies before recording it.
     env = {"MARS_RUNTIME_CRASH_AT": "executed:tool:3:idempotent_write", "MARS_RUNTIME_CRASH_LOG": str(tmp_path / "crashed.txt"),
            "MARS_TASK_OUT_DIR": str(tmp_path / "out"), "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
-    with playback_behind_gateway(scripts) as (gateway, sink):
+    # Both tasks are mid-task at the kill: oh-notes' last turn (its finish) waits for it. On a
+    # loaded machine oh-notes ran ahead and finished before oh-hello's step 3 (one run, not two).
+    hold = TurnHold(session_id_of("oh-notes"), 3, (tmp_path / "crashed.txt").exists)
+    with playback_behind_gateway(scripts, middleware=hold.wrap) as (gateway, sink):
         url = gateway.config.replicas[0].url  # the playback engine itself, for its records
         agent = {"kind": "openhands", "base_url": gateway.base_url, "model": "playback",
                  "max_iterations": 10}

@@ -357,6 +357,29 @@ def test_a_dead_agent_mid_tool_frees_its_slot_after_the_tool_bound(clean_fakes, 
     assert ends[0].duration_s >= 0.6
 
 
+def test_a_session_end_closes_its_open_tool_calls_in_the_stream(clean_fakes, gateway_factory) -> None:
+    """An agent killed after a call's tool_start was posted and before its tool_end was, then
+    resumed and ended: the stream still has a tool_end for every tool_start (interrupted, from
+    the gateway, before the session_end), and the tool count drops to 0."""
+    server, sink = gateway_factory([clean_fakes[0].url])
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        assert client.post("/v1/chat/completions", json=chat("cut")).status_code == 200
+        r = post_events(client, [
+            event("tool_start", "cut", tool_name="file_editor", tool_call_id="lost"),
+            event("tool_start", "cut", tool_name="terminal", tool_call_id="done"),
+            event("tool_end", "cut", tool_name="terminal", tool_call_id="done", duration_s=0.1)])
+        assert r.json() == {"accepted": 3}
+        assert post_events(client, event("session_end", "cut")).json() == {"accepted": 1}
+        metrics = client.get("/metrics").text
+    assert "mars_tool_calls_in_flight 0" in metrics
+    assert "mars_tool_calls_interrupted_total 1" in metrics
+    events = [e for e in sink.events if e.session_id == "cut"
+              and e.kind in ("tool_start", "tool_end", "session_end")]
+    ends = [(e.kind, e.tool_call_id, e.status, e.source) for e in events if e.kind == "tool_end"]
+    assert ends == [("tool_end", "done", "ok", "agent"), ("tool_end", "lost", "interrupted", "gateway")]
+    assert events[-1].kind == "session_end"
+
+
 def test_a_client_gone_before_the_first_byte_frees_its_slot_and_is_in_the_stream(
         clean_fakes, gateway_factory) -> None:
     """Issue 16 kind 1: a client that hangs up before any byte of the answer gives its session's

@@ -176,6 +176,26 @@ def test_a_tool_call_past_its_bound_is_interrupted_and_its_session_idles_out() -
     assert cp.num_tools_interrupted == 1
 
 
+def test_a_session_end_first_closes_its_tool_calls_still_in_flight() -> None:
+    """A resumed agent whose first run was killed between a call's start and its tool_end's post
+    ends its session with that call open: the gateway closes it (interrupted, unmeasured), and
+    only that session's calls."""
+    now = [0.0]
+    cp = plane(now)
+    resumed, other = cp.open_session("resumed"), cp.open_session("other")
+    cp.tool_started(resumed, "c1", "file_editor", queue_wait_s=0.0)
+    cp.tool_enqueued(resumed, "c2", "terminal")
+    cp.tool_started(other, "c1", "terminal", queue_wait_s=0.0)  # the same call id, another session
+    now[0] = 4.0
+    closed = cp.interrupt_tools_of(resumed)
+    assert [(t.session_id, t.tool_call_id, t.tool_name, t.waited_s) for t in closed] == [
+        ("resumed", "c1", "file_editor", 4.0), ("resumed", "c2", "terminal", 4.0)]
+    assert resumed.tools_in_flight == {} and resumed.prev_tool is None
+    assert list(other.tools_in_flight) == ["c1"]
+    assert (cp.tools.num_in_flight, cp.tools.num_queued, cp.num_tools_interrupted) == (1, 0, 2)
+    assert cp.interrupt_tools_of(resumed) == []
+
+
 def test_tool_bounds_come_from_the_call_then_the_task_then_the_gateway() -> None:
     now = [0.0]
     cp = plane(now, tool_call_timeout_s=100.0)
