@@ -106,7 +106,11 @@ def _read_gateway_file(path: Path) -> dict[str, Any]:
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
-    """The :class:`ServeConfig` of the parsed flags.
+    """The :class:`ServeConfig` of the parsed flags, checked as far as it can be before Ray starts:
+    the model's fields, a dotted ``--scheduler`` imported (a vLLM scheduler class), each engine's
+    vLLM options (``--block-size`` for its device, ``--vllm-arg``) and the ``"mars"`` section of
+    ``--additional-config`` (:func:`~mars_openhands.serve.engine.check_engine_options`), and the
+    gateway's keys.
 
     Raises:
         ValueError: a bad flag value or file (one line per problem, naming the flag).
@@ -137,11 +141,17 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
 
 
 def _lines(error: ValidationError, prefix: str) -> str:
-    """One line per problem: the flag (``prefix`` + a gateway key's dotted path), what, the value."""
-    return "\n".join(
-        f"--{prefix}{_flag_of(err['loc'], bool(prefix))}: "
-        f"{err['msg'].removeprefix('Value error, ')} (got {err.get('input')!r})"
-        for err in error.errors())
+    """One line per problem: the flag (``prefix`` + a gateway key's dotted path), what, the value.
+    A check across fields (no location: its message names the flags, one line each) as it is."""
+    lines = []
+    for err in error.errors():
+        message = err["msg"].removeprefix("Value error, ")
+        if not err["loc"] and not prefix:
+            lines.append(message)
+        else:
+            lines.append(f"--{prefix}{_flag_of(err['loc'], bool(prefix))}: {message} "
+                         f"(got {err.get('input')!r})")
+    return "\n".join(lines)
 
 
 def _flag_of(loc: tuple[Any, ...], is_gateway_key: bool) -> str:

