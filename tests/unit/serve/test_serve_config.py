@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 from pathlib import Path
 
 import pytest
@@ -169,3 +170,20 @@ def test_a_dotted_scheduler_must_import_as_a_vllm_scheduler_class(
     stock = "vllm.v1.core.sched.async_scheduler.AsyncScheduler"
     assert ServeConfig(scheduler=stock).scheduler_cls == stock
 
+
+def test_the_gateways_stream_path_and_port_are_checked_on_this_node(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    stream = tmp_path / "stream.jsonl"
+    stream.write_text("")
+    assert _errors(capsys, "--stream-path", str(stream)) == [
+        f"mars-openhands serve: error: --stream-path {stream} already exists (one run records one "
+        "stream); pass a new path or move the old stream away"]
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert "is in use" in _errors(capsys, "--port", str(port))[0]
+        # A Ray Client driver (ray://) is not on the ingress's node: nothing here to check.
+        config = config_from_args(_parse("--port", str(port), "--stream-path", str(stream),
+                                         "--ray-address", "ray://head:10001"))
+        assert config.gateway["port"] == port
