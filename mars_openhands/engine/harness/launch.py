@@ -44,7 +44,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from mars_openhands.engine.harness.offload.params import HostKvParams
-from mars_openhands.engine.harness.reaper import start_reaper
+from mars_openhands.engine.harness.reaper import start_detached_reaper, stop_detached_reaper
 from mars_openhands.process_tree import kill_tree, process_start_ticks
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -184,9 +184,11 @@ class VllmServerOptions(BaseModel):
     reap_with_owner: bool = True
     """Also kill the process group when the process that started it dies without ``stop()``
     (SIGKILL, or SIGTERM outside :func:`mars_openhands.cli_signals.sigterm_exits`: no atexit),
-    through a watchdog process (:mod:`.reaper`); Ray kills a replaced replica's actor with
-    SIGKILL, ``timeout`` a command with SIGTERM. ``False`` only for a server that must outlive its
-    launcher (no caller in this repository does: at a normal exit atexit stops it anyway)."""
+    through a watchdog process that is no child of it (:mod:`.reaper`); Ray ends a replica's
+    actor without its graceful shutdown (``ray.kill``: the worker SIGKILLs its children as it
+    exits; or SIGKILL), ``timeout`` a command with SIGTERM. ``False`` only for a server that must
+    outlive its launcher (no caller in this repository does: at a normal exit atexit stops it
+    anyway)."""
     log_path: Path | None = None
     """Server log file; ``None`` creates a temporary file."""
 
@@ -431,8 +433,9 @@ class VllmServer:
             raise TypeError("pass either options=VllmServerOptions(...) or keywords, not both")
         self.options = options if options is not None else VllmServerOptions(**kwargs)
         self._proc: subprocess.Popen[bytes] | None = None
-        self._reaper: subprocess.Popen[bytes] | None = None
-        """The watchdog that kills the group if this process dies first (``reap_with_owner``)."""
+        self._reaper: tuple[int, int | None] | None = None
+        """pid and start ticks of the watchdog that kills the group if this process dies first
+        (``reap_with_owner``); no child of this process (:func:`.reaper.start_detached_reaper`)."""
         self._port: int | None = None
         self._log_path: Path | None = None
         self.startup_s: float | None = None
@@ -484,6 +487,7 @@ class VllmServer:
             VllmServerError: if already started, if the process exits before it is ready
                 (e.g. a bad flag), or after ``startup_timeout_s``; the message holds
                 the command and the log tail. The process group is gone by then.
+            RuntimeError: the watchdog (``reap_with_owner``) did not start.
         """
         if self._proc is not None:
             raise VllmServerError(f"server already started (pid {self._proc.pid}); stop() it first")
@@ -506,7 +510,7 @@ class VllmServer:
         try:  # a SIGTERM (cli_signals.Terminated) from here on still stops the group
             atexit.register(self.stop)
             if self.options.reap_with_owner:
-                self._reaper = start_reaper(self._proc.pid, self.options.stop_timeout_s)
+                self._reaper = start_detached_reaper(self._proc.pid, self.options.stop_timeout_s)
             self._wait_ready()
         except BaseException:
             self.stop()
@@ -532,9 +536,7 @@ class VllmServer:
             self._proc = None
             reaper, self._reaper = self._reaper, None
             if reaper is not None:  # the group is gone: its watchdog has nothing left to do
-                reaper.terminate()
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    reaper.wait(timeout=5.0)
+                stop_detached_reaper(*reaper)
 
     def log_tail(self, num_lines: int = 60) -> str:
         """Return the last ``num_lines`` lines of the server log ("" before start)."""
