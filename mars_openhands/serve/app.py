@@ -25,6 +25,7 @@ import secrets
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from mars_openhands.serve.config import ServeConfig
@@ -75,8 +76,14 @@ def build_app(config: ServeConfig, ingress_node_ip: str | None = None,
     return ingress.bind(config, key, *engines)
 
 
-def start(config: ServeConfig) -> tuple[Any, str]:
+def start(config: ServeConfig, on_ray_started: Callable[[], None] | None = None) -> tuple[Any, str]:
     """Join (``config.ray_address``) or start Ray, run the application, wait until it serves.
+
+    Args:
+        config: the application's settings.
+        on_ray_started: called once Ray is up, before the (minutes-long) engine start: Ray's
+            driver puts its own SIGTERM handler in place, which aborts the process (no clean-up),
+            so the caller re-installs its own here.
 
     Returns:
         ``(ingress handle, gateway URL)``.
@@ -89,16 +96,28 @@ def start(config: ServeConfig) -> tuple[Any, str]:
 
     from mars_openhands.serve.ingress import wait_for_url
 
-    if config.ray_address is None:
+    if config.ray_address is None:  # "local": a new Ray even where RAY_ADDRESS or `ray start`
+        # names a cluster (stop() shuts Serve and Ray down: never someone else's)
         num_cpus = int(config.num_replicas * config.cpus_per_replica) + 2  # + a replacement
-        ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=config.ray_temp_dir,
-                 log_to_driver=False, configure_logging=False)
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+                 _temp_dir=config.ray_temp_dir, log_to_driver=False, configure_logging=False)
     else:
         ray.init(address=config.ray_address, log_to_driver=False, configure_logging=False)
+    if on_ray_started is not None:
+        on_ray_started()
     serve.start(proxy_location="Disabled")
     app = build_app(config, ingress_node_ip=ray.util.get_node_ip_address())
     handle = serve.run(app, name=APP_NAME, route_prefix=None)
     return handle, wait_for_url(handle, config.engine_startup_timeout_s)
+
+
+class _StartInterrupted(BaseException):
+    """SIGINT/SIGTERM while :func:`start` runs (a ``BaseException``: no ``except Exception`` in
+    Ray's start-up code swallows it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
 def stop(config: ServeConfig) -> None:
@@ -121,26 +140,41 @@ def serve_forever(config: ServeConfig) -> int:
 
     Prints ``MARS serve: ... listening on <url>`` to stderr once the gateway serves.
 
+    A signal while the application starts (engines load for minutes) stops it as well: the start
+    is abandoned and everything it started is shut down.
+
     Returns:
-        0 after a clean stop; 1 when the application could not start (the reason on stderr).
+        0 after a clean stop; 1 when the application could not start (the reason on stderr);
+        128 + the signal's number when a signal came before it served.
     """
     stopped = threading.Event()
+    is_serving = False
 
-    def on_signal(*_: object) -> None:
+    def on_signal(signum: int, _frame: object) -> None:
         stopped.set()
+        if not is_serving:  # leave the start (Ray's waits are Python loops: this interrupts them)
+            raise _StartInterrupted(signum)
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
+    def install() -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, on_signal)
+
+    install()
     try:
-        _, url = start(config)
+        _, url = start(config, on_ray_started=install)
+    except _StartInterrupted as e:
+        print(f"mars-openhands serve: {signal.Signals(e.signum).name} while starting: stopping "
+              "what started", file=sys.stderr, flush=True)
+        stop(config)
+        return 128 + e.signum
     except Exception as e:
         print(f"mars-openhands serve: error: the application did not start: {e}", file=sys.stderr)
         stop(config)
         return 1
+    is_serving = True
     print(f"MARS serve: {config.num_replicas} replica(s) of {config.scheduler} on Ray Serve; "
           f"gateway listening on {url} (OpenAI base {url}/v1)", file=sys.stderr, flush=True)
-    for sig in (signal.SIGINT, signal.SIGTERM):  # ray.init may have put its own in place
-        signal.signal(sig, on_signal)
+    install()  # the application's start may have put other handlers in place
     while not stopped.wait(0.5):
         pass
     print("mars-openhands serve: stopping (Serve application, engines, Ray)", file=sys.stderr,
