@@ -4,16 +4,49 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 from tests.proc_tree import reap_with_this_process
 from tests.unit.control.gateway_helpers import wait_until as wait_for  # noqa: F401 (re-exported)
+
+ROOT = Path(__file__).resolve().parents[2]
+"""The repository root."""
+
+
+async def read_asgi_body(receive: Any) -> bytes:
+    """A whole ASGI request body (every ``http.request`` message's bytes, in order)."""
+    chunks = []
+    while True:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+def turn_calling(name: str, **arguments: object) -> Any:
+    """A recorded playback turn with one call of tool ``name`` (``RecordedTurn``)."""
+    from mars_openhands.openhands.playback import RecordedToolCall, RecordedTurn
+
+    return RecordedTurn(content=f"calling {name}",
+                        tool_calls=(RecordedToolCall(name=name, arguments=arguments),))
+
+
+def run_tasks(*args: str, db: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``mars-openhands tasks <args> --db <db>`` in a subprocess (this interpreter, ``env`` added
+    to the environment), its output captured; at most 300 s."""
+    return subprocess.run([sys.executable, "-m", "eval.cli", "tasks", *args, "--db", db],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **env})
 
 
 def free_port() -> int:
@@ -136,13 +169,7 @@ class SessionTokenContract:
         if scope["type"] != "http" or scope.get("method") != "POST" or kind is None:
             await self.app(scope, receive, send)
             return
-        chunks = []
-        while True:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body"):
-                break
-        body = b"".join(chunks)
+        body = await read_asgi_body(receive)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         status, session_id, ends = self._check(kind, headers, body)
         self.calls.append({"kind": kind, "session_id": session_id, "status": status,
@@ -298,13 +325,7 @@ class TurnHold:
             return
         from mars_openhands.control.metadata import extract_session_id
 
-        chunks = []
-        while True:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body"):
-                break
-        body = b"".join(chunks)
+        body = await read_asgi_body(receive)
         data = json.loads(body or b"{}")
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         if extract_session_id(headers, data)[0] == self.session_id and data.get("tools"):

@@ -16,9 +16,6 @@ task database; the gateway binds the session to it, item 6).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -28,8 +25,6 @@ pytest.importorskip("openhands.sdk", reason="needs the OpenHands env (.venv-open
 pytest.importorskip("dbos", reason="needs DBOS Transact (the 'runtime' extra)")
 
 from mars_openhands.openhands.playback import (  # noqa: E402
-    RecordedToolCall,
-    RecordedTurn,
     Script,
 )
 from mars_openhands.runtime.agent import session_id_of  # noqa: E402
@@ -37,20 +32,12 @@ from mars_openhands.runtime.store import Store  # noqa: E402
 from tests.openhands._helpers import (  # noqa: E402
     TurnHold,
     playback_behind_gateway,
+    run_tasks,
     session_events,
+    turn_calling,
 )
 
 pytestmark = [pytest.mark.openhands, pytest.mark.timeout(600)]
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _turn(name: str, **arguments: object) -> RecordedTurn:
-    return RecordedTurn(content=f"calling {name}", tool_calls=(RecordedToolCall(name=name, arguments=arguments),))
-
-
-def _tasks(*args: str, db: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "eval.cli", "tasks", *args, "--db", db],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, **env})
 
 
 def test_openhands_tasks_resume_after_a_kill_and_report(tmp_path: Path) -> None:
@@ -59,14 +46,14 @@ def test_openhands_tasks_resume_after_a_kill_and_report(tmp_path: Path) -> None:
     ws_b.mkdir()
     scripts = [
         Script(name="hello", session_id=session_id_of("oh-hello"), turns=(
-            _turn("terminal", command="ls"),
-            _turn("file_editor", command="create", path=str(ws_a / "hello.py"), file_text="print('hello')\n"),
-            _turn("terminal", command="python3 hello.py > out.txt"))),
+            turn_calling("terminal", command="ls"),
+            turn_calling("file_editor", command="create", path=str(ws_a / "hello.py"), file_text="print('hello')\n"),
+            turn_calling("terminal", command="python3 hello.py > out.txt"))),
         Script(name="notes", session_id=session_id_of("oh-notes"), turns=(
-            _turn("file_editor", command="create", path=str(ws_b / "notes.md"), file_text="# notes\n"),
-            _turn("terminal", command="cat notes.md"),
-            _turn("file_editor", command="str_replace", path=str(ws_b / "notes.md"),
-                  old_str="# notes", new_str="# notes\nresumed"))),
+            turn_calling("file_editor", command="create", path=str(ws_b / "notes.md"), file_text="# notes\n"),
+            turn_calling("terminal", command="cat notes.md"),
+            turn_calling("file_editor", command="str_replace", path=str(ws_b / "notes.md"),
+                         old_str="# notes", new_str="# notes\nresumed"))),
     ]
     db = f"sqlite:///{tmp_path / 'tasks.sqlite'}"
     # Step 3 of oh-hello (the file create) runs, then the runner dies before recording it.
@@ -85,13 +72,13 @@ def test_openhands_tasks_resume_after_a_kill_and_report(tmp_path: Path) -> None:
                   "agent": agent, "acceptance": {"command": "grep -q resumed notes.md"}}]
         task_file = tmp_path / "tasks.jsonl"
         task_file.write_text("\n".join(json.dumps(t) for t in tasks) + "\n")
-        first = _tasks("submit", str(task_file), db=db, env=env)
+        first = run_tasks("submit", str(task_file), db=db, env=env)
         assert first.returncode == -9, first.stdout + first.stderr  # killed mid-task
         assert (tmp_path / "crashed.txt").read_text().split() == ["executed:tool:3:idempotent_write"]
         store = Store(db)
         recorded = {(session_id_of(e["task_id"]), e["step"] // 2) for e in store.events() if e["kind"] == "llm_call"}
         store.close()
-        resumed = _tasks("resume", db=db, env=env)
+        resumed = run_tasks("resume", db=db, env=env)
         assert resumed.returncode == 0, resumed.stdout + resumed.stderr
         requests = httpx.get(f"{url}/playback/requests").json()["requests"]
         contract = gateway.contract
@@ -131,7 +118,7 @@ def test_openhands_tasks_resume_after_a_kill_and_report(tmp_path: Path) -> None:
     assert len(sum(attempts.values(), [])) == 6, attempts
     assert sorted(attempts["oh-hello"]) == [1] * (len(attempts["oh-hello"]) - 1) + [2], attempts
     assert set(attempts["oh-notes"]) <= {1, 2} and attempts["oh-notes"].count(2) <= 1, attempts
-    report = _tasks("report", "--out", str(tmp_path / "report"), db=db, env={})
+    report = run_tasks("report", "--out", str(tmp_path / "report"), db=db, env={})
     assert report.returncode == 0, report.stderr
     print(report.stdout)
     assert "recovery success rate" in report.stdout and "100%" in report.stdout

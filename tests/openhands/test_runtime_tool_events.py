@@ -18,9 +18,6 @@ the first case's: ``call_2_0`` of ``oh-notes`` in ``test_runtime_e2e.py``).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -30,8 +27,6 @@ pytest.importorskip("openhands.sdk", reason="needs the OpenHands env (.venv-open
 pytest.importorskip("dbos", reason="needs DBOS Transact (the 'runtime' extra)")
 
 from mars_openhands.openhands.playback import (  # noqa: E402
-    RecordedToolCall,
-    RecordedTurn,
     Script,
 )
 from mars_openhands.runtime.agent import session_id_of  # noqa: E402
@@ -39,20 +34,12 @@ from mars_openhands.runtime.store import Store  # noqa: E402
 from tests.openhands._helpers import (  # noqa: E402
     ToolEndDropper,
     playback_behind_gateway,
+    run_tasks,
     session_events,
+    turn_calling,
 )
 
 pytestmark = [pytest.mark.openhands, pytest.mark.timeout(600)]
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _turn(name: str, **arguments: object) -> RecordedTurn:
-    return RecordedTurn(content=f"calling {name}", tool_calls=(RecordedToolCall(name=name, arguments=arguments),))
-
-
-def _tasks(*args: str, db: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "eval.cli", "tasks", *args, "--db", db],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, **env})
 
 
 @pytest.mark.parametrize(("kill_at", "status", "source"), [
@@ -63,9 +50,9 @@ def test_a_tool_end_lost_at_a_kill_is_closed_in_the_stream(tmp_path: Path, kill_
     ws.mkdir()
     sid = session_id_of("oh-edit")
     script = Script(name="edit", session_id=sid, turns=(
-        _turn("file_editor", command="create", path=str(ws / "notes.md"), file_text="# notes\n"),
-        _turn("terminal", command="cat notes.md"),
-        _turn("file_editor", command="str_replace", path=str(ws / "notes.md"),
+        turn_calling("file_editor", command="create", path=str(ws / "notes.md"), file_text="# notes\n"),
+        turn_calling("terminal", command="cat notes.md"),
+        turn_calling("file_editor", command="str_replace", path=str(ws / "notes.md"),
               old_str="# notes", new_str="# notes\nresumed")))
     db = f"sqlite:///{tmp_path / 'tasks.sqlite'}"
     env = {"MARS_RUNTIME_CRASH_AT": kill_at, "MARS_RUNTIME_CRASH_LOG": str(tmp_path / "crashed.txt"),
@@ -77,13 +64,13 @@ def test_a_tool_end_lost_at_a_kill_is_closed_in_the_stream(tmp_path: Path, kill_
         task = {"task_id": "oh-edit", "problem_statement": "write notes", "workspace": str(ws),
                 "agent": agent, "acceptance": {"command": "grep -q resumed notes.md"}}
         (tmp_path / "tasks.jsonl").write_text(json.dumps(task) + "\n")
-        first = _tasks("submit", str(tmp_path / "tasks.jsonl"), db=db, env=env)
+        first = run_tasks("submit", str(tmp_path / "tasks.jsonl"), db=db, env=env)
         assert first.returncode == -9, first.stdout + first.stderr  # killed at kill_at
         # Dropped, or never posted: on a loaded machine the post may outlast the executor's
         # bounded wait for it (end_wait_s) and the kill. Lost either way.
         assert len(dropper.dropped) <= 1, dropper.dropped
         dropper.until_mono_ns = time.monotonic_ns()  # the first run's, however late they come
-        resumed = _tasks("resume", db=db, env=env)
+        resumed = run_tasks("resume", db=db, env=env)
         assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert (ws / "notes.md").read_text() == "# notes\nresumed\n"
     store = Store(db)
