@@ -272,14 +272,20 @@ class ConfigError(ValueError):
     and the fix."""
 
 
-def check_runtime(config: GatewayConfig) -> None:
+def check_runtime(config: GatewayConfig, is_in_process: bool = False) -> None:
     """Checks of the environment the config needs, done before anything starts.
+
+    Args:
+        config: the gateway's settings.
+        is_in_process: the gateway runs inside vLLM's server, which listens on its own port
+            (often 8000, the gateway's default, and already bound by vLLM itself): the port is
+            not the gateway's to check.
 
     Raises:
         ConfigError: ``stream_path`` exists (one run, one stream) or is a directory; ``host:port``
             is taken by another server (named as ``--port``, not as uvicorn's ``[Errno 98]``).
     """
-    busy = check_port_free(config.host, config.port)
+    busy = None if is_in_process else check_port_free(config.host, config.port)
     if busy is not None:
         raise ConfigError(busy)
     if config.stream_path is not None:

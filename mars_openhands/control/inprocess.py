@@ -371,7 +371,7 @@ class MarsGatewayMiddleware:
         self.app = app
         self.config = config_from_env()
         try:
-            check_runtime(self.config)  # e.g. the stream file exists (one run, one stream)
+            check_runtime(self.config, is_in_process=True)  # e.g. the stream file exists (one run, one stream)
         except ValueError as e:
             raise ValueError(str(e).replace("--stream-path", f"{CONFIG_ENV} stream_path")) from None
         self._base_scope: dict[str, Any] = {}
@@ -501,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
                     "gateway; docs/gateway.md").parse_args(argv)
     try:
         config = config_from_env()
-        check_runtime(config)
+        check_runtime(config, is_in_process=True)
     except ValueError as e:
         print(f"{CONFIG_ENV}: {str(e).removeprefix(CONFIG_ENV + ': ')}".replace(
             "--stream-path", "stream_path"), file=sys.stderr)

@@ -31,7 +31,7 @@ def run_cli(*args: str, cwd=None) -> subprocess.CompletedProcess[str]:
          ["--config missing.yaml", "TOML (.toml) or JSON (.json)"]),
         (["--config", "missing.toml", "--replica", "http://127.0.0.1:1"], 1,
          ["--config missing.toml: cannot read it", "check the path"]),
-        (["--replica", "http://127.0.0.1:1", "--stream-path", "exists.jsonl"], 1,
+        (["--replica", "http://127.0.0.1:1", "--stream-path", "exists.jsonl", "--port", "0"], 1,
          ["--stream-path exists.jsonl already exists", "pass a new path"]),
         ([], 1, ["--replica: required; pass --replica http://127.0.0.1:8001"]),
         (["--replica", "127.0.0.1:1"], 1, ["--replica: replica url must start with http://"]),

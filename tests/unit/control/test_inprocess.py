@@ -464,6 +464,27 @@ def test_an_admin_key_equal_to_vllms_api_key_opens_nothing(monkeypatch, capsys) 
         thread.join(timeout=10)
 
 
+def test_the_in_process_gateway_does_not_check_the_standalone_port(monkeypatch, capsys) -> None:
+    """In-process the gateway serves on vLLM's own port, which vLLM binds before it builds its
+    middleware, by default 8000: the standalone gateway's default port. Checking that port made
+    ``vllm serve --middleware ...`` on its default port refuse to start ("--port 8000 is in
+    use")."""
+    from mars_openhands.control.inprocess import main
+
+    monkeypatch.setenv(CONFIG_ENV, "{}")
+    taken = socket.socket()
+    try:
+        taken.bind(("127.0.0.1", 8000))
+        taken.listen()
+    except OSError:  # in use already: as good
+        pass
+    try:
+        MarsGatewayMiddleware(build_fake_engine_app())
+        assert main([]) == 0, capsys.readouterr().err
+    finally:
+        taken.close()
+
+
 def test_api_keys_are_refused_in_the_in_process_config() -> None:
     with pytest.raises(ValueError, match="the admin key is one of vLLM's API keys"):
         config_from_env({CONFIG_ENV: "{}", "MARS_GATEWAY_ADMIN_KEY": "k", "VLLM_API_KEY": "k"})

@@ -175,7 +175,10 @@ def test_the_gateways_stream_path_and_port_are_checked_on_this_node(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     stream = tmp_path / "stream.jsonl"
     stream.write_text("")
-    assert _errors(capsys, "--stream-path", str(stream)) == [
+    with socket.socket() as probe:  # a free port: the default (8000) may be in use here
+        probe.bind(("127.0.0.1", 0))
+        free = str(probe.getsockname()[1])
+    assert _errors(capsys, "--stream-path", str(stream), "--port", free) == [
         f"mars-openhands serve: error: --stream-path {stream} already exists (one run records one "
         "stream); pass a new path or move the old stream away"]
     with socket.socket() as busy:
