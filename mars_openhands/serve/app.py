@@ -25,6 +25,7 @@ import secrets
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -120,17 +121,68 @@ class _StartInterrupted(BaseException):
         self.signum = signum
 
 
+STOP_TIMEOUT_S = 45.0
+"""Seconds :func:`stop` waits for the application's graceful delete (each replica gets Serve's
+``graceful_shutdown_timeout_s``, 30 s) before it stops Ray anyway; below the 60 s after which
+Ray's driver aborts the process once its GCS is unreachable."""
+
+
+def _lost_ray_daemons() -> list[str]:
+    """The private Ray's own processes (GCS, raylet, ...) that have exited: a SIGTERM to the whole
+    process group (``timeout``, a service manager) reaches them too, and then no Serve call can
+    answer. Empty when Ray was joined (its processes are not this command's). Reads Ray's node
+    object (``ray._private.worker._global_node``, Ray 2.60); empty when it is not there."""
+    try:
+        from ray._private import worker
+
+        node = worker._global_node
+        return sorted({kind for kind, _ in node.dead_processes()}) if node is not None else []
+    except Exception:  # a Ray without that internal: fall back to the bounded delete
+        return []
+
+
 def stop(config: ServeConfig) -> None:
-    """Delete the application and, for a private Ray, stop Ray (no process left). Idempotent."""
+    """Delete the application and, for a private Ray, stop Ray (no process left). Idempotent.
+
+    The delete (each replica's graceful shutdown: vLLM stopped, stream closed) is skipped when the
+    private Ray's own processes are already gone, and given up after :data:`STOP_TIMEOUT_S`; Ray
+    is stopped either way. The engines' vLLM processes then end by their watchdogs
+    (engine/harness/reaper.py), which outlive any actor.
+    """
     import ray
     from ray import serve
 
     if not ray.is_initialized():
         return
     try:
-        serve.delete(APP_NAME)  # each replica's graceful shutdown: vLLM stopped, stream closed
-        if config.ray_address is None:
-            serve.shutdown()
+        lost = _lost_ray_daemons()
+        if lost:
+            print(f"mars-openhands serve: Ray's {', '.join(lost)} already exited (a signal to the "
+                  "whole process group?): stopping Ray without the application's graceful delete",
+                  file=sys.stderr, flush=True)
+            return
+
+        def delete() -> None:
+            try:
+                serve.delete(APP_NAME)
+                if config.ray_address is None:
+                    serve.shutdown()
+            except Exception as e:  # stop Ray anyway (the finally below); say why, in one line
+                print(f"mars-openhands serve: deleting the application failed: {e}",
+                      file=sys.stderr, flush=True)
+
+        deleting = threading.Thread(target=delete, name="serve-delete", daemon=True)
+        deleting.start()
+        deadline_s = time.monotonic() + STOP_TIMEOUT_S
+        while deleting.is_alive() and time.monotonic() < deadline_s:
+            deleting.join(0.5)
+            if deleting.is_alive() and (lost := _lost_ray_daemons()):  # the signal reached them
+                print(f"mars-openhands serve: Ray's {', '.join(lost)} exited meanwhile: "
+                      "stopping Ray without waiting for the delete", file=sys.stderr, flush=True)
+                return
+        if deleting.is_alive():
+            print(f"mars-openhands serve: the application's delete took more than "
+                  f"{STOP_TIMEOUT_S:g} s: stopping Ray anyway", file=sys.stderr, flush=True)
     finally:
         ray.shutdown()
 
