@@ -127,8 +127,12 @@ STOP_TIMEOUT_S = 45.0
 Ray's driver aborts the process once its GCS is unreachable."""
 
 
+_SERVE_NEEDS = frozenset({"gcs_server", "raylet"})
+"""Ray's own processes without which no Serve call answers (Ray 2.60's process-type names)."""
+
+
 def _lost_ray_daemons() -> list[str]:
-    """The private Ray's own processes (GCS, raylet, ...) that have exited: a SIGTERM to the whole
+    """The private Ray's GCS and raylet, of those that have exited: a SIGTERM to the whole
     process group (``timeout``, a service manager) reaches them too, and then no Serve call can
     answer. Empty when Ray was joined (its processes are not this command's). Reads Ray's node
     object (``ray._private.worker._global_node``, Ray 2.60); empty when it is not there."""
@@ -136,7 +140,7 @@ def _lost_ray_daemons() -> list[str]:
         from ray._private import worker
 
         node = worker._global_node
-        return sorted({kind for kind, _ in node.dead_processes()}) if node is not None else []
+        return sorted({kind for kind, _ in node.dead_processes()} & _SERVE_NEEDS) if node else []
     except Exception:  # a Ray without that internal: fall back to the bounded delete
         return []
 
