@@ -66,12 +66,15 @@ def test_a_sigterm_while_the_engines_start_stops_what_started(monkeypatch, resto
     assert time.monotonic() - t0 < 2.5
 
 
-def test_a_sigterm_once_serving_stops_cleanly(monkeypatch, restore_handlers) -> None:
+def test_a_sigterm_once_serving_stops_cleanly(monkeypatch, restore_handlers, capsys) -> None:
     seen = _fake_ray(monkeypatch, signal_during_start=False)
-    timer = threading.Timer(3.5, os.kill, (os.getpid(), signal.SIGTERM))
-    timer.start()
-    try:
-        rc = app.serve_forever(ServeConfig())
-    finally:
-        timer.cancel()
+
+    def signal_once_serving() -> None:  # after the "listening" line, however slow the machine
+        deadline = time.monotonic() + 60
+        while "listening on" not in capsys.readouterr().err and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=signal_once_serving, daemon=True).start()
+    rc = app.serve_forever(ServeConfig())
     assert rc == 0 and seen["stops"] == 1 and seen["start_finished"] and seen["ray_handler"] == 0
