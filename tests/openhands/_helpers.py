@@ -33,6 +33,21 @@ async def read_asgi_body(receive: Any) -> bytes:
             return b"".join(chunks)
 
 
+def replaying(body: bytes, receive: Any) -> Any:
+    """An ASGI ``receive`` that gives the app ``body`` (already read) first, then whatever the
+    client's ``receive`` gives (a disconnect)."""
+    sent = False
+
+    async def replay() -> Any:
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
+
+
 def turn_calling(name: str, **arguments: object) -> Any:
     """A recorded playback turn with one call of tool ``name`` (``RecordedTurn``)."""
     from mars_openhands.openhands.playback import RecordedToolCall, RecordedTurn
@@ -183,16 +198,7 @@ class SessionTokenContract:
             return
         if ends:
             self.bound.pop(session_id, None)
-        sent = False
-
-        async def replay() -> Any:
-            nonlocal sent
-            if sent:
-                return await receive()
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await self.app(scope, replay, send)
+        await self.app(scope, replaying(body, receive), send)
 
     def _check(self, kind: str, headers: dict[str, str], body: bytes) -> tuple[int, Any, bool]:
         """``(status, session_id, has_session_end)``; status 0 passes the call on."""
@@ -280,16 +286,7 @@ class ToolEndDropper:
         headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
         scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
 
-        sent = False
-
-        async def replay() -> Any:
-            nonlocal sent
-            if sent:
-                return await receive()
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await self.app(scope, replay, send)
+        await self.app(scope, replaying(body, receive), send)
 
 
 class TurnHold:
@@ -335,16 +332,7 @@ class TurnHold:
                             "headers": [(b"content-type", b"application/json")]})
                 await send({"type": "http.response.body", "body": b'{"error": "held"}'})
                 return
-        sent = False
-
-        async def replay() -> Any:
-            nonlocal sent
-            if sent:
-                return await receive()
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await self.app(scope, replay, send)
+        await self.app(scope, replaying(body, receive), send)
 
     async def _held(self) -> bool:
         """Wait until released (True) or ``timeout_s`` passed (False)."""
