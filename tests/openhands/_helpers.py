@@ -301,13 +301,17 @@ class TurnHold:
     """
 
     def __init__(self, session_id: str, num_free: int, is_released: Any,
-                 timeout_s: float = 120.0) -> None:
+                 timeout_s: float = 120.0, is_answered_on_release: bool = False) -> None:
         self.session_id = session_id
         self.num_free = num_free
         self.is_released = is_released
         self.timeout_s = timeout_s
+        self.is_answered_on_release = is_answered_on_release
+        """A turn released while held goes on to the engine (its client still waits) instead of
+        the 503."""
         self.num_held = 0
-        self._num_seen = 0
+        self.num_seen = 0
+        """Agent turns of the session seen while not released."""
         self.app: Any = None
 
     def wrap(self, app: Any) -> TurnHold:
@@ -326,8 +330,9 @@ class TurnHold:
         data = json.loads(body or b"{}")
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         if extract_session_id(headers, data)[0] == self.session_id and data.get("tools"):
-            self._num_seen += 1
-            if self._num_seen > self.num_free and await self._held():
+            self.num_seen += 1
+            if (self.num_seen > self.num_free and await self._held()
+                    and not self.is_answered_on_release):
                 await send({"type": "http.response.start", "status": 503,
                             "headers": [(b"content-type", b"application/json")]})
                 await send({"type": "http.response.body", "body": b'{"error": "held"}'})

@@ -62,7 +62,13 @@ def test_openhands_tasks_resume_after_a_kill_and_report(tmp_path: Path) -> None:
     # Both tasks are mid-task at the kill: oh-notes' last turn (its finish) waits for it. On a
     # loaded machine oh-notes ran ahead and finished before oh-hello's step 3 (one run, not two).
     hold = TurnHold(session_id_of("oh-notes"), 3, (tmp_path / "crashed.txt").exists)
-    with playback_behind_gateway(scripts, middleware=hold.wrap) as (gateway, sink):
+    # And oh-notes has a recorded turn at the kill: oh-hello's step 3 (its turn 1) waits until
+    # oh-notes asked its turn 1 (so its turn 0 is recorded). On a loaded machine oh-notes had
+    # not yet got an answer when oh-hello crashed.
+    ahead = TurnHold(session_id_of("oh-hello"), 1, lambda: hold.num_seen >= 2,
+                     is_answered_on_release=True)
+    with playback_behind_gateway(scripts, middleware=lambda app: ahead.wrap(hold.wrap(app))) as (
+            gateway, sink):
         url = gateway.config.replicas[0].url  # the playback engine itself, for its records
         agent = {"kind": "openhands", "base_url": gateway.base_url, "model": "playback",
                  "max_iterations": 10}
