@@ -7,6 +7,7 @@ middleware wraps it exactly as vLLM's ``app.add_middleware`` does, served by uvi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -40,6 +41,17 @@ def _serve(app: Any) -> tuple[uvicorn.Server, threading.Thread, str]:
         time.sleep(0.02)
     assert server.started, "server did not start"
     return server, thread, f"http://127.0.0.1:{port}"
+
+
+@contextlib.contextmanager
+def _serving(app: Any) -> Iterator[str]:
+    """``app`` served by uvicorn in a thread (:func:`_serve`) for the block; yields its URL."""
+    server, thread, url = _serve(app)
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
 
 
 @pytest.fixture
@@ -274,8 +286,7 @@ class _ApiKey:
 def test_vllms_api_key_guards_the_gateway_before_admission(monkeypatch) -> None:
     monkeypatch.setenv(CONFIG_ENV, "{}")
     middleware = MarsGatewayMiddleware(_ApiKey(build_fake_engine_app(), "secret"))
-    server, thread, url = _serve(middleware)
-    try:
+    with _serving(middleware) as url:
         with httpx.Client(base_url=url, timeout=10) as client:
             refused = client.post("/v1/chat/completions", json=chat("intruder"))
             assert refused.status_code == 401 and "x-mars-turn" not in refused.headers
@@ -299,9 +310,6 @@ def test_vllms_api_key_guards_the_gateway_before_admission(monkeypatch) -> None:
             assert stolen.status_code == 403 and "x-mars-turn" not in stolen.headers
             assert client.post("/v1/chat/completions", json=chat("agent"),
                                headers={**key, **owner("agent")}).headers["x-mars-turn"] == "1"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 def test_engine_headers_are_relayed_and_a_refused_turn_is_not_counted(in_process) -> None:
@@ -415,8 +423,7 @@ def test_the_admin_key_opens_the_state_with_session_ids_in_process(monkeypatch) 
     monkeypatch.setenv(CONFIG_ENV, "{}")
     monkeypatch.setenv("MARS_GATEWAY_ADMIN_KEY", "admin-secret")
     middleware = MarsGatewayMiddleware(_ApiKey(build_fake_engine_app(), "secret"))
-    server, thread, url = _serve(middleware)
-    try:
+    with _serving(middleware) as url:
         with httpx.Client(base_url=url, timeout=10) as client:
             key = {"authorization": "Bearer secret"}
             assert client.post("/v1/chat/completions", json=chat("s"), headers=key).status_code == 200
@@ -425,9 +432,6 @@ def test_the_admin_key_opens_the_state_with_session_ids_in_process(monkeypatch) 
             assert admin.status_code == 200 and admin.json()["sessions"]["s"]["turns"] == 1
             assert client.post("/v1/chat/completions", json=chat("s"), headers={
                 "authorization": "Bearer admin-secret"}).status_code == 401  # not an API key
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 def test_an_admin_key_equal_to_vllms_api_key_opens_nothing(monkeypatch, capsys) -> None:
@@ -437,8 +441,7 @@ def test_an_admin_key_equal_to_vllms_api_key_opens_nothing(monkeypatch, capsys) 
     monkeypatch.setenv(CONFIG_ENV, "{}")
     monkeypatch.setenv("MARS_GATEWAY_ADMIN_KEY", "secret")
     middleware = MarsGatewayMiddleware(_ApiKey(build_fake_engine_app(), "secret"))
-    server, thread, url = _serve(middleware)
-    try:
+    with _serving(middleware) as url:
         with httpx.Client(base_url=url, timeout=10) as client:
             key = {"authorization": "Bearer secret"}
             assert client.post("/v1/chat/completions", json=chat("s"), headers=key).status_code == 200
@@ -446,22 +449,15 @@ def test_an_admin_key_equal_to_vllms_api_key_opens_nothing(monkeypatch, capsys) 
                 r = client.get("/mars/v1/state", headers=key)
                 assert r.status_code == 401 and "sessions" not in r.text
         assert "the admin key is one of vLLM's API keys" in capsys.readouterr().err
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
     # Without a vLLM key every key passes vLLM's check: the admin key is the only one that opens.
     monkeypatch.setenv("MARS_GATEWAY_ADMIN_KEY", "admin-only")
     middleware = MarsGatewayMiddleware(build_fake_engine_app())
-    server, thread, url = _serve(middleware)
-    try:
+    with _serving(middleware) as url:
         with httpx.Client(base_url=url, timeout=10) as client:
             assert client.post("/v1/chat/completions", json=chat("t")).status_code == 200
             admin = client.get("/mars/v1/state", headers={"authorization": "Bearer admin-only"})
             assert admin.status_code == 200 and "t" in admin.json()["sessions"]
             assert "sessions" not in client.get("/mars/v1/state").json()
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 def test_the_in_process_gateway_does_not_check_the_standalone_port(monkeypatch, capsys) -> None:
