@@ -49,6 +49,13 @@ POLL_INTERVAL_S = 0.5
 """Seconds between two checks of the owner (a dead owner's group goes within about this)."""
 
 
+def _command(pgid: int, timeout_s: float, owner_pid: int | None, *flags: str) -> list[str]:
+    """The watchdog's command line (``owner_pid`` ``None``: this process). Pure."""
+    owner = os.getpid() if owner_pid is None else owner_pid
+    return [sys.executable, "-m", "mars_openhands.engine.harness.reaper", *flags, str(owner),
+            str(pgid), str(timeout_s)]
+
+
 def start_reaper(pgid: int, timeout_s: float, owner_pid: int | None = None) -> subprocess.Popen[bytes]:
     """Start the watchdog of process group ``pgid`` for ``owner_pid`` (default: this process).
 
@@ -62,10 +69,7 @@ def start_reaper(pgid: int, timeout_s: float, owner_pid: int | None = None) -> s
     Returns:
         The watchdog (stop it with ``terminate()`` once the group is gone).
     """
-    owner = os.getpid() if owner_pid is None else owner_pid
-    cmd = [sys.executable, "-m", "mars_openhands.engine.harness.reaper", str(owner), str(pgid),
-           str(timeout_s)]
-    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+    return subprocess.Popen(_command(pgid, timeout_s, owner_pid), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
 
 
@@ -91,10 +95,7 @@ def start_detached_reaper(pgid: int, timeout_s: float,
     Raises:
         RuntimeError: the launcher did not report the watchdog's pid within 60 s.
     """
-    owner = os.getpid() if owner_pid is None else owner_pid
-    cmd = [sys.executable, "-m", "mars_openhands.engine.harness.reaper", "--detach", str(owner),
-           str(pgid), str(timeout_s)]
-    launcher = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+    launcher = subprocess.Popen(_command(pgid, timeout_s, owner_pid, "--detach"), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         out, _ = launcher.communicate(timeout=60.0)
