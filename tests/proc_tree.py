@@ -102,6 +102,13 @@ def with_marker(marker: str) -> dict[int, int]:
     return found
 
 
+def runs_under(marker: str, command_prefix: str) -> bool:
+    """Whether a process found by ``with_marker(marker)`` runs a command line that starts with
+    ``command_prefix``: waits for a given step of a test's command, not for any marked process
+    (the launching shell holds the marker in its own command line before that step starts)."""
+    return any(command_line(pid).startswith(command_prefix) for pid in with_marker(marker))
+
+
 @contextlib.contextmanager
 def busy_cpus(count: int = 2, max_s: float = 300.0) -> Iterator[None]:
     """``count`` processes that busy-loop (nice 0) through the block: the load of another job on a

@@ -22,6 +22,7 @@ from tests.proc_tree import (
     busy_cpus,
     identities,
     kill_leftovers,
+    runs_under,
     wait_until,
     with_marker,
 )
@@ -144,7 +145,7 @@ def test_a_sigkilled_owners_server_ends_with_what_left_its_group(load: str, repe
         with busy_cpus() if load == "busy" else contextlib.nullcontext():
             assert owner.stdout is not None
             pgid = int(owner.stdout.readline())
-            assert wait_until(lambda: len(with_marker(marker)) >= 2, 20.0), "the setsid child and its sleep run"
+            assert wait_until(lambda: runs_under(marker, "sleep 300"), 20.0), "the setsid child and its sleep run"
             time.sleep(1.5)  # the watchdog has read the owner's start time and polled the tree
             started = {**identities(live_pids_in_group(pgid)), **with_marker(marker)}
             assert any(os.getpgid(pid) != pgid for pid in with_marker(marker)), "a child left the group"

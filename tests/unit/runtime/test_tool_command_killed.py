@@ -37,6 +37,7 @@ from tests.proc_tree import (
     busy_cpus,
     kill_alive,
     kill_leftovers,
+    runs_under,
     wait_until,
     with_marker,
 )
@@ -90,7 +91,10 @@ def test_a_sigkilled_runner_ends_its_tool_command_and_resume_escalates_it(db_url
             started: dict[int, int] = {}
             try:
                 with busy_cpus() if load.startswith("busy") else contextlib.nullcontext():
-                    assert wait_until(lambda: len(with_marker(marker)) >= 2, 60.0), log.read_text()[-3000:]
+                    # The POST has returned and the setsid shell sleeps (the runner's own shell holds the
+                    # marker from the start: waiting for marked processes alone could kill before the POST).
+                    assert wait_until(lambda: counter.hits["notify"] == 1 and runs_under(marker, "sleep 300"),
+                                      60.0), log.read_text()[-3000:]
                     started = with_marker(marker)
                     t0 = time.monotonic()
                     assert_ends_with_owner(runner, started, signal.SIGKILL, BOUND_S)
