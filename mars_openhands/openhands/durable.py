@@ -17,7 +17,11 @@ task's session token (kept in the runtime's database: a resumed task, in any pro
 same) on both. Any other endpoint gets the ``url`` backend (the session header only).
 
 Known limits: a replayed terminal command is not run again, so the shell of a resumed conversation
-starts fresh (working directory, exported variables); the file editor's undo history starts empty.
+starts fresh (working directory, exported variables); the file editor's undo history starts empty
+(a retried ``undo_edit`` fails, and says that its first attempt may have undone the edit). A file
+edit retried after a restart is answered without running when its effect is in the file already
+(:meth:`DurableExecutor._retry_answer`): the editor's ``create`` refuses an existing file, and its
+``insert`` would insert its lines twice.
 The command guard runs in the gate, so the tool wrapper's own check is off here.
 """
 
@@ -85,6 +89,56 @@ def _rebuild(recorded: dict[str, Any]) -> LLMResponse:
                        raw_response=ModelResponse(**recorded["raw"]))
 
 
+_LOST_UNDO_NOTE = ("[runtime] this undo_edit of {path} was retried after a restart: its first attempt "
+                   "may have undone the last edit already, and the editor's undo history does not "
+                   "survive a restart. View the file to see its state, then edit it directly.")
+
+
+def _edit_path(arguments: dict[str, Any], workspace: Path) -> Path:
+    """The file a file-editor call names (its ``path``; a relative one under ``workspace``)."""
+    return Path(os.path.normpath(workspace / str(arguments.get("path", ""))))
+
+
+def _create_retry_answer(path: Path, arguments: dict[str, Any]) -> tuple[str, bool] | None:
+    """The answer ``(text, is_error)`` to a retried ``create`` of ``path``, or ``None`` to run it.
+
+    Pure but for reading ``path``. The file editor refuses to ``create`` over an existing file, so
+    a retry whose first attempt wrote the file would fail. Here, when the file holds exactly
+    ``file_text`` (no newline translation; UTF-8, as the editor writes a new file), the retry is
+    answered as applied; when it holds anything else the answer is the conflict, an error that
+    says so; when it cannot be read (missing, a directory) the editor runs and answers.
+    """
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    file_text = str(arguments.get("file_text", ""))
+    try:
+        is_same = data.decode("utf-8") == file_text
+    except UnicodeDecodeError:
+        is_same = False
+    if is_same:
+        return (f"[runtime] the create of {arguments.get('path')} was already applied before a "
+                "restart (the file holds exactly this file_text)"), False
+    return (f"File already exists at: {arguments.get('path')}, and its content differs from this "
+            "create's file_text. Cannot overwrite files using command `create`: view the file, then "
+            "edit it with `str_replace`. [runtime: checked when the create was retried after a "
+            "restart]"), True
+
+
+def _insert_applied(text: str, insert_line: Any, new_str: str) -> bool:
+    """Whether ``text`` has, right after its first ``insert_line`` lines, the lines the file
+    editor's ``insert`` of ``new_str`` writes there (each line of ``new_str`` ended by a newline).
+    Pure."""
+    if not isinstance(insert_line, int) or insert_line < 0:
+        return False
+    lines = text.split("\n")
+    if len(lines) <= insert_line:
+        return False
+    block = "".join(f"{line}\n" for line in new_str.split("\n"))
+    return "\n".join(lines[insert_line:]).startswith(block)
+
+
 class DurableLLM(LLM):
     """An SDK LLM whose completions are runtime LLM steps (recorded; replayed after a restart)."""
 
@@ -121,9 +175,9 @@ class DurableExecutor(WrappingExecutor):
 
     Tool events across a kill (what the gateway sees): every attempt made in this process is
     reported by the evented ``inner`` (``tool_enqueued`` / ``tool_start`` / ``tool_end`` with the
-    call's id), a retried edit found already applied included, though it is not run again: a
-    first attempt killed after its edit and before its ``tool_end`` was posted is closed by the
-    retry's. An outcome recorded before a kill is replayed with no events: its ``tool_end`` was
+    call's id), a retried edit answered without running (found already applied, or a ``create``'s
+    conflict; :meth:`_retry_answer`) included: a first attempt killed after its edit and before
+    its ``tool_end`` was posted is closed by the retry's. An outcome recorded before a kill is replayed with no events: its ``tool_end`` was
     posted before it was recorded (the evented executor waits for the post, at most its
     ``end_wait_s``), and one still unposted then is closed by the gateway at ``session_end``
     (status ``interrupted``).
@@ -143,13 +197,17 @@ class DurableExecutor(WrappingExecutor):
 
         def execute(ctx: ExecContext) -> dict[str, Any]:
             t0 = time.monotonic()
-            if ctx.is_retry and self._edit_already_applied(arguments, run.workspace):
-                applied = _text_observation(
-                    self.observation_type, action, is_error=False,
-                    text=f"[runtime] the edit of {arguments.get('path')} was already applied before a restart")
-                observation = self._reported(action, conversation, applied)
+            answer = self._retry_answer(arguments, run.workspace) if ctx.is_retry else None
+            if answer is not None:
+                text, is_error = answer
+                observation = self._reported(action, conversation, _text_observation(
+                    self.observation_type, action, text=text, is_error=is_error))
             else:
                 observation = self.inner(action, conversation)
+                if ctx.is_retry and self._is_lost_undo(arguments, observation):
+                    observation = _text_observation(
+                        self.observation_type, action, is_error=True,
+                        text=f"{observation.text}\n{_LOST_UNDO_NOTE.format(path=arguments.get('path'))}")
             is_error = bool(getattr(observation, "is_error", False))
             return {"status": "error" if is_error else "ok", "text": observation.text[:4000],
                     "observation": observation.model_dump(mode="json"),
@@ -167,19 +225,43 @@ class DurableExecutor(WrappingExecutor):
             return self.inner.call_with(action, conversation, lambda *_: observation)
         return observation
 
+    def _retry_answer(self, arguments: dict[str, Any], workspace: Path) -> tuple[str, bool] | None:
+        """The answer ``(text, is_error)`` to a retried file edit, given without running it, or
+        ``None`` to run it (see :func:`_create_retry_answer` and :meth:`_edit_already_applied`)."""
+        if self.tool_name != "file_editor":
+            return None
+        if arguments.get("command") == "create":
+            return _create_retry_answer(_edit_path(arguments, workspace), arguments)
+        if self._edit_already_applied(arguments, workspace):
+            return (f"[runtime] the edit of {arguments.get('path')} was already applied before a "
+                    "restart"), False
+        return None
+
     def _edit_already_applied(self, arguments: dict[str, Any], workspace: Path) -> bool:
-        """A repeated ``str_replace`` whose edit is in the file already (idempotent by content): the
-        new text is there once and every ``old_str`` left is part of it (a ``new_str`` that contains
-        its ``old_str``, e.g. an appended line, still has it after the edit)."""
-        if self.tool_name != "file_editor" or arguments.get("command") != "str_replace":
+        """A repeated ``str_replace`` or ``insert`` whose edit is in the file already (idempotent
+        by content). ``str_replace``: the new text is there once and every ``old_str`` left is part
+        of it (a ``new_str`` that contains its ``old_str``, e.g. an appended line, still has it
+        after the edit). ``insert``: the lines it inserts are at ``insert_line`` (as the
+        runtime's own editor decides, ``runtime/tools.py``; lines that were there before the first
+        attempt read the same, and the retry is then not applied: an approximation)."""
+        command = arguments.get("command")
+        if self.tool_name != "file_editor" or command not in ("str_replace", "insert"):
             return False
-        path = Path(os.path.normpath(workspace / str(arguments.get("path", ""))))
         try:
-            text = path.read_text()
-        except OSError:
+            text = _edit_path(arguments, workspace).read_text()
+        except (OSError, UnicodeDecodeError):
             return False
-        old, new = str(arguments.get("old_str", "")), str(arguments.get("new_str", ""))
+        new = str(arguments.get("new_str", ""))
+        if command == "insert":
+            return _insert_applied(text, arguments.get("insert_line"), new)
+        old = str(arguments.get("old_str", ""))
         return bool(new) and bool(old) and text.count(new) == 1 and text.count(old) == new.count(old)
+
+    def _is_lost_undo(self, arguments: dict[str, Any], observation: Any) -> bool:
+        """A retried ``undo_edit`` that failed: this process's editor has no undo history (it does
+        not survive a restart), so the retry fails whether or not the first attempt undid."""
+        return (self.tool_name == "file_editor" and arguments.get("command") == "undo_edit"
+                and bool(getattr(observation, "is_error", False)))
 
     def close(self) -> None:
         """Close the inner executor (it flushes its events)."""
