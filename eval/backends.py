@@ -641,7 +641,8 @@ def first_served_model(url: str) -> str:
         models = [m["id"] for m in response.json().get("data", [])]
     except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"cannot list models at {url}/v1/models ({type(e).__name__}: {e}); is an "
-                         "OpenAI-compatible server running there?") from None
+                         "OpenAI-compatible server running there? Start it, or give --backend the URL of "
+                         "a running one") from None
     if not models:
         raise ValueError(f"{url}/v1/models lists no model")
     return str(models[0])

@@ -77,6 +77,7 @@ from eval.compare_setup import (
     clear_previous_results,
     default_traces_dir,
     gpu_setups,
+    replica_scope,
     workload_from_args,
 )
 from eval.deployment import add_deployment_flags, deployment_from_args
@@ -560,17 +561,10 @@ def replicas_fact(args: argparse.Namespace, num_sessions: int) -> str:
 
 def _replica_workload(args: argparse.Namespace, workload: Workload, scope: str) -> tuple[Workload, str]:
     """With ``--replicas N``: ``--sessions-per-replica x N`` sessions drawn with replacement from
-    the (trimmed) traces, seeded by ``--seed``, and the scope line saying so (``TRIMMED`` below
-    100 per replica). Pure."""
+    the (trimmed) traces, seeded by ``--seed``, and the scope line saying so
+    (:func:`eval.compare_setup.replica_scope`). Pure."""
     drawn = draw_sessions(workload, args.sessions_per_replica * args.replicas, args.seed)
-    what = (f"{len(drawn.sessions)} sessions drawn with replacement from {len(workload.sessions)} "
-            f"for {args.replicas} replicas")
-    if args.sessions_per_replica < 100 and not scope.startswith("TRIMMED"):
-        scope = (f"TRIMMED: {what} (fewer than 100 per replica). A quick look, not the real "
-                 "regime: claims need 100 sessions per replica at full length on the whole GPU's KV.")
-    else:
-        scope = f"{scope} {what}."
-    return drawn, scope
+    return drawn, replica_scope(scope, workload, drawn, args.replicas, args.seed)
 
 
 def _load_and_run(args: argparse.Namespace, spec: Any, options: CompareOptions, flags: Mapping[str, str]) -> int:

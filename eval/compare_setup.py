@@ -35,6 +35,7 @@ __all__ = [
     "gpu_setup",
     "gpu_setups",
     "kv_scale_for_trim",
+    "replica_scope",
     "skipped_traces_note",
     "trim_note",
     "workload_from_args",
@@ -135,6 +136,39 @@ def trim_note(full: Workload, workload: Workload, *, kv_scale: float = 1.0, kv_b
                 "session at full length on the whole GPU's KV (the defaults).")
     return (f"Full workload: all {len(workload.sessions)} sessions at full length ({workload.num_turns} turns), "
             "the whole GPU's KV, no trimming.")
+
+
+_REPLICA_REAL_SESSIONS = 100
+"""Sessions per replica of a claim (``--sessions-per-replica``'s default): fewer are TRIMMED."""
+
+
+def replica_scope(scope: str, pool: Workload, drawn: Workload, num_replicas: int, seed: int) -> str:
+    """The scope line of ``compare --replicas N``: the sessions drawn (and their turns), then the
+    pool they were drawn from; ``scope`` is the pool's :func:`trim_note`. Pure.
+
+    The runs hold ``drawn`` (drawn with replacement, :func:`eval.workloads.draw_sessions`), not
+    ``pool``: the counts that lead the line are the drawn ones, and the pool's trimming note
+    follows, named as the pool's. TRIMMED when the pool is, or below 100 sessions per replica.
+
+    >>> from eval.workloads import draw_sessions
+    >>> from eval.workloads.format import Session, Turn, WorkloadMeta
+    >>> one = Session(session_id="a", arrival_s=0.0, turns=(Turn(prompt_tokens_appended=9, output_tokens=1),))
+    >>> pool = Workload(meta=WorkloadMeta(source="t"), sessions=(one,))
+    >>> replica_scope(trim_note(pool, pool), pool, draw_sessions(pool, 6), 2, 0)[:97]
+    'TRIMMED: 6 sessions (6 turns) drawn with replacement (seed 0) for 2 replicas, 3 per replica (fewe'
+    """
+    per_replica = len(drawn.sessions) // num_replicas
+    what = (f"{len(drawn.sessions)} sessions ({drawn.num_turns} turns) drawn with replacement (seed {seed}) for "
+            f"{num_replicas} replicas, {per_replica} per replica"
+            + (f" (fewer than {_REPLICA_REAL_SESSIONS})" if per_replica < _REPLICA_REAL_SESSIONS else ""))
+    if scope.startswith("TRIMMED: "):  # the pool's cuts (sessions, turns, KV, tool times)
+        return (f"TRIMMED: {what}, from a pool of {len(pool.sessions)} sessions ({pool.num_turns} turns), "
+                f"cut: {scope.removeprefix('TRIMMED: ')}")
+    source = f"all {len(pool.sessions)} sessions at full length ({pool.num_turns} turns) on the whole GPU's KV"
+    if per_replica < _REPLICA_REAL_SESSIONS:
+        return (f"TRIMMED: {what}, from {source}. A quick look, not the real regime: claims need "
+                f"{_REPLICA_REAL_SESSIONS} sessions per replica at full length on the whole GPU's KV.")
+    return f"Full workload: {what}, from {source}, no trimming."
 
 
 def workload_from_args(args: argparse.Namespace) -> tuple[Workload, float, str | None, Workload]:

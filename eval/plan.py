@@ -21,7 +21,9 @@ the cache underneath are compare's, unchanged.
 
 Mental model of the cost: FCFS's knee search (~5-8 probes), then one capacity search per other run
 label started at that knee (~4-6 probes each, interleaved on the worker pool), then the runs at the
-chosen rate. A probe that the guard proves unstable stops early; with ``--load 1.0`` every search's
+chosen rate. FCFS's knee search is its capacity search only if it bracketed the knee; if its budget
+ran out first, FCFS searches again from that rate like the others, so that the same runs give the
+same lower bound ("≥") whichever policy they belong to. A probe that the guard proves unstable stops early; with ``--load 1.0`` every search's
 first probe is the run at the chosen rate, so a stable one is not simulated again
 (docs/compare.md "Planning capacity" has the measured wall time).
 """
@@ -113,6 +115,10 @@ what it answers (one row per policy, and the unbounded-kv limit):
                    run for every policy; x limit = capacity / the unbounded-kv limit's
   P95 at the rate  P95 and mean session E2E (s) and mean slowdown at --load x FCFS's capacity (default
                    1.0) or at --rate; x limit = P95 / the limit's P95 at the same arrivals
+  >= X             the search's --search-runs probes were all stable: X is a lower bound. Every search
+                   that ran out starts at the same rate with the same budget (FCFS's too: a knee search
+                   that ran out makes the load's base rate, then FCFS searches again from there), so
+                   ">= X" rows reach the same X and are not ranked against each other
 
 examples:
   mars-openhands plan                                             # H100 SXM, Qwen3-Coder bf16, the bundled traces
@@ -442,6 +448,13 @@ def render_plan(table: pd.DataFrame, facts: Mapping[str, Any]) -> str:
               "*× limit* divides by the unbounded-KV limit (the same arrivals with KV for every session at once): "
               "a capacity below 1× and an E2E above 1× are what KV management still loses on this GPU. The E2E "
               "columns are one run at the rate above (Poisson arrivals, the seed above)."]
+    bounds = table.loc[~table["is_bracketed"].astype(bool) & table["capacity_per_s"].notna()]
+    if len(bounds):
+        lines += ["", f"*≥ X* ({', '.join(map(str, bounds['label']))}): every probe of the search was stable, "
+                  "so its budget (--search-runs) ran out below the knee and X is only a lower bound. Every "
+                  "capacity search starts at the same rate with the same budget, so ≥ rows reach the same X "
+                  "whatever their policies' knees: they are not ranked against each other (raise "
+                  "--search-runs to bracket them)."]
     return "\n".join(lines) + "\n"
 
 

@@ -42,6 +42,11 @@ gateway, are also POSTed in batches to ``{endpoint}/mars/v1/events`` (``{"events
 session's per batch, with its token; see ``mars_openhands/control/hub.py``), where the control
 plane reads tool backlog and queue wait.
 
+Unreachable endpoint: before anything is emitted or written, the driver GETs ``/v1/models``; if no
+connection can be made (nothing listens at the URL), the run is refused with one line naming the
+URL, instead of recording every session as a connection error. A server that accepts the
+connection counts as up, whatever it answers.
+
 Long traces: real sessions reach 100k tokens, far past a tiny CPU engine's ``max_model_len``. The
 driver checks every session up front (``overflow="error"``, the default) and names the sessions that
 do not fit; cap them with ``eval.workloads.transform.trim_workload(w, max_context_tokens=...)``, or
@@ -674,8 +679,10 @@ async def replay(workload: Workload, config: ReplayConfig, *,
         Per-session and per-turn records.
 
     Raises:
-        ValueError: ``overflow="error"`` and a session does not fit ``max_model_len`` (raised
-            before anything is sent or emitted; the message names the sessions and the fix).
+        ValueError: nothing answers at ``config.endpoint_url`` (no connection to it could be
+            made), or ``overflow="error"`` and a session does not fit ``max_model_len`` (both
+            raised before any session starts or any event is emitted; the message names the URL
+            or the sessions, and the fix).
         asyncio.CancelledError: the run was cancelled (after the cleanup above).
     """
     sinks: list[EventSink] = ([] if open_sinks is not None else [ListSink()]) if sink is None else (
@@ -686,7 +693,8 @@ async def replay(workload: Workload, config: ReplayConfig, *,
                           max_keepalive_connections=config.max_connections)
     timeout = httpx.Timeout(config.request_timeout_s, connect=min(30.0, config.request_timeout_s))
     async with httpx.AsyncClient(transport=transport, limits=limits, timeout=timeout) as client:
-        max_len = config.max_model_len_tokens or await _served_max_model_len(client, config)
+        models = await _get_models(client, config)  # raises if nothing answers: nothing recorded
+        max_len = config.max_model_len_tokens or _served_max_model_len(models, config)
         result.max_model_len_tokens = max_len
         if max_len is not None and config.overflow == "error":
             check_fits(workload, max_len)
@@ -739,13 +747,43 @@ async def _drive(run: _Replay, result: ReplayResult) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _served_max_model_len(client: httpx.AsyncClient, config: ReplayConfig) -> int | None:
-    """``max_model_len`` of ``config.model`` from ``GET /v1/models`` (vLLM's model card), or None."""
+_REACH_TIMEOUT_S = 5.0
+"""Seconds to open a connection to the endpoint before the run: a local or LAN server accepts
+within milliseconds, and a refused connection fails at once."""
+
+
+async def _get_models(client: httpx.AsyncClient, config: ReplayConfig) -> httpx.Response | Exception:
+    """``GET {endpoint_url}/v1/models``: the reachability check, and vLLM's model cards.
+
+    Returns the response, or the error of a server that accepted the connection but did not
+    answer in time (it is up; ``max_model_len`` stays unread). Waits ``request_timeout_s`` for
+    the answer when :func:`_served_max_model_len` needs it, else 2 s.
+
+    Raises:
+        ValueError: no connection could be made within 5 s (nothing listens there, or no route):
+            one line naming the URL and the fix.
+    """
+    url = config.endpoint_url.rstrip("/") + "/v1/models"
+    read_s = config.request_timeout_s if config.max_model_len_tokens is None else min(2.0, config.request_timeout_s)
+    try:
+        return await client.get(url, timeout=httpx.Timeout(read_s, connect=min(_REACH_TIMEOUT_S, read_s)))
+    except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+        raise ValueError(f"nothing answers at {config.endpoint_url} (GET /v1/models: {type(e).__name__}: "
+                         f"{e or 'no connection'}); start the server there, or give endpoint_url (--endpoint-url) "
+                         "the root of a running one") from None
+    except httpx.HTTPError as e:  # connected, then no (or a broken) answer: up, but unread
+        return e
+
+
+def _served_max_model_len(models: httpx.Response | Exception, config: ReplayConfig) -> int | None:
+    """``max_model_len`` of ``config.model`` from the ``GET /v1/models`` answer (vLLM's model
+    card), or None (logged: prompt lengths are then unchecked). Pure but for the log."""
     url = config.endpoint_url.rstrip("/") + "/v1/models"
     try:
-        response = await client.get(url)
-        response.raise_for_status()
-        cards = response.json().get("data") or []
+        if isinstance(models, Exception):  # connected, but no answer in time
+            raise models
+        models.raise_for_status()
+        cards = models.json().get("data") or []
     except (httpx.HTTPError, ValueError, AttributeError) as e:
         logger.warning("cannot read max_model_len from %s (%r); prompt lengths are unchecked "
                        "(set max_model_len_tokens)", url, e)

@@ -156,7 +156,7 @@ class _Sweep:
         self._phase_s: dict[str, float] = {}
         self._phase_t0 = self.t0
         self._fcfs_knee: dict[tuple[str, str], BaseRateSearch] = {}
-        """FCFS's knee search per GPU (reused as FCFS's capacity)."""
+        """FCFS's knee search per GPU (reused as FCFS's capacity if it bracketed the knee)."""
         self._probe_wall_s: dict[tuple[tuple[str, str], float], float] = {}
         """Wall seconds of each knee probe, by ((gpu, label), rate)."""
         self._probe_streams: dict[tuple[tuple[str, str], float], pd.DataFrame] = {}
@@ -275,11 +275,13 @@ class _Sweep:
                                        f"no admission), E2E from its recorded stream, {rounds}")
         return ideal
 
-    def _search_key(self, setup: GpuSetup, label: str) -> str | None:
+    def _search_key(self, setup: GpuSetup, label: str, start_rate_per_s: float) -> str | None:
+        # The start rate is part of the search: FCFS's knee search and its capacity search (when
+        # the knee search did not bracket, see _capacities) differ only there.
         o = self.options
         return self._key("knee", setup, label, POLICIES[label.removesuffix("+adm")].engine,
                          POLICIES[label.removesuffix("+adm")].additional_config, o.knee_slowdown,
-                         o.search_max_runs, o.knee_tolerance)
+                         o.search_max_runs, o.knee_tolerance, start_rate_per_s)
 
     def _searches(self, pool: Pool, wanted: Sequence[tuple[GpuSetup, str, float]],
                   description: str, is_keeping_streams: bool = False,
@@ -295,7 +297,7 @@ class _Sweep:
         done: dict[tuple[str, str], BaseRateSearch] = {}
         open_: dict[tuple[str, str], tuple[GpuSetup, KneeSearch, str | None]] = {}
         for setup, label, start in wanted:
-            key = self._search_key(setup, label)
+            key = self._search_key(setup, label, start)
             cached = self.cache.get("knee", key) if key else None
             if isinstance(cached, dict):
                 done[(setup.gpu, label)] = BaseRateSearch(float(cached["rate_per_s"]),
@@ -431,9 +433,17 @@ class _Sweep:
         self._probe_streams = {k: v for k, v in self._probe_streams.items() if k in planned}
 
     def _capacities(self, pool: Pool) -> pd.DataFrame:
-        """Capacity at SLO of every run label on every GPU (the knee search run for each policy)."""
+        """Capacity at SLO of every run label on every GPU (the knee search run for each policy).
+
+        Every search but a reused FCFS knee starts at the GPU's base rate with ``search_max_runs``
+        probes. FCFS's knee search (from one session at a time) stands for FCFS's capacity only if
+        it bracketed the knee: an unbracketed one spent its budget getting to the base rate, where
+        the others' searches only start, so its lower bound would sit far below theirs for the same
+        runs. FCFS then searches again from the base rate, like the others: identical runs get
+        identical probes and the same lower bound.
+        """
         labels = list(dict.fromkeys(r.label for r in plan(self.options, 1.0)))
-        known = self._fcfs_knee
+        known = {k: v for k, v in self._fcfs_knee.items() if v.is_bracketed}
         wanted = []
         for setup in self.gpus:
             ideal = self.ideal[setup.gpu]

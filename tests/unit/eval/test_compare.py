@@ -401,23 +401,29 @@ def test_url_backend_runs_the_replay_and_labels_the_one_policy(tmp_path, sim, fa
     assert f"measured on {url}" in text
 
 
-def test_cli_url_backend_with_nothing_listening_fails_early(tmp_path, capsys) -> None:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again: nothing listens there
+@pytest.mark.parametrize("has_previous_results", [False, True])
+def test_cli_url_backend_with_nothing_listening_fails_early(tmp_path, capsys, closed_port_url,
+                                                            has_previous_results) -> None:
     workload = tmp_path / "w.json"
     from eval.workloads.format import save_workload
 
     save_workload(small_workload(n=2, turns=2), workload)
-    args = _parser().parse_args(["compare", "--backend", f"http://127.0.0.1:{port}", "--policies", "mars",
+    out = tmp_path / "out"
+    if has_previous_results:  # a finished run's folder: refused before anything is replaced
+        out.mkdir()
+        (out / "summary.md").write_text("the previous run\n")
+    args = _parser().parse_args(["compare", "--backend", closed_port_url, "--policies", "mars",
                                  "--workload", str(workload), "--absolute-rates", "--loads", "1",
-                                 "--out", str(tmp_path / "out")])
+                                 "--out", str(out)])
     assert args.func(args) == 2
-    err = capsys.readouterr().err.replace("\n", " ")
-    assert f"cannot list models at http://127.0.0.1:{port}/v1/models" in err
-    assert not (tmp_path / "out").exists()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"cannot list models at {closed_port_url}/v1/models" in err
+    assert "give --backend the URL of a running one" in err
+    if has_previous_results:
+        assert [p.name for p in out.iterdir()] == ["summary.md"]
+        assert (out / "summary.md").read_text() == "the previous run\n"
+    else:
+        assert not out.exists()
 
 
 def test_scale_time_fields_scales_durations_only() -> None:

@@ -9,10 +9,12 @@ from collections import Counter
 import pytest
 from compare_helpers import small_workload
 
-from eval.compare import add_compare_subcommand
+from eval.compare import _replica_workload, add_compare_subcommand
+from eval.compare_setup import trim_note
 from eval.runs import arrivals
 from eval.sweep_options import CompareOptions
-from eval.workloads import draw_sessions
+from eval.workloads import Workload, draw_sessions, trim_workload
+from eval.workloads.format import Session
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -97,3 +99,34 @@ def test_replica_gpus_set_the_replicas_and_refuse_a_conflicting_count(capsys, tm
                                  "--out", str(tmp_path / "out")])
     assert args.func(args) == 2
     assert "sets --replicas and --gpu" in capsys.readouterr().err
+
+
+def _uneven_pool() -> Workload:
+    """4 sessions of 2, 4, 6 and 8 turns (20 in all): a draw's turns differ from the pool's."""
+    base = small_workload(4, 8)
+    return base.model_copy(update={"sessions": tuple(
+        Session(session_id=s.session_id, arrival_s=0.0, turns=s.turns[-2 * (i + 1):])
+        for i, s in enumerate(base.sessions))})
+
+
+@pytest.mark.parametrize(("max_turns", "per_replica"), [(3, 3), (None, 3), (None, 100)])
+def test_the_replica_scope_line_counts_the_drawn_sessions_and_their_turns(max_turns, per_replica) -> None:
+    full = _uneven_pool()
+    pool = trim_workload(full, max_turns=max_turns)
+    args = argparse.Namespace(sessions_per_replica=per_replica, replicas=2, seed=5)
+    drawn, scope = _replica_workload(args, pool, trim_note(full, pool))
+    assert drawn == draw_sessions(pool, 2 * per_replica, 5)
+    assert drawn.num_turns not in (pool.num_turns, full.num_turns)  # the draw's own count
+    head = (f"{2 * per_replica} sessions ({drawn.num_turns} turns) drawn with replacement (seed 5) for "
+            f"2 replicas, {per_replica} per replica")
+    if max_turns is not None:  # the pool's cut follows, named as the pool's
+        assert scope.startswith(f"TRIMMED: {head} (fewer than 100), from a pool of 4 sessions ("
+                                f"{pool.num_turns} turns), cut: {pool.num_turns} of 20 turns (turn or context cap). "
+                                "A quick look"), scope
+    elif per_replica < 100:
+        assert scope.startswith(f"TRIMMED: {head} (fewer than 100), from all 4 sessions at full length (20 turns) "
+                                "on the whole GPU's KV. A quick look, not the real regime: claims need 100 "
+                                "sessions per replica"), scope
+    else:
+        assert scope == (f"Full workload: {head}, from all 4 sessions at full length (20 turns) on the whole "
+                         "GPU's KV, no trimming.")

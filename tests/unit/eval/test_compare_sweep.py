@@ -503,7 +503,9 @@ def test_a_capacity_searchs_first_probe_is_the_policys_run_at_the_knee(tmp_path,
     assert set(capacity["label"]) == {"fcfs", "continuum", "unbounded-kv"}
     base = planned["rate_per_s"].iloc[0]
     probed = len(calls)
-    assert probed == int(capacity["num_probes"].sum())  # the 3 runs were all probes
+    # FCFS's knee search (3 probes) did not bracket in its 3 runs: FCFS searched again from the knee
+    assert not capacity.set_index("label").at["fcfs", "is_bracketed"]
+    assert probed == int(capacity["num_probes"].sum()) + 3  # the 3 runs were all probes
     given = run_compare(workload, options.model_copy(update={"base_rate_per_s": base, "is_capacity": False}),
                         sim.LinearStepTimeModel(), tmp_path / "b", simulate_fn=counting)
     assert len(calls) == probed + 3

@@ -8,9 +8,14 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from compare_helpers import small_workload
 
+import eval.sweep as sweep_module
+from eval.cache import ResultCache
 from eval.cli import main
 from eval.plan import DEFAULT_PLAN_POLICIES, plan_table, render_plan
+from eval.pool import Pool
+from eval.sweep_options import CompareOptions, GpuSetup
 
 TRACE_FIXTURES = Path(__file__).parents[2] / "fixtures" / "traces"
 
@@ -156,8 +161,14 @@ def test_a_plan_on_a_tiny_trace_slice_answers_every_policy_next_to_the_limit(sim
         assert table.loc[ok, "capacity_vs_limit"].tolist() == pytest.approx(
             (table.loc[ok, "capacity_per_s"] / limit["capacity_per_s"]).tolist())
     assert table.loc[~table["is_bracketed"].astype(bool), "capacity_vs_limit"].isna().all()
-    # the chosen rate defaults to 1.0 x FCFS's capacity at SLO
-    assert table["rate_per_s"].tolist() == pytest.approx([table.at["fcfs", "capacity_per_s"]] * 3)
+    # the chosen rate defaults to 1.0 x FCFS's capacity at SLO; if FCFS's knee search ran out of
+    # probes below the knee, 1.0 x its largest stable rate, where FCFS's capacity search started
+    rate = table.at["fcfs", "rate_per_s"]
+    assert table["rate_per_s"].tolist() == pytest.approx([rate] * 3)
+    if table.at["fcfs", "is_bracketed"]:
+        assert rate == pytest.approx(table.at["fcfs", "capacity_per_s"])
+    else:
+        assert rate < table.at["fcfs", "capacity_per_s"]
     text = (out / "plan.md").read_text()
     assert text in printed and text.startswith("# mars-openhands plan\n\n**TRIMMED: ")
     assert "| unbounded-kv (limit) |" in text and "| mars+adm |" in text
@@ -191,3 +202,59 @@ def test_host_kv_gib_adds_each_policys_offload_variant_and_the_scope_names_the_t
     assert (table["num_completed"] == 2).all()
     text = (out / "plan.md").read_text()
     assert "Host KV tier: 64 GiB for vllm-offload-lru, mars-offload" in text
+
+
+def _capacities_of_identical_policies(tmp_path, monkeypatch, knee_per_s: float, max_runs: int):
+    """The sweep's FCFS knee and capacity searches for fcfs, continuum and the limit, with a fake
+    probe that is the same for every policy (mean slowdown ``1 + rate / knee_per_s``, no
+    simulation; ideal E2E 1 s, so every search starts at 1 session/s). Returns the capacity table
+    and the ``(policy, rate)`` of every probe."""
+    calls: list[tuple[str, float]] = []
+
+    def probe(workload, options, policy, is_admission_enabled, rate, *args, **kwargs):
+        calls.append((policy, rate))
+        return 1.0 + rate / knee_per_s, 0.0, None
+
+    monkeypatch.setattr(sweep_module, "probe_task", probe)
+    workload = small_workload(2, 2)
+    options = CompareOptions(policies=("fcfs", "continuum", "unbounded-kv"), loads=(1.0,), num_gpu_blocks=64,
+                             search_max_runs=max_runs, knee_tolerance=1.1, is_capacity=True)
+    setup = GpuSetup("g", object(), 64)
+    sweep = sweep_module._Sweep(workload, options, (setup,), tmp_path, None, None, None, ResultCache(None), {})
+    sweep.ideal = {"g": {s.session_id: 1.0 for s in workload.sessions}}
+    with Pool(1) as pool:
+        sweep._base_rates(pool)
+        capacity = sweep._capacities(pool)
+    return capacity, calls
+
+
+def test_identical_policies_whose_searches_run_out_below_the_knee_show_the_same_lower_bound(
+        tmp_path, monkeypatch) -> None:
+    # 3 probes from 1/s never reach a knee at 1000/s. FCFS's knee search (1, 2, 4/s) gives the base
+    # rate 4/s, where the other searches start (4, 8, 16/s): FCFS's own capacity search must start
+    # there too, or its row reads "≥ 4" beside "≥ 16" for the same runs.
+    capacity, calls = _capacities_of_identical_policies(tmp_path, monkeypatch, knee_per_s=1000.0, max_runs=3)
+    by_label = capacity.set_index("label")
+    assert not by_label["is_bracketed"].any()
+    assert list(by_label["capacity_per_s"]) == [16.0, 16.0, 16.0]
+    assert [r for p, r in calls if p == "fcfs"] == [1.0, 2.0, 4.0, 4.0, 8.0, 16.0]  # knee, then capacity
+    results = pd.DataFrame([{"label": lab, "policy": lab, "rate_per_s": 4.0, "e2e_p95_s": 10.0, "e2e_mean_s": 5.0,
+                             "slowdown_mean": 1.0, "num_completed": 2, "num_sessions": 2, "status": "ok"}
+                            for lab in by_label.index])
+    text = render_plan(plan_table(results, capacity, ("fcfs", "continuum", "unbounded-kv")), {})
+    assert "| fcfs | ≥ 16.00 |" in text and "| continuum | ≥ 16.00 |" in text, text
+    assert "*≥ X* (fcfs, continuum, unbounded-kv): every probe of the search was stable" in text
+    assert "they are not ranked against each other" in " ".join(text.split())
+
+
+def test_a_bracketed_fcfs_knee_search_is_fcfs_capacity_and_is_not_searched_again(tmp_path, monkeypatch) -> None:
+    capacity, calls = _capacities_of_identical_policies(tmp_path, monkeypatch, knee_per_s=3.0, max_runs=8)
+    by_label = capacity.set_index("label")
+    assert by_label["is_bracketed"].all()
+    assert sum(p == "fcfs" for p, _ in calls) == by_label.at["fcfs", "num_probes"]  # one search
+    assert (by_label["capacity_per_s"] <= 3.0).all() and (by_label["first_unstable_per_s"] > 3.0).all()
+    text = render_plan(plan_table(pd.DataFrame([
+        {"label": lab, "policy": lab, "rate_per_s": 2.0, "e2e_p95_s": 10.0, "e2e_mean_s": 5.0, "slowdown_mean": 1.0,
+         "num_completed": 2, "num_sessions": 2, "status": "ok"} for lab in by_label.index]),
+        capacity, ("fcfs", "continuum", "unbounded-kv")), {})
+    assert "≥" not in text

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from eval.replay import (
+    EXIT_BAD_INPUT,
     ReplayConfig,
     ReplayResult,
     add_replay_subcommand,
@@ -511,30 +512,49 @@ def test_cli_flags_come_from_the_config_model() -> None:
                            "--model", "m", "--tool-mode", "gpu"])
 
 
-def _replay_against_nothing(tmp_path: Path, output: Path) -> int:
-    """``replay -o output`` of WORKLOAD against a port where nothing listens; the exit code."""
+def _replay_cli(tmp_path: Path, output: Path, url: str) -> int:
+    """``replay -o output`` of WORKLOAD against ``url``; the exit code."""
     workload_path = tmp_path / "w.json"
     save_workload(WORKLOAD, workload_path)
-    return _cli(["replay", str(workload_path), "-o", str(output), "--endpoint-url",
-                 "http://127.0.0.1:9", "--model", "m", "--no-show-progress",
-                 "--max-model-len-tokens", "1000", "--request-timeout-s", "5"])
+    return _cli(["replay", str(workload_path), "-o", str(output), "--endpoint-url", url, "--model", "m",
+                 "--no-show-progress", "--max-model-len-tokens", "1000", "--request-timeout-s", "5"])
 
 
-def test_cli_against_an_unreachable_endpoint_records_errors_and_exits_1(tmp_path: Path) -> None:
+@pytest.mark.parametrize("is_max_len_given", [True, False])
+def test_cli_against_a_closed_port_is_refused_in_one_line_and_writes_nothing(
+        tmp_path: Path, closed_port_url: str, capsys: pytest.CaptureFixture[str], is_max_len_given: bool) -> None:
+    """It recorded every session as a ConnectError, wrote the stream and its records, and exited 1."""
     stream_path = tmp_path / "run" / "stream.jsonl"
-    assert _replay_against_nothing(tmp_path, stream_path) == 1
+    workload_path = tmp_path / "w.json"
+    save_workload(WORKLOAD, workload_path)
+    argv = ["replay", str(workload_path), "-o", str(stream_path), "--endpoint-url", closed_port_url,
+            "--model", "m", "--no-show-progress", "--request-timeout-s", "5"]
+    assert _cli([*argv, *(["--max-model-len-tokens", "1000"] if is_max_len_given else [])]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert err.startswith(f"mars-openhands replay: error: nothing answers at {closed_port_url} (GET /v1/models: "
+                          "ConnectError") and err.count("\n") == 1, err
+    assert err.rstrip().endswith("start the server there, or give endpoint_url (--endpoint-url) the root of a "
+                                 "running one")
+    assert not (tmp_path / "run").exists()  # no stream, no records, not even the folder
+
+
+def test_cli_against_a_server_that_answers_errors_records_them_and_exits_1(
+        tmp_path: Path, not_found_endpoint: str) -> None:
+    """A server that is up is replayed against, whatever it answers: each session ends in error."""
+    stream_path = tmp_path / "run" / "stream.jsonl"
+    assert _replay_cli(tmp_path, stream_path, not_found_endpoint) == 1
     frame = read_stream(stream_path)
     ends = frame[frame["kind"] == "session_end"]
     assert sorted(ends["session_id"]) == ["A", "B", "C"] and set(ends["status"]) == {"error"}
     records = json.loads(stream_path.with_suffix(".result.json").read_text())
     assert [s["status"] for s in records["sessions"]] == ["error", "error", "error"]
-    assert "ConnectError" in records["sessions"][0]["error"]
+    assert "404" in records["sessions"][0]["error"]
 
 
-def test_cli_output_parquet_records_jsonl_next_to_it_and_keeps_both(tmp_path: Path) -> None:
+def test_cli_output_parquet_records_jsonl_next_to_it_and_keeps_both(tmp_path: Path, not_found_endpoint: str) -> None:
     """-o x.parquet used to record JSONL *into* x.parquet and fail converting it at the very end."""
     out = tmp_path / "run" / "s.parquet"
-    assert _replay_against_nothing(tmp_path, out) == 1  # every session errors, recorded
+    assert _replay_cli(tmp_path, out, not_found_endpoint) == 1  # every session errors, recorded
     parquet, jsonl = read_stream(out), read_stream(out.with_suffix(".jsonl"))
     assert len(parquet) == len(jsonl) > 0
     assert out.with_suffix(".result.json").is_file()

@@ -76,11 +76,11 @@ def test_bad_config_flags_are_one_line_each_naming_the_flag(
 
 
 def test_a_run_refused_up_front_leaves_no_file_so_the_rerun_works(
-        workload_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        workload_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], not_found_endpoint: str) -> None:
     """Sessions that do not fit refuse the run before any request; it left an empty stream (and
     its Parquet copy), so the rerun the message suggests failed with "already exists"."""
     out = tmp_path / "run" / "s.jsonl"
-    argv = [str(workload_path), "-o", str(out), "--endpoint-url", "http://127.0.0.1:9", "--model", "m",
+    argv = [str(workload_path), "-o", str(out), "--endpoint-url", not_found_endpoint, "--model", "m",
             "--no-show-progress", "--request-timeout-s", "5"]
     assert _cli(*argv, "--max-model-len-tokens", "10") == EXIT_BAD_INPUT
     err = capsys.readouterr().err
