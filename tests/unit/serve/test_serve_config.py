@@ -119,6 +119,22 @@ def _errors(capsys: pytest.CaptureFixture[str], *argv: str) -> list[str]:
     return capsys.readouterr().err.splitlines()
 
 
+def test_gateway_errors_name_the_flag_given_and_print_no_key(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # A key given as its own flag is named by that flag, not as a --gateway-config key.
+    assert _errors(capsys, "--stream-path", "/tmp/s.parquet", "--ray-address", "ray://h:1") == [
+        "mars-openhands serve: error: --stream-path: the stream is recorded as JSONL: give a .jsonl "
+        "path, not '/tmp/s.parquet' (--stream-write-parquet adds the .parquet copy next to it) "
+        "(got '/tmp/s.parquet')"]
+    # A check across the gateway's keys: the file's flag, and not the keys (it printed both keys).
+    monkeypatch.setenv("MARS_GATEWAY_API_KEY", "s3cret-key")
+    monkeypatch.setenv("MARS_GATEWAY_ADMIN_KEY", "s3cret-key")
+    assert _errors(capsys, "--ray-address", "ray://h:1") == [
+        "mars-openhands serve: error: --gateway-config: the admin key equals the API key: every "
+        "agent that holds the API key could read other sessions' ids; give the admin key its own "
+        "value"]
+
+
 def test_a_block_size_vllm_refuses_on_the_replicas_device_is_a_flag_error(
         capsys: pytest.CaptureFixture[str]) -> None:
     assert _errors(capsys, "--block-size", "33") == [
