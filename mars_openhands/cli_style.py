@@ -9,9 +9,10 @@ reads the same wherever it is made::
     mars-openhands compare: error: --admission: invalid choice: 'x' (choose from 'auto', 'off', 'on', 'both')
     mars-openhands gateway: error: --port 8000: 127.0.0.1:8000 is in use; pass a free --port
 
-The integer ``type=`` helpers (:func:`positive_int`, :func:`non_negative_int`,
-:func:`count_or_zero`, :func:`port_number`) and :func:`config_error_lines` live here, not in
-``eval.argtypes`` (which re-exports them), because the ``mars_openhands`` layers may not import
+The range-checked ``type=`` helpers (:func:`positive_int`, :func:`non_negative_int`,
+:func:`count_or_zero`, :func:`port_number`, :func:`finite_float`, :func:`positive_float`,
+:func:`non_negative_float`, :func:`positive_fraction`) and :func:`config_error_lines` live here, not
+in ``eval.argtypes`` (which re-exports them), because the ``mars_openhands`` layers may not import
 ``eval`` (tests/unit/test_layering.py) and their command lines need them too.
 
 Standard library only: every layer's command line imports it.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import math
 import re
 import socket
 import sys
@@ -28,7 +30,8 @@ from collections.abc import Mapping
 from typing import IO, Any, Literal, NoReturn
 
 __all__ = ["EXIT_USAGE", "CliParser", "check_port_free", "cli_error", "config_error_lines", "count_or_zero",
-           "long_flags", "non_negative_int", "one_line", "port_number", "positive_int"]
+           "finite_float", "long_flags", "non_negative_float", "non_negative_int", "one_line",
+           "port_number", "positive_float", "positive_fraction", "positive_int"]
 
 EXIT_USAGE = 2
 """Exit status of a usage error (argparse's, and the shell convention)."""
@@ -139,6 +142,40 @@ def port_number(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a port in 1..65535, got {text!r}")
     return value
 
+
+def finite_float(text: str) -> float:
+    """A finite number (``nan`` and ``inf`` rejected)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (e.g. a rate, or a timeout in seconds)."""
+    value = finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0."""
+    value = finite_float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def positive_fraction(text: str) -> float:
+    """A number in (0, 1] (e.g. nucleus sampling's ``top_p``)."""
+    value = finite_float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
 
 
 def long_flags(parser: argparse.ArgumentParser) -> dict[str, str]:
