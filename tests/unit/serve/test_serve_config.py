@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -185,6 +188,39 @@ def test_a_dotted_scheduler_must_import_as_a_vllm_scheduler_class(
         ServeConfig(scheduler="mars_openhands.engine.NoSuch")
     stock = "vllm.v1.core.sched.async_scheduler.AsyncScheduler"
     assert ServeConfig(scheduler=stock).scheduler_cls == stock
+
+
+def test_checking_a_dotted_scheduler_prints_no_vllm_log_lines(tmp_path: Path) -> None:
+    """Importing vLLM to check --scheduler logged its import-time warnings ("Triton is installed,
+    but doesn't include CPU backend. Disabling Triton.") above the error line. A fresh process:
+    vLLM logs them at its first import only."""
+    pytest.importorskip("vllm", reason="a dotted --scheduler is imported with vLLM (engine env)")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
+    done = subprocess.run([sys.executable, "-m", "eval.cli", "serve", "--scheduler", "os.system"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        "mars-openhands serve: error: --scheduler: scheduler 'os.system' is a "
+        "builtin_function_or_method, not a vLLM scheduler class (a subclass of "
+        "vllm.v1.core.sched.interface.SchedulerInterface, e.g. mars_openhands.engine.MarsScheduler) "
+        "(got 'os.system')"]
+
+
+def test_the_vllm_logger_level_is_restored_after_the_check() -> None:
+    pytest.importorskip("vllm", reason="a dotted --scheduler is imported with vLLM (engine env)")
+    import logging
+
+    from mars_openhands.engine.plugin import load_scheduler_cls
+
+    vllm_logger = logging.getLogger("vllm")
+    before = vllm_logger.level
+    try:
+        vllm_logger.setLevel(logging.INFO)
+        with pytest.raises(ValueError, match="cannot be imported"):
+            load_scheduler_cls("no_such_pkg.mod.Cls")
+        assert vllm_logger.level == logging.INFO
+    finally:
+        vllm_logger.setLevel(before)
 
 
 def test_the_gateways_stream_path_and_port_are_checked_on_this_node(
