@@ -13,30 +13,22 @@ import json
 import math
 from typing import Any
 
-# The integer types and the config error lines serve the mars_openhands layers' command lines too,
+# The number types and the config error lines serve the mars_openhands layers' command lines too,
 # which may not import eval: they live in mars_openhands.cli_style and are re-exported here.
 from mars_openhands.cli_style import (
     config_error_lines,
     count_or_zero,
+    finite_float,
     long_flags,
+    non_negative_float,
     non_negative_int,
     port_number,
+    positive_float,
     positive_int,
 )
 
 __all__ = ["config_error_lines", "count_or_zero", "finite_float", "json_object", "long_flags", "non_negative_float",
            "non_negative_int", "port_number", "positive_float", "positive_floats", "positive_int", "positive_ints"]
-
-
-def finite_float(text: str) -> float:
-    """A finite number (``nan`` and ``inf`` rejected)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    return value
 
 
 def json_object(text: str) -> dict[str, Any]:
@@ -48,14 +40,6 @@ def json_object(text: str) -> dict[str, Any]:
                                          f"{e.colno})") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object {{...}}, got {text!r}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """A finite number > 0."""
-    value = finite_float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
     return value
 
 
@@ -77,14 +61,6 @@ def positive_floats(text: str) -> tuple[float, ...]:
     if not all(math.isfinite(v) and v > 0 for v in values):
         raise argparse.ArgumentTypeError(f"expected finite positive numbers, got {text!r}")
     return values
-
-
-def non_negative_float(text: str) -> float:
-    """A finite number >= 0."""
-    value = finite_float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
 
 
 def positive_ints(text: str) -> tuple[int, ...]:

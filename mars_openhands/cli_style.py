@@ -9,9 +9,10 @@ reads the same wherever it is made::
     mars-openhands compare: error: --admission: invalid choice: 'x' (choose from 'auto', 'off', 'on', 'both')
     mars-openhands gateway: error: --port 8000: 127.0.0.1:8000 is in use; pass a free --port
 
-The integer ``type=`` helpers (:func:`positive_int`, :func:`non_negative_int`,
-:func:`count_or_zero`, :func:`port_number`) and :func:`config_error_lines` live here, not in
-``eval.argtypes`` (which re-exports them), because the ``mars_openhands`` layers may not import
+The range-checked ``type=`` helpers (:func:`positive_int`, :func:`non_negative_int`,
+:func:`count_or_zero`, :func:`port_number`, :func:`finite_float`, :func:`positive_float`,
+:func:`non_negative_float`, :func:`positive_fraction`) and :func:`config_error_lines` live here, not
+in ``eval.argtypes`` (which re-exports them), because the ``mars_openhands`` layers may not import
 ``eval`` (tests/unit/test_layering.py) and their command lines need them too.
 
 Standard library only: every layer's command line imports it.
@@ -21,14 +22,16 @@ from __future__ import annotations
 
 import argparse
 import errno
+import math
 import re
 import socket
 import sys
 from collections.abc import Mapping
-from typing import IO, Any, NoReturn
+from typing import IO, Any, Literal, NoReturn
 
 __all__ = ["EXIT_USAGE", "CliParser", "check_port_free", "cli_error", "config_error_lines", "count_or_zero",
-           "long_flags", "non_negative_int", "one_line", "port_number", "positive_int"]
+           "finite_float", "long_flags", "non_negative_float", "non_negative_int", "one_line",
+           "port_number", "positive_float", "positive_fraction", "positive_int"]
 
 EXIT_USAGE = 2
 """Exit status of a usage error (argparse's, and the shell convention)."""
@@ -140,6 +143,40 @@ def port_number(text: str) -> int:
     return value
 
 
+def finite_float(text: str) -> float:
+    """A finite number (``nan`` and ``inf`` rejected)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (e.g. a rate, or a timeout in seconds)."""
+    value = finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0."""
+    value = finite_float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def positive_fraction(text: str) -> float:
+    """A number in (0, 1] (e.g. nucleus sampling's ``top_p``)."""
+    value = finite_float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
+
 
 def long_flags(parser: argparse.ArgumentParser) -> dict[str, str]:
     """``dest -> long option`` of every optional flag of ``parser`` (``--help`` left out)."""
@@ -148,31 +185,71 @@ def long_flags(parser: argparse.ArgumentParser) -> dict[str, str]:
             if action.dest != "help" and any(o.startswith("--") for o in action.option_strings)}
 
 
-def config_error_lines(error: Any, flags: Mapping[str, str]) -> list[str]:
+_CONTAINERS = (dict, list, tuple, set, frozenset)
+"""Inputs not echoed as ``(got ...)``: the message names the bad part (and a dict may hold keys)."""
+
+
+def config_error_lines(error: Any, flags: Mapping[str, str] | None = None, *,
+                       file_flag: str | None = None,
+                       model_errors: Literal["assign", "as_is"] = "assign") -> list[str]:
     """One ``--flag: <msg> (got <value>)`` line per problem of a config built from flags. Pure.
+
+    The one formatter of every command line's pydantic errors::
+
+        --num-tool-workers: Input should be greater than or equal to 1 (got 0)
+        --model: required; pass --model VALUE
+        --gateway-config admission.window_mx: Extra inputs are not permitted (got 7)
+
+    ``(got <value>)`` is left out where the message already says ``got``, and where the value is
+    a dict, list or tuple (the message names the bad part; a dict may hold secrets).
 
     Args:
         error: a pydantic ``ValidationError``.
         flags: field name → flag, e.g. ``{"num_tool_workers": "--num-tool-workers"}``; a field not
-            in it prints as ``--<field with dashes>``. Errors of a model-level check (no field
-            location) are assigned to the first field their message names.
+            in it prints as ``--<field with dashes>`` (or, with ``file_flag``, as a file key).
+        file_flag: the config's keys come from a file given with this flag (``serve
+            --gateway-config``): a field not in ``flags`` prints as ``<file_flag> <dotted key
+            path>``, and a model-level error not assigned to a field as ``<file_flag>``.
+        model_errors: how an error of a model-level check (no field location) prints.
+            ``"assign"``: on the first field of ``flags`` its message names, with that field's
+            value where it was given (else on ``config``, or ``file_flag``). ``"as_is"``: the message alone, for a
+            model whose cross-field check already writes command-line lines naming their flags
+            (``serve``'s check of each engine's options).
 
     Returns:
         The lines, without pydantic's input dump and documentation URL (no ``error:`` prefix).
     """
+    flags = flags or {}
     lines = []
     for item in error.errors(include_url=False):
         message = str(item["msg"]).removeprefix("Value error, ")
         loc, got = tuple(item["loc"]), item.get("input")
+        if not loc and model_errors == "as_is":
+            lines.append(message)
+            continue
         if not loc and isinstance(got, dict):  # the model validator: find the field it names
             named = [w for w in re.findall(r"[a-z][a-z0-9_]*", message) if w in flags]
-            loc, got = ((named[0],), got.get(named[0])) if named else ((), got)
-        flag = flags.get(str(loc[0]), "--" + str(loc[0]).replace("_", "-")) if loc else "config"
+            # (a field not given keeps the input dict as its value, which is not shown)
+            loc, got = ((named[0],), got.get(named[0], got)) if named else ((), got)
+        flag = _flag_of(loc, flags, file_flag)
         message = message.removesuffix(f" ({flag})")
         if item["type"] == "missing":
-            lines.append(f"{flag}: required; pass {flag} VALUE")
-        elif "got " in message or isinstance(got, dict):
+            fix = f"pass {flag} VALUE" if file_flag is None or str(loc[0]) in flags else (
+                f"add the key to the {file_flag} file")
+            lines.append(f"{flag}: required; {fix}")
+        elif "got " in message or isinstance(got, _CONTAINERS):
             lines.append(f"{flag}: {message}")
         else:
             lines.append(f"{flag}: {message} (got {got!r})")
     return lines
+
+
+def _flag_of(loc: tuple[Any, ...], flags: Mapping[str, str], file_flag: str | None) -> str:
+    """The flag (or ``file_flag`` and key path) an error location names. Pure."""
+    if not loc:
+        return file_flag or "config"
+    if str(loc[0]) in flags:
+        return flags[str(loc[0])]
+    if file_flag is not None:
+        return f"{file_flag} {'.'.join(str(p) for p in loc)}"
+    return "--" + str(loc[0]).replace("_", "-")

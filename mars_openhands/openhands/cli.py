@@ -23,7 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from mars_openhands.cli_signals import end_with_parent, sigterm_exits
-from mars_openhands.cli_style import CliParser, cli_error
+from mars_openhands.cli_style import (
+    CliParser,
+    cli_error,
+    non_negative_float,
+    positive_float,
+    positive_fraction,
+    positive_int,
+)
 
 __all__ = ["add_openhands_subcommand", "main"]
 
@@ -50,11 +57,11 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="served model name")
     parser.add_argument("--api-key", default=os.environ.get("MARS_API_KEY", "EMPTY"),
                         help="API key (default $MARS_API_KEY or EMPTY); never written to --out")
-    parser.add_argument("--temperature", type=float, default=None,
+    parser.add_argument("--temperature", type=non_negative_float, default=None,
                         help="sampling temperature sent with every LLM call (default: the server's)")
-    parser.add_argument("--top-p", type=float, default=None,
+    parser.add_argument("--top-p", type=positive_fraction, default=None,
                         help="nucleus sampling top_p sent with every LLM call (default: the server's)")
-    parser.add_argument("--max-output-tokens", type=int, default=None, help="tokens per completion")
+    parser.add_argument("--max-output-tokens", type=positive_int, default=None, help="tokens per completion")
     parser.add_argument("--events-url", default=None,
                         help="CPU-plane events endpoint (default for mars: <url>/mars/v1/events)")
     parser.add_argument("--tasks", type=Path, default=None, help="JSONL of tasks")
@@ -70,21 +77,21 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true",
                         help="tasks an earlier run left in --out go on with their conversation "
                              "(same session, workspace and steps so far)")
-    parser.add_argument("--rps", type=float, default=1.0,
+    parser.add_argument("--rps", type=positive_float, default=1.0,
                         help="task arrivals per second, at fixed gaps (default 1)")
-    parser.add_argument("--max-iterations", type=int, default=100,
+    parser.add_argument("--max-iterations", type=positive_int, default=100,
                         help="agent steps per task before OpenHands stops it (default 100)")
     parser.add_argument("--no-policy", action="store_true", help="disable the pre-tool policy check")
     parser.add_argument("--terminal-type", choices=("subprocess", "tmux"), default="subprocess",
                         help="the agent's terminal: subprocess (default; one shell, calls take "
                              "turns) or tmux (a pane per parallel call)")
-    parser.add_argument("--tool-concurrency", type=int, default=1,
+    parser.add_argument("--tool-concurrency", type=positive_int, default=1,
                         help="tool calls of one LLM response run at most this many at a time "
                              "(default 1, the SDK's: one by one)")
-    parser.add_argument("--task-timeout-s", type=float, default=3600.0,
+    parser.add_argument("--task-timeout-s", type=positive_float, default=3600.0,
                         help="wall-clock bound on one task, seconds; past it the task's process is "
                              "stopped and the task reported as error (default 3600)")
-    parser.add_argument("--tool-timeout-s", type=float, default=None,
+    parser.add_argument("--tool-timeout-s", type=positive_float, default=None,
                         help="bound on one tool call, seconds, sent with session_start: past it "
                              "with no tool_end the gateway closes the call as interrupted (a dead "
                              "agent); default: the gateway's --tool-call-timeout-s")
@@ -122,14 +129,14 @@ def _tasks_from(args: argparse.Namespace) -> list[Any]:
 def _checked_inputs(args: argparse.Namespace) -> tuple[list[Any], Any]:
     """The tasks and run config, checked before any task process starts.
 
+    The flags' ranges (``--rps`` > 0, ...) are checked by their argparse types, at parsing.
+
     Raises:
-        ValueError: ``--rps`` <= 0, an unreadable or invalid ``--tasks`` line (the message names the
-            file, line and field), or a task's ``workspace`` that is not a directory.
+        ValueError: an unreadable or invalid ``--tasks`` line (the message names the file, line
+            and field), or a task's ``workspace`` that is not a directory.
     """
     from pydantic import ValidationError
 
-    if not args.rps > 0:
-        raise ValueError(f"--rps: must be > 0 (got {args.rps})")
     try:
         tasks = _tasks_from(args)
     except OSError as e:

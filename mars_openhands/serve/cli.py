@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from mars_openhands import env
-from mars_openhands.cli_style import cli_error
+from mars_openhands.cli_style import cli_error, config_error_lines
 from mars_openhands.serve.config import ServeConfig
 
 __all__ = ["add_serve_subcommand", "config_from_args", "run_from_args"]
@@ -27,6 +27,9 @@ __all__ = ["add_serve_subcommand", "config_from_args", "run_from_args"]
 _PROG = "mars-openhands serve"
 _FLAG_NAMES = {"num_replicas": "replicas", "vllm_args": "vllm-arg", "gateway": None}
 """Field → flag name where it is not the field's name with dashes; ``None``: no flag of its own."""
+_ERROR_FLAGS = {**{name: f"--{flag}" for name, flag in _FLAG_NAMES.items() if flag is not None},
+                "gateway": "--gateway-config"}
+"""Field → the flag an error names (``gateway``: its keys come from ``--gateway-config``)."""
 _GATEWAY_KEYS = (("host", str, "gateway's listen address on the ingress's node (default "
                   "127.0.0.1; 0.0.0.0 to serve other machines)"),
                  ("port", int, "gateway's TCP port (default 8000)"),
@@ -118,19 +121,21 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """
     values = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
     gateway = _read_gateway_file(values.pop("gateway_config")) if "gateway_config" in values else {}
+    flagged: dict[str, str] = {}  # gateway key → its flag, for the keys given as flags
     for key, _, _ in _GATEWAY_KEYS:
         if f"gateway__{key}" in values:
             gateway[key] = values.pop(f"gateway__{key}")
+            flagged[key] = f"--{key.replace('_', '-')}"
     for field, var in (("api_key", env.GATEWAY_API_KEY), ("admin_key", env.GATEWAY_ADMIN_KEY)):
         secret = var.get_secret()
         if gateway.get(field) is None and secret is not None:
             gateway[field] = secret
     if "vllm_args" in values:
         values["vllm_args"] = tuple(values["vllm_args"])
-    try:
+    try:  # a check across fields is check_engine_options's, whose lines name their flags
         config = ServeConfig.model_validate({**values, "gateway": gateway})
     except ValidationError as e:
-        raise ValueError(_lines(e, "")) from None
+        raise ValueError("\n".join(config_error_lines(e, _ERROR_FLAGS, model_errors="as_is"))) from None
     from mars_openhands.control.config import check_runtime
     from mars_openhands.serve.ingress import gateway_config
 
@@ -138,7 +143,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         gateway = gateway_config(
             config, [f"http://127.0.0.1:{i + 1}" for i in range(config.num_replicas)], None)
     except ValidationError as e:
-        raise ValueError(_lines(e, "gateway-config ")) from None
+        raise ValueError("\n".join(config_error_lines(e, flagged, file_flag="--gateway-config"))) from None
     if _ingress_runs_here(config):
         # The gateway's checks of its node (a --stream-path that exists, a --port in use), as
         # `mars-openhands gateway` runs them before it starts; GatewayConfig is pure, so they are
@@ -151,28 +156,6 @@ def _ingress_runs_here(config: ServeConfig) -> bool:
     """Whether the ingress (the gateway) runs on this machine: :func:`~.app.start` pins it to the
     driver's node, which is this one unless the driver is a Ray Client (``ray://``). Pure."""
     return not (config.ray_address or "").startswith("ray://")
-
-
-def _lines(error: ValidationError, prefix: str) -> str:
-    """One line per problem: the flag (``prefix`` + a gateway key's dotted path), what, the value.
-    A check across fields (no location: its message names the flags, one line each) as it is."""
-    lines = []
-    for err in error.errors():
-        message = err["msg"].removeprefix("Value error, ")
-        if not err["loc"] and not prefix:
-            lines.append(message)
-        else:
-            lines.append(f"--{prefix}{_flag_of(err['loc'], bool(prefix))}: {message} "
-                         f"(got {err.get('input')!r})")
-    return "\n".join(lines)
-
-
-def _flag_of(loc: tuple[Any, ...], is_gateway_key: bool) -> str:
-    """The flag of a validation error's location (a gateway key: its dotted path)."""
-    if is_gateway_key:
-        return ".".join(str(p) for p in loc)
-    name = str(loc[0]) if loc else "?"
-    return _FLAG_NAMES.get(name, name.replace("_", "-")) or name
 
 
 def run_from_args(args: argparse.Namespace) -> int:

@@ -33,6 +33,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from mars_openhands.cli_style import config_error_lines
 from mars_openhands.engine.harness.launch import VllmServer, VllmServerOptions
 from mars_openhands.serve.config import ServeConfig
 from mars_openhands.stream.events import Event
@@ -108,18 +109,10 @@ def check_engine_options(config: ServeConfig) -> None:
     try:
         engine_options(config, 0, "127.0.0.1", config.model,
                        Path(tempfile.gettempdir()) / "mars-serve-engine0")
-    except ValidationError as e:
-        raise ValueError("\n".join(_option_line(err) for err in e.errors())) from None
-
-
-def _option_line(error: Any) -> str:
-    """One :class:`VllmServerOptions` validation error as a ``serve`` error line (a check across
-    fields, with no location, names its fields itself)."""
-    message = error["msg"].removeprefix("Value error, ")
-    if not error["loc"]:
-        return message
-    field = str(error["loc"][0])
-    return f"--{_SERVE_FLAGS.get(field, field.replace('_', '-'))}: {message}"
+    except ValidationError as e:  # a check across fields goes to the first field it names
+        flags = {field: f"--{_SERVE_FLAGS.get(field, field.replace('_', '-'))}"
+                 for field in VllmServerOptions.model_fields}
+        raise ValueError("\n".join(config_error_lines(e, flags))) from None
 
 
 class EngineReplica:

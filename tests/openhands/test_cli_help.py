@@ -77,6 +77,23 @@ def test_a_bad_value_is_one_line_naming_the_flag(path, action, value, capsys) ->
         f"mars-openhands {' '.join(path)}: error: {action.option_strings[-1]}: "), err
 
 
+@pytest.mark.parametrize(("argv", "expected"), [
+    # each was a pydantic dump of several lines (RunConfig / LLMSettings), or --rps's own check
+    (["--max-iterations", "0"], "--max-iterations: expected an integer >= 1, got '0'"),
+    (["--top-p", "1.5"], "--top-p: expected a number in (0, 1], got '1.5'"),
+    (["--temperature", "-0.1"], "--temperature: expected a number >= 0, got '-0.1'"),
+    (["--tool-timeout-s", "0"], "--tool-timeout-s: expected a number > 0, got '0'"),
+    (["--rps", "-1"], "--rps: expected a number > 0, got '-1'"),
+])
+def test_run_out_of_range_values_are_one_argparse_line(argv, expected, tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit) as info:  # at parsing: before any task, or the SDK import
+        main(["openhands", "run", "--url", "http://127.0.0.1:9", "--model", "m", "--problem", "p",
+              "--workspace", str(tmp_path), "--out", str(tmp_path / "o"), *argv])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == f"mars-openhands openhands run: error: {expected}\n"
+    assert not (tmp_path / "o").exists()
+
+
 def test_playback_on_a_busy_port_names_the_flag(tmp_path, capsys) -> None:
     script = tmp_path / "x__y-1.traj.json"
     script.write_text(json.dumps({"instance_id": "x__y-1", "messages": [

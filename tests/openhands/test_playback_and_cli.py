@@ -210,7 +210,6 @@ def test_cli_run_input_errors_are_one_line_and_exit_2(tmp_path: Path, capsys) ->
     cases = [
         (["--tasks", str(tmp_path / "nope.jsonl")], "--tasks: cannot read"),
         (["--tasks", str(bad_task)], "problem_statement: Field required"),
-        (["--problem", "p", "--workspace", str(tmp_path), "--rps", "-1"], "--rps: must be > 0"),
         (["--problem", "p", "--workspace", str(tmp_path / "missing")], "is not a directory"),
     ]
     for extra, expected in cases:

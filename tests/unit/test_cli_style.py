@@ -7,9 +7,16 @@ import argparse
 import socket
 
 import pytest
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from eval.cli import build_parser, main
-from mars_openhands.cli_style import CliParser, check_port_free, cli_error, one_line
+from mars_openhands.cli_style import (
+    CliParser,
+    check_port_free,
+    cli_error,
+    config_error_lines,
+    one_line,
+)
 
 
 def test_one_line_keeps_the_long_flag_and_drops_line_breaks() -> None:
@@ -42,6 +49,78 @@ def test_a_listening_port_is_named_with_its_flag() -> None:
     assert message is not None and message.startswith(f"--port {port}: 127.0.0.1:{port} is in use")
     assert check_port_free("127.0.0.1", port) is None  # closed: free again (SO_REUSEADDR)
     assert check_port_free("127.0.0.1", 0) is None
+
+
+# -- config_error_lines: the one formatter of pydantic errors (eval, serve, serve's engines) ------------
+
+class _Admission(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    window_min: int = Field(1, ge=1)
+    window_max: int = Field(8, ge=1)
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    num_tool_workers: int = Field(4, ge=1)
+    admission: _Admission = _Admission()
+    api_key: str | None = None
+    schedulers: list[str] = ["mars"]
+
+    @model_validator(mode="after")
+    def _check(self) -> _Config:
+        if self.admission.window_min > self.admission.window_max:
+            raise ValueError(f"window_min > window_max in num_tool_workers={self.num_tool_workers}")
+        if self.api_key == "same":
+            raise ValueError("--api-key: the API key equals the admin key; give each its own")
+        if not self.schedulers:
+            raise ValueError("at least one scheduler is needed")
+        return self
+
+
+def _error(**values) -> ValidationError:
+    with pytest.raises(ValidationError) as info:
+        _Config.model_validate(values)
+    return info.value
+
+
+def test_config_error_lines_field_and_missing_errors_name_the_flag() -> None:
+    flags = {"num_tool_workers": "--tool-workers"}
+    assert config_error_lines(_error(num_tool_workers=0), flags) == [
+        "--model: required; pass --model VALUE",  # not in flags: the field with dashes
+        "--tool-workers: Input should be greater than or equal to 1 (got 0)"]
+    # A dict's or list's value is not echoed: the message names the bad part.
+    assert config_error_lines(_error(model="m", admission=[1])) == [
+        "--admission: Input should be a valid dictionary or instance of _Admission"]
+
+
+def test_config_error_lines_model_level_errors_assigned_or_as_is() -> None:
+    cross = _error(model="m", admission={"window_min": 5, "window_max": 2})
+    # "assign": the first field of flags the message names, with that field's value.
+    assert config_error_lines(cross, {"num_tool_workers": "--tool-workers"}) == [
+        "--tool-workers: window_min > window_max in num_tool_workers=4"]  # not given: no value
+    given = _error(model="m", num_tool_workers=3, admission={"window_min": 5, "window_max": 2})
+    assert config_error_lines(given, {"num_tool_workers": "--tool-workers"}) == [
+        "--tool-workers: window_min > window_max in num_tool_workers=3 (got 3)"]
+    assert config_error_lines(cross) == ["config: window_min > window_max in num_tool_workers=4"]
+    # "as_is": a cross-field check that writes command-line lines itself (serve's).
+    same = _error(model="m", api_key="same")
+    assert config_error_lines(same, model_errors="as_is") == [
+        "--api-key: the API key equals the admin key; give each its own"]
+    assert config_error_lines(_error(model="m", schedulers=[])) == [
+        "config: at least one scheduler is needed"]
+
+
+def test_config_error_lines_file_keys_are_dotted_under_the_file_flag() -> None:
+    error = _error(admission={"window_max": 0, "window_mx": 7})
+    assert config_error_lines(error, {"num_tool_workers": "--tool-workers"},
+                              file_flag="--gateway-config") == [
+        "--gateway-config model: required; add the key to the --gateway-config file",
+        "--gateway-config admission.window_max: Input should be greater than or equal to 1 (got 0)",
+        "--gateway-config admission.window_mx: Extra inputs are not permitted (got 7)"]
+    # A model-level error names the file, and never dumps its keys (they may be secrets).
+    lines = config_error_lines(_error(model="m", api_key="same"), file_flag="--gateway-config")
+    assert lines == ["--gateway-config: --api-key: the API key equals the admin key; give each its own"]
 
 
 # -- every subcommand of this environment ------------------------------------------------------------

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -119,6 +122,22 @@ def _errors(capsys: pytest.CaptureFixture[str], *argv: str) -> list[str]:
     return capsys.readouterr().err.splitlines()
 
 
+def test_gateway_errors_name_the_flag_given_and_print_no_key(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # A key given as its own flag is named by that flag, not as a --gateway-config key.
+    assert _errors(capsys, "--stream-path", "/tmp/s.parquet", "--ray-address", "ray://h:1") == [
+        "mars-openhands serve: error: --stream-path: the stream is recorded as JSONL: give a .jsonl "
+        "path, not '/tmp/s.parquet' (--stream-write-parquet adds the .parquet copy next to it) "
+        "(got '/tmp/s.parquet')"]
+    # A check across the gateway's keys: the file's flag, and not the keys (it printed both keys).
+    monkeypatch.setenv("MARS_GATEWAY_API_KEY", "s3cret-key")
+    monkeypatch.setenv("MARS_GATEWAY_ADMIN_KEY", "s3cret-key")
+    assert _errors(capsys, "--ray-address", "ray://h:1") == [
+        "mars-openhands serve: error: --gateway-config: the admin key equals the API key: every "
+        "agent that holds the API key could read other sessions' ids; give the admin key its own "
+        "value"]
+
+
 def test_a_block_size_vllm_refuses_on_the_replicas_device_is_a_flag_error(
         capsys: pytest.CaptureFixture[str]) -> None:
     assert _errors(capsys, "--block-size", "33") == [
@@ -169,6 +188,39 @@ def test_a_dotted_scheduler_must_import_as_a_vllm_scheduler_class(
         ServeConfig(scheduler="mars_openhands.engine.NoSuch")
     stock = "vllm.v1.core.sched.async_scheduler.AsyncScheduler"
     assert ServeConfig(scheduler=stock).scheduler_cls == stock
+
+
+def test_checking_a_dotted_scheduler_prints_no_vllm_log_lines(tmp_path: Path) -> None:
+    """Importing vLLM to check --scheduler logged its import-time warnings ("Triton is installed,
+    but doesn't include CPU backend. Disabling Triton.") above the error line. A fresh process:
+    vLLM logs them at its first import only."""
+    pytest.importorskip("vllm", reason="a dotted --scheduler is imported with vLLM (engine env)")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
+    done = subprocess.run([sys.executable, "-m", "eval.cli", "serve", "--scheduler", "os.system"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        "mars-openhands serve: error: --scheduler: scheduler 'os.system' is a "
+        "builtin_function_or_method, not a vLLM scheduler class (a subclass of "
+        "vllm.v1.core.sched.interface.SchedulerInterface, e.g. mars_openhands.engine.MarsScheduler) "
+        "(got 'os.system')"]
+
+
+def test_the_vllm_logger_level_is_restored_after_the_check() -> None:
+    pytest.importorskip("vllm", reason="a dotted --scheduler is imported with vLLM (engine env)")
+    import logging
+
+    from mars_openhands.engine.plugin import load_scheduler_cls
+
+    vllm_logger = logging.getLogger("vllm")
+    before = vllm_logger.level
+    try:
+        vllm_logger.setLevel(logging.INFO)
+        with pytest.raises(ValueError, match="cannot be imported"):
+            load_scheduler_cls("no_such_pkg.mod.Cls")
+        assert vllm_logger.level == logging.INFO
+    finally:
+        vllm_logger.setLevel(before)
 
 
 def test_the_gateways_stream_path_and_port_are_checked_on_this_node(
