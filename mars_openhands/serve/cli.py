@@ -120,7 +120,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         ValueError: a bad flag value or file (one line per problem, naming the flag).
     """
     values = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
-    gateway = _read_gateway_file(values.pop("gateway_config")) if "gateway_config" in values else {}
+    gateway_file: Path | None = values.pop("gateway_config", None)
+    gateway = _read_gateway_file(gateway_file) if gateway_file is not None else {}
     flagged: dict[str, str] = {}  # gateway key → its flag, for the keys given as flags
     for key, _, _ in _GATEWAY_KEYS:
         if f"gateway__{key}" in values:
@@ -136,6 +137,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         config = ServeConfig.model_validate({**values, "gateway": gateway})
     except ValidationError as e:
         raise ValueError("\n".join(config_error_lines(e, _ERROR_FLAGS, model_errors="as_is"))) from None
+    from mars_openhands.control.cli import gateway_key_hint
     from mars_openhands.control.config import check_runtime
     from mars_openhands.serve.ingress import gateway_config
 
@@ -143,7 +145,9 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         gateway = gateway_config(
             config, [f"http://127.0.0.1:{i + 1}" for i in range(config.num_replicas)], None)
     except ValidationError as e:
-        raise ValueError("\n".join(config_error_lines(e, flagged, file_flag="--gateway-config"))) from None
+        raise ValueError("\n".join(config_error_lines(
+            e, flagged, file_flag="--gateway-config",
+            unknown_key_hint=lambda loc: gateway_key_hint(loc, gateway_file)))) from None
     if _ingress_runs_here(config):
         # The gateway's checks of its node (a --stream-path that exists, a --port in use), as
         # `mars-openhands gateway` runs them before it starts; GatewayConfig is pure, so they are

@@ -97,7 +97,8 @@ def test_cli_errors_name_the_flag(tmp_path: Path) -> None:
         config_from_args(_parse("--scheduler", "x"))
     bad = tmp_path / "gw.json"
     bad.write_text('{"admission": {"window_mx": 7}}')
-    with pytest.raises(ValueError, match="--gateway-config admission.window_mx: Extra inputs are not permitted"):
+    with pytest.raises(ValueError, match=r"^--gateway-config: unknown key 'admission.window_mx'; "
+                                         r"'admission' takes: window_max, "):
         config_from_args(_parse("--gateway-config", str(bad)))
 
 
@@ -127,8 +128,7 @@ def test_gateway_errors_name_the_flag_given_and_print_no_key(
     # A key given as its own flag is named by that flag, not as a --gateway-config key.
     assert _errors(capsys, "--stream-path", "/tmp/s.parquet", "--ray-address", "ray://h:1") == [
         "mars-openhands serve: error: --stream-path: the stream is recorded as JSONL: give a .jsonl "
-        "path, not '/tmp/s.parquet' (--stream-write-parquet adds the .parquet copy next to it) "
-        "(got '/tmp/s.parquet')"]
+        "path, not '/tmp/s.parquet' (--stream-write-parquet adds the .parquet copy next to it)"]
     # A check across the gateway's keys: the file's flag, and not the keys (it printed both keys).
     monkeypatch.setenv("MARS_GATEWAY_API_KEY", "s3cret-key")
     monkeypatch.setenv("MARS_GATEWAY_ADMIN_KEY", "s3cret-key")
@@ -136,6 +136,21 @@ def test_gateway_errors_name_the_flag_given_and_print_no_key(
         "mars-openhands serve: error: --gateway-config: the admin key equals the API key: every "
         "agent that holds the API key could read other sessions' ids; give the admin key its own "
         "value"]
+
+
+
+def test_gateway_config_errors_print_no_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """A key under a misspelt name, or a bad key, in --gateway-config: named, never printed."""
+    monkeypatch.delenv("MARS_GATEWAY_API_KEY", raising=False)
+    monkeypatch.delenv("MARS_GATEWAY_ADMIN_KEY", raising=False)
+    file = tmp_path / "gw.toml"
+    file.write_text('api-key = "sk-do-not-print"\nadmin_key = "sk do not print"\n')
+    assert _errors(capsys, "--gateway-config", str(file), "--ray-address", "ray://h:1") == [
+        "mars-openhands serve: error: --gateway-config admin_key: the key must be non-empty "
+        "printable text without whitespace (15 characters given)",
+        "mars-openhands serve: error: --gateway-config: unknown key 'api-key'; write it as "
+        "'api_key' (file keys use underscores)"]
 
 
 def test_a_block_size_vllm_refuses_on_the_replicas_device_is_a_flag_error(
@@ -177,8 +192,7 @@ def test_a_dotted_scheduler_must_import_as_a_vllm_scheduler_class(
     assert _errors(capsys, "--scheduler", "os.system")[-1] == (
         "mars-openhands serve: error: --scheduler: scheduler 'os.system' is a "
         "builtin_function_or_method, not a vLLM scheduler class (a subclass of "
-        "vllm.v1.core.sched.interface.SchedulerInterface, e.g. mars_openhands.engine.MarsScheduler) "
-        "(got 'os.system')")
+        "vllm.v1.core.sched.interface.SchedulerInterface, e.g. mars_openhands.engine.MarsScheduler)")
     with pytest.raises(ValidationError, match="'collections.OrderedDict' is a class, not a vLLM"):
         ServeConfig(scheduler="collections.OrderedDict")
     with pytest.raises(ValidationError, match="'no_such_pkg.mod.Cls' cannot be imported: "
@@ -202,8 +216,7 @@ def test_checking_a_dotted_scheduler_prints_no_vllm_log_lines(tmp_path: Path) ->
     assert done.stderr.splitlines() == [
         "mars-openhands serve: error: --scheduler: scheduler 'os.system' is a "
         "builtin_function_or_method, not a vLLM scheduler class (a subclass of "
-        "vllm.v1.core.sched.interface.SchedulerInterface, e.g. mars_openhands.engine.MarsScheduler) "
-        "(got 'os.system')"]
+        "vllm.v1.core.sched.interface.SchedulerInterface, e.g. mars_openhands.engine.MarsScheduler)"]
 
 
 def test_the_vllm_logger_level_is_restored_after_the_check() -> None:
@@ -242,3 +255,4 @@ def test_the_gateways_stream_path_and_port_are_checked_on_this_node(
         config = config_from_args(_parse("--port", str(port), "--stream-path", str(stream),
                                          "--ray-address", "ray://head:10001"))
         assert config.gateway["port"] == port
+
