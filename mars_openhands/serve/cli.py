@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from mars_openhands import env
-from mars_openhands.cli_style import cli_error, config_error_lines
+from mars_openhands.cli_style import cli_error, config_error_lines, port_number
 from mars_openhands.serve.config import ServeConfig
 
 __all__ = ["add_serve_subcommand", "config_from_args", "run_from_args"]
@@ -32,7 +32,8 @@ _ERROR_FLAGS = {**{name: f"--{flag}" for name, flag in _FLAG_NAMES.items() if fl
 """Field → the flag an error names (``gateway``: its keys come from ``--gateway-config``)."""
 _GATEWAY_KEYS = (("host", str, "gateway's listen address on the ingress's node (default "
                   "127.0.0.1; 0.0.0.0 to serve other machines)"),
-                 ("port", int, "gateway's TCP port (default 8000)"),
+                 ("port", port_number, "gateway's TCP port, 1..65535 (default 8000; not 0: "
+                  "Ray restarts a failed ingress on this port, where the printed URL points)"),
                  ("stream_path", str, "path of the run's unified stream (JSONL) at this path on the "
                   "ingress's node; it must not exist yet"))
 

@@ -122,6 +122,9 @@ class ServeConfig(BaseModel):
         if "replicas" in value:
             raise ValueError("gateway.replicas: the replicas are the engine deployments; give "
                              "--replicas N instead")
+        if value.get("port") == 0:  # the gateway's "any free port": not here (its --port refuses 0)
+            raise ValueError("gateway.port: expected a port in 1..65535, got 0 (Ray restarts a failed "
+                             "ingress, which must listen again on the port of the URL printed at start)")
         return value
 
     @model_validator(mode="after")

@@ -256,3 +256,23 @@ def test_the_gateways_stream_path_and_port_are_checked_on_this_node(
                                          "--ray-address", "ray://head:10001"))
         assert config.gateway["port"] == port
 
+
+def test_port_0_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--port 0`` printed "listening on http://127.0.0.1:0". The gateway binds the port in the
+    ingress actor, which Ray restarts on a failed health check: it must come back on the port
+    the printed URL names, so "any free port" is not offered (as ``playback --port``)."""
+    from eval.cli import build_parser
+
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["serve", "--port", "0"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == (
+        "mars-openhands serve: error: --port: expected a port in 1..65535, got '0'\n")
+    file = tmp_path / "gw.json"
+    file.write_text('{"port": 0}')
+    assert _errors(capsys, "--gateway-config", str(file), "--ray-address", "ray://h:1") == [
+        "mars-openhands serve: error: --gateway-config: gateway.port: expected a port in 1..65535, "
+        "got 0 (Ray restarts a failed ingress, which must listen again on the port of the URL "
+        "printed at start)"]
+    with pytest.raises(ValidationError, match="gateway.port: expected a port in 1..65535, got 0"):
+        ServeConfig(gateway={"port": 0})
