@@ -37,13 +37,14 @@ def scheduler_qualname(name: str) -> str:
         name: a key of :data:`SCHEDULER_NAMES`, or a dotted ``package.module.Class``.
 
     Raises:
-        ValueError: neither (the message lists the names).
+        ValueError: neither (the message lists the names, not the flag: the caller's error
+            line names ``--scheduler``).
     """
     if name in SCHEDULER_NAMES:
         return f"mars_openhands.engine.{SCHEDULER_NAMES[name]}"
     if _QUALNAME.fullmatch(name):
         return name
-    raise ValueError(f"--scheduler {name!r}: unknown scheduler; choose one of "
+    raise ValueError(f"unknown scheduler {name!r}; choose one of "
                      f"{', '.join(SCHEDULER_NAMES)} or give a dotted package.module.Class")
 
 
