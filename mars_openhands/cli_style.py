@@ -26,7 +26,7 @@ import math
 import re
 import socket
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import IO, Any, Literal, NoReturn
 
 __all__ = ["EXIT_USAGE", "CliParser", "check_port_free", "cli_error", "config_error_lines", "count_or_zero",
@@ -188,42 +188,70 @@ def long_flags(parser: argparse.ArgumentParser) -> dict[str, str]:
 _CONTAINERS = (dict, list, tuple, set, frozenset)
 """Inputs not echoed as ``(got ...)``: the message names the bad part (and a dict may hold keys)."""
 
+_SECRET_NAME = re.compile(r"(?:^|_)(?:key|token|secret|password|passwd|credentials?)$", re.IGNORECASE)
+"""Field or key names whose value is never echoed (``api_key``, ``admin_key``, ``hf_token``): a key
+given with a typo or a bad character would otherwise be printed, and land in logs."""
+
 
 def config_error_lines(error: Any, flags: Mapping[str, str] | None = None, *,
                        file_flag: str | None = None,
-                       model_errors: Literal["assign", "as_is"] = "assign") -> list[str]:
+                       model_errors: Literal["assign", "as_is"] = "assign",
+                       dashed_nested: bool = False,
+                       unknown_key_hint: Callable[[tuple[Any, ...]], str | None] | None = None,
+                       examples: Mapping[str, str] | None = None) -> list[str]:
     """One ``--flag: <msg> (got <value>)`` line per problem of a config built from flags. Pure.
 
     The one formatter of every command line's pydantic errors::
 
         --num-tool-workers: Input should be greater than or equal to 1 (got 0)
         --model: required; pass --model VALUE
-        --gateway-config admission.window_mx: Extra inputs are not permitted (got 7)
+        --replica[0] url: replica url must start with http:// or https://, got 'x'
+        --gateway-config: unknown key 'admission.window_mx'; 'admission' takes: window_min, ...
 
-    ``(got <value>)`` is left out where the message already says ``got``, and where the value is
-    a dict, list or tuple (the message names the bad part; a dict may hold secrets).
+    ``(got <value>)`` is left out where the message already says ``got`` or quotes the value,
+    where the value is a dict, list or tuple (the message names the bad part; a dict may hold
+    secrets), and where the field is a secret (a ``SecretStr``, or a name such as ``api_key``,
+    ``admin_key``, ``*_token``: see :data:`_SECRET_NAME`). An unknown key (``extra="forbid"``)
+    never shows its value: it may be a secret under a misspelt name. A ``too_short`` error of a
+    list whose item failed is left out (pydantic counts only the items that passed).
 
     Args:
         error: a pydantic ``ValidationError``.
         flags: field name → flag, e.g. ``{"num_tool_workers": "--num-tool-workers"}``; a field not
-            in it prints as ``--<field with dashes>`` (or, with ``file_flag``, as a file key).
-        file_flag: the config's keys come from a file given with this flag (``serve
-            --gateway-config``): a field not in ``flags`` prints as ``<file_flag> <dotted key
-            path>``, and a model-level error not assigned to a field as ``<file_flag>``.
+            in it prints as ``--<field with dashes>`` (or, with ``file_flag``, as a file key). A
+            location below a field adds its index and key path: ``--replica[0] url``.
+        file_flag: the config's keys (some or all) come from a file given with this flag (``serve
+            --gateway-config``, ``gateway --config FILE``): an unknown key is reported under it,
+            a model-level error not assigned to a field prints as ``<file_flag>``, and (without
+            ``dashed_nested``) a field not in ``flags`` as ``<file_flag> <dotted key path>``.
         model_errors: how an error of a model-level check (no field location) prints.
             ``"assign"``: on the first field of ``flags`` its message names, with that field's
-            value where it was given (else on ``config``, or ``file_flag``). ``"as_is"``: the message alone, for a
-            model whose cross-field check already writes command-line lines naming their flags
-            (``serve``'s check of each engine's options).
+            value where it was given (else on ``config``, or ``file_flag``). ``"as_is"``: the
+            message alone, for a model whose cross-field checks write whole lines (``serve``'s
+            check of each engine's options, the gateway's distinct keys and replicas).
+        dashed_nested: the command line has one flag per nested field (``gateway``:
+            ``admission.window_max`` → ``--admission-window-max``): a field not in ``flags``
+            prints as its whole key path with dashes.
+        unknown_key_hint: location of an unknown key → what to write instead (``"'admission'
+            takes: window_min, ..."``), or ``None`` for the default advice.
+        examples: field → the example value a ``required`` line offers in place of ``VALUE``
+            (``{"replicas": "http://127.0.0.1:8001"}``).
 
     Returns:
         The lines, without pydantic's input dump and documentation URL (no ``error:`` prefix).
     """
-    flags = flags or {}
+    flags, examples = flags or {}, examples or {}
+    items = error.errors(include_url=False)
     lines = []
-    for item in error.errors(include_url=False):
+    for item in items:
         message = str(item["msg"]).removeprefix("Value error, ")
         loc, got = tuple(item["loc"]), item.get("input")
+        if item["type"] == "too_short" and any(tuple(i["loc"])[:len(loc)] == loc and len(i["loc"]) > len(loc)
+                                               for i in items):
+            continue  # pydantic's follow-up of a bad item: "at least 1 item after validation, not 0"
+        if item["type"] == "extra_forbidden":
+            lines.append(_unknown_key_line(loc, flags, file_flag, unknown_key_hint))
+            continue
         if not loc and model_errors == "as_is":
             lines.append(message)
             continue
@@ -231,25 +259,60 @@ def config_error_lines(error: Any, flags: Mapping[str, str] | None = None, *,
             named = [w for w in re.findall(r"[a-z][a-z0-9_]*", message) if w in flags]
             # (a field not given keeps the input dict as its value, which is not shown)
             loc, got = ((named[0],), got.get(named[0], got)) if named else ((), got)
-        flag = _flag_of(loc, flags, file_flag)
+        flag = _flag_of(loc, flags, file_flag, dashed_nested)
         message = message.removesuffix(f" ({flag})")
         if item["type"] == "missing":
-            fix = f"pass {flag} VALUE" if file_flag is None or str(loc[0]) in flags else (
-                f"add the key to the {file_flag} file")
+            is_file_key = file_flag is not None and not dashed_nested and str(loc[0]) not in flags
+            fix = (f"add the key to the {file_flag} file" if is_file_key else
+                   f"pass {flag} {examples.get(str(loc[0]), 'VALUE') if len(loc) == 1 else 'VALUE'}")
             lines.append(f"{flag}: required; {fix}")
-        elif "got " in message or isinstance(got, _CONTAINERS):
-            lines.append(f"{flag}: {message}")
-        else:
+        elif _shows_value(loc, got, message):
             lines.append(f"{flag}: {message} (got {got!r})")
+        else:
+            lines.append(f"{flag}: {message}")
     return lines
 
 
-def _flag_of(loc: tuple[Any, ...], flags: Mapping[str, str], file_flag: str | None) -> str:
+def _shows_value(loc: tuple[Any, ...], got: Any, message: str) -> bool:
+    """Whether a line ends with ``(got <value>)``: not for a secret, a container, or a value the
+    message already shows. Pure."""
+    if hasattr(got, "get_secret_value") or any(
+            isinstance(part, str) and _SECRET_NAME.search(part) for part in loc):
+        return False
+    if isinstance(got, _CONTAINERS) or "got " in message:
+        return False
+    return not (isinstance(got, str) and repr(got) in message)
+
+
+def _unknown_key_line(loc: tuple[Any, ...], flags: Mapping[str, str], file_flag: str | None,
+                      hint: Callable[[tuple[Any, ...]], str | None] | None) -> str:
+    """``<where>: unknown key '<a.b>'; <what to write instead>``, without its value. Pure."""
+    if file_flag is not None or len(loc) < 2:
+        where, key = file_flag or "config", loc
+    else:  # a key inside a field given as a flag (a JSON object)
+        where, key = _flag_of(loc[:1], flags, None, False), loc[1:]
+    fix = (hint(loc) if hint is not None else None) or "remove it or correct its spelling"
+    return f"{where}: unknown key '{'.'.join(str(p) for p in key)}'; {fix}"
+
+
+def _flag_of(loc: tuple[Any, ...], flags: Mapping[str, str], file_flag: str | None,
+             dashed_nested: bool) -> str:
     """The flag (or ``file_flag`` and key path) an error location names. Pure."""
     if not loc:
         return file_flag or "config"
     if str(loc[0]) in flags:
-        return flags[str(loc[0])]
+        return flags[str(loc[0])] + _path(loc[1:])
+    if dashed_nested:
+        end = next((i for i, part in enumerate(loc) if isinstance(part, int)), len(loc))
+        return "--" + "-".join(str(p) for p in loc[:end]).replace("_", "-") + _path(loc[end:])
     if file_flag is not None:
         return f"{file_flag} {'.'.join(str(p) for p in loc)}"
-    return "--" + str(loc[0]).replace("_", "-")
+    return "--" + str(loc[0]).replace("_", "-") + _path(loc[1:])
+
+
+def _path(rest: tuple[Any, ...]) -> str:
+    """The part of a location below its flag: ``(0, "url")`` → ``"[0] url"``. Pure."""
+    indexes = ""
+    while rest and isinstance(rest[0], int):
+        indexes, rest = indexes + f"[{rest[0]}]", rest[1:]
+    return indexes + (" " + ".".join(str(p) for p in rest) if rest else "")

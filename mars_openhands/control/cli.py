@@ -26,15 +26,21 @@ from typing import Any
 from pydantic import BaseModel, SecretStr, ValidationError
 
 from mars_openhands import env
-from mars_openhands.cli_style import cli_error
-from mars_openhands.control.config import ConfigError, GatewayConfig, check_runtime, parse_replica
+from mars_openhands.cli_style import cli_error, config_error_lines
+from mars_openhands.control.config import (
+    ConfigError,
+    GatewayConfig,
+    ReplicaConfig,
+    check_runtime,
+    parse_replica,
+)
 
 __all__ = [
     "ConfigError",
     "add_gateway_subcommand",
     "check_runtime",
     "config_from_args",
-    "format_validation_error",
+    "gateway_key_hint",
     "in_process_config",
     "run_from_args",
 ]
@@ -177,15 +183,6 @@ def _read_file(path: Path) -> dict[str, Any]:
     return data
 
 
-def _flag_of(loc: tuple[int | str, ...]) -> str:
-    """The flag (or file key) a pydantic error location refers to, e.g. ``--admission-window-max``."""
-    if loc and loc[0] == "replicas":
-        index = f"[{loc[1]}]" if len(loc) > 1 and isinstance(loc[1], int) else ""
-        rest = ".".join(str(p) for p in loc[2:] if not isinstance(p, int))
-        return f"--replica{index}" + (f" {rest}" if rest else "")
-    return "--" + "-".join(str(p) for p in loc).replace("_", "-")
-
-
 def _nested_example(path: Path | None, section: str, key: str) -> str:
     """How ``key`` under ``section`` is spelled in a TOML or JSON ``--config`` file."""
     if path is not None and path.suffix == ".toml":
@@ -200,8 +197,14 @@ def _section_fields(section: str) -> tuple[str, ...]:
     return tuple(getattr(model, "model_fields", {}))
 
 
-def _unknown_key_hint(loc: tuple[int | str, ...], path: Path | None) -> str:
-    """What to write instead of the unknown file key at ``loc`` (a nested or underscore spelling)."""
+def gateway_key_hint(loc: tuple[int | str, ...], path: Path | None = None) -> str:
+    """What to write instead of the unknown GatewayConfig file key at ``loc`` (the nested or
+    underscore spelling; the keys of a nested section). Pure.
+
+    Args:
+        loc: the unknown key's location, e.g. ``("admission_window_min",)``.
+        path: the file (its suffix picks TOML or JSON examples); ``None``: JSON.
+    """
     key = str(loc[-1])
     if len(loc) > 1 and loc[0] in (*_NESTED, "replicas"):
         return f"'{loc[0]}' takes: {', '.join(_section_fields(str(loc[0])))}"
@@ -219,39 +222,37 @@ def _unknown_key_hint(loc: tuple[int | str, ...], path: Path | None) -> str:
             + "; see `mars-openhands gateway --help` for the fields")
 
 
-def format_validation_error(error: ValidationError, config_file: Path | None = None) -> str:
-    """One line per problem: ``--flag: message (got value)``. Pure.
+_REPLICA_OPTIONS = {"url": "", "events_address": " events", "name": " name",
+                    "engine_source": " source", "api_key": " key_env"}
+"""ReplicaConfig field → its part of a ``--replica URL,events=...,key_env=...`` spec."""
 
-    Args:
-        error: from validating :class:`GatewayConfig`.
-        config_file: the ``--config`` file, if any; unknown keys can only come from it and are
-            reported as ``--config FILE: unknown key 'k'; <the spelling to use>``.
-    """
-    lines = []
-    items = error.errors()
-    has_replica_item = any(len(i["loc"]) > 1 and i["loc"][0] == "replicas" for i in items)
-    for item in items:
-        loc = tuple(item["loc"])
-        if has_replica_item and loc == ("replicas",):
-            continue  # pydantic's follow-up "tuple too short" after a bad replica
-        if item["type"] == "extra_forbidden":
-            key = ".".join(str(p) for p in loc)
-            where = f"--config {config_file}" if config_file is not None else "config"
-            lines.append(f"{where}: unknown key '{key}'; {_unknown_key_hint(loc, config_file)}")
-            continue
-        message = str(item["msg"]).removeprefix("Value error, ")
-        got = item.get("input")
-        if not loc:  # a check across fields (distinct replica URLs, distinct keys): no one flag
-            lines.append(message)
-            continue
-        flag = _flag_of(loc)
-        if item["type"] == "missing":
-            example = " http://127.0.0.1:8001" if flag == "--replica" else " VALUE"
-            lines.append(f"{flag}: required; pass {flag}{example}")
-            continue
-        shown = "" if isinstance(got, dict) or "got " in message else f" (got {got!r})"
-        lines.append(f"{flag}: {message}{shown}")
-    return "\n".join(lines)
+
+def _error_lines(error: ValidationError, config_file: Path | None) -> str:
+    """The gateway's :func:`~mars_openhands.cli_style.config_error_lines`: one flag per field
+    (nested ones dashed), ``--replica[i]`` for a replica, unknown keys of ``--config FILE`` with the
+    spelling to use, checks across fields as their own lines. Pure."""
+    return "\n".join(config_error_lines(
+        error, {"replicas": "--replica"}, dashed_nested=True, model_errors="as_is",
+        file_flag=f"--config {config_file}" if config_file is not None else None,
+        unknown_key_hint=lambda loc: gateway_key_hint(loc, config_file),
+        examples={"replicas": "http://127.0.0.1:8001"}))
+
+
+def _replicas(specs: list[str]) -> list[ReplicaConfig]:
+    """The ``--replica`` specs parsed. Raises ConfigError naming the spec's part (``--replica``,
+    ``--replica http://a name``)."""
+    replicas = []
+    for spec in specs:
+        url = spec.split(",")[0]
+        try:
+            replicas.append(parse_replica(spec))
+        except ValidationError as e:
+            flags = {field: "--replica" + (f" {url}{part}" if part else "")
+                     for field, part in _REPLICA_OPTIONS.items()}
+            raise ConfigError("\n".join(config_error_lines(e, flags))) from None
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    return replicas
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -267,12 +268,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     config_file: Path | None = values.pop("config", None)
     data: dict[str, Any] = _read_file(config_file) if config_file is not None else {}
     if "replicas" in values:
-        try:
-            data["replicas"] = [parse_replica(spec) for spec in values.pop("replicas")]
-        except ValidationError as e:
-            raise ConfigError(format_validation_error(e).replace("--url", "--replica")) from None
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        data["replicas"] = _replicas(values.pop("replicas"))
     for nested in _NESTED:
         prefix = nested + "__"
         sub = {k[len(prefix):]: values.pop(k) for k in list(values) if k.startswith(prefix)}
@@ -290,7 +286,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     try:
         return GatewayConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(format_validation_error(e, config_file)) from None
+        raise ConfigError(_error_lines(e, config_file)) from None
 
 
 def in_process_config(args: argparse.Namespace) -> str:

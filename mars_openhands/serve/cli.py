@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from mars_openhands import env
-from mars_openhands.cli_style import cli_error, config_error_lines
+from mars_openhands.cli_style import cli_error, config_error_lines, port_number
 from mars_openhands.serve.config import ServeConfig
 
 __all__ = ["add_serve_subcommand", "config_from_args", "run_from_args"]
@@ -32,7 +32,8 @@ _ERROR_FLAGS = {**{name: f"--{flag}" for name, flag in _FLAG_NAMES.items() if fl
 """Field → the flag an error names (``gateway``: its keys come from ``--gateway-config``)."""
 _GATEWAY_KEYS = (("host", str, "gateway's listen address on the ingress's node (default "
                   "127.0.0.1; 0.0.0.0 to serve other machines)"),
-                 ("port", int, "gateway's TCP port (default 8000)"),
+                 ("port", port_number, "gateway's TCP port, 1..65535 (default 8000; not 0: "
+                  "Ray restarts a failed ingress on this port, where the printed URL points)"),
                  ("stream_path", str, "path of the run's unified stream (JSONL) at this path on the "
                   "ingress's node; it must not exist yet"))
 
@@ -120,7 +121,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         ValueError: a bad flag value or file (one line per problem, naming the flag).
     """
     values = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
-    gateway = _read_gateway_file(values.pop("gateway_config")) if "gateway_config" in values else {}
+    gateway_file: Path | None = values.pop("gateway_config", None)
+    gateway = _read_gateway_file(gateway_file) if gateway_file is not None else {}
     flagged: dict[str, str] = {}  # gateway key → its flag, for the keys given as flags
     for key, _, _ in _GATEWAY_KEYS:
         if f"gateway__{key}" in values:
@@ -136,6 +138,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         config = ServeConfig.model_validate({**values, "gateway": gateway})
     except ValidationError as e:
         raise ValueError("\n".join(config_error_lines(e, _ERROR_FLAGS, model_errors="as_is"))) from None
+    from mars_openhands.control.cli import gateway_key_hint
     from mars_openhands.control.config import check_runtime
     from mars_openhands.serve.ingress import gateway_config
 
@@ -143,7 +146,9 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         gateway = gateway_config(
             config, [f"http://127.0.0.1:{i + 1}" for i in range(config.num_replicas)], None)
     except ValidationError as e:
-        raise ValueError("\n".join(config_error_lines(e, flagged, file_flag="--gateway-config"))) from None
+        raise ValueError("\n".join(config_error_lines(
+            e, flagged, file_flag="--gateway-config",
+            unknown_key_hint=lambda loc: gateway_key_hint(loc, gateway_file)))) from None
     if _ingress_runs_here(config):
         # The gateway's checks of its node (a --stream-path that exists, a --port in use), as
         # `mars-openhands gateway` runs them before it starts; GatewayConfig is pure, so they are

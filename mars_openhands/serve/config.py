@@ -37,13 +37,14 @@ def scheduler_qualname(name: str) -> str:
         name: a key of :data:`SCHEDULER_NAMES`, or a dotted ``package.module.Class``.
 
     Raises:
-        ValueError: neither (the message lists the names).
+        ValueError: neither (the message lists the names, not the flag: the caller's error
+            line names ``--scheduler``).
     """
     if name in SCHEDULER_NAMES:
         return f"mars_openhands.engine.{SCHEDULER_NAMES[name]}"
     if _QUALNAME.fullmatch(name):
         return name
-    raise ValueError(f"--scheduler {name!r}: unknown scheduler; choose one of "
+    raise ValueError(f"unknown scheduler {name!r}; choose one of "
                      f"{', '.join(SCHEDULER_NAMES)} or give a dotted package.module.Class")
 
 
@@ -122,6 +123,9 @@ class ServeConfig(BaseModel):
         if "replicas" in value:
             raise ValueError("gateway.replicas: the replicas are the engine deployments; give "
                              "--replicas N instead")
+        if value.get("port") == 0:  # the gateway's "any free port": not here (its --port refuses 0)
+            raise ValueError("gateway.port: expected a port in 1..65535, got 0 (Ray restarts a failed "
+                             "ingress, which must listen again on the port of the URL printed at start)")
         return value
 
     @model_validator(mode="after")

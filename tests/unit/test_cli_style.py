@@ -7,7 +7,15 @@ import argparse
 import socket
 
 import pytest
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from eval.cli import build_parser, main
 from mars_openhands.cli_style import (
@@ -117,10 +125,82 @@ def test_config_error_lines_file_keys_are_dotted_under_the_file_flag() -> None:
                               file_flag="--gateway-config") == [
         "--gateway-config model: required; add the key to the --gateway-config file",
         "--gateway-config admission.window_max: Input should be greater than or equal to 1 (got 0)",
-        "--gateway-config admission.window_mx: Extra inputs are not permitted (got 7)"]
+        # was "--gateway-config admission.window_mx: Extra inputs are not permitted (got 7)"
+        "--gateway-config: unknown key 'admission.window_mx'; remove it or correct its spelling"]
     # A model-level error names the file, and never dumps its keys (they may be secrets).
     lines = config_error_lines(_error(model="m", api_key="same"), file_flag="--gateway-config")
     assert lines == ["--gateway-config: --api-key: the API key equals the admin key; give each its own"]
+
+
+def test_config_error_lines_never_print_a_secret() -> None:
+    """A key under a misspelt name, or a bad value of a key field, was echoed as ``(got ...)``."""
+    secret = "sk-do-not-print"
+    lines = config_error_lines(_error(model="m", api_kye=secret), file_flag="--gateway-config")
+    lines += config_error_lines(_error(model="m", api_key=12345678))  # e.g. a TOML number
+    lines += config_error_lines(_error(model="m", admission={"window_min": 1, "admin_key": secret}))
+    assert lines == [
+        "--gateway-config: unknown key 'api_kye'; remove it or correct its spelling",
+        "--api-key: Input should be a valid string",
+        "--admission: unknown key 'admin_key'; remove it or correct its spelling"]
+
+    class _Keys(BaseModel):
+        api_key: str = Field(min_length=40)
+        hf_token: SecretStr = Field(min_length=40)
+
+    with pytest.raises(ValidationError) as info:
+        _Keys.model_validate({"api_key": secret, "hf_token": SecretStr(secret)})
+    lines = config_error_lines(info.value)
+    assert lines[0] == "--api-key: String should have at least 40 characters"
+    assert lines[1].startswith("--hf-token: ") and "got" not in lines[1]
+
+
+def test_config_error_lines_options_of_the_gateway_command() -> None:
+    """Dashed nested flags, ``[i]`` items, a hint for an unknown key, an example value, and no
+    pydantic follow-up 'too short' after a bad item (``mars-openhands gateway``'s needs)."""
+
+    class _Replica(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        url: str = Field(pattern="^http")
+
+    class _Gateway(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        replicas: tuple[_Replica, ...] = Field(min_length=1)
+        admission: _Admission = _Admission()
+
+    def errors(**values) -> ValidationError:
+        with pytest.raises(ValidationError) as info:
+            _Gateway.model_validate(values)
+        return info.value
+
+    options = {"dashed_nested": True, "file_flag": "--config gw.json",
+               "unknown_key_hint": lambda loc: f"'{loc[0]}' takes: window_min, window_max",
+               "examples": {"replicas": "http://127.0.0.1:8001"}}
+    lines = config_error_lines(errors(replicas=[{"url": "x"}], admission={"window_min": 0, "colour": 1}),
+                               {"replicas": "--replica"}, **options)
+    assert lines == [
+        "--replica[0] url: String should match pattern '^http' (got 'x')",
+        "--admission-window-min: Input should be greater than or equal to 1 (got 0)",
+        "--config gw.json: unknown key 'admission.colour'; 'admission' takes: window_min, window_max"]
+    assert config_error_lines(errors(), {"replicas": "--replica"}, **options) == [
+        "--replica: required; pass --replica http://127.0.0.1:8001"]
+    # Without the options: the index and key path below the field's flag.
+    assert config_error_lines(errors(replicas=[{"url": "x"}], admission={"window_min": 0})) == [
+        "--replicas[0] url: String should match pattern '^http' (got 'x')",
+        "--admission window_min: Input should be greater than or equal to 1 (got 0)"]
+
+
+def test_config_error_lines_say_a_quoted_value_once() -> None:
+    class _Stream(BaseModel):
+        stream_path: str
+
+        @field_validator("stream_path")
+        @classmethod
+        def _jsonl(cls, value: str) -> str:
+            raise ValueError(f"give a .jsonl path, not {value!r}")
+
+    with pytest.raises(ValidationError) as info:
+        _Stream(stream_path="s.parquet")
+    assert config_error_lines(info.value) == ["--stream-path: give a .jsonl path, not 's.parquet'"]
 
 
 # -- every subcommand of this environment ------------------------------------------------------------

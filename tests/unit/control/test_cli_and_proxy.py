@@ -12,8 +12,7 @@ import time
 import pandas as pd
 import pytest
 
-from mars_openhands.control.cli import ConfigError, add_gateway_subcommand, format_validation_error
-from mars_openhands.control.config import GatewayConfig
+from mars_openhands.control.cli import ConfigError, add_gateway_subcommand, config_from_args
 from mars_openhands.control.metadata import BadRequestError, build_engine_body
 from mars_openhands.control.proxy import engine_content, probe_body
 from tests.proc_tree import reap_with_this_process
@@ -71,24 +70,59 @@ def test_bad_cli_input_is_one_line_per_problem_and_exit_2(tmp_path, args, num_li
     assert all(line.startswith("mars-openhands gateway: ") for line in lines)
 
 
+def _config_errors(*argv: str) -> list[str]:
+    """The ConfigError lines of ``gateway argv`` (nothing starts)."""
+    parser = argparse.ArgumentParser()
+    gateway = add_gateway_subcommand(parser.add_subparsers())
+    with pytest.raises(ConfigError) as info:
+        config_from_args(gateway.parse_args(list(argv)))
+    return str(info.value).splitlines()
+
+
 def test_validation_error_lines_name_nested_flags() -> None:
-    with pytest.raises(Exception) as info:
-        GatewayConfig.model_validate({"replicas": [{"url": "http://a"}],
-                                      "admission": {"kv_set_usage": 2.0}})
-    assert format_validation_error(info.value).startswith("--admission-kv-set-usage: ")
+    assert _config_errors("--replica", "http://a", "--admission-kv-set-usage", "2.0") == [
+        "--admission-kv-set-usage: Input should be less than or equal to 1 (got 2.0)"]
     assert issubclass(ConfigError, ValueError)
 
 
-def test_a_check_across_fields_is_a_line_without_an_empty_flag() -> None:
+def test_a_check_across_fields_is_a_line_without_an_empty_flag(monkeypatch) -> None:
     key = "k" * 32
-    with pytest.raises(Exception) as info:
-        GatewayConfig.model_validate({"replicas": [{"url": "http://a"}, {"url": "http://a"}]})
-    assert format_validation_error(info.value).startswith("replica URLs must be distinct")
-    with pytest.raises(Exception) as info:
-        GatewayConfig.model_validate({"replicas": [{"url": "http://a"}], "api_key": key, "admin_key": key})
-    assert format_validation_error(info.value) == (
+    monkeypatch.delenv("MARS_GATEWAY_API_KEY", raising=False)
+    monkeypatch.delenv("MARS_GATEWAY_ADMIN_KEY", raising=False)
+    assert _config_errors("--replica", "http://a", "--replica", "http://a") == [
+        "replica URLs must be distinct, got ['http://a', 'http://a']"]
+    assert _config_errors("--replica", "http://a", "--api-key", key, "--admin-key", key) == [
         "the admin key equals the API key: every agent that holds the API key could read other "
-        "sessions' ids; give the admin key its own value")
+        "sessions' ids; give the admin key its own value"]
+
+
+def test_no_error_line_prints_a_key(tmp_path, monkeypatch) -> None:
+    """A key with a bad character (from a flag, the environment, key_env or the --config file),
+    a key of the wrong type, or one under a misspelt name: the line names it, never its value."""
+    secret = "sk-do not-print"
+    monkeypatch.delenv("MARS_GATEWAY_API_KEY", raising=False)
+    monkeypatch.delenv("MARS_GATEWAY_ADMIN_KEY", raising=False)
+    monkeypatch.setenv("REPLICA_KEY", secret)
+    config = tmp_path / "gw.json"
+    config.write_text(json.dumps({"replicas": [{"url": "http://a", "api_key": secret}],
+                                  "api-key": secret, "admin_key": 12345678}))
+    lines = [
+        *_config_errors("--replica", "http://a", "--api-key", secret),
+        *_config_errors("--replica", "http://a,key_env=REPLICA_KEY"),
+        *_config_errors("--config", str(config)),
+    ]
+    assert lines == [
+        "--api-key: the key must be non-empty printable text without whitespace (15 characters given)",
+        "--replica http://a key_env: replica api_key must be non-empty printable text without "
+        "whitespace (15 characters given)",
+        "--replica[0] api_key: replica api_key must be non-empty printable text without whitespace "
+        "(15 characters given)",
+        "--admin-key: Input should be a valid string",
+        f"--config {config}: unknown key 'api-key'; write it as 'api_key' (file keys use underscores)"]
+    monkeypatch.setenv("MARS_GATEWAY_ADMIN_KEY", secret)
+    assert _config_errors("--replica", "http://a")[0].startswith("MARS_GATEWAY_ADMIN_KEY has whitespace")
+    assert not any("not-print" in line or "12345678" in line or "SecretStr" in line
+                   for line in lines)
 
 
 def test_config_help_states_the_nested_file_format_and_no_contradictory_default() -> None:

@@ -26,7 +26,7 @@ def test_every_scheduler_name_is_an_exported_engine_class() -> None:
         assert cls in engine._LAZY, name
         assert scheduler_qualname(name) == f"mars_openhands.engine.{cls}"
     assert scheduler_qualname("pkg.mod.Cls") == "pkg.mod.Cls"
-    with pytest.raises(ValueError, match="unknown scheduler; choose one of mars, mars-preview"):
+    with pytest.raises(ValueError, match="^unknown scheduler 'marz'; choose one of mars, mars-preview"):
         scheduler_qualname("marz")
 
 
@@ -93,11 +93,15 @@ def test_cli_flags_build_the_config(tmp_path: Path) -> None:
 def test_cli_errors_name_the_flag(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"^--replicas: Input should be greater than or equal to 1"):
         config_from_args(_parse("--replicas", "0"))
-    with pytest.raises(ValueError, match="--scheduler: --scheduler 'x': unknown scheduler"):
+    with pytest.raises(ValueError) as info:  # the flag once (was "--scheduler: --scheduler 'x': ...")
         config_from_args(_parse("--scheduler", "x"))
+    assert str(info.value) == (
+        "--scheduler: unknown scheduler 'x'; choose one of mars, mars-preview, fcfs, autellix, "
+        "infercept, continuum, thunderagent or give a dotted package.module.Class")
     bad = tmp_path / "gw.json"
     bad.write_text('{"admission": {"window_mx": 7}}')
-    with pytest.raises(ValueError, match="--gateway-config admission.window_mx: Extra inputs are not permitted"):
+    with pytest.raises(ValueError, match=r"^--gateway-config: unknown key 'admission.window_mx'; "
+                                         r"'admission' takes: window_max, "):
         config_from_args(_parse("--gateway-config", str(bad)))
 
 
@@ -127,8 +131,7 @@ def test_gateway_errors_name_the_flag_given_and_print_no_key(
     # A key given as its own flag is named by that flag, not as a --gateway-config key.
     assert _errors(capsys, "--stream-path", "/tmp/s.parquet", "--ray-address", "ray://h:1") == [
         "mars-openhands serve: error: --stream-path: the stream is recorded as JSONL: give a .jsonl "
-        "path, not '/tmp/s.parquet' (--stream-write-parquet adds the .parquet copy next to it) "
-        "(got '/tmp/s.parquet')"]
+        "path, not '/tmp/s.parquet' (--stream-write-parquet adds the .parquet copy next to it)"]
     # A check across the gateway's keys: the file's flag, and not the keys (it printed both keys).
     monkeypatch.setenv("MARS_GATEWAY_API_KEY", "s3cret-key")
     monkeypatch.setenv("MARS_GATEWAY_ADMIN_KEY", "s3cret-key")
@@ -136,6 +139,21 @@ def test_gateway_errors_name_the_flag_given_and_print_no_key(
         "mars-openhands serve: error: --gateway-config: the admin key equals the API key: every "
         "agent that holds the API key could read other sessions' ids; give the admin key its own "
         "value"]
+
+
+
+def test_gateway_config_errors_print_no_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """A key under a misspelt name, or a bad key, in --gateway-config: named, never printed."""
+    monkeypatch.delenv("MARS_GATEWAY_API_KEY", raising=False)
+    monkeypatch.delenv("MARS_GATEWAY_ADMIN_KEY", raising=False)
+    file = tmp_path / "gw.toml"
+    file.write_text('api-key = "sk-do-not-print"\nadmin_key = "sk do not print"\n')
+    assert _errors(capsys, "--gateway-config", str(file), "--ray-address", "ray://h:1") == [
+        "mars-openhands serve: error: --gateway-config admin_key: the key must be non-empty "
+        "printable text without whitespace (15 characters given)",
+        "mars-openhands serve: error: --gateway-config: unknown key 'api-key'; write it as "
+        "'api_key' (file keys use underscores)"]
 
 
 def test_a_block_size_vllm_refuses_on_the_replicas_device_is_a_flag_error(
@@ -177,8 +195,7 @@ def test_a_dotted_scheduler_must_import_as_a_vllm_scheduler_class(
     assert _errors(capsys, "--scheduler", "os.system")[-1] == (
         "mars-openhands serve: error: --scheduler: scheduler 'os.system' is a "
         "builtin_function_or_method, not a vLLM scheduler class (a subclass of "
-        "vllm.v1.core.sched.interface.SchedulerInterface, e.g. mars_openhands.engine.MarsScheduler) "
-        "(got 'os.system')")
+        "vllm.v1.core.sched.interface.SchedulerInterface, e.g. mars_openhands.engine.MarsScheduler)")
     with pytest.raises(ValidationError, match="'collections.OrderedDict' is a class, not a vLLM"):
         ServeConfig(scheduler="collections.OrderedDict")
     with pytest.raises(ValidationError, match="'no_such_pkg.mod.Cls' cannot be imported: "
@@ -202,8 +219,7 @@ def test_checking_a_dotted_scheduler_prints_no_vllm_log_lines(tmp_path: Path) ->
     assert done.stderr.splitlines() == [
         "mars-openhands serve: error: --scheduler: scheduler 'os.system' is a "
         "builtin_function_or_method, not a vLLM scheduler class (a subclass of "
-        "vllm.v1.core.sched.interface.SchedulerInterface, e.g. mars_openhands.engine.MarsScheduler) "
-        "(got 'os.system')"]
+        "vllm.v1.core.sched.interface.SchedulerInterface, e.g. mars_openhands.engine.MarsScheduler)"]
 
 
 def test_the_vllm_logger_level_is_restored_after_the_check() -> None:
@@ -242,3 +258,24 @@ def test_the_gateways_stream_path_and_port_are_checked_on_this_node(
         config = config_from_args(_parse("--port", str(port), "--stream-path", str(stream),
                                          "--ray-address", "ray://head:10001"))
         assert config.gateway["port"] == port
+
+
+def test_port_0_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--port 0`` printed "listening on http://127.0.0.1:0". The gateway binds the port in the
+    ingress actor, which Ray restarts on a failed health check: it must come back on the port
+    the printed URL names, so "any free port" is not offered (as ``playback --port``)."""
+    from eval.cli import build_parser
+
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["serve", "--port", "0"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == (
+        "mars-openhands serve: error: --port: expected a port in 1..65535, got '0'\n")
+    file = tmp_path / "gw.json"
+    file.write_text('{"port": 0}')
+    assert _errors(capsys, "--gateway-config", str(file), "--ray-address", "ray://h:1") == [
+        "mars-openhands serve: error: --gateway-config: gateway.port: expected a port in 1..65535, "
+        "got 0 (Ray restarts a failed ingress, which must listen again on the port of the URL "
+        "printed at start)"]
+    with pytest.raises(ValidationError, match="gateway.port: expected a port in 1..65535, got 0"):
+        ServeConfig(gateway={"port": 0})
