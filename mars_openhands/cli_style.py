@@ -24,6 +24,7 @@ Standard library only: every layer's command line imports it.
 from __future__ import annotations
 
 import argparse
+import difflib
 import errno
 import math
 import re
@@ -357,8 +358,8 @@ def _path(rest: tuple[Any, ...]) -> str:
 def keys_hint(model: Any, root: str = "", *, hidden: Collection[str] = (),
               added: Collection[str] = ()) -> Callable[[tuple[Any, ...]], str | None]:
     """An ``unknown_key_hint`` for :func:`config_error_lines`: the keys the unknown key's section
-    of ``model`` takes, e.g. ``"'mars.levels' takes: prompt_thresholds_tokens, quanta_tokens,
-    aging_interval_s"``.
+    of ``model`` takes, after the closest one, e.g. ``"did you mean 'aging_interval_s'?
+    'mars.levels' takes: prompt_thresholds_tokens, quanta_tokens, aging_interval_s"``.
 
     The section is found by following the location's keys through the fields' annotations (a
     nested model, a ``tuple[Model, ...]``, a ``Model | None``); item indexes are kept in its name.
@@ -387,7 +388,9 @@ def keys_hint(model: Any, root: str = "", *, hidden: Collection[str] = (),
         if len(loc) == 1:
             keys = [k for k in keys if k not in hidden] + [k for k in added if k not in keys]
         name = ".".join(str(p) for p in (root, *loc[:-1]) if p != "")
-        return f"'{name}' takes: {', '.join(keys)}" if name else f"the keys are: {', '.join(keys)}"
+        close = difflib.get_close_matches(str(loc[-1]), keys, n=1)
+        return ((f"did you mean '{close[0]}'? " if close else "")
+                + (f"'{name}' takes: " if name else "the keys are: ") + ", ".join(keys))
 
     return hint
 

@@ -242,6 +242,7 @@ def test_keys_hint_follows_the_location_through_nested_models() -> None:
     assert hint(("colour",)) == "the keys are: items, extra, replica"
     assert hint(("items", 2, "colour")) == "'items.2' takes: url, name"
     assert hint(("extra", "colour")) == "'extra' takes: window_min, window_max"
+    assert hint(("extra", "window_mn")) == "did you mean 'window_min'? 'extra' takes: window_min, window_max"
     assert hint(("replicas", "x", "y")) is None  # not a model: the default advice
     assert keys_hint(_Doc, "doc")(("extra", "x")) == "'doc.extra' takes: window_min, window_max"
 
