@@ -61,6 +61,7 @@ from eval.metrics import session_table
 from eval.policies import merge_config
 from eval.replay import ReplayConfig, run_replay
 from eval.workloads import Workload
+from mars_openhands.cli_style import redact_url
 from mars_openhands.control.config import GatewayConfig, ReplicaConfig
 from mars_openhands.engine.harness.launch import VllmServer, VllmServerOptions
 from mars_openhands.policy.admission import AdmissionParams
@@ -640,11 +641,11 @@ def first_served_model(url: str) -> str:
         response.raise_for_status()
         models = [m["id"] for m in response.json().get("data", [])]
     except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"cannot list models at {url}/v1/models ({type(e).__name__}: {e}); is an "
-                         "OpenAI-compatible server running there? Start it, or give --backend the URL of "
-                         "a running one") from None
+        raise ValueError(redact_url(
+            f"cannot list models at {url}/v1/models ({type(e).__name__}: {e}); is an OpenAI-compatible "
+            "server running there? Start it, or give --backend the URL of a running one")) from None
     if not models:
-        raise ValueError(f"{url}/v1/models lists no model")
+        raise ValueError(f"{redact_url(url)}/v1/models lists no model")
     return str(models[0])
 
 

@@ -93,7 +93,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from eval.argtypes import config_error_lines, long_flags
 from eval.tools import BurnClock, ToolMode, ToolPool
 from eval.workloads.format import Session, Workload
-from mars_openhands.cli_style import EXIT_USAGE, cli_error
+from mars_openhands.cli_style import EXIT_USAGE, cli_error, redact_url
 from mars_openhands.stream.events import Event, SessionEnd, SessionStart, now_stamps
 from mars_openhands.stream.recorder import StreamRecorder
 from mars_openhands.stream.transport import EventSink, ListSink
@@ -768,9 +768,10 @@ async def _get_models(client: httpx.AsyncClient, config: ReplayConfig) -> httpx.
     try:
         return await client.get(url, timeout=httpx.Timeout(read_s, connect=min(_REACH_TIMEOUT_S, read_s)))
     except (httpx.ConnectError, httpx.ConnectTimeout) as e:
-        raise ValueError(f"nothing answers at {config.endpoint_url} (GET /v1/models: {type(e).__name__}: "
-                         f"{e or 'no connection'}); start the server there, or give endpoint_url (--endpoint-url) "
-                         "the root of a running one") from None
+        raise ValueError(redact_url(
+            f"nothing answers at {config.endpoint_url} (GET /v1/models: {type(e).__name__}: "
+            f"{e or 'no connection'}); start the server there, or give endpoint_url (--endpoint-url) "
+            "the root of a running one")) from None
     except httpx.HTTPError as e:  # connected, then no (or a broken) answer: up, but unread
         return e
 

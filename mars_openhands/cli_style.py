@@ -13,7 +13,10 @@ The range-checked ``type=`` helpers (:func:`positive_int`, :func:`non_negative_i
 :func:`count_or_zero`, :func:`port_number`, :func:`finite_float`, :func:`positive_float`,
 :func:`non_negative_float`, :func:`positive_fraction`) and :func:`config_error_lines` live here, not
 in ``eval.argtypes`` (which re-exports them), because the ``mars_openhands`` layers may not import
-``eval`` (tests/unit/test_layering.py) and their command lines need them too.
+``eval`` (tests/unit/test_layering.py) and their command lines need them too. The config loaders
+below the command lines (``policy.params``, a workload file, the in-process gateway's environment
+variable) report through :func:`config_error_lines` as well, so a bad key reads the same in a flag,
+a file or a variable; :func:`redact_url` hides the password of a URL in any error line.
 
 Standard library only: every layer's command line imports it.
 """
@@ -21,17 +24,19 @@ Standard library only: every layer's command line imports it.
 from __future__ import annotations
 
 import argparse
+import difflib
 import errno
 import math
 import re
 import socket
 import sys
-from collections.abc import Callable, Mapping
+import typing
+from collections.abc import Callable, Collection, Mapping
 from typing import IO, Any, Literal, NoReturn
 
 __all__ = ["EXIT_USAGE", "CliParser", "check_port_free", "cli_error", "config_error_lines", "count_or_zero",
-           "finite_float", "long_flags", "non_negative_float", "non_negative_int", "one_line",
-           "port_number", "positive_float", "positive_fraction", "positive_int"]
+           "finite_float", "keys_hint", "long_flags", "non_negative_float", "non_negative_int",
+           "one_line", "port_number", "positive_float", "positive_fraction", "positive_int", "redact_url"]
 
 EXIT_USAGE = 2
 """Exit status of a usage error (argparse's, and the shell convention)."""
@@ -198,7 +203,8 @@ def config_error_lines(error: Any, flags: Mapping[str, str] | None = None, *,
                        model_errors: Literal["assign", "as_is"] = "assign",
                        dashed_nested: bool = False,
                        unknown_key_hint: Callable[[tuple[Any, ...]], str | None] | None = None,
-                       examples: Mapping[str, str] | None = None) -> list[str]:
+                       examples: Mapping[str, str] | None = None,
+                       key_prefix: str | None = None) -> list[str]:
     """One ``--flag: <msg> (got <value>)`` line per problem of a config built from flags. Pure.
 
     The one formatter of every command line's pydantic errors::
@@ -208,12 +214,21 @@ def config_error_lines(error: Any, flags: Mapping[str, str] | None = None, *,
         --replica[0] url: replica url must start with http:// or https://, got 'x'
         --gateway-config: unknown key 'admission.window_mx'; 'admission' takes: window_min, ...
 
+    and, with ``key_prefix``, of a document's (a file, a JSON flag value, an environment
+    variable; the caller's prefix names it)::
+
+        mars.window.size: Input should be greater than or equal to 1 (got 0)
+        unknown key 'mars.levels.agng'; 'mars.levels' takes: prompt_thresholds_tokens, ...
+        problem_statement: required; add the key
+
     ``(got <value>)`` is left out where the message already says ``got`` or quotes the value,
     where the value is a dict, list or tuple (the message names the bad part; a dict may hold
-    secrets), and where the field is a secret (a ``SecretStr``, or a name such as ``api_key``,
-    ``admin_key``, ``*_token``: see :data:`_SECRET_NAME`). An unknown key (``extra="forbid"``)
-    never shows its value: it may be a secret under a misspelt name. A ``too_short`` error of a
-    list whose item failed is left out (pydantic counts only the items that passed).
+    secrets), where the field is a secret (a ``SecretStr``, or a name such as ``api_key``,
+    ``admin_key``, ``*_token``: see :data:`_SECRET_NAME`), and for the whole document (an error
+    with no location: invalid JSON, not an object). An unknown key (``extra="forbid"``) never
+    shows its value: it may be a secret under a misspelt name. A ``too_short`` error of a list
+    whose item failed is left out (pydantic counts only the items that passed). The userinfo of
+    any URL in a line is hidden (:func:`redact_url`).
 
     Args:
         error: a pydantic ``ValidationError``.
@@ -233,9 +248,14 @@ def config_error_lines(error: Any, flags: Mapping[str, str] | None = None, *,
             ``admission.window_max`` → ``--admission-window-max``): a field not in ``flags``
             prints as its whole key path with dashes.
         unknown_key_hint: location of an unknown key → what to write instead (``"'admission'
-            takes: window_min, ..."``), or ``None`` for the default advice.
+            takes: window_min, ..."``; :func:`keys_hint` makes one from the model), or ``None``
+            for the default advice.
         examples: field → the example value a ``required`` line offers in place of ``VALUE``
             (``{"replicas": "http://127.0.0.1:8001"}``).
+        key_prefix: the config is a document, not flags: every location prints as this prefix
+            and its dotted key path (``"mars."``: ``mars.levels.agng``; ``""``:
+            ``turns.1.output_tokens``), a model-level error as its message alone; ``flags``,
+            ``file_flag``, ``model_errors``, ``dashed_nested`` and ``examples`` are not used.
 
     Returns:
         The lines, without pydantic's input dump and documentation URL (no ``error:`` prefix).
@@ -250,33 +270,42 @@ def config_error_lines(error: Any, flags: Mapping[str, str] | None = None, *,
                                                for i in items):
             continue  # pydantic's follow-up of a bad item: "at least 1 item after validation, not 0"
         if item["type"] == "extra_forbidden":
-            lines.append(_unknown_key_line(loc, flags, file_flag, unknown_key_hint))
+            lines.append(_unknown_key_line(loc, flags, file_flag, unknown_key_hint, key_prefix))
             continue
-        if not loc and model_errors == "as_is":
+        if not loc and (model_errors == "as_is" or key_prefix is not None):
             lines.append(message)
             continue
         if not loc and isinstance(got, dict):  # the model validator: find the field it names
             named = [w for w in re.findall(r"[a-z][a-z0-9_]*", message) if w in flags]
             # (a field not given keeps the input dict as its value, which is not shown)
             loc, got = ((named[0],), got.get(named[0], got)) if named else ((), got)
-        flag = _flag_of(loc, flags, file_flag, dashed_nested)
+        flag = (key_prefix + _dotted(loc) if key_prefix is not None
+                else _flag_of(loc, flags, file_flag, dashed_nested))
         message = message.removesuffix(f" ({flag})")
         if item["type"] == "missing":
-            is_file_key = file_flag is not None and not dashed_nested and str(loc[0]) not in flags
-            fix = (f"add the key to the {file_flag} file" if is_file_key else
-                   f"pass {flag} {examples.get(str(loc[0]), 'VALUE') if len(loc) == 1 else 'VALUE'}")
+            fix = _missing_fix(loc, flag, flags, file_flag, dashed_nested, examples, key_prefix)
             lines.append(f"{flag}: required; {fix}")
         elif _shows_value(loc, got, message):
             lines.append(f"{flag}: {message} (got {got!r})")
         else:
             lines.append(f"{flag}: {message}")
-    return lines
+    return [redact_url(line) for line in lines]
+
+
+def _missing_fix(loc: tuple[Any, ...], flag: str, flags: Mapping[str, str], file_flag: str | None,
+                 dashed_nested: bool, examples: Mapping[str, str], key_prefix: str | None) -> str:
+    """How to give a required field: ``pass --model VALUE``, ``add the key ...``. Pure."""
+    if key_prefix is not None:
+        return "add the key"
+    if file_flag is not None and not dashed_nested and str(loc[0]) not in flags:
+        return f"add the key to the {file_flag} file"
+    return f"pass {flag} {examples.get(str(loc[0]), 'VALUE') if len(loc) == 1 else 'VALUE'}"
 
 
 def _shows_value(loc: tuple[Any, ...], got: Any, message: str) -> bool:
-    """Whether a line ends with ``(got <value>)``: not for a secret, a container, or a value the
-    message already shows. Pure."""
-    if hasattr(got, "get_secret_value") or any(
+    """Whether a line ends with ``(got <value>)``: not for a secret, a container, the whole
+    document or a value the message already shows. Pure."""
+    if not loc or hasattr(got, "get_secret_value") or any(
             isinstance(part, str) and _SECRET_NAME.search(part) for part in loc):
         return False
     if isinstance(got, _CONTAINERS) or "got " in message:
@@ -285,14 +314,22 @@ def _shows_value(loc: tuple[Any, ...], got: Any, message: str) -> bool:
 
 
 def _unknown_key_line(loc: tuple[Any, ...], flags: Mapping[str, str], file_flag: str | None,
-                      hint: Callable[[tuple[Any, ...]], str | None] | None) -> str:
-    """``<where>: unknown key '<a.b>'; <what to write instead>``, without its value. Pure."""
+                      hint: Callable[[tuple[Any, ...]], str | None] | None, key_prefix: str | None) -> str:
+    """``<where>: unknown key '<a.b>'; <what to write instead>``, without its value (a document's:
+    ``unknown key '<prefix><a.b>'; ...``). Pure."""
+    fix = (hint(loc) if hint is not None else None) or "remove it or correct its spelling"
+    if key_prefix is not None:
+        return f"unknown key '{key_prefix}{_dotted(loc)}'; {fix}"
     if file_flag is not None or len(loc) < 2:
         where, key = file_flag or "config", loc
     else:  # a key inside a field given as a flag (a JSON object)
         where, key = _flag_of(loc[:1], flags, None, False), loc[1:]
-    fix = (hint(loc) if hint is not None else None) or "remove it or correct its spelling"
-    return f"{where}: unknown key '{'.'.join(str(p) for p in key)}'; {fix}"
+    return f"{where}: unknown key '{_dotted(key)}'; {fix}"
+
+
+def _dotted(loc: tuple[Any, ...]) -> str:
+    """A location as a dotted key path: ``("turns", 1, "output_tokens")`` → ``"turns.1.output_tokens"``."""
+    return ".".join(str(p) for p in loc)
 
 
 def _flag_of(loc: tuple[Any, ...], flags: Mapping[str, str], file_flag: str | None,
@@ -306,7 +343,7 @@ def _flag_of(loc: tuple[Any, ...], flags: Mapping[str, str], file_flag: str | No
         end = next((i for i, part in enumerate(loc) if isinstance(part, int)), len(loc))
         return "--" + "-".join(str(p) for p in loc[:end]).replace("_", "-") + _path(loc[end:])
     if file_flag is not None:
-        return f"{file_flag} {'.'.join(str(p) for p in loc)}"
+        return f"{file_flag} {_dotted(loc)}"
     return "--" + str(loc[0]).replace("_", "-") + _path(loc[1:])
 
 
@@ -316,3 +353,73 @@ def _path(rest: tuple[Any, ...]) -> str:
     while rest and isinstance(rest[0], int):
         indexes, rest = indexes + f"[{rest[0]}]", rest[1:]
     return indexes + (" " + ".".join(str(p) for p in rest) if rest else "")
+
+
+def keys_hint(model: Any, root: str = "", *, hidden: Collection[str] = (),
+              added: Collection[str] = ()) -> Callable[[tuple[Any, ...]], str | None]:
+    """An ``unknown_key_hint`` for :func:`config_error_lines`: the keys the unknown key's section
+    of ``model`` takes, after the closest one, e.g. ``"did you mean 'aging_interval_s'?
+    'mars.levels' takes: prompt_thresholds_tokens, quanta_tokens, aging_interval_s"``.
+
+    The section is found by following the location's keys through the fields' annotations (a
+    nested model, a ``tuple[Model, ...]``, a ``Model | None``); item indexes are kept in its name.
+    Duck-typed on pydantic's ``model_fields``, so this module stays standard library only.
+
+    Args:
+        model: the pydantic model class the document is validated as.
+        root: how the top section is named (``"mars"``; ``""``: by the keys alone).
+        hidden: top-level fields not to offer (set another way: the in-process gateway's
+            ``replicas``).
+        added: top-level keys read before validation, to offer too (its ``replica``).
+
+    Returns:
+        location → hint, or ``None`` where the section is not a model (the default advice).
+    """
+    def hint(loc: tuple[Any, ...]) -> str | None:
+        section: Any = model
+        for part in loc[:-1]:
+            if isinstance(part, int):
+                continue  # an item: the annotation's model was taken at its field
+            field = getattr(section, "model_fields", {}).get(part)
+            section = _model_in(field.annotation) if field is not None else None
+            if section is None:
+                return None
+        keys = list(getattr(section, "model_fields", {}))
+        if len(loc) == 1:
+            keys = [k for k in keys if k not in hidden] + [k for k in added if k not in keys]
+        name = ".".join(str(p) for p in (root, *loc[:-1]) if p != "")
+        close = difflib.get_close_matches(str(loc[-1]), keys, n=1)
+        return ((f"did you mean '{close[0]}'? " if close else "")
+                + (f"'{name}' takes: " if name else "the keys are: ") + ", ".join(keys))
+
+    return hint
+
+
+def _model_in(annotation: Any) -> Any:
+    """The model class in a field annotation (``Model``, ``Model | None``, ``tuple[Model, ...]``),
+    or ``None``."""
+    if isinstance(annotation, type) and hasattr(annotation, "model_fields"):
+        return annotation
+    return next((m for m in map(_model_in, typing.get_args(annotation)) if m is not None), None)
+
+
+_URL_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^\s/?#'\"<>]*)@")
+"""A URL's ``scheme://userinfo@``: the userinfo runs to the last ``@`` before the path (an
+unencoded ``@`` in a password stays hidden, as ``urllib`` splits it)."""
+
+
+def redact_url(text: str) -> str:
+    """``text`` (a URL, or a line naming URLs) with each URL's userinfo hidden. Pure.
+
+    ``http://user:pass@host`` → ``http://user:***@host`` (the user name helps find a wrong one;
+    SQLAlchemy shows URLs the same way); a userinfo without a password, ``https://TOKEN@host``, is
+    hidden whole, ``https://***@host`` (it is often a token).
+
+    >>> redact_url("replica URLs must be distinct, got ['http://u:p@a:1', 'https://tok@b']")
+    "replica URLs must be distinct, got ['http://u:***@a:1', 'https://***@b']"
+    """
+    def hide(match: re.Match[str]) -> str:
+        user, has_password, _ = match["userinfo"].partition(":")
+        return match["scheme"] + (f"{user}:***@" if has_password else "***@")
+
+    return _URL_USERINFO.sub(hide, text)

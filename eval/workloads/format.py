@@ -35,6 +35,8 @@ from typing import IO, Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from mars_openhands.cli_style import config_error_lines, keys_hint
+
 __all__ = [
     "FORMAT_VERSION",
     "Session",
@@ -209,12 +211,11 @@ def _is_jsonl(path: Path) -> bool:
     )
 
 
-def _describe(error: ValidationError) -> str:
-    """One line per problem: ``field.path: message`` (pydantic's own text)."""
-    return "; ".join(
-        f"{'.'.join(str(p) for p in err['loc']) or '<document>'}: {err['msg']}"
-        for err in error.errors()
-    )
+def _describe(error: ValidationError, model: type[BaseModel]) -> str:
+    """The problems of a document validated as ``model``, joined into one line: ``field.path:
+    message (got value)``, an unknown key with the keys its section takes
+    (:func:`~mars_openhands.cli_style.config_error_lines`)."""
+    return "; ".join(config_error_lines(error, key_prefix="", unknown_key_hint=keys_hint(model)))
 
 
 def save_workload(workload: Workload, path: str | os.PathLike[str]) -> Path:
@@ -265,7 +266,8 @@ def load_workload(path: str | os.PathLike[str]) -> Workload:
     Raises:
         WorkloadFormatError: invalid JSON, a missing/unknown/out-of-range field, an unknown
             ``format_version`` or duplicate ids; the message names the file, the line (JSONL) and
-            the field path, e.g. ``w.jsonl:3: turns.2.output_tokens: Input should be >= 1``.
+            the field path, e.g. ``w.jsonl:3: invalid session: turns.2.output_tokens: Input should
+            be greater than or equal to 1 (got 0)``; an unknown key lists the keys of its section.
         FileNotFoundError: no such file.
     """
     path = Path(path)
@@ -282,7 +284,7 @@ def load_workload(path: str | os.PathLike[str]) -> Workload:
     try:
         return Workload.model_validate_json(text)
     except ValidationError as e:
-        raise WorkloadFormatError(f"{path}: invalid workload: {_describe(e)}") from None
+        raise WorkloadFormatError(f"{path}: invalid workload: {_describe(e, Workload)}") from None
 
 
 def _read_jsonl(path: Path, f: IO[str]) -> Workload:
@@ -300,11 +302,11 @@ def _read_jsonl(path: Path, f: IO[str]) -> Workload:
         try:
             sessions.append(Session.model_validate_json(line))
         except ValidationError as e:
-            raise WorkloadFormatError(f"{path}:{line_number}: invalid session: {_describe(e)}") from None
+            raise WorkloadFormatError(f"{path}:{line_number}: invalid session: {_describe(e, Session)}") from None
     try:
         return Workload(**header, sessions=tuple(sessions))
     except ValidationError as e:
-        raise WorkloadFormatError(f"{path}: invalid workload: {_describe(e)}") from None
+        raise WorkloadFormatError(f"{path}: invalid workload: {_describe(e, Workload)}") from None
     except TypeError as e:  # header keys that are not fields of Workload
         raise WorkloadFormatError(f"{path}:{first[0]}: invalid header: {e}") from None
 

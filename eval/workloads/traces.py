@@ -39,6 +39,7 @@ from pydantic import ValidationError
 
 from eval.workloads.format import Session, Turn, Workload, WorkloadFormatError, WorkloadMeta
 from eval.workloads.tool_names import FALLBACK_TOOL_NAME, tool_name_from_command
+from mars_openhands.cli_style import config_error_lines
 
 __all__ = ["TRACE_PATTERNS", "TraceLoadReport", "load_trace_dir", "load_trajectory"]
 
@@ -210,7 +211,7 @@ def load_trajectory(path: str | os.PathLike[str], report: TraceLoadReport | None
     try:
         return Session(session_id=str(instance_id), arrival_s=0.0, turns=_to_turns(calls, report))
     except ValidationError as e:  # e.g. a first prompt of 0 tokens
-        problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        problems = "; ".join(config_error_lines(e, key_prefix=""))
         raise WorkloadFormatError(f"{path}: trajectory gives an invalid session: {problems}") from None
 
 

@@ -52,6 +52,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from mars_openhands.cli_style import redact_url
 from mars_openhands.control import metadata
 from mars_openhands.control.admission import AdmissionPolicy, AdmissionTimeoutError
 from mars_openhands.control.auth import (
@@ -105,7 +106,7 @@ def _secret(value: Any) -> str | None:
 def settings_line(config: GatewayConfig, is_in_process: bool = False) -> str:
     """``replicas: ...; admission: ...; stream: ...; auth: ...``: the settings of a gateway start-up
     line (in-process, vLLM's ``--api-key`` is the API key). Pure."""
-    replicas = ", ".join(f"{config.replica_name(i)}={r.url}" for i, r in enumerate(config.replicas))
+    replicas = ", ".join(f"{config.replica_name(i)}={redact_url(r.url)}" for i, r in enumerate(config.replicas))
     p = config.admission
     admission = (f"on (window {p.window_min}..{p.window_max}, starts at {p.window_init})"
                  if config.is_admission_enabled else "off (window computed, not enforced)")
@@ -411,8 +412,8 @@ class Gateway:
         """
         if not self.plane.replica_failed(replica.index, reason, immediate):
             return False
-        logger.warning("replica %s (%s) marked down: %s", replica.name, replica.url, reason)
-        message = f"replica {replica.name} ({replica.url}) went down: {reason}"
+        logger.warning("replica %s (%s) marked down: %s", replica.name, redact_url(replica.url), reason)
+        message = f"replica {replica.name} ({redact_url(replica.url)}) went down: {reason}"
         for handle in list(replica.in_flight):
             handle.fail(message)
         return True
@@ -565,7 +566,7 @@ class Gateway:
             for s in self.sessions
         }
         for replica, row in zip(self.router.replicas, view["replicas"], strict=True):
-            row.update(url=replica.url, last_error=replica.last_error)
+            row.update(url=redact_url(replica.url), last_error=replica.last_error)
         return view
 
     def aggregate_state(self) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from typing import Self
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from mars_openhands.cli_style import check_port_free
+from mars_openhands.cli_style import check_port_free, redact_url
 from mars_openhands.policy.admission import AdmissionParams
 from mars_openhands.policy.placement import (
     DEFAULT_ROUTING_POLICY,
@@ -29,7 +29,7 @@ __all__ = ["ConfigError", "GatewayConfig", "ReplicaConfig", "check_runtime", "pa
 def _check_http_url(value: str) -> str:
     if not value.startswith(("http://", "https://")):
         raise ValueError(
-            f"replica url must start with http:// or https://, got {value!r}; "
+            f"replica url must start with http:// or https://, got {redact_url(repr(value))}; "
             "e.g. --replica http://127.0.0.1:8001"
         )
     return value.rstrip("/")
@@ -107,13 +107,13 @@ def parse_replica(spec: str, environ: Mapping[str, str] | None = None) -> Replic
         key, sep, value = option.partition("=")
         if not sep or key not in keys:
             raise ValueError(
-                f"bad --replica option {option!r} in {spec!r}; expected "
+                f"bad --replica option {option!r} in {redact_url(repr(spec))}; expected "
                 "URL[,events=ADDR][,name=NAME][,source=SRC][,key_env=VAR]"
             )
         if key == "key_env":
             secret = (os.environ if environ is None else environ).get(value)
             if not secret:
-                raise ValueError(f"--replica {url}: key_env={value} but ${value} is not set; export "
+                raise ValueError(f"--replica {redact_url(url)}: key_env={value} but ${value} is not set; export "
                                  "the replica's API key in it")
             value = secret
         fields[keys[key]] = value
@@ -245,7 +245,7 @@ class GatewayConfig(BaseModel):
     def _unique_replicas(self) -> Self:
         urls = [r.url for r in self.replicas]
         if len(set(urls)) != len(urls):
-            raise ValueError(f"replica URLs must be distinct, got {urls}")
+            raise ValueError(f"replica URLs must be distinct, got {redact_url(str(urls))}")
         return self
 
     @model_validator(mode="after")

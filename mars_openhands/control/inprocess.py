@@ -60,6 +60,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from mars_openhands import env
+from mars_openhands.cli_style import config_error_lines, keys_hint
 from mars_openhands.control.auth import UNAUTHORIZED_BODY
 from mars_openhands.control.config import GatewayConfig, ReplicaConfig, check_runtime
 from mars_openhands.control.proxy import PROXY_PATHS, ProxyHandler
@@ -130,16 +131,22 @@ def config_from_env(environ: Mapping[str, str] | None = None) -> GatewayConfig:
     try:
         local = ReplicaConfig(**{"name": "local", **replica, "url": IN_PROCESS_URL})
     except ValidationError as e:
-        raise ValueError(f"{where}: {_fields(e, 'replica.')}") from None
+        raise ValueError(f"{where}: {_problems(e, 'replica.')}") from None
     try:
         return GatewayConfig(**data, replicas=(local,))
     except ValidationError as e:
-        raise ValueError(f"{where}: {_fields(e)}") from None
+        raise ValueError(f"{where}: {_problems(e, '')}") from None
 
 
-def _fields(error: ValidationError, prefix: str = "") -> str:
-    return "; ".join(f"{prefix}{'.'.join(str(p) for p in err['loc']) or '(root)'}: {err['msg']}"
-                     for err in error.errors())
+def _problems(error: ValidationError, key_prefix: str) -> str:
+    """The :func:`~mars_openhands.cli_style.config_error_lines` of the variable's keys (those of
+    ``"replica"`` under ``key_prefix="replica."``), joined into one line: an unknown key lists the
+    keys its section takes here (the refused ones left out), a key's value is never shown."""
+    if key_prefix:
+        hint = keys_hint(ReplicaConfig, "replica", hidden=("url", "api_key"))
+    else:
+        hint = keys_hint(GatewayConfig, hidden=_REFUSED, added=("replica",))
+    return "; ".join(config_error_lines(error, key_prefix=key_prefix, unknown_key_hint=hint))
 
 
 HANG_UP_GRACE_S = 1.0

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
+from mars_openhands.cli_style import redact_url
 from mars_openhands.control import metadata
 from mars_openhands.control.admission import AdmissionTimeoutError
 from mars_openhands.control.auth import SESSION_TOKEN_HEADER, AuthError
@@ -494,19 +495,19 @@ class ProxyHandler:
                 raise _retry_after_cancel(call) from None
             if not is_alive:  # died under us: nothing to lose by re-running
                 raise _UpstreamFailedError(
-                    f"replica {replica.name} ({replica.url}) died mid-request: {e}", 503,
+                    f"replica {replica.name} ({redact_url(replica.url)}) died mid-request: {e}", 503,
                     can_retry=True,
                 ) from None
             raise _UpstreamFailedError(
-                f"replica {replica.name} ({replica.url}) broke the connection mid-request: {e}"
+                f"replica {replica.name} ({redact_url(replica.url)}) broke the connection mid-request: {e}"
             ) from None
         except UpstreamUnreachableError as e:
             raise _UpstreamFailedError(
-                f"replica {replica.name} ({replica.url}) unreachable: {e}", 503, can_retry=True
+                f"replica {replica.name} ({redact_url(replica.url)}) unreachable: {e}", 503, can_retry=True
             ) from None
         except UpstreamTimeoutError as e:
             raise _UpstreamFailedError(
-                f"replica {replica.name} ({replica.url}) sent nothing for "
+                f"replica {replica.name} ({redact_url(replica.url)}) sent nothing for "
                 f"{gateway.config.upstream_read_timeout_s} s ({e}); raise "
                 "--upstream-read-timeout-s if it is just slow", 504,
             ) from None
@@ -563,7 +564,7 @@ class ProxyHandler:
             call.interrupted(call.task)
             error = call.fail_reason
         except UpstreamError as e:
-            error = f"replica {replica.name} ({replica.url}) failed mid-stream: {e!r}"
+            error = f"replica {replica.name} ({redact_url(replica.url)}) failed mid-stream: {e!r}"
         finally:
             replica.in_flight.discard(call)
             resp.close()

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from mars_openhands.cli_style import redact_url
 from mars_openhands.control.config import GatewayConfig
 from mars_openhands.control.metrics import EngineMetrics
 from mars_openhands.control.sessions import Session
@@ -288,7 +289,7 @@ class Router:
         try:
             index = choose_replica(request, self.replica_loads(), self.policy)
         except NoHealthyReplicaError:
-            states = ", ".join(f"{r.name} ({r.url}): {r.last_error}" for r in self.replicas)
+            states = ", ".join(f"{r.name} ({redact_url(r.url)}): {r.last_error}" for r in self.replicas)
             raise NoReplicaError(f"no healthy vLLM replica; all are down: {states}") from None
         if session.replica != index:
             self.detach(session)

@@ -29,6 +29,8 @@ from collections.abc import AsyncIterator, Mapping
 import aiohttp
 from yarl import URL
 
+from mars_openhands.cli_style import redact_url
+
 __all__ = [
     "UpstreamBrokenError",
     "UpstreamClient",
@@ -67,15 +69,17 @@ _CLOSED_BEFORE_RESPONSE = (aiohttp.ClientOSError, aiohttp.ServerDisconnectedErro
 
 
 def _map(error: BaseException, url: str) -> UpstreamError:
-    """The gateway's exception for an aiohttp failure on ``url``."""
+    """The gateway's exception for an aiohttp failure on ``url`` (its password hidden, in the
+    error's text too: :func:`~mars_openhands.cli_style.redact_url`)."""
+    error_text, url = redact_url(repr(error)), redact_url(url)
     if isinstance(error, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
-        return UpstreamUnreachableError(f"cannot connect for {url}: {error!r}")
+        return UpstreamUnreachableError(f"cannot connect for {url}: {error_text}")
     if isinstance(error, aiohttp.InvalidURL | aiohttp.NonHttpUrlClientError):
         return UpstreamUnreachableError(
-            f"bad replica URL {url!r} ({error!r}); give an http:// or https:// URL")
+            f"bad replica URL {url!r} ({error_text}); give an http:// or https:// URL")
     if isinstance(error, aiohttp.ServerTimeoutError | TimeoutError):
-        return UpstreamTimeoutError(f"no bytes from {url} within the read timeout: {error!r}")
-    return UpstreamBrokenError(f"connection to {url} broke: {error!r}")
+        return UpstreamTimeoutError(f"no bytes from {url} within the read timeout: {error_text}")
+    return UpstreamBrokenError(f"connection to {url} broke: {error_text}")
 
 
 NOT_RELAYED_HEADERS = frozenset((b"content-type", b"content-length", b"transfer-encoding", b"connection",
@@ -177,7 +181,8 @@ class UpstreamClient:
                 parsed = self._urls[url] = URL(url)
             except ValueError as e:
                 raise UpstreamUnreachableError(
-                    f"bad replica URL {url!r} ({e}); give an http:// or https:// URL") from None
+                    f"bad replica URL {redact_url(repr(url))} ({redact_url(str(e))}); give an http:// "
+                    "or https:// URL") from None
         return parsed
 
     async def post(self, url: str, content: bytes, headers: Mapping[str, str]) -> UpstreamResponse:

@@ -29,6 +29,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict
 
+from mars_openhands.cli_style import redact_url
+
 __all__ = ["APP_AGENT_SERVER_VERSION", "AppSettings", "app_settings", "render_shell",
            "reachable_from_container"]
 
@@ -84,7 +86,7 @@ def app_settings(gateway_url: str, model: str, sandbox: Sandbox = "process",
     """
     parts = urlsplit(gateway_url.rstrip("/"))
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"--gateway must be http(s)://host[:port], got {gateway_url!r}")
+        raise ValueError(f"--gateway must be http(s)://host[:port], got {redact_url(repr(gateway_url))}")
     root = urlunsplit(parts).removesuffix("/v1")
     seen_root = reachable_from_container(root) if sandbox == "docker" else root
     agent_env = {"MARS_EVENTS_URL": f"{seen_root}/mars/v1/events", **(extra_agent_env or {})}

@@ -26,6 +26,8 @@ from mars_openhands.cli_signals import end_with_parent, sigterm_exits
 from mars_openhands.cli_style import (
     CliParser,
     cli_error,
+    config_error_lines,
+    keys_hint,
     non_negative_float,
     positive_float,
     positive_fraction,
@@ -116,14 +118,38 @@ def _tasks_from(args: argparse.Namespace) -> list[Any]:
     from mars_openhands.openhands.runner import TaskSpec
 
     if args.tasks is not None:
-        return [TaskSpec.model_validate_json(line) for line in args.tasks.read_text().splitlines()
-                if line.strip()]
+        return _read_tasks(args.tasks)
     problem = args.problem_file.read_text() if args.problem_file else args.problem
     if not problem:
         raise ValueError("--tasks: no tasks given; pass --tasks FILE, or --problem/--problem-file with "
                          "--repo or --workspace")
     return [TaskSpec(task_id="task-0", problem_statement=problem, repo=args.repo,
                      base_commit=args.base_commit, workspace=args.workspace)]
+
+
+def _read_tasks(path: Path) -> list[Any]:
+    """The :class:`TaskSpec` of each non-blank line of a ``--tasks`` JSONL file.
+
+    Raises:
+        ValueError: an invalid line, one line naming the file, the line number and each problem
+            (:func:`~mars_openhands.cli_style.config_error_lines`: ``--tasks t.jsonl:2: invalid
+            task: problem_statement: required; add the key``; an unknown key lists the keys).
+        OSError: the file cannot be read.
+    """
+    from pydantic import ValidationError
+
+    from mars_openhands.openhands.runner import TaskSpec
+
+    tasks = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            tasks.append(TaskSpec.model_validate_json(line))
+        except ValidationError as e:
+            problems = "; ".join(config_error_lines(e, key_prefix="", unknown_key_hint=keys_hint(TaskSpec)))
+            raise ValueError(f"--tasks {path}:{number}: invalid task: {problems}") from None
+    return tasks
 
 
 def _checked_inputs(args: argparse.Namespace) -> tuple[list[Any], Any]:
@@ -135,16 +161,10 @@ def _checked_inputs(args: argparse.Namespace) -> tuple[list[Any], Any]:
         ValueError: an unreadable or invalid ``--tasks`` line (the message names the file, line
             and field), or a task's ``workspace`` that is not a directory.
     """
-    from pydantic import ValidationError
-
     try:
         tasks = _tasks_from(args)
     except OSError as e:
         raise ValueError(f"--tasks: cannot read {args.tasks} ({e.strerror or e})") from None
-    except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'task'}: {err['msg']}"
-                             for err in e.errors())
-        raise ValueError(f"--tasks {args.tasks}: a task is invalid: {problems}") from None
     for task in tasks:
         if task.workspace is not None and not Path(task.workspace).is_dir():
             raise ValueError(f"task {task.task_id}: workspace {task.workspace} is not a directory "

@@ -7,6 +7,8 @@ vLLM server behind ``--backend mars`` answered every event post with 404 while t
 
 from __future__ import annotations
 
+from mars_openhands.cli_style import redact_url
+
 __all__ = ["preflight"]
 
 
@@ -23,21 +25,24 @@ def preflight(base_url: str, api_key: str = "EMPTY", backend: str = "mars", flag
         timeout_s: per request, seconds.
 
     Raises:
-        ValueError: one line naming the URL, what it answered and the flag to change.
+        ValueError: one line naming the URL (its password hidden), what it answered and the
+            flag to change.
     """
     import httpx
 
     root = base_url.rstrip("/").removesuffix("/v1")
+    shown = redact_url(root)  # the messages' URL: a password in it stays hidden
     headers = {"authorization": f"Bearer {api_key}"}
     try:
         with httpx.Client(timeout=timeout_s, headers=headers) as client:
             models = client.get(f"{root}/v1/models")
             health = client.get(f"{root}/mars/v1/healthz") if backend == "mars" else None
     except httpx.HTTPError as e:
-        raise ValueError(f"{flag} {root}: cannot reach it ({type(e).__name__}: {e or 'no answer'}); "
+        raise ValueError(f"{flag} {shown}: cannot reach it ({type(e).__name__}: "
+                         f"{redact_url(str(e)) or 'no answer'}); "
                          "is the server running there?") from None
     if models.status_code in (401, 403):
-        raise ValueError(f"{flag} {root}: GET /v1/models answered {models.status_code}; check "
+        raise ValueError(f"{flag} {shown}: GET /v1/models answered {models.status_code}; check "
                          "--api-key (or $MARS_API_KEY)")
     if health is None:
         return
@@ -46,9 +51,9 @@ def preflight(base_url: str, api_key: str = "EMPTY", backend: str = "mars", flag
     except ValueError:
         body = None
     if not isinstance(body, dict) or "healthy_replicas" not in body:
-        raise ValueError(f"--backend mars: {root} is not a MARS gateway (GET /mars/v1/healthz "
+        raise ValueError(f"--backend mars: {shown} is not a MARS gateway (GET /mars/v1/healthz "
                          f"answered {health.status_code}); use --backend vllm for a vLLM server, "
                          "--backend url for another endpoint")
     if health.status_code != 200:
-        raise ValueError(f"--backend mars: the gateway at {root} has no healthy replica "
+        raise ValueError(f"--backend mars: the gateway at {shown} has no healthy replica "
                          f"({body.get('status')}); start its engines first")

@@ -12,7 +12,7 @@ Example:
     >>> parse_scheduler_params({"levels": {"agng": 1}})
     Traceback (most recent call last):
     ...
-    ValueError: invalid --additional-config mars: mars.levels.agng: Extra inputs are not permitted (got 1)
+    ValueError: invalid --additional-config mars: unknown key 'mars.levels.agng'; 'mars.levels' takes: prompt_thresholds_tokens, quanta_tokens, aging_interval_s
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from mars_openhands.cli_style import config_error_lines, keys_hint
 from mars_openhands.policy.continuum import ContinuumParams
 from mars_openhands.policy.infercept import InferceptParams
 from mars_openhands.policy.plas import PlasParams
@@ -261,7 +262,8 @@ def parse_scheduler_params(raw: dict[str, Any] | SchedulerParams | None) -> Sche
 
     Raises:
         ValueError: unknown key or bad value; the message names each key as ``mars.a.b``, the
-            offending value, and the flag (``--additional-config``) to fix.
+            offending value (an unknown key's: the keys its section takes instead), and the flag
+            (``--additional-config``) to fix (:func:`~mars_openhands.cli_style.config_error_lines`).
     """
     if raw is None:
         return SchedulerParams()
@@ -274,8 +276,6 @@ def parse_scheduler_params(raw: dict[str, Any] | SchedulerParams | None) -> Sche
     try:
         return SchedulerParams.model_validate(raw)
     except ValidationError as e:
-        problems = "; ".join(
-            f"mars.{'.'.join(str(p) for p in err['loc'])}: {err['msg']} (got {err.get('input')!r})"
-            for err in e.errors()
-        )
+        problems = "; ".join(config_error_lines(
+            e, key_prefix="mars.", unknown_key_hint=keys_hint(SchedulerParams, "mars")))
         raise ValueError(f"invalid --additional-config mars: {problems}") from None

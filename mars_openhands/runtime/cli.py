@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mars_openhands.cli_style import EXIT_USAGE, CliParser, cli_error, count_or_zero
+from mars_openhands.cli_style import EXIT_USAGE, CliParser, cli_error, count_or_zero, redact_url
 from mars_openhands.runtime.config import TASK_STATUSES
 
 __all__ = ["add_tasks_subcommand", "format_event", "main"]
@@ -25,8 +25,6 @@ if importlib.util.find_spec("dbos") is None:  # the top-level CLI lists `tasks` 
     raise ImportError("DBOS Transact is not installed here (the 'runtime' extra)", name="dbos")
 
 _DIGEST = re.compile(r"[0-9a-f]{64}")
-_PASSWORD = re.compile(r"(://[^/@:]*):[^/@]*@")
-"""The ``:password@`` of a URL (hidden in error lines)."""
 EXIT_INPUT = EXIT_USAGE
 
 
@@ -51,7 +49,7 @@ def _db_url(args: argparse.Namespace) -> tuple[str, str]:
     from mars_openhands.runtime.config import DEFAULT_DB_PATH, ENV_TASKS_DB, normalize_db_url
 
     given = args.db if args.db is not None else os.environ.get(ENV_TASKS_DB) or None
-    shown = _PASSWORD.sub(r"\1:***@", given) if given is not None else None
+    shown = redact_url(given) if given is not None else None
     label = (f"--db {shown}" if args.db is not None else f"${ENV_TASKS_DB}={shown}" if given is not None
              else f"the default tasks database {DEFAULT_DB_PATH}")
     try:

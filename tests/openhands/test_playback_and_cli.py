@@ -209,7 +209,7 @@ def test_cli_run_input_errors_are_one_line_and_exit_2(tmp_path: Path, capsys) ->
     bad_task.write_text('{"task_id": "t"}\n')
     cases = [
         (["--tasks", str(tmp_path / "nope.jsonl")], "--tasks: cannot read"),
-        (["--tasks", str(bad_task)], "problem_statement: Field required"),
+        (["--tasks", str(bad_task)], f"--tasks {bad_task}:1: invalid task: problem_statement: required; add the key"),
         (["--problem", "p", "--workspace", str(tmp_path / "missing")], "is not a directory"),
     ]
     for extra, expected in cases:
@@ -217,6 +217,32 @@ def test_cli_run_input_errors_are_one_line_and_exit_2(tmp_path: Path, capsys) ->
         err = capsys.readouterr().err
         assert expected in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()  # nothing started
+
+
+def test_a_bad_tasks_line_is_named_with_its_problems_and_no_secret(tmp_path: Path, capsys) -> None:
+    """The line number, each problem with its key, an unknown key with the keys a task takes, a
+    URL's password hidden (was '--tasks F: a task is invalid: colour: Extra inputs are not
+    permitted', no line, and a bad value's URL printed whole)."""
+    from mars_openhands.openhands.cli import run_from_args
+
+    tasks = tmp_path / "tasks.jsonl"
+    good = {"task_id": "a", "problem_statement": "p", "workspace": str(tmp_path)}
+    bad = {"task_id": "b", "problem_statement": "p", "workspace": str(tmp_path),
+           "session_id": "https://me:ghp_secret@github.com/o/r", "colour": "ghp_other_secret"}
+    tasks.write_text(json.dumps(good) + "\n\n" + json.dumps(bad) + "\n")
+    argv = ["openhands", "run", "--url", "http://127.0.0.1:9", "--model", "m", "--tasks", str(tasks),
+            "--out", str(tmp_path / "o")]
+    assert run_from_args(_parse(argv)) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"mars-openhands openhands run: error: --tasks {tasks}:3: invalid task: session_id: session_id "
+        "must be a UUID (it is the OpenHands conversation id), got 'https://me:***@github.com/o/r'; omit "
+        "it to get a new one; unknown key 'colour'; the keys are: task_id, problem_statement, repo, "
+        "base_commit, workspace, session_id\n")
+    tasks.write_text(json.dumps(good)[:-1] + ', "repo": "https://tok_secret@github.com/o/r"\n')  # cut
+    assert run_from_args(_parse(argv)) == 2
+    err = capsys.readouterr().err
+    assert f"--tasks {tasks}:1: invalid task: Invalid JSON: " in err and "tok_secret" not in err
 
 
 def test_run_tasks_rejects_bad_input(tmp_path: Path) -> None:

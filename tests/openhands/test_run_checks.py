@@ -76,6 +76,16 @@ def test_endpoint_problems_stop_the_run_before_any_task(tmp_path: Path, capsys) 
     assert not out.exists()
 
 
+def test_an_endpoint_urls_password_is_not_printed(tmp_path: Path, capsys) -> None:
+    """--url http://user:pass@host (sent as basic auth) that nothing answers: the refusal names it
+    with its password hidden; it printed it whole."""
+    port = free_port()
+    assert _run(["--url", f"http://me:hunter2@127.0.0.1:{port}", "--problem", "p", "--workspace",
+                 str(tmp_path), "--out", str(tmp_path / "out"), "--model", "m"]) == 2
+    err = _one_line_error(capsys)
+    assert f"--url http://me:***@127.0.0.1:{port}: cannot reach it" in err and "hunter2" not in err, err
+
+
 def test_task_errors_reuse_secrets_lost_events_and_the_kept_conversation(tmp_path: Path,
                                                                         capsys) -> None:
     """One run of three tasks, then the same --out again.

@@ -23,7 +23,9 @@ from mars_openhands.cli_style import (
     check_port_free,
     cli_error,
     config_error_lines,
+    keys_hint,
     one_line,
+    redact_url,
 )
 
 
@@ -201,6 +203,70 @@ def test_config_error_lines_say_a_quoted_value_once() -> None:
     with pytest.raises(ValidationError) as info:
         _Stream(stream_path="s.parquet")
     assert config_error_lines(info.value) == ["--stream-path: give a .jsonl path, not 's.parquet'"]
+
+
+def test_config_error_lines_of_a_document_are_dotted_key_paths() -> None:
+    """``key_prefix``: the policy params, a workload file, a --tasks line, the in-process gateway's
+    variable. Keys dotted after the prefix, a model-level error as its message, an unknown key
+    with its section's keys and without its value, the whole document's value never shown."""
+    error = _error(num_tool_workers=0, admission={"window_min": 0, "admin_kee": "sk-secret"})
+    assert config_error_lines(error, key_prefix="cfg.", unknown_key_hint=keys_hint(_Config, "cfg")) == [
+        "cfg.model: required; add the key",
+        "cfg.num_tool_workers: Input should be greater than or equal to 1 (got 0)",
+        "cfg.admission.window_min: Input should be greater than or equal to 1 (got 0)",
+        "unknown key 'cfg.admission.admin_kee'; 'cfg.admission' takes: window_min, window_max"]
+    assert config_error_lines(_error(model="m", schedulers=[]), key_prefix="") == [
+        "at least one scheduler is needed"]
+    with pytest.raises(ValidationError) as info:
+        _Config.model_validate_json('{"model": "m", "api_key": "sk-secret"')  # cut short
+    [line] = config_error_lines(info.value, key_prefix="")
+    assert line.startswith("Invalid JSON: ") and "sk-secret" not in line
+    # ... and with flags: a whole document given where an object was expected is not echoed.
+    with pytest.raises(ValidationError) as info:
+        _Config.model_validate("sk-secret")
+    assert config_error_lines(info.value) == [
+        "config: Input should be a valid dictionary or instance of _Config"]
+
+
+def test_keys_hint_follows_the_location_through_nested_models() -> None:
+    class _Item(BaseModel):
+        url: str
+        name: str = ""
+
+    class _Doc(BaseModel):
+        items: tuple[_Item, ...] = ()
+        extra: _Admission | None = None
+        replicas: int = 1
+
+    hint = keys_hint(_Doc, hidden=("replicas",), added=("replica",))
+    assert hint(("colour",)) == "the keys are: items, extra, replica"
+    assert hint(("items", 2, "colour")) == "'items.2' takes: url, name"
+    assert hint(("extra", "colour")) == "'extra' takes: window_min, window_max"
+    assert hint(("extra", "window_mn")) == "did you mean 'window_min'? 'extra' takes: window_min, window_max"
+    assert hint(("replicas", "x", "y")) is None  # not a model: the default advice
+    assert keys_hint(_Doc, "doc")(("extra", "x")) == "'doc.extra' takes: window_min, window_max"
+
+
+@pytest.mark.parametrize(("text", "shown"), [
+    ("http://user:pass@host:8001/v1", "http://user:***@host:8001/v1"),
+    ("https://ghp_token@github.com/o/r", "https://***@github.com/o/r"),
+    ("http://u:p@ss@host", "http://u:***@host"),  # an unencoded @ in the password
+    ("got ['http://a:b@x', 'http://c@y']", "got ['http://a:***@x', 'http://***@y']"),
+    ("postgresql+psycopg://mars:pw@127.0.0.1/x", "postgresql+psycopg://mars:***@127.0.0.1/x"),
+    ("http://host:8001/a@b and mail me@example.com", "http://host:8001/a@b and mail me@example.com"),
+])
+def test_redact_url_hides_the_userinfo_of_every_url(text: str, shown: str) -> None:
+    assert redact_url(text) == shown
+
+
+def test_config_error_lines_hide_a_urls_password() -> None:
+    class _Replica(BaseModel):
+        url: str = Field(pattern="^http")
+
+    with pytest.raises(ValidationError) as info:
+        _Replica(url="ftp://me:hunter2@host")
+    assert config_error_lines(info.value, {"url": "--replica"}) == [
+        "--replica: String should match pattern '^http' (got 'ftp://me:***@host')"]
 
 
 # -- every subcommand of this environment ------------------------------------------------------------

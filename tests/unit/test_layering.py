@@ -10,6 +10,7 @@ Allowed (may import →):
   serve     → control, engine, policy, stream, Ray (never openhands, runtime); nothing imports it
   eval      → anything
 Nothing in mars_openhands imports eval (the top-level CLI lives in eval/cli.py for that reason).
+Top-level standard-library-only modules (cli_style, process_tree, process_host) belong to no layer.
 
 Imports by name count too: ``importlib.import_module("pkg.mod")``, ``__import__("pkg.mod")`` and a
 dotted string that names a module (``"pkg.mod"``, ``"pkg.mod:attr"``: a lazy loader's registry entry)
@@ -223,6 +224,15 @@ def test_checker_sees_imports_by_name(tmp_path: Path) -> None:
     policy.write_text('TARGET = "mars_openhands.engine.schedulers.mars:MarsScheduler"\n')
     assert _violations([policy], FORBIDDEN["policy"], root=tmp_path) == [
         "mars_openhands/policy/lazy.py imports mars_openhands.engine.schedulers.mars"]
+
+
+def test_the_shared_error_formatter_is_standard_library_only() -> None:
+    """``mars_openhands/cli_style.py`` belongs to no layer: every layer's command line and config
+    loader imports it (``policy.params`` formats ``--additional-config mars`` errors with it), so it
+    may import nothing but the standard library, or it would carry an upward import into them."""
+    imports = {module for module, _ in _imports(PKG / "cli_style.py", by_name=False)}
+    outside = sorted(m for m in imports if m.split(".")[0] not in sys.stdlib_module_names | {"__future__"})
+    assert not outside, f"cli_style imports beyond the standard library: {outside}"
 
 
 def test_stream_and_policy_import_cold_without_vllm_or_torch() -> None:

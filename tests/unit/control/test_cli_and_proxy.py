@@ -96,6 +96,24 @@ def test_a_check_across_fields_is_a_line_without_an_empty_flag(monkeypatch) -> N
         "sessions' ids; give the admin key its own value"]
 
 
+def test_no_error_line_prints_a_urls_password(monkeypatch) -> None:
+    """A replica URL with credentials (``http://user:pass@host``; aiohttp sends them as basic
+    auth) appears with its password hidden in every error that names it: the distinct check
+    printed ['http://me:hunter2@a', ...], as did a bad scheme and the --replica spec's errors."""
+    monkeypatch.delenv("MARS_GATEWAY_API_KEY", raising=False)
+    monkeypatch.delenv("MARS_GATEWAY_ADMIN_KEY", raising=False)
+    monkeypatch.delenv("NO_SUCH_KEY_VAR", raising=False)
+    url = "http://me:hunter2@a"
+    assert _config_errors("--replica", url, "--replica", url + "/") == [
+        "replica URLs must be distinct, got ['http://me:***@a', 'http://me:***@a']"]
+    lines = _config_errors("--replica", "ftp://me:hunter2@a")
+    lines += _config_errors("--replica", f"{url},key_env=NO_SUCH_KEY_VAR")
+    lines += _config_errors("--replica", f"{url},colour=red")
+    lines += _config_errors("--replica", "https://ghp_token@a", "--replica", "https://ghp_token@a")
+    assert lines and not any("hunter2" in line or "ghp_token" in line for line in lines), lines
+    assert "ftp://me:***@a" in lines[0] and "--replica http://me:***@a: key_env=" in lines[1]
+
+
 def test_no_error_line_prints_a_key(tmp_path, monkeypatch) -> None:
     """A key with a bad character (from a flag, the environment, key_env or the --config file),
     a key of the wrong type, or one under a misspelt name: the line names it, never its value."""

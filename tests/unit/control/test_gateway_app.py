@@ -449,3 +449,24 @@ def test_a_stream_slower_than_the_hold_bound_loses_no_byte(clean_fakes, gateway_
     assert r.status_code == 200 and 0.15 < headers_s < 0.9, headers_s
     assert body == b"".join(b'data: {"choices": [{"index": 0, "delta": {"content": "t%d"}}]}\n\n' % i
                             for i in range(3)) + b"data: [DONE]\n\n"
+
+
+def test_a_replica_urls_password_is_never_shown(gateway_factory) -> None:
+    """A replica URL with credentials (aiohttp sends them as basic auth) that cannot be reached:
+    the 503 the agent gets, the next one (no healthy replica) and the admin state name it with
+    its password hidden; each printed the URL whole."""
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server, _ = gateway_factory([f"http://me:hunter2@127.0.0.1:{port}"], replica_failure_threshold=1)
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        messages = []
+        for session in ("pw-1", "pw-2"):
+            r = client.post("/v1/chat/completions", json=chat(session))
+            assert r.status_code == 503, r.text
+            messages.append(r.json()["error"]["message"])
+    shown = json.dumps(state(server)["replicas"])
+    assert f"me:***@127.0.0.1:{port}" in messages[0] + shown and "hunter2" not in messages[0] + shown
+    assert "no healthy vLLM replica" in messages[1] and "hunter2" not in messages[1], messages

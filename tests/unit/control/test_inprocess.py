@@ -146,7 +146,7 @@ def test_config_from_env() -> None:
         ("[1]", "must be a JSON object"),
         ('{"port": 1}', "port cannot be set in-process"),
         ('{"replicas": []}', "replicas cannot be set in-process"),
-        ('{"replica": {"events_address": "tcp:/x"}}', "replica.events_address: Value error, stream address 'tcp:/x'"),
+        ('{"replica": {"events_address": "tcp:/x"}}', "replica.events_address: stream address 'tcp:/x'"),
         ('{"replica": {"events_address": "tcp://8.8.8.8:5"}}', "'tcp://8.8.8.8:5' is not loopback-only"),
         ('{"admission": {"window_mn": 1}}', "admission.window_mn"),
         ('{"replica": 3}', '"replica" must be an object'),
@@ -166,7 +166,7 @@ def test_config_from_a_file(tmp_path) -> None:
 
 def test_a_bad_config_fails_at_construction(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setenv(CONFIG_ENV, '{"nope": 1}')
-    with pytest.raises(ValueError, match="MARS_GATEWAY_CONFIG: nope"):
+    with pytest.raises(ValueError, match="MARS_GATEWAY_CONFIG: unknown key 'nope'"):
         MarsGatewayMiddleware(build_fake_engine_app())
     (tmp_path / "old.jsonl").write_text("")
     monkeypatch.setenv(CONFIG_ENV, json.dumps({"stream_path": str(tmp_path / "old.jsonl")}))
@@ -414,7 +414,42 @@ def test_the_config_checker_reports_before_vllm_starts(monkeypatch, tmp_path, ca
     assert f"{CONFIG_ENV}: stream_path {stream} already exists" in capsys.readouterr().err
     monkeypatch.setenv(CONFIG_ENV, '{"admission": {"window_mn": 2}}')
     assert main([]) == 2
-    assert capsys.readouterr().err.strip() == f"{CONFIG_ENV}: admission.window_mn: Extra inputs are not permitted"
+    assert capsys.readouterr().err.strip() == (
+        f"{CONFIG_ENV}: unknown key 'admission.window_mn'; did you mean 'window_min'? 'admission' takes: "
+        "window_max, window_init, window_min, decrease_factor, increase_step, update_interval_s, "
+        "cpu_set_backlog_ratio, cpu_clear_backlog_ratio, cpu_set_wait_s, cpu_clear_wait_s, kv_set_usage, "
+        "kv_clear_usage, tool_wait_ema_alpha, tool_fraction_horizon_s, max_admission_wait_s")
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    ({"num_tool_workers": 0}, "num_tool_workers: Input should be greater than or equal to 1 (got 0)"),
+    ({"replica": {"name": "", "evnts_address": "ipc:///tmp/x"}},
+     "replica.name: String should have at least 1 character (got ''); unknown key 'replica.evnts_address'; "
+     "did you mean 'events_address'? 'replica' takes: name, events_address, engine_source"),
+    ({"rplica": {}}, "unknown key 'rplica'; did you mean 'replica'? the keys are: is_admission_enabled, "),
+])
+def test_config_errors_are_the_shared_formatters_lines(value, expected) -> None:
+    """A bad value with its key and value, an unknown key with the keys it could have been (those
+    refused in-process left out: replicas, host, port, api_key; replica.url and replica.api_key);
+    was 'replica.name: String should have at least 1 character' and 'rplica: Extra inputs are not
+    permitted'."""
+    with pytest.raises(ValueError) as info:
+        config_from_env({CONFIG_ENV: json.dumps(value)})
+    message = str(info.value)
+    assert message.startswith(f"{CONFIG_ENV}: {expected}")
+    assert not any(f"{key}," in message or message.endswith(key)
+                   for key in ("replicas", "host", "port", "api_key", "url"))
+
+
+def test_no_key_value_is_printed_in_a_config_error() -> None:
+    """An admin key of the wrong type or under a misspelt name: the error names it, never its value."""
+    secret = "sk-never-print-1234"
+    for value in ({"admin_key": [secret]}, {"admin_kee": secret}, {"admin_key": f"{secret} x"},
+                  {"replica": {"api_kee": secret}}):
+        with pytest.raises(ValueError) as info:
+            config_from_env({CONFIG_ENV: json.dumps(value)})
+        assert "admin_ke" in str(info.value) or "api_kee" in str(info.value)
+        assert secret not in str(info.value), str(info.value)
 
 
 def test_the_admin_key_opens_the_state_with_session_ids_in_process(monkeypatch) -> None:

@@ -111,8 +111,9 @@ def test_malformed_jsonl_names_file_line_and_field(tmp_path: Path) -> None:
     ("", "empty file"),
     ("[1, 2]\n", "first line must be the header"),
     ('{"format_version": 1, "meta": {"source": "x"}}\n{not json\n', "w.jsonl:2: invalid session"),
-    ('{"format_version": 9, "meta": {"source": "x"}}\n', "format_version: Value error, unsupported"),
-    ('{"format_version": 1, "meta": {"source": "x", "colour": 1}}\n', "meta.colour: Extra inputs"),
+    ('{"format_version": 9, "meta": {"source": "x"}}\n', "format_version: unsupported"),
+    ('{"format_version": 1, "meta": {"source": "x", "colour": 1}}\n',
+     "w.jsonl: invalid workload: unknown key 'meta.colour'; 'meta' takes: source, seed, generator, arrival, notes"),
 ])
 def test_malformed_jsonl_header(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "w.jsonl"
@@ -120,6 +121,31 @@ def test_malformed_jsonl_header(tmp_path: Path, text: str, message: str) -> None
     with pytest.raises(WorkloadFormatError, match=message) as info:
         load_workload(path)
     assert str(path) in str(info.value)
+
+
+def test_a_bad_session_line_is_the_shared_formatters_lines(tmp_path: Path) -> None:
+    """Each problem with its key path and value, an unknown key with the keys its section takes
+    and not its value, a check of the whole session as its message (was 'turns.1.output_tokens:
+    Input should be greater than or equal to 1' without the value, 'turns.0.colour: Extra inputs
+    are not permitted')."""
+    path = save_workload(_workload(1), tmp_path / "w.jsonl")
+    header, line = path.read_text().splitlines()
+    session = json.loads(line)
+    session["turns"][1]["output_tokens"] = 0
+    session["turns"][0]["colour"] = "red"
+    path.write_text(f"{header}\n{json.dumps(session)}\n")
+    with pytest.raises(WorkloadFormatError) as info:
+        load_workload(path)
+    assert str(info.value) == (
+        f"{path}:2: invalid session: unknown key 'turns.0.colour'; 'turns.0' takes: prompt_tokens_appended, "
+        "output_tokens, tool_name, tool_duration_s; turns.1.output_tokens: Input should be greater than "
+        "or equal to 1 (got 0)")
+    session = json.loads(line)
+    session["turns"][-1]["tool_name"] = "cat"
+    path.write_text(f"{header}\n{json.dumps(session)}\n")
+    with pytest.raises(WorkloadFormatError) as info:
+        load_workload(path)
+    assert str(info.value).startswith(f"{path}:2: invalid session: final turn 2 has tool_name 'cat'; ")
 
 
 def test_malformed_json_document_names_the_field(tmp_path: Path) -> None:

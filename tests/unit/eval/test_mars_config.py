@@ -58,7 +58,7 @@ def test_a_value_that_is_not_a_json_object_fails_at_parsing(value, expected, cap
 
 
 @pytest.mark.parametrize(("config", "names"), [
-    ({"residency": {"ordr": "fifo"}}, "mars.residency.ordr: Extra inputs are not permitted"),
+    ({"residency": {"ordr": "fifo"}}, "unknown key 'mars.residency.ordr'; did you mean 'order'? 'mars.residency' takes: enabled,"),
     ({"residency": {"order": "lifo"}}, "mars.residency.order: Input should be 'fifo' or 'response-ratio'"),
 ])
 def test_an_unknown_key_or_bad_value_is_one_line_naming_it(config, names, tmp_path, capsys) -> None:

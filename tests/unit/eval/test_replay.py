@@ -538,6 +538,22 @@ def test_cli_against_a_closed_port_is_refused_in_one_line_and_writes_nothing(
     assert not (tmp_path / "run").exists()  # no stream, no records, not even the folder
 
 
+def test_an_endpoint_urls_password_is_not_printed(tmp_path: Path, closed_port_url: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """``--endpoint-url http://user:pass@host`` (httpx sends it as basic auth): the refusal names the
+    URL with its password hidden; it printed it whole. ``compare --backend URL``'s check too."""
+    from eval.backends import first_served_model
+
+    url = closed_port_url.replace("http://", "http://me:hunter2@")
+    shown = closed_port_url.replace("http://", "http://me:***@")
+    assert _replay_cli(tmp_path, tmp_path / "run" / "stream.jsonl", url) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert f"nothing answers at {shown} (GET /v1/models" in err and "hunter2" not in err, err
+    with pytest.raises(ValueError) as info:
+        first_served_model(url)
+    assert f"cannot list models at {shown}/v1/models" in str(info.value) and "hunter2" not in str(info.value)
+
+
 def test_cli_against_a_server_that_answers_errors_records_them_and_exits_1(
         tmp_path: Path, not_found_endpoint: str) -> None:
     """A server that is up is replayed against, whatever it answers: each session ends in error."""

@@ -83,6 +83,28 @@ def test_malformed_file_error_names_file_and_problem(name: str, message: str) ->
     assert str(info.value).startswith(str(FIXTURES / "malformed" / name))
 
 
+def test_a_trajectory_that_gives_an_invalid_session_says_why_in_one_line(tmp_path: Path) -> None:
+    """A first prompt of 0 tokens (the session's own check) and an empty instance id; was
+    ': Value error, turn 0 must ...' (an empty key) and no value."""
+    import json
+
+    data = json.loads((FIXTURES / "malformed" / "negative_tokens.traj.json").read_text())
+    data["messages"][2]["extra"]["response"]["usage"]["prompt_tokens"] = 0
+    path = tmp_path / "zero.traj.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(WorkloadFormatError) as info:
+        load_trajectory(path)
+    assert str(info.value) == (f"{path}: trajectory gives an invalid session: turn 0 must have "
+                               "prompt_tokens_appended >= 1 (system + task prompt)")
+    data["messages"][2]["extra"]["response"]["usage"]["prompt_tokens"] = 5
+    data["instance_id"] = ""
+    path.write_text(json.dumps(data))
+    with pytest.raises(WorkloadFormatError) as info:
+        load_trajectory(path)
+    assert str(info.value) == (f"{path}: trajectory gives an invalid session: session_id: String should "
+                               "have at least 1 character (got '')")
+
+
 def test_directory_with_a_malformed_file_raises_or_skips() -> None:
     with pytest.raises(WorkloadFormatError, match="bad_tokens.traj.json"):
         load_trace_dir(FIXTURES / "malformed")

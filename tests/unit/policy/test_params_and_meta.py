@@ -22,12 +22,31 @@ def test_defaults_match_design() -> None:
     ({"levels": {"quanta_tokens": [1, 2]}}, r"mars\.levels.*quanta_tokens needs"),
     ({"retention": {"price_free_usage": 1.5}}, r"mars\.retention\.price_free_usage"),
     ({"window": {"size": 0}}, r"mars\.window\.size"),
-    ({"bogus": True}, r"mars\.bogus: Extra inputs"),
+    ({"bogus": True}, r"unknown key 'mars\.bogus'; 'mars' takes: levels, mars, retention"),
     ("nope", r"must be a JSON object"),
 ])
 def test_errors_name_the_key(raw, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         parse_scheduler_params(raw)
+
+
+def test_errors_are_config_error_lines() -> None:
+    """A bad value says its key and value; an unknown key lists its section's keys and never
+    shows its value (was 'mars.levels.agng: Extra inputs are not permitted (got 1)' for every
+    key, and a check across sections printed the whole dict under 'mars.:')."""
+    def message(raw) -> str:
+        with pytest.raises(ValueError) as info:
+            parse_scheduler_params(raw)
+        return str(info.value)
+
+    assert message({"window": {"size": 0}, "levels": {"agng": "sk-typo"}}) == (
+        "invalid --additional-config mars: unknown key 'mars.levels.agng'; 'mars.levels' takes: "
+        "prompt_thresholds_tokens, quanta_tokens, aging_interval_s; mars.window.size: Input should be "
+        "greater than or equal to 1 (got 0)")
+    assert message({"mars": {"quanta_tokens": [1, 2, 3]}}) == (
+        "invalid --additional-config mars: mars.quanta_tokens needs levels.num_levels = 4 entries, got 3")
+    assert message({"telemetry": {"source": 3}}) == (
+        "invalid --additional-config mars: mars.telemetry.source: Input should be a valid string (got 3)")
 
 
 def test_params_are_frozen() -> None:
