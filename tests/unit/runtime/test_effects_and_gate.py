@@ -18,13 +18,13 @@ from mars_openhands.runtime.metrics import _percentile, summarize
 from mars_openhands.runtime.task import PermissionScope
 
 WS = Path("/tmp/mars-ws")
-R, I, C, X = (EffectClass.READ, EffectClass.IDEMPOTENT_WRITE,  # noqa: E741 (classes by initial)
-              EffectClass.COMPENSABLE_WRITE, EffectClass.IRREVERSIBLE)
+R, I, C, L, X = (EffectClass.READ, EffectClass.IDEMPOTENT_WRITE,  # noqa: E741 (classes by initial)
+                 EffectClass.COMPENSABLE_WRITE, EffectClass.LOCAL_WRITE, EffectClass.IRREVERSIBLE)
 
 TERMINAL = [
     ("ls -la", R, False), ("cat a.py | grep foo", R, False), ("git diff HEAD~1", R, False),
     ("git status && git log -3", R, False), ("sed -n 1,5p a.py", R, False),
-    ("echo hi > out.txt", I, False), ("sed -i s/a/b/ a.py", I, False), ("python -m pytest -q", I, False),
+    ("echo hi > out.txt", I, False), ("sed -i s/a/b/ a.py", L, False), ("python -m pytest -q", L, False),
     ("rm -rf build", I, False),
     ("git commit -qam fix", C, False), ("git add . && git commit -m x", C, False),
     ("git commit -m a && git commit -m b", X, False),  # two undo commands: not compensable
@@ -61,7 +61,78 @@ def test_task_rules_come_first() -> None:
     rules = (EffectRule(name="deploy", pattern=r"^make\s+deploy\b", effect=X, is_network=True),)
     action = Action.build("terminal", {"command": "make deploy"}, WS)
     assert classify(action, WS, rules).effect == X
-    assert classify(action, WS).effect == I
+    assert classify(action, WS).effect == L  # an unknown program: not provably idempotent
+    mine = (EffectRule(name="tests", pattern=r"^python -m pytest\b", effect=I),)
+    tests = Action.build("terminal", {"command": "python -m pytest -q"}, WS)
+    assert classify(tests, WS, mine).effect == I  # a task may declare its test command repeatable
+    appended = Action.build("terminal", {"command": "python -m pytest -q >> runs.log"}, WS)
+    assert classify(appended, WS, mine).effect == L  # ... but not an append of its output
+
+
+# Is a repeat of the command (after a crash left it in doubt) provably a no-op? Only then is it an
+# idempotent write, re-run on its own; a local write (inside the workspace) escalates instead.
+REPEAT_SAFETY = [
+    # appends: every repeat adds again
+    ("echo one >> log.txt; sleep 8", L), ("echo one>>log.txt", L), ("printf 'x\\n' >> f", L),
+    ("pytest &>> out.log", L), ("ls 2>> err.log", L), ("cat a | tee -a log", L),
+    ("cat a | tee --append log", L), ("git diff >> all.patch", L),
+    # `>` replaces the file: idempotent only if what is written is the same on every run
+    ("echo hi > out.txt", I), ("echo hi>out.txt", I), ("cat a | sort > b", I), ("sed -n 1,5p a > b", I),
+    ("git diff > a.patch", I), ("echo x | tee f", I), ("> empty.txt", I), ("echo x >| f", I),
+    ("date > stamp", L), ("echo $RANDOM > r", L), ("echo $(date) > f", L), ("echo `date` > f", L),
+    ("ls -l > listing", L), ("curl -s http://h/x > page", L), ("head -c 8 /dev/urandom > key", L),
+    ("python gen.py > out.txt", L),
+    # writing commands: the same state (and exit status) on a repeat, or not
+    ("mkdir -p a/b", I), ("mkdir --parents a", I), ("mkdir a", L), ("rm -f a.txt", I), ("rm -rf build", I),
+    ("rm a.txt", L), ("rm -r build", L), ("rmdir d", L), ("mv a b", L), ("cp a b", I), ("cp -r src dst", L),
+    ("cp -a src dst", L), ("touch a", I), ("chmod +x run.sh", I), ("ln -s a b", L), ("ln -sf dir link", L),
+    ("ln -sfn dir link", I), ("ln -f a b", I), ("truncate -s 0 f", L), ("dd if=a of=b", L),
+    ("sed -i s/a/b/ a.py", L), ("sed -i '$a line' a.py", L), ("sed --in-place s/a/b/ a.py", L),
+    ("find . -name '*.py' -exec sed -i s/a/b/ {} +", L), ("find . -name x -delete", L), ("sort -o f f", L),
+    ("awk '{print > \"out\"}' f", L),
+    # git: history edits and branch creation act again or fail on a repeat
+    ("git add -A", I), ("git checkout main", I), ("git restore a.py", I), ("git init -q", I),
+    ("git commit -qm x", C), ("git checkout -b feature", L), ("git switch -c feature", L),
+    ("git stash", L), ("git stash pop", L), ("git merge other", L), ("git rebase main", L),
+    ("git cherry-pick abc", L), ("git apply fix.patch", L), ("git mv a b", L), ("git rm a", L),
+    ("git tag v1", L), ("git reset --hard HEAD~1", L), ("git commit -qm x && echo done >> log", L),
+    # package installs and unknown programs: the runtime cannot see what they write
+    ("pip install requests", L), ("python -m pip install -e .", L), ("npm install", L), ("npm ci", L),
+    ("uv pip install x", L), ("cargo build", L), ("make", L), ("python -c 'print(1)'", L), ("./run.sh", L),
+    # plain reads stay reads (output to the terminal or /dev/null, descriptors duplicated)
+    ("ls -la", R), ("ls 2>/dev/null", R), ("grep -rn foo . 2>&1 | head -20", R), ("cat a > /dev/null", R),
+    ("git status 2>&1", R), ("git log --oneline -5", R), ("git show HEAD:a.py", R), ("git branch", R),
+    ("git stash list", R), ("git describe --tags", R), ("awk '{print $1}' f", R), ("sed -n 2p f", R),
+    ("find . -name '*.py'", R), ("sort f | uniq -c", R), ("jq .name package.json", R), ("tee", R),
+    ("sha256sum a", R), ("", R), ("cd src && ls", R), ("diff a b", R), ("echo $HOME", R),
+]
+
+
+@pytest.mark.parametrize(("command", "effect"), REPEAT_SAFETY)
+def test_only_provably_idempotent_writes_are_idempotent(command: str, effect: EffectClass) -> None:
+    got = classify(Action.build("terminal", {"command": command}, WS), WS)
+    assert got.effect == effect, got
+
+
+def test_local_write_escalates_and_is_not_retried_but_runs_without_approval() -> None:
+    assert not L.is_repeatable and not X.is_repeatable and not C.is_repeatable
+    assert R.is_repeatable and I.is_repeatable
+    assert L.risk > C.risk  # `git commit && echo >> log`: no undo-and-repeat for the line
+    action = Action.build("terminal", {"command": "echo one >> log.txt"}, WS)
+    assert decide(action, classify(action, WS), PermissionScope(), WS).verdict == Verdict.ALLOW
+
+
+@pytest.mark.parametrize(("allowed", "approval", "expected"), [
+    (("read", "idempotent_write", "compensable_write"), ("irreversible",), (R, I, C, L)),
+    (("read",), ("irreversible",), (R,)),
+    (("read", "idempotent_write"), ("local_write", "irreversible"), (R, I)),
+])
+def test_old_scopes_that_allow_idempotent_writes_allow_local_writes(
+        allowed: tuple[str, ...], approval: tuple[str, ...], expected: tuple[EffectClass, ...]) -> None:
+    """Before local_write existed its commands were idempotent writes: a task file's scope keeps
+    its meaning, unless it names local_write itself."""
+    scope = PermissionScope.model_validate({"allowed_effects": allowed, "approval_effects": approval})
+    assert scope.allowed_effects == expected
 
 
 def test_digest_binds_tool_arguments_and_target() -> None:
