@@ -14,8 +14,8 @@ from mars_openhands.runtime.effects import (
     idempotency_key,
 )
 from mars_openhands.runtime.gate import Verdict, decide
-from mars_openhands.runtime.metrics import _percentile, summarize
-from mars_openhands.runtime.task import PermissionScope
+from mars_openhands.runtime.metrics import _percentile, duplicate_effects, summarize
+from mars_openhands.runtime.task import PermissionScope, TaskSpec
 
 WS = Path("/tmp/mars-ws")
 R, I, C, L, X = (EffectClass.READ, EffectClass.IDEMPOTENT_WRITE,  # noqa: E741 (classes by initial)
@@ -176,6 +176,7 @@ def test_scope_rejects_a_class_in_both_lists() -> None:
 
 def test_summary_shares_and_latency() -> None:
     base = {"e2e_s": 1.0, "tool_s": 0.5, "cost_usd": 0.1, "num_recoveries": 0, "num_duplicate_effects": 0,
+            "num_possible_duplicate_effects": 1,
             "is_succeeded": False, "is_ended_by_budget": False, "is_ended_by_deadline": False,
             "is_ended_by_policy": False}
     rows = [{**base, "status": "succeeded", "is_succeeded": True, "num_recoveries": 2},
@@ -184,8 +185,51 @@ def test_summary_shares_and_latency() -> None:
             {**base, "status": "running"}]
     s = summarize(rows)
     assert (s["num_tasks"], s["num_ended"], s["num_succeeded"]) == (4, 3, 1)
+    assert (s["num_duplicate_effects"], s["num_possible_duplicate_effects"]) == (0, 4)
     assert s["share_ended_by_budget"] == pytest.approx(1 / 3)
     assert s["recovery_success_rate"] == pytest.approx(0.5)  # one of two recovered tasks ended well
     assert s["cost_per_successful_task_usd"] == pytest.approx(0.3)
     assert s["tool_wait_share"] == pytest.approx(1.5 / 5.0)
     assert _percentile([1.0, 2.0, 3.0, 4.0], 95) == pytest.approx(3.85)  # numpy's linear method
+
+
+def _effect_row(key: str, command: str, effect: EffectClass, num_attempts: int, is_rerun: bool = False) -> dict:
+    action = Action.build("terminal", {"command": command}, WS)
+    return {"key": key, "effect": effect.value, "num_attempts": num_attempts,
+            "intent": {"action": action.model_dump()}, "outcome": {"is_rerun": is_rerun}}
+
+
+def _finished(key: str, num: int) -> list[dict]:
+    return [{"kind": "tool_call", "payload": {"key": key}} for _ in range(num)]
+
+
+SPEC = TaskSpec.model_validate({"task_id": "t", "problem_statement": "p", "workspace": str(WS),
+                                "agent": {"base_url": "http://h/v1", "model": "m"}})
+# (effect row, attempts that recorded an outcome, compensations of an in-doubt attempt) -> (known, possible)
+DUPLICATES = [
+    # the user's case, recorded before appends were local writes: run twice, the first in doubt
+    (_effect_row("a", "echo one >> log.txt; sleep 8", I, 2), 1, 0, (0, 1)),
+    (_effect_row("a", "echo one >> log.txt", L, 2), 1, 0, (0, 1)),
+    (_effect_row("a", "echo one >> log.txt", L, 2), 2, 0, (1, 0)),  # both recorded: ran twice for sure
+    (_effect_row("a", "echo one >> log.txt", L, 2, is_rerun=True), 1, 0, (0, 0)),  # a person approved
+    (_effect_row("a", "echo one >> log.txt", L, 1), 0, 0, (0, 0)),  # in doubt, denied: not repeated
+    (_effect_row("a", "git commit -qm x", C, 2), 1, 1, (0, 0)),  # undone before the re-run
+    (_effect_row("a", "git commit -qm x", C, 2), 1, 0, (0, 1)),
+    (_effect_row("a", "curl -X POST http://h/x", X, 3), 1, 0, (0, 2)),
+    (_effect_row("a", "echo hi > out.txt", I, 2), 1, 0, (0, 0)),  # provably idempotent
+    (_effect_row("a", "ls", R, 3), 3, 0, (0, 0)),
+]
+
+
+@pytest.mark.parametrize(("row", "num_finished", "num_undone", "expected"), DUPLICATES)
+def test_duplicate_side_effects_known_and_possible(row: dict, num_finished: int, num_undone: int,
+                                                   expected: tuple[int, int]) -> None:
+    undone = [{"kind": "compensated", "payload": {"key": "a", "why": "in doubt after a restart"}}] * num_undone
+    assert duplicate_effects([row], _finished("a", num_finished) + undone, SPEC) == expected
+
+
+def test_recorded_classes_alone_miss_the_old_append() -> None:
+    """Without the spec only the recorded class counts: the old row looked idempotent."""
+    row = _effect_row("a", "echo one >> log.txt; sleep 8", I, 2)
+    assert duplicate_effects([row], _finished("a", 1)) == (0, 0)
+    assert duplicate_effects([row], _finished("a", 1), SPEC) == (0, 1)
