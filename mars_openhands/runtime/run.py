@@ -440,7 +440,7 @@ class TaskRun:
         """Run the acceptance command (a step); ``{"accepted": bool, ...}``."""
         command = self.spec.acceptance.command
         if command is None:
-            return {"accepted": True, "text": "no acceptance command; finishing accepts"}
+            return {"accepted": True, "command": None, "text": "no acceptance command; finishing accepts"}
         def check() -> dict[str, Any]:
             result = self._shell(command, self.spec.acceptance.timeout_s)
             out = {"accepted": result["exit_code"] == 0, "command": command, **result}
