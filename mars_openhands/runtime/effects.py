@@ -18,7 +18,8 @@ read whose output, the same on every run, replaces a file (``echo x > f``: ``>``
 deterministic producer). Everything else that stays inside the workspace is a *local write*: an
 append (``>>``, ``tee -a``), ``sed -i``, ``mv``, ``rm`` / ``mkdir`` / ``ln`` without ``-f`` / ``-p``,
 package installs, git history edits other than ``git commit``, and every command no rule knows
-(``pytest``, ``make``, ``python x.py``: the runtime cannot see what a program writes). A local
+(``make``, ``python x.py``: the runtime cannot see what a program writes). Test runners
+(``pytest``, ``go test``, ``npm test``, ``make test``) are idempotent writes by a default rule. A local
 write runs without approval by default (it stays in the workspace) but, in doubt after a crash, is
 escalated like an irreversible one. A write outside the workspace is irreversible.
 
@@ -138,6 +139,10 @@ DEFAULT_RULES: tuple[EffectRule, ...] = (
     # Repeats that are no-ops. Everything else git does (checkout -b, mv, rm, stash, merge,
     # rebase, cherry-pick, apply, tag NAME, clone) fails or acts again when repeated: a local write.
     _rule("git-idempotent", r"^git\s+(add|restore|init)\b|^git\s+(checkout|switch)\b(?!.*\s-[bcB]\b)", _I),
+    # Test runners are made to be run again: what they write (caches, reports) a rerun rewrites.
+    # The most common call in doubt after a crash; escalating it would stall every recovery.
+    _rule("test-runner", r"^(python3?\s+-m\s+)?(pytest|unittest)\b|^(tox|nox)(\s|$)|^go\s+(test|vet)\b|"
+          r"^cargo\s+(test|check|clippy)\b|^(npm|yarn|pnpm)\s+(run\s+)?test\b|^make\s+(test|check)\s*$", _I),
     _rule("tee-append", r"^tee\b" + _has_option("a", "append"), _L),
     _rule("find-acting", r"^find\b.*\s-(exec|execdir|ok|okdir|delete|fprint\w*|fls)\b", _L),
     _rule("sort-output", r"^sort\b" + _has_option("o", "output"), _L),

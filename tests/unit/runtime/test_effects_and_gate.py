@@ -24,7 +24,7 @@ R, I, C, L, X = (EffectClass.READ, EffectClass.IDEMPOTENT_WRITE,  # noqa: E741 (
 TERMINAL = [
     ("ls -la", R, False), ("cat a.py | grep foo", R, False), ("git diff HEAD~1", R, False),
     ("git status && git log -3", R, False), ("sed -n 1,5p a.py", R, False),
-    ("echo hi > out.txt", I, False), ("sed -i s/a/b/ a.py", L, False), ("python -m pytest -q", L, False),
+    ("echo hi > out.txt", I, False), ("sed -i s/a/b/ a.py", L, False), ("python -m pytest -q", I, False),
     ("rm -rf build", I, False),
     ("git commit -qam fix", C, False), ("git add . && git commit -m x", C, False),
     ("git commit -m a && git commit -m b", X, False),  # two undo commands: not compensable
@@ -62,10 +62,11 @@ def test_task_rules_come_first() -> None:
     action = Action.build("terminal", {"command": "make deploy"}, WS)
     assert classify(action, WS, rules).effect == X
     assert classify(action, WS).effect == L  # an unknown program: not provably idempotent
-    mine = (EffectRule(name="tests", pattern=r"^python -m pytest\b", effect=I),)
-    tests = Action.build("terminal", {"command": "python -m pytest -q"}, WS)
+    mine = (EffectRule(name="tests", pattern=r"^\./run_tests\.sh\b", effect=I),)
+    tests = Action.build("terminal", {"command": "./run_tests.sh -q"}, WS)
+    assert classify(tests, WS).effect == L
     assert classify(tests, WS, mine).effect == I  # a task may declare its test command repeatable
-    appended = Action.build("terminal", {"command": "python -m pytest -q >> runs.log"}, WS)
+    appended = Action.build("terminal", {"command": "./run_tests.sh -q >> runs.log"}, WS)
     assert classify(appended, WS, mine).effect == L  # ... but not an append of its output
 
 
@@ -99,6 +100,11 @@ REPEAT_SAFETY = [
     # package installs and unknown programs: the runtime cannot see what they write
     ("pip install requests", L), ("python -m pip install -e .", L), ("npm install", L), ("npm ci", L),
     ("uv pip install x", L), ("cargo build", L), ("make", L), ("python -c 'print(1)'", L), ("./run.sh", L),
+    ("make install", L), ("make test && make install", L), ("npm run build", L),
+    # test runners: repeatable by design (a default rule), unless their output is appended
+    ("pytest -q tests/", I), ("python -m pytest -x", I), ("python3 -m unittest", I), ("go test ./...", I),
+    ("cargo test", I), ("npm test", I), ("yarn run test", I), ("make test", I), ("tox", I),
+    ("pytest -q > out.txt", I), ("pytest &>> out.log", L),
     # plain reads stay reads (output to the terminal or /dev/null, descriptors duplicated)
     ("ls -la", R), ("ls 2>/dev/null", R), ("grep -rn foo . 2>&1 | head -20", R), ("cat a > /dev/null", R),
     ("git status 2>&1", R), ("git log --oneline -5", R), ("git show HEAD:a.py", R), ("git branch", R),
