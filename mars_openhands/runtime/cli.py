@@ -19,7 +19,7 @@ from typing import Any
 from mars_openhands.cli_style import EXIT_USAGE, CliParser, cli_error, count_or_zero, redact_url
 from mars_openhands.runtime.config import TASK_STATUSES
 
-__all__ = ["add_tasks_subcommand", "format_event", "main"]
+__all__ = ["add_tasks_subcommand", "format_event", "main", "shown_status"]
 
 if importlib.util.find_spec("dbos") is None:  # the top-level CLI lists `tasks` as unavailable
     raise ImportError("DBOS Transact is not installed here (the 'runtime' extra)", name="dbos")
@@ -48,9 +48,14 @@ def _db_url(args: argparse.Namespace) -> tuple[str, str]:
 
     from mars_openhands.runtime.config import DEFAULT_DB_PATH, ENV_TASKS_DB, normalize_db_url
 
-    given = args.db if args.db is not None else os.environ.get(ENV_TASKS_DB) or None
+    before = getattr(args, "db_before", None)  # `tasks --db X list`
+    if before is not None and args.db is not None and before != args.db:
+        raise InputError(f"--db given twice ({redact_url(before)} before the command, "
+                         f"{redact_url(args.db)} after it); give it once")
+    flag = args.db if args.db is not None else before
+    given = flag if flag is not None else os.environ.get(ENV_TASKS_DB) or None
     shown = redact_url(given) if given is not None else None
-    label = (f"--db {shown}" if args.db is not None else f"${ENV_TASKS_DB}={shown}" if given is not None
+    label = (f"--db {shown}" if flag is not None else f"${ENV_TASKS_DB}={shown}" if given is not None
              else f"the default tasks database {DEFAULT_DB_PATH}")
     try:
         url = normalize_db_url(str(DEFAULT_DB_PATH) if given is None else given)
@@ -187,13 +192,33 @@ def cmd_resume(args: argparse.Namespace) -> int:
     return _run_tasks(args, args.task_ids or None, [])
 
 
+def shown_status(row: dict[str, Any], stale_after_s: float) -> str:
+    """A task's status as ``tasks list`` shows it: a task not ended whose runner is gone (killed,
+    crashed) says so and how to continue it, e.g. ``running (runner gone; tasks resume T)``; one
+    stored with ``--no-wait`` says ``submitted (no runner; tasks resume T)``. Reads ``/proc``
+    (runner liveness: ``engine.is_runner_alive``)."""
+    from mars_openhands.runtime.engine import is_runner_alive
+    from mars_openhands.runtime.store import TERMINAL_STATUSES
+
+    status = row["status"]
+    if status in TERMINAL_STATUSES or is_runner_alive(row, stale_after_s):
+        return status
+    gone = "runner gone" if row.get("runner_id") else "no runner"
+    return f"{status} ({gone}; tasks resume {row['task_id']})"
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     """``tasks list``: one line per task."""
+    from mars_openhands.runtime.config import RuntimeConfig
+
     store = _store(args)
     rows = store.tasks(args.status)
-    print(f"{'task':24} {'kind':9} {'status':17} {'runs':>4}  reason")
-    for r in rows:
-        print(f"{r['task_id']:24} {r['kind']:9} {r['status']:17} {r['num_runs']:>4}  {r['end_reason'] or ''}")
+    stale_after_s = RuntimeConfig.model_fields["stale_after_s"].default
+    statuses = [shown_status(r, stale_after_s) for r in rows]
+    width = max([17, *(len(s) for s in statuses)])
+    print(f"{'task':24} {'kind':9} {'status':{width}} {'runs':>4}  reason")
+    for r, status in zip(rows, statuses, strict=True):
+        print(f"{r['task_id']:24} {r['kind']:9} {status:{width}} {r['num_runs']:>4}  {r['end_reason'] or ''}")
     return 0
 
 
@@ -287,6 +312,10 @@ def add_tasks_subcommand(subparsers: Any) -> argparse.ArgumentParser:
         "tasks", help="durable agent tasks: submit, watch, approve, resume, report",
         description="Durable agent tasks (docs/tasks.md). Runs in the env that has DBOS: .venv "
                     "(chat tasks) or .venv-openhands (chat and OpenHands tasks).")
+    # Also before the command (`tasks --db X list`), under its own name: a sub-command's default
+    # would overwrite the value otherwise.
+    parser.add_argument("--db", dest="db_before", default=None, metavar="URL|PATH",
+                        help="tasks database (also accepted after the command; see its --help)")
     sub = parser.add_subparsers(dest="tasks_command", metavar="<tasks-command>")
     commands = (
         ("submit", cmd_submit, "store tasks from FILE (JSON / JSON lines) and run them here"),

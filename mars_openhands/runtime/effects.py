@@ -1,18 +1,27 @@
 """Effect classes of tool actions, their digests and idempotency keys (design.md §11).
 
-Every tool action is classified as a pure read, an idempotent write, a compensable write or an
-irreversible action, by ordered, configurable :class:`EffectRule` s over OpenHands' tool names and
-arguments (``terminal``: ``{"command": ...}``; ``file_editor``: ``{"command", "path", ...}``). A
-terminal command line is split into simple commands (the guard's parser); each is classified by the
-first rule whose pattern it matches, and the line takes the riskiest class of its parts.
+Every tool action is classified as a pure read, an idempotent write, a compensable write, a local
+write or an irreversible action, by ordered, configurable :class:`EffectRule` s over OpenHands'
+tool names and arguments (``terminal``: ``{"command": ...}``; ``file_editor``: ``{"command",
+"path", ...}``). A terminal command line is split into simple commands (the guard's parser); each
+is classified by the first rule whose pattern it matches, and the line takes the riskiest class of
+its parts.
 
 Mental model: the class decides what happens when a call fails or its runner dies mid-call. Reads
 are re-run; idempotent writes are re-run with the same key (the target, or the content check of a
 file edit, makes the repeat a no-op); compensable writes have an undo command, run when the task
-aborts (and before re-running one that was in doubt); an irreversible action is never re-run, and
-one in doubt (started, no recorded outcome) waits for a person. Unknown commands that write only
-inside the workspace count as idempotent writes (a coding agent's ``pytest``, ``make``, ``sed -i``
-can be re-run); a write outside the workspace is irreversible.
+aborts (and before re-running one that was in doubt); local and irreversible actions are never
+re-run on their own, and one in doubt (started, no recorded outcome) waits for a person. *Idempotent
+only when provably so*: a write is an idempotent write only if a rule says its repeat is a no-op
+(``mkdir -p``, ``rm -f``, ``cp`` of files, ``git add``, ``touch``, a file edit by content) or it is a
+read whose output, the same on every run, replaces a file (``echo x > f``: ``>`` on a
+deterministic producer). Everything else that stays inside the workspace is a *local write*: an
+append (``>>``, ``tee -a``), ``sed -i``, ``mv``, ``rm`` / ``mkdir`` / ``ln`` without ``-f`` / ``-p``,
+package installs, git history edits other than ``git commit``, and every command no rule knows
+(``make``, ``python x.py``: the runtime cannot see what a program writes). Test runners
+(``pytest``, ``go test``, ``npm test``, ``make test``) are idempotent writes by a default rule. A local
+write runs without approval by default (it stays in the workspace) but, in doubt after a crash, is
+escalated like an irreversible one. A write outside the workspace is irreversible.
 
 The action digest is SHA-256 over the canonical JSON of ``{tool, arguments, target}``: approvals
 bind to it, and the idempotency key is ``task/step/digest[:16]``.
@@ -31,7 +40,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from mars_openhands.runtime.guard import split_commands, written_paths
+from mars_openhands.runtime.guard import command_words, redirections, split_commands, written_paths
 
 __all__ = [
     "DEFAULT_RULES",
@@ -49,17 +58,31 @@ _URL = re.compile(r"https?://[^\s'\"]+")
 
 
 class EffectClass(StrEnum):
-    """What repeating an action would do, in increasing order of risk."""
+    """What repeating an action would do, in increasing order of risk.
+
+    ``local_write`` ranks above ``compensable_write``: a line with both (``git commit -m x && echo
+    done >> log``) cannot be undone and run again, so it is not compensable.
+    """
 
     READ = "read"
     IDEMPOTENT_WRITE = "idempotent_write"
+    """Provably a no-op when repeated: re-run with the same key when in doubt."""
     COMPENSABLE_WRITE = "compensable_write"
+    LOCAL_WRITE = "local_write"
+    """A write inside the workspace that is not provably idempotent (``>>``, ``sed -i``, ``mv``,
+    unknown programs): not retried; in doubt after a crash, escalated to a person."""
     IRREVERSIBLE = "irreversible"
 
     @property
     def risk(self) -> int:
-        """0 (read) .. 3 (irreversible)."""
+        """0 (read) .. 4 (irreversible)."""
         return list(EffectClass).index(self)
+
+    @property
+    def is_repeatable(self) -> bool:
+        """Whether a call of this class may run again on its own (retried after a failure, re-run
+        when in doubt after a crash): reads and idempotent writes only."""
+        return self in (EffectClass.READ, EffectClass.IDEMPOTENT_WRITE)
 
 
 class EffectRule(BaseModel):
@@ -89,9 +112,16 @@ def _rule(name: str, pattern: str, effect: EffectClass, **kw: Any) -> EffectRule
     return EffectRule(name=name, pattern=pattern, effect=effect, **kw)
 
 
-_R, _I, _C, _X = (EffectClass.READ, EffectClass.IDEMPOTENT_WRITE, EffectClass.COMPENSABLE_WRITE,
-                  EffectClass.IRREVERSIBLE)
+_R, _I, _C, _L, _X = (EffectClass.READ, EffectClass.IDEMPOTENT_WRITE, EffectClass.COMPENSABLE_WRITE,
+                      EffectClass.LOCAL_WRITE, EffectClass.IRREVERSIBLE)
 _WRITE_METHOD = r"(-X\s*|--request[= ])['\"]?(POST|PUT|PATCH|DELETE)|\s(-d|--data\S*|-F|--form|-T|--upload-file)(\s|=)"
+
+
+def _has_option(short: str, long: str) -> str:
+    """Lookahead: an option ``-<letters with short>`` (``-rf``) or ``--long`` anywhere after the name."""
+    return rf"(?=.*\s(-[A-Za-z]*[{short}][A-Za-z]*|--{long})(\s|=|$))"
+
+
 DEFAULT_RULES: tuple[EffectRule, ...] = (
     _rule("git-push", r"^git\s+push\b", _X, is_network=True),
     _rule("publish", r"^(npm|yarn|pnpm)\s+publish\b|^twine\s+upload\b|^gh\s+(pr|release|issue)\s+create\b",
@@ -103,16 +133,46 @@ DEFAULT_RULES: tuple[EffectRule, ...] = (
     _rule("http-read", r"^(curl|wget)\b", _R, is_network=True),
     _rule("git-commit", r"^git\s+commit\b", _C, probe="git rev-parse HEAD",
           compensation="git reset --soft {before}"),
-    _rule("git-read", r"^git\s+(diff|status|log|show|rev-parse|ls-files|blame|grep|branch\s*$)", _R),
+    _rule("git-read", r"^git\s+(diff|status|log|show|rev-parse|ls-files|ls-tree|blame|grep|describe|"
+          r"rev-list|cat-file|shortlog|show-ref|merge-base|name-rev|branch\s*$|tag\s*$|remote(\s+-v)?\s*$|"
+          r"stash\s+list|config\s+(--get|--list|-l)\b)", _R),
+    # Repeats that are no-ops. Everything else git does (checkout -b, mv, rm, stash, merge,
+    # rebase, cherry-pick, apply, tag NAME, clone) fails or acts again when repeated: a local write.
+    _rule("git-idempotent", r"^git\s+(add|restore|init)\b|^git\s+(checkout|switch)\b(?!.*\s-[bcB]\b)", _I),
+    # Test runners are made to be run again: what they write (caches, reports) a rerun rewrites.
+    # The most common call in doubt after a crash; escalating it would stall every recovery.
+    _rule("test-runner", r"^(python3?\s+-m\s+)?(pytest|unittest)\b|^(tox|nox)(\s|$)|^go\s+(test|vet)\b|"
+          r"^cargo\s+(test|check|clippy)\b|^(npm|yarn|pnpm)\s+(run\s+)?test\b|^make\s+(test|check)\s*$", _I),
+    _rule("tee-append", r"^tee\b" + _has_option("a", "append"), _L),
+    _rule("find-acting", r"^find\b.*\s-(exec|execdir|ok|okdir|delete|fprint\w*|fls)\b", _L),
+    _rule("sort-output", r"^sort\b" + _has_option("o", "output"), _L),
+    _rule("awk-program", r"^awk\b.*(>|\bsystem\s*\(|\|)", _L),  # awk's own redirections and pipes
     _rule("shell-read", r"^(ls|cat|head|tail|grep|egrep|fgrep|rg|find|wc|pwd|echo|printf|stat|file|"
           r"du|df|which|type|tree|sort|uniq|diff|cut|awk|less|more|true|false|test|\[|cd|sleep|"
-          r"date|env|id|whoami|uname|nl|basename|dirname|realpath|readlink)(\s|$)", _R),
-    _rule("sed-print", r"^sed\b(?!.*(\s-i|--in-place))", _R),
+          r"date|env|id|whoami|uname|nl|basename|dirname|realpath|readlink|tee|tr|tac|rev|seq|"
+          r"comm|paste|column|jq|md5sum|sha1sum|sha256sum|cksum)(\s|$)", _R),
+    _rule("sed-print", r"^sed\b(?!.*(\s-[A-Za-z]*i|--in-place))", _R),
+    # Writing commands whose repeat is a no-op (the same state, the same exit status).
+    _rule("mkdir-p", r"^mkdir\b" + _has_option("p", "parents"), _I),
+    _rule("rm-force", r"^rm\b" + _has_option("f", "force"), _I),
+    # ln -sf DIR LINK repeated follows LINK into DIR and makes DIR/DIR: symbolic needs -n / -T.
+    _rule("ln-force", r"^ln\b" + _has_option("f", "force") + r"(?:(?!.*\s(-[A-Za-z]*s[A-Za-z]*|--symbolic)"
+          r"(\s|$))|" + _has_option("nT", "no-dereference") + ")", _I),
+    _rule("cp-files", r"^cp\b(?!.*\s(-[A-Za-z]*[rRa][A-Za-z]*|--recursive|--archive)(\s|$))", _I),
+    _rule("touch-chmod", r"^(touch|chmod|chown|chgrp)\b", _I),
     EffectRule(name="file-view", tool="file_editor", pattern=r"^view$", effect=_R),
     EffectRule(name="file-edit", tool="file_editor", effect=_I),
     EffectRule(name="task-tracker", tool="task_tracker", effect=_R),
     EffectRule(name="agent-internal", tool="*", pattern=r"^(finish|think)$", effect=_R),
 )
+"""The default rules, in order (a task's ``effect_rules`` come first). A terminal command no rule
+matches is a local write (irreversible if it writes outside the workspace)."""
+
+_NONDETERMINISTIC = re.compile(
+    r"^(date|env|printenv|du|df|stat|uptime|ps|free|uuidgen|shuf|od|hexdump|ls\b.*\s-[A-Za-z]*[lt])\b"
+    r"|/dev/u?random|\$\{?(RANDOM|SRANDOM|BASHPID|SECONDS|EPOCHSECONDS|EPOCHREALTIME)\b|\$\$")
+"""A simple command whose output may differ from one run to the next (the clock, the host's state,
+randomness): ``>`` of its output is no idempotent write."""
 
 
 class Action(BaseModel):
@@ -197,10 +257,14 @@ def classify(action: Action, workspace: Path, rules: Sequence[EffectRule] = DEFA
         extra_roots: further directories that count as inside.
 
     Returns:
-        The riskiest class over the command's parts. A terminal part no rule matches is an
-        idempotent write if everything it writes is inside, else irreversible; another tool no rule
-        matches is irreversible. Two compensable parts in one command are irreversible (one undo
-        command cannot be chosen for both).
+        The riskiest class over the command's parts. A terminal part is a local write when no rule
+        matches it, when it appends (``>>``, ``&>>``), and when a read's output replaces a file
+        (``>``, ``tee``) but some part of the line may print something else on another run (the
+        clock, randomness, the network, ``$(...)``); otherwise its rule's class (a read that
+        writes a file with output the same on every run is an idempotent write). A part writing
+        outside the workspace is irreversible; another tool no rule matches is irreversible. Two
+        compensable parts in one command are irreversible (one undo command cannot be chosen for
+        both).
     """
     roots = [workspace, *extra_roots]
     if action.tool != "terminal":
@@ -218,17 +282,16 @@ def classify(action: Action, workspace: Path, rules: Sequence[EffectRule] = DEFA
 
 def _classify_command(command: str, workspace: Path, rules: Sequence[EffectRule],
                       roots: Sequence[Path]) -> Effect:
+    segments = split_commands(command) or [[""]]
+    matched = [_first_match(rules, "terminal", " ".join(tokens)) for tokens in segments]
+    is_deterministic = _is_deterministic(command, segments, matched)
     parts: list[tuple[EffectClass, EffectRule | None]] = []
     paths: list[str] = []
     cwd = workspace
-    for tokens in split_commands(command) or [[""]]:
-        text = " ".join(tokens)
+    for tokens, rule in zip(segments, matched, strict=True):
         written = [_resolve(p, cwd) for p in written_paths(tokens)] if tokens != [""] else []
         paths += [str(p) for p in written]
-        rule = _first_match(rules, "terminal", text)
-        effect = rule.effect if rule else EffectClass.IDEMPOTENT_WRITE
-        if written and effect == EffectClass.READ:
-            effect = EffectClass.IDEMPOTENT_WRITE  # `echo x > f`: a read command that writes
+        effect = _part_effect(tokens, rule, written, is_deterministic)
         if any(not _is_inside(p, roots) for p in written):
             effect = EffectClass.IRREVERSIBLE
         parts.append((effect, rule))
@@ -246,6 +309,38 @@ def _classify_command(command: str, workspace: Path, rules: Sequence[EffectRule]
         probe=undo.probe if undo else None, compensation=undo.compensation if undo else None,
         timeout_s=max(timeouts) if timeouts else _default_timeout(worst),
         written_paths=tuple(paths))
+
+
+def _is_deterministic(command: str, segments: list[list[str]],
+                      matched: Sequence[EffectRule | None]) -> bool:
+    """Whether every part of the line prints the same on every run (so ``>`` of its output
+    writes the same file again). Command substitution and network reads count as not. Pure."""
+    if "$(" in command or "`" in command or "<(" in command:
+        return False
+    return not any(_NONDETERMINISTIC.search(" ".join(tokens)) or (rule is not None and rule.is_network)
+                   for tokens, rule in zip(segments, matched, strict=True))
+
+
+def _part_effect(tokens: list[str], rule: EffectRule | None, written: list[Path],
+                 is_deterministic: bool) -> EffectClass:
+    """The class of one simple command inside the workspace (see :func:`classify`). Pure."""
+    if tokens == [""]:
+        return EffectClass.READ  # an empty command (OpenHands: "show more output") runs nothing
+    is_append = any(is_append and not target.startswith("/dev/")
+                    for target, is_append in redirections(tokens))
+    files = [p for p in written if not str(p).startswith("/dev/")]
+    if rule is None:
+        # `> f` alone truncates f to empty, the same every time (but `echo $(date) > f` splits
+        # into `echo`, `date` and `> f`); a program no rule knows may write anything (the
+        # runtime cannot see into `python x.py`, `make`, `pytest`).
+        is_truncate_only = not command_words(tokens) and not is_append and is_deterministic
+        return EffectClass.IDEMPOTENT_WRITE if is_truncate_only else EffectClass.LOCAL_WRITE
+    effect = rule.effect
+    if effect == EffectClass.READ and files:  # `echo x > f`, `tee f`: a read that writes a file
+        effect = EffectClass.IDEMPOTENT_WRITE if is_deterministic else EffectClass.LOCAL_WRITE
+    if is_append and effect.risk < EffectClass.LOCAL_WRITE.risk:
+        effect = EffectClass.LOCAL_WRITE  # a repeat appends again
+    return effect
 
 
 def _default_timeout(effect: EffectClass) -> float:

@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 from dbos import DBOS, SetWorkflowID
 
+from mars_openhands.process_tree import is_process_alive, process_start_ticks
 from mars_openhands.runtime.agent import run_chat_agent
 from mars_openhands.runtime.config import RuntimeConfig
 from mars_openhands.runtime.run import AgentOutcome, TaskEndedError, TaskRun
@@ -93,21 +94,15 @@ def load_driver(kind: str) -> Callable[[TaskRun], AgentOutcome]:
                                      f"({e.name or e} is missing). {hint}".strip()) from None
 
 
-def _start_ticks(pid: int) -> int | None:
-    """Process start time in clock ticks since boot (``/proc/<pid>/stat`` field 22), or ``None``."""
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 def is_runner_alive(row: dict[str, Any], stale_after_s: float) -> bool:
-    """Whether the runner recorded on task ``row`` is still running. Reads ``/proc`` on this host."""
+    """Whether the runner recorded on task ``row`` is still running. Reads ``/proc`` on this host:
+    the recorded pid must still be the process that started at the recorded start time (a reused
+    pid is another process; a SIGKILLed runner its parent has not reaped yet is a zombie, gone).
+    A runner on another host counts as alive while its heartbeat is younger than ``stale_after_s``."""
     if not row.get("runner_id"):
         return False
     if row.get("runner_host") == socket.gethostname():
-        ticks = _start_ticks(int(row["runner_pid"]))
-        return ticks is not None and ticks == row.get("runner_start_ticks")
+        return is_process_alive(int(row["runner_pid"]), row.get("runner_start_ticks"))
     return time.time() - float(row.get("heartbeat_at") or 0.0) < stale_after_s
 
 
@@ -131,7 +126,7 @@ class Runtime:
         self.store = Store(self.config.db_url)
         pid = os.getpid()
         self.runner = {"id": f"mars-{socket.gethostname()}-{pid}-{uuid.uuid4().hex[:8]}",
-                       "host": socket.gethostname(), "pid": pid, "start_ticks": _start_ticks(pid)}
+                       "host": socket.gethostname(), "pid": pid, "start_ticks": process_start_ticks(pid)}
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
 
@@ -272,6 +267,8 @@ class Runtime:
             run.compensate_all(outcome.message)
             return "error", outcome.message
         accepted = run.accept()
+        if accepted.get("command") is None:  # nothing was checked: say so, not "passed"
+            return "succeeded", f"agent {outcome.status}; no acceptance command was given (finishing accepts)"
         if accepted["accepted"]:
             return "succeeded", f"agent {outcome.status}; acceptance passed"
         return "failed", f"agent {outcome.status}; acceptance failed (exit {accepted.get('exit_code')})"

@@ -53,7 +53,9 @@ __all__ = [
     "check_action",
     "check_command",
     "check_file_edit",
+    "command_words",
     "is_safe_to_replay",
+    "redirections",
     "split_commands",
     "written_paths",
 ]
@@ -70,7 +72,9 @@ _PROCESS_WIDE_VARS = {"PATH", "LD_PRELOAD", "LD_LIBRARY_PATH", "HOME", "SHELL", 
 _WRITES_ALL_ARGS = {"rm", "rmdir", "touch", "mkdir", "tee", "truncate", "shred", "unlink", "chmod",
                     "chown", "chgrp"}
 _WRITES_LAST_ARG = {"cp", "mv", "ln", "install", "rsync"}
-_SEPARATORS = re.compile(r"\|\||&&|[;|&\n]|\$\(|`|\)")
+_SEPARATORS = re.compile(r"\|\||&&|[;\n]|(?<!>)\||(?<![<>])&(?!>)|\$\(|`|\)")
+"""Where a command line splits into simple commands; the ``&`` of ``2>&1`` and ``&>`` and the
+``|`` of ``>|`` are parts of a redirection, not separators."""
 
 
 class PolicyConfig(BaseModel):
@@ -137,10 +141,40 @@ def _strip_heredocs(command: str) -> str:
     return "\n".join(kept)
 
 
+def _spaced_redirections(text: str) -> str:
+    """``text`` with a space before each unquoted ``>`` / ``<`` that ends a word, so that
+    ``echo one>>log.txt`` tokenizes as ``echo one >>log.txt`` (bash reads it so: the word ``one``,
+    then an append to ``log.txt``). A word of digits before it is a file descriptor and stays
+    attached (``2>err``). Quoted and backslash-escaped characters are left alone. Pure."""
+    out: list[str] = []
+    quote: str | None = None
+    is_escaped = False
+    word = ""  # the current word so far (quoted parts included: they make it no descriptor)
+    for ch in text:
+        if is_escaped:
+            is_escaped, word = False, word + ch
+        elif quote is not None:
+            is_escaped = ch == "\\" and quote == '"'
+            quote = None if ch == quote else quote
+            word += ch
+        elif ch == "\\" or ch in "'\"":
+            is_escaped, quote = ch == "\\", (ch if ch != "\\" else None)
+            word += ch
+        elif ch in "<>":
+            if word and not word.isdigit() and word[-1] not in "<>&":
+                out.append(" ")
+            word = ""
+        else:
+            word = "" if ch.isspace() else word + ch
+        out.append(ch)
+    return "".join(out)
+
+
 def _split_segments(command: str) -> list[list[str]]:
     """Split a shell command into simple commands (token lists); unparsable text yields words."""
     segments = []
-    for part in _SEPARATORS.split(_strip_heredocs(command)):
+    for raw in _SEPARATORS.split(_strip_heredocs(command)):
+        part = _spaced_redirections(raw)
         try:
             tokens = shlex.split(part, comments=True)
         except ValueError:  # unbalanced quotes: fall back to whitespace words
@@ -233,16 +267,43 @@ def _check_environment(tokens: list[str]) -> PolicyDecision | None:
     return None
 
 
+_REDIRECT = re.compile(r"\d*(>>|&>>|>\||&>|>)(.*)")
+
+
+def redirections(tokens: list[str]) -> list[tuple[str, bool]]:
+    """The output redirections of one simple command (tokens), in order: ``(target, is_append)``
+    (``>>`` and ``&>>`` append; ``>``, ``>|``, ``&>`` truncate). Duplications of a descriptor
+    (``2>&1``) are not files and are left out. Pure."""
+    found = []
+    for i, t in enumerate(tokens):
+        match = _REDIRECT.fullmatch(t)
+        if match:
+            target = match.group(2) or (tokens[i + 1] if i + 1 < len(tokens) else "")
+            if target and not target.startswith("&"):
+                found.append((target, match.group(1) in (">>", "&>>")))
+    return found
+
+
+def command_words(tokens: list[str]) -> list[str]:
+    """The tokens of one simple command without its output redirections and their targets
+    (``echo hi > f`` → ``echo hi``). Pure."""
+    words: list[str] = []
+    is_target = False
+    for t in tokens:
+        match = _REDIRECT.fullmatch(t)
+        if match:
+            is_target = not match.group(2)  # `> f`: the next token is the target
+        elif is_target:
+            is_target = False
+        else:
+            words.append(t)
+    return words
+
+
 def _written_paths(tokens: list[str]) -> list[str]:
     """Paths a simple command writes: redirection targets and writing commands' arguments."""
-    paths = []
-    for i, t in enumerate(tokens):
-        match = re.fullmatch(r"\d*(?:>>?|&>>?|>\|)(.*)", t)
-        if match:
-            target = match.group(1) or (tokens[i + 1] if i + 1 < len(tokens) else "")
-            if target and not target.startswith("&"):
-                paths.append(target)
-    words = [t for t in tokens if not re.fullmatch(r"\d*(?:>>?|&>>?|>\|).*", t)]
+    paths = [target for target, _ in redirections(tokens)]
+    words = command_words(tokens)
     name = os.path.basename(words[0]) if words else ""
     args = [t for t in words[1:] if not t.startswith("-")]
     if name in _WRITES_ALL_ARGS:

@@ -19,6 +19,8 @@ _SUMMARY_LABELS = (
     ("recovery_success_rate", "recovery success rate", "{:.0%}"),
     ("num_recovered_tasks", "tasks recovered", "{:d}"),
     ("num_duplicate_effects", "duplicate side effects", "{:d}"),
+    ("num_possible_duplicate_effects", "possible duplicate side effects (re-run after a crash "
+     "left them in doubt; check the target)", "{:d}"),
     ("cost_per_successful_task_usd", "cost per successful task (USD)", "{:.4f}"),
     ("share_ended_by_budget", "ended by budget", "{:.0%}"),
     ("share_ended_by_deadline", "ended by deadline", "{:.0%}"),
@@ -31,20 +33,24 @@ def _fmt(value: Any, pattern: str) -> str:
 
 
 def print_report(rows: list[dict[str, Any]], summary: dict[str, Any]) -> None:
-    """Print the per-task table and the summary (rich). Mutates nothing."""
+    """Print the per-task table and the summary (rich). Mutates nothing.
+
+    ``dup`` counts known duplicate side effects, ``dup?`` possible ones (``metrics`` module doc).
+    """
     from rich.console import Console
     from rich.table import Table
 
     console = Console(width=160)
     table = Table(title="tasks")
     for name in ("task", "status", "E2E s", "tool s", "tool share", "runs", "LLM calls", "tools",
-                 "tokens", "cost $", "dup", "denied", "reason"):
+                 "tokens", "cost $", "dup", "dup?", "denied", "reason"):
         table.add_column(name)
     for r in rows:
         table.add_row(r["task_id"], r["status"], f"{r['e2e_s']:.2f}", f"{r['tool_s']:.2f}",
                       f"{r['tool_wait_share']:.0%}", str(r["num_runs"]), str(r["num_llm_calls"]),
                       str(r["num_tool_calls"]), str(r["num_llm_tokens"]), f"{r['cost_usd']:.4f}",
-                      str(r["num_duplicate_effects"]), str(r["num_denied"]), (r["end_reason"] or "")[:50])
+                      str(r["num_duplicate_effects"]), str(r["num_possible_duplicate_effects"]),
+                      str(r["num_denied"]), (r["end_reason"] or "")[:50])
     console.print(table)
     summary_table = Table(title="over tasks", show_header=False)
     for key, label, pattern in _SUMMARY_LABELS:

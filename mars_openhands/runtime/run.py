@@ -14,8 +14,9 @@ The tool protocol (mental model):
    ends); needs approval → wait for a person's decision on this digest (``DBOS.recv``);
 3. the execution step: if the key's effect row says done, return its outcome (ran, but DBOS lost
    the record); if it says started (in doubt): reads and idempotent writes run again with the same
-   key, a compensable write is undone first, an irreversible one is *not* run and escalates to a
-   person; otherwise commit the intent, run (with retries for reads and idempotent writes), record
+   key, a compensable write is undone first, a local write or an irreversible one is *not* run
+   and escalates to a person (its effect may have happened, and repeating it is not provably a
+   no-op); otherwise commit the intent, run (with retries for reads and idempotent writes), record
    the outcome.
 
 Budget and deadline are checked from totals accumulated over step outputs (replayed or live), so
@@ -60,7 +61,6 @@ class AgentOutcome(BaseModel):
     message: str = ""
 
 
-_RETRYABLE = (EffectClass.READ, EffectClass.IDEMPOTENT_WRITE)
 _MAX_RETRIES = 2  # a read or idempotent write that times out or raises runs at most 3 times
 _DONE_STATUSES = ("done", "failed", "not_repeated", "compensated")
 
@@ -285,7 +285,7 @@ class TaskRun:
         is_retry = row is not None and row["status"] == "started"
         intent: dict[str, Any] = {"action": action.model_dump(), "effect": effect.model_dump(mode="json")}
         if is_retry and not force:
-            if effect.effect == EffectClass.IRREVERSIBLE:
+            if effect.effect in (EffectClass.LOCAL_WRITE, EffectClass.IRREVERSIBLE):
                 return {"in_doubt": True, "num_attempts": row["num_attempts"]}
             if effect.effect == EffectClass.COMPENSABLE_WRITE:
                 self._compensate_one(row, "in doubt after a restart; undone before running again")
@@ -304,7 +304,7 @@ class TaskRun:
 
     def _run_with_retries(self, execute: Callable[[ExecContext], dict[str, Any]], key: str,
                           effect: Effect, attempt: int, is_retry: bool) -> dict[str, Any]:
-        tries = 1 + (_MAX_RETRIES if effect.effect in _RETRYABLE else 0)
+        tries = 1 + (_MAX_RETRIES if effect.effect.is_repeatable else 0)
         result: dict[str, Any] = {}
         for i in range(tries):
             ctx = ExecContext(key=key, timeout_s=self._timeout_s(effect), attempt=attempt + i,
@@ -322,9 +322,11 @@ class TaskRun:
 
     def _resolve_in_doubt(self, step: int, key: str, digest: str, action: Action, effect: Effect,
                           execute: Callable[[ExecContext], dict[str, Any]]) -> dict[str, Any]:
-        reason = (f"irreversible {action.tool} call at step {step} started before a crash and has no "
-                  "recorded outcome; check the target, then approve to run it again or deny to go on "
-                  "without repeating it")
+        why = ("its effect may have happened, and repeating it is not provably a no-op"
+               if effect.effect == EffectClass.LOCAL_WRITE else "it cannot be undone")
+        reason = (f"{effect.effect.value} {action.tool} call at step {step} started before a crash and "
+                  f"has no recorded outcome ({why}); check the target, then approve to run it again "
+                  "or deny to go on without repeating it")
         self.record(f"escalated:{step}", "escalated", {"key": key, "digest": digest, "reason": reason}, step)
         rerun, why = self.await_decision(step, key, digest, action, "in_doubt", reason)
         if rerun:
@@ -438,7 +440,7 @@ class TaskRun:
         """Run the acceptance command (a step); ``{"accepted": bool, ...}``."""
         command = self.spec.acceptance.command
         if command is None:
-            return {"accepted": True, "text": "no acceptance command; finishing accepts"}
+            return {"accepted": True, "command": None, "text": "no acceptance command; finishing accepts"}
         def check() -> dict[str, Any]:
             result = self._shell(command, self.spec.acceptance.timeout_s)
             out = {"accepted": result["exit_code"] == 0, "command": command, **result}

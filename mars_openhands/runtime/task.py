@@ -53,8 +53,12 @@ class PermissionScope(BaseModel):
     workspace_paths: tuple[str, ...] = ()
     """Absolute directories writes may target besides the task's workspace."""
     allowed_effects: tuple[EffectClass, ...] = (
-        EffectClass.READ, EffectClass.IDEMPOTENT_WRITE, EffectClass.COMPENSABLE_WRITE)
-    """Command classes that run without approval."""
+        EffectClass.READ, EffectClass.IDEMPOTENT_WRITE, EffectClass.COMPENSABLE_WRITE,
+        EffectClass.LOCAL_WRITE)
+    """Command classes that run without approval. A list that allows ``idempotent_write`` and
+    names ``local_write`` in neither list allows ``local_write`` too: those writes (``pytest``,
+    ``sed -i``, appends) were idempotent writes before the class existed, so task files written
+    then keep their meaning."""
     approval_effects: tuple[EffectClass, ...] = (EffectClass.IRREVERSIBLE,)
     """Command classes that run only after a person approves the exact action (its digest);
     a class in neither tuple is denied."""
@@ -66,6 +70,18 @@ class PermissionScope(BaseModel):
     end_on_deny: bool = False
     """End the task (status ``ended_policy``) when the gate or a person denies an action; default:
     the agent is told and goes on."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _local_writes_as_before(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not isinstance(data.get("allowed_effects"), list | tuple):
+            return data  # the default, or a bad value the field's own check reports
+        allowed = list(data["allowed_effects"])  # StrEnum members equal their values
+        approval = data.get("approval_effects", ())
+        named = [*allowed, *(approval if isinstance(approval, list | tuple) else ())]
+        if EffectClass.IDEMPOTENT_WRITE in allowed and EffectClass.LOCAL_WRITE not in named:
+            return {**data, "allowed_effects": (*allowed, EffectClass.LOCAL_WRITE)}
+        return data
 
     @model_validator(mode="after")
     def _disjoint(self) -> PermissionScope:

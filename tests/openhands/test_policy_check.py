@@ -34,6 +34,8 @@ ALLOWED = [
     "mkdir -p build/tmp && touch build/tmp/x",
     "find . -name '*.py' | xargs grep -l foo",
     "cat > notes.md << 'EOF'\nrun sudo make install, then export PATH=/opt/bin\nEOF\ncat notes.md",
+    "echo 'a>/etc/passwd' && grep '->' a.py",  # quoted: text, not a redirection
+    "make 2>&1 | tee build.log",  # `2>&1` duplicates a descriptor: no separator, no file
 ]
 
 DENIED = [
@@ -62,6 +64,10 @@ DENIED = [
     ("echo ok && $(sudo id)", "privilege_escalation"),
     ("cat > a.txt << EOF\nhello\nEOF\nsudo id", "privilege_escalation"),
     ("cat << EOF > /etc/motd\nhello\nEOF", "write_outside_workspace"),
+    ("echo x>/etc/passwd", "write_outside_workspace"),  # a redirection attached to a word
+    ("echo x>>~/.bashrc", "write_outside_workspace"),
+    ("ls 2>/etc/err", "write_outside_workspace"),
+    ("echo x >|/etc/passwd", "write_outside_workspace"),
 ]
 
 

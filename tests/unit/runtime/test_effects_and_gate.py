@@ -14,17 +14,17 @@ from mars_openhands.runtime.effects import (
     idempotency_key,
 )
 from mars_openhands.runtime.gate import Verdict, decide
-from mars_openhands.runtime.metrics import _percentile, summarize
-from mars_openhands.runtime.task import PermissionScope
+from mars_openhands.runtime.metrics import _percentile, duplicate_effects, summarize
+from mars_openhands.runtime.task import PermissionScope, TaskSpec
 
 WS = Path("/tmp/mars-ws")
-R, I, C, X = (EffectClass.READ, EffectClass.IDEMPOTENT_WRITE,  # noqa: E741 (classes by initial)
-              EffectClass.COMPENSABLE_WRITE, EffectClass.IRREVERSIBLE)
+R, I, C, L, X = (EffectClass.READ, EffectClass.IDEMPOTENT_WRITE,  # noqa: E741 (classes by initial)
+                 EffectClass.COMPENSABLE_WRITE, EffectClass.LOCAL_WRITE, EffectClass.IRREVERSIBLE)
 
 TERMINAL = [
     ("ls -la", R, False), ("cat a.py | grep foo", R, False), ("git diff HEAD~1", R, False),
     ("git status && git log -3", R, False), ("sed -n 1,5p a.py", R, False),
-    ("echo hi > out.txt", I, False), ("sed -i s/a/b/ a.py", I, False), ("python -m pytest -q", I, False),
+    ("echo hi > out.txt", I, False), ("sed -i s/a/b/ a.py", L, False), ("python -m pytest -q", I, False),
     ("rm -rf build", I, False),
     ("git commit -qam fix", C, False), ("git add . && git commit -m x", C, False),
     ("git commit -m a && git commit -m b", X, False),  # two undo commands: not compensable
@@ -61,7 +61,84 @@ def test_task_rules_come_first() -> None:
     rules = (EffectRule(name="deploy", pattern=r"^make\s+deploy\b", effect=X, is_network=True),)
     action = Action.build("terminal", {"command": "make deploy"}, WS)
     assert classify(action, WS, rules).effect == X
-    assert classify(action, WS).effect == I
+    assert classify(action, WS).effect == L  # an unknown program: not provably idempotent
+    mine = (EffectRule(name="tests", pattern=r"^\./run_tests\.sh\b", effect=I),)
+    tests = Action.build("terminal", {"command": "./run_tests.sh -q"}, WS)
+    assert classify(tests, WS).effect == L
+    assert classify(tests, WS, mine).effect == I  # a task may declare its test command repeatable
+    appended = Action.build("terminal", {"command": "./run_tests.sh -q >> runs.log"}, WS)
+    assert classify(appended, WS, mine).effect == L  # ... but not an append of its output
+
+
+# Is a repeat of the command (after a crash left it in doubt) provably a no-op? Only then is it an
+# idempotent write, re-run on its own; a local write (inside the workspace) escalates instead.
+REPEAT_SAFETY = [
+    # appends: every repeat adds again
+    ("echo one >> log.txt; sleep 8", L), ("echo one>>log.txt", L), ("printf 'x\\n' >> f", L),
+    ("pytest &>> out.log", L), ("ls 2>> err.log", L), ("cat a | tee -a log", L),
+    ("cat a | tee --append log", L), ("git diff >> all.patch", L),
+    # `>` replaces the file: idempotent only if what is written is the same on every run
+    ("echo hi > out.txt", I), ("echo hi>out.txt", I), ("cat a | sort > b", I), ("sed -n 1,5p a > b", I),
+    ("git diff > a.patch", I), ("echo x | tee f", I), ("> empty.txt", I), ("echo x >| f", I),
+    ("date > stamp", L), ("echo $RANDOM > r", L), ("echo $(date) > f", L), ("echo `date` > f", L),
+    ("ls -l > listing", L), ("curl -s http://h/x > page", L), ("head -c 8 /dev/urandom > key", L),
+    ("python gen.py > out.txt", L),
+    # writing commands: the same state (and exit status) on a repeat, or not
+    ("mkdir -p a/b", I), ("mkdir --parents a", I), ("mkdir a", L), ("rm -f a.txt", I), ("rm -rf build", I),
+    ("rm a.txt", L), ("rm -r build", L), ("rmdir d", L), ("mv a b", L), ("cp a b", I), ("cp -r src dst", L),
+    ("cp -a src dst", L), ("touch a", I), ("chmod +x run.sh", I), ("ln -s a b", L), ("ln -sf dir link", L),
+    ("ln -sfn dir link", I), ("ln -f a b", I), ("truncate -s 0 f", L), ("dd if=a of=b", L),
+    ("sed -i s/a/b/ a.py", L), ("sed -i '$a line' a.py", L), ("sed --in-place s/a/b/ a.py", L),
+    ("find . -name '*.py' -exec sed -i s/a/b/ {} +", L), ("find . -name x -delete", L), ("sort -o f f", L),
+    ("awk '{print > \"out\"}' f", L),
+    # git: history edits and branch creation act again or fail on a repeat
+    ("git add -A", I), ("git checkout main", I), ("git restore a.py", I), ("git init -q", I),
+    ("git commit -qm x", C), ("git checkout -b feature", L), ("git switch -c feature", L),
+    ("git stash", L), ("git stash pop", L), ("git merge other", L), ("git rebase main", L),
+    ("git cherry-pick abc", L), ("git apply fix.patch", L), ("git mv a b", L), ("git rm a", L),
+    ("git tag v1", L), ("git reset --hard HEAD~1", L), ("git commit -qm x && echo done >> log", L),
+    # package installs and unknown programs: the runtime cannot see what they write
+    ("pip install requests", L), ("python -m pip install -e .", L), ("npm install", L), ("npm ci", L),
+    ("uv pip install x", L), ("cargo build", L), ("make", L), ("python -c 'print(1)'", L), ("./run.sh", L),
+    ("make install", L), ("make test && make install", L), ("npm run build", L),
+    # test runners: repeatable by design (a default rule), unless their output is appended
+    ("pytest -q tests/", I), ("python -m pytest -x", I), ("python3 -m unittest", I), ("go test ./...", I),
+    ("cargo test", I), ("npm test", I), ("yarn run test", I), ("make test", I), ("tox", I),
+    ("pytest -q > out.txt", I), ("pytest &>> out.log", L),
+    # plain reads stay reads (output to the terminal or /dev/null, descriptors duplicated)
+    ("ls -la", R), ("ls 2>/dev/null", R), ("grep -rn foo . 2>&1 | head -20", R), ("cat a > /dev/null", R),
+    ("git status 2>&1", R), ("git log --oneline -5", R), ("git show HEAD:a.py", R), ("git branch", R),
+    ("git stash list", R), ("git describe --tags", R), ("awk '{print $1}' f", R), ("sed -n 2p f", R),
+    ("find . -name '*.py'", R), ("sort f | uniq -c", R), ("jq .name package.json", R), ("tee", R),
+    ("sha256sum a", R), ("", R), ("cd src && ls", R), ("diff a b", R), ("echo $HOME", R),
+]
+
+
+@pytest.mark.parametrize(("command", "effect"), REPEAT_SAFETY)
+def test_only_provably_idempotent_writes_are_idempotent(command: str, effect: EffectClass) -> None:
+    got = classify(Action.build("terminal", {"command": command}, WS), WS)
+    assert got.effect == effect, got
+
+
+def test_local_write_escalates_and_is_not_retried_but_runs_without_approval() -> None:
+    assert not L.is_repeatable and not X.is_repeatable and not C.is_repeatable
+    assert R.is_repeatable and I.is_repeatable
+    assert L.risk > C.risk  # `git commit && echo >> log`: no undo-and-repeat for the line
+    action = Action.build("terminal", {"command": "echo one >> log.txt"}, WS)
+    assert decide(action, classify(action, WS), PermissionScope(), WS).verdict == Verdict.ALLOW
+
+
+@pytest.mark.parametrize(("allowed", "approval", "expected"), [
+    (("read", "idempotent_write", "compensable_write"), ("irreversible",), (R, I, C, L)),
+    (("read",), ("irreversible",), (R,)),
+    (("read", "idempotent_write"), ("local_write", "irreversible"), (R, I)),
+])
+def test_old_scopes_that_allow_idempotent_writes_allow_local_writes(
+        allowed: tuple[str, ...], approval: tuple[str, ...], expected: tuple[EffectClass, ...]) -> None:
+    """Before local_write existed its commands were idempotent writes: a task file's scope keeps
+    its meaning, unless it names local_write itself."""
+    scope = PermissionScope.model_validate({"allowed_effects": allowed, "approval_effects": approval})
+    assert scope.allowed_effects == expected
 
 
 def test_digest_binds_tool_arguments_and_target() -> None:
@@ -105,6 +182,7 @@ def test_scope_rejects_a_class_in_both_lists() -> None:
 
 def test_summary_shares_and_latency() -> None:
     base = {"e2e_s": 1.0, "tool_s": 0.5, "cost_usd": 0.1, "num_recoveries": 0, "num_duplicate_effects": 0,
+            "num_possible_duplicate_effects": 1,
             "is_succeeded": False, "is_ended_by_budget": False, "is_ended_by_deadline": False,
             "is_ended_by_policy": False}
     rows = [{**base, "status": "succeeded", "is_succeeded": True, "num_recoveries": 2},
@@ -113,8 +191,51 @@ def test_summary_shares_and_latency() -> None:
             {**base, "status": "running"}]
     s = summarize(rows)
     assert (s["num_tasks"], s["num_ended"], s["num_succeeded"]) == (4, 3, 1)
+    assert (s["num_duplicate_effects"], s["num_possible_duplicate_effects"]) == (0, 4)
     assert s["share_ended_by_budget"] == pytest.approx(1 / 3)
     assert s["recovery_success_rate"] == pytest.approx(0.5)  # one of two recovered tasks ended well
     assert s["cost_per_successful_task_usd"] == pytest.approx(0.3)
     assert s["tool_wait_share"] == pytest.approx(1.5 / 5.0)
     assert _percentile([1.0, 2.0, 3.0, 4.0], 95) == pytest.approx(3.85)  # numpy's linear method
+
+
+def _effect_row(key: str, command: str, effect: EffectClass, num_attempts: int, is_rerun: bool = False) -> dict:
+    action = Action.build("terminal", {"command": command}, WS)
+    return {"key": key, "effect": effect.value, "num_attempts": num_attempts,
+            "intent": {"action": action.model_dump()}, "outcome": {"is_rerun": is_rerun}}
+
+
+def _finished(key: str, num: int) -> list[dict]:
+    return [{"kind": "tool_call", "payload": {"key": key}} for _ in range(num)]
+
+
+SPEC = TaskSpec.model_validate({"task_id": "t", "problem_statement": "p", "workspace": str(WS),
+                                "agent": {"base_url": "http://h/v1", "model": "m"}})
+# (effect row, attempts that recorded an outcome, compensations of an in-doubt attempt) -> (known, possible)
+DUPLICATES = [
+    # the user's case, recorded before appends were local writes: run twice, the first in doubt
+    (_effect_row("a", "echo one >> log.txt; sleep 8", I, 2), 1, 0, (0, 1)),
+    (_effect_row("a", "echo one >> log.txt", L, 2), 1, 0, (0, 1)),
+    (_effect_row("a", "echo one >> log.txt", L, 2), 2, 0, (1, 0)),  # both recorded: ran twice for sure
+    (_effect_row("a", "echo one >> log.txt", L, 2, is_rerun=True), 1, 0, (0, 0)),  # a person approved
+    (_effect_row("a", "echo one >> log.txt", L, 1), 0, 0, (0, 0)),  # in doubt, denied: not repeated
+    (_effect_row("a", "git commit -qm x", C, 2), 1, 1, (0, 0)),  # undone before the re-run
+    (_effect_row("a", "git commit -qm x", C, 2), 1, 0, (0, 1)),
+    (_effect_row("a", "curl -X POST http://h/x", X, 3), 1, 0, (0, 2)),
+    (_effect_row("a", "echo hi > out.txt", I, 2), 1, 0, (0, 0)),  # provably idempotent
+    (_effect_row("a", "ls", R, 3), 3, 0, (0, 0)),
+]
+
+
+@pytest.mark.parametrize(("row", "num_finished", "num_undone", "expected"), DUPLICATES)
+def test_duplicate_side_effects_known_and_possible(row: dict, num_finished: int, num_undone: int,
+                                                   expected: tuple[int, int]) -> None:
+    undone = [{"kind": "compensated", "payload": {"key": "a", "why": "in doubt after a restart"}}] * num_undone
+    assert duplicate_effects([row], _finished("a", num_finished) + undone, SPEC) == expected
+
+
+def test_recorded_classes_alone_miss_the_old_append() -> None:
+    """Without the spec only the recorded class counts: the old row looked idempotent."""
+    row = _effect_row("a", "echo one >> log.txt; sleep 8", I, 2)
+    assert duplicate_effects([row], _finished("a", 1)) == (0, 0)
+    assert duplicate_effects([row], _finished("a", 1), SPEC) == (0, 1)

@@ -87,6 +87,8 @@ def test_gate_denials_are_told_to_the_agent_or_end_the_task(db_url: str, tmp_pat
     commands = [f"echo pwned > {outside}", "curl -sf -X POST http://127.0.0.1:9/x", "echo ok > in.txt"]
     row, runtime = _run(db_url, _spec("deny", workspace, "http://unused"), commands)
     assert row["status"] == "succeeded" and not outside.exists() and (workspace / "in.txt").exists()
+    # No acceptance command: nothing was checked, and the reason says so (was "acceptance passed").
+    assert row["end_reason"] == "agent finished; no acceptance command was given (finishing accepts)"
     gates = [e["payload"] for e in runtime.store.events("deny") if e["kind"] == "gate"]
     assert [(g["verdict"], g["rule"]) for g in gates] == [
         ("deny", "guard.write_outside_workspace"), ("deny", "scope.network"), ("allow", "scope.effects")]
@@ -178,6 +180,8 @@ def test_cli_database_and_flag_errors_are_one_line_naming_the_flag(tmp_path: Pat
         (("resume", "--db", str(tmp_path / "none" / "t.sqlite")), "no tasks database at"),
         (("submit", str(spec), "--no-wait", "--db", str(tmp_path / "afile" / "t.sqlite")),
          "cannot create the tasks database"),
+        (("--db", down, "list"), refused),  # before the command too (was "invalid choice: '<URL>'")
+        (("--db", down, "list", "--db", down.replace("secret", "other")), "--db given twice (postgresql://mars:***@"),
         (("list", "--status", "bogus"), "--status: invalid choice: 'bogus' (choose from 'submitted', "),
         (("show", "t1", "--events", "-1"), "--events: expected an integer >= 0"),
     ]
@@ -191,6 +195,45 @@ def test_cli_database_and_flag_errors_are_one_line_naming_the_flag(tmp_path: Pat
         assert expected in err and len(err.strip().splitlines()) == 1, (args, err)
         assert "secret" not in err and "Traceback" not in err, (args, err)
     assert not (tmp_path / "none").exists()  # a refused resume made no database
+
+
+def test_list_says_when_a_task_runner_is_gone(db_url: str, tmp_path: Path) -> None:
+    """A task whose runner was SIGKILLed showed ``running`` in ``tasks list``: the runner's pid and
+    start time are in the database, so the list tells a live runner from a gone one."""
+    import os
+    import socket
+    import sys
+
+    from mars_openhands.process_tree import process_start_ticks
+    from mars_openhands.runtime.store import Store
+    from tests.unit.runtime.helpers import ROOT, TASKS_CLI
+
+    store = Store(db_url)
+    killed = subprocess.Popen(["sleep", "60"])
+    reaped = subprocess.Popen(["sleep", "60"])
+    runners = {"alive": os.getpid(), "zombie": killed.pid, "reaped": reaped.pid}
+    try:
+        for task_id, pid in runners.items():
+            store.create_task(task_id, "{}", "d", "chat", None)
+            store.claim(task_id, {"id": f"r-{task_id}", "host": socket.gethostname(), "pid": pid,
+                                  "start_ticks": process_start_ticks(pid)})
+        store.create_task("stored", "{}", "d", "chat", None)  # `submit --no-wait`: never claimed
+        killed.kill()  # SIGKILLed and not yet reaped by its parent: a zombie
+        reaped.kill()
+        reaped.wait()
+        out = subprocess.run([*TASKS_CLI, "--db", db_url, "list"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                             executable=sys.executable)
+    finally:
+        killed.kill()
+        killed.wait()
+        store.close()
+    assert out.returncode == 0, out.stderr
+    status = {line.split()[0]: line.split(None, 2)[2].rsplit(None, 1)[0].strip()
+              for line in out.stdout.splitlines()[1:]}
+    assert status == {"alive": "running", "zombie": "running (runner gone; tasks resume zombie)",
+                      "reaped": "running (runner gone; tasks resume reaped)",
+                      "stored": "submitted (no runner; tasks resume stored)"}, out.stdout
 
 
 def test_list_status_choices_are_every_status_a_task_takes() -> None:

@@ -43,6 +43,7 @@ from tests.proc_tree import (
 )
 from tests.unit.runtime.helpers import (
     CounterServer,
+    cli,
     deny_in_doubt,
     git_workspace,
     start_runner,
@@ -103,7 +104,7 @@ def test_a_sigkilled_runner_ends_its_tool_command_and_resume_escalates_it(db_url
             finally:
                 kill_leftovers(runner, {**started, **with_marker(marker)})
             assert counter.hits["notify"] == 1 and counter.hits["late"] == 0
-            _resume_and_deny(db_url, log)
+            _resume_and_deny(db_url, log, TASK_ID)
     store = Store(db_url)
     row, effects = store.task(TASK_ID), {e["step"]: e for e in store.effects(TASK_ID)}
     store.close()
@@ -112,15 +113,15 @@ def test_a_sigkilled_runner_ends_its_tool_command_and_resume_escalates_it(db_url
     assert counter.hits == {"notify": 1}  # not run again on resume, not finished late
 
 
-def _resume_and_deny(db_url: str, log: Path) -> None:
+def _resume_and_deny(db_url: str, log: Path, task_id: str) -> None:
     """``tasks resume``; deny the in-doubt escalation of the killed call; wait for the runner."""
-    runner = start_runner(db_url, "resume", TASK_ID, env={}, log=log)
+    runner = start_runner(db_url, "resume", task_id, env={}, log=log)
     store = Store(db_url)
     denied = []
     deadline = time.monotonic() + 120.0
     try:
         while runner.poll() is None and time.monotonic() < deadline:
-            denied += deny_in_doubt(store, db_url, TASK_ID, "checked: it ran")
+            denied += deny_in_doubt(store, db_url, task_id, "checked: it ran")
             time.sleep(0.05)
         assert runner.returncode == 0 and len(denied) == 1, (runner.returncode, denied, log.read_text()[-3000:])
     finally:
@@ -146,3 +147,48 @@ def test_a_tool_timeout_ends_what_the_command_setsid_in_the_background(tmp_path:
         assert wait_until(lambda: not with_marker(marker), 5.0), with_marker(marker)
     finally:
         kill_alive(with_marker(marker))
+
+
+APPEND_TASK_ID = "killed-append"
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_killed_append_is_not_run_again_but_escalated(db_url: str, tmp_path: Path) -> None:
+    """A user's report: ``echo one >> log.txt; sleep 8``, runner SIGKILLed once ``log.txt`` existed,
+    then ``tasks resume``. The append was classed ``idempotent_write`` and ran again (``log.txt``
+    held ``one`` twice) while ``tasks report`` said 0 duplicates. Now it is a ``local_write``: in
+    doubt, it escalates; denied, it is ``not_repeated`` and the file holds one line."""
+    workspace = git_workspace(tmp_path / "ws")
+    log = tmp_path / "runner.log"
+    script = Script(name=APPEND_TASK_ID, session_id=session_id_of(APPEND_TASK_ID), turns=(
+        RecordedTurn(content="run it", tool_calls=(RecordedToolCall(
+            name="terminal", arguments={"command": "echo one >> log.txt; sleep 300"}),)),
+        RecordedTurn(content="done", tool_calls=(RecordedToolCall(name="finish", arguments={"message": "done"}),)),
+    ))
+    with serve_app(build_playback_app([script])) as model_url:
+        spec = {"task_id": APPEND_TASK_ID, "problem_statement": "append", "workspace": str(workspace),
+                "agent": {"base_url": model_url + "/v1", "model": "playback"}}  # the default scope
+        task_file = tmp_path / "task.json"
+        task_file.write_text(json.dumps(spec))
+        runner = start_runner(db_url, "submit", str(task_file), env={}, log=log)
+        try:
+            assert wait_until(lambda: (workspace / "log.txt").exists(), 60.0), log.read_text()[-3000:]
+            runner.send_signal(signal.SIGKILL)
+            runner.wait(30)
+        finally:
+            if runner.poll() is None:
+                runner.kill()
+                runner.wait()
+        _resume_and_deny(db_url, log, APPEND_TASK_ID)
+    store = Store(db_url)
+    row, effects = store.task(APPEND_TASK_ID), {e["step"]: e for e in store.effects(APPEND_TASK_ID)}
+    approvals = store.approvals(APPEND_TASK_ID)
+    store.close()
+    assert (workspace / "log.txt").read_text() == "one\n"  # before the fix: "one\none\n"
+    assert row is not None and row["status"] == "succeeded", (row, log.read_text()[-3000:])
+    assert (effects[1]["effect"], effects[1]["status"], effects[1]["num_attempts"]) == (
+        "local_write", "not_repeated", 1), effects[1]
+    assert [a["kind"] for a in approvals] == ["in_doubt"] and "not provably a no-op" in approvals[0]["reason"]
+    report = cli(db_url, "report")
+    assert report.returncode == 0, report.stderr
+    assert "possible duplicate side effects" in report.stdout, report.stdout
