@@ -38,12 +38,59 @@ from mars_openhands.engine.harness.launch import VllmServer, VllmServerOptions
 from mars_openhands.serve.config import ServeConfig
 from mars_openhands.stream.events import Event
 
-__all__ = ["EngineReplica", "check_engine_options", "engine_options"]
+__all__ = ["EngineReplica", "check_engine_options", "checked_model", "engine_options"]
 
 logger = logging.getLogger(__name__)
 
 MAX_LOGGED_EVENTS = 65_536
 """GPU-plane events an engine keeps for the ingress (oldest dropped first; ~10 MiB)."""
+
+
+def checked_model(model: str) -> str:
+    """``--model`` checked on this machine, where every engine of a private Ray runs; returns
+    it as the engines should get it: a local directory as an absolute path (each vLLM server
+    runs in the repository's directory, not the caller's), anything else unchanged.
+
+    A name that is no local path must be a Hugging Face model id (``org/name``): vLLM downloads
+    it, or finds it in the Hugging Face cache; with ``HF_HUB_OFFLINE`` set it must be in the
+    cache. ``tiny`` is the tests' model. Reads the file system (and the Hugging Face cache).
+
+    Raises:
+        ValueError: one line naming ``--model``: a path that does not exist, a directory without
+            ``config.json``, a file that is not a GGUF model, a name that is neither a path nor
+            a model id, or an id that is not cached while offline.
+    """
+    if model == "tiny":
+        return model
+    path = Path(model)
+    if path.is_dir():
+        if not any((path / name).is_file() for name in ("config.json", "params.json")):
+            raise ValueError(f"--model {model}: the directory has no config.json, so it is no "
+                             "Hugging Face model directory; pass the directory that holds the "
+                             "model's config.json and weights")
+        return str(path.absolute())
+    if path.exists():
+        if path.suffix != ".gguf":
+            raise ValueError(f"--model {model}: a file, not a model directory (or a .gguf "
+                             "model); pass the directory that holds the model's config.json")
+        return str(path.absolute())
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(model)
+    except ValueError:  # HFValidationError: "/nonexistent/model", "a/b/c", "my model"
+        raise ValueError(f"--model {model}: no such model directory, and not a Hugging Face model "
+                         "id (org/name); pass a directory that holds the model's config.json, "
+                         "or an id such as Qwen/Qwen3-8B") from None
+    if constants.HF_HUB_OFFLINE and not any(
+            isinstance(try_to_load_from_cache(model, name), str)
+            for name in ("config.json", "params.json")):
+        raise ValueError(f"--model {model}: not in the local Hugging Face cache, and HF_HUB_OFFLINE "
+                         "is set (nothing is downloaded); download it first (hf download "
+                         f"{model}) or pass its directory")
+    return model
+
 
 
 def engine_options(config: ServeConfig, index: int, host: str, model_dir: str,
