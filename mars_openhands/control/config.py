@@ -7,6 +7,7 @@ docstrings; nested models (``admission``, ``reorder``) become ``--admission-<fie
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Self
@@ -23,7 +24,8 @@ from mars_openhands.policy.placement import (
 from mars_openhands.policy.reorder import ReorderParams
 from mars_openhands.stream.transport import check_address
 
-__all__ = ["ConfigError", "GatewayConfig", "ReplicaConfig", "check_runtime", "parse_replica"]
+__all__ = ["ConfigError", "GatewayConfig", "ReplicaConfig", "check_runtime", "parse_replica",
+           "stream_path_problem"]
 
 
 def _check_http_url(value: str) -> str:
@@ -282,17 +284,49 @@ def check_runtime(config: GatewayConfig, is_in_process: bool = False) -> None:
             not the gateway's to check.
 
     Raises:
-        ConfigError: ``stream_path`` exists (one run, one stream) or is a directory; ``host:port``
-            is taken by another server (named as ``--port``, not as uvicorn's ``[Errno 98]``).
+        ConfigError: ``stream_path`` exists (one run, one stream), is a directory, or cannot be
+            created (:func:`stream_path_problem`); ``host:port`` is taken by another server
+            (named as ``--port``, not as uvicorn's ``[Errno 98]``).
     """
     busy = None if is_in_process else check_port_free(config.host, config.port)
     if busy is not None:
         raise ConfigError(busy)
     if config.stream_path is not None:
-        path = Path(config.stream_path)
+        problem = stream_path_problem(Path(config.stream_path))
+        if problem is not None:
+            raise ConfigError(problem)
+
+
+def stream_path_problem(path: Path) -> str | None:
+    """Why the gateway's recorder could not create its stream at ``path``, as one line naming
+    ``--stream-path``; ``None`` when it can. The recorder creates the missing parent directories
+    and then the file (``stream/recorder.py``), so this checks the nearest existing ancestor: a
+    directory in which a file can be created (a probe file, removed at once: permission bits do
+    not say it, as root or on /proc, /sys or a read-only mount).
+
+    Mutates: creates and removes one empty file in that ancestor.
+    """
+    try:
         if path.is_dir():
-            raise ConfigError(f"--stream-path {path} is a directory; pass a file path such as "
-                              f"{path / 'stream.jsonl'}")
-        if path.exists():
-            raise ConfigError(f"--stream-path {path} already exists (one run records one stream); "
-                              "pass a new path or move the old stream away")
+            return (f"--stream-path {path} is a directory; pass a file path such as "
+                    f"{path / 'stream.jsonl'}")
+        if path.exists() or path.is_symlink():
+            return (f"--stream-path {path} already exists (one run records one stream); pass a "
+                    "new path or move the old stream away")
+        ancestor = path.absolute().parent
+        while not ancestor.exists() and not ancestor.is_symlink():
+            ancestor = ancestor.parent
+        if not ancestor.is_dir():
+            return (f"--stream-path {path}: {ancestor} is not a directory; pass a path in a "
+                    "directory (missing ones are created)")
+    except OSError as e:  # a parent without search permission
+        return (f"--stream-path {path}: cannot look at {e.filename or path} ({e.strerror or e}); "
+                "pass a path in a writable directory")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".mars-stream-check-", dir=ancestor)
+    except OSError as e:  # no write permission, /proc, /sys, a read-only mount
+        return (f"--stream-path {path}: cannot create files in {ancestor} ({e.strerror or e}); "
+                "pass a path in a writable directory")
+    os.close(fd)
+    os.unlink(probe)
+    return None

@@ -178,16 +178,14 @@ def check_xargs(value: Any) -> dict[str, Any]:
 
     Raises:
         BadRequestError: not an object, a value of another type, an unknown ``mars_*`` key, or a
-            ``mars_*`` value of the wrong type or range; the message names ``body vllm_xargs.<key>``.
+            ``mars_*`` value of the wrong type or range (a bool only for ``mars_side`` and
+            ``mars_last_step``; a JSON ``true`` reaches the engine as ``1``, where it could pass
+            as a turn); the message names ``body vllm_xargs.<key>``.
     """
     if not isinstance(value, dict):
         raise BadRequestError(f"body vllm_xargs must be an object, got {type(value).__name__}")
     for key, item in value.items():
-        if not isinstance(item, (str, int, float, list)) or isinstance(item, bool):
-            raise BadRequestError(
-                f"body vllm_xargs.{key} must be a string, integer, float or list, got {item!r}"
-            )
-        if key.startswith("mars_"):
+        if key.startswith("mars_"):  # parse_turn_meta's strict types (a bool only as a flag)
             if key not in MARS_EXTRA_KEYS:
                 raise BadRequestError(
                     f"body vllm_xargs.{key} is not a MARS key; supported: {list(MARS_EXTRA_KEYS)} "
@@ -197,6 +195,10 @@ def check_xargs(value: Any) -> dict[str, Any]:
                 parse_turn_meta({key: item})
             except ValueError as e:
                 raise BadRequestError(f"body vllm_xargs.{key}: {e}") from None
+        elif not isinstance(item, (str, int, float, list)) or isinstance(item, bool):
+            raise BadRequestError(
+                f"body vllm_xargs.{key} must be a string, integer, float or list, got {item!r}"
+            )
     return value
 
 

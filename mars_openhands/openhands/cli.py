@@ -173,7 +173,9 @@ def _checked_inputs(args: argparse.Namespace) -> tuple[list[Any], Any]:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    """``openhands run``: run the tasks, print one JSON summary line per task; exit 1 if any errored."""
+    """``openhands run``: run the tasks, print one JSON summary line per task; exit 1 if any
+    errored, 2 on bad input, 130 on Ctrl-C (one line: the task processes are stopped, and
+    ``--resume`` goes on with their conversations)."""
     from mars_openhands.openhands.quiet import quiet_environment, quiet_sdk_logs
 
     quiet_environment()  # before the SDK import (LiteLLM's price-map download, the banner)
@@ -187,6 +189,11 @@ def run_from_args(args: argparse.Namespace) -> int:
                             resume=args.resume)
     except ValueError as e:  # pydantic's ValidationError too
         return max(cli_error("mars-openhands openhands run", line) for line in str(e).splitlines())
+    except KeyboardInterrupt:  # run_tasks has stopped every task process (its except clause)
+        print(f"mars-openhands openhands run: interrupted; the tasks were stopped and what they did "
+              f"is in {args.out}: run the same command with --resume to go on with them",
+              file=sys.stderr)
+        return 130
     for r in results:
         print(json.dumps({"task_id": r.task_id, "status": r.status, "wall_s": round(r.wall_s, 3),
                           "tool_s": round(r.tool_s, 3), "llm_calls": r.num_llm_calls,

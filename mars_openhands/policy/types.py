@@ -3,29 +3,41 @@
 The session identity is vLLM's native ``Request.session_id``. The MARS extras travel in
 ``vllm_xargs`` and arrive as ``request.sampling_params.extra_args``:
 
-======================  =========  ==================================================
-key                     type       meaning
-======================  =========  ==================================================
-``mars_turn``           int >= 0   0-based LLM call index within the session
-``mars_last_step``      0 / 1      1 when this is known to be the session's last call
-``mars_prev_tool``      str        tool that ran since the previous turn
-``mars_prev_tool_s``    float >=0  its measured duration, seconds
-``mars_side``           0 / 1      1 for a side request (a title or summary call without
-                                   tools): not the session's next turn, so it does not
-                                   advance ``mars_turn`` and does not end a tool phase,
-                                   release or consume the session's retained KV
-======================  =========  ==================================================
+======================  ==============  ================================================
+key                     type            meaning
+======================  ==============  ================================================
+``mars_turn``           int >= 0        0-based LLM call index within the session
+``mars_last_step``      0 / 1 or bool   1 when this is known to be the session's last call
+``mars_prev_tool``      str             tool that ran since the previous turn
+``mars_prev_tool_s``    number >= 0     its measured duration, seconds
+``mars_side``           0 / 1 or bool   1 for a side request (a title or summary call
+                                        without tools): not the session's next turn, so
+                                        it does not advance ``mars_turn`` and does not
+                                        end a tool phase, release or consume the
+                                        session's retained KV
+======================  ==============  ================================================
+
+The types are strict: a string (``"3"``), a float (``2.0``, ``1e300``) or a bool is no turn, and
+a flag is 0, 1, true or false, nothing else. vLLM's request model has already turned a JSON
+``true`` into ``1`` when the engine sees it (``vllm_xargs`` holds str/int/float/list values), so
+the engine cannot refuse ``{"mars_turn": true}``; the gateway, which reads the JSON itself, does
+(:func:`mars_openhands.control.metadata.check_xargs`, HTTP 400). On the engine a bad value fails
+its request: vLLM answers HTTP 500 and the reason is in the server log.
 
 Other ``extra_args`` keys (e.g. vLLM's ``kv_transfer_params``) are ignored; an unknown key that
 starts with ``mars_`` is an error (a typo would otherwise be dropped silently).
 
 Example:
-    >>> parse_turn_meta({"mars_turn": "3", "mars_last_step": 0, "other": 1})
+    >>> parse_turn_meta({"mars_turn": 3, "mars_last_step": 0, "other": 1})
     TurnMeta(turn=3, is_last_step=False, prev_tool=None, prev_tool_s=None, is_side=False)
-    >>> parse_turn_meta({"mars_turn": -1})
+    >>> parse_turn_meta({"mars_turn": "3"})
     Traceback (most recent call last):
     ...
-    ValueError: invalid vllm_xargs mars_turn=-1: must be an int >= 0 (send vllm_xargs {"mars_turn": 0, ...})
+    ValueError: invalid vllm_xargs mars_turn='3': must be an int in [0, 2147483647], not a string, float or bool (send vllm_xargs {"mars_turn": 0, ...})
+    >>> parse_turn_meta({"mars_side": "title"})
+    Traceback (most recent call last):
+    ...
+    ValueError: invalid vllm_xargs mars_side='title': must be 0, 1, true or false (send vllm_xargs {"mars_side": 1} for a side request)
 """
 
 from __future__ import annotations
@@ -35,7 +47,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MARS_EXTRA_KEYS", "TurnMeta", "parse_turn_meta"]
+__all__ = ["MARS_EXTRA_KEYS", "MAX_TURN", "TurnMeta", "parse_turn_meta"]
 
 MARS_EXTRA_KEYS = ("mars_turn", "mars_last_step", "mars_prev_tool", "mars_prev_tool_s", "mars_side")
 """The ``vllm_xargs`` keys the engine reads."""
@@ -54,38 +66,50 @@ class TurnMeta:
 
 
 _EMPTY = TurnMeta()
-_HINT = '(send vllm_xargs {"mars_turn": 0, ...})'
+
+MAX_TURN = 2**31 - 1
+"""The largest ``mars_turn``: a turn is a count of LLM calls; the bound keeps it within the
+stream's integer columns (Parquet int64) and refuses a JSON ``1e300`` read as an integer."""
+
+_EXAMPLES = {
+    "mars_turn": '{"mars_turn": 0, ...}',
+    "mars_last_step": '{"mars_last_step": 1, ...} on the session\'s last call',
+    "mars_prev_tool": '{"mars_prev_tool": "bash", "mars_prev_tool_s": 1.5, ...}',
+    "mars_prev_tool_s": '{"mars_prev_tool": "bash", "mars_prev_tool_s": 1.5, ...}',
+    "mars_side": '{"mars_side": 1} for a side request',
+}
+"""Each key's own example, for the hint of its error."""
 
 
 def _bad(key: str, value: Any, expected: str) -> ValueError:
-    return ValueError(f"invalid vllm_xargs {key}={value!r}: must be {expected} {_HINT}")
+    shown = repr(value)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."  # a 4000-digit JSON number
+    return ValueError(f"invalid vllm_xargs {key}={shown}: must be {expected} "
+                      f"(send vllm_xargs {_EXAMPLES[key]})")
 
 
-def _as_int(key: str, value: Any, lo: int, hi: int | None = None) -> int:
-    if isinstance(value, bool):
-        value = int(value)
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, str):
-        try:
-            value = int(value.strip())
-        except ValueError:
-            raise _bad(key, value, _range_text(lo, hi)) from None
-    if not isinstance(value, int) or value < lo or (hi is not None and value > hi):
-        raise _bad(key, value, _range_text(lo, hi))
+def _as_turn(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TURN:
+        raise _bad("mars_turn", value, f"an int in [0, {MAX_TURN}], not a string, float or bool")
     return value
 
 
-def _range_text(lo: int, hi: int | None) -> str:
-    return f"an int >= {lo}" if hi is None else f"{lo} or {hi}" if hi == lo + 1 else f"in [{lo}, {hi}]"
+def _as_flag(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise _bad(key, value, "0, 1, true or false")
 
 
 def _as_seconds(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad(key, value, "a number of seconds >= 0, not a string or bool")
     try:
         seconds = float(value)
-    except (TypeError, ValueError):
+    except OverflowError:  # an int past float's range
         raise _bad(key, value, "a number of seconds >= 0") from None
-    if isinstance(value, bool) or not math.isfinite(seconds) or seconds < 0:
+    if not math.isfinite(seconds) or seconds < 0:
         raise _bad(key, value, "a number of seconds >= 0")
     return seconds
 
@@ -120,9 +144,9 @@ def parse_turn_meta(extra_args: Mapping[str, Any] | None) -> TurnMeta:
     if tool is not None and (not isinstance(tool, str) or not tool):
         raise _bad("mars_prev_tool", tool, "a non-empty tool name")
     return TurnMeta(
-        turn=None if turn is None else _as_int("mars_turn", turn, 0),
-        is_last_step=None if last is None else bool(_as_int("mars_last_step", last, 0, 1)),
+        turn=None if turn is None else _as_turn(turn),
+        is_last_step=None if last is None else _as_flag("mars_last_step", last),
         prev_tool=tool,
         prev_tool_s=None if tool_s is None else _as_seconds("mars_prev_tool_s", tool_s),
-        is_side=side is not None and bool(_as_int("mars_side", side, 0, 1)),
+        is_side=side is not None and _as_flag("mars_side", side),
     )

@@ -40,7 +40,7 @@ APP_NAME = "mars"
 
 
 def build_app(config: ServeConfig, ingress_node_ip: str | None = None,
-              api_key: str | None = None) -> Any:
+              api_key: str | None = None, run_id: str | None = None) -> Any:
     """The Serve application: ``engine-0`` … ``engine-<N-1>`` and the ``ingress``.
 
     Args:
@@ -48,6 +48,8 @@ def build_app(config: ServeConfig, ingress_node_ip: str | None = None,
         ingress_node_ip: run the ingress (the gateway's HTTP port) on this node; ``None``: anywhere.
         api_key: the engines' vLLM ``--api-key`` (the gateway sends it; agents cannot reach an
             engine around the gateway); ``None``: a fresh random one.
+        run_id: names the engines' temporary directories on each node
+            (:func:`~mars_openhands.serve.engine.run_root`); ``None``: each engine picks one.
 
     Returns:
         A ``ray.serve.Application`` (not started).
@@ -65,7 +67,7 @@ def build_app(config: ServeConfig, ingress_node_ip: str | None = None,
                          health_check_period_s=config.health_check_period_s,
                          health_check_timeout_s=max(30.0, 4 * config.health_check_period_s),
                          graceful_shutdown_timeout_s=30.0, max_ongoing_requests=64,
-                         ).bind(config, i, key)
+                         ).bind(config, i, key, run_id)
         for i in range(config.num_replicas)
     ]
     ingress_options: dict[str, Any] = {"num_cpus": 0}
@@ -77,7 +79,8 @@ def build_app(config: ServeConfig, ingress_node_ip: str | None = None,
     return ingress.bind(config, key, *engines)
 
 
-def start(config: ServeConfig, on_ray_started: Callable[[], None] | None = None) -> tuple[Any, str]:
+def start(config: ServeConfig, on_ray_started: Callable[[], None] | None = None,
+          run_id: str | None = None) -> tuple[Any, str]:
     """Join (``config.ray_address``) or start Ray, run the application, wait until it serves.
 
     Args:
@@ -85,12 +88,15 @@ def start(config: ServeConfig, on_ray_started: Callable[[], None] | None = None)
         on_ray_started: called once Ray is up, before the (minutes-long) engine start: Ray's
             driver puts its own SIGTERM handler in place, which aborts the process (no clean-up),
             so the caller re-installs its own here.
+        run_id: the run's id (:func:`build_app`); give the same one to :func:`stop`.
 
     Returns:
         ``(ingress handle, gateway URL)``.
 
     Raises:
-        RuntimeError, TimeoutError: the application did not come up (the message says why).
+        RuntimeError, TimeoutError: the application did not come up (the message says why: for
+            an engine whose vLLM server did not start, its own error, with the log's last lines
+            and where the log is kept).
     """
     import ray
     from ray import serve
@@ -107,9 +113,29 @@ def start(config: ServeConfig, on_ray_started: Callable[[], None] | None = None)
     if on_ray_started is not None:
         on_ray_started()
     serve.start(proxy_location="Disabled")
-    app = build_app(config, ingress_node_ip=ray.util.get_node_ip_address())
-    handle = serve.run(app, name=APP_NAME, route_prefix=None)
+    app = build_app(config, ingress_node_ip=ray.util.get_node_ip_address(), run_id=run_id)
+    try:
+        handle = serve.run(app, name=APP_NAME, route_prefix=None)
+    except RuntimeError as e:  # "Deploying application mars failed: Failed to update the
+        # deployments ['engine-0']": the why is in each deployment's status message
+        raise RuntimeError("\n".join([str(e), *_failed_deployments()])) from None
     return handle, wait_for_url(handle, config.engine_startup_timeout_s)
+
+
+def _failed_deployments() -> list[str]:
+    """What each failed deployment of the application says (an engine: its own start-up error,
+    :func:`~mars_openhands.serve.engine.engine_failure_text`); empty when Serve cannot say."""
+    from ray import serve
+
+    from mars_openhands.serve.engine import engine_failure_text
+
+    try:
+        deployments = serve.status().applications[APP_NAME].deployments
+    except Exception:  # the status is a courtesy: the deploy's own error is raised anyway
+        return []
+    return [engine_failure_text(name, status.message or "")
+            for name, status in sorted(deployments.items())
+            if str(status.status).endswith("DEPLOY_FAILED")]
 
 
 class _StartInterrupted(BaseException):
@@ -145,14 +171,29 @@ def _lost_ray_daemons() -> list[str]:
         return []
 
 
-def stop(config: ServeConfig) -> None:
-    """Delete the application and, for a private Ray, stop Ray (no process left). Idempotent.
+def stop(config: ServeConfig, run_id: str | None = None) -> None:
+    """Delete the application and, for a private Ray, stop Ray (no process left); then remove the
+    engines' temporary directories on this node (``run_id``'s
+    :func:`~mars_openhands.serve.engine.run_root`: an engine that Ray killed, as it does one
+    still starting, had no chance to; a log an engine kept after a failed start stays, its path
+    printed). Idempotent.
 
     The delete (each replica's graceful shutdown: vLLM stopped, stream closed) is skipped when the
     private Ray's own processes are already gone, and given up after :data:`STOP_TIMEOUT_S`; Ray
     is stopped either way. The engines' vLLM processes then end by their watchdogs
     (engine/harness/reaper.py), which outlive any actor.
     """
+    try:
+        _stop_ray(config)
+    finally:
+        if run_id is not None:
+            from mars_openhands.serve.engine import remove_run_root
+
+            remove_run_root(run_id)
+
+
+def _stop_ray(config: ServeConfig) -> None:
+    """:func:`stop`'s application delete and Ray shutdown."""
     import ray
     from ray import serve
 
@@ -216,16 +257,18 @@ def serve_forever(config: ServeConfig) -> int:
             signal.signal(sig, on_signal)
 
     install()
+    run_id = secrets.token_hex(6)
     try:
-        _, url = start(config, on_ray_started=install)
+        _, url = start(config, on_ray_started=install, run_id=run_id)
     except _StartInterrupted as e:
         print(f"mars-openhands serve: {signal.Signals(e.signum).name} while starting: stopping "
               "what started", file=sys.stderr, flush=True)
-        stop(config)
+        stop(config, run_id)
         return 128 + e.signum
     except Exception as e:
-        print(f"mars-openhands serve: error: the application did not start: {e}", file=sys.stderr)
-        stop(config)
+        print(f"mars-openhands serve: error: the application did not start: {e}", file=sys.stderr,
+              flush=True)
+        stop(config, run_id)
         return 1
     is_serving = True
     print(f"MARS serve: {config.num_replicas} replica(s) of {config.scheduler} on Ray Serve; "
@@ -235,6 +278,6 @@ def serve_forever(config: ServeConfig) -> int:
         pass
     print("mars-openhands serve: stopping (Serve application, engines, Ray)", file=sys.stderr,
           flush=True)
-    stop(config)
+    stop(config, run_id)
     print("mars-openhands serve: stopped", file=sys.stderr, flush=True)
     return 0

@@ -111,7 +111,8 @@ def _read_gateway_file(path: Path) -> dict[str, Any]:
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """The :class:`ServeConfig` of the parsed flags, checked as far as it can be before Ray starts:
-    the model's fields, a dotted ``--scheduler`` imported (a vLLM scheduler class), each engine's
+    the model's fields, ``--model`` for a private Ray (a model directory here, or a Hugging Face
+    id), a dotted ``--scheduler`` imported (a vLLM scheduler class), each engine's
     vLLM options (``--block-size`` for its device, ``--vllm-arg``) and the ``"mars"`` section of
     ``--additional-config`` (:func:`~mars_openhands.serve.engine.check_engine_options`), the
     gateway's keys, and, when the gateway runs on this machine, its ``--stream-path`` (must not
@@ -138,6 +139,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         config = ServeConfig.model_validate({**values, "gateway": gateway})
     except ValidationError as e:
         raise ValueError("\n".join(config_error_lines(e, _ERROR_FLAGS, model_errors="as_is"))) from None
+    config = _with_checked_model(config)
     from mars_openhands.control.cli import gateway_key_hint
     from mars_openhands.control.config import check_runtime
     from mars_openhands.serve.ingress import gateway_config
@@ -155,6 +157,28 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         # not part of its validation, and the ingress met them only when it opened the stream.
         check_runtime(gateway)  # ConfigError (a ValueError): one line naming the flag
     return config
+
+
+def _with_checked_model(config: ServeConfig) -> ServeConfig:
+    """``config`` with ``--model`` checked here, for a private Ray only: its engines all run on
+    this machine, so a path missing here is missing for them (was ~100 s of engine retries, the
+    reason left in a deleted log), and a relative directory is made absolute (the engines' vLLM
+    runs in the repository's directory), keeping the name clients send. On a cluster
+    (``--ray-address``) the model is each engine node's, which this machine may lack (a head
+    node without the model disk, a Ray Client): there an engine's failed start says why.
+
+    Raises:
+        ValueError: one line naming ``--model`` (:func:`~.engine.checked_model`).
+    """
+    if config.ray_address is not None:
+        return config
+    from mars_openhands.serve.engine import checked_model
+
+    model = checked_model(config.model)
+    if model == config.model:
+        return config
+    return config.model_copy(update={"model": model,
+                                     "served_model_name": config.served_model_name or config.model})
 
 
 def _ingress_runs_here(config: ServeConfig) -> bool:

@@ -24,6 +24,7 @@ Mental model: the actor is a thin shell; the engine is stock vLLM with our plugi
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import shutil
@@ -34,16 +35,100 @@ from pathlib import Path
 from typing import Any
 
 from mars_openhands.cli_style import config_error_lines
-from mars_openhands.engine.harness.launch import VllmServer, VllmServerOptions
+from mars_openhands.engine.harness.launch import VllmServer, VllmServerError, VllmServerOptions
 from mars_openhands.serve.config import ServeConfig
 from mars_openhands.stream.events import Event
 
-__all__ = ["EngineReplica", "check_engine_options", "engine_options"]
+__all__ = ["EngineReplica", "check_engine_options", "checked_model", "engine_failure_text",
+           "engine_options", "kept_log_path", "remove_run_root", "run_root"]
 
 logger = logging.getLogger(__name__)
 
 MAX_LOGGED_EVENTS = 65_536
 """GPU-plane events an engine keeps for the ingress (oldest dropped first; ~10 MiB)."""
+
+START_FAILED = "did not start"
+"""What an engine's start-up error says after its deployment's name (``engine-0 did not start:
+...``): :func:`engine_failure_text` finds the engine's own message in Ray Serve's status by it."""
+
+
+def run_root(run_id: str) -> Path:
+    """The directory on a node that holds every engine's run directory (sockets, vLLM log, tiny
+    model) of the ``serve`` run ``run_id``: the driver removes it on its node whatever way the
+    run stops (:func:`~mars_openhands.serve.app.stop`), also where Ray killed an engine's actor
+    before its own clean-up ran. Pure."""
+    return Path(tempfile.gettempdir()) / f"mars-serve-{run_id}"
+
+
+def kept_log_path(run_id: str, index: int) -> Path:
+    """Where engine ``index`` keeps its vLLM log when its server did not start (next to
+    :func:`run_root`, not in it: the stop that follows keeps it; Ray Serve's retries of the
+    engine overwrite it, so it is the last try's). Pure."""
+    return Path(tempfile.gettempdir()) / f"mars-serve-{run_id}-engine{index}-vllm.log"
+
+
+def remove_run_root(run_id: str) -> None:
+    """Remove :func:`run_root` of ``run_id`` on this node (kept logs stay). Idempotent.
+
+    Mutates: deletes files.
+    """
+    shutil.rmtree(run_root(run_id), ignore_errors=True)
+
+
+def engine_failure_text(name: str, message: str, num_lines: int = 40) -> str:
+    """The part of a failed deployment's Ray Serve status ``message`` that says why engine
+    ``name`` did not start: from its own error (``<name> did not start: ...``, the last thing
+    in Ray's traceback text) to the end; else the message's last ``num_lines`` lines. Pure."""
+    start = message.find(f"{name} {START_FAILED}")
+    if start >= 0:
+        return message[start:].strip()
+    return "\n".join(message.strip().splitlines()[-num_lines:])
+
+
+def checked_model(model: str) -> str:
+    """``--model`` checked on this machine, where every engine of a private Ray runs; returns
+    it as the engines should get it: a local directory as an absolute path (each vLLM server
+    runs in the repository's directory, not the caller's), anything else unchanged.
+
+    A name that is no local path must be a Hugging Face model id (``org/name``): vLLM downloads
+    it, or finds it in the Hugging Face cache; with ``HF_HUB_OFFLINE`` set it must be in the
+    cache. ``tiny`` is the tests' model. Reads the file system (and the Hugging Face cache).
+
+    Raises:
+        ValueError: one line naming ``--model``: a path that does not exist, a directory without
+            ``config.json``, a file that is not a GGUF model, a name that is neither a path nor
+            a model id, or an id that is not cached while offline.
+    """
+    if model == "tiny":
+        return model
+    path = Path(model)
+    if path.is_dir():
+        if not any((path / name).is_file() for name in ("config.json", "params.json")):
+            raise ValueError(f"--model {model}: the directory has no config.json, so it is no "
+                             "Hugging Face model directory; pass the directory that holds the "
+                             "model's config.json and weights")
+        return str(path.absolute())
+    if path.exists():
+        if path.suffix != ".gguf":
+            raise ValueError(f"--model {model}: a file, not a model directory (or a .gguf "
+                             "model); pass the directory that holds the model's config.json")
+        return str(path.absolute())
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(model)
+    except ValueError:  # HFValidationError: "/nonexistent/model", "a/b/c", "my model"
+        raise ValueError(f"--model {model}: no such model directory, and not a Hugging Face model "
+                         "id (org/name); pass a directory that holds the model's config.json, "
+                         "or an id such as Qwen/Qwen3-8B") from None
+    if constants.HF_HUB_OFFLINE and not any(
+            isinstance(try_to_load_from_cache(model, name), str)
+            for name in ("config.json", "params.json")):
+        raise ValueError(f"--model {model}: not in the local Hugging Face cache, and HF_HUB_OFFLINE "
+                         "is set (nothing is downloaded); download it first (hf download "
+                         f"{model}) or pass its directory")
+    return model
 
 
 def engine_options(config: ServeConfig, index: int, host: str, model_dir: str,
@@ -122,23 +207,48 @@ class EngineReplica:
         config: the application's settings.
         index: this replica's index among ``config.num_replicas``.
         api_key: the vLLM server's ``--api-key`` (the gateway sends it; agents never hold it).
+        run_id: the ``serve`` run's id: the run directory lies under :func:`run_root` of it,
+            which the driver removes at stop; ``None``: a fresh one (used alone, as in tests).
 
     Raises:
-        VllmServerError: the server did not start (the message has its log tail); Ray Serve
-            retries the constructor.
+        VllmServerError: the server did not start; the message (``engine-<index> did not start:
+            ...``) has the log's last lines and where the log is kept (:func:`kept_log_path`;
+            the rest of the run directory is removed). Ray Serve retries the constructor.
     """
 
-    def __init__(self, config: ServeConfig, index: int, api_key: str | None = None) -> None:
-        from mars_openhands.stream.transport import ZmqEventCollector, ZmqEventPublisher
-
+    def __init__(self, config: ServeConfig, index: int, api_key: str | None = None,
+                 run_id: str | None = None) -> None:
         self.index = index
         self.incarnation = uuid.uuid4().hex[:12]
         """Changes when Ray replaces the replica (the ingress resets its event cursor)."""
-        self._run_dir = Path(tempfile.mkdtemp(prefix=f"mars-serve-engine{index}-"))
+        self._run_id = run_id or uuid.uuid4().hex[:12]
+        root = run_root(self._run_id)
+        root.mkdir(mode=0o700, exist_ok=True)
+        self._run_dir = root / f"engine{index}-{self.incarnation}"
+        self._run_dir.mkdir(mode=0o700, parents=True)  # parents: another engine's stop may
+        # have removed the (then empty) root meanwhile
         self._events: collections.deque[tuple[int, Event]] = collections.deque(
             maxlen=MAX_LOGGED_EVENTS)
         self._next_seq = 0
-        options = engine_options(config, index, _node_ip(), self._model_dir(config),
+        try:
+            self._start(config, api_key)
+        except VllmServerError as e:  # the server's own failure: keep its log, say where
+            tail = self.server.log_tail(30) if getattr(self, "server", None) else ""
+            kept = self._close(keep_log=True)
+            where = f"its vLLM log is kept at {kept} on {_node_ip()}" if kept else "no vLLM log"
+            raise VllmServerError(f"engine-{index} {START_FAILED}: {str(e).splitlines()[0]}\n"
+                                  f"{where}; its last lines:\n{tail}") from None
+        except BaseException:  # a bad option, a signal, Ray stopping the actor: leave nothing
+            self._close()
+            raise
+        logger.info("engine-%d (%s) serves at %s, pid %d, ready in %.1f s", index,
+                    self.incarnation, self.server.url, self.server.pid, self.server.startup_s or 0)
+
+    def _start(self, config: ServeConfig, api_key: str | None) -> None:
+        """Start the collector, the vLLM server (blocks until it serves) and the inbox."""
+        from mars_openhands.stream.transport import ZmqEventCollector, ZmqEventPublisher
+
+        options = engine_options(config, self.index, _node_ip(), self._model_dir(config),
                                  self._run_dir)
         self._collector = ZmqEventCollector(options.additional_config["mars"]["telemetry"]["addr"],
                                             self._log_event)
@@ -146,8 +256,6 @@ class EngineReplica:
         self.server.start()
         self._inbox = ZmqEventPublisher(options.additional_config["mars"]["inbox_addr"])
         self.started_s = time.time()
-        logger.info("engine-%d (%s) serves at %s, pid %d, ready in %.1f s", index,
-                    self.incarnation, self.server.url, self.server.pid, self.server.startup_s or 0)
 
     def _model_dir(self, config: ServeConfig) -> str:
         if not config.is_tiny_model:
@@ -212,9 +320,16 @@ class EngineReplica:
                 "num_gpu_blocks": step.num_gpu_blocks, "num_host_blocks": step.num_host_blocks,
                 "num_running": step.num_running, "num_waiting": step.num_waiting}
 
-    def __del__(self) -> None:
-        """Ray Serve's shutdown (graceful): stop vLLM's process group and the sockets, remove the
-        run directory (model, sockets, log)."""
+    def _close(self, keep_log: bool = False) -> Path | None:
+        """Stop vLLM's process group and the sockets, and remove the run directory (model,
+        sockets, log) and :func:`run_root` once empty. Idempotent.
+
+        Args:
+            keep_log: first move the vLLM log to :func:`kept_log_path`.
+
+        Returns:
+            The kept log's path; ``None`` when none was asked for or there was none.
+        """
         for close in ("server", "_inbox", "_collector"):
             part = getattr(self, close, None)
             if part is None:
@@ -223,9 +338,28 @@ class EngineReplica:
                 part.stop() if close != "_inbox" else part.close()
             except Exception:  # shutting down: keep stopping the rest
                 logger.exception("engine-%d: stopping %s failed", self.index, close)
+            setattr(self, close, None)
+        kept = None
         run_dir = getattr(self, "_run_dir", None)
-        if run_dir is not None:
-            shutil.rmtree(run_dir, ignore_errors=True)
+        if run_dir is None:
+            return None
+        if keep_log and (run_dir / "vllm.log").is_file():
+            kept = kept_log_path(self._run_id, self.index)
+            try:
+                os.replace(run_dir / "vllm.log", kept)
+            except OSError:  # say where it was; it goes with the run directory
+                logger.exception("engine-%d: keeping the vLLM log failed", self.index)
+                kept = None
+        shutil.rmtree(run_dir, ignore_errors=True)
+        with contextlib.suppress(OSError):  # other engines of this run on this node still use it
+            run_dir.parent.rmdir()
+        self._run_dir = None
+        return kept
+
+    def __del__(self) -> None:
+        """Ray Serve's shutdown (graceful): :meth:`_close`. Ray may kill the actor without it;
+        then the driver's stop removes :func:`run_root` (on its node)."""
+        self._close()
 
 
 def _node_ip() -> str:

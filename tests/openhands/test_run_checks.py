@@ -134,3 +134,28 @@ def test_task_errors_reuse_secrets_lost_events_and_the_kept_conversation(tmp_pat
         capsys.readouterr()
     assert json.loads((out / "bad-repo" / "result.json").read_text())["status"] == "error"
     assert (out / "good").exists()  # only the re-run task's directory was replaced
+
+
+def test_ctrl_c_is_one_line_with_the_resume_hint_and_exit_130(
+        tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while the tasks run (run_tasks stops their processes, then re-raises) printed a raw
+    KeyboardInterrupt traceback; compare prints one line and exits 130."""
+    from mars_openhands.openhands import runner
+
+    seen: list[str] = []
+
+    def interrupted(tasks, config, **kwargs):
+        seen.append(tasks[0].task_id)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "run_tasks", interrupted)
+    out = tmp_path / "out"
+    try:
+        rc = _run(["--url", "http://127.0.0.1:1", "--model", "m", "--problem", "p",
+                   "--workspace", str(tmp_path), "--out", str(out)])
+    except KeyboardInterrupt:  # the old behaviour (caught here: it would end pytest's session)
+        pytest.fail("KeyboardInterrupt escaped `openhands run` (a raw traceback for the user)")
+    assert rc == 130 and seen == ["task-0"]
+    line = _one_line_error(capsys)
+    assert line.startswith("mars-openhands openhands run: interrupted") and "--resume" in line
+    assert str(out) in line

@@ -32,6 +32,13 @@ def run_cli(*args: str, cwd=None) -> subprocess.CompletedProcess[str]:
          ["--config missing.toml: cannot read it", "check the path"]),
         (["--replica", "http://127.0.0.1:1", "--stream-path", "exists.jsonl", "--port", "0"], 1,
          ["--stream-path exists.jsonl already exists", "pass a new path"]),
+        # Were tracebacks, rc 1: FileNotFoundError, FileExistsError, PermissionError.
+        (["--replica", "http://127.0.0.1:1", "--stream-path", "/proc/nope/x.jsonl", "--port", "0"],
+         1, ["--stream-path /proc/nope/x.jsonl: cannot create files in /proc", "writable directory"]),
+        (["--replica", "http://127.0.0.1:1", "--stream-path", "exists.jsonl/x.jsonl", "--port", "0"],
+         1, ["--stream-path exists.jsonl/x.jsonl: ", "exists.jsonl is not a directory"]),
+        (["--replica", "http://127.0.0.1:1", "--stream-path", "/sys/x.jsonl", "--port", "0"], 1,
+         ["--stream-path /sys/x.jsonl: cannot create files in /sys"]),
         ([], 1, ["--replica: required; pass --replica http://127.0.0.1:8001"]),
         (["--replica", "127.0.0.1:1"], 1, ["--replica: replica url must start with http://"]),
         (["--replica", "http://a", "--admission-window-max", "0", "--port", "70000"], 2,

@@ -74,10 +74,18 @@ def test_one_turn_body_has_no_session_id() -> None:
     assert "session_id" not in out and out["vllm_xargs"] == {"mars_turn": 0}
 
 
-@pytest.mark.parametrize("xargs", [[1, 2], {"k": {"nested": 1}}, {"k": True}])
+@pytest.mark.parametrize("xargs", [[1, 2], {"k": {"nested": 1}}, {"k": True}, {"mars_turn": True},
+                                   {"mars_turn": "3"}, {"mars_turn": 2.0}, {"mars_side": "title"}])
 def test_bad_vllm_xargs(xargs) -> None:
     with pytest.raises(BadRequestError, match="vllm_xargs"):
         build_engine_body({"vllm_xargs": xargs}, "s", 0)
+
+
+def test_xargs_flags_may_be_bools() -> None:
+    """mars_side / mars_last_step are 0/1 or true/false, as the engine reads them (a bool was a
+    400 for every key)."""
+    xargs = {"mars_side": True, "mars_last_step": False}
+    assert metadata.check_xargs(xargs) == xargs
 
 
 def test_estimate_prompt_tokens() -> None:

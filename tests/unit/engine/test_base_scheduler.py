@@ -38,7 +38,8 @@ def test_base_keeps_stock_fcfs_behaviour() -> None:
 
 
 @pytest.mark.parametrize("extra", [{"mars_turn": -1}, {"mars_turn": "x"}, {"mars_last_step": 2},
-                                   {"mars_prev_tool_s": -3}, {"mars_tunr": 1}])
+                                   {"mars_prev_tool_s": -3}, {"mars_tunr": 1}, {"mars_turn": "3"},
+                                   {"mars_turn": 1e300}, {"mars_side": "title"}])
 def test_invalid_extras_finish_the_request_with_error(extra, caplog) -> None:
     h = Harness(MarsBaseScheduler, num_blocks=32)
     good = h.add(h.make_request("s1", h.tokens(20), 3, {"mars_turn": 0}))

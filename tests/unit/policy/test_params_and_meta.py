@@ -59,10 +59,12 @@ def test_params_are_frozen() -> None:
     (None, TurnMeta()),
     ({"kv_transfer_params": None}, TurnMeta()),
     ({"mars_turn": 2}, TurnMeta(turn=2)),
-    ({"mars_turn": "2", "mars_last_step": "1"}, TurnMeta(turn=2, is_last_step=True)),
-    ({"mars_turn": 2.0, "mars_last_step": 0}, TurnMeta(turn=2, is_last_step=False)),
-    ({"mars_prev_tool": "bash", "mars_prev_tool_s": "1.5"},
+    ({"mars_turn": 2, "mars_last_step": 1}, TurnMeta(turn=2, is_last_step=True)),
+    ({"mars_turn": 0, "mars_last_step": False}, TurnMeta(turn=0, is_last_step=False)),
+    ({"mars_side": True}, TurnMeta(is_side=True)), ({"mars_side": 0}, TurnMeta()),
+    ({"mars_prev_tool": "bash", "mars_prev_tool_s": 1.5},
      TurnMeta(prev_tool="bash", prev_tool_s=1.5)),
+    ({"mars_prev_tool": "bash", "mars_prev_tool_s": 2}, TurnMeta(prev_tool="bash", prev_tool_s=2.0)),
 ])
 def test_turn_meta_valid(extra, meta: TurnMeta) -> None:
     assert parse_turn_meta(extra) == meta
@@ -77,6 +79,28 @@ def test_turn_meta_valid(extra, meta: TurnMeta) -> None:
 def test_turn_meta_invalid_names_the_key(extra, key: str) -> None:
     with pytest.raises(ValueError, match=key):
         parse_turn_meta(extra)
+
+
+@pytest.mark.parametrize(("extra", "key"), [
+    # accepted before: a bool, a numeric string, a float that is an integer (1e300 too)
+    ({"mars_turn": True}, "mars_turn"), ({"mars_turn": "3"}, "mars_turn"),
+    ({"mars_turn": 2.0}, "mars_turn"), ({"mars_turn": 1e300}, "mars_turn"),
+    ({"mars_turn": 2**31}, "mars_turn"), ({"mars_turn": "abc"}, "mars_turn"),
+    ({"mars_last_step": "1"}, "mars_last_step"), ({"mars_last_step": 1.0}, "mars_last_step"),
+    ({"mars_side": "title"}, "mars_side"), ({"mars_side": "1"}, "mars_side"),
+    ({"mars_side": 2}, "mars_side"), ({"mars_prev_tool_s": "1.5"}, "mars_prev_tool_s"),
+    ({"mars_prev_tool_s": True}, "mars_prev_tool_s"), ({"mars_prev_tool_s": 10**400}, "mars_prev_tool_s"),
+    ({"mars_prev_tool": ["bash"]}, "mars_prev_tool"),
+])
+def test_turn_meta_types_are_strict_and_each_error_has_its_own_hint(extra, key: str) -> None:
+    with pytest.raises(ValueError) as e:
+        parse_turn_meta(extra)
+    message = str(e.value)
+    assert message.startswith(f"invalid vllm_xargs {key}=") and len(message) < 200, message
+    hint = message[message.index("(send vllm_xargs"):]
+    assert f'"{key}"' in hint, message  # was {"mars_turn": 0, ...} for every key
+    if key != "mars_turn":
+        assert "mars_turn" not in hint, message
 
 
 @pytest.mark.parametrize(("last", "arrival", "reported", "out"), [

@@ -251,6 +251,11 @@ def test_the_gateways_stream_path_and_port_are_checked_on_this_node(
     assert _errors(capsys, "--stream-path", str(stream), "--port", free) == [
         f"mars-openhands serve: error: --stream-path {stream} already exists (one run records one "
         "stream); pass a new path or move the old stream away"]
+    # The gateway's own check (shared): was accepted here, then a traceback in the ingress.
+    for bad, why in (("/proc/nope/x.jsonl", "cannot create files in /proc"),
+                     (f"{stream}/x.jsonl", f"{stream} is not a directory")):
+        [line] = _errors(capsys, "--stream-path", bad, "--port", free)
+        assert line.startswith(f"mars-openhands serve: error: --stream-path {bad}: ") and why in line
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()

@@ -30,7 +30,8 @@ def restore_handlers():
 def _fake_ray(monkeypatch: pytest.MonkeyPatch, signal_during_start: bool) -> dict[str, Any]:
     seen: dict[str, Any] = {"ray_handler": 0, "stops": 0, "start_finished": False}
 
-    def fake_start(config: ServeConfig, on_ray_started: Any = None) -> tuple[Any, str]:
+    def fake_start(config: ServeConfig, on_ray_started: Any = None,
+                   run_id: str | None = None) -> tuple[Any, str]:
         # ray.init: the driver's own handler replaces ours.
         signal.signal(signal.SIGTERM, lambda *_: seen.__setitem__("ray_handler", seen["ray_handler"] + 1))
         if on_ray_started is not None:
@@ -43,7 +44,7 @@ def _fake_ray(monkeypatch: pytest.MonkeyPatch, signal_during_start: bool) -> dic
         seen["start_finished"] = True
         return object(), "http://127.0.0.1:1"
 
-    def fake_stop(config: ServeConfig) -> None:
+    def fake_stop(config: ServeConfig, run_id: str | None = None) -> None:
         seen["stops"] += 1
 
     monkeypatch.setattr(app, "start", fake_start)
