@@ -230,10 +230,11 @@ def render_quick(record: Mapping[str, Any]) -> str:
     facts = record["facts"]
     head = (f"{_provenance(record)}: {facts.get('sessions')} sessions, {facts.get('turns')} turns, seed "
             f"{facts.get('seed')}; {knees}; wall on the machine it ran on {_walls(record)}.")
-    gpu = str(frame["gpu"].iloc[0]).upper().replace("_", " ")
-    table = _runs_table(frame, _QUICK_COLUMNS, gpu)
-    prose = " ".join(filter(None, (_gains_sentence(frame), _headroom_sentence(frame))))
-    return f"{head}\n\n{table}\n\n{prose}\n"
+    parts = [head]
+    for gpu, group in frame.groupby("gpu", sort=False):  # one GPU for --quick; each in turn otherwise
+        parts.append(_runs_table(group, _QUICK_COLUMNS, str(gpu).upper().replace("_", " ")))
+        parts.append(" ".join(filter(None, (_gains_sentence(group), _headroom_sentence(group)))))
+    return "\n\n".join(parts) + "\n"
 
 
 _SUMMARY_COLUMNS = ("e2e_mean_s", "e2e_p95_s", "e2e_p99_s", goodput_column(3.0))

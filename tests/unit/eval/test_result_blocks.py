@@ -119,6 +119,18 @@ def test_quick_block_shows_the_run_its_commit_and_the_gains(tmp_path) -> None:
     assert goodput_column(3.0)  # the column the table reads exists in METRICS
 
 
+def test_quick_block_of_a_two_gpu_run_has_a_table_and_gains_per_gpu(tmp_path) -> None:
+    """A run on two GPUs (compare without --quick) crashed render_quick with 'The truth value of
+    a Series is ambiguous' (every label twice in paper_comparison)."""
+    one = _results_dir(tmp_path / "a")
+    table = pd.read_parquet(one / "results.parquet")
+    other = table.assign(gpu="h200_sxm", run_id="h200_sxm__" + table["run_id"])
+    pd.concat([table, other], ignore_index=True).to_parquet(one / "results.parquet")
+    text = render("quick", record_run(one, "quick"))
+    assert "| H100 SXM |" in text and "| H200 SXM |" in text
+    assert " ".join(text.split()).count("against it mars (+ admission) is 1.20× in mean E2E") == 2
+
+
 def test_a_hand_edited_figure_or_row_is_caught(tmp_path) -> None:
     record = record_run(_results_dir(tmp_path), "quick")
     body = render("quick", record)
