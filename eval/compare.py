@@ -103,15 +103,16 @@ from eval.progress import progress_display
 from eval.provenance import source_commit, utc_date
 from eval.result_blocks import BLOCKS, BlockError, publish_record, record_run, recorded_command
 from eval.runs import plan
-from eval.sweep import CompareInterrupted, run_sweep
+from eval.sweep import EXIT_INTERRUPTED, CompareInterrupted, run_sweep
 from eval.sweep_options import CompareOptions, GpuSetup
 from eval.workloads import Workload, draw_sessions
+from mars_openhands.cli_signals import EXIT_TERMINATED, Terminated
 from mars_openhands.cli_style import CliParser, cli_error
 from mars_openhands.policy.params import parse_scheduler_params
 from mars_openhands.policy.placement import DEFAULT_ROUTING_POLICY, ROUTING_POLICIES
 
-__all__ = ["DEFAULT_GPUS", "add_compare_subcommand", "checked_mars_config", "host_kv_note", "mars_config_note",
-           "with_reference"]
+__all__ = ["BLOCK_FREE_FLAGS", "DEFAULT_GPUS", "add_compare_subcommand", "block_command_mismatch",
+           "checked_mars_config", "host_kv_note", "interrupted_exit", "mars_config_note", "with_reference"]
 
 
 DEFAULT_GPUS: tuple[str, ...] = ("h100_sxm", "h200_sxm")
@@ -139,8 +140,9 @@ are several). A trimmed workload (--sessions, --max-turns, --max-context-tokens,
 --kv-blocks, --tool-time-factor) is labelled TRIMMED at the top of summary.md. Ideal times and knees
 are cached by content (workload, GPU, settings, code): --cache-dir, --no-cache. Live backends also
 keep server-logs/ (one vLLM log per policy); see docs/compare.md. An --out that holds a previous
-compare's results.parquet loses those files (and only those) first. Ctrl-C keeps the finished runs
-(their Parquets, results.parquet, summary.md, plots) and exits with 130.
+compare's results.parquet loses those files (and only those) first. Ctrl-C (or SIGTERM) stops the
+workers, keeps the finished runs (their Parquets, results.parquet, a summary.md marked INTERRUPTED,
+plots) and exits with 130 (143).
 """
 
 
@@ -547,7 +549,8 @@ def _check_replicas(args: argparse.Namespace, spec: Any) -> None:
 
 
 def _main(args: argparse.Namespace, flags: Mapping[str, str] | None = None) -> int:
-    """Run ``compare``; returns 0 (all runs ok), 1 (a run failed), 2 (bad arguments), 130 (Ctrl-C)."""
+    """Run ``compare``; returns 0 (all runs ok), 1 (a run failed), 2 (bad arguments), 130 (Ctrl-C),
+    143 (SIGTERM)."""
     logging.getLogger("vllm").setLevel(logging.ERROR)  # per-engine warnings would break the bars
     out = Path(args.out)
     if out.exists() and not out.is_dir():
@@ -594,12 +597,38 @@ def _main(args: argparse.Namespace, flags: Mapping[str, str] | None = None) -> i
     except (ValueError, OSError, ImportError) as e:
         return _error(str(e))
     num_runs = len(plan(options, 1.0)) * len(args.gpu)
+    existed = out.exists()
     try:
         return _load_and_run(args, spec, options, flags or {})
-    except KeyboardInterrupt as e:
-        done = e.num_finished if isinstance(e, CompareInterrupted) else 0
-        print(f"interrupted: {done} of {num_runs} runs finished; partial results in {out}", file=sys.stderr)
-        return 130
+    except (KeyboardInterrupt, Terminated) as e:
+        return interrupted_exit(e, num_runs, out, is_out_new=not existed)
+
+
+def interrupted_exit(error: BaseException, num_runs: int | None, out: Path, is_out_new: bool = False) -> int:
+    """Say what a Ctrl-C or SIGTERM left (one line on stderr) and return the exit status.
+
+    ``error`` is a :class:`~eval.sweep.CompareInterrupted` (the sweep wrote what finished), or a
+    ``KeyboardInterrupt`` / :class:`~mars_openhands.cli_signals.Terminated` from before the sweep.
+    ``num_runs``: the runs planned (``None``: the sweep's count, or none said before it). An
+    ``out`` left empty is removed when ``is_out_new`` (this command made it).
+
+    Mutates: ``out`` (removed when new and empty).
+
+    Returns:
+        130 after SIGINT, 143 after SIGTERM.
+    """
+    if isinstance(error, CompareInterrupted):
+        done, has_results, is_terminated = error.num_finished, error.has_results, error.is_terminated
+        num_runs = error.num_runs if num_runs is None else num_runs
+    else:
+        done, has_results, is_terminated = 0, False, isinstance(error, Terminated)
+    if not has_results and is_out_new and out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+    where = f"partial results in {out}" if has_results else "no results written"
+    word = "terminated" if is_terminated else "interrupted"
+    print(f"{word}: {done}{f' of {num_runs}' if num_runs is not None else ''} runs finished; {where}",
+          file=sys.stderr)
+    return EXIT_TERMINATED if is_terminated else EXIT_INTERRUPTED
 
 
 def _mixed_setup(replica_gpus: tuple[str, ...], setups: list[GpuSetup]) -> tuple[list[GpuSetup], tuple[int, ...]]:

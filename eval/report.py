@@ -542,7 +542,7 @@ def _gpu_sections(results: pd.DataFrame, meta: Mapping[str, Any], is_absolute: b
     return parts
 
 
-_UNLISTED = frozenset({"is_absolute_rates", "scope"})
+_UNLISTED = frozenset({"interrupted", "is_absolute_rates", "scope"})
 """``meta`` keys that are not printed as bullets."""
 
 
@@ -556,13 +556,17 @@ def render_summary(results: pd.DataFrame, meta: Mapping[str, Any], capacity: pd.
         meta: ordered ``name -> value`` facts printed first as a bullet list (workload, profile,
             base rate and how it was found, ...); ``is_absolute_rates`` (bool) switches the load
             headers from multipliers to rates; ``scope`` (str) is printed in bold above them: it
-            says whether the workload is the full one or ``TRIMMED`` and how.
+            says whether the workload is the full one or ``TRIMMED`` and how; ``interrupted``
+            (str), what finished of a sweep that Ctrl-C or SIGTERM stopped, goes first, after
+            ``INTERRUPTED``.
         capacity: the capacity table of ``compare --capacity`` (``gpu``, ``label``, ``policy``,
             ``is_baseline``, ``capacity_per_s``, ``is_bracketed``, ``num_probes``), or ``None``.
     """
     is_absolute = bool(meta.get("is_absolute_rates", False))
     results = results.reindex(columns=[*RESULT_COLUMNS, *(c for c in results.columns if c not in RESULT_COLUMNS)])
     parts = ["# mars-openhands compare", ""]
+    if meta.get("interrupted"):
+        parts += [f"**INTERRUPTED**: {meta['interrupted']}.", ""]
     if meta.get("scope"):
         parts += [f"**{meta['scope']}**", ""]
     parts += [f"- **{k}**: {v}" for k, v in meta.items() if k not in _UNLISTED]

@@ -86,7 +86,7 @@ def record_run(results_dir: str | Path, name: str) -> dict[str, Any]:
     Raises:
         BlockError: ``results.parquet`` or ``run.json`` missing, no commit in it (a run before
             compare recorded one), a run at a checkout with uncommitted changes (``+dirty``: the
-            block would name code that exists nowhere), or a failed run.
+            block would name code that exists nowhere), an interrupted sweep, or a failed run.
     """
     results_dir = Path(results_dir)
     parquet, facts_path = results_dir / "results.parquet", results_dir / "run.json"
@@ -97,6 +97,9 @@ def record_run(results_dir: str | Path, name: str) -> dict[str, Any]:
     commit = str(facts.get("commit", ""))
     if not commit or commit.startswith("unknown"):
         raise BlockError(f"{facts_path}: no commit recorded; rerun compare from a git checkout")
+    if facts.get("interrupted"):
+        raise BlockError(f"{facts_path}: the run was interrupted ({facts['interrupted']}); a block shows "
+                         "complete runs only: run the command to its end")
     if commit.endswith("+dirty"):
         raise BlockError(f"{facts_path}: the run was made at {commit} (uncommitted changes); commit them "
                          "and run again so that the block names code that exists")

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -42,5 +43,56 @@ def test_a_killed_pool_owner_leaves_no_worker_or_forkserver(sig: signal.Signals)
         processes = descendants(owner.pid)
         assert len(processes) >= 3  # the forkserver and two workers (and the resource tracker)
         assert_ends_with_owner(owner, processes, sig, bound_s=20)
+    finally:
+        kill_leftovers(owner, processes)
+
+
+_CALLS = textwrap.dedent("""
+    import os, time
+
+    def sleep_then_touch(path, delay_s):
+        time.sleep(delay_s)
+        open(path, "w").close()
+""")
+_STOPPED_OWNER = textwrap.dedent("""
+    import os, sys
+    import eval.pool as pool
+    from owner_calls import sleep_then_touch
+
+    pool.WORKER_PRELOAD = ()
+    out = sys.argv[1]
+    with pool.Pool(2) as p:
+        try:
+            calls = [p.submit(sleep_then_touch, os.path.join(out, f"late{i}"), 3.0) for i in range(4)]
+            print("READY", flush=True)
+            calls[0].result()
+        except KeyboardInterrupt:
+            p.stop()
+            open(os.path.join(out, "summary"), "w").close()  # as the sweep writes its summary now
+            print("STOPPED", flush=True)
+""")
+
+
+def test_ctrl_c_reaches_the_owner_only_and_stop_ends_the_workers_before_it_returns(tmp_path: Path) -> None:
+    """A terminal's Ctrl-C (SIGINT to the whole group): the workers ignore it, the owner stops them
+    (Pool.stop) and only then writes its summary; no worker writes a file after it. Before, each
+    worker took the SIGINT as its call's result and ran the next queued call, and the workers
+    were stopped only after the summary was written: 4 run files came after it."""
+    (tmp_path / "owner_calls.py").write_text(_CALLS)
+    out = tmp_path / "out"
+    out.mkdir()
+    owner = subprocess.Popen([sys.executable, "-c", _STOPPED_OWNER, str(out)], cwd=REPO, stdout=subprocess.PIPE,
+                             env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{tmp_path}"},
+                             start_new_session=True)
+    processes: dict[int, int] = {}
+    try:
+        assert owner.stdout is not None and owner.stdout.readline().strip() == b"READY"
+        time.sleep(1.0)  # both workers inside their first call
+        processes = descendants(owner.pid)
+        os.killpg(owner.pid, signal.SIGINT)
+        assert owner.stdout.readline().strip() == b"STOPPED"
+        assert owner.wait(timeout=20) == 0
+        time.sleep(4.0)  # past the calls' 3 s: a worker still running would have written by now
+        assert sorted(p.name for p in out.iterdir()) == ["summary"]
     finally:
         kill_leftovers(owner, processes)
