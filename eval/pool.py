@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, as_completed
@@ -83,9 +84,16 @@ def start_worker_server() -> str:
     # (a run's failure is its row's error). A level the user set wins; only the server gets it.
     saved = os.environ.get("VLLM_LOGGING_LEVEL")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    # The server ignores SIGINT only once its preload is imported: a terminal's Ctrl-C during
+    # those ~20 s printed its KeyboardInterrupt traceback under compare's one line. An ignored
+    # SIGINT survives the server's exec, so it ignores it from its start (the owner handles it).
+    is_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if is_main else None
     try:
         forkserver.ensure_running()
     finally:
+        if is_main:
+            signal.signal(signal.SIGINT, previous)
         if saved is None:
             os.environ.pop("VLLM_LOGGING_LEVEL", None)
     return "forkserver"

@@ -96,3 +96,26 @@ def test_ctrl_c_reaches_the_owner_only_and_stop_ends_the_workers_before_it_retur
         assert sorted(p.name for p in out.iterdir()) == ["summary"]
     finally:
         kill_leftovers(owner, processes)
+
+
+_SLOW_PRELOAD_OWNER = textwrap.dedent("""
+    import os, signal, sys, time
+    from multiprocessing import forkserver
+    import eval.pool as pool
+
+    pool.WORKER_PRELOAD = ("slow_import",)
+    pool.start_worker_server()
+    time.sleep(0.5)  # the server is importing its preload
+    os.kill(forkserver._forkserver._forkserver_pid, signal.SIGINT)  # a terminal's Ctrl-C reaches it too
+    with pool.Pool(2) as p:
+        print(p.submit(os.getpid).result(timeout=60) != os.getpid(), flush=True)
+""")
+
+
+def test_the_worker_server_ignores_ctrl_c_while_it_imports_its_preload(tmp_path: Path) -> None:
+    """Ctrl-C in compare's first ~20 s (the server importing vLLM) printed the server's
+    KeyboardInterrupt traceback under compare's one line, and left no server for the workers."""
+    (tmp_path / "slow_import.py").write_text("import time\ntime.sleep(3)\n")
+    proc = subprocess.run([sys.executable, "-c", _SLOW_PRELOAD_OWNER], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{tmp_path}"}, timeout=120)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "True\n", "")
