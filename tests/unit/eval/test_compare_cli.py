@@ -36,6 +36,15 @@ def _run(argv: list[str]) -> int:
 
 
 # ----------------------------------------------------------------------------- default traces
+def test_no_default_traces_names_a_path_once_when_both_candidates_are_the_same(tmp_path, monkeypatch) -> None:
+    """Run from the repository root, both candidates are one folder: it was listed twice."""
+    monkeypatch.setattr(compare_setup, "_REPO_ROOT", tmp_path)
+    with pytest.raises(FileNotFoundError) as info:
+        default_traces_dir({}, tmp_path)
+    assert str(info.value).count(str((tmp_path / DEFAULT_TRACES).resolve())) == 1
+    assert f"tried {(tmp_path / DEFAULT_TRACES).resolve()}); pass --traces DIR" in str(info.value)
+
+
 def test_default_traces_prefers_the_env_var_then_the_repo_then_the_cwd(tmp_path, monkeypatch) -> None:
     repo, cwd = tmp_path / "a" / "repo", tmp_path / "b" / "cwd"
     repo.mkdir(parents=True)
