@@ -9,7 +9,7 @@ Wiring (in ``eval/cli.py``)::
 
 Subcommands::
 
-    workload from-traces DIR -o out.json [--skip-malformed] [arrival/caps/scale options]
+    workload from-traces DIR -o out.json [--no-skip-malformed] [arrival/caps/scale options]
     workload synth --kind swebench --sessions N --seed S -o out.json [arrival/caps options]
     workload mix A.json B.json [...] -o out.json [--seed S]    # interleave (e.g. RepoBench among agents)
     workload stats FILE [--top N]
@@ -21,6 +21,7 @@ written unless the whole workload was built.
 from __future__ import annotations
 
 import argparse
+import sys
 import types
 from typing import Any
 
@@ -93,8 +94,10 @@ def add_workload_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     traces = commands.add_parser("from-traces", help="convert mini-swe-agent trajectories")
     traces.add_argument("directory", help="folder of *.traj.json[.gz] files (searched recursively)")
     traces.add_argument("-o", "--output", required=True, help="workload file (.json/.jsonl[.gz])")
-    traces.add_argument("--skip-malformed", action="store_true",
-                        help="skip malformed trajectories (noted in meta.notes) instead of failing")
+    traces.add_argument("--skip-malformed", action=argparse.BooleanOptionalAction, default=True,
+                        help="skip a malformed trajectory with a warning naming it (noted in meta.notes; "
+                             "an error when every file is); --no-skip-malformed fails on the first "
+                             "(default: skip)")
     traces.add_argument("--sessions", type=count_or_zero, default=None, metavar="N",
                         help="keep the first N sessions (default, or 0: all)")
     traces.add_argument("--tool-time-factor", type=positive_float, default=1.0,
@@ -178,6 +181,11 @@ def _from_traces(args: argparse.Namespace) -> int:
     arrival = _arrival(args)  # the flags first: a mistake there costs no trace parsing
     WorkloadCaps(max_turns=args.max_turns, max_context_tokens=args.max_context_tokens)  # its bounds
     workload = load_trace_dir(args.directory, on_error="skip" if args.skip_malformed else "raise")
+    skipped = [n.removeprefix("skipped ") for n in workload.meta.notes if n.startswith("skipped ")]
+    if skipped:
+        names = ", ".join(n.split(" (", 1)[0] for n in skipped)
+        print(f"warning: {args.directory}: skipped {len(skipped)} trajectory file(s): {names}; first: "
+              f"{skipped[0]}; --no-skip-malformed fails on them instead", file=sys.stderr)
     if any(v is not None for v in (args.sessions, args.max_turns, args.max_context_tokens)):
         workload = trim_workload(workload, num_sessions=args.sessions, max_turns=args.max_turns,
                                  max_context_tokens=args.max_context_tokens)

@@ -31,18 +31,34 @@ def test_from_traces_with_arrivals(tmp_path: Path, capsys) -> None:
     assert "wrote" in capsys.readouterr().out
 
 
-def test_malformed_traces_exit_2_and_write_nothing(tmp_path: Path, capsys) -> None:
+def test_a_malformed_trace_is_skipped_with_a_warning_naming_it(tmp_path: Path, capsys) -> None:
+    """One malformed file aborted the whole folder unless --skip-malformed was given."""
     src = tmp_path / "src"
     src.mkdir()
     shutil.copy(FIXTURES / "good" / "demo__repo-1.traj.json", src)
     shutil.copy(FIXTURES / "malformed" / "missing_usage.traj.json", src)
     out = tmp_path / "w.jsonl"
-    assert _run("from-traces", str(src), "-o", str(out)) == 2
+    assert _run("from-traces", str(src), "-o", str(out)) == 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"warning: {src}: skipped 1 trajectory file(s): "
+                                                   "missing_usage.traj.json; first: missing_usage.traj.json")
+    assert "extra.response.usage" in err
+    assert len(load_workload(out).sessions) == 1
+    assert _run("from-traces", str(src), "-o", str(out), "--skip-malformed") == 0  # the old flag still works
+
+
+def test_malformed_traces_exit_2_and_write_nothing_when_asked_or_when_every_file_is(tmp_path: Path, capsys) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(FIXTURES / "malformed" / "missing_usage.traj.json", src)
+    out = tmp_path / "w.jsonl"
+    assert _run("from-traces", str(src), "-o", str(out)) == 2  # nothing usable
+    assert "no usable trajectory" in capsys.readouterr().err
+    shutil.copy(FIXTURES / "good" / "demo__repo-1.traj.json", src)
+    assert _run("from-traces", str(src), "-o", str(out), "--no-skip-malformed") == 2
     err = capsys.readouterr().err
     assert "missing_usage.traj.json" in err and "extra.response.usage" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
-    assert _run("from-traces", str(src), "-o", str(out), "--skip-malformed") == 0
-    assert len(load_workload(out).sessions) == 1
 
 
 def test_synth_and_stats(tmp_path: Path, capsys) -> None:
