@@ -52,7 +52,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from pydantic import ValidationError
 from rich.console import Console
@@ -101,17 +101,18 @@ from eval.policies import (
 from eval.pool import default_jobs, start_worker_server
 from eval.progress import progress_display
 from eval.provenance import source_commit, utc_date
-from eval.result_blocks import BLOCKS, BlockError, record_run, save_record, write_blocks
+from eval.result_blocks import BLOCKS, BlockError, publish_record, record_run, recorded_command
 from eval.runs import plan
-from eval.sweep import CompareInterrupted, run_sweep
+from eval.sweep import EXIT_INTERRUPTED, CompareInterrupted, run_sweep
 from eval.sweep_options import CompareOptions, GpuSetup
 from eval.workloads import Workload, draw_sessions
+from mars_openhands.cli_signals import EXIT_TERMINATED, Terminated
 from mars_openhands.cli_style import CliParser, cli_error
 from mars_openhands.policy.params import parse_scheduler_params
 from mars_openhands.policy.placement import DEFAULT_ROUTING_POLICY, ROUTING_POLICIES
 
-__all__ = ["DEFAULT_GPUS", "add_compare_subcommand", "checked_mars_config", "host_kv_note", "mars_config_note",
-           "with_reference"]
+__all__ = ["BLOCK_FREE_FLAGS", "DEFAULT_GPUS", "add_compare_subcommand", "block_command_mismatch",
+           "checked_mars_config", "host_kv_note", "interrupted_exit", "mars_config_note", "with_reference"]
 
 
 DEFAULT_GPUS: tuple[str, ...] = ("h100_sxm", "h200_sxm")
@@ -139,8 +140,9 @@ are several). A trimmed workload (--sessions, --max-turns, --max-context-tokens,
 --kv-blocks, --tool-time-factor) is labelled TRIMMED at the top of summary.md. Ideal times and knees
 are cached by content (workload, GPU, settings, code): --cache-dir, --no-cache. Live backends also
 keep server-logs/ (one vLLM log per policy); see docs/compare.md. An --out that holds a previous
-compare's results.parquet loses those files (and only those) first. Ctrl-C keeps the finished runs
-(their Parquets, results.parquet, summary.md, plots) and exits with 130.
+compare's results.parquet loses those files (and only those) first. Ctrl-C (or SIGTERM) stops the
+workers, keeps the finished runs (their Parquets, results.parquet, a summary.md marked INTERRUPTED,
+plots) and exits with 130 (143).
 """
 
 
@@ -285,7 +287,8 @@ def add_compare_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--readme-block", default=None, choices=sorted({r for r, _ in BLOCKS.values()}),
                    help="after a run with every run ok, record it as docs/results/NAME.json and rewrite "
                         "the result blocks drawn from it in README.md and the docs; needs a git checkout "
-                        "without uncommitted changes, so the blocks name a commit that exists")
+                        "without uncommitted changes, so the blocks name a commit that exists, and the "
+                        "block's recorded command (only --out, --jobs, --cache-dir, --no-cache may differ)")
     p.set_defaults(func=functools.partial(_main, flags={**long_flags(p), **_FLAG_OF_FIELD}), argv=None)
     return p
 
@@ -335,6 +338,69 @@ def with_reference(policies: tuple[str, ...], args: argparse.Namespace, spec: An
     if spec.is_live or args.no_reference or args.quick:
         return policies
     return tuple(dict.fromkeys((*policies, REFERENCE)))
+
+
+BLOCK_FREE_FLAGS: tuple[str, ...] = ("out", "jobs", "cache_dir", "no_cache")
+"""Flags (by dest) in which a ``--readme-block`` run may differ from the block's recorded command:
+where the results go, and how they are computed without changing them (the cache is keyed by
+content and code; the job count is recorded and printed with the block, docs/compare.md)."""
+
+
+class _ParseError(ValueError):
+    """A recorded command line that no longer parses."""
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise _ParseError(message)
+
+
+def _shown(value: Any) -> str:
+    """A flag's parsed value as typed. Pure."""
+    if isinstance(value, bool):
+        return "given" if value else "not given"
+    if value is None:
+        return "not given"
+    if isinstance(value, tuple):
+        return ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value)
+    if isinstance(value, dict):
+        return json.dumps(value, sort_keys=True)
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def block_command_mismatch(args: argparse.Namespace, recorded: str | None) -> str | None:
+    """Why ``args`` may not rewrite the result block ``args.readme_block``, or ``None``.
+
+    A block publishes the run of its recorded command: every flag but those of
+    :data:`BLOCK_FREE_FLAGS` must parse to the same value as in ``recorded`` (so a trimmed run,
+    another GPU or another grid never replaces it). ``recorded`` ``None`` (no record yet) allows
+    any command. Pure.
+
+    Returns:
+        One error line naming each differing flag with both values and the recorded command.
+    """
+    if recorded is None:
+        return None
+    head = f"--readme-block {args.readme_block}"
+    parser = _RaisingParser(prog="mars-openhands", add_help=False)
+    compare_parser = add_compare_subcommand(parser.add_subparsers(dest="command"))
+    words = shlex.split(recorded)
+    try:
+        if words[:2] != ["mars-openhands", "compare"]:
+            raise _ParseError("not a compare command")
+        then = parser.parse_args(["compare", *words[2:]])
+    except _ParseError as e:
+        return (f"{head}: the block's recorded command `{recorded}` no longer parses ({e}); record the block "
+                "anew with `python -m eval.result_blocks record DIR --block "
+                f"{args.readme_block}`")
+    diffs = [f"{flag} {_shown(getattr(args, dest, None))} (recorded: {_shown(getattr(then, dest))})"
+             for dest, flag in long_flags(compare_parser).items()
+             if dest not in BLOCK_FREE_FLAGS and getattr(args, dest, None) != getattr(then, dest)]
+    if not diffs:
+        return None
+    free = ", ".join(f"--{d.replace('_', '-')}" for d in BLOCK_FREE_FLAGS)
+    return (f"{head}: not the block's recorded command `{recorded}`: {'; '.join(diffs)}; run that command "
+            f"(only {free} may differ) or drop --readme-block")
 
 
 def _error(message: str) -> int:
@@ -483,7 +549,8 @@ def _check_replicas(args: argparse.Namespace, spec: Any) -> None:
 
 
 def _main(args: argparse.Namespace, flags: Mapping[str, str] | None = None) -> int:
-    """Run ``compare``; returns 0 (all runs ok), 1 (a run failed), 2 (bad arguments), 130 (Ctrl-C)."""
+    """Run ``compare``; returns 0 (all runs ok), 1 (a run failed), 2 (bad arguments), 130 (Ctrl-C),
+    143 (SIGTERM)."""
     logging.getLogger("vllm").setLevel(logging.ERROR)  # per-engine warnings would break the bars
     out = Path(args.out)
     if out.exists() and not out.is_dir():
@@ -494,6 +561,13 @@ def _main(args: argparse.Namespace, flags: Mapping[str, str] | None = None) -> i
     if args.readme_block and source_commit().endswith(("+dirty", ")")):
         return _error(f"--readme-block {args.readme_block}: the checkout is at {source_commit()}; commit "
                       "your changes first, so the block names code that exists")
+    if args.readme_block:
+        try:
+            mismatch = block_command_mismatch(args, recorded_command(args.readme_block))
+        except BlockError as e:
+            mismatch = f"--readme-block {args.readme_block}: {e}"
+        if mismatch:
+            return _error(mismatch)
     try:
         spec = parse_backend(args.backend)
         _apply_defaults(args, spec)
@@ -523,12 +597,38 @@ def _main(args: argparse.Namespace, flags: Mapping[str, str] | None = None) -> i
     except (ValueError, OSError, ImportError) as e:
         return _error(str(e))
     num_runs = len(plan(options, 1.0)) * len(args.gpu)
+    existed = out.exists()
     try:
         return _load_and_run(args, spec, options, flags or {})
-    except KeyboardInterrupt as e:
-        done = e.num_finished if isinstance(e, CompareInterrupted) else 0
-        print(f"interrupted: {done} of {num_runs} runs finished; partial results in {out}", file=sys.stderr)
-        return 130
+    except (KeyboardInterrupt, Terminated) as e:
+        return interrupted_exit(e, num_runs, out, is_out_new=not existed)
+
+
+def interrupted_exit(error: BaseException, num_runs: int | None, out: Path, is_out_new: bool = False) -> int:
+    """Say what a Ctrl-C or SIGTERM left (one line on stderr) and return the exit status.
+
+    ``error`` is a :class:`~eval.sweep.CompareInterrupted` (the sweep wrote what finished), or a
+    ``KeyboardInterrupt`` / :class:`~mars_openhands.cli_signals.Terminated` from before the sweep.
+    ``num_runs``: the runs planned (``None``: the sweep's count, or none said before it). An
+    ``out`` left empty is removed when ``is_out_new`` (this command made it).
+
+    Mutates: ``out`` (removed when new and empty).
+
+    Returns:
+        130 after SIGINT, 143 after SIGTERM.
+    """
+    if isinstance(error, CompareInterrupted):
+        done, has_results, is_terminated = error.num_finished, error.has_results, error.is_terminated
+        num_runs = error.num_runs if num_runs is None else num_runs
+    else:
+        done, has_results, is_terminated = 0, False, isinstance(error, Terminated)
+    if not has_results and is_out_new and out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+    where = f"partial results in {out}" if has_results else "no results written"
+    word = "terminated" if is_terminated else "interrupted"
+    print(f"{word}: {done}{f' of {num_runs}' if num_runs is not None else ''} runs finished; {where}",
+          file=sys.stderr)
+    return EXIT_TERMINATED if is_terminated else EXIT_INTERRUPTED
 
 
 def _mixed_setup(replica_gpus: tuple[str, ...], setups: list[GpuSetup]) -> tuple[list[GpuSetup], tuple[int, ...]]:
@@ -633,9 +733,10 @@ def _load_and_run(args: argparse.Namespace, spec: Any, options: CompareOptions, 
     if not (results["status"] == "ok").all():
         return 1
     if args.readme_block:
-        try:
-            print(f"recorded {save_record(record_run(args.out, args.readme_block))}", file=sys.stderr)
-            for path in write_blocks(only_record=args.readme_block):
+        try:  # the record and its blocks all rendered before any is written: they stay in step
+            record_path, *docs = publish_record(record_run(args.out, args.readme_block))
+            print(f"recorded {record_path}", file=sys.stderr)
+            for path in docs:
                 print(f"rewrote the result blocks in {path}", file=sys.stderr)
         except (BlockError, OSError) as e:
             return _error(f"--readme-block: {e}")

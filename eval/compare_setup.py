@@ -62,13 +62,13 @@ def default_traces_dir(environ: Mapping[str, str], cwd: Path) -> Path:
     """
     if environ.get(TRACES_ENV):
         return Path(environ[TRACES_ENV])
-    tried = [(_REPO_ROOT / DEFAULT_TRACES).resolve(), (cwd / DEFAULT_TRACES).resolve()]
+    tried = list(dict.fromkeys([(_REPO_ROOT / DEFAULT_TRACES).resolve(), (cwd / DEFAULT_TRACES).resolve()]))
     for path in tried:
         if path.is_dir():
             return path
     raise FileNotFoundError(
-        f"no default trace folder ({TRACES_ENV} unset; tried {tried[0]} and {tried[1]}); pass --traces DIR "
-        f"(a folder of mini-swe-agent *.traj.json) or set {TRACES_ENV}")
+        f"no default trace folder ({TRACES_ENV} unset; tried {' and '.join(map(str, tried))}); pass --traces "
+        f"DIR (a folder of mini-swe-agent *.traj.json) or set {TRACES_ENV}")
 
 
 def _context_tokens(session: Any) -> int:

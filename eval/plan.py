@@ -57,7 +57,7 @@ from eval.argtypes import (
     positive_int,
 )
 from eval.cache import ResultCache, default_cache_dir
-from eval.compare import checked_mars_config, host_kv_note, mars_config_note
+from eval.compare import checked_mars_config, host_kv_note, interrupted_exit, mars_config_note
 from eval.compare_setup import (
     DEFAULT_TRACES,
     TRACES_ENV,
@@ -81,10 +81,11 @@ from eval.pool import default_jobs, start_worker_server
 from eval.progress import progress_display
 from eval.provenance import source_commit, utc_date
 from eval.report import format_figure
-from eval.sweep import CompareInterrupted, run_sweep
+from eval.sweep import run_sweep
 from eval.sweep_options import CompareOptions
 from eval.workloads import Workload, load_trace_dir, load_workload, trim_workload
 from eval.workloads.synth import SYNTH_KINDS, synthesize
+from mars_openhands.cli_signals import Terminated
 from mars_openhands.cli_style import CliParser, cli_error
 from mars_openhands.engine.harness.executor.profiles import GPUS
 
@@ -285,7 +286,7 @@ def _workload(args: argparse.Namespace) -> tuple[Workload, Workload, str, str | 
 
 
 def _main(args: argparse.Namespace, flags: Mapping[str, str] | None = None) -> int:
-    """Run ``plan``; returns 0 (all runs ok), 1 (a run failed), 2 (bad input), 130 (Ctrl-C)."""
+    """Run ``plan``; returns 0 (all runs ok), 1 (a run failed), 2 (bad input), 130 (Ctrl-C), 143 (SIGTERM)."""
     logging.getLogger("vllm").setLevel(logging.ERROR)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
@@ -296,12 +297,11 @@ def _main(args: argparse.Namespace, flags: Mapping[str, str] | None = None) -> i
         return max(_error(line) for line in config_error_lines(e, flags or {}))
     except ValueError as e:
         return _error(str(e))
+    existed = out.exists()
     try:
         return _load_and_plan(args, policies, options)
-    except KeyboardInterrupt as e:
-        done = e.num_finished if isinstance(e, CompareInterrupted) else 0
-        print(f"interrupted: {done} runs finished; partial results in {out}", file=sys.stderr)
-        return 130
+    except (KeyboardInterrupt, Terminated) as e:
+        return interrupted_exit(e, None, out, is_out_new=not existed)
 
 
 def _load_and_plan(args: argparse.Namespace, policies: tuple[str, ...], options: CompareOptions) -> int:

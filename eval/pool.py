@@ -11,7 +11,10 @@ import logging
 import multiprocessing
 import os
 import shutil
+import signal
 import tempfile
+import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, as_completed
 from concurrent.futures import wait as wait_futures
@@ -43,6 +46,10 @@ def _init_worker(owner_pid: int) -> None:
     ``compare --jobs 2`` left its workers waiting on their call queue and the forkserver waiting on
     them, for good."""
     logging.getLogger("vllm").setLevel(logging.ERROR)
+    # Ctrl-C is the owner's to handle: it stops the workers (Pool.stop) before writing what
+    # finished. A terminal sends SIGINT to the whole group; a worker that took it returned a
+    # KeyboardInterrupt as its call's result and went on to its next queued call.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     end_with_parent(owner_pid)
 
 
@@ -77,9 +84,16 @@ def start_worker_server() -> str:
     # (a run's failure is its row's error). A level the user set wins; only the server gets it.
     saved = os.environ.get("VLLM_LOGGING_LEVEL")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    # The server ignores SIGINT only once its preload is imported: a terminal's Ctrl-C during
+    # those ~20 s printed its KeyboardInterrupt traceback under compare's one line. An ignored
+    # SIGINT survives the server's exec, so it ignores it from its start (the owner handles it).
+    is_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if is_main else None
     try:
         forkserver.ensure_running()
     finally:
+        if is_main:
+            signal.signal(signal.SIGINT, previous)
         if saved is None:
             os.environ.pop("VLLM_LOGGING_LEVEL", None)
     return "forkserver"
@@ -90,12 +104,15 @@ class Pool:
     CUDA-free, never fork), or the calling process itself for ``jobs == 1``.
 
     :meth:`run` yields ``(index, result or exception)`` as calls complete. In-process, a call's
-    ``KeyboardInterrupt`` propagates at once; with workers, Ctrl-C cancels what has not started.
+    ``KeyboardInterrupt`` propagates at once; with workers, Ctrl-C reaches this process only (the
+    workers ignore SIGINT) and :meth:`stop` (or leaving the ``with`` block on an exception) ends
+    them.
     """
 
     def __init__(self, jobs: int) -> None:
         self.jobs = max(1, jobs)
         self._executor: Any = None
+        self._is_stopped = False
 
     def __enter__(self) -> Pool:
         if self.jobs > 1:
@@ -109,11 +126,33 @@ class Pool:
         SIGTERM as :class:`~mars_openhands.cli_signals.Terminated`, an error) cancel what has not
         started and stop the running calls' workers, or the interpreter's exit would wait for
         them (``concurrent.futures`` joins its workers at exit)."""
+        if exc_type is not None:
+            self.stop()
+            return
         executor, self._executor = self._executor, None
         if executor is not None:
-            if exc_type is not None:
-                _terminate_workers(executor)
-            executor.shutdown(wait=exc_type is None, cancel_futures=True)
+            executor.shutdown(wait=True, cancel_futures=True)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the workers now and wait until they have exited: queued calls are cancelled and
+        running ones end with their worker (SIGTERM; SIGKILL after ``timeout_s`` seconds), so no
+        worker writes a file after this returns. Idempotent; the pool runs nothing afterwards.
+
+        Mutates: the pool (stopped) and its worker processes (ended).
+        """
+        self._is_stopped = True
+        executor, self._executor = self._executor, None
+        if executor is None:
+            return
+        processes = list((getattr(executor, "_processes", None) or {}).values())
+        _terminate_workers(executor)
+        executor.shutdown(wait=False, cancel_futures=True)
+        deadline = time.monotonic() + timeout_s
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+                process.join(timeout_s)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Start ``fn(*args)`` on a worker; returns its ``concurrent.futures.Future``.
@@ -121,12 +160,18 @@ class Pool:
         Raises:
             RuntimeError: the pool runs calls in this process (``jobs == 1``): use :meth:`run`.
         """
+        self._check_running()
         if self._executor is None:
             raise RuntimeError("an in-process pool (jobs=1) has no workers to submit to; use run()")
         return self._executor.submit(fn, *args)
 
     def run(self, calls: Sequence[tuple[Callable[..., Any], tuple[Any, ...]]]) -> Iterator[tuple[int, Any]]:
-        """Run ``fn(*args)`` for each call; yield ``(index, value or Exception)`` as each finishes."""
+        """Run ``fn(*args)`` for each call; yield ``(index, value or Exception)`` as each finishes.
+
+        Raises:
+            RuntimeError: the pool was stopped (:meth:`stop`).
+        """
+        self._check_running()
         if self._executor is None:
             for index, (fn, args) in enumerate(calls):
                 try:
@@ -139,6 +184,11 @@ class Pool:
         for future in as_completed(futures):
             error = future.exception()
             yield futures[future], (error if error is not None else future.result())
+
+
+    def _check_running(self) -> None:
+        if self._is_stopped:
+            raise RuntimeError("the pool was stopped (Pool.stop); start a new one")
 
 
 class Probes:

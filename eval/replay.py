@@ -43,9 +43,10 @@ session's per batch, with its token; see ``mars_openhands/control/hub.py``), whe
 plane reads tool backlog and queue wait.
 
 Unreachable endpoint: before anything is emitted or written, the driver GETs ``/v1/models``; if no
-connection can be made (nothing listens at the URL), the run is refused with one line naming the
-URL, instead of recording every session as a connection error. A server that accepts the
-connection counts as up, whatever it answers.
+connection can be made (nothing listens at the URL), or the server answers 401 (a keyed gateway or
+vLLM server, and no key or the wrong one: ``api_key``, ``--api-key`` or ``MARS_API_KEY``), the run
+is refused with one line naming the URL, instead of recording every session as an error. A server
+that accepts the connection counts as up, whatever else it answers.
 
 Long traces: real sessions reach 100k tokens, far past a tiny CPU engine's ``max_model_len``. The
 driver checks every session up front (``overflow="error"``, the default) and names the sessions that
@@ -88,12 +89,13 @@ from typing import Annotated, Any, Literal
 import httpx
 import httpx_sse
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from eval.argtypes import config_error_lines, long_flags
 from eval.tools import BurnClock, ToolMode, ToolPool
 from eval.workloads.format import Session, Workload
 from mars_openhands.cli_style import EXIT_USAGE, cli_error, redact_url
+from mars_openhands.env import API_KEY
 from mars_openhands.stream.events import Event, SessionEnd, SessionStart, now_stamps
 from mars_openhands.stream.recorder import StreamRecorder
 from mars_openhands.stream.transport import EventSink, ListSink
@@ -137,6 +139,10 @@ class ReplayConfig(BaseModel):
     """``"gateway"`` adds the ``X-Mars-Session`` header and (see below) posts CPU-plane events."""
     post_events: bool = True
     """Through the gateway: also POST events to ``/mars/v1/events`` (ignored for an engine)."""
+    api_key: SecretStr | None = None
+    """Key sent as ``Authorization: Bearer <key>`` on every request (``/v1/models``, the LLM calls,
+    the event posts): a keyed gateway's API key, or a vLLM server's ``--api-key``. None: no key
+    (the command line reads ``MARS_API_KEY``; the flag shows the key in ``ps``). Never recorded."""
     max_active_sessions: Annotated[int, Field(ge=1)] | None = None
     """Client-side cap on sessions in progress (arrived sessions wait for a slot; the wait counts
     in E2E). ``None``: no cap (leave admission to the gateway)."""
@@ -190,6 +196,10 @@ class ReplayConfig(BaseModel):
                 f"endpoint_url must be an http(s) server root such as http://127.0.0.1:8000, got "
                 f"{self.endpoint_url!r} (--endpoint-url)"
             )
+        key = self.api_key.get_secret_value() if self.api_key is not None else ""
+        if self.api_key is not None and (not key or not key.isprintable() or any(c.isspace() for c in key)):
+            raise ValueError(f"api_key is empty or has whitespace or control characters ({len(key)} characters); "
+                             "give the key alone (--api-key, or MARS_API_KEY)")
         if self.token_id_high <= self.token_id_low:
             raise ValueError(
                 f"token_id_high ({self.token_id_high}) must be > token_id_low ({self.token_id_low}); "
@@ -692,7 +702,8 @@ async def replay(workload: Workload, config: ReplayConfig, *,
     limits = httpx.Limits(max_connections=config.max_connections,
                           max_keepalive_connections=config.max_connections)
     timeout = httpx.Timeout(config.request_timeout_s, connect=min(30.0, config.request_timeout_s))
-    async with httpx.AsyncClient(transport=transport, limits=limits, timeout=timeout) as client:
+    headers = {"Authorization": f"Bearer {config.api_key.get_secret_value()}"} if config.api_key else {}
+    async with httpx.AsyncClient(transport=transport, limits=limits, timeout=timeout, headers=headers) as client:
         models = await _get_models(client, config)  # raises if nothing answers: nothing recorded
         max_len = config.max_model_len_tokens or _served_max_model_len(models, config)
         result.max_model_len_tokens = max_len
@@ -760,13 +771,14 @@ async def _get_models(client: httpx.AsyncClient, config: ReplayConfig) -> httpx.
     the answer when :func:`_served_max_model_len` needs it, else 2 s.
 
     Raises:
-        ValueError: no connection could be made within 5 s (nothing listens there, or no route):
-            one line naming the URL and the fix.
+        ValueError: no connection could be made within 5 s (nothing listens there, or no route),
+            or the server answers 401 (no key, or not its key: every LLM call would get the
+            same): one line naming the URL and the fix, never the key.
     """
     url = config.endpoint_url.rstrip("/") + "/v1/models"
     read_s = config.request_timeout_s if config.max_model_len_tokens is None else min(2.0, config.request_timeout_s)
     try:
-        return await client.get(url, timeout=httpx.Timeout(read_s, connect=min(_REACH_TIMEOUT_S, read_s)))
+        response = await client.get(url, timeout=httpx.Timeout(read_s, connect=min(_REACH_TIMEOUT_S, read_s)))
     except (httpx.ConnectError, httpx.ConnectTimeout) as e:
         raise ValueError(redact_url(
             f"nothing answers at {config.endpoint_url} (GET /v1/models: {type(e).__name__}: "
@@ -774,6 +786,13 @@ async def _get_models(client: httpx.AsyncClient, config: ReplayConfig) -> httpx.
             "the root of a running one")) from None
     except httpx.HTTPError as e:  # connected, then no (or a broken) answer: up, but unread
         return e
+    if response.status_code == httpx.codes.UNAUTHORIZED:
+        sent = ("the API key sent was refused" if config.api_key is not None
+                else "it needs an API key and none was sent")
+        raise ValueError(f"{redact_url(config.endpoint_url)} answers 401 Unauthorized to GET /v1/models: {sent}; give the "
+                         "server's key with --api-key or MARS_API_KEY (a gateway's is its --api-key / "
+                         "MARS_GATEWAY_API_KEY)")
+    return response
 
 
 def _served_max_model_len(models: httpx.Response | Exception, config: ReplayConfig) -> int | None:
@@ -930,6 +949,11 @@ def _replay_command(args: argparse.Namespace, flags: dict[str, str] | None = Non
     from eval.workloads.format import WorkloadFormatError, load_workload
 
     fields = {k: v for k, v in vars(args).items() if k in ReplayConfig.model_fields}
+    if "api_key" not in fields:
+        try:
+            fields["api_key"] = API_KEY.get_secret()
+        except ValueError as e:  # a key pasted with its newline: names the variable, not the key
+            return _error(str(e))
     if not str(args.output).endswith((".jsonl", ".parquet")):  # check before replaying anything
         return _error(f"--output {args.output!r}: expected a .jsonl or .parquet stream file, "
                       "e.g. runs/x/stream.jsonl")

@@ -228,17 +228,29 @@ def paper_comparison(results: pd.DataFrame, policy: str = "mars") -> pd.DataFram
     """Gain of ``policy``'s runs over the best and the worst baseline at the heaviest load. Pure.
 
     Gain = baseline / ours for lower-is-better metrics and ours / baseline otherwise, so > 1 means
-    ``policy`` is better, as the paper reports its ``1.44–5.94×``.
+    ``policy`` is better, as the paper reports its ``1.44–5.94×``. With a ``gpu`` column each run
+    is compared with the baselines of its own GPU (a two-GPU table has every label twice).
 
     Returns:
         One row per metric of :data:`PAPER_GAINS` and run of ``policy`` (``label``, ``metric``,
-        ``vs_best``, ``vs_worst``, ``best_baseline``, ``paper``); empty when ``policy`` or the
-        baselines have no successful run at the heaviest load.
+        ``vs_best``, ``vs_worst``, ``best_baseline``, ``paper``, and ``gpu`` when the table has
+        several GPUs); empty when ``policy`` or the baselines have no successful run at the
+        heaviest load.
     """
     ok = results.loc[results["status"] == "ok"]
     if ok.empty:
         return pd.DataFrame()
-    heavy = ok.loc[ok["load_x"] == ok["load_x"].max()]
+    groups = list(ok.groupby("gpu", sort=False, dropna=False)) if "gpu" in ok else [(None, ok)]
+    rows = []
+    for gpu, own in groups:
+        heavy = own.loc[own["load_x"] == own["load_x"].max()]
+        for row in _paper_gains(heavy, policy):
+            rows.append({**row, "gpu": gpu} if len(groups) > 1 else row)
+    return pd.DataFrame(rows)
+
+
+def _paper_gains(heavy: pd.DataFrame, policy: str) -> list[dict[str, Any]]:
+    """:func:`paper_comparison`'s rows for the runs of one GPU at one load. Pure."""
     ours = heavy.loc[heavy["policy"] == policy]
     base = heavy.loc[heavy["is_baseline"].astype(bool)]
     rows = []
@@ -247,14 +259,17 @@ def paper_comparison(results: pd.DataFrame, policy: str = "mars") -> pd.DataFram
             if column not in base or base[column].isna().all() or not run[column]:
                 continue
             values = base.set_index("label")[column].astype("float64").dropna()
+            # a label twice at one load and GPU (no compare makes one) counts by its best run
+            by_label = values.groupby(level=0, sort=False)
+            values = by_label.max() if is_higher_better else by_label.min()
             best, worst = (values.idxmax(), values.idxmin()) if is_higher_better else (
                 values.idxmin(), values.idxmax())
             ours_v = float(run[column])
             gains = [(ours_v / v if is_higher_better else v / ours_v) if v else math.nan
-                     for v in (values[best], values[worst])]
+                     for v in (float(values[best]), float(values[worst]))]
             rows.append({"label": run["label"], "metric": label, "vs_best": gains[0],
                          "vs_worst": gains[1], "best_baseline": best, "paper": paper})
-    return pd.DataFrame(rows)
+    return rows
 
 
 def _admission_sentence(results: pd.DataFrame, admission: Any) -> str:
@@ -527,7 +542,7 @@ def _gpu_sections(results: pd.DataFrame, meta: Mapping[str, Any], is_absolute: b
     return parts
 
 
-_UNLISTED = frozenset({"is_absolute_rates", "scope"})
+_UNLISTED = frozenset({"interrupted", "is_absolute_rates", "scope"})
 """``meta`` keys that are not printed as bullets."""
 
 
@@ -541,13 +556,17 @@ def render_summary(results: pd.DataFrame, meta: Mapping[str, Any], capacity: pd.
         meta: ordered ``name -> value`` facts printed first as a bullet list (workload, profile,
             base rate and how it was found, ...); ``is_absolute_rates`` (bool) switches the load
             headers from multipliers to rates; ``scope`` (str) is printed in bold above them: it
-            says whether the workload is the full one or ``TRIMMED`` and how.
+            says whether the workload is the full one or ``TRIMMED`` and how; ``interrupted``
+            (str), what finished of a sweep that Ctrl-C or SIGTERM stopped, goes first, after
+            ``INTERRUPTED``.
         capacity: the capacity table of ``compare --capacity`` (``gpu``, ``label``, ``policy``,
             ``is_baseline``, ``capacity_per_s``, ``is_bracketed``, ``num_probes``), or ``None``.
     """
     is_absolute = bool(meta.get("is_absolute_rates", False))
     results = results.reindex(columns=[*RESULT_COLUMNS, *(c for c in results.columns if c not in RESULT_COLUMNS)])
     parts = ["# mars-openhands compare", ""]
+    if meta.get("interrupted"):
+        parts += [f"**INTERRUPTED**: {meta['interrupted']}.", ""]
     if meta.get("scope"):
         parts += [f"**{meta['scope']}**", ""]
     parts += [f"- **{k}**: {v}" for k, v in meta.items() if k not in _UNLISTED]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -45,8 +46,8 @@ from eval.report import (
 from eval.report import format_figure as _fmt
 from mars_openhands.cli_style import CliParser, cli_error
 
-__all__ = ["BLOCKS", "RECORD_DIR", "BlockError", "find_blocks", "record_run", "render", "rows_digest",
-           "write_blocks"]
+__all__ = ["BLOCKS", "RECORD_DIR", "BlockError", "find_blocks", "publish_record", "record_run", "recorded_command",
+           "render", "rendered_docs", "replace_files", "rows_digest", "save_record", "write_blocks"]
 
 RECORD_DIR = Path("docs/results")
 """Where the records live, relative to the repository root."""
@@ -85,7 +86,7 @@ def record_run(results_dir: str | Path, name: str) -> dict[str, Any]:
     Raises:
         BlockError: ``results.parquet`` or ``run.json`` missing, no commit in it (a run before
             compare recorded one), a run at a checkout with uncommitted changes (``+dirty``: the
-            block would name code that exists nowhere), or a failed run.
+            block would name code that exists nowhere), an interrupted sweep, or a failed run.
     """
     results_dir = Path(results_dir)
     parquet, facts_path = results_dir / "results.parquet", results_dir / "run.json"
@@ -96,6 +97,9 @@ def record_run(results_dir: str | Path, name: str) -> dict[str, Any]:
     commit = str(facts.get("commit", ""))
     if not commit or commit.startswith("unknown"):
         raise BlockError(f"{facts_path}: no commit recorded; rerun compare from a git checkout")
+    if facts.get("interrupted"):
+        raise BlockError(f"{facts_path}: the run was interrupted ({facts['interrupted']}); a block shows "
+                         "complete runs only: run the command to its end")
     if commit.endswith("+dirty"):
         raise BlockError(f"{facts_path}: the run was made at {commit} (uncommitted changes); commit them "
                          "and run again so that the block names code that exists")
@@ -230,10 +234,11 @@ def render_quick(record: Mapping[str, Any]) -> str:
     facts = record["facts"]
     head = (f"{_provenance(record)}: {facts.get('sessions')} sessions, {facts.get('turns')} turns, seed "
             f"{facts.get('seed')}; {knees}; wall on the machine it ran on {_walls(record)}.")
-    gpu = str(frame["gpu"].iloc[0]).upper().replace("_", " ")
-    table = _runs_table(frame, _QUICK_COLUMNS, gpu)
-    prose = " ".join(filter(None, (_gains_sentence(frame), _headroom_sentence(frame))))
-    return f"{head}\n\n{table}\n\n{prose}\n"
+    parts = [head]
+    for gpu, group in frame.groupby("gpu", sort=False):  # one GPU for --quick; each in turn otherwise
+        parts.append(_runs_table(group, _QUICK_COLUMNS, str(gpu).upper().replace("_", " ")))
+        parts.append(" ".join(filter(None, (_gains_sentence(group), _headroom_sentence(group)))))
+    return "\n\n".join(parts) + "\n"
 
 
 _SUMMARY_COLUMNS = ("e2e_mean_s", "e2e_p95_s", "e2e_p99_s", goodput_column(3.0))
@@ -333,47 +338,119 @@ def find_blocks(text: str) -> list[tuple[str, str]]:
     return [(m.group("name"), m.group("body")) for m in _MARKER.finditer(text)]
 
 
-def write_blocks(root: Path = REPO_ROOT, only_record: str | None = None) -> list[Path]:
-    """Re-render every block (or those of record ``only_record``) in README.md and docs/*.md.
+def rendered_docs(root: Path = REPO_ROOT, only_record: str | None = None,
+                  records: Mapping[str, Mapping[str, Any]] | None = None) -> list[tuple[Path, str]]:
+    """The docs whose blocks (or those of record ``only_record``) would change, with their new text.
 
-    Returns:
-        The files that changed. Raises BlockError for a block whose record is missing.
+    Reads README.md and docs/*.md; writes nothing. ``records`` (record name -> record) are used
+    in place of the committed ``docs/results/<name>.json`` (a run not yet saved).
+
+    Raises:
+        BlockError: a block whose record is missing, or a record whose rows were edited.
     """
-    records: dict[str, dict[str, Any]] = {}
-    changed = []
+    loaded: dict[str, Mapping[str, Any]] = dict(records or {})
 
     def replace(m: re.Match[str]) -> str:
         name = m.group("name")
         if name not in BLOCKS or (only_record and BLOCKS[name][0] != only_record):
             return m.group(0)
         record_name = BLOCKS[name][0]
-        if record_name not in records:
+        if record_name not in loaded:
             record_path = root / RECORD_DIR / f"{record_name}.json"
             if not record_path.is_file():
                 raise BlockError(f"block {name!r} has no record {record_path}; record a run with "
                                  f"`python -m eval.result_blocks record DIR --block {record_name}`")
-            records[record_name] = load_record(record_path)
-        return f"<!-- {name}:begin -->\n{render(name, records[record_name])}<!-- {name}:end -->"
+            loaded[record_name] = load_record(record_path)
+        return f"<!-- {name}:begin -->\n{render(name, loaded[record_name])}<!-- {name}:end -->"
 
+    changed = []
     for path in doc_files(root):
         text = path.read_text(encoding="utf-8")
         new = _MARKER.sub(replace, text)
         if new != text:
-            path.write_text(new, encoding="utf-8")
-            changed.append(path)
+            changed.append((path, new))
     return changed
 
 
-def save_record(record: Mapping[str, Any], root: Path = REPO_ROOT) -> Path:
-    """Write ``docs/results/<name>.json`` (one line per row, so a diff shows which runs changed)."""
+def write_blocks(root: Path = REPO_ROOT, only_record: str | None = None) -> list[Path]:
+    """Re-render every block (or those of record ``only_record``) in README.md and docs/*.md.
+
+    Every file is rendered before any is written (:func:`replace_files`), so an error leaves
+    them all as they were.
+
+    Returns:
+        The files that changed. Raises BlockError for a block whose record is missing.
+    """
+    return replace_files(rendered_docs(root, only_record))
+
+
+def publish_record(record: Mapping[str, Any], root: Path = REPO_ROOT) -> list[Path]:
+    """Save ``record`` as ``docs/results/<name>.json`` and rewrite the blocks drawn from it.
+
+    The record's file and every block are rendered first; only then are the files replaced, each
+    by a rename of a finished temporary file beside it. A rendering error leaves the record and
+    the docs as they were, in step.
+
+    Returns:
+        The record's path, then the docs that changed.
+
+    Raises:
+        BlockError: a block that cannot be rendered (see :func:`rendered_docs`).
+        OSError: a file that cannot be written (the temporary files are removed).
+    """
     path = root / RECORD_DIR / f"{record['name']}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    docs = rendered_docs(root, record["name"], {record["name"]: record})
+    return replace_files([(path, record_text(record)), *docs])
+
+
+def replace_files(files: Sequence[tuple[Path, str]]) -> list[Path]:
+    """Write each text to a temporary file beside its path, then rename them all into place.
+
+    Mutates: the files (and their parent folders, created). A failure while writing the
+    temporary files removes them and changes nothing; the renames are each atomic.
+
+    Returns:
+        The paths, in order. Raises OSError from the writes.
+    """
+    staged: list[tuple[Path, Path]] = []
+    try:
+        for path, text in files:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            staged.append((tmp, path))
+            tmp.write_text(text, encoding="utf-8")
+    except BaseException:
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
+        raise
+    for tmp, path in staged:
+        os.replace(tmp, path)
+    return [path for _, path in staged]
+
+
+def record_text(record: Mapping[str, Any]) -> str:
+    """``docs/results/<name>.json``'s text: one line per row, so a diff shows which runs changed. Pure."""
     head = {k: v for k, v in record.items() if k != "rows"}
     rows = ",\n".join("  " + json.dumps(r, sort_keys=True) for r in record["rows"])
     text = json.dumps(head, indent=1, sort_keys=True)[:-2] + ',\n "rows": [\n' + rows + "\n ]\n}\n"
     json.loads(text)  # still one JSON object
-    path.write_text(text, encoding="utf-8")
-    return path
+    return text
+
+
+def save_record(record: Mapping[str, Any], root: Path = REPO_ROOT) -> Path:
+    """Write ``docs/results/<name>.json`` alone (:func:`publish_record` also rewrites its blocks)."""
+    path = root / RECORD_DIR / f"{record['name']}.json"
+    return replace_files([(path, record_text(record))])[0]
+
+
+def recorded_command(name: str, root: Path = REPO_ROOT) -> str | None:
+    """The ``compare`` command line of the committed record ``name``; ``None`` without one.
+
+    Raises:
+        BlockError: a record whose rows were edited by hand.
+    """
+    path = root / RECORD_DIR / f"{name}.json"
+    return str(load_record(path)["command"]) if path.is_file() else None
 
 
 def is_ancestor(commit: str, root: Path = REPO_ROOT) -> bool | None:
@@ -401,11 +478,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("check", help="exit 1 when a block differs from its record's rendering")
     args = parser.parse_args(argv)
     try:
-        if args.action == "record":
-            path = save_record(record_run(args.results_dir, args.block))
-            print(f"recorded {path}")
         if args.action in ("record", "render"):
-            for path in write_blocks(only_record=getattr(args, "block", None)):
+            if args.action == "record":
+                record_path, *docs = publish_record(record_run(args.results_dir, args.block))
+                print(f"recorded {record_path}")
+            else:
+                docs = write_blocks(only_record=args.block)
+            for path in docs:
                 print(f"rewrote {path}")
             return 0
         stale = [p for p in doc_files() if _stale(p)]

@@ -329,7 +329,10 @@ def one_run(run: Run, workload: Workload, options: CompareOptions, ideal_s: Mapp
         if not isinstance(stream, pd.DataFrame):
             stream = stream_frame(stream)
         row, table = _metrics_row(run, stream, ideal_s, options.alphas)
-        table.reset_index().to_parquet(out_dir / f"{run.run_id}.parquet", index=False)
+        # through a temporary name: a worker stopped mid-write (Ctrl-C) leaves no partial Parquet
+        tmp = out_dir / f"{run.run_id}.parquet.tmp"
+        table.reset_index().to_parquet(tmp, index=False)
+        tmp.replace(out_dir / f"{run.run_id}.parquet")
         row["_e2e"] = table.loc[table["is_complete"], "e2e_s"].tolist()
         row["wall_s"] = time.monotonic() - t0
         return row

@@ -12,9 +12,12 @@ keeps what finished; the plots come last. Ideal times and knees are cached by co
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -42,8 +45,9 @@ from eval.runs import (
 )
 from eval.sweep_options import CompareOptions, GpuSetup
 from eval.workloads import Workload
+from mars_openhands.cli_signals import EXIT_TERMINATED, Terminated
 
-__all__ = ["CompareInterrupted", "run_compare", "run_sweep"]
+__all__ = ["EXIT_INTERRUPTED", "CompareInterrupted", "run_compare", "run_sweep"]
 
 
 def run_compare(workload: Workload, options: CompareOptions, step_timer: Any, out_dir: str | Path, *,
@@ -115,16 +119,30 @@ def run_sweep(workload: Workload, options: CompareOptions, gpus: Sequence[GpuSet
 
 
 class CompareInterrupted(KeyboardInterrupt):
-    """Ctrl-C during the runs of :func:`run_compare`; everything finished before it is on disk.
+    """Ctrl-C (SIGINT) or SIGTERM during :func:`run_sweep`; the workers have ended and everything
+    finished before it is on disk, under a summary marked INTERRUPTED.
 
     Attributes:
         num_finished: runs whose Parquet and ``results.parquet``/``summary.md`` rows were written.
         num_runs: runs planned.
+        is_terminated: SIGTERM (exit status 143) rather than SIGINT (130).
+        has_results: whether a summary was written (a run finished, or the capacity table).
     """
 
-    def __init__(self, num_finished: int, num_runs: int) -> None:
+    def __init__(self, num_finished: int, num_runs: int, *, is_terminated: bool = False,
+                 has_results: bool | None = None) -> None:
         super().__init__(f"{num_finished} of {num_runs} runs finished")
-        self.num_finished, self.num_runs = num_finished, num_runs
+        self.num_finished, self.num_runs, self.is_terminated = num_finished, num_runs, is_terminated
+        self.has_results = num_finished > 0 if has_results is None else has_results
+
+    @property
+    def exit_status(self) -> int:
+        """130 after SIGINT, 143 after SIGTERM (``128 +`` the signal, as a shell reports it)."""
+        return EXIT_TERMINATED if self.is_terminated else EXIT_INTERRUPTED
+
+
+EXIT_INTERRUPTED = 128 + int(signal.SIGINT)
+"""Exit status after Ctrl-C (130)."""
 
 
 _WALL_KEY = "wall (s) of the ideal times, knee search and runs (excl. workload loading)"
@@ -162,6 +180,10 @@ class _Sweep:
         self._probe_streams: dict[tuple[tuple[str, str], float], pd.DataFrame] = {}
         """Metric events of the FCFS knee search's stable probes, by ((gpu, label), rate): the run
         at the same rate (load 1.0 x the knee) is that probe, so ``_runs`` does not simulate it again."""
+        self._rows: list[dict[str, Any]] = []
+        """The finished runs' rows, in plan order (kept for an interrupted sweep's summary)."""
+        self._e2e_by_run: dict[str, list[float]] = {}
+        self._num_runs = sum(len(plan(options, None, g.gpu, self.is_multi_gpu)) for g in gpus)
 
     # -- helpers ----------------------------------------------------------------------------
     def _key(self, kind: str, setup: GpuSetup, *extra: Any) -> str | None:
@@ -199,7 +221,42 @@ class _Sweep:
 
     # -- the phases -------------------------------------------------------------------------
     def run(self, pool: Pool, ideal_s: Mapping[str, float] | None) -> pd.DataFrame:
-        """Ideal times, knees, optional capacity, then the runs (see :func:`run_sweep`)."""
+        """Ideal times, knees, optional capacity, then the runs (see :func:`run_sweep`).
+
+        Raises:
+            CompareInterrupted: Ctrl-C or SIGTERM (:class:`~mars_openhands.cli_signals.Terminated`)
+                in any phase, once the workers have ended and what finished is written
+                (:meth:`_interrupted`).
+        """
+        try:
+            return self._phases(pool, ideal_s)
+        except (KeyboardInterrupt, Terminated) as e:
+            is_terminated = isinstance(e, Terminated) or getattr(e, "is_terminated", False)
+            with _sigint_held():  # a second Ctrl-C must not cut the teardown short
+                pool.stop()  # before the summary: no worker writes a file after it
+                for partial in self.out_dir.glob("*.parquet.tmp"):  # a run stopped mid-write
+                    partial.unlink(missing_ok=True)
+                raise self._interrupted(is_terminated) from None
+
+    def _interrupted(self, is_terminated: bool) -> CompareInterrupted:
+        """Write the plots and a summary marked INTERRUPTED at its top for the runs that finished
+        (or the capacity table); nothing when neither exists. Returns the exception to raise."""
+        rows, o = self._rows, self.options
+        has_capacity = self.capacity is not None and not self.capacity.empty
+        if rows or has_capacity:
+            done = ", ".join(r["run_id"] for r in rows) or "none"
+            how = "SIGTERM" if is_terminated else "Ctrl-C (SIGINT)"
+            self.info = {"interrupted": (f"stopped by {how}: {len(rows)} of {self._num_runs} runs finished "
+                                         f"({done}); the tables hold only those; rerun the command for "
+                                         "the whole sweep"), **self.info}
+            table = results_frame(rows, o.alphas)
+            if rows:
+                self._plots(table, self._e2e_by_run)
+            write_summary(self.out_dir, table, self.info, self.capacity)
+        return CompareInterrupted(len(rows), self._num_runs, is_terminated=is_terminated,
+                                  has_results=bool(rows or has_capacity))
+
+    def _phases(self, pool: Pool, ideal_s: Mapping[str, float] | None) -> pd.DataFrame:
         self._ideal_times(pool, ideal_s)
         self._phase_done("ideal")
         for setup in self.gpus:
@@ -482,29 +539,23 @@ class _Sweep:
             runs = sorted(runs, key=lambda r: -r.load_x)
         setups = {g.gpu: g for g in self.gpus}
         task = self._task("runs", len(runs))
-        rows: list[dict[str, Any]] = []
-        e2e_by_run: dict[str, list[float]] = {}
+        rows, e2e_by_run = self._rows, self._e2e_by_run
         calls = [] if self.live is not None else [self._run_call(run, setups[run.gpu]) for run in runs]
         results = (self._live_results(runs) if self.live is not None else pool.run(calls))
         order = {id(run): i for i, run in enumerate(sorted(runs, key=self._plan_rank))}
         by_rank: dict[int, dict[str, Any]] = {}
-        try:
-            for index, value in results:
-                run = runs[index]
-                if isinstance(value, BaseException):
-                    value = {"status": "failed", "error": f"{type(value).__name__}: {value}", "wall_s": math.nan}
-                e2e = value.pop("_e2e", None)
-                if e2e is not None:
-                    e2e_by_run[run.run_id] = e2e
-                by_rank[order[id(run)]] = {**self._row_head(run), **value}
-                rows[:] = [by_rank[k] for k in sorted(by_rank)]  # plan order, whatever finished first
-                self._phase_done("runs", len(rows) == len(runs))
-                write_summary(self.out_dir, results_frame(rows, o.alphas), self.info, self.capacity)
-                self._advance(task, description=f"runs: {run.run_id} done")
-        except KeyboardInterrupt:
-            if rows:
-                self._plots(results_frame(rows, o.alphas), e2e_by_run)
-            raise CompareInterrupted(len(rows), len(runs)) from None
+        for index, value in results:
+            run = runs[index]
+            if isinstance(value, BaseException):
+                value = {"status": "failed", "error": f"{type(value).__name__}: {value}", "wall_s": math.nan}
+            e2e = value.pop("_e2e", None)
+            if e2e is not None:
+                e2e_by_run[run.run_id] = e2e
+            by_rank[order[id(run)]] = {**self._row_head(run), **value}
+            rows[:] = [by_rank[k] for k in sorted(by_rank)]  # plan order, whatever finished first
+            self._phase_done("runs", len(rows) == len(runs))
+            write_summary(self.out_dir, results_frame(rows, o.alphas), self.info, self.capacity)
+            self._advance(task, description=f"runs: {run.run_id} done")
         table = results_frame(rows, o.alphas)
         self._plots(table, e2e_by_run)
         return table
@@ -560,3 +611,18 @@ class _Sweep:
         what = f"{name} ({len(self.workload.sessions)} sessions{', TRIMMED' if 'TRIMMED' in str(self.info.get('scope', '')) else ''})"
         return ", ".join(p for p in (gpu, what) if p) + ": "
 
+
+@contextlib.contextmanager
+def _sigint_held() -> Iterator[None]:
+    """Within the block, Ctrl-C is ignored (main thread only: elsewhere nothing changes).
+
+    Mutates: the process's SIGINT handler, restored on leaving.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["REGISTRY", "EnvVar", "GATEWAY_ADMIN_KEY", "GATEWAY_API_KEY", "GATEWAY_CONFIG"]
+__all__ = ["API_KEY", "REGISTRY", "EnvVar", "GATEWAY_ADMIN_KEY", "GATEWAY_API_KEY", "GATEWAY_CONFIG"]
 
 REGISTRY: dict[str, EnvVar] = {}
 """Name → declaration of every ``MARS_`` variable (filled at import, never changed after)."""
@@ -64,7 +64,8 @@ GATEWAY_ADMIN_KEY = _declare(
 GATEWAY_CONFIG = _declare(
     "MARS_GATEWAY_CONFIG", "the in-process gateway's settings (JSON or @file.json)",
     "mars_openhands/control/inprocess.py")
-_declare("MARS_API_KEY", "API key the OpenHands LLM client sends", "mars_openhands/openhands/llm.py")
+API_KEY = _declare("MARS_API_KEY", "API key the OpenHands LLM client and `replay` send (Authorization: Bearer)",
+                   "mars_openhands/openhands/llm.py, eval/replay.py")
 _declare("MARS_EVENTS_URL", "the gateway's POST /mars/v1/events URL for OpenHands tools",
          "mars_openhands/openhands/executor.py")
 _declare("MARS_EVENTS_PATH", "JSONL file the OpenHands tools append their events to",

@@ -9,7 +9,7 @@ Wiring (in ``eval/cli.py``)::
 
 Subcommands::
 
-    workload from-traces DIR -o out.json [--skip-malformed] [arrival/caps/scale options]
+    workload from-traces DIR -o out.json [--no-skip-malformed] [arrival/caps/scale options]
     workload synth --kind swebench --sessions N --seed S -o out.json [arrival/caps options]
     workload mix A.json B.json [...] -o out.json [--seed S]    # interleave (e.g. RepoBench among agents)
     workload stats FILE [--top N]
@@ -21,6 +21,7 @@ written unless the whole workload was built.
 from __future__ import annotations
 
 import argparse
+import sys
 import types
 from typing import Any
 
@@ -28,6 +29,7 @@ from pydantic import ValidationError
 
 from eval.argtypes import (
     config_error_lines,
+    count_or_zero,
     non_negative_float,
     non_negative_int,
     positive_float,
@@ -68,13 +70,14 @@ def _add_shaping_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=non_negative_int, default=0,
                        help="seed of the generator and arrivals (default 0)")
     caps = parser.add_argument_group("caps (fit small engines)")
-    caps.add_argument("--max-turns", type=positive_int, default=None, metavar="N",
-                      help="at most N >= 1 turns/session (default: all)")
-    caps.add_argument("--max-context-tokens", type=positive_int, default=None, metavar="N",
+    # 0 = no cap, as compare's --max-turns / --max-context-tokens / --sessions read it
+    caps.add_argument("--max-turns", type=count_or_zero, default=None, metavar="N",
+                      help="at most N turns/session (default, or 0: all)")
+    caps.add_argument("--max-context-tokens", type=count_or_zero, default=None, metavar="N",
                       help="end each session at its last turn whose prompt + output fits in N >= 2 "
                            "tokens (that turn becomes final); a first turn that does not fit "
                            "is shrunk to it (output at most half, prompt the rest), so every "
-                           "session keeps one turn")
+                           "session keeps one turn (default, or 0: no cap)")
 
 
 def add_workload_subcommand(subparsers: Any) -> argparse.ArgumentParser:
@@ -91,10 +94,12 @@ def add_workload_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     traces = commands.add_parser("from-traces", help="convert mini-swe-agent trajectories")
     traces.add_argument("directory", help="folder of *.traj.json[.gz] files (searched recursively)")
     traces.add_argument("-o", "--output", required=True, help="workload file (.json/.jsonl[.gz])")
-    traces.add_argument("--skip-malformed", action="store_true",
-                        help="skip malformed trajectories (noted in meta.notes) instead of failing")
-    traces.add_argument("--sessions", type=positive_int, default=None, metavar="N",
-                        help="keep the first N sessions (default: all)")
+    traces.add_argument("--skip-malformed", action=argparse.BooleanOptionalAction, default=True,
+                        help="skip a malformed trajectory with a warning naming it (noted in meta.notes; "
+                             "an error when every file is); --no-skip-malformed fails on the first "
+                             "(default: skip)")
+    traces.add_argument("--sessions", type=count_or_zero, default=None, metavar="N",
+                        help="keep the first N sessions (default, or 0: all)")
     traces.add_argument("--tool-time-factor", type=positive_float, default=1.0,
                         help="multiply tool durations (e.g. 0.1 for a fast smoke run; default: %(default)s)")
     _add_shaping_options(traces)
@@ -163,10 +168,24 @@ def _arrival(args: argparse.Namespace) -> FixedRateArrivals | PoissonArrivals | 
     return BurstArrivals(burst_size=args.burst_size, burst_interval_s=args.burst_interval_s)
 
 
+def _no_zero_caps(args: argparse.Namespace) -> None:
+    """``--max-turns 0`` / ``--max-context-tokens 0`` (no cap) as ``None``. Mutates ``args``."""
+    for name in ("max_turns", "max_context_tokens"):
+        if getattr(args, name) == 0:
+            setattr(args, name, None)
+
+
 def _from_traces(args: argparse.Namespace) -> int:
+    _no_zero_caps(args)
+    args.sessions = args.sessions or None  # 0: every session
     arrival = _arrival(args)  # the flags first: a mistake there costs no trace parsing
     WorkloadCaps(max_turns=args.max_turns, max_context_tokens=args.max_context_tokens)  # its bounds
     workload = load_trace_dir(args.directory, on_error="skip" if args.skip_malformed else "raise")
+    skipped = [n.removeprefix("skipped ") for n in workload.meta.notes if n.startswith("skipped ")]
+    if skipped:
+        names = ", ".join(n.split(" (", 1)[0] for n in skipped)
+        print(f"warning: {args.directory}: skipped {len(skipped)} trajectory file(s): {names}; first: "
+              f"{skipped[0]}; --no-skip-malformed fails on them instead", file=sys.stderr)
     if any(v is not None for v in (args.sessions, args.max_turns, args.max_context_tokens)):
         workload = trim_workload(workload, num_sessions=args.sessions, max_turns=args.max_turns,
                                  max_context_tokens=args.max_context_tokens)
@@ -178,6 +197,7 @@ def _from_traces(args: argparse.Namespace) -> int:
 
 
 def _synth(args: argparse.Namespace) -> int:
+    _no_zero_caps(args)
     caps = WorkloadCaps(max_turns=args.max_turns, max_context_tokens=args.max_context_tokens)
     workload = synthesize(args.kind, args.sessions, args.seed, caps=caps, arrival=_arrival(args))
     return _save(workload, args.output)
@@ -220,11 +240,13 @@ def _tables(title: str, stats: WorkloadStats, top: int) -> list[Any]:
         "peak context / session (tokens)": stats.max_context_tokens,
         "tool duration (s)": stats.tool_duration_s,
     }
-    for name, d in rows.items():
-        table.add_row(name, str(d.count), *(f"{v:,.2f}" for v in (d.mean, d.p50, d.p90, d.p99, d.max)))
-    tools = Table(title=f"tools (> 10 s: {stats.tool_over_10s_fraction:.2%} of calls, "
-                        f"{stats.tool_over_10s_time_share:.1%} of time; > 60 s: "
-                        f"{stats.tool_over_60s_fraction:.2%}, {stats.tool_over_60s_time_share:.1%})")
+    for name, d in rows.items():  # no value (one-turn sessions have no appended tokens): "–", not nan
+        table.add_row(name, str(d.count), *(f"{v:,.2f}" if d.count else "–" for v in (d.mean, d.p50, d.p90,
+                                                                                     d.p99, d.max)))
+    tools = Table(title=(f"tools (> 10 s: {stats.tool_over_10s_fraction:.2%} of calls, "
+                         f"{stats.tool_over_10s_time_share:.1%} of time; > 60 s: "
+                         f"{stats.tool_over_60s_fraction:.2%}, {stats.tool_over_60s_time_share:.1%})")
+                  if stats.tool_duration_s.count else "tools (no tool calls)")
     for column in ("tool", "calls", "p50 (s)", "total (s)"):
         tools.add_column(column, justify="left" if column == "tool" else "right")
     for t in stats.tools[:top]:

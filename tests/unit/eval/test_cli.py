@@ -31,18 +31,34 @@ def test_from_traces_with_arrivals(tmp_path: Path, capsys) -> None:
     assert "wrote" in capsys.readouterr().out
 
 
-def test_malformed_traces_exit_2_and_write_nothing(tmp_path: Path, capsys) -> None:
+def test_a_malformed_trace_is_skipped_with_a_warning_naming_it(tmp_path: Path, capsys) -> None:
+    """One malformed file aborted the whole folder unless --skip-malformed was given."""
     src = tmp_path / "src"
     src.mkdir()
     shutil.copy(FIXTURES / "good" / "demo__repo-1.traj.json", src)
     shutil.copy(FIXTURES / "malformed" / "missing_usage.traj.json", src)
     out = tmp_path / "w.jsonl"
-    assert _run("from-traces", str(src), "-o", str(out)) == 2
+    assert _run("from-traces", str(src), "-o", str(out)) == 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"warning: {src}: skipped 1 trajectory file(s): "
+                                                   "missing_usage.traj.json; first: missing_usage.traj.json")
+    assert "extra.response.usage" in err
+    assert len(load_workload(out).sessions) == 1
+    assert _run("from-traces", str(src), "-o", str(out), "--skip-malformed") == 0  # the old flag still works
+
+
+def test_malformed_traces_exit_2_and_write_nothing_when_asked_or_when_every_file_is(tmp_path: Path, capsys) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(FIXTURES / "malformed" / "missing_usage.traj.json", src)
+    out = tmp_path / "w.jsonl"
+    assert _run("from-traces", str(src), "-o", str(out)) == 2  # nothing usable
+    assert "no usable trajectory" in capsys.readouterr().err
+    shutil.copy(FIXTURES / "good" / "demo__repo-1.traj.json", src)
+    assert _run("from-traces", str(src), "-o", str(out), "--no-skip-malformed") == 2
     err = capsys.readouterr().err
     assert "missing_usage.traj.json" in err and "extra.response.usage" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
-    assert _run("from-traces", str(src), "-o", str(out), "--skip-malformed") == 0
-    assert len(load_workload(out).sessions) == 1
 
 
 def test_synth_and_stats(tmp_path: Path, capsys) -> None:
@@ -55,6 +71,34 @@ def test_synth_and_stats(tmp_path: Path, capsys) -> None:
     assert _run("stats", str(out)) == 0
     printed = " ".join(capsys.readouterr().out.split())  # rich wraps at the terminal width
     assert "4 sessions" in printed and "tool" in printed
+
+
+@pytest.mark.parametrize("command", ["synth", "from-traces"])
+def test_zero_caps_mean_no_cap_as_in_compare(tmp_path: Path, command: str) -> None:
+    """compare --max-turns 0 means no limit; workload --max-turns 0 was refused."""
+    source = ["--kind", "swebench", "--sessions", "3"] if command == "synth" else [str(FIXTURES / "good")]
+    capped, uncapped = tmp_path / "all.json", tmp_path / "zero.json"
+    assert _run(command, *source, "-o", str(capped)) == 0
+    zeros = ["--max-turns", "0", "--max-context-tokens", "0", *(["--sessions", "0"] if command == "from-traces"
+                                                                 else [])]
+    assert _run(command, *source, "-o", str(uncapped), *zeros) == 0
+    full, zero = load_workload(capped), load_workload(uncapped)
+    assert [s.turns for s in zero.sessions] == [s.turns for s in full.sessions]
+
+
+def test_stats_of_a_one_turn_workload_prints_no_nan(tmp_path: Path, capsys) -> None:
+    """One turn, so no tool call and no appended tokens: the tools title said 'nan% of calls'."""
+    import re
+
+    from eval.workloads.format import Session, Turn, Workload, WorkloadMeta, save_workload
+
+    path = tmp_path / "one.json"
+    save_workload(Workload(meta=WorkloadMeta(source="test"), sessions=(
+        Session(session_id="a", arrival_s=0.0, turns=(Turn(prompt_tokens_appended=10, output_tokens=2),)),)), path)
+    assert _run("stats", str(path)) == 0
+    printed = " ".join(capsys.readouterr().out.split())  # rich wraps a title to its table's width
+    assert not re.search(r"\bnan\b", printed), printed
+    assert "tools (no tool calls)" in printed and "1 sessions, 1 turns" in printed
 
 
 def test_bad_arguments_exit_2(tmp_path: Path, capsys) -> None:
@@ -73,7 +117,7 @@ def test_bad_arguments_exit_2(tmp_path: Path, capsys) -> None:
      "--burst-size: expected an integer >= 1, got '0'"),
     (["--arrival", "burst", "--burst-size", "2", "--burst-interval-s", "-1"],
      "--burst-interval-s: expected a number >= 0, got '-1'"),
-    (["--max-turns", "0"], "--max-turns: expected an integer >= 1, got '0'"),
+    (["--max-turns", "-1"], "--max-turns: expected an integer >= 0 (0 = no limit), got '-1'"),
     (["--max-context-tokens", "1"], "--max-context-tokens: Input should be greater than or equal to 2 (got 1)"),
     # each was accepted, and the flag ignored
     (["--rate", "3"], "--rate 3: is the rate of --arrival fixed or poisson, and no --arrival is given; add "

@@ -4,6 +4,7 @@ errors, default traces, an existing ``--out``, skipped trace files, Ctrl-C, and 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from eval.compare_setup import DEFAULT_TRACES, clear_previous_results, default_t
 from eval.sweep import CompareInterrupted, run_compare
 from eval.sweep_options import CompareOptions, GpuSetup
 from eval.workloads.format import save_workload
+from mars_openhands.cli_signals import Terminated
 
 TRACE_FIXTURES = Path(__file__).parents[2] / "fixtures" / "traces"
 
@@ -34,6 +36,15 @@ def _run(argv: list[str]) -> int:
 
 
 # ----------------------------------------------------------------------------- default traces
+def test_no_default_traces_names_a_path_once_when_both_candidates_are_the_same(tmp_path, monkeypatch) -> None:
+    """Run from the repository root, both candidates are one folder: it was listed twice."""
+    monkeypatch.setattr(compare_setup, "_REPO_ROOT", tmp_path)
+    with pytest.raises(FileNotFoundError) as info:
+        default_traces_dir({}, tmp_path)
+    assert str(info.value).count(str((tmp_path / DEFAULT_TRACES).resolve())) == 1
+    assert f"tried {(tmp_path / DEFAULT_TRACES).resolve()}); pass --traces DIR" in str(info.value)
+
+
 def test_default_traces_prefers_the_env_var_then_the_repo_then_the_cwd(tmp_path, monkeypatch) -> None:
     repo, cwd = tmp_path / "a" / "repo", tmp_path / "b" / "cwd"
     repo.mkdir(parents=True)
@@ -250,7 +261,74 @@ def test_ctrl_c_keeps_the_finished_runs_and_raises_with_the_count(tmp_path, sim)
     assert (info.value.num_finished, info.value.num_runs) == (1, 4)
     assert list(pd.read_parquet(tmp_path / "results.parquet")["run_id"]) == ["fcfs__load1"]
     assert (tmp_path / "fcfs__load1.parquet").exists() and (tmp_path / "e2e_cdf.png").exists()
-    assert "| fcfs |" in (tmp_path / "summary.md").read_text()
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| fcfs |" in summary
+    assert summary.startswith("# mars-openhands compare\n\n**INTERRUPTED**: stopped by Ctrl-C (SIGINT): 1 of 4 "
+                              "runs finished (fcfs__load1); the tables hold only those")
+    assert "INTERRUPTED" not in summary.split("\n", 3)[3]  # said once, at the top
+    assert json.loads((tmp_path / "run.json").read_text())["facts"]["interrupted"].startswith("stopped by")
+
+
+def test_sigterm_in_the_runs_is_an_interrupted_sweep_with_status_143(tmp_path, sim) -> None:
+    calls = []
+
+    def terminated_on_the_third_run(workload, config, timer, sink=None):
+        calls.append(config.policy)
+        if len(calls) == 3:
+            raise Terminated()
+        return sim.simulate(workload, config, timer, sink)
+
+    options = CompareOptions(policies=("fcfs", "autellix"), loads=(1.0, 2.0), num_gpu_blocks=512,
+                             base_rate_per_s=1.0, admission="off")
+    with pytest.raises(CompareInterrupted) as info:
+        run_compare(small_workload(2, 2), options, sim.LinearStepTimeModel(), tmp_path,
+                    ideal_s={"s0": 1.0, "s1": 1.0}, simulate_fn=terminated_on_the_third_run)
+    assert (info.value.num_finished, info.value.exit_status, info.value.has_results) == (2, 143, True)
+    assert "**INTERRUPTED**: stopped by SIGTERM: 2 of 4 runs finished" in (tmp_path / "summary.md").read_text()
+
+
+def test_an_interrupted_run_is_never_recorded_as_a_result_block(tmp_path, sim) -> None:
+    from eval.result_blocks import BlockError, record_run
+
+    calls = []
+
+    def interrupted(workload, config, timer, sink=None):
+        calls.append(config.policy)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return sim.simulate(workload, config, timer, sink)
+
+    options = CompareOptions(policies=("fcfs", "autellix"), loads=(1.0,), num_gpu_blocks=512,
+                             base_rate_per_s=1.0, admission="off")
+    with pytest.raises(CompareInterrupted):
+        run_compare(small_workload(2, 2), options, sim.LinearStepTimeModel(), tmp_path,
+                    ideal_s={"s0": 1.0, "s1": 1.0}, simulate_fn=interrupted, meta={"commit": "abc1234"})
+    with pytest.raises(BlockError, match="interrupted"):
+        record_run(tmp_path, "quick")
+
+
+@pytest.mark.parametrize(("signal_error", "line", "code"), [
+    (KeyboardInterrupt, "interrupted: 0 of 4 runs finished; no results written\n", 130),
+    (Terminated, "terminated: 0 of 4 runs finished; no results written\n", 143)], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_before_any_run_says_nothing_was_written_and_leaves_no_folder(tmp_path, capsys, monkeypatch,
+                                                                               signal_error, line, code) -> None:
+    """Ctrl-C in the first phase printed 'partial results in OUT' beside an empty OUT; SIGTERM
+    printed nothing (a traceback-free exit 143 with no word)."""
+    import eval.sweep as sweep
+
+    def stopped(*args, **kwargs):
+        raise signal_error()
+
+    workload = tmp_path / "w.json"
+    save_workload(small_workload(2, 2), workload)
+    monkeypatch.setattr(sweep._Sweep, "_ideal_times", stopped)
+    monkeypatch.setattr(compare, "gpu_setups", lambda args, spec, w, s, loaded: (
+        [GpuSetup("h100_sxm", None, 64, "test timing")], None, "Full workload"))
+    out = tmp_path / "out"
+    assert _run(["--workload", str(workload), "--policies", "fcfs,mars", "--loads", "1,2", "--base-rate", "1",
+                 "--gpu", "h100_sxm", "--no-reference", "--jobs", "1", "--out", str(out)]) == code
+    assert capsys.readouterr().err.endswith(line)
+    assert not out.exists()
 
 
 def test_ctrl_c_at_the_cli_is_one_line_and_exit_130(tmp_path, capsys, monkeypatch) -> None:

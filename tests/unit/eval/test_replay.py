@@ -55,6 +55,10 @@ class FakeEndpoint:
     posted_events: list[dict[str, Any]] = field(default_factory=list)
     event_posts: list[tuple[str | None, list[dict[str, Any]]]] = field(default_factory=list)
     """(X-Mars-Session-Token, events) of each POST /mars/v1/events."""
+    api_key: str | None = None
+    """When set, every request without ``Authorization: Bearer <api_key>`` gets vLLM's 401."""
+    authorizations: list[tuple[str, str | None]] = field(default_factory=list)
+    """(path, Authorization header) of every request."""
 
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self.handle)
@@ -73,6 +77,9 @@ class FakeEndpoint:
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
+        self.authorizations.append((path, request.headers.get("authorization")))
+        if self.api_key is not None and request.headers.get("authorization") != f"Bearer {self.api_key}":
+            return httpx.Response(401, json={"error": "Unauthorized"})
         if path == "/v1/models":
             card = {"id": self.model, "object": "model", "max_model_len": self.max_model_len}
             return httpx.Response(200, json={"object": "list", "data": [card]})
@@ -629,3 +636,63 @@ def test_a_failed_sessions_error_text_reaches_the_stream_and_session_table() -> 
     assert [s.status for s in result.sessions] == ["error", "ok", "ok"]
     assert "HTTP 503" in table.loc["A", "error"] and "injected failure" in table.loc["A", "error"]
     assert table.loc["B", "error"] is None and table.loc["C", "error"] is None
+
+
+# ----------------------------------------------------------------------------- API key
+def test_the_api_key_goes_on_every_request_to_a_keyed_gateway() -> None:
+    """replay could not send a gateway's API key: every turn got 401."""
+    fake = FakeEndpoint(model=MODEL, api_key="s3cret-key")
+    result, _ = _replay(WORKLOAD, fake, endpoint_kind="gateway", api_key="s3cret-key")
+    assert [s.status for s in result.sessions] == ["ok", "ok", "ok"]
+    paths = {path for path, _ in fake.authorizations}
+    assert {"/v1/models", "/v1/completions", "/mars/v1/events"} <= paths
+    assert {auth for _, auth in fake.authorizations} == {"Bearer s3cret-key"}
+    assert result.num_events_post_failed == 0 and result.num_events_posted > 0
+    assert "s3cret-key" not in repr(_config(api_key="s3cret-key"))  # a SecretStr: never printed
+
+
+@pytest.mark.parametrize("api_key", [None, "wrong-key"], ids=["no key", "wrong key"])
+def test_a_401_to_the_reachability_check_refuses_the_run_before_recording(tmp_path: Path,
+                                                                           api_key: str | None) -> None:
+    fake = FakeEndpoint(model=MODEL, api_key="s3cret-key")
+    stream = tmp_path / "run" / "stream.jsonl"
+    with pytest.raises(ValueError, match="answers 401") as info:
+        run_replay(WORKLOAD, _config(endpoint_kind="gateway", api_key=api_key), stream_path=stream,
+                   transport=fake.transport())
+    message = str(info.value)
+    assert "\n" not in message and "--api-key or MARS_API_KEY" in message
+    assert ("was refused" in message) == (api_key is not None) and "wrong-key" not in message
+    assert [path for path, _ in fake.authorizations] == ["/v1/models"]  # no LLM call, no event post
+    assert not stream.exists()
+
+
+def test_cli_sends_mars_api_key_or_the_flag_and_refuses_a_401_in_one_line(
+        tmp_path: Path, keyed_endpoint: str, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The keyed server answers 401 without its key ("k3y"), 404 with it (the check passes, every
+    session then ends in error: exit 1)."""
+    workload_path = tmp_path / "w.json"
+    save_workload(WORKLOAD, workload_path)
+    monkeypatch.delenv("MARS_API_KEY", raising=False)
+
+    def run(name: str, *extra: str) -> tuple[int, str]:
+        code = _cli(["replay", str(workload_path), "-o", str(tmp_path / name / "s.jsonl"), "--endpoint-url",
+                     keyed_endpoint, "--endpoint-kind", "gateway", "--model", "m", "--no-show-progress",
+                     "--max-model-len-tokens", "1000", "--request-timeout-s", "5", *extra])
+        return code, capsys.readouterr().err
+
+    code, err = run("none")
+    assert code == EXIT_BAD_INPUT and err.count("\n") == 1, err
+    assert err.startswith(f"mars-openhands replay: error: {keyed_endpoint} answers 401 Unauthorized to GET "
+                          "/v1/models: it needs an API key and none was sent; give the server's key with "
+                          "--api-key or MARS_API_KEY")
+    code, err = run("wrong", "--api-key", "not-it")
+    assert code == EXIT_BAD_INPUT and "the API key sent was refused" in err and "not-it" not in err
+    assert not (tmp_path / "none").exists() and not (tmp_path / "wrong").exists()
+    monkeypatch.setenv("MARS_API_KEY", "k3y")
+    assert run("env")[0] == 1  # past the check: the sessions reached the server (404s)
+    monkeypatch.setenv("MARS_API_KEY", "wrong")
+    assert run("flag", "--api-key", "k3y")[0] == 1  # the flag wins over the environment
+    monkeypatch.setenv("MARS_API_KEY", "k3y\n")
+    code, err = run("newline")
+    assert code == EXIT_BAD_INPUT and err.startswith("mars-openhands replay: error: MARS_API_KEY has whitespace")

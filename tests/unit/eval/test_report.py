@@ -120,6 +120,19 @@ def test_paper_comparison_gains_at_the_heaviest_load(results: pd.DataFrame) -> N
     assert "Against the paper" in render_summary(results, {})
 
 
+def test_paper_comparison_compares_each_gpu_with_its_own_baselines(results: pd.DataFrame) -> None:
+    """A two-GPU table has every label twice; it raised 'The truth value of a Series is ambiguous'.
+    On the second GPU every E2E is halved for the baselines only: mars gains twice less there."""
+    other = results.assign(gpu="h200_sxm")
+    other.loc[other["is_baseline"], "e2e_mean_s"] /= 2
+    table = paper_comparison(pd.concat([results.assign(gpu="h100_sxm"), other], ignore_index=True))
+    e2e = table.loc[table["metric"] == "mean E2E"].set_index("gpu")
+    assert e2e.at["h100_sxm", "vs_best"] == pytest.approx(4.0)  # fcfs 40 / mars 10
+    assert e2e.at["h200_sxm", "vs_best"] == pytest.approx(2.0)  # fcfs 20 / mars 10
+    assert e2e.at["h200_sxm", "vs_worst"] == pytest.approx(2.5)  # autellix 25 / mars 10
+    assert "gpu" not in paper_comparison(results.assign(gpu="h100_sxm"))  # one GPU: as before
+
+
 def test_paper_comparison_is_empty_without_mars(results: pd.DataFrame) -> None:
     assert paper_comparison(results.loc[results["policy"] != "mars"]).empty
 

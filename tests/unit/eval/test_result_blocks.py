@@ -21,6 +21,7 @@ from eval.result_blocks import (
     find_blocks,
     is_ancestor,
     load_record,
+    publish_record,
     record_run,
     render,
     rows_digest,
@@ -119,6 +120,18 @@ def test_quick_block_shows_the_run_its_commit_and_the_gains(tmp_path) -> None:
     assert goodput_column(3.0)  # the column the table reads exists in METRICS
 
 
+def test_quick_block_of_a_two_gpu_run_has_a_table_and_gains_per_gpu(tmp_path) -> None:
+    """A run on two GPUs (compare without --quick) crashed render_quick with 'The truth value of
+    a Series is ambiguous' (every label twice in paper_comparison)."""
+    one = _results_dir(tmp_path / "a")
+    table = pd.read_parquet(one / "results.parquet")
+    other = table.assign(gpu="h200_sxm", run_id="h200_sxm__" + table["run_id"])
+    pd.concat([table, other], ignore_index=True).to_parquet(one / "results.parquet")
+    text = render("quick", record_run(one, "quick"))
+    assert "| H100 SXM |" in text and "| H200 SXM |" in text
+    assert " ".join(text.split()).count("against it mars (+ admission) is 1.20× in mean E2E") == 2
+
+
 def test_a_hand_edited_figure_or_row_is_caught(tmp_path) -> None:
     record = record_run(_results_dir(tmp_path), "quick")
     body = render("quick", record)
@@ -174,3 +187,111 @@ def test_compare_refuses_to_record_a_block_from_uncommitted_code(monkeypatch, ca
                                        "abc1234+dirty; commit your changes first, so the block names code that "
                                        "exists\n")
     assert not (tmp_path / "out").exists()
+
+
+def _compare(argv: list[str]) -> int:
+    import argparse
+
+    import eval.compare as compare
+
+    parser = argparse.ArgumentParser(prog="mars-openhands")
+    compare.add_compare_subcommand(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["compare", *argv])
+    args.argv = argv  # as the CLI records them
+    return args.func(args)
+
+
+@pytest.mark.parametrize("trim", [["--sessions", "2", "--max-turns", "2"], ["--quick", "--sessions", "2",
+                                                                             "--max-turns", "2"]],
+                         ids=["without --quick", "trimmed --quick"])
+def test_compare_refuses_a_readme_block_run_that_is_not_the_blocks_command(monkeypatch, capsys, tmp_path,
+                                                                           trim) -> None:
+    """The user's two commands: a two-GPU trimmed run rewrote docs/results/quick.json (then crashed),
+    and a trimmed --quick run replaced the published block. Both are refused before anything runs."""
+    import eval.compare as compare
+
+    ran = []
+    monkeypatch.setattr(compare, "source_commit", lambda: "abc1234")
+    monkeypatch.setattr(compare, "_load_and_run", lambda *a, **k: ran.append(a) or 0)
+    before = (ROOT / RECORD_DIR / "quick.json").read_bytes()
+    out = tmp_path / "bk"
+    assert _compare(["--readme-block", "quick", *trim, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("mars-openhands compare: error: --readme-block quick: not the "
+                                                   "block's recorded command `mars-openhands compare --quick")
+    assert "--sessions 2 (recorded: 0); --max-turns 2 (recorded: 0)" in err
+    assert ("--quick not given (recorded: given)" in err) == ("--quick" not in trim)
+    assert not ran and not out.exists() and (ROOT / RECORD_DIR / "quick.json").read_bytes() == before
+
+
+def test_compare_runs_a_readme_block_command_that_differs_only_where_it_may(monkeypatch, capsys, tmp_path) -> None:
+    import eval.compare as compare
+
+    ran = []
+    monkeypatch.setattr(compare, "source_commit", lambda: "abc1234")
+    monkeypatch.setattr(compare, "recorded_command", lambda name: "mars-openhands compare --quick --jobs 2 "
+                        "--out runs/quick --readme-block quick")
+    monkeypatch.setattr(compare, "_load_and_run", lambda *a, **k: ran.append(a) or 0)
+    assert _compare(["--readme-block", "quick", "--quick", "--out", str(tmp_path / "o"), "--jobs", "3",
+                     "--no-cache"]) == 0
+    assert len(ran) == 1, capsys.readouterr().err
+
+
+def _fake_sweep(results_dir: Path):
+    """A run_sweep that leaves the results of :func:`_results_dir` in its ``out`` folder."""
+    def run_sweep(workload, options, setups, out, **kwargs):
+        shutil.copytree(results_dir, out, dirs_exist_ok=True)
+        (Path(out) / "summary.md").write_text("# summary\n")
+        return pd.read_parquet(Path(out) / "results.parquet")
+    return run_sweep
+
+
+def test_a_block_that_fails_to_render_leaves_the_record_and_the_docs_as_they_were(monkeypatch, capsys,
+                                                                                  tmp_path) -> None:
+    """The record used to be written before the blocks rendered: a rendering error left a new
+    docs/results/quick.json beside the old README block."""
+    import functools
+
+    from compare_helpers import small_workload
+
+    import eval.compare as compare
+    import eval.result_blocks as result_blocks
+    from eval.sweep_options import GpuSetup
+    from eval.workloads.format import save_workload
+
+    root = tmp_path / "repo"
+    old = record_run(_results_dir(tmp_path / "old"), "quick")
+    save_record(old, root)
+    (root / "README.md").write_text("<!-- quick:begin -->\n" + render("quick", old) + "<!-- quick:end -->\n")
+    files = {p: p.read_bytes() for p in (root / "README.md", root / RECORD_DIR / "quick.json")}
+    new_run = _results_dir(tmp_path / "new", commit="def5678")
+
+    def broken(record):
+        raise ValueError("boom")
+
+    workload = tmp_path / "w.json"
+    save_workload(small_workload(2, 2), workload)
+    argv = ["--workload", str(workload), "--quick", "--base-rate", "1", "--out", str(tmp_path / "out"),
+            "--readme-block", "quick"]
+    monkeypatch.setattr(compare, "source_commit", lambda: "def5678")
+    monkeypatch.setattr(compare, "recorded_command", lambda name: "mars-openhands compare " + " ".join(argv))
+    monkeypatch.setattr(compare, "gpu_setups", lambda args, spec, w, s, loaded: (
+        [GpuSetup("h100_sxm", None, 64, "test timing")], None, "Full workload"))
+    monkeypatch.setattr(compare, "run_sweep", _fake_sweep(new_run))
+    monkeypatch.setattr(compare, "publish_record", functools.partial(result_blocks.publish_record, root=root))
+    monkeypatch.setitem(result_blocks.BLOCKS, "quick", ("quick", broken))
+    with pytest.raises(ValueError, match="boom"):
+        _compare(argv)
+    assert {p: p.read_bytes() for p in files} == files
+    assert not [p.name for p in (root / RECORD_DIR).iterdir() if p.name != "quick.json"]  # no temp file left
+
+
+def test_publish_record_writes_the_record_and_its_blocks_together(tmp_path) -> None:
+    old, new = (record_run(_results_dir(tmp_path / n, commit=c), "quick") for n, c in (("a", "abc1234"),
+                                                                                       ("b", "def5678")))
+    save_record(old, tmp_path)
+    (tmp_path / "README.md").write_text("x\n<!-- quick:begin -->\n" + render("quick", old) + "<!-- quick:end -->\n")
+    assert publish_record(new, tmp_path) == [tmp_path / RECORD_DIR / "quick.json", tmp_path / "README.md"]
+    assert load_record(tmp_path / RECORD_DIR / "quick.json")["commit"] == "def5678"
+    assert "at def5678 on" in " ".join((tmp_path / "README.md").read_text().split())
+    assert sorted(p.name for p in tmp_path.rglob(".*")) == []
