@@ -52,19 +52,28 @@ START_FAILED = "did not start"
 ...``): :func:`engine_failure_text` finds the engine's own message in Ray Serve's status by it."""
 
 
+def _node_tmp() -> Path:
+    """This node's temporary directory for a run's files: ``tempfile.gettempdir()``, or ``/tmp``
+    when that is so long that an engine's ZeroMQ ``ipc://`` socket below it
+    (``<tmp>/mars-serve-<run>/engine<i>-<12 hex>/gpu.sock``) would pass the 107-byte limit of a
+    Unix socket path (seen: a pytest worker's temporary directory). Pure but for the lookup."""
+    tmp = Path(tempfile.gettempdir())
+    return tmp if len(str(tmp)) <= 48 else Path("/tmp")
+
+
 def run_root(run_id: str) -> Path:
     """The directory on a node that holds every engine's run directory (sockets, vLLM log, tiny
     model) of the ``serve`` run ``run_id``: the driver removes it on its node whatever way the
     run stops (:func:`~mars_openhands.serve.app.stop`), also where Ray killed an engine's actor
     before its own clean-up ran. Pure."""
-    return Path(tempfile.gettempdir()) / f"mars-serve-{run_id}"
+    return _node_tmp() / f"mars-serve-{run_id}"
 
 
 def kept_log_path(run_id: str, index: int) -> Path:
     """Where engine ``index`` keeps its vLLM log when its server did not start (next to
     :func:`run_root`, not in it: the stop that follows keeps it; Ray Serve's retries of the
     engine overwrite it, so it is the last try's). Pure."""
-    return Path(tempfile.gettempdir()) / f"mars-serve-{run_id}-engine{index}-vllm.log"
+    return _node_tmp() / f"mars-serve-{run_id}-engine{index}-vllm.log"
 
 
 def remove_run_root(run_id: str) -> None:

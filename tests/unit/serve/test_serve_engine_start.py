@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +29,25 @@ from mars_openhands.serve.config import ServeConfig
 
 
 @pytest.fixture
-def tmp_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """``tempfile.gettempdir()`` (where engines make their directories) is ``tmp_path``."""
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    return tmp_path
+def tmp_root(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """``tempfile.gettempdir()`` (where engines make their directories) is a new short directory
+    (pytest's ``tmp_path`` under a worker is too long for the engines' ipc socket paths)."""
+    root = Path(tempfile.mkdtemp(prefix="mst-", dir="/tmp"))
+    monkeypatch.setattr(tempfile, "tempdir", str(root))
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_long_temporary_directory_falls_back_to_tmp_for_the_sockets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Unix socket path has at most 107 bytes: below a long $TMPDIR the engine's
+    ``<run root>/engine<i>-<12 hex>/gpu.sock`` did not bind (seen under a pytest worker)."""
+    monkeypatch.setattr(tempfile, "tempdir", "/tmp/" + "d" * 80)
+    assert engine_mod.run_root("r1") == Path("/tmp/mars-serve-r1")
+    assert engine_mod.kept_log_path("r1", 0).parent == Path("/tmp")
+    monkeypatch.setattr(tempfile, "tempdir", "/var/tmp")
+    assert engine_mod.run_root("r1") == Path("/var/tmp/mars-serve-r1")
 
 
 def _parse(*argv: str) -> argparse.Namespace:
