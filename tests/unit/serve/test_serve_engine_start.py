@@ -205,14 +205,6 @@ def _engine_dirs(run_id: str) -> Path:
     return engine_mod.run_root(run_id)
 
 
-@pytest.fixture
-def restore_handlers():
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
-
-
 @pytest.mark.parametrize("how", ["signal while starting", "failed start", "signal once serving"])
 def test_every_stop_path_removes_the_engines_directories(how: str, tmp_root: Path, monkeypatch,
                                                          restore_handlers, capsys) -> None:

@@ -19,14 +19,6 @@ from mars_openhands.serve import app
 from mars_openhands.serve.config import ServeConfig
 
 
-@pytest.fixture
-def restore_handlers():
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
-
-
 def _fake_ray(monkeypatch: pytest.MonkeyPatch, signal_during_start: bool) -> dict[str, Any]:
     seen: dict[str, Any] = {"ray_handler": 0, "stops": 0, "start_finished": False}
 
