@@ -232,6 +232,7 @@ def test_compare_runs_a_readme_block_command_that_differs_only_where_it_may(monk
     monkeypatch.setattr(compare, "recorded_command", lambda name: "mars-openhands compare --quick --jobs 2 "
                         "--out runs/quick --readme-block quick")
     monkeypatch.setattr(compare, "_load_and_run", lambda *a, **k: ran.append(a) or 0)
+    monkeypatch.setenv("MARS_TRACES_DIR", str(tmp_path))  # a clean clone has no ../shared traces
     assert _compare(["--readme-block", "quick", "--quick", "--out", str(tmp_path / "o"), "--jobs", "3",
                      "--no-cache"]) == 0
     assert len(ran) == 1, capsys.readouterr().err
