@@ -94,7 +94,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, m
 from eval.argtypes import config_error_lines, long_flags
 from eval.tools import BurnClock, ToolMode, ToolPool
 from eval.workloads.format import Session, Workload
-from mars_openhands.cli_style import EXIT_USAGE, cli_error, redact_url
+from mars_openhands.cli_style import EXIT_USAGE, cli_error, is_usable_key, redact_url
 from mars_openhands.env import API_KEY
 from mars_openhands.stream.events import Event, SessionEnd, SessionStart, now_stamps
 from mars_openhands.stream.recorder import StreamRecorder
@@ -197,7 +197,7 @@ class ReplayConfig(BaseModel):
                 f"{self.endpoint_url!r} (--endpoint-url)"
             )
         key = self.api_key.get_secret_value() if self.api_key is not None else ""
-        if self.api_key is not None and (not key or not key.isprintable() or any(c.isspace() for c in key)):
+        if self.api_key is not None and not is_usable_key(key):
             raise ValueError(f"api_key is empty or has whitespace or control characters ({len(key)} characters); "
                              "give the key alone (--api-key, or MARS_API_KEY)")
         if self.token_id_high <= self.token_id_low:

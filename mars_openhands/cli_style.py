@@ -408,6 +408,12 @@ _URL_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinf
 unencoded ``@`` in a password stays hidden, as ``urllib`` splits it)."""
 
 
+def is_usable_key(key: str) -> bool:
+    """Whether ``key`` can be an API key or token: non-empty, printable, without whitespace (a key
+    pasted with its newline is not). Pure."""
+    return bool(key) and key.isprintable() and not any(c.isspace() for c in key)
+
+
 def redact_url(text: str) -> str:
     """``text`` (a URL, or a line naming URLs) with each URL's userinfo hidden. Pure.
 

@@ -13,6 +13,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from mars_openhands.cli_style import is_usable_key
+
 __all__ = ["API_KEY", "REGISTRY", "EnvVar", "GATEWAY_ADMIN_KEY", "GATEWAY_API_KEY", "GATEWAY_CONFIG"]
 
 REGISTRY: dict[str, EnvVar] = {}
@@ -41,7 +43,7 @@ class EnvVar:
                 its newline), naming the variable.
         """
         value = self.get(environ)
-        if value is not None and (not value.isprintable() or any(c.isspace() for c in value)):
+        if value is not None and not is_usable_key(value):
             raise ValueError(f"{self.name} has whitespace or control characters ({len(value)} "
                              "characters); set it to the key alone, e.g. export "
                              f"{self.name}=$(python -c 'import secrets; print(secrets.token_urlsafe(32))')")

@@ -14,7 +14,7 @@ from typing import Self
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from mars_openhands.cli_style import check_port_free, redact_url
+from mars_openhands.cli_style import check_port_free, is_usable_key, redact_url
 from mars_openhands.policy.admission import AdmissionParams
 from mars_openhands.policy.placement import (
     DEFAULT_ROUTING_POLICY,
@@ -86,7 +86,7 @@ def _check_key(value: SecretStr | None, what: str) -> SecretStr | None:
     if value is None:
         return None
     key = value.get_secret_value()
-    if not key or not key.isprintable() or any(c.isspace() for c in key):
+    if not is_usable_key(key):
         raise ValueError(f"{what} must be non-empty printable text without whitespace "
                          f"({len(key)} characters given)")
     return value
