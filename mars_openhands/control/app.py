@@ -632,7 +632,7 @@ class Gateway:
             ("mars_tool_fraction", g,
              "Share of admitted session-time with a tool call in flight (f of C_cpu)",
              [({}, tools.tool_fraction or 0.0)]),
-            ("mars_kv_usage", g, "KV usage used by admission (max over healthy replicas)",
+            ("mars_kv_usage", g, "KV usage used by admission (healthy replicas, as one pool by default)",
              [({}, self.router.kv_usage() or 0.0)]),
             ("mars_replica_kv_usage", g, "KV usage per replica (0..1)",
              [({"replica": r.name}, r.kv_usage(now, self.config.engine_step_max_age_s) or 0.0)

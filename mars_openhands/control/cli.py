@@ -84,6 +84,9 @@ def _add_model_flags(parser: argparse.ArgumentParser, model: type[BaseModel], pr
         if base is bool:
             parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=help_text)
+        elif typing.get_origin(base) is typing.Literal:
+            parser.add_argument(flag, dest=dest, choices=typing.get_args(base),
+                                default=argparse.SUPPRESS, help=help_text)
         else:
             parser.add_argument(flag, dest=dest, type=_converter(base, optional),
                                 default=argparse.SUPPRESS,

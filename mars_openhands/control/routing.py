@@ -214,13 +214,21 @@ class Router:
         replica.block_size_tokens = m.block_size_tokens or replica.block_size_tokens
 
     def kv_usage(self) -> float | None:
-        """KV usage u of the admission window: the max over healthy replicas of their KV pool's
-        usage (:meth:`ReplicaState.kv_pool_usage`: with a host tier, GPU + host), 0..1, or
-        ``None`` if no replica reported."""
+        """KV usage u of the admission window, 0..1, over the healthy replicas' KV pools
+        (:meth:`ReplicaState.kv_pool_usage`: with a host tier, GPU + host), or ``None`` if no
+        replica reported. ``config.admission.kv_usage_over_replicas``: ``pooled`` = used blocks /
+        blocks, summed over replicas (the plain mean of their u when one's size is unknown);
+        ``max`` = the fullest replica's u."""
         now = self.clock()
-        values = [pool[0] for r in self.healthy()
-                  if (pool := r.kv_pool_usage(now, self.config.engine_step_max_age_s)) is not None]
-        return max(values) if values else None
+        pools = [pool for r in self.healthy()
+                 if (pool := r.kv_pool_usage(now, self.config.engine_step_max_age_s)) is not None]
+        if not pools:
+            return None
+        if len(pools) == 1 or self.config.admission.kv_usage_over_replicas == "max":
+            return max(u for u, _ in pools)
+        if any(blocks is None for _, blocks in pools):
+            return sum(u for u, _ in pools) / len(pools)
+        return sum(u * blocks for u, blocks in pools) / sum(blocks for _, blocks in pools)
 
     def kv_budget_blocks(self, kv_set_usage: float) -> int | None:
         """Blocks a new session may still commit before usage ``kv_set_usage`` on the best replica:

@@ -93,6 +93,12 @@ class AdmissionParams(BaseModel):
     """KV overload is set when usage u (fraction of KV blocks, 0..1) >= this (default 0.90)."""
     kv_clear_usage: float = Field(0.85, ge=0.0, lt=1.0)
     """KV overload clears, and C_kv = W_max, when u <= this (default 0.85)."""
+    kv_usage_over_replicas: Literal["pooled", "max"] = "pooled"
+    """How u reads several replicas' KV usage: ``pooled`` (default) = their used blocks over all
+    their blocks, as if one pool (the window counts sessions on every replica; placing them on the
+    replica with room is the router's job); ``max`` = the fullest replica's, so one full replica
+    holds the window shut for all (the rule before 2026-12-06: 0.93x the pooled-KV bound's
+    capacity on 4 H100s, docs/compare.md). One replica: the same u either way."""
     tool_wait_ema_alpha: float = Field(0.2, gt=0.0, le=1.0)
     """Weight of the newest tool queue-wait sample in the EMA (default 0.2)."""
     tool_fraction_horizon_s: float | None = Field(600.0, gt=0.0)
@@ -141,7 +147,8 @@ class PressureSnapshot(BaseModel):
     tool_wait_ema_s: float | None = Field(None, ge=0.0)
     """EMA of tool queue wait, seconds."""
     kv_usage: float | None = Field(None, ge=0.0, le=1.0)
-    """KV usage u in 0..1 (evictable prefix-cache blocks excluded); max over replicas."""
+    """KV usage u in 0..1 (evictable prefix-cache blocks excluded); several replicas' read as
+    ``AdmissionParams.kv_usage_over_replicas`` says."""
     num_tool_workers: int = Field(1, ge=1)
     """N_tool: tool workers serving all sessions."""
     tool_fraction: float | None = Field(None, ge=0.0, le=1.0)

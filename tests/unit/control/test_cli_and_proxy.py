@@ -92,6 +92,18 @@ def test_validation_error_lines_name_nested_flags() -> None:
     assert issubclass(ConfigError, ValueError)
 
 
+def test_a_choice_field_is_a_flag_with_its_choices() -> None:
+    parser = argparse.ArgumentParser()
+    gateway = add_gateway_subcommand(parser.add_subparsers())
+    config = config_from_args(gateway.parse_args(
+        ["--replica", "http://a", "--admission-kv-usage-over-replicas", "max"]))
+    assert config.admission.kv_usage_over_replicas == "max"
+    assert config_from_args(gateway.parse_args(["--replica", "http://a"])).admission \
+        .kv_usage_over_replicas == "pooled"
+    with pytest.raises(SystemExit):
+        gateway.parse_args(["--replica", "http://a", "--admission-kv-usage-over-replicas", "min"])
+
+
 def test_a_check_across_fields_is_a_line_without_an_empty_flag(monkeypatch) -> None:
     key = "k" * 32
     monkeypatch.delenv("MARS_GATEWAY_API_KEY", raising=False)

@@ -278,8 +278,33 @@ def test_with_a_host_tier_kv_usage_and_budget_are_over_the_gpu_and_host_pool() -
     assert cp.router.observe_engine_step("engine:0", 80, 100, num_host_blocks=300)
     assert cp.snapshot().kv_usage == pytest.approx(0.2) and cp.kv_budget_blocks() == 280
     assert cp.router.replicas[0].kv_usage(now[0], 2.0) == 0.8  # routing still sees the GPU's
-    assert cp.router.observe_engine_step("engine:1", 85, 100)  # no tier: GPU usage, the max
-    assert cp.snapshot().kv_usage == 0.85 and cp.kv_budget_blocks() == 280
+    assert cp.router.observe_engine_step("engine:1", 85, 100)  # no tier: its GPU's usage
+    # One pool of 500 blocks, 165 used; the budget is still the best replica's room.
+    assert cp.snapshot().kv_usage == pytest.approx(165 / 500) and cp.kv_budget_blocks() == 280
+
+
+@pytest.mark.parametrize("mode", ["pooled", "max"])
+def test_one_full_replica_shrinks_the_window_only_when_u_is_the_fullest_replicas(mode: str) -> None:
+    """u over several replicas: ``pooled`` = used / blocks over all of them (a down or stale one
+    left out), ``max`` = the fullest; a full replica beside an empty one closes the window only
+    under ``max``."""
+    now = [0.0]
+    cp = plane(now, admission={"kv_usage_over_replicas": mode}, engine_step_max_age_s=2.0,
+               num_tool_workers=100)  # C_cpu above W_max: only KV moves the window
+    assert cp.router.observe_engine_step("engine:0", 95, 100)
+    assert cp.router.observe_engine_step("engine:1", 100, 300)
+    expected = {"pooled": 195 / 400, "max": 0.95}[mode]
+    assert cp.snapshot().kv_usage == pytest.approx(expected)
+    window = cp.admission.window
+    cp.tick()
+    assert (cp.admission.window < window) is (mode == "max")
+    cp.router.record_failure(1, "down", immediate=True)
+    assert cp.snapshot().kv_usage == pytest.approx(0.95)  # only replica 0 is left
+    cp.router.record_success(1)
+    now[0] = 1.5
+    assert cp.router.observe_engine_step("engine:1", 30, 300)
+    now[0] = 3.0  # replica 0's step is stale: replica 1 alone
+    assert cp.snapshot().kv_usage == pytest.approx(0.1)
 
 
 def test_a_failed_replica_detaches_its_sessions_which_keep_their_slots() -> None:
