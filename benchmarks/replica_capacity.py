@@ -95,9 +95,10 @@ def main() -> int:
     p.add_argument("--out", default="runs/replicas")
     p.add_argument("--replicas", default="4,8", help="comma-separated N (default 4,8)")
     p.add_argument("--seeds", default="0,1", help="comma-separated seeds (default 0,1)")
-    p.add_argument("--routers", default=",".join((*ANCHORS, OURS, POOLED)),
-                   help="comma-separated --router names (default: the anchors, mars-placement and "
-                        "the pooled-kv bound)")
+    p.add_argument("--routers", default=",".join((*ANCHORS, OURS, POOLED, BOUND)),
+                   help="comma-separated --router names (default: the anchors, mars-placement, "
+                        "the pooled-kv bound and unbounded-kv; its search is the slowest, as its "
+                        "probes run at several times the others' rates)")
     p.add_argument("--gpu", default="h100_sxm")
     p.add_argument("--start-rate", type=float, default=0.01,
                    help="per-GPU rate the capacity searches start from (default 0.01: the H100 knee)")
@@ -108,7 +109,8 @@ def main() -> int:
     p.add_argument("--no-e2e", action="store_true",
                    help="capacities only: no runs at 0.9x the best anchor's capacity")
     args = p.parse_args(argv)
-    routers = args.routers.split(",")
+    routers = [r for r in args.routers.split(",") if r != BOUND]
+    with_bound = BOUND in args.routers.split(",")
     rows = []
     for n in (int(x) for x in args.replicas.split(",")):
         for seed in (int(x) for x in args.seeds.split(",")):
@@ -116,8 +118,9 @@ def main() -> int:
             for router in routers:
                 _run(_compare(args, base / router, n, seed, router, "mars", extra), args.dry_run,
                      args.skip_done and (base / router / "capacity.parquet").exists())
-            _run(_compare(args, base / BOUND, n, seed, "least-sessions", BOUND, extra), args.dry_run,
-                 args.skip_done and (base / BOUND / "capacity.parquet").exists())
+            if with_bound:
+                _run(_compare(args, base / BOUND, n, seed, "least-sessions", BOUND, extra),
+                     args.dry_run, args.skip_done and (base / BOUND / "capacity.parquet").exists())
             caps = {r: _capacity(base / r, "mars") for r in routers}
             caps[BOUND] = _capacity(base / BOUND, BOUND)
             anchors = {r: c for r, c in caps.items() if r in ANCHORS and not math.isnan(c)}
@@ -126,7 +129,7 @@ def main() -> int:
             for router in routers if not args.no_e2e else ():
                 _run(_compare(args, base / f"{router}@0.9", n, seed, router, "mars", extra, rate),
                      args.dry_run, args.skip_done and (base / f"{router}@0.9" / "results.parquet").exists())
-            for router in [*routers, BOUND]:
+            for router in [*routers, *([BOUND] if with_bound else [])]:
                 cap = caps[router]
                 mean, p95 = _e2e(base / f"{router}@0.9") if router != BOUND else (math.nan, math.nan)
                 rows.append({"replicas": n, "seed": seed, "router": router, "kind": _kind(router),
