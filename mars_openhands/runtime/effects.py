@@ -40,7 +40,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from mars_openhands.runtime.guard import command_words, redirections, split_commands, written_paths
+from mars_openhands.runtime.guard import (
+    command_words,
+    redirections,
+    sed_effects,
+    split_commands,
+    written_paths,
+)
 
 __all__ = [
     "DEFAULT_RULES",
@@ -336,6 +342,9 @@ def _part_effect(tokens: list[str], rule: EffectRule | None, written: list[Path]
         is_truncate_only = not command_words(tokens) and not is_append and is_deterministic
         return EffectClass.IDEMPOTENT_WRITE if is_truncate_only else EffectClass.LOCAL_WRITE
     effect = rule.effect
+    words = command_words(tokens)
+    if words and os.path.basename(words[0]) == "sed" and sed_effects(words)[1]:
+        return EffectClass.LOCAL_WRITE  # `sed 'e CMD'`, `s///e`, `sed -f SCRIPT`: runs commands
     if effect == EffectClass.READ and files:  # `echo x > f`, `tee f`: a read that writes a file
         effect = EffectClass.IDEMPOTENT_WRITE if is_deterministic else EffectClass.LOCAL_WRITE
     if is_append and effect.risk < EffectClass.LOCAL_WRITE.risk:

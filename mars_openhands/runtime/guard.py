@@ -12,7 +12,9 @@ Four rules, each a switch in :class:`PolicyConfig`:
   setgid bits (``chmod u+s``, ``chmod 4755``), ``chown`` to root.
 * ``write_outside_workspace``: output redirections and the path arguments of writing commands
   (``rm``, ``mv``, ``cp``, ``tee``, ``touch``, ``mkdir``, ``ln``, ``sed -i``, ``dd of=``, ``chmod``,
-  ``truncate``, ...) and the file editor's non-``view`` commands that resolve outside the workspace
+  ``truncate``, ...), files named by an option, an operand or a script (``sort -o``, ``curl -o``,
+  ``wget -O``, ``cp -t``, ``find -fprint``, ``uniq IN OUT``, sed's ``w FILE``, awk's
+  ``print > "FILE"``) and the file editor's non-``view`` commands that resolve outside the workspace
   (``allowed_write_paths`` adds roots; ``/dev/null`` and friends are always allowed).
 * ``environment_mutation``: system package managers (``apt``, ``apt-get``, ``yum``, ``dnf``, ``apk``,
   ``brew``, ``snap``), ``pip install --user`` / ``--break-system-packages``, ``export`` / ``unset`` of
@@ -57,6 +59,7 @@ __all__ = [
     "is_safe_to_replay",
     "redirections",
     "split_commands",
+    "sed_effects",
     "written_paths",
 ]
 
@@ -300,15 +303,153 @@ def command_words(tokens: list[str]) -> list[str]:
     return words
 
 
+def _option_values(words: Sequence[str], short: str, long: Sequence[str]) -> list[str]:
+    """The values of an option that takes one, as getopt reads them: ``-o F``, ``-oF``, a cluster
+    ending in it (``-so F``), ``--output F``, ``--output=F``; ``short`` is its letter ("" for
+    none; ``long`` may hold single-dash names such as find's ``-fprint``). Pure."""
+    values = []
+    for i, word in enumerate(words):
+        nxt = words[i + 1] if i + 1 < len(words) else None
+        if word in long:
+            values.append(nxt)
+        elif any(word.startswith(f"{name}=") for name in long if name.startswith("--")):
+            values.append(word.split("=", 1)[1])
+        elif short and word.startswith("-") and not word.startswith("--"):
+            at = word.find(short, 1)
+            if at == 1 or (at > 1 and word[1:at].isalnum()):  # flags before it in the cluster
+                values.append(word[at + 1:] or nxt)
+    return [v for v in values if v and v != "-"]
+
+
+def _to_line_end(script: str, at: int) -> tuple[str, int]:
+    """The text from ``at`` to the end of the line (sed's file names and texts), and past it."""
+    end = script.find("\n", at)
+    end = len(script) if end < 0 else end
+    return script[at:end].strip(), end + 1
+
+
+def _delimited(script: str, at: int, parts: int) -> int:
+    """Past ``parts`` texts delimited by ``script[at]`` (``s/a/b/``: 2), escapes skipped."""
+    delimiter, at = script[at], at + 1
+    while parts and at < len(script):
+        if script[at] == "\\":
+            at += 1
+        elif script[at] == delimiter:
+            parts -= 1
+        at += 1
+    return at
+
+
+def _parse_sed_script(script: str) -> tuple[list[str], bool]:
+    """``(files its w/W commands and s///w flags write, whether an e command or s///e flag runs
+    a shell command)`` of one sed script (GNU sed's syntax). Pure."""
+    written, runs, at = [], False, 0
+    while at < len(script):
+        ch = script[at]
+        if ch in " \t\n;{}!,0123456789$~+":
+            at += 1
+        elif ch == "/":  # an address /RE/
+            at = _delimited(script, at, 1)
+        elif ch == "\\" and at + 1 < len(script):  # an address \cREc
+            at = _delimited(script, at + 1, 1)
+        elif ch in "sy" and at + 1 < len(script):
+            at = _delimited(script, at + 1, 2)
+            if ch == "s":
+                while at < len(script) and script[at] in "gpiImMe0123456789":
+                    runs, at = runs or script[at] == "e", at + 1
+                if at < len(script) and script[at] == "w":
+                    target, at = _to_line_end(script, at + 1)
+                    written.append(target)
+        elif ch in "wW":
+            target, at = _to_line_end(script, at + 1)
+            written.append(target)
+        elif ch == "e":
+            runs, at = True, _to_line_end(script, at + 1)[1]
+        elif ch in "aicrRbtT:":  # text, a file read or a label to the end of the line
+            at = _to_line_end(script, at + 1)[1] if ch in "aicrR" else at + 1
+            if ch in "btT:":
+                while at < len(script) and script[at] not in ";\n}":
+                    at += 1
+        else:  # p d n N g G h H x l L q Q = z D P F ...: one letter
+            at += 1
+    return [w for w in written if w], runs
+
+
+def _sed_scripts(words: Sequence[str]) -> list[str] | None:
+    """The script texts of a sed call (``-e S``, ``--expression=S``, else the first operand);
+    ``None`` when a script comes from a file (``-f``: not visible). Pure."""
+    scripts, has_expression = [], False
+    for i, word in enumerate(words[1:], 1):
+        if word == "--file" or word.startswith("--file="):
+            return None
+        if word[:1] == "-" and word[1:2] not in ("-", "i", "") and "f" in word[1:]:  # -f, -nf
+            return None
+        if word in ("-e", "--expression") and i + 1 < len(words):
+            scripts.append(words[i + 1])
+            has_expression = True
+        elif word.startswith("--expression="):
+            scripts.append(word.split("=", 1)[1])
+            has_expression = True
+    if not has_expression:
+        operands = [w for w in words[1:] if not w.startswith("-")]
+        scripts = operands[:1]
+    return scripts
+
+
+def sed_effects(words: Sequence[str]) -> tuple[list[str], bool]:
+    """What a sed call's script does beyond printing: ``(written files, runs a command)`` from its
+    ``w``/``W`` commands and ``s///w`` flags, and its ``e`` command or ``s///e`` flag (GNU);
+    a script read from a file (``-f``) runs commands as far as the guard can tell;
+    ``--sandbox`` refuses all of them. Pure.
+
+    Args:
+        words: the command's words (:func:`command_words`), ``words[0]`` the program.
+    """
+    if "--sandbox" in words:
+        return [], False
+    scripts = _sed_scripts(words)
+    if scripts is None:
+        return [], True
+    written, runs = [], False
+    for script in scripts:
+        files, executes = _parse_sed_script(script)
+        written += files
+        runs = runs or executes
+    return [w for w in written if w], runs
+_AWK_WRITE = re.compile(r">>?\s*\"([^\"]+)\"")
+"""An awk ``print > "file"`` / ``>> "file"`` in an awk program."""
+_OUTPUT_OPTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "sort": ("o", ("--output",)),
+    "curl": ("o", ("--output",)),
+    "wget": ("O", ("--output-document", "--directory-prefix", "-P")),
+    "find": ("", ("-fprint", "-fprint0", "-fprintf", "-fls")),
+    **{name: ("t", ("--target-directory",)) for name in ("cp", "mv", "ln", "install")},
+}
+"""Commands that name a written path in an option: name -> (short letter, long names)."""
+
+
 def _written_paths(tokens: list[str]) -> list[str]:
-    """Paths a simple command writes: redirection targets and writing commands' arguments."""
+    """Paths a simple command writes: redirection targets, writing commands' arguments, output
+    options (``sort -o``, ``curl -o``, ``cp -t``, ...), ``uniq``'s second operand and the
+    ``w FILE`` of sed and the ``> "file"`` of awk programs."""
     paths = [target for target, _ in redirections(tokens)]
     words = command_words(tokens)
     name = os.path.basename(words[0]) if words else ""
     args = [t for t in words[1:] if not t.startswith("-")]
+    named = _option_values(words[1:], *_OUTPUT_OPTIONS[name]) if name in _OUTPUT_OPTIONS else []
+    paths += named
+    if name == "uniq":  # uniq [OPTION]... [INPUT [OUTPUT]]; -f, -s, -w take a number
+        rest = words[1:]
+        operands = [t for i, t in enumerate(rest) if not t.startswith("-") and not (
+            i and rest[i - 1] in ("-f", "-s", "-w", "--skip-fields", "--skip-chars", "--check-chars"))]
+        paths += operands[1:2]
+    elif name == "sed":
+        paths += sed_effects(words)[0]
+    elif name in ("awk", "gawk", "mawk", "nawk"):
+        paths += [m for t in words[1:] for m in _AWK_WRITE.findall(t)]
     if name in _WRITES_ALL_ARGS:
         paths += args[1:] if name in ("chmod", "chown", "chgrp") else args
-    elif name in _WRITES_LAST_ARG and args:
+    elif name in _WRITES_LAST_ARG and args and not named:  # `cp -t DIR a b`: DIR, named above
         paths.append(args[-1])
     elif name == "sed" and any(t.startswith("-i") or t == "--in-place" for t in words):
         paths += args[1:]

@@ -14,6 +14,7 @@ from mars_openhands.runtime.effects import (
     idempotency_key,
 )
 from mars_openhands.runtime.gate import Verdict, decide
+from mars_openhands.runtime.guard import check_command
 from mars_openhands.runtime.metrics import _percentile, duplicate_effects, summarize
 from mars_openhands.runtime.task import PermissionScope, TaskSpec
 
@@ -91,6 +92,13 @@ REPEAT_SAFETY = [
     ("sed -i s/a/b/ a.py", L), ("sed -i '$a line' a.py", L), ("sed --in-place s/a/b/ a.py", L),
     ("find . -name '*.py' -exec sed -i s/a/b/ {} +", L), ("find . -name x -delete", L), ("sort -o f f", L),
     ("awk '{print > \"out\"}' f", L),
+    # reads whose options or scripts name a written file: the file is replaced by the same output
+    ("uniq in out", I), ("uniq -f 1 in out", I), ("sed -n '1,5w part' f", I), ("sed 's/a/b/w changed' f", I),
+    ("sort -ro out f", L), ("curl -so page http://h/x", L),
+    # sed scripts that run commands (GNU `e`, `s///e`) or come from a file the runtime cannot read
+    ("sed '1e touch x' f", L), ("sed 's/.*/date/e' f", L), ("sed -f fix.sed f", L), ("sed -nf fix.sed f", L),
+    ("sed --sandbox -n 2p f", R), ("sed 's/e/E/' f", R), ("sed '/w/d' f", R), ("sed 's/wrong/right/g' f", R),
+    ("sed '1a w x' f", R), ("sed 'r other' f", R), ("uniq -c f", R), ("sort -r f", R),
     # git: history edits and branch creation act again or fail on a repeat
     ("git add -A", I), ("git checkout main", I), ("git restore a.py", I), ("git init -q", I),
     ("git commit -qm x", C), ("git checkout -b feature", L), ("git switch -c feature", L),
@@ -239,3 +247,32 @@ def test_recorded_classes_alone_miss_the_old_append() -> None:
     row = _effect_row("a", "echo one >> log.txt; sleep 8", I, 2)
     assert duplicate_effects([row], _finished("a", 1)) == (0, 0)
     assert duplicate_effects([row], _finished("a", 1), SPEC) == (0, 1)
+
+
+# Files named by an option, an operand or a script rather than by a redirection: the guard and
+# the task scope's paths must see them as any `> FILE`.
+NAMED_OUTPUTS = [
+    "uniq in {p}", "uniq -f 1 in {p}", "sort -o {p} f", "sort -ro {p} f", "sort --output={p} f",
+    "curl -sSo {p} http://h/x", "curl --output {p} http://h/x", "wget -O {p} http://h/x",
+    "cp -t {p} a b", "mv --target-directory={p} a", "cp -rt {p} a", "sed -n '1w {p}' f",
+    "sed 's/a/b/w {p}' f", "sed -e 's/a/b/' -e 'w {p}' f", "awk '{{print > \"{p}\"}}' f",
+    "find . -fprint {p}",
+]
+
+
+@pytest.mark.parametrize("template", NAMED_OUTPUTS)
+def test_a_file_named_by_an_option_or_a_script_is_a_written_path(template: str) -> None:
+    outside = check_command(template.format(p="/etc/x"), WS)
+    assert not outside.is_allowed and outside.rule == "write_outside_workspace", template
+    assert check_command(template.format(p="out/x"), WS).is_allowed
+    effect = classify(Action.build("terminal", {"command": template.format(p="/etc/x")}, WS), WS)
+    assert effect.effect == X and "/etc/x" in effect.written_paths
+
+
+@pytest.mark.parametrize("command", [
+    "uniq -c f", "sort -r f", "sed 's/w/x/' f", "sed '/w/d' f", "sed '1a w /etc/x' f",
+    "sed --sandbox '1w /etc/x' f", "awk '$1 > 5' f", "cp -t out /etc/hosts", "wget -qO- http://h/x",
+    "sed 's|/usr/|/opt/|g' f",
+])
+def test_text_that_only_looks_like_an_output_is_not_one(command: str) -> None:
+    assert check_command(command, WS).is_allowed, command
