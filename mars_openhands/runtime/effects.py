@@ -137,6 +137,14 @@ DEFAULT_RULES: tuple[EffectRule, ...] = (
           is_network=True),
     _rule("http-write", r"^curl\b.*(" + _WRITE_METHOD + r")|^wget\b.*--post", _X, is_network=True),
     _rule("http-read", r"^(curl|wget)\b", _R, is_network=True),
+    # Installs and fetches download code: the scope's `network` switch decides them like curl.
+    _rule("package-install", r"^(python3?\s+-m\s+)?(pip3?|uv\s+pip)\s+(install|download|wheel)\b|"
+          r"^uv\s+(add|sync|lock)\b|^(npm|pnpm)\s+(install|i|ci|add|update)\b|"
+          r"^yarn(\s+(install|add|upgrade)\b|\s*$)|^cargo\s+(install|fetch|update)\b|"
+          r"^go\s+(get|install|mod\s+download)\b|^(gem|conda|mamba|poetry)\s+(install|add|update)\b",
+          _L, is_network=True),
+    _rule("git-fetch", r"^git\s+(clone|fetch|pull|submodule\s+update)\b", _L, is_network=True),
+    _rule("git-remote-read", r"^git\s+ls-remote\b", _R, is_network=True),
     _rule("git-commit", r"^git\s+commit\b", _C, probe="git rev-parse HEAD",
           compensation="git reset --soft {before}"),
     _rule("git-read", r"^git\s+(diff|status|log|show|rev-parse|ls-files|ls-tree|blame|grep|describe|"

@@ -33,6 +33,12 @@ TERMINAL = [
     ("curl -s -d 'a=1' http://h/x", X, True), ("npm publish", X, True), ("ssh host ls", X, True),
     ('curl -X PUT -H "Idempotency-Key: $MARS_IDEMPOTENCY_KEY" http://h/x', I, True),
     ("curl -s http://h/x", R, True), ("rm -rf /etc/x", X, False), ("cp a ../b", X, False),
+    # installs and fetches reach the network (a scope without `network` denies them)
+    ("pip install requests", L, True), ("python -m pip install -e .", L, True), ("npm ci", L, True),
+    ("uv pip install x", L, True), ("uv sync", L, True), ("yarn", L, True), ("go get x", L, True),
+    ("cargo fetch", L, True), ("git clone https://h/r", L, True), ("git pull", L, True),
+    ("git ls-remote origin", R, True), ("pip list", L, False), ("npm run build", L, False),
+    ("git log", R, False),
 ]
 
 
