@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from eval.metrics import session_table
 from eval.policies import merge_config
@@ -64,6 +64,7 @@ from eval.workloads import Workload
 from mars_openhands.cli_style import redact_url
 from mars_openhands.control.config import GatewayConfig, ReplicaConfig
 from mars_openhands.engine.harness.launch import VllmServer, VllmServerOptions
+from mars_openhands.env import API_KEY
 from mars_openhands.policy.admission import AdmissionParams
 from mars_openhands.policy.params import parse_scheduler_params
 from mars_openhands.policy.reorder import ReorderParams
@@ -595,8 +596,10 @@ class LiveBackend:
                 endpoint_kind: Literal["engine", "gateway"]) -> tuple[Any, list[ev.Event]]:
         server = self._server
         assert server is not None
+        key = API_KEY.get_secret() if self.spec.kind == "url" else None  # ours start keyless
         config = ReplayConfig(
             endpoint_url=url, model=server.model, endpoint_kind=endpoint_kind, seed=seed,
+            api_key=SecretStr(key) if key else None,
             num_tool_workers=self.options.num_tool_workers, tool_mode=self.options.tool_mode,
             request_timeout_s=self.options.request_timeout_s, run_timeout_s=self.options.run_timeout_s,
             show_progress=False, max_model_len_tokens=(self.options.max_model_len_tokens
@@ -631,16 +634,27 @@ class LiveBackend:
 
 
 def first_served_model(url: str) -> str:
-    """The first model id of ``GET {url}/v1/models``.
+    """The first model id of ``GET {url}/v1/models``, sending ``MARS_API_KEY`` as a bearer key
+    when it is set (a gateway or vLLM started with ``--api-key``).
 
     Raises:
-        ValueError: the server does not answer or lists no model (names the URL and the fix).
+        ValueError: the server does not answer or lists no model, or ``MARS_API_KEY`` is not a
+            usable key (names the URL or the variable, and the fix).
     """
+    key = API_KEY.get_secret()
+    refused = None
     try:
-        response = httpx.get(url + "/v1/models", timeout=10.0)
+        response = httpx.get(url + "/v1/models", timeout=10.0,
+                             headers={"Authorization": f"Bearer {key}"} if key else None)
+        refused = response.status_code if response.status_code in (401, 403) else None
         response.raise_for_status()
         models = [m["id"] for m in response.json().get("data", [])]
     except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as e:
+        if refused is not None:
+            raise ValueError(redact_url(
+                f"{url}/v1/models answered {refused}: " + (
+                    "the key in MARS_API_KEY was refused; set it to the server's --api-key" if key
+                    else "the server wants an API key; set MARS_API_KEY to its --api-key"))) from None
         raise ValueError(redact_url(
             f"cannot list models at {url}/v1/models ({type(e).__name__}: {e}); is an OpenAI-compatible "
             "server running there? Start it, or give --backend the URL of a running one")) from None

@@ -177,7 +177,8 @@ def add_compare_subcommand(subparsers: Any) -> argparse.ArgumentParser:
                    help="emulated: wall seconds per modelled second for step times, tool durations and "
                         "arrival gaps together (metrics are un-scaled); default 1")
     p.add_argument("--endpoint-kind", choices=("engine", "gateway"), default="engine",
-                   help="URL backend: the URL is a vLLM engine or a MARS gateway (default engine)")
+                   help="URL backend: the URL is a vLLM engine or a MARS gateway (default engine); "
+                        "a server started with --api-key gets $MARS_API_KEY as its bearer key")
     p.add_argument("--served-model", default=None,
                    help="URL backend: the model name to send (default: the first of /v1/models)")
     p.add_argument("--run-timeout", type=positive_float, default=None,

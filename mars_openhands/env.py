@@ -66,8 +66,8 @@ GATEWAY_ADMIN_KEY = _declare(
 GATEWAY_CONFIG = _declare(
     "MARS_GATEWAY_CONFIG", "the in-process gateway's settings (JSON or @file.json)",
     "mars_openhands/control/inprocess.py")
-API_KEY = _declare("MARS_API_KEY", "API key the OpenHands LLM client and `replay` send (Authorization: Bearer)",
-                   "mars_openhands/openhands/llm.py, eval/replay.py")
+API_KEY = _declare("MARS_API_KEY", "API key the OpenHands LLM client, `replay` and `compare --backend URL` send (Authorization: Bearer)",
+                   "mars_openhands/openhands/llm.py, eval/replay.py, eval/backends.py")
 _declare("MARS_EVENTS_URL", "the gateway's POST /mars/v1/events URL for OpenHands tools",
          "mars_openhands/openhands/executor.py")
 _declare("MARS_EVENTS_PATH", "JSONL file the OpenHands tools append their events to",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -696,3 +697,30 @@ def test_cli_sends_mars_api_key_or_the_flag_and_refuses_a_401_in_one_line(
     monkeypatch.setenv("MARS_API_KEY", "k3y\n")
     code, err = run("newline")
     assert code == EXIT_BAD_INPUT and err.startswith("mars-openhands replay: error: MARS_API_KEY has whitespace")
+
+
+def test_compare_url_backend_sends_mars_api_key(keyed_endpoint: str, monkeypatch) -> None:
+    """``compare --backend URL`` at a keyed server: its model check and every replay send
+    ``MARS_API_KEY`` (they sent none: a keyed gateway refused the whole run); without a key or
+    with a wrong one the check says which, in one line."""
+    from eval import backends
+
+    monkeypatch.delenv("MARS_API_KEY", raising=False)
+    with pytest.raises(ValueError, match="answered 401: the server wants an API key; set MARS_API_KEY"):
+        backends.first_served_model(keyed_endpoint)
+    monkeypatch.setenv("MARS_API_KEY", "wrong")
+    with pytest.raises(ValueError, match="the key in MARS_API_KEY was refused") as info:
+        backends.first_served_model(keyed_endpoint)
+    assert "wrong" not in str(info.value)
+    monkeypatch.setenv("MARS_API_KEY", "k3y")
+    with pytest.raises(ValueError, match="cannot list models .*404"):  # past the key: its 404
+        backends.first_served_model(keyed_endpoint)
+
+    sent = []
+    monkeypatch.setattr(backends, "run_replay", lambda workload, config, sink: sent.append(config))
+    live = backends.LiveBackend(backends.parse_backend(keyed_endpoint), backends.LiveOptions(
+        num_gpu_blocks=100, max_model_len_tokens=1000, endpoint_kind="gateway"), {})
+    live._server = backends.LiveServer("p", keyed_endpoint, "m", None, None, lambda: None)
+    with contextlib.suppress(TypeError, AttributeError):  # the stand-in returns no result
+        live._replay(keyed_endpoint, WORKLOAD, 0, "gateway")
+    assert sent and sent[0].api_key is not None and sent[0].api_key.get_secret_value() == "k3y"
