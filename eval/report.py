@@ -203,6 +203,33 @@ def _ratio_section(results: pd.DataFrame, reference: str, title: str) -> list[st
     return parts
 
 
+def _replica_section(results: pd.DataFrame) -> list[str]:
+    """Several replicas: each run's re-homes and, with ``--lose-replica``, what the loss cost."""
+    if "num_rehomes" not in results.columns or results["num_rehomes"].isna().all():
+        return []
+    ok = results.loc[results["status"] == "ok"]
+    has_loss = "lost_replica" in ok.columns and ok["lost_replica"].notna().any()
+    header = "| run | sessions re-homed | completed |"
+    if has_loss:
+        header += (" replica lost (at s) | sessions re-placed | turns failed | re-prefilled tokens | "
+                   "requests aborted (KV checked: no leak) |")
+    parts = ["## Replicas", "",
+             "Sessions re-homed: moved off a live replica by the router. A lost replica's requests are "
+             "aborted and its KV blocks checked for leaks (a leak fails the run); its sessions are "
+             "re-placed and re-prefill their context elsewhere.", "",
+             header, "|" + "---|" * (header.count("|") - 1)]
+    for _, r in ok.iterrows():
+        line = f"| {r['run_id']} | {int(r['num_rehomes']):,} | {int(r['num_completed'])}/{int(r['num_sessions'])} |"
+        if has_loss and pd.notna(r["lost_replica"]):
+            line += (f" {int(r['lost_replica'])} ({r['lost_at_s']:g}) | {int(r['loss_sessions_replaced']):,} | "
+                     f"{int(r['loss_turns_failed']):,} | {int(r['loss_reprefill_tokens']):,} | "
+                     f"{int(r['loss_requests_aborted']):,} |")
+        elif has_loss:  # a run taken from a capacity probe: its counters were not kept
+            line += " – | – | – | – | – |"
+        parts.append(line)
+    return [*parts, ""]
+
+
 def _failures_section(results: pd.DataFrame) -> list[str]:
     failed = results.loc[results["status"] != "ok"]
     if failed.empty:
@@ -539,6 +566,7 @@ def _gpu_sections(results: pd.DataFrame, meta: Mapping[str, Any], is_absolute: b
         parts += _paper_section(results, meta.get("admission"))
         parts += _ablation_section(results, capacity)
     parts += _capacity_section(capacity)
+    parts += _replica_section(results)
     return parts
 
 

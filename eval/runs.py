@@ -41,6 +41,7 @@ __all__ = [
     "plan",
     "probe_run_task",
     "probe_task",
+    "replica_fields",
     "results_frame",
     "run_task",
     "sim_config",
@@ -273,13 +274,36 @@ def run_task(run: Run, workload: Workload, options: CompareOptions, timer: Any, 
     metrics and ``"_e2e"`` (completed sessions' E2E) or ``status: failed`` with the error."""
     from eval import sim  # vLLM (~20 s): imported only where runs are simulated
 
+    results: list[Any] = []
+
     def execute(arrived: Workload) -> Sequence[Any]:
         sink = ListSink(kinds=METRIC_KINDS)
         config = sim_config(options, run.policy, run.is_admission_enabled, num_gpu_blocks)
-        (simulate_fn or sim.simulate)(arrived, config, real_timer(timer), sink)
+        results.append((simulate_fn or sim.simulate)(arrived, config, real_timer(timer), sink))
         return sink.events
 
-    return one_run(run, workload, options, ideal_s, execute, out_dir)
+    row = one_run(run, workload, options, ideal_s, execute, out_dir)
+    if results and row.get("status") != "failed" and options.num_replicas > 1:
+        row.update(replica_fields(results[0]))
+    return row
+
+
+def replica_fields(result: Any) -> dict[str, Any]:
+    """The routing and replica-loss counters of a several-replica :class:`~eval.sim.SimResult`, as
+    results-table columns: ``num_rehomes`` (sessions the router moved off a live replica) and,
+    when a replica was lost (``--lose-replica``), ``lost_replica``, ``lost_at_s``,
+    ``loss_sessions_replaced``, ``loss_turns_failed``, ``loss_reprefill_tokens`` (context prefilled
+    again elsewhere) and ``loss_requests_aborted`` (its engine's requests, aborted and then checked
+    for leaked KV blocks: a leak fails the run). Pure."""
+    fields: dict[str, Any] = {"num_rehomes": getattr(result, "num_rehomes", 0)}
+    loss = getattr(result, "replica_loss", None)
+    if loss is not None:
+        fields.update(lost_replica=loss.index, lost_at_s=loss.at_s,
+                      loss_sessions_replaced=loss.num_sessions_replaced,
+                      loss_turns_failed=loss.num_turns_failed,
+                      loss_reprefill_tokens=loss.num_reprefill_tokens,
+                      loss_requests_aborted=loss.num_requests_aborted)
+    return fields
 
 
 def probe_run_task(run: Run, workload: Workload, stream: pd.DataFrame, probe_wall_s: float,

@@ -543,3 +543,29 @@ def test_host_kv_adds_stock_offload_and_the_named_policies_variants() -> None:
         tier = sim_config(options, variant, spec.has_control_plane).engine.host_kv
         assert tier is not None and tier.size_gib == 64.0
         assert sim_config(options, name, base.has_control_plane).engine.host_kv is None
+
+
+def test_a_lost_replicas_cost_reaches_the_results_and_the_summary(tmp_path, sim) -> None:
+    """``compare --replicas 4 --lose-replica 1@1``: the sessions re-placed, turns failed and
+    context re-prefilled are columns of results.parquet and a "Replicas" table in summary.md
+    (they were dropped with the SimResult)."""
+    losses = []
+
+    def keep(workload, config, timer, sink=None):
+        result = sim.simulate(workload, config, timer, sink)
+        losses.append(result.replica_loss)
+        return result
+
+    options = CompareOptions(policies=("fcfs",), loads=(2.0,), num_gpu_blocks=512, base_rate_per_s=1.0,
+                             admission="off", num_replicas=4, lose_replica=(1, 1.0), router="least-sessions")
+    results = run_compare(small_workload(16, turns=4), options, sim.LinearStepTimeModel(), tmp_path, simulate_fn=keep)
+    row = results.iloc[0]
+    loss = losses[-1]
+    assert loss is not None and loss.num_sessions_replaced >= 1
+    assert (row["lost_replica"], row["loss_sessions_replaced"], row["loss_reprefill_tokens"]) == (
+        1, loss.num_sessions_replaced, loss.num_reprefill_tokens)
+    assert row["num_completed"] == row["num_sessions"] and row["num_rehomes"] >= 0
+    text = (tmp_path / "summary.md").read_text()
+    assert "## Replicas" in text and (
+        f"| 1 (1) | {loss.num_sessions_replaced:,} | {loss.num_turns_failed:,} | "
+        f"{loss.num_reprefill_tokens:,} |") in text
