@@ -418,7 +418,8 @@ def test_the_config_checker_reports_before_vllm_starts(monkeypatch, tmp_path, ca
         f"{CONFIG_ENV}: unknown key 'admission.window_mn'; did you mean 'window_min'? 'admission' takes: "
         "window_max, window_init, window_min, decrease_factor, increase_step, update_interval_s, "
         "cpu_set_backlog_ratio, cpu_clear_backlog_ratio, cpu_set_wait_s, cpu_clear_wait_s, kv_set_usage, "
-        "kv_clear_usage, tool_wait_ema_alpha, tool_fraction_horizon_s, max_admission_wait_s")
+        "kv_clear_usage, kv_usage_over_replicas, tool_wait_ema_alpha, tool_fraction_horizon_s, "
+        "max_admission_wait_s")
 
 
 @pytest.mark.parametrize(("value", "expected"), [
