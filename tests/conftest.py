@@ -91,6 +91,18 @@ def vllm_server_factory(
 
 
 @pytest.fixture(autouse=True)
+def restore_handlers() -> Iterator[None]:
+    """Put back the SIGINT and SIGTERM handlers a test installed (a ``serve`` start or stop, a
+    sweep's held Ctrl-C): an ignored SIGINT left behind is inherited by every process a later
+    test starts in this worker, so its Ctrl-C test saw nothing."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for sig, handler in saved.items():
+        if handler is not None:
+            signal.signal(sig, handler)
+
+
+@pytest.fixture(autouse=True)
 def _no_leftover_vllm_processes(request: pytest.FixtureRequest) -> Iterator[None]:
     """After each integration test, fail if a server it started is still running."""
     yield

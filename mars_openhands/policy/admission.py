@@ -94,8 +94,8 @@ class AdmissionParams(BaseModel):
     kv_clear_usage: float = Field(0.85, ge=0.0, lt=1.0)
     """KV overload clears, and C_kv = W_max, when u <= this (default 0.85)."""
     kv_usage_over_replicas: Literal["pooled", "max"] = "pooled"
-    """How u reads several replicas' KV usage: ``pooled`` (default) = their used blocks over all
-    their blocks, as if one pool (the window counts sessions on every replica; placing them on the
+    """How u reads several replicas' KV usage: ``pooled`` = their used blocks over all their
+    blocks, as if one pool (the window counts sessions on every replica; placing them on the
     replica with room is the router's job); ``max`` = the fullest replica's, so one full replica
     holds the window shut for all (the rule before 2026-12-06: 0.93x the pooled-KV bound's
     capacity on 4 H100s, docs/compare.md). One replica: the same u either way."""

@@ -55,7 +55,8 @@ _CALLS = textwrap.dedent("""
         open(path, "w").close()
 """)
 _STOPPED_OWNER = textwrap.dedent("""
-    import os, sys
+    import os, signal, sys
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even if inherited ignored
     import eval.pool as pool
     from owner_calls import sleep_then_touch
 
