@@ -40,10 +40,11 @@ Policies (name: source, version):
   active program tokens that has room for the prompt plus ``BUFFER_PER_PROGRAM`` = 100 tokens per
   program (its ``remaining_capacity``); ThunderAgent queues a program none has room for, which here
   is the admission window's job, so it goes to the least active tokens.
-* ``mars-placement`` (ours): sticky with re-homing; a new session goes to the replica whose
-  projected KV working set (its sessions' next-turn contexts, plus this one) is the smallest
-  fraction of its KV, ties by sessions in the LLM phase (not in a tool call: CPU pressure leaves
-  a replica's compute free), then index. At a turn boundary the session moves when its replica
+* ``mars-placement`` (ours): sticky with re-homing; a new session goes to the replica with the
+  fewest sessions (each grows to a whole context: the count predicts KV growth better than today's
+  working set, which a young session barely adds to), ties by the smallest projected KV working
+  set (its sessions' next-turn contexts, plus this one) as a fraction of its KV, then by sessions
+  in the LLM phase (not in a tool call: CPU pressure leaves a replica's compute free), then index. At a turn boundary the session moves when its replica
   is over-committed by at least the session's own context (the re-prefill it is charged is no more
   than the evictions it saves) and another replica takes it below ``rehome_max_fill`` = 0.9.
 * ``pooled-kv`` (a bound, not a router: ``pools_kv``): the replicas' KV is one pool (the
@@ -282,7 +283,10 @@ def _mars_placement(request: RouteRequest, healthy: Sequence[ReplicaLoad],
         if overflow >= size > 0 and _fill_with(best, size) <= REHOME_MAX_FILL:
             return best.index
         return current.index
-    return min(healthy, key=lambda r: (_fill_with(r, size) > 1.0, _fill_with(r, size),
+    # A new session's KV is its first prompt but grows to its whole context: the replica's session
+    # count predicts that growth better than the working set's projection now (measured:
+    # docs/compare.md, "Replicas and routers"), which breaks ties; re-homing corrects what it misses.
+    return min(healthy, key=lambda r: (r.num_sessions, _fill_with(r, size),
                                        r.num_sessions - r.num_acting_sessions, r.index)).index
 
 

@@ -112,17 +112,21 @@ def test_thunderagent_takes_the_least_active_tokens_with_room():
     assert decisions["least-sessions"] == 0
 
 
-def test_mars_placement_balances_projected_kv_and_prefers_replicas_in_tool_calls():
+def test_mars_placement_balances_sessions_then_projected_kv_then_prefers_replicas_in_tool_calls():
     session = next(f"s{i}" for i in range(100) if _stable_hash(f"s{i}") % 4 == 3)
     request = RouteRequest(session, num_prompt_tokens=10_000, num_projected_tokens=12_000)
-    loads = [ReplicaLoad(0, num_sessions=1, num_kv_tokens=KV, num_working_set_tokens=80_000),
-             ReplicaLoad(1, num_sessions=3, num_kv_tokens=KV, num_working_set_tokens=30_000,
-                         num_acting_sessions=0, num_waiting=5),
-             ReplicaLoad(2, num_sessions=3, num_kv_tokens=KV, num_working_set_tokens=30_000,
-                         num_acting_sessions=2, num_waiting=5, num_in_flight=20),
-             ReplicaLoad(3, num_sessions=2, num_kv_tokens=KV, num_working_set_tokens=60_000)]
+    # Replica 3 has the smallest working set but two sessions (each grows to a whole context);
+    # of the one-session replicas, 1 and 2 tie on projected KV and 2's session is in a tool call.
+    loads = [ReplicaLoad(0, num_sessions=1, num_kv_tokens=KV, num_working_set_tokens=80_000,
+                         num_waiting=5),
+             ReplicaLoad(1, num_sessions=1, num_kv_tokens=KV, num_working_set_tokens=30_000,
+                         num_acting_sessions=0, num_waiting=5, num_in_flight=1),
+             ReplicaLoad(2, num_sessions=1, num_kv_tokens=KV, num_working_set_tokens=30_000,
+                         num_acting_sessions=1, num_waiting=5, num_in_flight=20),
+             ReplicaLoad(3, num_sessions=2, num_kv_tokens=KV, num_working_set_tokens=10_000)]
     decisions = _decisions(request, loads)
     assert decisions["mars-placement"] == 2
+    assert decisions["least-sessions"] == 0  # KV usage unknown: fewest requests in flight
     _unique(decisions, "mars-placement")
 
 
