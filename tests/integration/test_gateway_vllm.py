@@ -109,9 +109,12 @@ def test_gateway_with_two_vllm_replicas(vllm_server_factory) -> None:
         port=0, replicas=[ReplicaConfig(url=e.url) for e in engines], num_tool_workers=4,
         poll_interval_s=0.1, replica_failure_threshold=1, engine_events_address=events_address,
         # The preview's C_cpu (f = 1): the window's levels below are exact, whatever share of the
-        # injected tool calls' time the measured tool fraction would count.
+        # injected tool calls' time the measured tool fraction would count. u is the fullest
+        # replica's: step 4 fills one replica's KV, which the default pooled reading halves (its
+        # levels are unit-tested, tests/unit/control/test_plane.py); here the engines' telemetry
+        # must move the window.
         admission={"window_max": 8, "window_init": 8, "window_min": 2, "update_interval_s": 0.05,
-                   "tool_fraction_horizon_s": None},
+                   "tool_fraction_horizon_s": None, "kv_usage_over_replicas": "max"},
         admin_key=ADMIN["authorization"].removeprefix("Bearer "),
     )
 
