@@ -58,8 +58,8 @@ __all__ = [
     "command_words",
     "is_safe_to_replay",
     "redirections",
-    "split_commands",
     "sed_effects",
+    "split_commands",
     "written_paths",
 ]
 
@@ -415,7 +415,9 @@ def sed_effects(words: Sequence[str]) -> tuple[list[str], bool]:
         files, executes = _parse_sed_script(script)
         written += files
         runs = runs or executes
-    return [w for w in written if w], runs
+    return written, runs
+
+
 _AWK_WRITE = re.compile(r">>?\s*\"([^\"]+)\"")
 """An awk ``print > "file"`` / ``>> "file"`` in an awk program."""
 _OUTPUT_OPTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
