@@ -221,6 +221,10 @@ def add_compare_subcommand(subparsers: Any) -> argparse.ArgumentParser:
                    help="knee search: stable iff all sessions complete and mean slowdown <= this (default 2)")
     p.add_argument("--knee-tolerance", type=finite_float, default=1.1,
                    help="knee search: stop once the bracket's high / low rate is at most this (default 1.1)")
+    p.add_argument("--knee-step", type=finite_float, default=2.0,
+                   help="knee search: the bracketing ladder's factor (default 2: double while stable, "
+                        "halve while unstable); e.g. 1.05 with a --base-rate near a known knee saves "
+                        "the far probes")
     p.add_argument("--search-runs", type=int, default=8,
                    help="knee search: at most this many runs per search (default 8)")
     p.add_argument("--capacity", action="store_true",
@@ -475,7 +479,7 @@ def _options_from_args(args: argparse.Namespace, policies: tuple[str, ...]) -> C
         admission=args.admission, num_gpu_blocks=args.kv_blocks if args.kv_blocks else 2,
         num_tool_workers=args.tool_workers, seed=args.seed, base_rate_per_s=args.base_rate,
         knee_slowdown=args.knee_slowdown, search_max_runs=args.search_runs,
-        knee_tolerance=args.knee_tolerance, is_capacity=args.capacity,
+        knee_tolerance=args.knee_tolerance, knee_step=args.knee_step, is_capacity=args.capacity,
         num_replicas=args.replicas, router=args.router or DEFAULT_ROUTING_POLICY, lose_replica=args.lose_replica,
         mars_config=checked_mars_config(getattr(args, "mars_config", None), policies))
 

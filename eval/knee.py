@@ -6,7 +6,8 @@ search run for every policy is its *capacity at SLO* (``compare --capacity``).
 
 Mental model: slowdown grows with the rate (more sessions in flight, more queueing, and past the
 KV cliff every turn re-prefills), so the stable rates form an interval ``(0, knee]``. The search
-first *brackets* the knee (double from a start rate while stable, halve while unstable), then
+first *brackets* the knee (double from a start rate while stable, halve while unstable; the ladder's
+factor is a parameter), then
 *bisects* the bracket geometrically until ``hi / lo <= tolerance`` (the early stop: a 10% bracket
 is finer than the run-to-run noise of one arrival seed) or the run budget is spent. With ``width``
 probes per round (parallel workers), a round probes ``width`` rates at once: the next rungs of the
@@ -68,18 +69,21 @@ class KneeSearch:
         max_runs: most probes in all (>= 1).
         tolerance: stop bisecting once ``hi / lo <= tolerance`` (> 1).
         label: who is searched, for :meth:`result`'s sentence (e.g. ``"FCFS"``).
+        step: the bracketing ladder's factor (> 1; 2 = doubling). A step near the tolerance
+            brackets a knee already known to lie near the start rate in one or two rounds,
+            without probes at twice or half of it.
 
     Raises:
         ValueError: a parameter out of range (names it and the value).
     """
 
     def __init__(self, start_rate_per_s: float, bound: float, max_runs: int, tolerance: float = 1.05,
-                 label: str = "FCFS") -> None:
-        if not start_rate_per_s > 0 or max_runs < 1 or not tolerance > 1:
-            raise ValueError(f"need start_rate_per_s > 0, max_runs >= 1 and tolerance > 1, got "
-                             f"{start_rate_per_s}, {max_runs}, {tolerance}")
+                 label: str = "FCFS", step: float = 2.0) -> None:
+        if not start_rate_per_s > 0 or max_runs < 1 or not tolerance > 1 or not step > 1:
+            raise ValueError(f"need start_rate_per_s > 0, max_runs >= 1, tolerance > 1 and step > 1, got "
+                             f"{start_rate_per_s}, {max_runs}, {tolerance}, {step}")
         self.start_rate_per_s, self.bound, self.max_runs = start_rate_per_s, bound, max_runs
-        self.tolerance, self.label = tolerance, label
+        self.tolerance, self.label, self.step = tolerance, label, step
         self.probes: list[tuple[float, float, bool]] = []
         self._pending: set[float] = set()
         self.error: str | None = None
@@ -119,14 +123,14 @@ class KneeSearch:
         width = max(1, min(width, self.max_runs - len(self.probes)))
         stable, unstable = self._stable, self._unstable
         if not self.probes:
-            rates = [self.start_rate_per_s * 2.0 ** i for i in range(width)]
+            rates = [self.start_rate_per_s * self.step ** i for i in range(width)]
         elif self.is_bracketed:
             lo, hi = max(stable), min(unstable)
             rates = [lo * (hi / lo) ** ((i + 1) / (width + 1)) for i in range(width)]
         elif unstable:  # nothing stable yet: go down
-            rates = [min(unstable) / 2.0 ** (i + 1) for i in range(width)]
+            rates = [min(unstable) / self.step ** (i + 1) for i in range(width)]
         else:  # nothing unstable yet: go up
-            rates = [max(stable) * 2.0 ** (i + 1) for i in range(width)]
+            rates = [max(stable) * self.step ** (i + 1) for i in range(width)]
         self._pending.update(rates)
         return rates
 
@@ -156,7 +160,8 @@ class KneeSearch:
             above = [r for r in unstable if r > best]
             bracket = (f"; first unstable rate {min(above):.4g}/s" if above
                        else "; no unstable rate found within the budget (the knee may be higher)")
-            how = (f"{self.label} knee search: {len(probes)} runs (doubling from "
+            ladder = "doubling" if self.step == 2.0 else f"steps of ×{self.step:g}"
+            how = (f"{self.label} knee search: {len(probes)} runs ({ladder} from "
                    f"{self.start_rate_per_s:.4g}/s, then bisection to a {self.tolerance:g}× bracket), "
                    f"stable = all sessions complete and mean slowdown <= {self.bound:g}; "
                    f"largest stable rate {best:.4g}/s{bracket}")

@@ -338,7 +338,8 @@ class _Sweep:
         o = self.options
         return self._key("knee", setup, label, POLICIES[label.removesuffix("+adm")].engine,
                          POLICIES[label.removesuffix("+adm")].additional_config, o.knee_slowdown,
-                         o.search_max_runs, o.knee_tolerance, start_rate_per_s)
+                         o.search_max_runs, o.knee_tolerance, start_rate_per_s,
+                         *(() if o.knee_step == 2.0 else (o.knee_step,)))
 
     def _searches(self, pool: Pool, wanted: Sequence[tuple[GpuSetup, str, float]],
                   description: str, is_keeping_streams: bool = False,
@@ -363,7 +364,7 @@ class _Sweep:
                 continue
             name = "FCFS" if label == "fcfs" else label
             open_[(setup.gpu, label)] = (setup, KneeSearch(start, o.knee_slowdown, o.search_max_runs,
-                                                           o.knee_tolerance, name), key)
+                                                           o.knee_tolerance, name, o.knee_step), key)
         task = self._task(description, o.search_max_runs * len(open_)) if open_ else None
 
         def make_call(ident: tuple[str, str], rate: float, cancel_path: str | None) -> tuple[Callable[..., Any], tuple[Any, ...]]:

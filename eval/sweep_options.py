@@ -51,6 +51,8 @@ class CompareOptions(BaseModel):
     """Runs one knee search may spend (FCFS's, and each policy's with ``is_capacity``)."""
     knee_tolerance: float = Field(1.1, gt=1.0)
     """Stop bisecting once the bracket's ``hi / lo`` is at most this (10%: finer than one seed's noise)."""
+    knee_step: float = Field(2.0, gt=1.0)
+    """The bracketing ladder's factor (2: double while stable, halve while unstable)."""
     is_capacity: bool = False
     """Also search every policy's own knee (capacity at SLO; ``--capacity``)."""
     alphas: tuple[float, ...] = DEFAULT_ALPHAS

@@ -117,6 +117,31 @@ def test_parallel_knee_search_brackets_in_fewer_rounds_and_stops_at_the_toleranc
     assert parallel < serial and len(one.probes) == 7 + 3  # doublings to 0.64, then 2 -> 1.41 -> 1.19 -> 1.09
 
 
+def test_a_fine_ladder_near_a_known_knee_brackets_it_without_far_probes() -> None:
+    knee = 0.0160
+
+    def search(step: float) -> KneeSearch:
+        s = KneeSearch(0.0150, bound=2.0, max_runs=8, tolerance=1.05, step=step)
+        while rates := s.next_rates(2):
+            for rate in rates:
+                s.record(rate, 1.5 if rate <= knee else 3.0)
+        return s
+
+    fine, coarse = search(1.05), search(2.0)
+    for s in (fine, coarse):
+        result = s.result()
+        assert knee / 1.05 <= result.rate_per_s <= knee and result.is_bracketed
+    assert len(fine.probes) < len(coarse.probes)
+    assert max(r for r, _, _ in fine.probes) < 1.1 * knee < max(r for r, _, _ in coarse.probes)
+    assert "steps of ×1.05" in fine.result().how and "doubling" in coarse.result().how
+    down = KneeSearch(0.0200, bound=2.0, max_runs=8, tolerance=1.05, step=1.05)
+    assert down.next_rates(1) == [0.0200]
+    down.record(0.0200, 3.0)
+    assert down.next_rates(2) == pytest.approx([0.0200 / 1.05, 0.0200 / 1.05 ** 2])
+    with pytest.raises(ValueError, match="step > 1"):
+        KneeSearch(1.0, 2.0, 3, step=1.0)
+
+
 def _fake_probe(log: list[tuple[str, float, float]], knee: float):
     """A knee probe of the linear slowdown ``rate / knee + 1``: unstable probes return fast (the
     guard stops them), stable ones slowly; a cancel file stops one at once. A float timer is
