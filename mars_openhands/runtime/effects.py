@@ -143,6 +143,12 @@ DEFAULT_RULES: tuple[EffectRule, ...] = (
           r"^yarn(\s+(install|add|upgrade)\b|\s*$)|^cargo\s+(install|fetch|update)\b|"
           r"^go\s+(get|install|mod\s+download)\b|^(gem|conda|mamba|poetry)\s+(install|add|update)\b",
           _L, is_network=True),
+    # Queries of what is installed read the environment; the package index is read over the network.
+    _rule("package-query", r"^(python3?\s+-m\s+)?(pip3?|uv\s+pip)\s+(list|show|freeze|check)\b|"
+          r"^(npm|pnpm)\s+(ls|list|outdated)\b|^(python3?|pip3?|node|npm|go|cargo|rustc|gcc|java)\s+"
+          r"(--version|-V|version)\s*$", _R),
+    _rule("package-index-read", r"^(python3?\s+-m\s+)?pip3?\s+index\b|^(npm|pnpm|yarn)\s+(view|info)\b", _R,
+          is_network=True),
     _rule("git-fetch", r"^git\s+(clone|fetch|pull|submodule\s+update)\b", _L, is_network=True),
     _rule("git-remote-read", r"^git\s+ls-remote\b", _R, is_network=True),
     _rule("git-commit", r"^git\s+commit\b", _C, probe="git rev-parse HEAD",

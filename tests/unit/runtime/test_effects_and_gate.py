@@ -37,8 +37,11 @@ TERMINAL = [
     ("pip install requests", L, True), ("python -m pip install -e .", L, True), ("npm ci", L, True),
     ("uv pip install x", L, True), ("uv sync", L, True), ("yarn", L, True), ("go get x", L, True),
     ("cargo fetch", L, True), ("git clone https://h/r", L, True), ("git pull", L, True),
-    ("git ls-remote origin", R, True), ("pip list", L, False), ("npm run build", L, False),
-    ("git log", R, False),
+    ("git ls-remote origin", R, True), ("npm run build", L, False), ("git log", R, False),
+    # queries of what is installed are reads; of the package index, network reads
+    ("pip list", R, False), ("python -m pip show requests", R, False), ("pip freeze > req.txt", I, False),
+    ("npm ls", R, False), ("python --version", R, False), ("pip index versions x", R, True),
+    ("npm view react version", R, True), ("pip list && pip install x", L, True),
 ]
 
 
