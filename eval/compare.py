@@ -750,6 +750,8 @@ def _load_and_run(args: argparse.Namespace, spec: Any, options: CompareOptions, 
 
 if __name__ == "__main__":
     parser = CliParser(prog="python -m eval.compare")
-    add_compare_subcommand(parser.add_subparsers(dest="command"))
+    commands = parser.add_subparsers(dest="command")
+    add_compare_subcommand(commands)
+    commands.choices["compare"].prog = parser.prog  # its usage line is this command, as typed
     parsed = parser.parse_args(["compare", *sys.argv[1:]])
     sys.exit(parsed.func(parsed))

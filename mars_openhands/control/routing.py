@@ -2,17 +2,19 @@
 across replicas: KV affinity first, then the least loaded (design.md §6).
 
 KV usage u of a replica is the newer of its last ``engine_step`` (younger than
-``engine_step_max_age_s``) and its last ``/metrics`` poll; the control plane's KV signal is the max
-over healthy replicas, and the KV budget of a new session is ``(kv_set_usage - u) * num_gpu_blocks``
-on the best one.
+``engine_step_max_age_s``) and its last ``/metrics`` poll; the admission window's KV signal reads
+the healthy replicas as one pool (their used blocks over all their blocks; or the fullest one's u,
+``AdmissionParams.kv_usage_over_replicas``), and the KV budget of a new session is
+``(kv_set_usage - u) * num_gpu_blocks`` on the replica with the most room.
 
 Mental model: a session's KV (prefix cache or retained blocks) lives on the replica that served its
-previous turn, so every turn of a session goes there while it is healthy. A new session, or one whose
-replica went down, goes to the healthy replica with the fewest live sessions, ties broken by KV
-usage, then in-flight requests, then index. A replica is marked down after
-``replica_failure_threshold`` consecutive failed polls, or at once when a request cannot connect; it
-is marked up again by the next successful poll. Marking a replica down detaches its sessions (they
-are re-routed on their next request) and fails its in-flight requests (see
+previous turn, so the routing policy (``routing_policy``, :mod:`mars_openhands.policy.placement`)
+keeps it there unless it decides otherwise. The default, ``least-sessions``, sends every turn there
+while it is healthy; a new session, or one whose replica went down, goes to the healthy replica with
+the fewest live sessions, ties broken by KV usage, then in-flight requests, then index. A replica is
+marked down after ``replica_failure_threshold`` consecutive failed polls, or at once when a request
+cannot connect; it is marked up again by the next successful poll. Marking a replica down detaches
+its sessions (they are re-routed on their next request) and fails its in-flight requests (see
 :class:`mars_openhands.control.app.Gateway`), so nothing waits on a dead engine.
 
 Single-threaded; the clock is injected (the control plane's).

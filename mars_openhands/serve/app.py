@@ -39,13 +39,18 @@ APP_NAME = "mars"
 """The Ray Serve application's name (``serve status``)."""
 
 
+HEAD_NODE_RESOURCE = "node:__internal_head__"
+"""The custom resource Ray gives the head node only (``ray._common.constants``, Ray 2.60)."""
+
+
 def build_app(config: ServeConfig, ingress_node_ip: str | None = None,
               api_key: str | None = None, run_id: str | None = None) -> Any:
     """The Serve application: ``engine-0`` … ``engine-<N-1>`` and the ``ingress``.
 
     Args:
         config: the application's settings.
-        ingress_node_ip: run the ingress (the gateway's HTTP port) on this node; ``None``: anywhere.
+        ingress_node_ip: run the ingress (the gateway's HTTP port) on this node; ``None``: on the
+            head node through a Ray Client (``ray://``), else anywhere.
         api_key: the engines' vLLM ``--api-key`` (the gateway sends it; agents cannot reach an
             engine around the gateway); ``None``: a fresh random one.
         run_id: names the engines' temporary directories on each node
@@ -73,6 +78,8 @@ def build_app(config: ServeConfig, ingress_node_ip: str | None = None,
     ingress_options: dict[str, Any] = {"num_cpus": 0}
     if ingress_node_ip is not None:
         ingress_options["resources"] = {f"node:{ingress_node_ip}": 0.001}
+    elif config.is_ray_client:  # the driver's machine is no node of the cluster: the head is
+        ingress_options["resources"] = {HEAD_NODE_RESOURCE: 0.001}
     ingress = serve.deployment(GatewayIngress, name="ingress", num_replicas=1,
                                ray_actor_options=ingress_options, max_ongoing_requests=64,
                                graceful_shutdown_timeout_s=30.0)
@@ -113,7 +120,9 @@ def start(config: ServeConfig, on_ray_started: Callable[[], None] | None = None,
     if on_ray_started is not None:
         on_ray_started()
     serve.start(proxy_location="Disabled")
-    app = build_app(config, ingress_node_ip=ray.util.get_node_ip_address(), run_id=run_id)
+    # A Ray Client's "node IP" is its own machine's, which runs no raylet: pin to the head there.
+    node_ip = None if config.is_ray_client else ray.util.get_node_ip_address()
+    app = build_app(config, ingress_node_ip=node_ip, run_id=run_id)
     try:
         handle = serve.run(app, name=APP_NAME, route_prefix=None)
     except RuntimeError as e:  # "Deploying application mars failed: Failed to update the

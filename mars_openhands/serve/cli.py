@@ -151,7 +151,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise ValueError("\n".join(config_error_lines(
             e, flagged, file_flag="--gateway-config",
             unknown_key_hint=lambda loc: gateway_key_hint(loc, gateway_file)))) from None
-    if _ingress_runs_here(config):
+    if not config.is_ray_client:  # the ingress runs on this machine (app.start pins it here)
         # The gateway's checks of its node (a --stream-path that exists, a --port in use), as
         # `mars-openhands gateway` runs them before it starts; GatewayConfig is pure, so they are
         # not part of its validation, and the ingress met them only when it opened the stream.
@@ -179,12 +179,6 @@ def _with_checked_model(config: ServeConfig) -> ServeConfig:
         return config
     return config.model_copy(update={"model": model,
                                      "served_model_name": config.served_model_name or config.model})
-
-
-def _ingress_runs_here(config: ServeConfig) -> bool:
-    """Whether the ingress (the gateway) runs on this machine: :func:`~.app.start` pins it to the
-    driver's node, which is this one unless the driver is a Ray Client (``ray://``). Pure."""
-    return not (config.ray_address or "").startswith("ray://")
 
 
 def run_from_args(args: argparse.Namespace) -> int:

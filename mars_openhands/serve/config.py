@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any, Self
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 __all__ = ["SCHEDULER_NAMES", "ServeConfig", "scheduler_qualname"]
 
@@ -85,12 +85,21 @@ class ServeConfig(BaseModel):
     """Environment variables for every replica's vLLM server as a JSON object, e.g.
     '{"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}' (CPU: the worker in the engine-core process, one
     process fewer to start; the tests use it)."""
+    max_num_seqs: int | None = Field(None, ge=1)
+    """vLLM --max-num-seqs: requests each replica runs per step; default vLLM's."""
+    max_num_batched_tokens: int | None = Field(None, ge=1)
+    """vLLM --max-num-batched-tokens: each replica's token budget per step (the prefill chunk);
+    default vLLM's."""
     kv_cache_space_gib: int = Field(1, ge=1)
     """VLLM_CPU_KVCACHE_SPACE in GiB for CPU replicas (ignored on GPUs)."""
     gpus_per_replica: float = Field(0.0, ge=0)
     """GPUs Ray reserves for each replica (1 on a GPU node; 0 runs vLLM's CPU build)."""
     cpus_per_replica: float = Field(1.0, gt=0)
     """CPUs Ray reserves for each replica's actor (vLLM's own processes are not counted by Ray)."""
+    host_kv_gib: float | None = Field(None, gt=0)
+    """vLLM's native host-memory KV tier of each replica, GiB of pinned host memory
+    (--kv-offloading-backend native --kv-offloading-size; mars reads it and resumes idle sessions
+    by a copy: docs/schedulers.md); GPU replicas only (vLLM's CPU build has no offload worker)."""
     engine_startup_timeout_s: float = Field(600.0, gt=0)
     """Seconds one replica's vLLM server may take to answer /v1/models before its start fails."""
     health_check_period_s: float = Field(2.0, gt=0)
@@ -117,6 +126,14 @@ class ServeConfig(BaseModel):
             load_scheduler_cls(qualname)
         return value
 
+    @field_validator("host_kv_gib")
+    @classmethod
+    def _host_kv_needs_gpus(cls, value: float | None, info: ValidationInfo) -> float | None:
+        if value is not None and not info.data.get("gpus_per_replica"):
+            raise ValueError("needs GPU replicas (--gpus-per-replica > 0): vLLM's CPU build has no "
+                             "offload worker")
+        return value
+
     @field_validator("gateway")
     @classmethod
     def _gateway(cls, value: dict[str, Any]) -> dict[str, Any]:
@@ -136,6 +153,12 @@ class ServeConfig(BaseModel):
 
         check_engine_options(self)
         return self
+
+    @property
+    def is_ray_client(self) -> bool:
+        """Whether the driver joins through a Ray Client (``ray://``): its machine is then no node
+        of the cluster, and the ingress (the gateway) runs on the head node, not here."""
+        return (self.ray_address or "").startswith("ray://")
 
     @property
     def is_tiny_model(self) -> bool:

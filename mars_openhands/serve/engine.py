@@ -36,6 +36,7 @@ from typing import Any
 
 from mars_openhands.cli_style import config_error_lines
 from mars_openhands.engine.harness.launch import VllmServer, VllmServerError, VllmServerOptions
+from mars_openhands.engine.harness.offload.params import HostKvParams
 from mars_openhands.serve.config import ServeConfig
 from mars_openhands.stream.events import Event
 
@@ -167,6 +168,8 @@ def engine_options(config: ServeConfig, index: int, host: str, model_dir: str,
         additional_config={**config.additional_config, "mars": mars},
         max_model_len=config.max_model_len or (4096 if config.is_tiny_model else None),
         num_gpu_blocks_override=config.num_gpu_blocks_override, block_size=config.block_size,
+        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+        host_kv=HostKvParams(size_gib=config.host_kv_gib) if config.host_kv_gib else None,
         kv_cache_space_gib=config.kv_cache_space_gib, extra_args=config.vllm_args,
         extra_env=config.engine_env,
         startup_timeout_s=config.engine_startup_timeout_s, log_path=run_dir / "vllm.log",

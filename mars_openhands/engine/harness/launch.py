@@ -141,8 +141,9 @@ class VllmServerOptions(BaseModel):
     """``--num-gpu-blocks-override``: KV blocks the scheduler sees."""
     host_kv: HostKvParams | None = None
     """vLLM's host-memory KV tier: ``--kv-offloading-backend native --kv-offloading-size
-    <size_gib>`` and ``--kv-transfer-config`` naming our emulated spec (the emulated executor runs
-    its copies; :mod:`.offload`). ``None``: none."""
+    <size_gib>`` and ``--kv-transfer-config``, naming our emulated spec on a CPU server (the
+    emulated executor runs its copies; :mod:`.offload`) and vLLM's own on a GPU one
+    (``is_on_gpu``). ``None``: none."""
     max_num_seqs: int | None = Field(default=None, ge=1)
     """``--max-num-seqs``: running requests per step."""
     max_num_batched_tokens: int | None = Field(default=None, ge=1)
@@ -292,7 +293,7 @@ def build_command(options: VllmServerOptions, port: int) -> list[str]:
     if options.additional_config is not None:
         cmd += ["--additional-config", json.dumps(options.additional_config, sort_keys=True)]
     if options.host_kv is not None:
-        cmd += host_kv_flags(options.host_kv)
+        cmd += host_kv_flags(options.host_kv, is_emulated=not options.is_on_gpu)
     if options.enable_prefix_caching is not None:
         cmd.append(
             "--enable-prefix-caching"
@@ -304,14 +305,19 @@ def build_command(options: VllmServerOptions, port: int) -> list[str]:
     return cmd + list(options.extra_args)
 
 
-def host_kv_flags(host_kv: HostKvParams) -> list[str]:
-    """vLLM server flags of a host KV tier with emulated copies (vLLM merges
-    ``--kv-offloading-size`` into the given ``kv_transfer_config``). Pure.
+def host_kv_flags(host_kv: HostKvParams, is_emulated: bool = True) -> list[str]:
+    """vLLM server flags of a host KV tier (vLLM merges ``--kv-offloading-size`` into the given
+    ``kv_transfer_config``). Pure.
+
+    Args:
+        host_kv: the tier.
+        is_emulated: copies by our emulated spec (CPU servers); ``False``: vLLM's own
+            ``CPUOffloadingSpec`` (GPU servers: real copies).
 
     >>> host_kv_flags(HostKvParams(size_gib=8))[:4]
     ['--kv-offloading-backend', 'native', '--kv-offloading-size', '8.0']
     """
-    transfer = {"kv_connector_extra_config": host_kv.extra_config()}
+    transfer = {"kv_connector_extra_config": host_kv.extra_config(is_emulated)}
     return ["--kv-offloading-backend", "native", "--kv-offloading-size", str(host_kv.size_gib),
             "--kv-transfer-config", json.dumps(transfer, sort_keys=True)]
 

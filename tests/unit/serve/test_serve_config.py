@@ -61,6 +61,51 @@ def test_engine_options_wire_the_plugin_to_the_actor(tmp_path: Path) -> None:
         "auto", "auto", False, "Qwen/Qwen3-8B")
 
 
+def test_vllm_sizes_and_the_host_tier_reach_each_engines_command(tmp_path: Path) -> None:
+    """serve could not set --max-num-seqs, --max-num-batched-tokens or the host KV tier (vLLM's
+    managed flags, refused in --vllm-arg): a deployment with the tier could not be served."""
+    import json
+
+    from mars_openhands.engine.harness.launch import build_command
+    from mars_openhands.engine.harness.offload.params import SPEC_MODULE
+
+    config = ServeConfig(model="Qwen/Qwen3-8B", gpus_per_replica=1, host_kv_gib=64, max_num_seqs=128,
+                         max_num_batched_tokens=8192)
+    cmd = build_command(engine_options(config, 0, "h", "Qwen/Qwen3-8B", tmp_path), 8001)
+
+    def value(flag: str) -> str:
+        return cmd[cmd.index(flag) + 1]
+
+    assert (value("--max-num-seqs"), value("--max-num-batched-tokens")) == ("128", "8192")
+    assert (value("--kv-offloading-backend"), float(value("--kv-offloading-size"))) == ("native", 64.0)
+    extra = json.loads(value("--kv-transfer-config"))["kv_connector_extra_config"]
+    # A GPU engine copies for real: vLLM's own spec (no emulated one), mars's cost model's numbers.
+    assert "spec_module_path" not in extra and "spec_name" not in extra
+    assert extra["mars_host_kv"]["size_gib"] == 64.0
+    emulated = build_command(engine_options(config, 0, "h", "m", tmp_path).model_copy(
+        update={"is_on_gpu": False}), 8001)
+    assert SPEC_MODULE in emulated[emulated.index("--kv-transfer-config") + 1]
+    plain = build_command(engine_options(ServeConfig(), 0, "h", "m", tmp_path), 8001)
+    assert not {"--max-num-seqs", "--kv-offloading-backend", "--kv-transfer-config"} & set(plain)
+    with pytest.raises(ValidationError, match="needs GPU replicas"):
+        ServeConfig(host_kv_gib=8)
+
+
+def test_the_ingress_runs_on_the_drivers_node_or_on_the_head_through_a_ray_client() -> None:
+    """Through ``ray://`` the driver's IP is the client machine's, no node of the cluster: the
+    ingress pinned there could never be placed."""
+    from mars_openhands.serve.app import HEAD_NODE_RESOURCE, build_app
+
+    def resources(config: ServeConfig, node_ip: str | None) -> dict[str, float] | None:
+        return build_app(config, ingress_node_ip=node_ip)._bound_deployment.ray_actor_options.get("resources")
+
+    assert resources(ServeConfig(ray_address="auto"), "10.0.0.5") == {"node:10.0.0.5": 0.001}
+    assert resources(ServeConfig(ray_address="ray://head:10001"), None) == {HEAD_NODE_RESOURCE: 0.001}
+    assert resources(ServeConfig(), None) is None
+    assert ServeConfig(ray_address="ray://head:10001").is_ray_client
+    assert not ServeConfig(ray_address="auto").is_ray_client
+
+
 def test_gateway_config_names_the_engines_and_sends_their_key() -> None:
     config = ServeConfig(num_replicas=2, gateway={"port": 9000, "admission": {"window_max": 5, "window_init": 5}})
     gw = gateway_config(config, ["http://10.0.0.1:8001", "http://10.0.0.2:8001"], "engine-key")

@@ -65,13 +65,19 @@ class HostKvParams(BaseModel):
     KV cache config (the emulated executor's real geometry). The simulator's fake cache has tiny
     blocks, so it passes the profile's ``kv_bytes_per_token × block_size``."""
 
-    def extra_config(self) -> dict[str, Any]:
-        """``kv_connector_extra_config`` for vLLM's ``OffloadingConnector`` over our spec. Pure.
+    def extra_config(self, is_emulated: bool = True) -> dict[str, Any]:
+        """``kv_connector_extra_config`` for vLLM's ``OffloadingConnector``. Pure.
+
+        Args:
+            is_emulated: over our spec, whose worker emulates the copies (the simulator, the
+                emulated executor); ``False``: over vLLM's own ``CPUOffloadingSpec`` (a GPU
+                engine, real copies). Either way the parameters ride along under
+                :data:`EXTRA_CONFIG_KEY` for mars's cost model (vLLM ignores the key).
 
         ``cpu_bytes_to_use`` is set by vLLM itself from ``--kv-offloading-size``."""
+        spec = {"spec_name": SPEC_NAME, "spec_module_path": SPEC_MODULE} if is_emulated else {}
         out: dict[str, Any] = {
-            "spec_name": SPEC_NAME, "spec_module_path": SPEC_MODULE,
-            "eviction_policy": self.eviction, "offload_prompt_only": self.offload_prompt_only,
+            **spec, "eviction_policy": self.eviction, "offload_prompt_only": self.offload_prompt_only,
             EXTRA_CONFIG_KEY: self.model_dump(),
         }
         if self.store_threshold:
