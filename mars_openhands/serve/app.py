@@ -72,6 +72,7 @@ def build_app(config: ServeConfig, ingress_node_ip: str | None = None,
                          health_check_period_s=config.health_check_period_s,
                          health_check_timeout_s=max(30.0, 4 * config.health_check_period_s),
                          graceful_shutdown_timeout_s=30.0, max_ongoing_requests=64,
+                         max_constructor_retry_count=config.engine_start_attempts,
                          ).bind(config, i, key, run_id)
         for i in range(config.num_replicas)
     ]

@@ -102,6 +102,11 @@ class ServeConfig(BaseModel):
     by a copy: docs/schedulers.md); GPU replicas only (vLLM's CPU build has no offload worker)."""
     engine_startup_timeout_s: float = Field(600.0, gt=0)
     """Seconds one replica's vLLM server may take to answer /v1/models before its start fails."""
+    engine_start_attempts: int = Field(1, ge=1, le=20)
+    """Starts of a replica's vLLM server before the application fails (Ray Serve's
+    max_constructor_retry_count); once a replica has started, Ray replaces a dead one without limit.
+    1 (default): a server that cannot start fails the command at once, with its log's last lines
+    (Ray's default, 3 here, repeats a failure that is nearly always the same)."""
     health_check_period_s: float = Field(2.0, gt=0)
     """Seconds between Ray Serve's health checks of a replica (a dead vLLM server fails one and Ray
     replaces the replica)."""

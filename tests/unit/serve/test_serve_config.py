@@ -91,6 +91,19 @@ def test_vllm_sizes_and_the_host_tier_reach_each_engines_command(tmp_path: Path)
         ServeConfig(host_kv_gib=8)
 
 
+def test_an_engine_that_cannot_start_is_started_once_unless_asked() -> None:
+    """A failed start took ~100 s: Ray Serve started the failing vLLM server 3 times."""
+    from mars_openhands.serve.app import build_app
+
+    def attempts(config: ServeConfig) -> list[int]:
+        ingress = build_app(config)._bound_deployment
+        return [engine._bound_deployment._deployment_config.max_constructor_retry_count
+                for engine in ingress.init_args[2:]]
+
+    assert attempts(ServeConfig(num_replicas=2)) == [1, 1]
+    assert attempts(ServeConfig(num_replicas=2, engine_start_attempts=3)) == [3, 3]
+
+
 def test_the_ingress_runs_on_the_drivers_node_or_on_the_head_through_a_ray_client() -> None:
     """Through ``ray://`` the driver's IP is the client machine's, no node of the cluster: the
     ingress pinned there could never be placed."""
