@@ -49,8 +49,9 @@ def build_app(config: ServeConfig, ingress_node_ip: str | None = None,
 
     Args:
         config: the application's settings.
-        ingress_node_ip: run the ingress (the gateway's HTTP port) on this node; ``None``: on the
-            head node through a Ray Client (``ray://``), else anywhere.
+        ingress_node_ip: run the ingress (the gateway's HTTP port) on this node; ``None``:
+            anywhere. Through a Ray Client (``ray://``) the driver's IP is its own machine's, no
+            node of the cluster: the ingress then runs on the head node, whatever is given.
         api_key: the engines' vLLM ``--api-key`` (the gateway sends it; agents cannot reach an
             engine around the gateway); ``None``: a fresh random one.
         run_id: names the engines' temporary directories on each node
@@ -77,10 +78,10 @@ def build_app(config: ServeConfig, ingress_node_ip: str | None = None,
         for i in range(config.num_replicas)
     ]
     ingress_options: dict[str, Any] = {"num_cpus": 0}
-    if ingress_node_ip is not None:
-        ingress_options["resources"] = {f"node:{ingress_node_ip}": 0.001}
-    elif config.is_ray_client:  # the driver's machine is no node of the cluster: the head is
+    if config.is_ray_client:
         ingress_options["resources"] = {HEAD_NODE_RESOURCE: 0.001}
+    elif ingress_node_ip is not None:
+        ingress_options["resources"] = {f"node:{ingress_node_ip}": 0.001}
     ingress = serve.deployment(GatewayIngress, name="ingress", num_replicas=1,
                                ray_actor_options=ingress_options, max_ongoing_requests=64,
                                graceful_shutdown_timeout_s=30.0)
@@ -121,9 +122,7 @@ def start(config: ServeConfig, on_ray_started: Callable[[], None] | None = None,
     if on_ray_started is not None:
         on_ray_started()
     serve.start(proxy_location="Disabled")
-    # A Ray Client's "node IP" is its own machine's, which runs no raylet: pin to the head there.
-    node_ip = None if config.is_ray_client else ray.util.get_node_ip_address()
-    app = build_app(config, ingress_node_ip=node_ip, run_id=run_id)
+    app = build_app(config, ingress_node_ip=ray.util.get_node_ip_address(), run_id=run_id)
     try:
         handle = serve.run(app, name=APP_NAME, route_prefix=None)
     except RuntimeError as e:  # "Deploying application mars failed: Failed to update the

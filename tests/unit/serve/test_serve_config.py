@@ -113,7 +113,8 @@ def test_the_ingress_runs_on_the_drivers_node_or_on_the_head_through_a_ray_clien
         return build_app(config, ingress_node_ip=node_ip)._bound_deployment.ray_actor_options.get("resources")
 
     assert resources(ServeConfig(ray_address="auto"), "10.0.0.5") == {"node:10.0.0.5": 0.001}
-    assert resources(ServeConfig(ray_address="ray://head:10001"), None) == {HEAD_NODE_RESOURCE: 0.001}
+    for node_ip in (None, "192.168.1.9"):  # start() passes the client machine's own IP
+        assert resources(ServeConfig(ray_address="ray://head:10001"), node_ip) == {HEAD_NODE_RESOURCE: 0.001}
     assert resources(ServeConfig(), None) is None
     assert ServeConfig(ray_address="ray://head:10001").is_ray_client
     assert not ServeConfig(ray_address="auto").is_ray_client
