@@ -279,6 +279,12 @@ def add_compare_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--lose-replica", type=_lost_replica, default=None, metavar="INDEX@SECONDS",
                    help="with --replicas: replica INDEX is lost at SECONDS of virtual time in every run "
                         "(its sessions re-placed, their turns re-sent)")
+    p.add_argument("--kv-transfer-gbps", dest="kv_transfer_gb_s", type=positive_float, default=None,
+                   metavar="GB/S",
+                   help="with --replicas: a session the router moves off a live replica takes its KV "
+                        "along at GB/S (10^9 bytes/s, one way; e.g. 50 for NIXL over a 400 Gb/s RDMA "
+                        "NIC per GPU) instead of re-prefilling it; its turn waits bytes / GB/S. "
+                        "Default: moves re-prefill, as the live gateway does")
     p.add_argument("--tool-workers", type=int, default=16, help="concurrent tool calls (default 16)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="arrivals and simulator seed, >= 0 (default 0)")
     p.add_argument("--jobs", type=positive_int, default=None,
@@ -481,6 +487,7 @@ def _options_from_args(args: argparse.Namespace, policies: tuple[str, ...]) -> C
         knee_slowdown=args.knee_slowdown, search_max_runs=args.search_runs,
         knee_tolerance=args.knee_tolerance, knee_step=args.knee_step, is_capacity=args.capacity,
         num_replicas=args.replicas, router=args.router or DEFAULT_ROUTING_POLICY, lose_replica=args.lose_replica,
+        kv_transfer_gb_s=getattr(args, "kv_transfer_gb_s", None),
         mars_config=checked_mars_config(getattr(args, "mars_config", None), policies))
 
 
@@ -548,6 +555,11 @@ def _check_replicas(args: argparse.Namespace, spec: Any) -> None:
     if ROUTING_POLICIES[args.router].pools_kv and (spec.is_live or args.replicas < 2):
         raise ValueError(f"--router {args.router}: the pooled-KV bound exists only in the simulator over "
                          f"several replicas (--backend sim --replicas >= 2; got --replicas {args.replicas})")
+    transfer = getattr(args, "kv_transfer_gb_s", None)
+    if transfer is not None and (args.replicas < 2 or ROUTING_POLICIES[args.router].pools_kv):
+        raise ValueError(f"--kv-transfer-gbps {transfer:g}: needs --replicas >= 2 and a router that "
+                         f"places sessions (got --replicas {args.replicas}, --router {args.router}; "
+                         "the pooled-KV bound's replicas share one KV pool)")
     if args.lose_replica is not None and ROUTING_POLICIES[args.router].pools_kv:
         raise ValueError(f"--lose-replica with --router {args.router}: the bound's replicas share "
                          "one KV pool, so a lost replica's KV would be every replica's; drop one")
@@ -661,7 +673,9 @@ def replicas_fact(args: argparse.Namespace, num_sessions: int) -> str:
         gpus = f"{args.replicas} x {args.gpu[0] if len(args.gpu) == 1 else 'each --gpu'}"
     return (f"{gpus}, router {args.router}; rates and capacities are per GPU (arrivals at rate x "
             f"{args.replicas}); {num_sessions} sessions drawn with replacement (seed {args.seed})"
-            + (f"; replica {args.lose_replica[0]} lost at {args.lose_replica[1]:g} s" if args.lose_replica else ""))
+            + (f"; replica {args.lose_replica[0]} lost at {args.lose_replica[1]:g} s" if args.lose_replica else "")
+            + (f"; a moved session's KV goes along at {transfer:g} GB/s (--kv-transfer-gbps), not "
+               "re-prefilled" if (transfer := getattr(args, "kv_transfer_gb_s", None)) else ""))
 
 
 def _replica_workload(args: argparse.Namespace, workload: Workload, scope: str) -> tuple[Workload, str]:
@@ -697,6 +711,7 @@ def _load_and_run(args: argparse.Namespace, spec: Any, options: CompareOptions, 
         update["num_gpu_blocks"] = setups[0].num_gpu_blocks
         if deployment is not None:
             update["host_kv_bytes_per_block"] = deployment.kv_bytes_per_token * 16
+            update["kv_bytes_per_token"] = deployment.kv_bytes_per_token
         options = options.model_copy(update=update)
     except ValidationError as e:
         return max(_error(line) for line in config_error_lines(e, flags))

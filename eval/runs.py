@@ -100,7 +100,9 @@ def sim_config(options: CompareOptions, policy: str, is_admission_enabled: bool,
                      is_admission_enabled=is_admission_enabled, seed=options.seed,
                      admission=AdmissionParams(**spec.admission),
                      max_virtual_s=options.max_virtual_s, num_replicas=options.num_replicas,
-                     router=options.router, lose_replica=options.lose_replica)
+                     router=options.router, lose_replica=options.lose_replica,
+                     kv_transfer_gb_s=options.kv_transfer_gb_s,
+                     kv_bytes_per_token=options.kv_bytes_per_token if options.kv_transfer_gb_s else None)
 
 
 def arrivals(rate_per_s: float, options: CompareOptions) -> PoissonArrivals:
@@ -261,7 +263,8 @@ def ideal_task(workload: Workload, options: CompareOptions, num_gpu_blocks: int,
 
     # Alone on an idle system a session runs on one replica: the ideal is one engine's (the
     # replicas share one GPU profile).
-    alone = options.model_copy(update={"num_replicas": 1, "lose_replica": None, "replica_blocks": ()})
+    alone = options.model_copy(update={"num_replicas": 1, "lose_replica": None, "replica_blocks": (),
+                                       "kv_transfer_gb_s": None})
     if isinstance(timer, tuple):  # a mix of GPU profiles: alone on the first replica's
         timer, num_gpu_blocks = timer[0], (options.replica_blocks or (num_gpu_blocks,))[0]
     return sim.ideal_times_s(workload, sim_config(alone, "fcfs", False, num_gpu_blocks), real_timer(timer))
@@ -290,12 +293,15 @@ def run_task(run: Run, workload: Workload, options: CompareOptions, timer: Any, 
 
 def replica_fields(result: Any) -> dict[str, Any]:
     """The routing and replica-loss counters of a several-replica :class:`~eval.sim.SimResult`, as
-    results-table columns: ``num_rehomes`` (sessions the router moved off a live replica) and,
+    results-table columns: ``num_rehomes`` (sessions the router moved off a live replica),
+    ``kv_transfer_tokens`` (KV the moves sent along, ``--kv-transfer-gbps``; only when some) and,
     when a replica was lost (``--lose-replica``), ``lost_replica``, ``lost_at_s``,
     ``loss_sessions_replaced``, ``loss_turns_failed``, ``loss_reprefill_tokens`` (context prefilled
     again elsewhere) and ``loss_requests_aborted`` (its engine's requests, aborted and then checked
     for leaked KV blocks: a leak fails the run). Pure."""
     fields: dict[str, Any] = {"num_rehomes": getattr(result, "num_rehomes", 0)}
+    if getattr(result, "num_kv_transfer_tokens", 0):
+        fields["kv_transfer_tokens"] = result.num_kv_transfer_tokens
     loss = getattr(result, "replica_loss", None)
     if loss is not None:
         fields.update(lost_replica=loss.index, lost_at_s=loss.at_s,

@@ -187,6 +187,11 @@ class _SessionRun:
     prev_tool: tuple[str, float] | None = None
     replica: _Replica | None = None
     """The replica serving (or that served) its latest turn: its CPU-plane events go there."""
+    kv_import: list[Any] | None = None
+    """Block hashes of the prefix on its way to ``replica`` (``SimConfig.kv_transfer_gb_s``),
+    written into its prefix cache when the turn reaches it."""
+    is_in_transfer: bool = False
+    """Its turn waits for its KV transfer (a ``kv_moved`` event sends it)."""
 
 
 @dataclass
@@ -262,6 +267,7 @@ class Simulator:
         self.engine = self._replicas[0].engine
         """Replica 0's engine (the only one unless ``config.num_replicas`` > 1)."""
         self.plane = ControlPlane(gateway_config(config), clock=lambda: self.now_s)
+        self.plane.router.moves_kv = config.kv_transfer_gb_s is not None
         self.admission = self.plane.admission
         """The plane's admitted and waiting sets (read by the event loop)."""
         self.pool = _ToolPool(config.num_tool_workers)
@@ -277,6 +283,7 @@ class Simulator:
         self.num_preemptions = 0
         self.max_admitted = 0
         self.num_over_window = 0
+        self.num_kv_transfer_tokens = 0
 
     def _make_replica(self, index: int, timer: StepTimer) -> _Replica:
         """Replica ``index``'s engine; with the pooled-KV bound (``config.pools_kv``) every engine
@@ -458,6 +465,10 @@ class Simulator:
             self._on_arrival(payload)
         elif kind == "tool_end":
             self._on_tool_end(*payload)
+        elif kind == "kv_moved":
+            if payload.is_in_transfer:  # (not if its new replica was lost meanwhile: re-sent)
+                payload.is_in_transfer = False
+                self._send(payload)
         else:
             self._lose_replica(self._replicas[payload])
 
@@ -745,24 +756,54 @@ class Simulator:
         run.record.turns.append(turn)
         self._by_request[rid] = (run, turn)
         assert run.gateway is not None
-        self._route(run, num_prompt)
+        transfer_s = self._route(run, num_prompt)
         _, run.prev_tool = self.plane.start_turn(run.gateway)
-        self._send(run)
+        if transfer_s > 0.0:
+            run.is_in_transfer = True
+            self._push(self.now_s + transfer_s, "kv_moved", run)
+        else:
+            self._send(run)
 
-    def _route(self, run: _SessionRun, num_prompt_tokens: int) -> None:
+    def _route(self, run: _SessionRun, num_prompt_tokens: int) -> float:
         """The gateway's routing decision for the session's request (``Router.route``: the
         policy's :func:`~mars_openhands.policy.placement.choose_replica`). A session that moves
         off a live replica has it told ``session_end`` (the KV it kept for the session is
-        released, as a gateway that moves a session would)."""
+        released, as a gateway that moves a session would); with ``kv_transfer_gb_s`` its prefix
+        cached there goes along (:meth:`_start_transfer`).
+
+        Returns:
+            Seconds until the turn reaches its replica (the KV transfer; 0: send it now).
+        """
         assert run.gateway is not None
         index = self.plane.router.route(run.gateway, num_prompt_tokens).index
         old = run.replica
-        if old is not None and old.index != index and not old.is_lost and old.engine.is_plugin:
-            old.engine.post_event(ev.SessionEnd.model_construct(
-                **self._stamps(), source=self.config.gateway_source,
-                session_id=run.spec.session_id, turn=None, status="moved"))
-            old.is_blocked = False
+        transfer_s = 0.0
+        if old is not None and old.index != index and not old.is_lost:
+            if self.config.kv_transfer_gb_s is not None:
+                transfer_s = self._start_transfer(run, old)
+            if old.engine.is_plugin:
+                old.engine.post_event(ev.SessionEnd.model_construct(
+                    **self._stamps(), source=self.config.gateway_source,
+                    session_id=run.spec.session_id, turn=None, status="moved"))
+                old.is_blocked = False
         run.replica = self._replicas[index]
+        return transfer_s
+
+    def _start_transfer(self, run: _SessionRun, old: _Replica) -> float:
+        """The session's prefix cached on ``old`` (before it drops the session's pins) starts for
+        its new replica: ``run.kv_import``, written there when the turn arrives. Returns the
+        transfer's seconds: ``tokens x kv_bytes_per_token / kv_transfer_gb_s`` (0: nothing
+        cached to send)."""
+        assert run.stream is not None and self.config.kv_transfer_gb_s is not None
+        hashes = run.stream.block_hashes
+        num_blocks = old.engine.cached_prefix_blocks(hashes)
+        if num_blocks == 0:
+            return 0.0
+        run.kv_import = list(hashes[:num_blocks])
+        num_tokens = num_blocks * self.config.engine.block_size
+        self.num_kv_transfer_tokens += num_tokens
+        assert self.config.kv_bytes_per_token is not None
+        return num_tokens * self.config.kv_bytes_per_token / (self.config.kv_transfer_gb_s * 1e9)
 
     def _send(self, run: _SessionRun) -> None:
         """The session's latest turn goes to its replica: now, or after the replica's step."""
@@ -784,6 +825,10 @@ class Simulator:
             extra["mars_prev_tool"], extra["mars_prev_tool_s"] = run.prev_tool
         assert run.stream is not None and run.replica is not None
         rep = run.replica
+        if run.kv_import is not None:
+            landed = rep.engine.import_prefix(turn.request_id, run.kv_import)
+            turn.num_transferred_tokens = min(landed, len(run.kv_import)) * self.config.engine.block_size
+            run.kv_import = None
         rep.engine.add_request(turn.request_id, run.stream, turn.num_prompt_tokens,
                                turn.num_output_tokens, arrival_time_s=arrival_s,
                                session_id=run.spec.session_id, extra_args=extra)
@@ -888,6 +933,7 @@ class Simulator:
                 sum(c[i] for c in counts) for i in range(3)),
             num_events=self.num_events, num_replicas=len(self._replicas),
             num_rehomes=self.plane.router.num_rehomes, replica_loss=self.loss,
+            num_kv_transfer_tokens=self.num_kv_transfer_tokens,
         )
 
     # ------------------------------------------------------------------ replica loss
@@ -914,6 +960,7 @@ class Simulator:
         for run in bound:
             run.replica = None
         for run, turn in failed:
+            run.is_in_transfer, run.kv_import = False, None
             turn.first_scheduled_s = turn.first_token_s = turn.num_cached_tokens = None
             turn.num_failures += 1
             self._route(run, turn.num_prompt_tokens)

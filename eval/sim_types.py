@@ -115,6 +115,15 @@ class SimConfig(BaseModel):
     lose_replica: tuple[int, float] | None = None
     """``(index, seconds)``: that replica is lost at that virtual time (``--lose-replica``): its
     requests fail and are re-sent, its sessions are re-placed, its KV is gone."""
+    kv_transfer_gb_s: float | None = Field(None, gt=0.0)
+    """A session moved off a live replica takes its KV along at this bandwidth, GB/s (10^9 B/s)
+    one way (``compare --kv-transfer-gbps``; e.g. NIXL over one 400 Gb/s RDMA NIC per GPU, ~50):
+    its prefix cached on the old replica is written into the new one's prefix cache and its turn
+    waits ``bytes / bandwidth`` before it is sent, instead of re-prefilling that prefix. ``None``:
+    a moved session re-prefills (what the live gateway does). The copy's slowdown of either
+    replica's steps is not modelled."""
+    kv_bytes_per_token: int | None = Field(None, gt=0)
+    """KV bytes of one token (the deployment's; ``kv_transfer_gb_s`` needs it)."""
 
     @model_validator(mode="after")
     def _check_replicas(self) -> SimConfig:
@@ -130,6 +139,10 @@ class SimConfig(BaseModel):
         if n > 1 and any(self.engine_of(i).host_kv is not None for i in range(n)):
             raise ValueError(f"num_replicas={n} with a host KV tier: the tier's copies are modelled "
                              "on one engine only so far (idle waits for a copy); use one replica")
+        if self.kv_transfer_gb_s is not None and (n < 2 or self.pools_kv or self.kv_bytes_per_token is None):
+            raise ValueError(f"kv_transfer_gb_s={self.kv_transfer_gb_s:g} needs num_replicas >= 2 "
+                             f"(got {n}), a router other than the pooled-KV bound (its replicas share "
+                             "one KV pool) and kv_bytes_per_token")
         if self.lose_replica is not None:
             index, at_s = self.lose_replica
             if n < 2 or not 0 <= index < n or at_s < 0:
@@ -178,6 +191,9 @@ class TurnRecord:
     """The replica that served it (the last one it was sent to)."""
     num_failures: int = 0
     """Times it was lost with its replica and sent again."""
+    num_transferred_tokens: int = 0
+    """Tokens of KV sent along when its session moved to its replica (``kv_transfer_gb_s``) that
+    landed in that replica's prefix cache (at most its free blocks above the watermark)."""
 
     @property
     def ttft_s(self) -> float | None:
@@ -227,6 +243,7 @@ class SimResult:
         num_events: events emitted to the sink (of its ``kinds``).
         num_replicas: engines behind the control plane.
         num_rehomes: sessions the routing policy moved off a live replica.
+        num_kv_transfer_tokens: tokens of KV the moves sent along (``kv_transfer_gb_s``).
         replica_loss: what losing a replica cost, if one was lost.
     """
 
@@ -242,6 +259,7 @@ class SimResult:
     num_events: int
     num_replicas: int = 1
     num_rehomes: int = 0
+    num_kv_transfer_tokens: int = 0
     replica_loss: ReplicaLossReport | None = None
 
     @property

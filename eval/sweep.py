@@ -199,7 +199,8 @@ class _Sweep:
                                *(o.mars_config_key() if kind != "ideal" else ()), *extra,
                                # an ideal time is one session alone on one replica
                                *((o.num_replicas, o.router, o.lose_replica)
-                                 if o.num_replicas > 1 and kind != "ideal" else ()))
+                                 if o.num_replicas > 1 and kind != "ideal" else ()),
+                               *(o.kv_transfer_key() if kind != "ideal" else ()))
         except TypeError:
             return None
 

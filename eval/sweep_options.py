@@ -65,6 +65,11 @@ class CompareOptions(BaseModel):
     """The control plane's routing policy (``--router``)."""
     lose_replica: tuple[int, float] | None = None
     """``(index, seconds)``: that replica is lost then in every run (``--lose-replica``)."""
+    kv_transfer_gb_s: float | None = Field(None, gt=0.0)
+    """A session moved off a live replica takes its KV along at this bandwidth, GB/s one way
+    (``--kv-transfer-gbps``; ``SimConfig.kv_transfer_gb_s``); ``None``: it re-prefills."""
+    kv_bytes_per_token: int | None = Field(None, gt=0)
+    """The deployment's KV bytes per token (what a KV transfer moves)."""
     replica_blocks: tuple[int, ...] = ()
     """KV blocks of each replica for a mix of GPU profiles (``--replica-gpus``; the sweep's GPU
     setup then carries one step timer per replica); empty: ``num_gpu_blocks`` for every one."""
@@ -84,6 +89,13 @@ class CompareOptions(BaseModel):
         """What ``--mars-config`` adds to a cache key: nothing when empty (older keys stay valid).
         Pure."""
         return ("mars_config", json.dumps(self.mars_config, sort_keys=True)) if self.mars_config else ()
+
+    def kv_transfer_key(self) -> tuple[Any, ...]:
+        """What ``--kv-transfer-gbps`` adds to a run's cache key: nothing without it (older keys
+        stay valid), else the bandwidth and the bytes per token. Pure."""
+        if self.kv_transfer_gb_s is None:
+            return ()
+        return ("kv_transfer", self.kv_transfer_gb_s, self.kv_bytes_per_token)
 
     def host_kv_key(self) -> tuple[Any, ...]:
         """What the host tier adds to a cache key: nothing when no policy has one (older keys stay

@@ -170,6 +170,9 @@ class Router:
         """Per session: what the prefix-aware and working-set policies read."""
         self.num_rehomes = 0
         """Sessions moved off a healthy replica by the policy (per-turn or re-homing)."""
+        self.moves_kv = False
+        """A moved session's KV goes along to its new replica (the simulator's
+        ``--kv-transfer-gbps``); else the new replica re-prefills it (a live gateway today)."""
 
     def index_of_source(self, source: str) -> int | None:
         """Replica index whose GPU-plane events carry ``source``, if any."""
@@ -295,7 +298,8 @@ class Router:
         request = RouteRequest(
             session_id=session.session_id, replica=session.replica,
             num_prompt_tokens=num_prompt_tokens, num_projected_tokens=placement.projected_tokens,
-            cached_tokens=placement.routed_tokens, block_size_tokens=self.block_size_tokens())
+            cached_tokens=placement.routed_tokens, block_size_tokens=self.block_size_tokens(),
+            moves_kv=self.moves_kv)
         try:
             index = choose_replica(request, self.replica_loads(), self.policy)
         except NoHealthyReplicaError:

@@ -46,7 +46,10 @@ Policies (name: source, version):
   set (its sessions' next-turn contexts, plus this one) as a fraction of its KV, then by sessions
   in the LLM phase (not in a tool call: CPU pressure leaves a replica's compute free), then index. At a turn boundary the session moves when its replica
   is over-committed by at least the session's own context (the re-prefill it is charged is no more
-  than the evictions it saves) and another replica takes it below ``rehome_max_fill`` = 0.9.
+  than the evictions it saves) and another replica takes it below ``rehome_max_fill`` = 0.9. When
+  a move sends the session's KV along (``RouteRequest.moves_kv``: a KV transfer, not a
+  re-prefill), any over-commit moves it. (Moving also for a queue, as the pooled bound does, was
+  measured and left out: docs/compare.md, "Replicas and routers".)
 * ``pooled-kv`` (a bound, not a router: ``pools_kv``): the replicas' KV is one pool (the
   simulator shares one vLLM block pool among the engines, so a prefix computed on one replica is a
   hit on every other and no placement can do better on KV); only compute is placed. Sticky with
@@ -144,6 +147,8 @@ class RouteRequest:
         cached_tokens: replica index -> tokens of this prompt's prefix the router last sent there
             (its prefix index; absent: none).
         block_size_tokens: KV block size for block-granular prefix scores.
+        moves_kv: a move sends the session's cached KV to its new replica (a KV transfer);
+            ``False``: the new replica re-prefills it.
     """
 
     session_id: str
@@ -152,6 +157,7 @@ class RouteRequest:
     num_projected_tokens: int = 0
     cached_tokens: Mapping[int, int] = field(default_factory=dict)
     block_size_tokens: int = 16
+    moves_kv: bool = False
 
 
 @dataclass(frozen=True)
@@ -280,7 +286,10 @@ def _mars_placement(request: RouteRequest, healthy: Sequence[ReplicaLoad],
         # Over-commit of the current replica's KV, tokens (the session is already counted).
         overflow = current.num_working_set_tokens - current.num_kv_tokens
         best = min(others, key=lambda r: (_fill_with(r, size), r.index))
-        if overflow >= size > 0 and _fill_with(best, size) <= REHOME_MAX_FILL:
+        # The move's charge: a re-prefill of the session's context (worth it only if the over-commit
+        # is at least that), or a KV transfer (any over-commit).
+        charge = 1 if request.moves_kv else size
+        if overflow >= charge and size > 0 and _fill_with(best, size) <= REHOME_MAX_FILL:
             return best.index
         return current.index
     # A new session's KV is its first prompt but grows to its whole context: the replica's session

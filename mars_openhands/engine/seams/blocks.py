@@ -25,7 +25,9 @@ __all__ = [
     "block_pool",
     "block_ref_count",
     "cached_blocks",
+    "cached_prefix_blocks",
     "free_pinned",
+    "import_cached_prefix",
     "is_cached_block",
     "kv_usage",
     "num_block_table_entries",
@@ -224,6 +226,69 @@ def prefix_hit_tokens(sched: Scheduler, request: Request) -> int:
         return int(peek(request))
     _, num_tokens, *_ = lookup(request)
     return int(num_tokens)
+
+
+def cached_prefix_blocks(sched: Scheduler, block_hashes: Sequence[Any]) -> int:
+    """How many leading blocks of ``block_hashes`` (a request's ``Request.block_hashes``, one full
+    attention group) the pool's prefix cache holds now: the blocks a KV transfer could send. Pure.
+    """
+    pool = block_pool(sched)
+    num = 0
+    for block_hash in block_hashes:
+        if pool.get_cached_block(block_hash, [0]) is None:
+            break
+        num += 1
+    return num
+
+
+def import_cached_prefix(sched: Scheduler, block_hashes: Sequence[Any]) -> list[KVCacheBlock]:
+    """Write a prefix another engine computed into this pool's prefix cache, as a KV transfer
+    (NIXL, LMCache) leaves it for the request that asked for it: the leading blocks of
+    ``block_hashes`` (a request's ``Request.block_hashes``, one full-attention group) cached here
+    already are pinned, the rest are taken from the free queue (evicting its least recently used
+    cached blocks, as vLLM's ``get_new_blocks``) and given their prefix-cache keys
+    (``cache_full_blocks``). Takes at most the free blocks above the watermark: an import never
+    preempts a request. Mutates the pool.
+
+    Returns:
+        The prefix's blocks, in order, each pinned once (as :func:`pin_blocks`): release them
+        with :func:`free_pinned` once the request that reads them holds its own references.
+
+    Raises:
+        ValueError: the scheduler has several KV cache groups (a hybrid model's sliding-window
+            groups would need their own tables), or the pool emits KV cache events.
+    """
+    managers = sched.kv_cache_manager.coordinator.single_type_managers
+    if len(managers) != 1:
+        raise ValueError(f"a KV import needs one KV cache group, got {len(managers)}")
+    pool = block_pool(sched)
+    if pool.enable_kv_cache_events:
+        raise ValueError("a KV import does not emit KV cache events; build the engine without them")
+    have: list[KVCacheBlock] = []
+    for block_hash in block_hashes:
+        cached = pool.get_cached_block(block_hash, [0])
+        if cached is None:
+            break
+        have.append(cached[0])
+    pool.touch(have)
+    room = pool.get_num_free_blocks() - watermark_blocks(sched)
+    take = max(0, min(len(block_hashes) - len(have), room))
+    if take == 0:
+        return have
+    blocks = pool.get_new_blocks(take)
+    holder = _HashesOnly(list(block_hashes[:len(have) + take]))
+    pool.cache_full_blocks(holder, have + blocks, len(have), len(have) + take,
+                           managers[0].block_size, 0)
+    return have + blocks
+
+
+class _HashesOnly:
+    """What ``BlockPool.cache_full_blocks`` reads of a request without KV cache events."""
+
+    __slots__ = ("block_hashes",)
+
+    def __init__(self, block_hashes: list[Any]) -> None:
+        self.block_hashes = block_hashes
 
 
 def watermark_blocks(sched: Scheduler) -> int:

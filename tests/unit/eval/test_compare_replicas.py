@@ -57,6 +57,8 @@ def test_rates_stay_per_gpu_and_arrivals_scale_with_the_replicas() -> None:
     (["--router", "least-sessions"], "--router: needs --replicas >= 2 (got --replicas 1)"),
     (["--sessions-per-replica", "3"], "--sessions-per-replica: needs --replicas >= 2"),
     (["--replica-gpus", "h100_sxm,a100"], "--replica-gpus: unknown GPU 'a100'"),
+    (["--kv-transfer-gbps", "50"], "--kv-transfer-gbps 50: needs --replicas >= 2"),
+    (["--replicas", "2", "--router", "pooled-kv", "--kv-transfer-gbps", "50"], "share one KV pool"),
 ])
 def test_replica_flags_are_checked_before_anything_runs(argv, message, capsys, tmp_path) -> None:
     args = _parser().parse_args(["compare", *argv, "--out", str(tmp_path / "out")])
@@ -92,6 +94,22 @@ def test_the_replicas_fact_names_a_mix_by_its_gpus_not_each_gpu_flag() -> None:
     same = replicas_fact(argparse.Namespace(replicas=4, gpu=["h100_sxm"], replica_gpus=None,
                                             **{**base, "lose_replica": (1, 60.0)}), 400)
     assert same.startswith("4 x h100_sxm, router llm-d") and same.endswith("(seed 3); replica 1 lost at 60 s")
+    moving = replicas_fact(argparse.Namespace(replicas=4, gpu=["h100_sxm"], replica_gpus=None,
+                                              kv_transfer_gb_s=50.0, **base), 400)
+    assert moving.endswith("a moved session's KV goes along at 50 GB/s (--kv-transfer-gbps), not re-prefilled")
+
+
+def test_the_kv_transfer_reaches_the_simulator_and_the_cache_key() -> None:
+    from eval.runs import sim_config
+
+    options = CompareOptions(num_gpu_blocks=64, num_replicas=2, router="mars-placement", policies=("mars",),
+                             kv_transfer_gb_s=50.0, kv_bytes_per_token=98_304)
+    config = sim_config(options, "mars", True)
+    assert (config.kv_transfer_gb_s, config.kv_bytes_per_token) == (50.0, 98_304)
+    plain = options.model_copy(update={"kv_transfer_gb_s": None})
+    assert sim_config(plain, "mars", True).kv_transfer_gb_s is None
+    assert plain.kv_transfer_key() == ()  # keys of earlier results stay valid
+    assert options.kv_transfer_key() not in ((), options.model_copy(update={"kv_transfer_gb_s": 25.0}).kv_transfer_key())
 
 
 def test_replica_gpus_set_the_replicas_and_refuse_a_conflicting_count(capsys, tmp_path) -> None:

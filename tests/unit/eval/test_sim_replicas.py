@@ -159,3 +159,101 @@ def test_replica_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="one per replica"):
         _config(num_replicas=2, replica_engines=(engine,))
     assert dataclasses.is_dataclass(LinearStepTimeModel())
+
+
+# ----------------------------------------------------------------------------- KV transfer on a move
+_BYTES_PER_TOKEN = 98_304  # Qwen3-Coder-30B-A3B bf16
+
+
+def _moved(result: SimResult) -> list[tuple]:
+    return [(prev, t) for r in result.sessions.values()
+            for prev, t in zip(r.turns, r.turns[1:], strict=False) if t.replica != prev.replica]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "MarsScheduler"])
+def test_a_moved_session_waits_for_its_kv_transfer(policy: str) -> None:
+    """llm-d moves sessions per turn whatever the deployment (here on replicas short of KV): with a
+    KV transfer the moved turn waits ``bytes / bandwidth`` for what lands; without, nothing is
+    sent and it re-prefills."""
+    workload = _workload(12, gap_s=0.1)
+    config = _config(policy, blocks=256, num_replicas=2, router="llm-d", is_admission_enabled=True)
+    apart = simulate(workload, config, LinearStepTimeModel())
+    assert _moved(apart) and apart.num_kv_transfer_tokens == 0
+    assert not any(t.num_transferred_tokens for _, t in _moved(apart))
+    for gb_s in (5.0, 0.05):  # 1,000 tokens: ~0.02 s, ~2 s
+        moving = simulate(workload, config.model_copy(update={
+            "kv_transfer_gb_s": gb_s, "kv_bytes_per_token": _BYTES_PER_TOKEN}), LinearStepTimeModel())
+        _assert_complete(moving, workload)
+        assert moving.kv_blocks_at_end[2] == 0
+        sent = [t for _, t in _moved(moving) if t.num_transferred_tokens]
+        assert sent and moving.num_kv_transfer_tokens >= sum(t.num_transferred_tokens for t in sent)
+        for t in sent:
+            assert t.first_scheduled_s - t.submit_s >= t.num_transferred_tokens * _BYTES_PER_TOKEN / (gb_s * 1e9)
+
+
+def test_a_moved_turn_hits_the_kv_that_landed_on_a_replica_with_room() -> None:
+    workload = _workload(12, gap_s=0.1)
+    config = _config("MarsScheduler", blocks=384, num_replicas=2, router="llm-d", is_admission_enabled=True,
+                     kv_transfer_gb_s=5.0, kv_bytes_per_token=_BYTES_PER_TOKEN)
+    result = simulate(workload, config, LinearStepTimeModel())
+    sent = [(prev, t) for prev, t in _moved(result) if t.num_transferred_tokens]
+    assert sent
+    for prev, t in sent:
+        assert (t.num_cached_tokens or 0) >= t.num_transferred_tokens >= prev.num_prompt_tokens // 16 * 16
+
+
+def test_the_kv_transfer_is_the_same_with_the_fast_paths_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The import goes through the pool's own methods: the fused ones keep the prefix-hit memo
+    exact (a stale memo would schedule a moved turn differently)."""
+    from eval.sim import FAST_PATHS_ENV
+
+    workload = _workload(12, gap_s=0.1)
+    config = _config("MarsScheduler", blocks=256, num_replicas=3, router="mars-placement",
+                     is_admission_enabled=True, kv_transfer_gb_s=5.0, kv_bytes_per_token=_BYTES_PER_TOKEN)
+    runs = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv(FAST_PATHS_ENV, flag)
+        runs.append(simulate(workload, config, LinearStepTimeModel()))
+    assert runs[0].num_kv_transfer_tokens > 0
+    assert _rows(runs[0]) == _rows(runs[1])
+    assert runs[0].num_kv_transfer_tokens == runs[1].num_kv_transfer_tokens
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_moves_with_transfers_and_a_lost_replica_complete_and_leak_nothing(seed: int) -> None:
+    """The class, not one case: random workloads, routers that move sessions, transfers slow enough
+    to be in flight when a replica is lost (its turns are re-sent once, and a transfer's late
+    arrival sends nothing twice)."""
+    import random
+
+    rng = random.Random(seed)
+    sessions = []
+    for i in range(rng.randint(8, 14)):  # contexts below 2,700 tokens: a 256-block replica holds one
+        turns = [Turn(prompt_tokens_appended=rng.randint(50, 600), output_tokens=rng.randint(5, 60),
+                      tool_name="bash", tool_duration_s=rng.uniform(0.05, 1.5))
+                 for _ in range(rng.randint(1, 4))]
+        turns.append(Turn(prompt_tokens_appended=rng.randint(10, 100), output_tokens=rng.randint(5, 30)))
+        sessions.append(Session(session_id=f"r{i}", arrival_s=rng.uniform(0.0, 2.0), turns=tuple(turns)))
+    workload = Workload(meta=WorkloadMeta(source="test"),
+                        sessions=tuple(sorted(sessions, key=lambda s: s.arrival_s)))
+    router = ("llm-d", "mars-placement", "prefix-affinity")[seed % 3]
+    config = _config(("fcfs", "MarsScheduler")[seed % 2], blocks=rng.choice((256, 512)), num_replicas=3,
+                     router=router, is_admission_enabled=True, kv_transfer_gb_s=rng.choice((0.05, 1.0)),
+                     kv_bytes_per_token=_BYTES_PER_TOKEN, lose_replica=(rng.randrange(3), rng.uniform(0.5, 3.0)))
+    result = simulate(workload, config, LinearStepTimeModel())
+    _assert_complete(result, workload)
+    assert result.kv_blocks_at_end[2] == 0
+    lost = result.replica_loss
+    assert lost is not None
+    late = [t for r in result.sessions.values() for t in r.turns if t.first_scheduled_s is not None
+            and t.first_scheduled_s > lost.at_s]
+    assert all(t.replica != lost.index for t in late)
+
+
+def test_kv_transfer_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="needs num_replicas >= 2"):
+        _config(kv_transfer_gb_s=50.0, kv_bytes_per_token=_BYTES_PER_TOKEN)
+    with pytest.raises(ValueError, match="pooled-KV bound"):
+        _config(num_replicas=2, router="pooled-kv", kv_transfer_gb_s=50.0, kv_bytes_per_token=1)
+    with pytest.raises(ValueError, match="kv_bytes_per_token"):
+        _config(num_replicas=2, kv_transfer_gb_s=50.0)

@@ -3,6 +3,8 @@ state where the other policies decide differently, so a policy swapped for anoth
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from mars_openhands.policy.placement import (
@@ -141,6 +143,23 @@ def test_mars_placement_rehomes_only_when_the_overflow_pays_for_the_re_prefill()
     assert choose_replica(small, full, "mars-placement") == 0  # 97% > 90% after the move
     for name in ("least-sessions", "sticky-hash", "thunderagent"):
         assert choose_replica(small, loads, name) == 0  # the sticky anchors never move it
+
+
+def test_mars_placement_moves_on_any_overflow_when_the_kv_goes_along():
+    loads = [ReplicaLoad(0, num_sessions=4, num_kv_tokens=KV, num_working_set_tokens=125_000),
+             ReplicaLoad(1, num_sessions=4, num_kv_tokens=KV, num_working_set_tokens=40_000)]
+    large = RouteRequest("s", replica=0, num_prompt_tokens=28_000, num_projected_tokens=30_000)
+    moved = dataclasses.replace(large, moves_kv=True)
+    assert choose_replica(large, loads, "mars-placement") == 0  # a re-prefill: 25k over < its 30k
+    assert choose_replica(moved, loads, "mars-placement") == 1  # a transfer: any over-commit
+    fits = [dataclasses.replace(loads[0], num_working_set_tokens=100_000), loads[1]]
+    assert choose_replica(moved, fits, "mars-placement") == 0  # no over-commit: it stays
+    full = [loads[0], ReplicaLoad(1, num_kv_tokens=KV, num_working_set_tokens=75_000)]
+    assert choose_replica(moved, full, "mars-placement") == 0  # 105% after the move: it stays
+    busy = [dataclasses.replace(fits[0], num_in_flight=6), fits[1]]
+    assert choose_replica(moved, busy, "mars-placement") == 0  # a queue alone moves nothing
+    for name in ("least-sessions", "sticky-hash", "thunderagent"):
+        assert choose_replica(moved, loads, name) == 0  # the sticky anchors never move it
 
 
 def test_pooled_kv_places_compute_only_and_is_no_live_router():
