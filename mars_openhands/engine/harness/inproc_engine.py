@@ -195,10 +195,10 @@ class InprocEngine:
         self._kv_counts: tuple[int, int, int] | None = None
         """Memo of :meth:`kv_block_counts`; cleared by every call that can change the KV state."""
         self.probe: BlockedProbe | None = None
+        """The last single step's proof that the waiting requests are blocked, while it holds."""
         self._imports: dict[str, list[Any]] = {}
         """request id -> the KV-transfer blocks held for it until it holds its own
         (:meth:`import_prefix`)."""
-        """The last single step's proof that the waiting requests are blocked, while it holds."""
         self._plan: RunPlan | None = None
         """The merged run :meth:`plan_run` planned last, until the state changes."""
         self.num_steps = 0

@@ -30,15 +30,22 @@ def _drain(engine: InprocEngine) -> None:
     raise AssertionError("engine did not drain")
 
 
+def _computed_on(engine: InprocEngine, appended: int, output: int) -> tuple[object, list]:
+    """Session ``s``'s first turn run to its end on ``engine``: its stream and the block hashes of
+    the prefix ``engine`` holds cached (what a transfer sends)."""
+    stream = engine.stream("s")
+    add_stream_turn(engine, stream, "s#0", appended, output)
+    _drain(engine)
+    return stream, stream.block_hashes[:engine.cached_prefix_blocks(stream.block_hashes)]
+
+
 @pytest.mark.parametrize("policy", ["fcfs", "MarsScheduler"])
 def test_an_imported_prefix_is_a_hit_and_is_held_until_its_request_holds_it(policy: str) -> None:
     a, b = _pair(policy)
-    stream = a.stream("s")
-    p0 = add_stream_turn(a, stream, "s#0", 500, 20)
-    _drain(a)
-    sent = a.cached_prefix_blocks(stream.block_hashes)
-    assert sent == (p0 + 20) // BS > 0 and b.cached_prefix_blocks(stream.block_hashes) == 0
-    assert b.import_prefix("s#1", stream.block_hashes[:sent]) == sent
+    stream, hashes = _computed_on(a, 500, 20)
+    sent = len(hashes)
+    assert sent == (500 + 20) // BS and b.cached_prefix_blocks(stream.block_hashes) == 0
+    assert b.import_prefix("s#1", hashes) == sent
     free_before = b.kv_block_counts()[0]
     assert free_before == 63 - sent, "held for its request: not free, so not evictable"
     add_stream_turn(b, stream, "s#1", 100, 10, t_s=1.0)
@@ -51,10 +58,7 @@ def test_an_imported_prefix_is_a_hit_and_is_held_until_its_request_holds_it(poli
 
 def test_an_import_takes_only_the_free_blocks_above_the_watermark_and_the_cached_head_is_reused() -> None:
     a, b = _pair("fcfs", blocks=200)
-    stream = a.stream("s")
-    add_stream_turn(a, stream, "s#0", 1500, 20)
-    _drain(a)
-    hashes = stream.block_hashes[:a.cached_prefix_blocks(stream.block_hashes)]
+    _, hashes = _computed_on(a, 1500, 20)
     other = b.stream("o")
     add_stream_turn(b, other, "o#0", 1800, 50)  # b now holds 116+ blocks for a running request
     b.step()
@@ -72,10 +76,7 @@ def test_an_import_takes_only_the_free_blocks_above_the_watermark_and_the_cached
 
 def test_held_imports_are_dropped_when_the_engine_is_short_of_kv_and_on_shutdown() -> None:
     a, b = _pair("fcfs", blocks=64)
-    stream = a.stream("s")
-    add_stream_turn(a, stream, "s#0", 600, 10)
-    _drain(a)
-    hashes = stream.block_hashes[:a.cached_prefix_blocks(stream.block_hashes)]
+    _, hashes = _computed_on(a, 600, 10)
     assert b.import_prefix("s#1", hashes) == len(hashes)
     with pytest.raises(ValueError, match="already has a KV import"):
         b.import_prefix("s#1", hashes)
