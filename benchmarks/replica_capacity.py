@@ -15,6 +15,11 @@ The full grid (issue 32: H100 SXM, N = 4 and 8, seeds 0 and 1)::
 
     .venv/bin/python benchmarks/replica_capacity.py --out runs/replicas --replicas 4,8 --seeds 0,1
 
+``--kv-transfer-gbps G`` adds a row ``<router>+kv`` for each router that moves sessions off a live
+replica (``mars-placement`` at its re-homes, ``llm-d`` and ``prefix-affinity`` per turn), run with
+``compare --kv-transfer-gbps G`` (a moved session's KV goes along instead of being re-prefilled);
+the sticky routers never move a session, so their rows stand for both deployments.
+
 Anything after ``--`` goes to every ``compare`` call (e.g. ``-- --sessions-per-replica 10
 --max-turns 30 --kv-scale auto`` for a reduced run, labelled TRIMMED). ``--dry-run`` prints the
 commands only.
@@ -33,6 +38,7 @@ from pathlib import Path
 import pandas as pd
 
 from mars_openhands.cli_signals import run_child, sigterm_exits
+from mars_openhands.policy.placement import ROUTING_POLICIES
 
 ANCHORS = ("sticky-hash", "least-sessions", "llm-d", "prefix-affinity", "thunderagent")
 """The anchor routers (mars_openhands/policy/placement.py names their sources)."""
@@ -43,12 +49,34 @@ BOUND = "unbounded-kv"
 """The loose upper bound: compare's unbounded-KV reference, on every replica."""
 
 
-def _kind(router: str) -> str:
+KV_SUFFIX = "+kv"
+"""A row's name suffix for a router run with ``--kv-transfer-gbps``."""
+
+
+def _router(row: str) -> str:
+    """The ``--router`` of a row (``llm-d+kv`` -> ``llm-d``)."""
+    return row.removesuffix(KV_SUFFIX)
+
+
+def _kind(row: str) -> str:
+    router = _router(row)
     return "bound" if router in (POOLED, BOUND) else "ours" if router == OURS else "anchor"
 
 
-def _compare(args: argparse.Namespace, out: Path, n: int, seed: int, router: str,
+def _rows(routers: list[str], kv_transfer_gbps: float | None) -> list[str]:
+    """The grid's rows: every router, then ``<router>+kv`` for those that move sessions off a live
+    replica (per turn, or re-homing; not the pooled bound) when a KV transfer is given. Pure."""
+    moving = [r for r in routers if kv_transfer_gbps and r in ROUTING_POLICIES
+              and not ROUTING_POLICIES[r].pools_kv
+              and (not ROUTING_POLICIES[r].is_sticky or ROUTING_POLICIES[r].rehomes)]
+    return [*routers, *(r + KV_SUFFIX for r in moving)]
+
+
+def _compare(args: argparse.Namespace, out: Path, n: int, seed: int, row: str,
              policy: str, extra: list[str], rate: float | None = None) -> list[str]:
+    router = _router(row)
+    if row.endswith(KV_SUFFIX):
+        extra = ["--kv-transfer-gbps", f"{args.kv_transfer_gbps:g}", *extra]
     cmd = [sys.executable, "-m", "eval.compare", "--replicas", str(n), "--router", router,
            "--policies", policy, "--gpu", args.gpu, "--seed", str(seed), "--no-reference",
            "--out", str(out)]
@@ -115,8 +143,13 @@ def main() -> int:
                    help="skip a compare whose --out already holds its results (resume a grid)")
     p.add_argument("--no-e2e", action="store_true",
                    help="capacities only: no runs at 0.9x the best anchor's capacity")
+    p.add_argument("--kv-transfer-gbps", type=float, default=None, metavar="G",
+                   help="also run each router that moves sessions (mars-placement, llm-d, "
+                        "prefix-affinity) with compare --kv-transfer-gbps G, as the row <router>+kv")
     args = p.parse_args(argv)
-    routers = [r for r in args.routers.split(",") if r != BOUND]
+    if args.kv_transfer_gbps is not None and not args.kv_transfer_gbps > 0:
+        p.error(f"--kv-transfer-gbps must be > 0 GB/s, got {args.kv_transfer_gbps:g}")
+    routers = _rows([r for r in args.routers.split(",") if r != BOUND], args.kv_transfer_gbps)
     with_bound = BOUND in args.routers.split(",")
     rows = []
     for n in (int(x) for x in args.replicas.split(",")):
@@ -130,7 +163,7 @@ def main() -> int:
                      args.dry_run, args.skip_done and (base / BOUND / "capacity.parquet").exists())
             caps = {r: _capacity(base / r, "mars") for r in routers}
             caps[BOUND] = _capacity(base / BOUND, BOUND)
-            anchors = {r: c for r, c in caps.items() if r in ANCHORS and not math.isnan(c)}
+            anchors = {r: c for r, c in caps.items() if _router(r) in ANCHORS and not math.isnan(c)}
             best = max(anchors, key=anchors.__getitem__) if anchors else None
             rate = 0.9 * anchors[best] if best else args.start_rate
             for router in routers if not args.no_e2e else ():
