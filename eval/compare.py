@@ -556,10 +556,12 @@ def _check_replicas(args: argparse.Namespace, spec: Any) -> None:
         raise ValueError(f"--router {args.router}: the pooled-KV bound exists only in the simulator over "
                          f"several replicas (--backend sim --replicas >= 2; got --replicas {args.replicas})")
     transfer = getattr(args, "kv_transfer_gb_s", None)
-    if transfer is not None and (args.replicas < 2 or ROUTING_POLICIES[args.router].pools_kv):
-        raise ValueError(f"--kv-transfer-gbps {transfer:g}: needs --replicas >= 2 and a router that "
-                         f"places sessions (got --replicas {args.replicas}, --router {args.router}; "
-                         "the pooled-KV bound's replicas share one KV pool)")
+    if transfer is not None and args.replicas < 2:
+        raise ValueError(f"--kv-transfer-gbps {transfer:g}: needs --replicas >= 2 (got --replicas "
+                         f"{args.replicas}); with one replica no session moves")
+    if transfer is not None and ROUTING_POLICIES[args.router].pools_kv:
+        raise ValueError(f"--kv-transfer-gbps with --router {args.router}: the bound's replicas share "
+                         "one KV pool, so there is nothing to transfer; drop one")
     if args.lose_replica is not None and ROUTING_POLICIES[args.router].pools_kv:
         raise ValueError(f"--lose-replica with --router {args.router}: the bound's replicas share "
                          "one KV pool, so a lost replica's KV would be every replica's; drop one")

@@ -780,7 +780,7 @@ class Simulator:
         transfer_s = 0.0
         if old is not None and old.index != index and not old.is_lost:
             if self.config.kv_transfer_gb_s is not None:
-                transfer_s = self._start_transfer(run, old)
+                transfer_s = self._start_transfer(run, old, self._replicas[index])
             if old.engine.is_plugin:
                 old.engine.post_event(ev.SessionEnd.model_construct(
                     **self._stamps(), source=self.config.gateway_source,
@@ -789,19 +789,21 @@ class Simulator:
         run.replica = self._replicas[index]
         return transfer_s
 
-    def _start_transfer(self, run: _SessionRun, old: _Replica) -> float:
+    def _start_transfer(self, run: _SessionRun, old: _Replica, new: _Replica) -> float:
         """The session's prefix cached on ``old`` (before it drops the session's pins) starts for
-        its new replica: ``run.kv_import``, written there when the turn arrives. Returns the
-        transfer's seconds: ``tokens x kv_bytes_per_token / kv_transfer_gb_s`` (0: nothing
-        cached to send)."""
+        ``new``: ``run.kv_import``, written there when the turn arrives. Only the blocks ``new``
+        does not hold yet are sent. Returns the transfer's seconds: ``tokens sent x
+        kv_bytes_per_token / kv_transfer_gb_s`` (0: nothing to send)."""
         assert run.stream is not None and self.config.kv_transfer_gb_s is not None
         hashes = run.stream.block_hashes
         num_blocks = old.engine.cached_prefix_blocks(hashes)
-        if num_blocks == 0:
+        num_sent = num_blocks - min(num_blocks, new.engine.cached_prefix_blocks(hashes[:num_blocks]))
+        if num_sent == 0:
             return 0.0
         run.kv_import = list(hashes[:num_blocks])
-        num_tokens = num_blocks * self.config.engine.block_size
+        num_tokens = num_sent * self.config.engine.block_size
         self.num_kv_transfer_tokens += num_tokens
+        run.record.turns[-1].num_transferred_tokens = num_tokens
         assert self.config.kv_bytes_per_token is not None
         return num_tokens * self.config.kv_bytes_per_token / (self.config.kv_transfer_gb_s * 1e9)
 
@@ -826,8 +828,7 @@ class Simulator:
         assert run.stream is not None and run.replica is not None
         rep = run.replica
         if run.kv_import is not None:
-            landed = rep.engine.import_prefix(turn.request_id, run.kv_import)
-            turn.num_transferred_tokens = min(landed, len(run.kv_import)) * self.config.engine.block_size
+            rep.engine.import_prefix(run.kv_import)
             run.kv_import = None
         rep.engine.add_request(turn.request_id, run.stream, turn.num_prompt_tokens,
                                turn.num_output_tokens, arrival_time_s=arrival_s,
@@ -961,6 +962,7 @@ class Simulator:
             run.replica = None
         for run, turn in failed:
             run.is_in_transfer, run.kv_import = False, None
+            turn.num_transferred_tokens = 0
             turn.first_scheduled_s = turn.first_token_s = turn.num_cached_tokens = None
             turn.num_failures += 1
             self._route(run, turn.num_prompt_tokens)

@@ -119,7 +119,8 @@ class SimConfig(BaseModel):
     """A session moved off a live replica takes its KV along at this bandwidth, GB/s (10^9 B/s)
     one way (``compare --kv-transfer-gbps``; e.g. NIXL over one 400 Gb/s RDMA NIC per GPU, ~50):
     its prefix cached on the old replica is written into the new one's prefix cache and its turn
-    waits ``bytes / bandwidth`` before it is sent, instead of re-prefilling that prefix. ``None``:
+    waits ``bytes / bandwidth`` for the blocks the new one lacks before it is sent, instead of
+    re-prefilling that prefix. ``None``:
     a moved session re-prefills (what the live gateway does). The copy's slowdown of either
     replica's steps is not modelled."""
     kv_bytes_per_token: int | None = Field(None, gt=0)
@@ -192,8 +193,9 @@ class TurnRecord:
     num_failures: int = 0
     """Times it was lost with its replica and sent again."""
     num_transferred_tokens: int = 0
-    """Tokens of KV sent along when its session moved to its replica (``kv_transfer_gb_s``) that
-    landed in that replica's prefix cache (at most its free blocks above the watermark)."""
+    """Tokens of KV sent along (and charged) when its session moved to its replica with a KV
+    transfer (``kv_transfer_gb_s``): its prefix cached on the old replica that the new one lacked
+    (0 when it was re-sent after a lost replica)."""
 
     @property
     def ttft_s(self) -> float | None:

@@ -196,9 +196,6 @@ class InprocEngine:
         """Memo of :meth:`kv_block_counts`; cleared by every call that can change the KV state."""
         self.probe: BlockedProbe | None = None
         """The last single step's proof that the waiting requests are blocked, while it holds."""
-        self._imports: dict[str, list[Any]] = {}
-        """request id -> the KV-transfer blocks held for it until it holds its own
-        (:meth:`import_prefix`)."""
         self._plan: RunPlan | None = None
         """The merged run :meth:`plan_run` planned last, until the state changes."""
         self.num_steps = 0
@@ -346,7 +343,6 @@ class InprocEngine:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         for request_id in request_ids:
             self._forget(request_id)
-        self._release_imports(every=True)
         self._kv_counts = None
         self._plan = None
         self.probe = None
@@ -370,43 +366,26 @@ class InprocEngine:
         engine's prefix cache holds now: what a KV transfer of that prefix can send. Pure."""
         return seams.blocks.cached_prefix_blocks(self.scheduler, block_hashes)
 
-    def import_prefix(self, request_id: str, block_hashes: Sequence[Any]) -> int:
-        """A prefix another engine computed arrives by KV transfer for ``request_id`` (add it
-        next): its blocks join this engine's prefix cache, held for the request until a
-        ``schedule()`` gives it its own blocks (as vLLM's KV connector allocates them when the
-        transfer starts; :func:`~mars_openhands.engine.seams.blocks.import_cached_prefix`, at most
-        the free blocks above the watermark), or until a ``schedule()`` that is short of KV
-        (nothing scheduled, or a preemption) drops every held import to the free queue's most
-        recently used end (vLLM would not have allocated them then: no import blocks an engine).
-        Mutates.
+    def import_prefix(self, block_hashes: Sequence[Any]) -> int:
+        """A prefix another engine computed arrives by KV transfer: its blocks join this engine's
+        prefix cache as free, most recently used blocks
+        (:func:`~mars_openhands.engine.seams.blocks.import_cached_prefix`: nothing is held for the
+        request that will read them, so a full engine may evict them first). Mutates.
 
         Returns:
             Leading blocks of ``block_hashes`` cached here now.
 
         Raises:
-            ValueError: a pooled engine (its pool is every replica's already), a request that
-                already has an import, or as ``import_cached_prefix``.
+            ValueError: a pooled engine (its pool is every replica's already), or as
+                ``import_cached_prefix``.
         """
         if self.is_kv_pooled:
             raise ValueError("a pooled-KV engine shares every prefix already; nothing to import")
-        if request_id in self._imports:
-            raise ValueError(f"request {request_id!r} already has a KV import")
-        blocks = seams.blocks.import_cached_prefix(self.scheduler, block_hashes)
-        if blocks:
-            self._imports[request_id] = blocks
+        num = seams.blocks.import_cached_prefix(self.scheduler, block_hashes)
         self._kv_counts = None
         self._plan = None
-        self.probe = None  # the free queue changed: a blocked head's hit and room may too
-        return len(blocks)
-
-    def _release_imports(self, *, every: bool = False) -> None:
-        """Unpin the imports whose request now holds its blocks (or is gone); ``every``: all."""
-        done = [rid for rid in self._imports if every or rid not in self._requests
-                or seams.blocks.num_request_blocks(self.scheduler, rid) > 0]
-        for rid in done:
-            seams.blocks.free_pinned(self.scheduler, self._imports.pop(rid))
-        if done:
-            self._kv_counts = None
+        self.probe = None  # the free queue's cached blocks changed: a blocked head's hit may too
+        return num
 
     # ------------------------------------------------------------------ stepping
     def step(self, plan: RunPlan | int = 1) -> EngineStepRecord:
@@ -449,8 +428,6 @@ class InprocEngine:
                              "planned for the engine's current state; call plan_run() first")
         else:
             out = self._schedule_merged(plan)
-        if self._imports:  # an engine short of KV (nothing scheduled, or a preemption) drops them
-            self._release_imports(every=not out.num_scheduled_tokens or bool(out.preempted_req_ids))
         if self.host_kv is not None:
             self.host_kv.begin_step(out)
         self._kv_counts = None
@@ -939,9 +916,7 @@ class InprocEngine:
         return self._num_host_blocks
 
     def shutdown(self) -> None:
-        """Release what the scheduler still holds (our schedulers: retained KV) and the KV
-        imports no request took. Mutates."""
-        self._release_imports(every=True)
+        """Release what the scheduler still holds (our schedulers: retained KV). Mutates."""
         self.scheduler.shutdown()
         self._kv_counts = None
         self._plan = None

@@ -241,18 +241,21 @@ def cached_prefix_blocks(sched: Scheduler, block_hashes: Sequence[Any]) -> int:
     return num
 
 
-def import_cached_prefix(sched: Scheduler, block_hashes: Sequence[Any]) -> list[KVCacheBlock]:
+def import_cached_prefix(sched: Scheduler, block_hashes: Sequence[Any]) -> int:
     """Write a prefix another engine computed into this pool's prefix cache, as a KV transfer
-    (NIXL, LMCache) leaves it for the request that asked for it: the leading blocks of
-    ``block_hashes`` (a request's ``Request.block_hashes``, one full-attention group) cached here
-    already are pinned, the rest are taken from the free queue (evicting its least recently used
-    cached blocks, as vLLM's ``get_new_blocks``) and given their prefix-cache keys
-    (``cache_full_blocks``). Takes at most the free blocks above the watermark: an import never
-    preempts a request. Mutates the pool.
+    (NIXL, LMCache) leaves it: the leading blocks of ``block_hashes`` (a request's
+    ``Request.block_hashes``, one full-attention group) not cached here yet are taken from the
+    free queue (evicting its least recently used cached blocks, as vLLM's ``get_new_blocks``) and
+    given their prefix-cache keys (``cache_full_blocks``); then the whole prefix, the part cached
+    here already included, is freed to the queue's most recently used end, tail first (as vLLM
+    frees a finished request). The blocks stay free: nothing is held for the request that will
+    read them (vLLM allocates a transfer's blocks only when its scheduler reaches that request),
+    so an import never blocks or preempts a request, and a full engine may evict it before its
+    request is scheduled (that request then re-prefills what is gone). Takes at most the free
+    blocks. Mutates the pool.
 
     Returns:
-        The prefix's blocks, in order, each pinned once (as :func:`pin_blocks`): release them
-        with :func:`free_pinned` once the request that reads them holds its own references.
+        Leading blocks of ``block_hashes`` cached here now.
 
     Raises:
         ValueError: the scheduler has several KV cache groups (a hybrid model's sliding-window
@@ -270,16 +273,15 @@ def import_cached_prefix(sched: Scheduler, block_hashes: Sequence[Any]) -> list[
         if cached is None:
             break
         have.append(cached[0])
-    pool.touch(have)
-    room = pool.get_num_free_blocks() - watermark_blocks(sched)
-    take = max(0, min(len(block_hashes) - len(have), room))
-    if take == 0:
-        return have
-    blocks = pool.get_new_blocks(take)
-    holder = _HashesOnly(list(block_hashes[:len(have) + take]))
-    pool.cache_full_blocks(holder, have + blocks, len(have), len(have) + take,
-                           managers[0].block_size, 0)
-    return have + blocks
+    pool.touch(have)  # out of the free queue while new blocks are taken: never evicted by them
+    take = max(0, min(len(block_hashes) - len(have), pool.get_num_free_blocks()))
+    blocks = pool.get_new_blocks(take) if take else []
+    if blocks:
+        holder = _HashesOnly(list(block_hashes[:len(have) + take]))
+        pool.cache_full_blocks(holder, have + blocks, len(have), len(have) + take,
+                               managers[0].block_size, 0)
+    pool.free_blocks(reversed(have + blocks))
+    return len(have) + take
 
 
 class _HashesOnly:
