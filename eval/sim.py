@@ -468,7 +468,7 @@ class Simulator:
         elif kind == "kv_moved":
             if payload.is_in_transfer:  # (not if its new replica was lost meanwhile: re-sent)
                 payload.is_in_transfer = False
-                self._send(payload)
+                self._send(payload, is_counted=True)
         else:
             self._lose_replica(self._replicas[payload])
 
@@ -759,7 +759,11 @@ class Simulator:
         transfer_s = self._route(run, num_prompt)
         _, run.prev_tool = self.plane.start_turn(run.gateway)
         if transfer_s > 0.0:
+            # In flight at its new replica from now: a gateway sends the request at once and the
+            # replica waits for the KV (vLLM's WAITING_FOR_REMOTE_KVS), so routers count it.
+            assert run.replica is not None
             run.is_in_transfer = True
+            self.plane.router.replicas[run.replica.index].num_in_flight += 1
             self._push(self.now_s + transfer_s, "kv_moved", run)
         else:
             self._send(run)
@@ -807,11 +811,13 @@ class Simulator:
         assert self.config.kv_bytes_per_token is not None
         return num_tokens * self.config.kv_bytes_per_token / (self.config.kv_transfer_gb_s * 1e9)
 
-    def _send(self, run: _SessionRun) -> None:
-        """The session's latest turn goes to its replica: now, or after the replica's step."""
+    def _send(self, run: _SessionRun, *, is_counted: bool = False) -> None:
+        """The session's latest turn goes to its replica: now, or after the replica's step; in
+        flight there from now (``is_counted``: since its KV transfer started)."""
         rep = run.replica
         assert rep is not None
-        self.plane.router.replicas[rep.index].num_in_flight += 1
+        if not is_counted:
+            self.plane.router.replicas[rep.index].num_in_flight += 1
         run.record.turns[-1].replica = rep.index
         if rep.in_step:
             rep.deferred.append((run, self.now_s))

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from eval.sim import LinearStepTimeModel, SimConfig, SimResult, simulate  # noqa: E402
+from eval.sim import LinearStepTimeModel, SimConfig, SimResult, Simulator, simulate  # noqa: E402
 from eval.workloads.format import Session, Turn, Workload, WorkloadMeta  # noqa: E402
 from mars_openhands.engine.harness.inproc_engine import InprocEngineParams  # noqa: E402
 from mars_openhands.policy.placement import ROUTING_POLICIES  # noqa: E402
@@ -202,6 +202,29 @@ def test_a_moved_turn_hits_the_kv_that_landed_on_a_replica_with_room() -> None:
         assert (t.num_cached_tokens or 0) >= t.num_transferred_tokens >= prev.num_prompt_tokens // 16 * 16
 
 
+def test_a_turn_in_transfer_is_in_flight_at_its_new_replica(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gateway sends the request at the move and the replica waits for the KV: routers that
+    read requests in flight see it during the transfer, counted once."""
+    workload = _workload(12, gap_s=0.1)
+    config = _config("MarsScheduler", blocks=256, num_replicas=2, router="llm-d", is_admission_enabled=True,
+                     kv_transfer_gb_s=0.05, kv_bytes_per_token=_BYTES_PER_TOKEN)
+    sim = Simulator(workload, config, LinearStepTimeModel())
+    seen: list[tuple[int, int]] = []
+    send = Simulator._send
+
+    def checked(self, run, *, is_counted=False):  # noqa: ANN001, ANN202
+        if is_counted:  # every unfinished turn routed to the replica, this one included
+            routed = sum(1 for r, _ in self._by_request.values() if r.replica is run.replica)
+            seen.append((self.plane.router.replicas[run.replica.index].num_in_flight, routed))
+        return send(self, run, is_counted=is_counted)
+
+    monkeypatch.setattr(Simulator, "_send", checked)
+    result = sim.run()
+    assert seen and result.num_kv_transfer_tokens > 0
+    assert all(in_flight == routed for in_flight, routed in seen), seen
+    assert [r.num_in_flight for r in sim.plane.router.replicas] == [0, 0]
+
+
 def test_the_kv_transfer_is_the_same_with_the_fast_paths_off(monkeypatch: pytest.MonkeyPatch) -> None:
     """The import goes through the pool's own methods: the fused ones keep the prefix-hit memo
     exact (a stale memo would schedule a moved turn differently)."""
@@ -240,9 +263,12 @@ def test_random_moves_with_transfers_and_a_lost_replica_complete_and_leak_nothin
     config = _config(("fcfs", "MarsScheduler")[seed % 2], blocks=rng.choice((256, 512)), num_replicas=3,
                      router=router, is_admission_enabled=True, kv_transfer_gb_s=rng.choice((0.05, 1.0)),
                      kv_bytes_per_token=_BYTES_PER_TOKEN, lose_replica=(rng.randrange(3), rng.uniform(0.5, 3.0)))
-    result = simulate(workload, config, LinearStepTimeModel())
+    sim = Simulator(workload, config, LinearStepTimeModel())
+    result = sim.run()
     _assert_complete(result, workload)
     assert result.kv_blocks_at_end[2] == 0
+    # A turn in transfer counts as in flight at its new replica once, from the move on.
+    assert [r.num_in_flight for r in sim.plane.router.replicas] == [0, 0, 0]
     lost = result.replica_loss
     assert lost is not None
     late = [t for r in result.sessions.values() for t in r.turns if t.first_scheduled_s is not None
