@@ -52,3 +52,19 @@ def sim_fingerprint(result: Any, events: Any) -> tuple[Any, ...]:
     kept = [e.model_dump() for e in events if e.kind not in SNAPSHOT_KINDS]
     return (sessions, kept, result.num_engine_steps, result.num_preemptions,
             result.kv_blocks_at_end, result.makespan_s)
+
+
+def benchmark_module(name: str):
+    """Load ``benchmarks/<name>.py`` as module ``name`` (registered in ``sys.modules`` while a
+    test module uses it); a generator for a module-scoped fixture: ``yield from``."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[3] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(name, None)

@@ -3,26 +3,18 @@ themselves are not run here)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
-
-_PATH = Path(__file__).resolve().parents[3] / "benchmarks" / "capacity_table.py"
+from compare_helpers import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def ct():
-    spec = importlib.util.spec_from_file_location("capacity_table", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["capacity_table"] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("capacity_table", None)
+    yield from benchmark_module("capacity_table")
 
 
 def _plan(folder: Path, caps: dict[str, tuple[float, float]], scope: str = "Full workload.", **facts) -> Path:

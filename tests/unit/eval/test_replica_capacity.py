@@ -3,24 +3,16 @@ and its table read from result folders on disk."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pandas as pd
 import pytest
-
-_PATH = Path(__file__).resolve().parents[3] / "benchmarks" / "replica_capacity.py"
+from compare_helpers import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def rc():
-    spec = importlib.util.spec_from_file_location("replica_capacity", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["replica_capacity"] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("replica_capacity", None)
+    yield from benchmark_module("replica_capacity")
 
 
 def _commands(rc, monkeypatch, capsys, *argv: str) -> list[str]:
