@@ -232,13 +232,19 @@ def cached_prefix_blocks(sched: Scheduler, block_hashes: Sequence[Any]) -> int:
     """How many leading blocks of ``block_hashes`` (a request's ``Request.block_hashes``, one full
     attention group) the pool's prefix cache holds now: the blocks a KV transfer could send. Pure.
     """
-    pool = block_pool(sched)
-    num = 0
+    return len(_cached_prefix(block_pool(sched), block_hashes))
+
+
+def _cached_prefix(pool: Any, block_hashes: Sequence[Any]) -> list[KVCacheBlock]:
+    """The blocks of the pool's prefix cache holding the leading ``block_hashes`` (group 0), up to
+    the first miss. Pure."""
+    blocks: list[KVCacheBlock] = []
     for block_hash in block_hashes:
-        if pool.get_cached_block(block_hash, [0]) is None:
+        cached = pool.get_cached_block(block_hash, [0])
+        if cached is None:
             break
-        num += 1
-    return num
+        blocks.append(cached[0])
+    return blocks
 
 
 def import_cached_prefix(sched: Scheduler, block_hashes: Sequence[Any]) -> int:
@@ -267,14 +273,9 @@ def import_cached_prefix(sched: Scheduler, block_hashes: Sequence[Any]) -> int:
     pool = block_pool(sched)
     if pool.enable_kv_cache_events:
         raise ValueError("a KV import does not emit KV cache events; build the engine without them")
-    have: list[KVCacheBlock] = []
-    for block_hash in block_hashes:
-        cached = pool.get_cached_block(block_hash, [0])
-        if cached is None:
-            break
-        have.append(cached[0])
+    have = _cached_prefix(pool, block_hashes)
     pool.touch(have)  # out of the free queue while new blocks are taken: never evicted by them
-    take = max(0, min(len(block_hashes) - len(have), pool.get_num_free_blocks()))
+    take = min(len(block_hashes) - len(have), pool.get_num_free_blocks())
     blocks = pool.get_new_blocks(take) if take else []
     if blocks:
         holder = _HashesOnly(list(block_hashes[:len(have) + take]))
