@@ -67,8 +67,8 @@ def test_compare_three_policies_on_the_cpu_engine(tmp_path: Path, capsys: pytest
     # ThunderAgent holds a session up to one 5 s check (and pauses others), so only a loose bound.
     # mars+adm's window runs the third session behind the first two (24 KV blocks), so CPU contention
     # compounds: with a neighbouring test worker and CI's background image build it read 4.2 while
-    # vllm-tuned read 2.1 (alone: 1.08 and 1.04). Its bound of 10 still fails on a stall of one 5 s
-    # check per session; a wedged window is caught by the admission wait (0.6 s in that run).
+    # vllm-tuned read 2.1 (alone: 1.08 and 1.04). Its bound of 10 catches only gross stalls (seconds
+    # per turn); a wedged admission window is caught by the admission wait (0.6 s in that run).
     slowdown = results.set_index("label")["slowdown_mean"]
     bound = pd.Series({"vllm-tuned": 4.0, "mars+adm": 10.0, "thunderagent": 20.0})
     assert slowdown.between(0.75, bound[slowdown.index]).all(), slowdown
