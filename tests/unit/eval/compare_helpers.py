@@ -55,8 +55,9 @@ def sim_fingerprint(result: Any, events: Any) -> tuple[Any, ...]:
 
 
 def benchmark_module(name: str):
-    """Load ``benchmarks/<name>.py`` as module ``name`` (registered in ``sys.modules`` while a
-    test module uses it); a generator for a module-scoped fixture: ``yield from``."""
+    """Load ``benchmarks/<name>.py`` as module ``name`` (in ``sys.modules`` while a
+    test module uses it: dataclasses resolve annotations through it); a generator for a
+    module-scoped fixture: ``yield from``."""
     import importlib.util
     import sys
     from pathlib import Path

@@ -3,24 +3,16 @@ and the compare command lines it runs (issue 30). The grid itself is not run her
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
-
-_PATH = Path(__file__).resolve().parents[3] / "benchmarks" / "bench_tracesets.py"
+from compare_helpers import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def bt():
-    spec = importlib.util.spec_from_file_location("bench_tracesets", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_tracesets"] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("bench_tracesets", None)
+    yield from benchmark_module("bench_tracesets")
 
 
 def _row(label: str, mean: float, p95: float, p99: float, goodput: float, load: float = 1.0,
