@@ -87,13 +87,16 @@ class AimdWindow:
         reorder: order of the waiting sessions (``policy.reorder``).
         is_enforced: when false, every session is admitted at once, but the window is still computed
             and reported, so a baseline run shows what admission *would* have done.
+        num_replicas: replicas behind the window at start (its per-replica session counts are
+            multiplied by it; each tick's ``PressureSnapshot.num_replicas`` then says how many are up).
     """
 
-    def __init__(self, params: AdmissionParams, reorder: ReorderParams, is_enforced: bool = True) -> None:
+    def __init__(self, params: AdmissionParams, reorder: ReorderParams, is_enforced: bool = True,
+                 num_replicas: int = 1) -> None:
         self.params = params
         self.reorder = reorder
         self.is_enforced = is_enforced
-        self.state = initial_state(params)
+        self.state = initial_state(params, num_replicas)
         self.last_decision: AdmissionDecision | None = None
         self.last_mode: ReorderMode | None = None
 

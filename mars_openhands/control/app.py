@@ -108,7 +108,8 @@ def settings_line(config: GatewayConfig, is_in_process: bool = False) -> str:
     line (in-process, vLLM's ``--api-key`` is the API key). Pure."""
     replicas = ", ".join(f"{config.replica_name(i)}={redact_url(r.url)}" for i, r in enumerate(config.replicas))
     p = config.admission
-    admission = (f"on (window {p.window_min}..{p.window_max}, starts at {p.window_init})"
+    per = " per replica" if len(config.replicas) > 1 else ""
+    admission = (f"on (window {p.window_min}..{p.window_max}{per}, starts at {p.window_init})"
                  if config.is_admission_enabled else "off (window computed, not enforced)")
     stream = config.stream_path or "not recorded (--stream-path)"
     keys = ", ".join(f"{name} key {'on' if key is not None else 'off'}"

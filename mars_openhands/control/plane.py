@@ -155,7 +155,8 @@ class ControlPlane:
         self.tools = ToolTracker(config.num_tool_workers, config.admission.tool_wait_ema_alpha)
         self.router = Router(config, clock)
         self.admission = AdmissionController(policy if policy is not None else AimdWindow(
-            config.admission, config.reorder, is_enforced=config.is_admission_enabled))
+            config.admission, config.reorder, is_enforced=config.is_admission_enabled,
+            num_replicas=len(config.replicas)))
         self.num_idle_releases = 0
         self.num_tools_interrupted = 0
         self.num_client_gone_releases = 0
@@ -417,11 +418,12 @@ class ControlPlane:
 
     # ------------------------------------------------------------------ signals and replicas
     def snapshot(self) -> PressureSnapshot:
-        """The current pressure signals (design.md §6): tool backlog and wait, KV usage."""
+        """The current pressure signals (design.md §6): tool backlog and wait, KV usage, and the
+        replicas up (the window's session counts are per replica)."""
         return PressureSnapshot(
             tool_backlog_ratio=self.tools.backlog_ratio, tool_wait_ema_s=self.tools.wait_ema_s,
             kv_usage=self.router.kv_usage(), num_tool_workers=self.config.num_tool_workers,
-            tool_fraction=self.tools.tool_fraction,
+            tool_fraction=self.tools.tool_fraction, num_replicas=max(1, len(self.router.healthy())),
         )
 
     def kv_budget_blocks(self) -> int | None:

@@ -25,6 +25,11 @@ and ``C_kv``, which falls linearly from ``W_max`` at ``u = 0.85`` to ``W_min`` a
           +------------+--+-----------> u
                      0.85 0.90
 
+The session counts (``W_max``, ``W_init``, ``W_min``, the increase step) are *per replica*: behind N
+live replicas every one of them is multiplied by N (``PressureSnapshot.num_replicas``), as N copies of
+the one engine the preview sized them for. One window of 30 sessions in front of 8 H100s held the
+cluster at about 30 sessions in flight, below what their KV holds (docs/compare.md).
+
 Defaults are the public preview's (``Afterglow231/MARS_preview``,
 ``experiments/replay/vllm_tool_baseline/run_experiment.py``, ``_fill_active_mars``), except ``H`` and
 ``f`` (the preview's is 1; ours is measured, ``tool_fraction_horizon_s``): W_max / init / min = 30 / 30 / 4 for replay (8 / 8 / 2 for OpenHands runs); the window itself is clamped by the caps,
@@ -58,6 +63,7 @@ __all__ = [
     "kv_window_cap",
     "overdue_sessions",
     "update_window",
+    "window_bounds",
 ]
 
 
@@ -67,15 +73,17 @@ class AdmissionParams(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     window_max: int = Field(30, ge=1)
-    """W_max: largest window, in sessions (preview replay default 30; OpenHands runs use 8)."""
+    """W_max: largest window, in sessions per replica (preview replay default 30; OpenHands runs
+    use 8)."""
     window_init: int = Field(30, ge=1)
-    """Window at start, in sessions (preview replay default 30; OpenHands runs use 8)."""
+    """Window at start, in sessions per replica (preview replay default 30; OpenHands runs use 8)."""
     window_min: int = Field(4, ge=1)
-    """W_min: smallest window, in sessions (preview replay default 4; OpenHands runs use 2)."""
+    """W_min: smallest window, in sessions per replica (preview replay default 4; OpenHands runs
+    use 2)."""
     decrease_factor: float = Field(0.7, gt=0.0, lt=1.0)
     """Multiplicative decrease on overload: W <- max(W_min, floor(factor * W)) (default 0.7)."""
     increase_step: int = Field(1, ge=1)
-    """Additive increase per healthy tick, in sessions (default 1)."""
+    """Additive increase per healthy tick, in sessions per replica (default 1)."""
     update_interval_s: float = Field(0.2, gt=0.0)
     """Seconds between window updates (default 0.2)."""
     cpu_set_backlog_ratio: float = Field(1.5, gt=0.0)
@@ -154,6 +162,9 @@ class PressureSnapshot(BaseModel):
     tool_fraction: float | None = Field(None, ge=0.0, le=1.0)
     """f: share of admitted sessions' time in tool calls (queued or running), averaged over
     ``tool_fraction_horizon_s``; ``None`` when not measured (no session admitted yet)."""
+    num_replicas: int = Field(1, ge=1)
+    """N: live replicas behind the window; its per-replica session counts are multiplied by N
+    (:func:`window_bounds`)."""
 
 
 class AdmissionState(BaseModel):
@@ -182,9 +193,17 @@ class AdmissionDecision(BaseModel):
     """C_kv, sessions."""
 
 
-def initial_state(params: AdmissionParams) -> AdmissionState:
-    """Return the starting state: ``W = window_init``, no overload. Pure."""
-    return AdmissionState(window=params.window_init)
+def window_bounds(params: AdmissionParams, num_replicas: int = 1) -> tuple[int, int, int]:
+    """``(W_min, W_max, increase step)`` in sessions behind ``num_replicas`` live replicas: the
+    per-replica counts of ``params`` times ``num_replicas`` (at least 1). Pure."""
+    n = max(1, num_replicas)
+    return params.window_min * n, params.window_max * n, params.increase_step * n
+
+
+def initial_state(params: AdmissionParams, num_replicas: int = 1) -> AdmissionState:
+    """Return the starting state: ``W = window_init`` per replica (times ``num_replicas``), no
+    overload. Pure."""
+    return AdmissionState(window=params.window_init * max(1, num_replicas))
 
 
 def ema(prev: float | None, sample: float, alpha: float) -> float:
@@ -243,8 +262,10 @@ def overdue_sessions(waiting: Sequence[WaitingSession], now_s: float, params: Ad
     return [s.session_id for s in sorted(overdue, key=lambda s: s.arrival_s)]
 
 
-def cpu_window_cap(num_tool_workers: int, params: AdmissionParams, tool_fraction: float | None = None) -> int:
-    """C_cpu = ceil(N_tool * (L + H) / (2 f)), clamped to [W_min, W_max], in sessions. Pure.
+def cpu_window_cap(num_tool_workers: int, params: AdmissionParams, tool_fraction: float | None = None,
+                   num_replicas: int = 1) -> int:
+    """C_cpu = ceil(N_tool * (L + H) / (2 f)), clamped to [W_min, W_max] (per replica, times
+    ``num_replicas``), in sessions. Pure.
 
     The admitted sessions at which the tool calls in flight sit midway between the clear and set
     backlog ratios: by Little's law ``f x sessions`` of them are in a tool call at a time, where
@@ -253,26 +274,29 @@ def cpu_window_cap(num_tool_workers: int, params: AdmissionParams, tool_fraction
     ``cpu_window_cap`` (every admitted session counted as in a tool); ``f = 0`` (no tool call yet):
     W_max.
     """
+    w_min, w_max, _ = window_bounds(params, num_replicas)
     ratio = (params.cpu_clear_backlog_ratio + params.cpu_set_backlog_ratio) / 2.0
     share = 1.0 if tool_fraction is None or params.tool_fraction_horizon_s is None else tool_fraction
     if share <= 0.0:
-        return params.window_max
+        return w_max
     cap = math.ceil(num_tool_workers * ratio / share - 1e-9)
-    return max(params.window_min, min(params.window_max, cap))
+    return max(w_min, min(w_max, cap))
 
 
-def kv_window_cap(kv_usage: float | None, params: AdmissionParams) -> int:
-    """C_kv: W_max at u <= clear, W_min at u >= set, linear (rounded) in between, in sessions. Pure.
+def kv_window_cap(kv_usage: float | None, params: AdmissionParams, num_replicas: int = 1) -> int:
+    """C_kv: W_max at u <= clear, W_min at u >= set, linear (rounded) in between, in sessions
+    (per replica, times ``num_replicas``). Pure.
 
     Source: the preview's ``kv_window_cap``. Unknown usage gives W_max.
     """
+    w_min, w_max, _ = window_bounds(params, num_replicas)
     if kv_usage is None or kv_usage <= params.kv_clear_usage:
-        return params.window_max
+        return w_max
     if kv_usage >= params.kv_set_usage:
-        return params.window_min
+        return w_min
     frac = (kv_usage - params.kv_clear_usage) / (params.kv_set_usage - params.kv_clear_usage)
-    cap = round(params.window_max - frac * (params.window_max - params.window_min))
-    return max(params.window_min, min(params.window_max, cap))
+    cap = round(w_max - frac * (w_max - w_min))
+    return max(w_min, min(w_max, cap))
 
 
 def update_window(
@@ -286,21 +310,24 @@ def update_window(
         params: thresholds and AIMD constants.
 
     Returns:
-        The decision; ``decision.state.window`` is always within ``[W_min, W_max]``.
+        The decision; ``decision.state.window`` is always within ``[W_min, W_max]`` times
+        ``snapshot.num_replicas``.
     """
+    n = snapshot.num_replicas
+    w_min, w_max, step = window_bounds(params, n)
     cpu_over = is_cpu_overloaded(state.is_cpu_overloaded, snapshot, params)
     kv_over = is_kv_overloaded(state.is_kv_overloaded, snapshot, params)
     window = state.window
     if cpu_over or kv_over:
         action: Literal["decrease", "increase", "hold"] = "decrease"
-        window = max(params.window_min, math.floor(params.decrease_factor * window))
+        window = max(w_min, math.floor(params.decrease_factor * window))
     elif is_cpu_healthy(snapshot, params) and is_kv_healthy(snapshot, params):
         action = "increase"
-        window = min(params.window_max, window + params.increase_step)
+        window = min(w_max, window + step)
     else:
         action = "hold"
-    cpu_cap = cpu_window_cap(snapshot.num_tool_workers, params, snapshot.tool_fraction)
-    kv_cap = kv_window_cap(snapshot.kv_usage, params)
-    window = max(params.window_min, min(window, cpu_cap, kv_cap, params.window_max))
+    cpu_cap = cpu_window_cap(snapshot.num_tool_workers, params, snapshot.tool_fraction, n)
+    kv_cap = kv_window_cap(snapshot.kv_usage, params, n)
+    window = max(w_min, min(window, cpu_cap, kv_cap, w_max))
     new_state = AdmissionState(window=window, is_cpu_overloaded=cpu_over, is_kv_overloaded=kv_over)
     return AdmissionDecision(state=new_state, action=action, cpu_cap=cpu_cap, kv_cap=kv_cap)

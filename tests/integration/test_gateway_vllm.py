@@ -113,7 +113,8 @@ def test_gateway_with_two_vllm_replicas(vllm_server_factory) -> None:
         # replica's: step 4 fills one replica's KV, which the default pooled reading halves (its
         # levels are unit-tested, tests/unit/control/test_plane.py); here the engines' telemetry
         # must move the window.
-        admission={"window_max": 8, "window_init": 8, "window_min": 2, "update_interval_s": 0.05,
+        # Per replica: 8 / 8 / 2 sessions in front of the two.
+        admission={"window_max": 4, "window_init": 4, "window_min": 1, "update_interval_s": 0.05,
                    "tool_fraction_horizon_s": None, "kv_usage_over_replicas": "max"},
         admin_key=ADMIN["authorization"].removeprefix("Bearer "),
     )

@@ -3,8 +3,8 @@
 One test function (each vLLM start costs a minute or two on this machine), in phases, all through
 the command's gateway (the same HTTP API as ``mars-openhands gateway``):
 
-1. six multi-turn sessions with tool events; the admission window is pinned at 3 (min = max), so
-   the fourth session waits until one ends;
+1. six multi-turn sessions with tool events; the admission window is pinned at 2 sessions per
+   replica (min = max), so the fifth session waits until one ends;
 2. each session's turns stay on one replica; the CPU-plane events (``tool_start``,
    ``session_end``) reach the replica that holds the session (its scheduler's ``kv_retained`` /
    ``kv_released`` with a ``tool_start:*`` / ``session_end`` reason, recorded in the stream);
@@ -43,7 +43,8 @@ pytestmark = pytest.mark.integration
 ADMIN_KEY = "admin-of-the-serve-test"
 ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
 NUM_GPU_BLOCKS = 128
-WINDOW = 3
+WINDOW = 2
+"""Sessions per replica (the window's counts are per replica): 4 in front of the two."""
 OWNER_VAR = "MARS_SERVE_TEST_RUN"
 """Set in the command's environment; Ray's processes and the engines inherit it (leak check)."""
 
@@ -236,19 +237,19 @@ def run_phases(client: httpx.Client, log: Path) -> dict[str, str]:
         return client.get("/mars/v1/state", headers=ADMIN).json()
 
     agents = [Agent(client, f"s{i}") for i in range(6)]
-    # 1. Admission: three sessions fill the window; the fourth waits until one ends.
-    for agent in agents[:3]:
+    # 1. Admission: four sessions fill the window; the fifth waits until one ends.
+    for agent in agents[:4]:
         agent.step()
-    waiter = Worker(agents[3].step)
-    wait_until(lambda: state()["num_waiting"] == 1, 30, "the 4th session waiting for a slot")
+    waiter = Worker(agents[4].step)
+    wait_until(lambda: state()["num_waiting"] == 1, 30, "the 5th session waiting for a slot")
     time.sleep(0.5)
-    assert waiter.is_alive() and agents[3].turn == 0, "the 4th session ran past a full window"
+    assert waiter.is_alive() and agents[4].turn == 0, "the 5th session ran past a full window"
     agents[0].tool()
     agents[0].step()
     agents[0].end()  # frees a slot: the waiting session is admitted
     waiter.result()
-    assert agents[3].turn == 1
-    # Sessions s1..s5 to two turns each, with tool calls; s4 and s5 wait for slots until s1, s2 end.
+    assert agents[4].turn == 1
+    # Sessions s1..s5 to two turns each, with tool calls; s5 waits for a slot until s1 or s2 ends.
     def run(agent: Agent, num_turns: int) -> None:
         while agent.turn < num_turns:
             if agent.turn:

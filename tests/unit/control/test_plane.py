@@ -20,16 +20,18 @@ from mars_openhands.stream.events import SessionStart, ToolEnd, ToolEnqueued, no
 ONE = {"window_max": 1, "window_init": 1, "window_min": 1}
 
 
-def plane(now: list[float], **overrides: object) -> ControlPlane:
+def plane(now: list[float], num_replicas: int = 2, **overrides: object) -> ControlPlane:
+    """A plane on ``now[0]``'s clock in front of ``num_replicas`` replicas (the window's session
+    counts are per replica: ``ONE`` holds one session per replica up)."""
     config = GatewayConfig.model_validate({
-        "replicas": [ReplicaConfig(url="http://r0"), ReplicaConfig(url="http://r1")],
+        "replicas": [ReplicaConfig(url=f"http://r{i}") for i in range(num_replicas)],
         "num_tool_workers": 4, "session_idle_timeout_s": 300.0, **overrides})
     return ControlPlane(config, clock=lambda: now[0])
 
 
 def test_idle_release_frees_the_slot_for_a_waiter_in_the_same_tick() -> None:
     now = [0.0]
-    cp = plane(now, admission=ONE)
+    cp = plane(now, num_replicas=1, admission=ONE)
     a, b = cp.open_session("a"), cp.open_session("b")
     cp.begin_request(a)
     assert cp.request_slot(a, 100)
@@ -72,7 +74,7 @@ def test_the_tool_fraction_is_the_share_of_admitted_time_in_tool_calls() -> None
     4 x 1.25 / 0.25 = 20 sessions instead of the preview's 5; the preview's keeps 5."""
     for horizon, cap in ((600.0, 20), (None, 5)):
         now = [0.0]
-        cp = plane(now, admission={"tool_fraction_horizon_s": horizon})
+        cp = plane(now, num_replicas=1, admission={"tool_fraction_horizon_s": horizon})
         sessions = [cp.open_session(sid) for sid in "ab"]
         for s in sessions:
             cp.begin_request(s)
@@ -153,7 +155,7 @@ def test_a_tool_call_past_its_bound_is_interrupted_and_its_session_idles_out() -
     bound the tick closes it as interrupted (no prev_tool: nothing was measured), the backlog
     drops, and the session, silent past the idle timeout, gives its slot to a waiter."""
     now = [0.0]
-    cp = plane(now, admission=ONE, session_idle_timeout_s=5.0, tool_call_timeout_s=60.0)
+    cp = plane(now, num_replicas=1, admission=ONE, session_idle_timeout_s=5.0, tool_call_timeout_s=60.0)
     dead, waiter = cp.open_session("dead"), cp.open_session("waiter")
     cp.begin_request(dead)
     assert cp.request_slot(dead, 10) and cp.start_turn(dead) == (0, None)
@@ -218,7 +220,7 @@ def test_tool_bounds_come_from_the_call_then_the_task_then_the_gateway() -> None
 
 def test_a_client_gone_gives_its_slot_back_unless_more_of_its_session_is_in_flight() -> None:
     now = [0.0]
-    cp = plane(now, admission=ONE)
+    cp = plane(now, num_replicas=1, admission=ONE)
     a, b = cp.open_session("a"), cp.open_session("b")
     cp.begin_request(a)
     assert cp.request_slot(a, 10)
@@ -247,7 +249,7 @@ def test_a_side_request_takes_no_turn_and_leaves_the_previous_tool_for_the_next(
 
 def test_one_turn_sessions_end_with_their_request() -> None:
     now = [5.0]
-    cp = plane(now, admission=ONE)
+    cp = plane(now, num_replicas=1, admission=ONE)
     s = cp.open_session(None)
     assert s.is_one_turn and s.session_id.startswith("one-turn-1-")
     cp.begin_request(s)
@@ -358,7 +360,7 @@ def test_the_admission_policy_is_swappable() -> None:
 @pytest.mark.parametrize("blocks, expected", [(None, 7), (32, 4)])
 def test_projected_blocks_use_the_replica_block_size(blocks: int | None, expected: int) -> None:
     now = [0.0]
-    cp = plane(now, admission=ONE)
+    cp = plane(now, num_replicas=1, admission=ONE)
     cp.router.replicas[0].block_size_tokens = blocks
     taken = cp.open_session("taken")
     cp.begin_request(taken)
@@ -367,3 +369,26 @@ def test_projected_blocks_use_the_replica_block_size(blocks: int | None, expecte
     cp.begin_request(s)
     cp.request_slot(s, 100)  # waits: ceil(100 / 16) = 7 blocks, or ceil(100 / 32) = 4
     assert [w.num_projected_blocks for w in cp.admission.waiting()] == [expected]
+
+
+def test_the_window_is_per_replica_and_follows_the_replicas_up() -> None:
+    """Window counts are per replica: two replicas up admit two sessions at window 1; one down,
+    the window falls to one at the next tick, the sessions it holds keep their slots, and a new
+    session waits until a slot frees or the replica is back."""
+    now = [0.0]
+    cp = plane(now, admission=ONE, num_tool_workers=100)
+    assert cp.admission.window == 2
+    sessions = [cp.open_session(name) for name in "abc"]
+    for s in sessions:
+        cp.begin_request(s)
+    assert [cp.request_slot(s, 10) for s in sessions] == [True, True, False]
+    cp.router.record_failure(1, "down", immediate=True)
+    now[0] = 0.2
+    cp.tick()
+    assert cp.admission.window == 1 and cp.admission.is_admitted("a") and cp.admission.is_admitted("b")
+    assert cp.admission.is_waiting("c")
+    cp.router.record_success(1)
+    now[0] = 0.4
+    tick = cp.tick()
+    assert cp.admission.window == 2 and tick.admitted == [] and cp.admission.is_waiting("c")  # 2 hold 2
+    assert cp.end_session(sessions[0]) == ["c"]

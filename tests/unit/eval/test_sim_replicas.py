@@ -13,6 +13,7 @@ pytest.importorskip("vllm")
 from eval.sim import LinearStepTimeModel, SimConfig, SimResult, Simulator, simulate  # noqa: E402
 from eval.workloads.format import Session, Turn, Workload, WorkloadMeta  # noqa: E402
 from mars_openhands.engine.harness.inproc_engine import InprocEngineParams  # noqa: E402
+from mars_openhands.policy.admission import AdmissionParams  # noqa: E402
 from mars_openhands.policy.placement import ROUTING_POLICIES  # noqa: E402
 from mars_openhands.stream.transport import ListSink  # noqa: E402
 
@@ -85,6 +86,34 @@ def test_every_router_completes_every_session_on_four_replicas(router: str) -> N
     assert result.kv_blocks_at_end[2] == 0
     used = {t.replica for r in result.sessions.values() for t in r.turns}
     assert len(used) >= 3, (router, used)
+
+
+def _max_admitted(result: SimResult) -> int:
+    """Most sessions holding a slot at once (admitted, not yet ended)."""
+    marks = sorted([(r.admitted_s, 1) for r in result.sessions.values()]
+                   + [(r.end_s, -1) for r in result.sessions.values()])  # an end first at a tie
+    held = most = 0
+    for _, step in marks:
+        held += step
+        most = max(most, held)
+    return most
+
+
+def test_the_window_holds_its_sessions_per_replica_up() -> None:
+    """Admission pinned at one session per replica: four replicas hold four sessions at once, never
+    more; after one is lost, the three left hold three (the lost one's sessions keep theirs)."""
+    workload = _workload(12, gap_s=0.1)
+    one = AdmissionParams(window_min=1, window_max=1, window_init=1)
+    result = simulate(workload, _config("fcfs", num_replicas=4, is_admission_enabled=True, admission=one),
+                      LinearStepTimeModel())
+    _assert_complete(result, workload)
+    assert _max_admitted(result) == 4
+    lost = simulate(workload, _config("fcfs", num_replicas=4, is_admission_enabled=True, admission=one,
+                                      lose_replica=(1, 1.0)), LinearStepTimeModel())
+    _assert_complete(lost, workload)
+    late = [r for r in lost.sessions.values() if r.admitted_s > 1.5]  # a tick or more after the loss
+    assert late and all(
+        sum(1 for o in lost.sessions.values() if o.admitted_s <= r.admitted_s < o.end_s) <= 3 for r in late)
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "MarsScheduler"])

@@ -18,14 +18,16 @@ from mars_openhands.policy.admission import (
     is_kv_overloaded,
     kv_window_cap,
     update_window,
+    window_bounds,
 )
 
 P = AdmissionParams(cpu_set_backlog_ratio=4.0)  # the design values: 30/30/4, x0.7, +1, rho 4/1, wait 5/2 s, kv 0.90/0.85
 
 
-def snap(rho: float = 0.0, wait: float | None = None, kv: float | None = None, workers: int = 100):
+def snap(rho: float = 0.0, wait: float | None = None, kv: float | None = None, workers: int = 100,
+         num_replicas: int = 1):
     return PressureSnapshot(tool_backlog_ratio=rho, tool_wait_ema_s=wait, kv_usage=kv,
-                            num_tool_workers=workers)
+                            num_tool_workers=workers, num_replicas=num_replicas)
 
 
 def test_defaults_are_the_design_values_but_h() -> None:
@@ -216,3 +218,47 @@ def test_overload_never_grows_and_healthy_never_shrinks_below_caps(s: PressureSn
         elif d.action == "increase":
             assert d.state.window == min(window + 1, P.window_max, d.cpu_cap, d.kv_cap) or (
                 d.state.window == P.window_min)
+
+
+def test_window_bounds_are_per_replica() -> None:
+    """W_min, W_max and the increase step count sessions per replica: N replicas, N times each."""
+    assert window_bounds(P) == (4, 30, 1) and window_bounds(P, 8) == (32, 240, 8)
+    assert initial_state(P, 8).window == 240
+    assert kv_window_cap(None, P, 8) == 240 and kv_window_cap(0.95, P, 8) == 32
+    assert kv_window_cap(0.875, P, 8) == 8 * kv_window_cap(0.875, P)  # midway: 17 per replica
+    assert cpu_window_cap(1000, P, 1.0, 8) == 240 and cpu_window_cap(1, P, 1.0, 8) == 32
+    # Healthy: +1 per replica per tick; overload: x0.7 but never below N W_min.
+    grown = update_window(AdmissionState(window=100), snap(num_replicas=8), P)
+    shrunk = update_window(AdmissionState(window=40), snap(kv=0.95, num_replicas=8), P)
+    assert (grown.action, grown.state.window) == ("increase", 108)
+    assert (shrunk.action, shrunk.state.window) == ("decrease", 32)
+
+
+@settings(max_examples=300, deadline=None)
+@given(params_st, st.lists(st.tuples(snap_st, st.integers(1, 16)), min_size=1, max_size=30))
+def test_the_window_stays_within_the_bounds_of_the_replicas_up(
+        params: AdmissionParams, steps: list[tuple[PressureSnapshot, int]]) -> None:
+    """Replicas come and go between ticks: after every tick the window lies in N x [W_min, W_max]
+    for that tick's N, under both caps (or at N W_min), and an overload never grows it."""
+    state = initial_state(params, steps[0][1])
+    for s, n in steps:
+        d = update_window(state, s.model_copy(update={"num_replicas": n}), params)
+        assert n * params.window_min <= d.state.window <= n * params.window_max
+        assert d.state.window <= max(n * params.window_min, min(d.cpu_cap, d.kv_cap))
+        if d.state.is_cpu_overloaded or d.state.is_kv_overloaded:
+            assert d.state.window <= max(state.window, n * params.window_min)
+        state = d.state
+
+
+@settings(max_examples=200, deadline=None)
+@given(params_st, st.lists(snap_st, min_size=1, max_size=30), st.integers(2, 8))
+def test_n_replicas_never_admit_fewer_than_one(params: AdmissionParams, snaps: list[PressureSnapshot],
+                                               n: int) -> None:
+    """Under the same signals, the window behind N replicas is never below the one-replica window
+    (and at most N times it when nothing caps them): more GPUs never shut the door tighter."""
+    one, many = initial_state(params), initial_state(params, n)
+    for s in snaps:
+        one = update_window(one, s, params).state
+        many = update_window(many, s.model_copy(update={"num_replicas": n}), params).state
+        assert many.window >= one.window
+        assert (many.is_cpu_overloaded, many.is_kv_overloaded) == (one.is_cpu_overloaded, one.is_kv_overloaded)
