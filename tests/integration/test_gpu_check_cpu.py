@@ -5,23 +5,19 @@ token are the steps ``prefill_steps`` models (the packing the comparison times w
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.load_file import load_file
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_file(ROOT / "scripts" / "gpu_check.py")
 
 
 def test_measure_steps_on_vllm_cpu_match_the_modelled_packing(tmp_path, monkeypatch) -> None:

@@ -12,12 +12,12 @@ not reach the engine), pinned: their last ``engine_step`` showed retained blocks
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.load_file import load_file
 
 pytestmark = pytest.mark.integration
 
@@ -25,11 +25,7 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_soak.py"
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_soak", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_file(BENCH)
 
 
 def test_soak_on_two_emulated_vllm_replicas_leaves_nothing_behind(tmp_path) -> None:

@@ -14,6 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.load_file import load_file
+
 pytest.importorskip("openhands.sdk", reason="needs the OpenHands env (.venv-openhands)")
 
 import openhands.sdk.agent.parallel_executor as stock_parallel_executor  # noqa: E402
@@ -53,10 +55,7 @@ def _copies(tmp_path: Path, name: str, relative: str) -> tuple[Path, Path]:
 
 
 def _load(path: Path, name: str) -> object:
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file(path, name, register=False)
 
 
 def test_every_patch_has_a_note_and_the_readme_lists_it() -> None:

@@ -8,22 +8,17 @@ passes.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.load_file import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return load_file(path, name)  # dataclasses resolve annotations through sys.modules
 
 
 run = _load("vllm_suite_run", ROOT / "tests" / "vllm_suite" / "run.py")

@@ -58,14 +58,9 @@ def benchmark_module(name: str):
     """Load ``benchmarks/<name>.py`` as module ``name`` (in ``sys.modules`` while a
     test module uses it: dataclasses resolve annotations through it); a generator for a
     module-scoped fixture: ``yield from``."""
-    import importlib.util
     import sys
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[3] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    yield module
+    from tests.load_file import ROOT, load_file
+
+    yield load_file(ROOT / "benchmarks" / f"{name}.py")
     sys.modules.pop(name, None)

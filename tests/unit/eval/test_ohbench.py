@@ -24,6 +24,7 @@ from eval.ohbench import (
     write_report,
 )
 from eval.task_sources import BenchTask
+from tests.load_file import ROOT, load_file
 
 
 def _task(task_id: str, trace_id: str | None = None) -> BenchTask:
@@ -189,15 +190,11 @@ def test_package_installs_are_recognised(command, expected):
 def test_the_cpu_bench_script_is_quiet_before_the_bench_imports_the_sdk(tmp_path: Path, monkeypatch):
     """benchmarks/bench_openhands_e2e.py called eval.ohbench_cli directly, past the CLI's quiet
     environment: pasted from the README, it printed the SDK's banner before its own lines."""
-    import importlib.util
     import os
 
     import eval.ohbench_cli
 
-    root = Path(__file__).resolve().parents[3]
-    spec = importlib.util.spec_from_file_location("bench_openhands_e2e", root / "benchmarks" / "bench_openhands_e2e.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_file(ROOT / "benchmarks" / "bench_openhands_e2e.py", register=False)
     for name in ("OPENHANDS_SUPPRESS_BANNER", "LITELLM_LOCAL_MODEL_COST_MAP"):
         monkeypatch.setenv(name, "")  # restored (unset) after the test, as quiet_environment sets them
         monkeypatch.delenv(name)
@@ -240,12 +237,7 @@ def test_the_emulated_engine_gets_the_kv_cache_dtype_and_memory_flags(tmp_path: 
 
 def test_bench_fidelity_serves_the_deployment_it_simulates(tmp_path: Path):
     """benchmarks/bench_fidelity.py: the emulated server's KV dtype and memory are the sim's."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[3] / "benchmarks" / "bench_fidelity.py"
-    spec = importlib.util.spec_from_file_location("bench_fidelity", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_file(ROOT / "benchmarks" / "bench_fidelity.py", register=False)
     args = bench._args(["--kv-cache-dtype", "fp8", "--gpu-memory-utilization", "0.8", "--out", str(tmp_path)])
     cargs = bench._compare_args(args)
     assert (cargs.kv_cache_dtype, cargs.gpu_memory_utilization) == ("fp8", 0.8)

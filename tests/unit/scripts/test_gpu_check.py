@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.load_file import load_file
 
 ROOT = Path(__file__).resolve().parents[3]
 SAMPLE = ROOT / "tests" / "fixtures" / "gpu_check" / "h100_sxm_qwen3_coder_constructed.jsonl"
@@ -18,11 +19,7 @@ needs_aic = pytest.mark.skipif(importlib.util.find_spec("aiconfigurator_core") i
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
+    return load_file(ROOT / "scripts" / "gpu_check.py")  # dataclasses resolve their module by name
 
 
 gc = _load_script()
