@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.load_file import load_file
+from tests.load_file import ROOT, load_file
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load_script():

@@ -13,15 +13,14 @@ not reach the engine), pinned: their last ``engine_step`` showed retained blocks
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
-from tests.load_file import load_file
+from tests.load_file import ROOT, load_file
 
 pytestmark = pytest.mark.integration
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_soak.py"
+BENCH = ROOT / "benchmarks" / "bench_soak.py"
 
 
 def _bench():

@@ -12,9 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.load_file import load_file
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.load_file import ROOT, load_file
 
 
 def _load(name: str, path: Path):

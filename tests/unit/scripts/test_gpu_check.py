@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.load_file import load_file
+from tests.load_file import ROOT, load_file
 
-ROOT = Path(__file__).resolve().parents[3]
 SAMPLE = ROOT / "tests" / "fixtures" / "gpu_check" / "h100_sxm_qwen3_coder_constructed.jsonl"
 needs_aic = pytest.mark.skipif(importlib.util.find_spec("aiconfigurator_core") is None,
                                reason="needs aiconfigurator-core (the emulated-GPU extra)")
