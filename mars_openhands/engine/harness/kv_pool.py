@@ -12,9 +12,12 @@ state; each scheduler's KV cache manager keeps its requests' block tables. So th
 are built as usual, each believing it has the whole pool (its watermark, its policy's pressure
 read the pool), and every one after the first is rebound to the first one's pool
 (:func:`~mars_openhands.engine.seams.blocks.share_block_pool`). What stays per scheduler: its
-requests, its waiting queue, its preemptions (a scheduler short of blocks preempts its own
-requests, never another replica's) and our schedulers' retention pins (one replica reclaims only
-its own pins before it preempts).
+requests, its waiting queue and its preemptions (a scheduler short of blocks preempts its own
+requests, never another replica's). Our schedulers' retention pins are per replica too, but a
+replica short of blocks reclaims the pool's pins, any replica's, in its own reclaim order before
+it preempts, and MARS's residency plans split the pool's budget (each replica's is the pool's
+less the other replicas' residents' demand) (``retention_peers``,
+:mod:`mars_openhands.engine.schedulers.kv_retention`).
 
 ::
 

@@ -128,6 +128,8 @@ class MarsBaseScheduler(KvRetention, CpuEvents, SessionTracking, StepTelemetry, 
         """Per-session records (and the policy's per-program slot)."""
         self.retained = RetainedKvPool()
         """Finished turns' KV pinned for their sessions' next turns (expiry, reclaim, counters)."""
+        self.retention_peers = [self]
+        """Schedulers whose retained KV a failed allocation here may reclaim (shared KV pool)."""
         rp = self.params.retention
         self.tool_durations = ToolDurationEstimator(rp.min_tool_samples, rp.max_samples_per_tool)
         self.queue_delay = Ema(rp.queue_delay_ema_alpha, rp.default_queue_delay_s)

@@ -173,7 +173,8 @@ class ContinuumScheduler(CertifiedRuns, MarsBaseScheduler):
     def reclaim_key(self, entry: RetainedKv, request: Request, now_s: float) -> Any:
         """Allocation failed: another program's pin goes in Continuum's order, latest program
         arrival first (:func:`pin_release_key`). Pure."""
-        return pin_release_key(self._program_arrival_s(entry.session_id, "", 0.0))
+        owner = self.retention_owner(entry)
+        return pin_release_key(owner._program_arrival_s(entry.session_id, "", 0.0))
 
     def on_preempted(self, request: Request) -> None:
         """Remember when ``request`` was evicted (for ``T``); it re-enters in program order."""

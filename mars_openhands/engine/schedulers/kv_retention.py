@@ -18,7 +18,7 @@ vLLM's ``allocate_slots`` wrapper (``seams.blocks.wrap_allocate_slots``) ->
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mars_openhands.engine import seams
 from mars_openhands.engine.schedulers.retained import RetainedKv
@@ -35,7 +35,15 @@ __all__ = ["KvRetention"]
 
 class KvRetention:
     """Mixin of :class:`~.base.MarsBaseScheduler`: retained KV's pin, release, expiry and reclaim
-    (module docstring). Mutates the host's retained pool and vLLM's block references."""
+    (module docstring). Mutates the host's retained pool and vLLM's block references.
+
+    ``retention_peers``: the schedulers whose retained KV a failed allocation here may reclaim,
+    this one included; ``[self]`` unless several schedulers share one KV block pool (the
+    simulator's pooled-KV bound, :mod:`mars_openhands.engine.harness.kv_pool`), where a block
+    pinned by one replica is a block every replica could use."""
+
+    retention_peers: list[KvRetention]
+    _allocate_wrapper: seams.blocks.AllocateSlotsWrapper
 
     def _release_aborted_after_finish(self, request_ids: str | list[str]) -> None:
         """An abort of a request that already finished (its final token raced the client's
@@ -59,7 +67,8 @@ class KvRetention:
             self._measure_reuse(self.retained[session.session_id], request.request_id)
             self.release_retained(session.session_id, "resumed", now)
         seams.blocks.pin_finishing_request_blocks(self, request.request_id, blocks)
-        self._allocate_wrapper.enable()
+        for peer in self.retention_peers:  # any of them may now reclaim this entry
+            peer._allocate_wrapper.enable()
         self.retained.add(RetainedKv(
             session.session_id, request.request_id, state.meta.turn, blocks,
             len(blocks) * self.block_size, now, now + decision.ttl_s, decision.value_s,
@@ -86,8 +95,9 @@ class KvRetention:
         if entry is None:
             return 0
         seams.blocks.free_pinned(self, entry.blocks)
-        if not self.retained:
-            self._allocate_wrapper.disable()
+        if not any(peer.retained for peer in self.retention_peers):
+            for peer in self.retention_peers:
+                peer._allocate_wrapper.disable()
         reused = self.retained.record_release(entry, reason)
         if self.telemetry.enabled:
             now = self.clock() if now_s is None else now_s
@@ -140,27 +150,48 @@ class KvRetention:
             self.release_retained(sid, "expired", now)
         pool.update_next_expiry()
 
+    def retention_owner(self, entry: RetainedKv) -> KvRetention:
+        """The scheduler among :attr:`retention_peers` that holds ``entry`` (this one when the
+        KV pool is not shared): policy hooks read the entry's session from its owner's
+        ``sessions``. Pure."""
+        for peer in self.retention_peers:
+            if peer.retained.get(entry.session_id) is entry:
+                return peer
+        return self
+
     def _reclaimable_blocks(self, request: Request) -> int:
+        """Retained blocks a failed allocation of ``request`` could get back: every other
+        session's entry on this scheduler and on its :attr:`retention_peers`. Pure."""
         own = self.req_state.get(request.request_id)
-        return self.retained.reclaimable_blocks(own.session_id if own else None)
+        sid = own.session_id if own else None
+        return sum(p.retained.reclaimable_blocks(sid) for p in self.retention_peers)
 
     def _reclaim_for(self, request: Request) -> bool:
         """Allocation for ``request`` failed: release the retained entry of another session that
-        comes first in the policy's reclaim order (``reclaim_key``; default lowest value first). Returns True if something was released (vLLM then retries the allocation).
+        comes first in the policy's reclaim order (``reclaim_key``; default lowest value first),
+        on this scheduler or on one of its :attr:`retention_peers` (a shared KV pool: the entry
+        first in this scheduler's order among them all). Returns True if something was released
+        (vLLM then retries the allocation).
 
         Progress guarantee: with nothing running, every other session's entry is reclaimable
         whatever ``can_reclaim_for`` says (otherwise waiting turns whose sessions all hold
         retained KV, kept because those turns wait, would deadlock the engine)."""
-        if not self.retained:
+        peers = [p for p in self.retention_peers if p.retained]
+        if not peers:
             return False
         own = self.req_state.get(request.request_id)
+        sid = own.session_id if own else None
         now = self.clock()
         is_stuck = not self.running
-        victim = self.retained.reclaim_victim(
-            own.session_id if own else None,
-            lambda e: is_stuck or self.can_reclaim_for(e, request, now),
-            lambda e: self.reclaim_key(e, request, now))
-        if victim is None:
+
+        def key(e: RetainedKv) -> Any:
+            return self.reclaim_key(e, request, now)
+
+        victims = [(peer, victim) for peer in peers  # one peer (itself) unless the pool is shared
+                   if (victim := peer.retained.reclaim_victim(
+                       sid, lambda e: is_stuck or self.can_reclaim_for(e, request, now), key))]
+        if not victims:
             return False
-        self.reclaim(victim.session_id)
+        owner, victim = victims[0] if len(victims) == 1 else min(victims, key=lambda pv: key(pv[1]))
+        owner.reclaim(victim.session_id)
         return True

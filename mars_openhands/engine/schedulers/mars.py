@@ -194,8 +194,19 @@ class MarsScheduler(CertifiedRuns, MarsBaseScheduler):
         return views, dropped
 
     def _residency_budget_blocks(self) -> int:
-        """KV blocks the resident set may use. Pure."""
-        return int((seams.blocks.num_gpu_blocks(self) - 1) * self.params.residency.budget_usage)
+        """KV blocks the resident set may use: ``budget_usage`` of the pool, less the demand of
+        the other residents of a shared pool (the :attr:`retention_peers` that plan residency
+        too), so N replicas on one pool plan one pool's worth between them. Pure."""
+        budget = int((seams.blocks.num_gpu_blocks(self) - 1) * self.params.residency.budget_usage)
+        for peer in self.retention_peers:
+            if peer is not self and isinstance(peer, MarsScheduler) and peer._residency_on:
+                budget -= peer.resident_demand_blocks()
+        return max(0, budget)
+
+    def resident_demand_blocks(self) -> int:
+        """Blocks the resident sessions' demand counts now (what this scheduler's residency plan
+        holds against its budget). O(residents). Pure."""
+        return sum(self._demand(sid, self.sessions.get(sid))[0] for sid in self.resident)
 
     def on_step_start(self, now_s: float) -> None:
         """Plan the resident set and apply it (suspend idle residents, activate held sessions)."""
@@ -542,13 +553,13 @@ class MarsScheduler(CertifiedRuns, MarsBaseScheduler):
         waiting request."""
         if self._residency_on:
             # Residency: only a younger session's pinned KV is taken (and it is suspended).
-            owner = self.sessions.get(entry.session_id)
+            owner = self.retention_owner(entry).sessions.get(entry.session_id)
             requester_s = self._session_arrival_s(self.req_state.get(request.request_id))
             return owner is None or owner.first_arrival_s > requester_s
         if self.params.mars.session_fifo:
             # Priority-aligned: a younger session's KV is always taken; an older session's only
             # when it no longer pays for its TTL (else vLLM preempts the youngest running one).
-            owner = self.sessions.get(entry.session_id)
+            owner = self.retention_owner(entry).sessions.get(entry.session_id)
             requester_s = self._session_arrival_s(self.req_state.get(request.request_id))
             if owner is None or owner.first_arrival_s > requester_s:
                 return True

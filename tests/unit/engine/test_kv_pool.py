@@ -124,3 +124,107 @@ def test_a_second_engine_must_share_before_it_holds_blocks_and_match_the_shape()
     other = InprocEngineParams(num_gpu_blocks=64, max_model_len=4096)
     with pytest.raises(ValueError, match="different layouts"):
         InprocEngine("fcfs", other, kv_pool_of=a)
+
+
+# ---------------------------------------------------------------- one pool, one reclaim
+def _pooled_harnesses(linked: bool):
+    """Two MarsSchedulers (value-model retention) on one pool of 40 blocks and one clock;
+    ``linked``: their ``retention_peers`` are joined as InprocEngine joins them."""
+    from mars_openhands.engine import seams
+    from tests.unit.engine.test_mars_retention import value_model_harness
+
+    h1, h2 = value_model_harness(num_blocks=40), value_model_harness(num_blocks=40)
+    seams.blocks.share_block_pool(h2.scheduler, h1.scheduler)
+    h2.clock = h1.clock  # one virtual clock, as in the simulator
+    h2.rng = h1.rng  # one token source: distinct prompts share no block by accident
+    h2.scheduler.set_clock(h1.clock)
+    if linked:
+        h1.scheduler.retention_peers.append(h2.scheduler)
+        h2.scheduler.retention_peers = h1.scheduler.retention_peers
+    return h1, h2
+
+
+def _request(h, sid, n, out, rid, turn=0):
+    return h.make_request(sid, h.tokens(n), out, {"mars_turn": turn, "mars_last_step": 0},
+                          request_id=rid)
+
+
+@pytest.mark.parametrize("linked", [True, False])
+def test_a_replica_short_of_blocks_reclaims_another_replicas_pins(linked: bool) -> None:
+    """In one pool, KV pinned by replica 1 is the pool's: replica 2's allocation takes it before
+    anyone is preempted (as one engine of the pool's size does, test_mars_retention's
+    test_reclaimed_before_any_running_request_is_preempted). The control (pins reclaimable only
+    by their own replica) leaves the big turn unscheduled while replica 2 runs."""
+    from mars_openhands.stream.transport import ListSink
+
+    h1, h2 = _pooled_harnesses(linked)
+    sink = ListSink()
+    h1.scheduler.set_telemetry_sink(sink)
+    for sid, n in (("a", 200), ("b", 100)):  # 12 + 6 blocks pinned on replica 1
+        r = h1.add(_request(h1, sid, n, 4, f"1-{sid}"))
+        h1.run_until_finished(r.request_id)
+    assert set(h1.scheduler.retained) == {"a", "b"}
+    runner = h2.add(_request(h2, "r", 64, 40, "2-r"))
+    h2.step()
+    big = h2.add(_request(h2, "big", 400, 4, "2-big"))  # 26 blocks: needs replica 1's pins
+    scheduled = preempted = False
+    for _ in range(5):
+        res = h2.step()
+        scheduled |= big.request_id in res.num_scheduled_tokens
+        preempted |= bool(res.preempted_ids)
+    assert not runner.is_finished()
+    assert scheduled == linked and not preempted
+    reasons = [e.reason for e in sink.events if e.kind == "kv_released"]
+    assert ("reclaimed" in reasons) == linked
+    assert (h1.scheduler.num_reclaimed_blocks >= 6) == linked
+    if linked:
+        h2.run_until_done()
+        assert big.is_finished() and runner.is_finished()
+        h1.scheduler.retention_peers = [h1.scheduler]  # each checks its own pins and requests
+        h2.scheduler.retention_peers = [h2.scheduler]
+
+
+def test_the_pool_reclaims_the_lowest_value_pin_of_any_replica() -> None:
+    """Across replicas the requester's order holds: the lower-value entry goes first, whichever
+    replica pinned it."""
+    h1, h2 = _pooled_harnesses(linked=True)
+    old = h1.add(_request(h1, "old", 20, 2, "old-0"))  # the oldest session: a and b are younger,
+    h1.run_until_finished(old.request_id)            # so either entry may go (session_fifo)
+    for h, sid in ((h1, "a"), (h2, "b")):  # 12 blocks pinned on each replica
+        r = h.add(_request(h, sid, 200, 4, f"{sid}-0"))
+        h.run_until_finished(r.request_id)
+    h1.scheduler.retained["a"].value_s = 100.0
+    h2.scheduler.retained["b"].value_s = 0.001
+    runner = h1.add(_request(h1, "r", 64, 40, "r-0"))
+    h1.step()
+    big = h1.add(_request(h1, "old", 280, 4, "old-1", turn=1))  # 18 blocks: one entry short
+    h1.step()
+    h1.step()
+    assert big.num_computed_tokens > 0 and not runner.is_finished()
+    assert "a" in h1.scheduler.retained and "b" not in h2.scheduler.retained
+    assert h2.scheduler.num_reclaimed_blocks == 12 and h1.scheduler.num_reclaimed_blocks == 0
+
+
+def test_pooled_engines_share_one_retention_peer_list() -> None:
+    a, b = _pooled("MarsScheduler", n=3)[:2]
+    c = a.pool_peers[2]
+    assert a.plugin.retention_peers is b.plugin.retention_peers
+    assert a.plugin.retention_peers == [a.plugin, b.plugin, c.plugin]
+    alone = InprocEngine("MarsScheduler", InprocEngineParams(num_gpu_blocks=64, max_model_len=4096))
+    assert alone.plugin.retention_peers == [alone.plugin]
+
+
+def test_pooled_residency_plans_one_pools_budget_between_the_replicas() -> None:
+    """MARS's residency plan on a shared pool counts the other replicas' residents: a replica's
+    budget is the pool's less their demand (without it every replica planned the whole pool)."""
+    a, b = _pooled("MarsScheduler", blocks=64)
+    total = int((a.num_gpu_blocks() - 1) * a.plugin.params.residency.budget_usage)
+    assert a.plugin._residency_budget_blocks() == b.plugin._residency_budget_blocks() == total
+    add_stream_turn(a, a.stream("s"), "s#0", 600, 10)
+    a.step()
+    demand = a.plugin.resident_demand_blocks()
+    assert "s" in a.plugin.resident and demand >= 600 // BS
+    assert b.plugin._residency_budget_blocks() == total - demand
+    assert a.plugin._residency_budget_blocks() == total  # its own residents are its plan's
+    alone = InprocEngine("MarsScheduler", InprocEngineParams(num_gpu_blocks=64, max_model_len=4096))
+    assert alone.plugin._residency_budget_blocks() == int(63 * alone.plugin.params.residency.budget_usage)
