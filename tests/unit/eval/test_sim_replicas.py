@@ -312,3 +312,27 @@ def test_kv_transfer_settings_are_checked() -> None:
         _config(num_replicas=2, router="pooled-kv", kv_transfer_gb_s=50.0, kv_bytes_per_token=1)
     with pytest.raises(ValueError, match="kv_bytes_per_token"):
         _config(num_replicas=2, kv_transfer_gb_s=50.0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_pooled_kv_bound_is_the_same_with_the_fast_paths_off_on_random_workloads(
+        seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The class of the test above: on the random workloads of test_sim_fast_paths_random.py
+    (KV between one session's context and a third of the workload's, so replicas reclaim each
+    other's retained KV and their residency plans share the pool's budget), two pooled MARS
+    replicas run the same schedule with and without merged steps."""
+    from eval.sim import FAST_PATHS_ENV
+    from tests.unit.eval.test_sim_fast_paths_random import random_case
+
+    rc = random_case(seed)
+    engine = InprocEngineParams(num_gpu_blocks=rc.num_gpu_blocks, max_model_len=16384,
+                                max_num_seqs=rc.max_num_seqs,
+                                max_num_batched_tokens=rc.max_num_batched_tokens)
+    config = SimConfig(policy="MarsScheduler", engine=engine, num_replicas=2, router="pooled-kv",
+                       is_admission_enabled=True)
+    runs = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv(FAST_PATHS_ENV, flag)
+        runs.append(simulate(rc.workload, config, LinearStepTimeModel()))
+    _assert_complete(runs[0], rc.workload)
+    assert _rows(runs[0]) == _rows(runs[1])
