@@ -16,7 +16,8 @@ requests, its waiting queue and its preemptions (a scheduler short of blocks pre
 requests, never another replica's). Our schedulers' retention pins are per replica too, but a
 replica short of blocks reclaims the pool's pins, any replica's, in its own reclaim order before
 it preempts, and MARS's residency plans split the pool's budget (each replica's is the pool's
-less the other replicas' residents' demand) (``retention_peers``,
+less the other replicas' residents' demand), and a session whose next turn goes to another
+replica moves there whole (record, pins, residency) (``retention_peers``, ``adopt_session``,
 :mod:`mars_openhands.engine.schedulers.kv_retention`).
 
 ::

@@ -263,6 +263,8 @@ class MarsBaseScheduler(KvRetention, CpuEvents, SessionTracking, StepTelemetry, 
             meta = TurnMeta()
             self._rejected[request.request_id] = str(e)
         sid = request.session_id
+        if sid is not None and len(self.retention_peers) > 1 and sid not in self.sessions:
+            self._adopt_from_pool(sid)  # a shared KV pool: the session moved here whole
         if sid is not None and not meta.is_side and sid in self.sessions:
             self._observe_reuse(self.sessions[sid], request)
         self.req_state[request.request_id] = RequestState(

@@ -150,6 +150,29 @@ class KvRetention:
             self.release_retained(sid, "expired", now)
         pool.update_next_expiry()
 
+    def adopt_session(self, peer: KvRetention, session_id: str) -> None:
+        """Take ``session_id`` over from ``peer``, a scheduler of the same shared KV pool that
+        served its previous turn: its record (and program) and its retained KV move here, the
+        pins with them (the blocks stay where they are, in the one pool), as one engine of the
+        pool's size would keep them. Subclasses move their own per-session state too. Mutates
+        both schedulers."""
+        record = peer.sessions.forget(session_id)
+        if record is not None:
+            self.sessions.adopt(record)
+        entry = peer.retained.pop(session_id)
+        if entry is not None:
+            self.retained.add(entry)
+
+    def _adopt_from_pool(self, session_id: str) -> None:
+        """A request of a session this scheduler has no record of: when a peer of a shared KV
+        pool holds it, idle there (its previous turn done), it moves here
+        (:meth:`adopt_session`). O(peers)."""
+        for peer in self.retention_peers:
+            if peer is not self and session_id in peer.sessions:
+                if not peer.sessions[session_id].active_request_ids:
+                    self.adopt_session(peer, session_id)
+                return
+
     def retention_owner(self, entry: RetainedKv) -> KvRetention:
         """The scheduler among :attr:`retention_peers` that holds ``entry`` (this one when the
         KV pool is not shared): policy hooks read the entry's session from its owner's

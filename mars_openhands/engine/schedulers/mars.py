@@ -203,6 +203,14 @@ class MarsScheduler(CertifiedRuns, MarsBaseScheduler):
                 budget -= peer.resident_demand_blocks()
         return max(0, budget)
 
+    def adopt_session(self, peer: MarsBaseScheduler, session_id: str) -> None:
+        """As the base; a resident of ``peer`` stays resident here (its KV is still pinned, now
+        by this scheduler), instead of being held as a new session."""
+        super().adopt_session(peer, session_id)
+        if isinstance(peer, MarsScheduler) and session_id in peer.resident:
+            peer.resident.discard(session_id)
+            self.resident.add(session_id)
+
     def resident_demand_blocks(self) -> int:
         """Blocks the resident sessions' demand counts now (what this scheduler's residency plan
         holds against its budget). O(residents). Pure."""

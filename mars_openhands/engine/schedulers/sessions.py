@@ -29,7 +29,7 @@ sweeps at its first step past the interval."""
 class SessionTable(Mapping[str, SessionState]):
     """Session id -> :class:`SessionState`; a read-only mapping to its users.
 
-    Changed only through :meth:`open`, :meth:`forget` and :meth:`forget_idle`.
+    Changed only through :meth:`open`, :meth:`adopt`, :meth:`forget` and :meth:`forget_idle`.
     """
 
     def __init__(self) -> None:
@@ -58,6 +58,17 @@ class SessionTable(Mapping[str, SessionState]):
         if session is None:
             session = self._sessions[session_id] = SessionState(session_id, first_arrival_s=now_s)
         return session
+
+    def adopt(self, session: SessionState) -> None:
+        """Take over another table's record (a session moving between the schedulers of one
+        shared KV pool), its program included. Mutates.
+
+        Raises:
+            ValueError: this table already has a record for the session.
+        """
+        if session.session_id in self._sessions:
+            raise ValueError(f"session {session.session_id!r} already has a record here")
+        self._sessions[session.session_id] = session
 
     def forget(self, session_id: str) -> SessionState | None:
         """Drop the session's record (and its program); returns it, or None. Mutates."""

@@ -13,6 +13,7 @@ from mars_openhands.engine.harness.inproc_engine import (  # noqa: E402
     InprocEngineParams,
 )
 from mars_openhands.engine.harness.kv_pool import pooled_params  # noqa: E402
+from mars_openhands.engine.schedulers.mars import MarsScheduler  # noqa: E402
 from tests.unit.engine.harness import add_stream_turn  # noqa: E402
 
 BS = 16
@@ -228,3 +229,44 @@ def test_pooled_residency_plans_one_pools_budget_between_the_replicas() -> None:
     assert a.plugin._residency_budget_blocks() == total  # its own residents are its plan's
     alone = InprocEngine("MarsScheduler", InprocEngineParams(num_gpu_blocks=64, max_model_len=4096))
     assert alone.plugin._residency_budget_blocks() == int(63 * alone.plugin.params.residency.budget_usage)
+
+
+@pytest.mark.parametrize("linked", [True, False])
+def test_a_session_moving_within_the_pool_takes_its_record_residency_and_pins(linked: bool) -> None:
+    """MARS residency on: a session's turn 0 on replica 1 leaves it resident with its KV pinned;
+    its turn 1 routed to replica 2 (the pooled router moves sessions at turn boundaries) moves the
+    whole session: record, pins, residency. Turn 1 runs at once from the prefix. Unlinked (the
+    control, and the bound before 2026-12-07): replica 2 holds turn 1 as a new session's while
+    replica 1 keeps the pins of a session it will not see again."""
+    from mars_openhands.engine import seams
+    from tests.unit.engine.harness import Harness
+
+    h1, h2 = Harness(MarsScheduler, num_blocks=256), Harness(MarsScheduler, num_blocks=256)
+    seams.blocks.share_block_pool(h2.scheduler, h1.scheduler)
+    h2.clock, h2.rng = h1.clock, h1.rng
+    h2.scheduler.set_clock(h1.clock)
+    if linked:
+        h1.scheduler.retention_peers.append(h2.scheduler)
+        h2.scheduler.retention_peers = h1.scheduler.retention_peers
+    busy = h2.add(_request(h2, "other", 300, 200, "o-0"))  # replica 2 has a resident session
+    h2.step()
+    r0 = h1.add(_request(h1, "s", 200, 4, "s-0"))
+    h1.run_until_finished(r0.request_id)
+    s1, s2 = h1.scheduler, h2.scheduler
+    assert "s" in s1.resident and "s" in s1.retained
+    first_arrival = s1.sessions["s"].first_arrival_s
+    h1.clock.advance(1.0)
+    r1 = h2.add(h2.next_turn(r0, 20, 4, {"mars_turn": 1, "mars_last_step": 0}))
+    assert ("s" in s2.held) != linked  # a resident's turn is not held for the next plan
+    res = h2.step()
+    if linked:
+        assert "s" not in s1.sessions and "s" not in s1.retained and "s" not in s1.resident
+        assert s2.sessions["s"].first_arrival_s == first_arrival
+        assert "s" in s2.resident
+        hit = r1.num_computed_tokens - res.num_scheduled_tokens[r1.request_id]
+        assert hit >= 192  # turn 0's 200 prompt tokens + outputs: 12 full blocks, from the pool
+    else:
+        assert "s" in s1.retained and "s" in s1.resident  # pins nobody will resume
+        assert s2.sessions["s"].first_arrival_s > first_arrival  # a new session to replica 2
+    h2.run_until_done()
+    assert busy.is_finished() and r1.is_finished()
