@@ -5,8 +5,9 @@ Source: design.md §3 (retention) and §4 (reclaim before preemption). The retai
 their counters live in :class:`~.retained.RetainedKvPool`; whether and how long to keep a turn's
 KV is the policy's (``retention_decision``, ``refine_retention``, ``can_release_expired``,
 ``can_reclaim_for``: :class:`~.hooks.PolicyHooks`). This module is the machinery between the
-two: a mixin of :class:`~.base.MarsBaseScheduler` that reads its ``retained``, ``sessions``,
-``req_state``, ``telemetry`` and ``clock`` (set up by the base's ``__init__``).
+two: a mixin of :class:`~.base.MarsBaseScheduler` that reads its ``retained``,
+``retention_peers``, ``sessions``, ``req_state``, ``telemetry`` and ``clock`` (set up by the
+base's ``__init__``).
 
 Where retention is decided: a turn finishes -> ``MarsBaseScheduler._free_blocks`` ->
 :meth:`KvRetention._maybe_retain` -> the policy's ``retention_decision`` (a TTL and a value);
