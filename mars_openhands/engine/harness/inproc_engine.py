@@ -167,13 +167,9 @@ class InprocEngine:
             self.pool_peers = kv_pool_of.pool_peers
             self.pool_peers.append(self)
         self._plugin: MarsBaseScheduler | None = s if isinstance(s, MarsBaseScheduler) else None
-        if kv_pool_of is not None and self._plugin is not None and kv_pool_of.plugin is not None:
-            # One pool, one reclaim: a failed allocation on any replica may take the pinned KV of
-            # any replica (in the requester's reclaim order), as a single engine of the pool's size
-            # would. One list object shared by every scheduler of the pool.
-            self._plugin.retention_peers = kv_pool_of.plugin.retention_peers
-            self._plugin.retention_peers.append(self._plugin)
         """Our scheduler (telemetry, a clock, a CPU-event inbox), or None for stock vLLM."""
+        if kv_pool_of is not None and self._plugin is not None and kv_pool_of.plugin is not None:
+            self._plugin.join_kv_pool_of(kv_pool_of.plugin)  # one pool, one reclaim
         self._runs: MergesRuns | None = s if isinstance(s, MergesRuns) else None
         """The scheduler's side of merged runs, or None (a plugin that allows none)."""
         if clock is not None:

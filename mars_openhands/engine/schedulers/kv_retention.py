@@ -151,6 +151,15 @@ class KvRetention:
             self.release_retained(sid, "expired", now)
         pool.update_next_expiry()
 
+    def join_kv_pool_of(self, owner: KvRetention) -> None:
+        """Join ``owner``'s :attr:`retention_peers` (its schedulers share one KV block pool,
+        :func:`~mars_openhands.engine.seams.blocks.share_block_pool`): from now on a failed
+        allocation on any of them may take any one's pinned KV, in the requester's reclaim
+        order, as a single engine of the pool's size would. One list object for the whole pool.
+        Mutates."""
+        self.retention_peers = owner.retention_peers
+        self.retention_peers.append(self)
+
     def adopt_session(self, peer: KvRetention, session_id: str) -> None:
         """Take ``session_id`` over from ``peer``, a scheduler of the same shared KV pool that
         served its previous turn: its record (and program) and its retained KV move here, the
@@ -216,6 +225,6 @@ class KvRetention:
                        sid, lambda e: is_stuck or self.can_reclaim_for(e, request, now), key))]
         if not victims:
             return False
-        owner, victim = victims[0] if len(victims) == 1 else min(victims, key=lambda pv: key(pv[1]))
+        owner, victim = min(victims, key=lambda pv: key(pv[1]))
         owner.reclaim(victim.session_id)
         return True

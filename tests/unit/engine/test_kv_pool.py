@@ -128,20 +128,26 @@ def test_a_second_engine_must_share_before_it_holds_blocks_and_match_the_shape()
 
 
 # ---------------------------------------------------------------- one pool, one reclaim
-def _pooled_harnesses(linked: bool):
-    """Two MarsSchedulers (value-model retention) on one pool of 40 blocks and one clock;
-    ``linked``: their ``retention_peers`` are joined as InprocEngine joins them."""
+def _pooled_harnesses(linked: bool, residency: bool = False, num_blocks: int = 40):
+    """Two MarsSchedulers (value-model retention, or ``residency``) on one pool of
+    ``num_blocks`` blocks and one clock; ``linked``: the second joins the first's
+    ``retention_peers`` as InprocEngine joins them."""
     from mars_openhands.engine import seams
+    from tests.unit.engine.harness import Harness
     from tests.unit.engine.test_mars_retention import value_model_harness
 
-    h1, h2 = value_model_harness(num_blocks=40), value_model_harness(num_blocks=40)
+    def make() -> Harness:
+        if residency:
+            return Harness(MarsScheduler, num_blocks=num_blocks)
+        return value_model_harness(num_blocks=num_blocks)
+
+    h1, h2 = make(), make()
     seams.blocks.share_block_pool(h2.scheduler, h1.scheduler)
     h2.clock = h1.clock  # one virtual clock, as in the simulator
     h2.rng = h1.rng  # one token source: distinct prompts share no block by accident
     h2.scheduler.set_clock(h1.clock)
     if linked:
-        h1.scheduler.retention_peers.append(h2.scheduler)
-        h2.scheduler.retention_peers = h1.scheduler.retention_peers
+        h2.scheduler.join_kv_pool_of(h1.scheduler)
     return h1, h2
 
 
@@ -181,8 +187,6 @@ def test_a_replica_short_of_blocks_reclaims_another_replicas_pins(linked: bool) 
     if linked:
         h2.run_until_done()
         assert big.is_finished() and runner.is_finished()
-        h1.scheduler.retention_peers = [h1.scheduler]  # each checks its own pins and requests
-        h2.scheduler.retention_peers = [h2.scheduler]
 
 
 def test_the_pool_reclaims_the_lowest_value_pin_of_any_replica() -> None:
@@ -238,16 +242,7 @@ def test_a_session_moving_within_the_pool_takes_its_record_residency_and_pins(li
     whole session: record, pins, residency. Turn 1 runs at once from the prefix. Unlinked (the
     control, and the bound before 2026-12-07): replica 2 holds turn 1 as a new session's while
     replica 1 keeps the pins of a session it will not see again."""
-    from mars_openhands.engine import seams
-    from tests.unit.engine.harness import Harness
-
-    h1, h2 = Harness(MarsScheduler, num_blocks=256), Harness(MarsScheduler, num_blocks=256)
-    seams.blocks.share_block_pool(h2.scheduler, h1.scheduler)
-    h2.clock, h2.rng = h1.clock, h1.rng
-    h2.scheduler.set_clock(h1.clock)
-    if linked:
-        h1.scheduler.retention_peers.append(h2.scheduler)
-        h2.scheduler.retention_peers = h1.scheduler.retention_peers
+    h1, h2 = _pooled_harnesses(linked, residency=True, num_blocks=256)
     busy = h2.add(_request(h2, "other", 300, 200, "o-0"))  # replica 2 has a resident session
     h2.step()
     r0 = h1.add(_request(h1, "s", 200, 4, "s-0"))
