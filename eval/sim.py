@@ -831,6 +831,10 @@ class Simulator:
             extra["mars_last_step"] = int(turn.turn == run.spec.num_turns - 1)
         if run.prev_tool is not None:
             extra["mars_prev_tool"], extra["mars_prev_tool_s"] = run.prev_tool
+        assert run.gateway is not None
+        age_s = self.plane.session_age_s(run.gateway, turn.turn)
+        if age_s is not None:
+            extra["mars_session_age_s"] = age_s
         assert run.stream is not None and run.replica is not None
         rep = run.replica
         if run.kv_import is not None:

@@ -229,10 +229,21 @@ class ControlPlane:
             session.num_turn_retries += 1
             return last.turn, last.prev_tool
         turn, prev_tool = session.num_turns, session.prev_tool
+        if session.first_turn_s is None:
+            session.first_turn_s = self.clock()
         session.num_turns += 1
         session.prev_tool, session.tool_batch_ns = None, None
         session.last_turn = TurnAttempts(turn, fingerprint, prev_tool)
         return turn, prev_tool
+
+    def session_age_s(self, session: Session, turn: int | None) -> float | None:
+        """``mars_session_age_s`` for the session's ``turn``: seconds since its first turn started
+        (the engine that opens the session's record at this turn, one it moved to, dates the
+        session's first arrival back by it); ``None`` for turn 0, a side request (``turn`` None)
+        or before any turn. Pure."""
+        if not turn or session.first_turn_s is None:
+            return None
+        return max(0.0, self.clock() - session.first_turn_s)
 
     def end_turn(self, session: Session, turn: int, is_answered: bool) -> None:
         """An attempt of ``turn`` (from :meth:`start_turn`) ended: answered (its response ended

@@ -111,7 +111,8 @@ def probe_body(raw: bytes) -> dict[str, Any]:
 
 
 def engine_content(raw: bytes, fields: dict[str, Any], session_id: str | None, turn: int | None,
-                   last_step: int | None, prev_tool: tuple[str, float] | None) -> bytes:
+                   last_step: int | None, prev_tool: tuple[str, float] | None,
+                   session_age_s: float | None = None) -> bytes:
     """The body to send to vLLM (see :func:`metadata.build_engine_body`; ``turn`` ``None``: a
     side request), as bytes. Pure.
 
@@ -130,6 +131,8 @@ def engine_content(raw: bytes, fields: dict[str, Any], session_id: str | None, t
         if prev_tool is not None and turn is not None:
             xargs["mars_prev_tool"] = prev_tool[0]
             xargs["mars_prev_tool_s"] = float(prev_tool[1])
+        if session_age_s is not None and turn is not None:
+            xargs["mars_session_age_s"] = float(session_age_s)
         end = raw.rindex(b"}")
         head = raw[:end]
         parts = [head]
@@ -140,7 +143,8 @@ def engine_content(raw: bytes, fields: dict[str, Any], session_id: str | None, t
             parts[1] = parts[1][1:]
         return b"".join(parts)
     body = msgspec.json.decode(raw)
-    return _ENCODE(metadata.build_engine_body(body, session_id, turn, last_step, prev_tool))
+    return _ENCODE(metadata.build_engine_body(body, session_id, turn, last_step, prev_tool,
+                                              session_age_s))
 
 
 class GatewayCore(Protocol):
@@ -375,7 +379,8 @@ class ProxyHandler:
             turn, prev_tool = gateway.plane.start_turn(session, is_side, fingerprint)
             call.turn = turn
             content = engine_content(raw, fields, None if session.is_one_turn else session.session_id,
-                                     turn, last_step, prev_tool)
+                                     turn, last_step, prev_tool,
+                                     gateway.plane.session_age_s(session, turn))
             forward = {k: v for k in _FORWARD_HEADERS if (v := headers.get(k)) is not None}
             forward["content-type"] = "application/json"
             stream = bool(fields.get("stream"))

@@ -70,6 +70,9 @@ class Session:
     0-based index."""
     num_side_requests: int = 0
     """Side requests (titles, summaries: chat requests without tools) started so far."""
+    first_turn_s: float | None = None
+    """Monotonic seconds when its first agent turn started (``None``: none yet); the engine's
+    ``mars_session_age_s`` counts from it."""
     replica: int | None = None
     """Index of the replica holding its KV (affinity), once routed."""
     num_in_flight: int = 0

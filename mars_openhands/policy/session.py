@@ -53,7 +53,8 @@ class SessionState:
         last_context_tokens: prompt + output tokens of the session's latest finished turn (the
             context its next turn extends).
         first_arrival_s: monotonic time the session's first request reached this engine (its
-            program-level arrival, for session-level FIFO order).
+            program-level arrival, for session-level FIFO order); for a session that moved here
+            from another replica, when its first request reached that one (``mars_session_age_s``).
     """
 
     session_id: str

@@ -15,6 +15,10 @@ key                     type            meaning
                                         it does not advance ``mars_turn`` and does not
                                         end a tool phase, release or consume the
                                         session's retained KV
+``mars_session_age_s``  number >= 0     seconds since the session's first turn was sent
+                                        (set by the gateway only): an engine that has no
+                                        record of the session (it moved here from another
+                                        replica) dates its first arrival back by this much
 ======================  ==============  ================================================
 
 The types are strict: a string (``"3"``), a float (``2.0``, ``1e300``) or a bool is no turn, and
@@ -29,7 +33,7 @@ starts with ``mars_`` is an error (a typo would otherwise be dropped silently).
 
 Example:
     >>> parse_turn_meta({"mars_turn": 3, "mars_last_step": 0, "other": 1})
-    TurnMeta(turn=3, is_last_step=False, prev_tool=None, prev_tool_s=None, is_side=False)
+    TurnMeta(turn=3, is_last_step=False, prev_tool=None, prev_tool_s=None, is_side=False, session_age_s=None)
     >>> parse_turn_meta({"mars_turn": "3"})
     Traceback (most recent call last):
     ...
@@ -49,7 +53,8 @@ from typing import Any
 
 __all__ = ["MARS_EXTRA_KEYS", "MAX_TURN", "TurnMeta", "parse_turn_meta"]
 
-MARS_EXTRA_KEYS = ("mars_turn", "mars_last_step", "mars_prev_tool", "mars_prev_tool_s", "mars_side")
+MARS_EXTRA_KEYS = ("mars_turn", "mars_last_step", "mars_prev_tool", "mars_prev_tool_s", "mars_side",
+                   "mars_session_age_s")
 """The ``vllm_xargs`` keys the engine reads."""
 
 
@@ -63,6 +68,9 @@ class TurnMeta:
     prev_tool_s: float | None = None
     is_side: bool = False
     """A side request (``mars_side=1``): not one of the session's agent turns."""
+    session_age_s: float | None = None
+    """Seconds since the session's first turn was sent (``mars_session_age_s``): an engine that
+    opens the session's record at this turn dates its first arrival back by it."""
 
 
 _EMPTY = TurnMeta()
@@ -77,6 +85,7 @@ _EXAMPLES = {
     "mars_prev_tool": '{"mars_prev_tool": "bash", "mars_prev_tool_s": 1.5, ...}',
     "mars_prev_tool_s": '{"mars_prev_tool": "bash", "mars_prev_tool_s": 1.5, ...}',
     "mars_side": '{"mars_side": 1} for a side request',
+    "mars_session_age_s": '{"mars_session_age_s": 12.5, ...} (the gateway sets it)',
 }
 """Each key's own example, for the hint of its error."""
 
@@ -141,6 +150,7 @@ def parse_turn_meta(extra_args: Mapping[str, Any] | None) -> TurnMeta:
     tool = extra_args.get("mars_prev_tool")
     tool_s = extra_args.get("mars_prev_tool_s")
     side = extra_args.get("mars_side")
+    age = extra_args.get("mars_session_age_s")
     if tool is not None and (not isinstance(tool, str) or not tool):
         raise _bad("mars_prev_tool", tool, "a non-empty tool name")
     return TurnMeta(
@@ -149,4 +159,5 @@ def parse_turn_meta(extra_args: Mapping[str, Any] | None) -> TurnMeta:
         prev_tool=tool,
         prev_tool_s=None if tool_s is None else _as_seconds("mars_prev_tool_s", tool_s),
         is_side=side is not None and _as_flag("mars_side", side),
+        session_age_s=None if age is None else _as_seconds("mars_session_age_s", age),
     )

@@ -39,7 +39,7 @@ class SessionTracking:
                                              self.params.retention.reuse_ema_alpha)
 
     def _on_session_request(self, sid: str, request_id: str, meta: TurnMeta, now: float) -> None:
-        session = self.sessions.open(sid, now)
+        session = self.sessions.open(sid, now, meta.session_age_s)
         sample = tool_sample_at_arrival(session, now, meta.prev_tool, meta.prev_tool_s)
         if sample is not None:
             self.tool_durations.observe(*sample)

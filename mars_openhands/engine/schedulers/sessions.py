@@ -51,12 +51,15 @@ class SessionTable(Mapping[str, SessionState]):
         """The session's record, else ``default``. Pure."""
         return self._sessions.get(session_id, default)
 
-    def open(self, session_id: str, now_s: float) -> SessionState:
-        """The session's record, created with ``first_arrival_s = now_s`` if it has none.
-        Mutates."""
+    def open(self, session_id: str, now_s: float, age_s: float | None = None) -> SessionState:
+        """The session's record, created with ``first_arrival_s = now_s - age_s`` if it has none
+        (``age_s``: the gateway's ``mars_session_age_s``, seconds, for a session that moved here
+        from another replica; ``None``: 0, a new session). An existing record keeps its own first
+        arrival. Mutates."""
         session = self._sessions.get(session_id)
         if session is None:
-            session = self._sessions[session_id] = SessionState(session_id, first_arrival_s=now_s)
+            first = now_s if age_s is None else now_s - age_s
+            session = self._sessions[session_id] = SessionState(session_id, first_arrival_s=first)
         return session
 
     def adopt(self, session: SessionState) -> None:

@@ -242,11 +242,12 @@ def test_engine_content_matches_build_engine_body(body) -> None:
     assert fields == {**{k: v for k, v in body.items() if k in (
         "mars_session", "session_id", "prompt_cache_key", "mars_last_step", "mars_side",
         "vllm_xargs", "stream")}, "has_tools": bool(body.get("tools"))}
-    for session_id, turn, last_step, prev_tool in (("s-1", 3, 1, ("bash", 2.5)),
-                                                   (None, 3, None, None),
-                                                   ("s-1", None, None, ("bash", 2.5))):
-        out = json.loads(engine_content(raw, fields, session_id, turn, last_step, prev_tool))
-        assert out == build_engine_body(body, session_id, turn, last_step, prev_tool)
+    for session_id, turn, last_step, prev_tool, age_s in (("s-1", 3, 1, ("bash", 2.5), 4.25),
+                                                          (None, 3, None, None, None),
+                                                          ("s-1", None, None, ("bash", 2.5), 4.25)):
+        out = json.loads(engine_content(raw, fields, session_id, turn, last_step, prev_tool, age_s))
+        assert out == build_engine_body(body, session_id, turn, last_step, prev_tool, age_s)
+        assert out["vllm_xargs"].get("mars_session_age_s") == (age_s if turn is not None else None)
         assert "mars_side" not in out
         xargs = out["vllm_xargs"]
         if turn is None:  # a side request: no turn, no previous tool, mars_side=1

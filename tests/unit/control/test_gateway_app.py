@@ -46,6 +46,10 @@ def test_sessions_stick_to_a_replica_and_carry_metadata(clean_fakes, gateway_fac
     seen = [r for f in clean_fakes for r in f.seen()["requests"]]
     a_turns = [r["vllm_xargs"] for r in seen if r["session_id"] == "stick-a"]
     assert [x["mars_turn"] for x in a_turns] == [0, 1, 2, 3]
+    # From turn 1 on, the session's age since its first turn travels too (non-decreasing).
+    ages = [x.pop("mars_session_age_s", None) for x in a_turns]
+    assert ages[0] is None and all(a is not None for a in ages[1:])
+    assert 0.0 <= ages[1] <= ages[2] <= ages[3] < 60.0
     assert a_turns[-1] == {"mars_turn": 3, "mars_last_step": 1, "mars_prev_tool": "pytest",
                            "mars_prev_tool_s": 2.5}
     assert all("mars_session" not in r["body"] for r in seen)
@@ -83,6 +87,9 @@ def test_requests_without_tools_are_side_requests_not_turns(clean_fakes, gateway
         assert raw.headers["x-mars-turn"] == "3"  # a raw prompt carries no tools to judge by
         assert state(server)["sessions"][sid]["side_requests"] == 2
     xargs = [r["vllm_xargs"] for r in clean_fakes[0].seen()["requests"] if r["session_id"] == sid]
+    # A turn after the first carries the session's age; a side request never does.
+    ages = [x.pop("mars_session_age_s", None) for x in xargs]
+    assert [a is not None for a in ages] == [False, False, False, True, True, True]
     assert xargs == [{"mars_side": 1}, {"mars_turn": 0}, {"mars_side": 1},
                      {"mars_turn": 1, "mars_prev_tool": "terminal", "mars_prev_tool_s": 1.5},
                      {"mars_turn": 2}, {"mars_turn": 3}]

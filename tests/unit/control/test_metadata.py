@@ -69,6 +69,17 @@ def test_engine_body_sets_native_session_and_xargs_without_mutating() -> None:
     assert body["vllm_xargs"]["mars_turn"] == 99  # input untouched
 
 
+def test_only_the_gateway_dates_a_session() -> None:
+    """An agent's own ``mars_session_age_s`` never reaches the engine (it would make its session
+    the oldest on a replica it moves to); the gateway's does, on turns only."""
+    body = {"model": "m", "vllm_xargs": {"mars_session_age_s": 1e6, "k": "v"}}
+    assert build_engine_body(body, "s", 2)["vllm_xargs"] == {"k": "v", "mars_turn": 2}
+    assert build_engine_body(body, "s", 2, session_age_s=7.5)["vllm_xargs"] == {
+        "k": "v", "mars_turn": 2, "mars_session_age_s": 7.5}
+    assert build_engine_body(body, "s", None, session_age_s=7.5)["vllm_xargs"] == {
+        "k": "v", "mars_side": 1}
+
+
 def test_one_turn_body_has_no_session_id() -> None:
     out = build_engine_body({"model": "m"}, None, 0)
     assert "session_id" not in out and out["vllm_xargs"] == {"mars_turn": 0}

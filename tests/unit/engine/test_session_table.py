@@ -13,6 +13,15 @@ def test_open_is_idempotent_and_keeps_the_first_arrival() -> None:
     assert not hasattr(table, "__setitem__")  # read-only mapping: changes go through open/forget
 
 
+def test_a_session_that_moved_here_keeps_its_age() -> None:
+    """``mars_session_age_s`` dates a new record back (the session moved from another replica);
+    a record this engine already has keeps its own first arrival."""
+    table = SessionTable()
+    assert table.open("moved", 100.0, age_s=40.0).first_arrival_s == 60.0
+    assert table.open("moved", 120.0, age_s=5.0).first_arrival_s == 60.0
+    assert table.open("new", 100.0, age_s=None).first_arrival_s == 100.0
+
+
 def test_program_slot_lives_and_dies_with_the_session() -> None:
     table = SessionTable()
     assert table.program("a") is None and table.program(None) is None

@@ -220,6 +220,40 @@ def test_a_moved_session_waits_for_its_kv_transfer(policy: str) -> None:
             assert t.first_scheduled_s - t.submit_s >= t.num_transferred_tokens * _BYTES_PER_TOKEN / (gb_s * 1e9)
 
 
+@pytest.mark.parametrize("kv_transfer_gb_s", [None, 0.05])
+def test_a_moved_session_keeps_its_first_arrival_on_its_new_replica(
+        kv_transfer_gb_s: float | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session that moves is not a new session where it lands: the gateway's
+    ``mars_session_age_s`` dates the new replica's record back to the session's first turn, so
+    session-ordered policies (MARS's FIFO and residency order) keep its place."""
+    from mars_openhands.engine.schedulers.sessions import SessionTable
+
+    opened: list[tuple[str, float | None, float]] = []
+    open_record = SessionTable.open
+
+    def recording(self, session_id, now_s, age_s=None):  # noqa: ANN001, ANN202
+        is_new = session_id not in self
+        record = open_record(self, session_id, now_s, age_s)
+        if is_new:
+            opened.append((session_id, age_s, record.first_arrival_s))
+        return record
+
+    monkeypatch.setattr(SessionTable, "open", recording)
+    workload = _workload(12, gap_s=0.1)
+    config = _config("MarsScheduler", blocks=256, num_replicas=2, router="llm-d", is_admission_enabled=True,
+                     kv_transfer_gb_s=kv_transfer_gb_s, kv_bytes_per_token=_BYTES_PER_TOKEN)
+    result = simulate(workload, config, LinearStepTimeModel())
+    _assert_complete(result, workload)
+    moved = {t.turn for _, t in _moved(result)}
+    assert moved and any(age is not None and age > 0 for _, age, _ in opened)
+    for sid, age, first in opened:
+        submitted = result.sessions[sid].turns[0].submit_s
+        if age is None:  # the session's first turn: its own arrival here
+            assert first >= submitted
+        else:  # a later turn opening a record: dated back to its first turn, not "now"
+            assert first == pytest.approx(submitted, abs=1e-9), (sid, age, first)
+
+
 def test_a_moved_turn_hits_the_kv_that_landed_on_a_replica_with_room() -> None:
     workload = _workload(12, gap_s=0.1)
     config = _config("MarsScheduler", blocks=384, num_replicas=2, router="llm-d", is_admission_enabled=True,

@@ -65,6 +65,7 @@ def test_params_are_frozen() -> None:
     ({"mars_prev_tool": "bash", "mars_prev_tool_s": 1.5},
      TurnMeta(prev_tool="bash", prev_tool_s=1.5)),
     ({"mars_prev_tool": "bash", "mars_prev_tool_s": 2}, TurnMeta(prev_tool="bash", prev_tool_s=2.0)),
+    ({"mars_turn": 4, "mars_session_age_s": 12}, TurnMeta(turn=4, session_age_s=12.0)),
 ])
 def test_turn_meta_valid(extra, meta: TurnMeta) -> None:
     assert parse_turn_meta(extra) == meta
@@ -74,7 +75,8 @@ def test_turn_meta_valid(extra, meta: TurnMeta) -> None:
     ({"mars_turn": -1}, "mars_turn"), ({"mars_turn": 1.5}, "mars_turn"),
     ({"mars_last_step": 2}, "mars_last_step"), ({"mars_prev_tool": ""}, "mars_prev_tool"),
     ({"mars_prev_tool_s": "nan"}, "mars_prev_tool_s"), ({"mars_prev_tool_s": -1}, "mars_prev_tool_s"),
-    ({"mars_sesion": "x"}, "mars_sesion"),
+    ({"mars_sesion": "x"}, "mars_sesion"), ({"mars_session_age_s": -0.5}, "mars_session_age_s"),
+    ({"mars_session_age_s": "3"}, "mars_session_age_s"),
 ])
 def test_turn_meta_invalid_names_the_key(extra, key: str) -> None:
     with pytest.raises(ValueError, match=key):
