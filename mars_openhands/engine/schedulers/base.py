@@ -275,7 +275,7 @@ class MarsBaseScheduler(KvRetention, CpuEvents, SessionTracking, StepTelemetry, 
         )
         if sid is not None:
             if meta.is_side:  # a title/summary call: not the session's next turn
-                self._on_side_request(sid, request.request_id, now)
+                self._on_side_request(sid, request.request_id, meta, now)
             else:
                 self._on_session_request(sid, request.request_id, meta, now)
         super().add_request(request, **kwargs)
