@@ -19,9 +19,9 @@ A request with none of them is a one-turn session. Extras sent to the engine in 
 ``mars_turn`` (0-based agent turn; omitted on a side request), ``mars_last_step`` (0/1, when the agent says so via body
 ``mars_last_step`` or header ``X-Mars-Last-Step``), and ``mars_prev_tool`` / ``mars_prev_tool_s`` (name and
 measured duration of the tool that ended since the previous turn, from the agent's ``tool_end``),
-``mars_session_age_s`` (seconds since the session's first turn, from turn 1 on: a replica the session
-moved to keeps its place in session order; an agent's own value is dropped), and ``mars_side=1`` on
-a side request.
+``mars_session_age_s`` (seconds since the session's first turn, on every request after it: a replica
+the session moved to keeps its place in session order; an agent's own value is dropped), and
+``mars_side=1`` on a side request.
 
 Side requests: a chat completion without ``tools`` in a multi-turn session is a call made beside
 the agent loop (the OpenHands app's conversation title, a condenser summary). It is not an agent
@@ -221,9 +221,9 @@ def build_engine_body(
             (``mars_side=1`` is sent instead, and no ``mars_prev_tool``).
         last_step: 0/1 when the agent said whether this is the session's last LLM call.
         prev_tool: ``(tool_name, duration_s)`` of the tool that ended since the previous turn.
-        session_age_s: seconds since the session's first turn (``mars_session_age_s``; not on a
-            side request). The agent's own value is always dropped: only the gateway dates a
-            session, or an agent could make its session the oldest on a replica.
+        session_age_s: seconds since the session's first turn (``mars_session_age_s``). The
+            agent's own value is always dropped: only the gateway dates a session, or an agent
+            could make its session the oldest on a replica.
 
     Raises:
         BadRequestError: the agent's own ``vllm_xargs`` is not an object of str/int/float/list
@@ -244,7 +244,7 @@ def build_engine_body(
     if prev_tool is not None:
         xargs["mars_prev_tool"] = prev_tool[0]
         xargs["mars_prev_tool_s"] = float(prev_tool[1])
-    if session_age_s is not None and turn is not None:
+    if session_age_s is not None:
         xargs["mars_session_age_s"] = float(session_age_s)
     if session_id is not None:
         out["session_id"] = session_id

@@ -237,11 +237,11 @@ class ControlPlane:
         return turn, prev_tool
 
     def session_age_s(self, session: Session, turn: int | None) -> float | None:
-        """``mars_session_age_s`` for the session's ``turn``: seconds since its first turn started
-        (the engine that opens the session's record at this turn, one it moved to, dates the
-        session's first arrival back by it); ``None`` for turn 0, a side request (``turn`` None)
-        or before any turn. Pure."""
-        if not turn or session.first_turn_s is None:
+        """``mars_session_age_s`` for the session's request of ``turn`` (``None``: a side request):
+        seconds since its first turn started (the engine that opens the session's record at this
+        request, one it moved to, dates the session's first arrival back by it); ``None`` for turn
+        0 or before any turn. Pure."""
+        if turn == 0 or session.first_turn_s is None:
             return None
         return max(0.0, self.clock() - session.first_turn_s)
 

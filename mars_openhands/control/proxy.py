@@ -131,7 +131,7 @@ def engine_content(raw: bytes, fields: dict[str, Any], session_id: str | None, t
         if prev_tool is not None and turn is not None:
             xargs["mars_prev_tool"] = prev_tool[0]
             xargs["mars_prev_tool_s"] = float(prev_tool[1])
-        if session_age_s is not None and turn is not None:
+        if session_age_s is not None:
             xargs["mars_session_age_s"] = float(session_age_s)
         end = raw.rindex(b"}")
         head = raw[:end]

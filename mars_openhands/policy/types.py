@@ -16,9 +16,10 @@ key                     type            meaning
                                         end a tool phase, release or consume the
                                         session's retained KV
 ``mars_session_age_s``  number >= 0     seconds since the session's first turn was sent
-                                        (set by the gateway only): an engine that has no
-                                        record of the session (it moved here from another
-                                        replica) dates its first arrival back by this much
+                                        (set by the gateway only, on every request after
+                                        it): an engine that has no record of the session
+                                        (it moved here from another replica) dates its
+                                        first arrival back by this much
 ======================  ==============  ================================================
 
 The types are strict: a string (``"3"``), a float (``2.0``, ``1e300``) or a bool is no turn, and

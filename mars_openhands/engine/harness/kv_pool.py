@@ -17,7 +17,7 @@ requests, never another replica's). Our schedulers' retention pins are per repli
 replica short of blocks reclaims the pool's pins, any replica's, in its own reclaim order before
 it preempts, and MARS's residency plans split the pool's budget (each replica's is the pool's
 less the other replicas' residents' demand), and a session whose next turn goes to another
-replica moves there whole (record, pins, residency) (``retention_peers``, ``adopt_session``,
+replica moves there whole (record, pins, residency) (``kv_pool_peers``, ``adopt_session``,
 :mod:`mars_openhands.engine.schedulers.kv_retention`).
 
 ::

@@ -128,7 +128,7 @@ class MarsBaseScheduler(KvRetention, CpuEvents, SessionTracking, StepTelemetry, 
         """Per-session records (and the policy's per-program slot)."""
         self.retained = RetainedKvPool()
         """Finished turns' KV pinned for their sessions' next turns (expiry, reclaim, counters)."""
-        self.retention_peers = [self]
+        self.kv_pool_peers = [self]
         """Schedulers whose retained KV a failed allocation here may reclaim (shared KV pool)."""
         rp = self.params.retention
         self.tool_durations = ToolDurationEstimator(rp.min_tool_samples, rp.max_samples_per_tool)
@@ -263,7 +263,7 @@ class MarsBaseScheduler(KvRetention, CpuEvents, SessionTracking, StepTelemetry, 
             meta = TurnMeta()
             self._rejected[request.request_id] = str(e)
         sid = request.session_id
-        if sid is not None and len(self.retention_peers) > 1 and sid not in self.sessions:
+        if sid is not None and len(self.kv_pool_peers) > 1 and sid not in self.sessions:
             self._adopt_from_pool(sid)  # a shared KV pool: the session moved here whole
         if sid is not None and not meta.is_side and sid in self.sessions:
             self._observe_reuse(self.sessions[sid], request)
@@ -275,7 +275,7 @@ class MarsBaseScheduler(KvRetention, CpuEvents, SessionTracking, StepTelemetry, 
         )
         if sid is not None:
             if meta.is_side:  # a title/summary call: not the session's next turn
-                self._on_side_request(sid, request.request_id, now)
+                self._on_side_request(sid, request.request_id, meta, now)
             else:
                 self._on_session_request(sid, request.request_id, meta, now)
         super().add_request(request, **kwargs)

@@ -6,7 +6,7 @@ their counters live in :class:`~.retained.RetainedKvPool`; whether and how long 
 KV is the policy's (``retention_decision``, ``refine_retention``, ``can_release_expired``,
 ``can_reclaim_for``: :class:`~.hooks.PolicyHooks`). This module is the machinery between the
 two: a mixin of :class:`~.base.MarsBaseScheduler` that reads its ``retained``,
-``retention_peers``, ``sessions``, ``req_state``, ``telemetry`` and ``clock`` (set up by the
+``kv_pool_peers``, ``sessions``, ``req_state``, ``telemetry`` and ``clock`` (set up by the
 base's ``__init__``).
 
 Where retention is decided: a turn finishes -> ``MarsBaseScheduler._free_blocks`` ->
@@ -38,12 +38,12 @@ class KvRetention:
     """Mixin of :class:`~.base.MarsBaseScheduler`: retained KV's pin, release, expiry and reclaim
     (module docstring). Mutates the host's retained pool and vLLM's block references.
 
-    ``retention_peers``: the schedulers whose retained KV a failed allocation here may reclaim,
+    ``kv_pool_peers``: the schedulers whose retained KV a failed allocation here may reclaim,
     this one included; ``[self]`` unless several schedulers share one KV block pool (the
     simulator's pooled-KV bound, :mod:`mars_openhands.engine.harness.kv_pool`), where a block
     pinned by one replica is a block every replica could use."""
 
-    retention_peers: list[KvRetention]
+    kv_pool_peers: list[KvRetention]
     _allocate_wrapper: seams.blocks.AllocateSlotsWrapper
 
     def _release_aborted_after_finish(self, request_ids: str | list[str]) -> None:
@@ -68,7 +68,7 @@ class KvRetention:
             self._measure_reuse(self.retained[session.session_id], request.request_id)
             self.release_retained(session.session_id, "resumed", now)
         seams.blocks.pin_finishing_request_blocks(self, request.request_id, blocks)
-        for peer in self.retention_peers:  # any of them may now reclaim this entry
+        for peer in self.kv_pool_peers:  # any of them may now reclaim this entry
             peer._allocate_wrapper.enable()
         self.retained.add(RetainedKv(
             session.session_id, request.request_id, state.meta.turn, blocks,
@@ -96,8 +96,8 @@ class KvRetention:
         if entry is None:
             return 0
         seams.blocks.free_pinned(self, entry.blocks)
-        if not any(peer.retained for peer in self.retention_peers):
-            for peer in self.retention_peers:
+        if not any(peer.retained for peer in self.kv_pool_peers):
+            for peer in self.kv_pool_peers:
                 peer._allocate_wrapper.disable()
         reused = self.retained.record_release(entry, reason)
         if self.telemetry.enabled:
@@ -152,13 +152,13 @@ class KvRetention:
         pool.update_next_expiry()
 
     def join_kv_pool_of(self, owner: KvRetention) -> None:
-        """Join ``owner``'s :attr:`retention_peers` (its schedulers share one KV block pool,
+        """Join ``owner``'s :attr:`kv_pool_peers` (its schedulers share one KV block pool,
         :func:`~mars_openhands.engine.seams.blocks.share_block_pool`): from now on a failed
         allocation on any of them may take any one's pinned KV, in the requester's reclaim
         order, as a single engine of the pool's size would. One list object for the whole pool.
         Mutates."""
-        self.retention_peers = owner.retention_peers
-        self.retention_peers.append(self)
+        self.kv_pool_peers = owner.kv_pool_peers
+        self.kv_pool_peers.append(self)
 
     def adopt_session(self, peer: KvRetention, session_id: str) -> None:
         """Take ``session_id`` over from ``peer``, a scheduler of the same shared KV pool that
@@ -177,39 +177,39 @@ class KvRetention:
         """A request of a session this scheduler has no record of: when a peer of a shared KV
         pool holds it, idle there (its previous turn done), it moves here
         (:meth:`adopt_session`). O(peers)."""
-        for peer in self.retention_peers:
+        for peer in self.kv_pool_peers:
             if peer is not self and session_id in peer.sessions:
                 if not peer.sessions[session_id].active_request_ids:
                     self.adopt_session(peer, session_id)
                 return
 
     def retention_owner(self, entry: RetainedKv) -> KvRetention:
-        """The scheduler among :attr:`retention_peers` that holds ``entry`` (this one when the
+        """The scheduler among :attr:`kv_pool_peers` that holds ``entry`` (this one when the
         KV pool is not shared): policy hooks read the entry's session from its owner's
         ``sessions``. Pure."""
-        for peer in self.retention_peers:
+        for peer in self.kv_pool_peers:
             if peer.retained.get(entry.session_id) is entry:
                 return peer
         return self
 
     def _reclaimable_blocks(self, request: Request) -> int:
         """Retained blocks a failed allocation of ``request`` could get back: every other
-        session's entry on this scheduler and on its :attr:`retention_peers`. Pure."""
+        session's entry on this scheduler and on its :attr:`kv_pool_peers`. Pure."""
         own = self.req_state.get(request.request_id)
         sid = own.session_id if own else None
-        return sum(p.retained.reclaimable_blocks(sid) for p in self.retention_peers)
+        return sum(p.retained.reclaimable_blocks(sid) for p in self.kv_pool_peers)
 
     def _reclaim_for(self, request: Request) -> bool:
         """Allocation for ``request`` failed: release the retained entry of another session that
         comes first in the policy's reclaim order (``reclaim_key``; default lowest value first),
-        on this scheduler or on one of its :attr:`retention_peers` (a shared KV pool: the entry
+        on this scheduler or on one of its :attr:`kv_pool_peers` (a shared KV pool: the entry
         first in this scheduler's order among them all). Returns True if something was released
         (vLLM then retries the allocation).
 
         Progress guarantee: with nothing running, every other session's entry is reclaimable
         whatever ``can_reclaim_for`` says (otherwise waiting turns whose sessions all hold
         retained KV, kept because those turns wait, would deadlock the engine)."""
-        peers = [p for p in self.retention_peers if p.retained]
+        peers = [p for p in self.kv_pool_peers if p.retained]
         if not peers:
             return False
         own = self.req_state.get(request.request_id)

@@ -195,10 +195,10 @@ class MarsScheduler(CertifiedRuns, MarsBaseScheduler):
 
     def _residency_budget_blocks(self) -> int:
         """KV blocks the resident set may use: ``budget_usage`` of the pool, less the demand of
-        the other residents of a shared pool (the :attr:`retention_peers` that plan residency
+        the other residents of a shared pool (the :attr:`kv_pool_peers` that plan residency
         too), so N replicas on one pool plan one pool's worth between them. Pure."""
         budget = int((seams.blocks.num_gpu_blocks(self) - 1) * self.params.residency.budget_usage)
-        for peer in self.retention_peers:
+        for peer in self.kv_pool_peers:
             if peer is not self and isinstance(peer, MarsScheduler) and peer._residency_on:
                 budget -= peer.resident_demand_blocks()
         return max(0, budget)

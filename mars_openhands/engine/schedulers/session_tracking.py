@@ -52,10 +52,10 @@ class SessionTracking:
         session.last_activity_s = now
         session.active_request_ids.add(request_id)
 
-    def _on_side_request(self, sid: str, request_id: str, now: float) -> None:
+    def _on_side_request(self, sid: str, request_id: str, meta: TurnMeta, now: float) -> None:
         """A side request (``mars_side=1``) joins its session's requests and nothing else: the
         session's tool phase, turn count and retained KV stay as they are."""
-        session = self.sessions.open(sid, now)
+        session = self.sessions.open(sid, now, meta.session_age_s)
         session.last_activity_s = now
         session.active_request_ids.add(request_id)
 

@@ -247,7 +247,7 @@ def test_engine_content_matches_build_engine_body(body) -> None:
                                                           ("s-1", None, None, ("bash", 2.5), 4.25)):
         out = json.loads(engine_content(raw, fields, session_id, turn, last_step, prev_tool, age_s))
         assert out == build_engine_body(body, session_id, turn, last_step, prev_tool, age_s)
-        assert out["vllm_xargs"].get("mars_session_age_s") == (age_s if turn is not None else None)
+        assert out["vllm_xargs"].get("mars_session_age_s") == age_s
         assert "mars_side" not in out
         xargs = out["vllm_xargs"]
         if turn is None:  # a side request: no turn, no previous tool, mars_side=1

@@ -87,9 +87,10 @@ def test_requests_without_tools_are_side_requests_not_turns(clean_fakes, gateway
         assert raw.headers["x-mars-turn"] == "3"  # a raw prompt carries no tools to judge by
         assert state(server)["sessions"][sid]["side_requests"] == 2
     xargs = [r["vllm_xargs"] for r in clean_fakes[0].seen()["requests"] if r["session_id"] == sid]
-    # A turn after the first carries the session's age; a side request never does.
+    # Every request after the first turn carries the session's age, side requests included.
     ages = [x.pop("mars_session_age_s", None) for x in xargs]
-    assert [a is not None for a in ages] == [False, False, False, True, True, True]
+    assert [a is not None for a in ages] == [False, False, True, True, True, True]
+    assert ages[2] <= ages[3] <= ages[4] <= ages[5]
     assert xargs == [{"mars_side": 1}, {"mars_turn": 0}, {"mars_side": 1},
                      {"mars_turn": 1, "mars_prev_tool": "terminal", "mars_prev_tool_s": 1.5},
                      {"mars_turn": 2}, {"mars_turn": 3}]

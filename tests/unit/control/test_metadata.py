@@ -71,13 +71,13 @@ def test_engine_body_sets_native_session_and_xargs_without_mutating() -> None:
 
 def test_only_the_gateway_dates_a_session() -> None:
     """An agent's own ``mars_session_age_s`` never reaches the engine (it would make its session
-    the oldest on a replica it moves to); the gateway's does, on turns only."""
+    the oldest on a replica it moves to); the gateway's does, on side requests too."""
     body = {"model": "m", "vllm_xargs": {"mars_session_age_s": 1e6, "k": "v"}}
     assert build_engine_body(body, "s", 2)["vllm_xargs"] == {"k": "v", "mars_turn": 2}
     assert build_engine_body(body, "s", 2, session_age_s=7.5)["vllm_xargs"] == {
         "k": "v", "mars_turn": 2, "mars_session_age_s": 7.5}
     assert build_engine_body(body, "s", None, session_age_s=7.5)["vllm_xargs"] == {
-        "k": "v", "mars_side": 1}
+        "k": "v", "mars_side": 1, "mars_session_age_s": 7.5}
 
 
 def test_one_turn_body_has_no_session_id() -> None:

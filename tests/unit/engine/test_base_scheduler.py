@@ -264,6 +264,27 @@ def test_a_side_request_is_not_the_sessions_next_turn() -> None:
     h.assert_no_leaks()
 
 
+@pytest.mark.parametrize("extra", [{"mars_turn": 3}, {"mars_side": 1}])
+def test_a_session_new_here_is_dated_back_by_its_age(extra: dict) -> None:
+    """A session whose first request on this engine carries ``mars_session_age_s`` (it moved here)
+    gets the first arrival it had where it started, whether that request is a turn or a side
+    request; a later request's age does not move it, and a new session without one is now."""
+    h = Harness(MarsScheduler, num_blocks=64)
+    h.clock.advance(100.0)
+    fresh = h.add(h.make_request("fresh", h.tokens(40), 2, {"mars_turn": 0}))
+    moved = h.add(h.make_request("moved", h.tokens(40), 2, {**extra, "mars_session_age_s": 60.0}))
+    first = h.scheduler.sessions["moved"].first_arrival_s
+    assert first == pytest.approx(h.clock() - 60.0)
+    assert h.scheduler.sessions["fresh"].first_arrival_s == h.clock()
+    # The older session ranks first in MARS's session order, though its request came second.
+    assert h.scheduler.waiting_key(moved, h.clock()) < h.scheduler.waiting_key(fresh, h.clock())
+    h.run_until_done()
+    again = h.add(h.make_request("moved", h.tokens(40), 2, {"mars_turn": 4, "mars_session_age_s": 1.0}))
+    assert h.scheduler.sessions["moved"].first_arrival_s == first
+    h.run_until_finished(again.request_id)
+    h.assert_no_leaks()
+
+
 def test_side_extra_is_checked() -> None:
     h = Harness(MarsBaseScheduler, num_blocks=32)
     bad = h.add(h.make_request("s1", h.tokens(20), 3, {"mars_side": 2}))

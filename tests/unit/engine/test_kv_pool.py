@@ -131,7 +131,7 @@ def test_a_second_engine_must_share_before_it_holds_blocks_and_match_the_shape()
 def _pooled_harnesses(linked: bool, residency: bool = False, num_blocks: int = 40):
     """Two MarsSchedulers (value-model retention, or ``residency``) on one pool of
     ``num_blocks`` blocks and one clock; ``linked``: the second joins the first's
-    ``retention_peers`` as InprocEngine joins them."""
+    ``kv_pool_peers`` as InprocEngine joins them."""
     from mars_openhands.engine import seams
     from tests.unit.engine.harness import Harness
     from tests.unit.engine.test_mars_retention import value_model_harness
@@ -213,10 +213,10 @@ def test_the_pool_reclaims_the_lowest_value_pin_of_any_replica() -> None:
 def test_pooled_engines_share_one_retention_peer_list() -> None:
     a, b = _pooled("MarsScheduler", n=3)[:2]
     c = a.pool_peers[2]
-    assert a.plugin.retention_peers is b.plugin.retention_peers
-    assert a.plugin.retention_peers == [a.plugin, b.plugin, c.plugin]
+    assert a.plugin.kv_pool_peers is b.plugin.kv_pool_peers
+    assert a.plugin.kv_pool_peers == [a.plugin, b.plugin, c.plugin]
     alone = InprocEngine("MarsScheduler", InprocEngineParams(num_gpu_blocks=64, max_model_len=4096))
-    assert alone.plugin.retention_peers == [alone.plugin]
+    assert alone.plugin.kv_pool_peers == [alone.plugin]
 
 
 def test_pooled_residency_plans_one_pools_budget_between_the_replicas() -> None:

@@ -41,7 +41,7 @@ class _Host(KvRetention, PolicyHooks):
             self.retained.add(e)
         self.req_state = {"r": SimpleNamespace(session_id="own")}
         self.running = [object()]
-        self.retention_peers = [self]
+        self.kv_pool_peers = [self]
         self.reclaimed: list[str] = []
 
     def clock(self) -> float:

@@ -220,12 +220,15 @@ def test_a_moved_session_waits_for_its_kv_transfer(policy: str) -> None:
             assert t.first_scheduled_s - t.submit_s >= t.num_transferred_tokens * _BYTES_PER_TOKEN / (gb_s * 1e9)
 
 
-@pytest.mark.parametrize("kv_transfer_gb_s", [None, 0.05])
+@pytest.mark.parametrize(("router", "kv_transfer_gb_s", "lose_replica"), [
+    ("llm-d", None, None), ("llm-d", 0.05, None), ("least-sessions", None, (1, 1.0))])
 def test_a_moved_session_keeps_its_first_arrival_on_its_new_replica(
-        kv_transfer_gb_s: float | None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A session that moves is not a new session where it lands: the gateway's
-    ``mars_session_age_s`` dates the new replica's record back to the session's first turn, so
-    session-ordered policies (MARS's FIFO and residency order) keep its place."""
+        router: str, kv_transfer_gb_s: float | None, lose_replica: tuple[int, float] | None,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session that moves is not a new session where it lands, whether a per-turn router moved
+    it (with or without its KV) or its replica was lost: the gateway's ``mars_session_age_s``
+    dates the new replica's record back to the session's first turn, so session-ordered policies
+    (MARS's FIFO and residency order) keep its place."""
     from mars_openhands.engine.schedulers.sessions import SessionTable
 
     opened: list[tuple[str, float | None, float]] = []
@@ -240,7 +243,8 @@ def test_a_moved_session_keeps_its_first_arrival_on_its_new_replica(
 
     monkeypatch.setattr(SessionTable, "open", recording)
     workload = _workload(12, gap_s=0.1)
-    config = _config("MarsScheduler", blocks=256, num_replicas=2, router="llm-d", is_admission_enabled=True,
+    config = _config("MarsScheduler", blocks=256, num_replicas=2 if lose_replica is None else 4,
+                     router=router, is_admission_enabled=True, lose_replica=lose_replica,
                      kv_transfer_gb_s=kv_transfer_gb_s, kv_bytes_per_token=_BYTES_PER_TOKEN)
     result = simulate(workload, config, LinearStepTimeModel())
     _assert_complete(result, workload)
