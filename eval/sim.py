@@ -80,6 +80,7 @@ from eval.sim_types import (
 )
 from eval.workloads.format import Session, Workload
 from mars_openhands.control.config import GatewayConfig, ReplicaConfig
+from mars_openhands.control.metadata import gateway_xargs
 from mars_openhands.control.plane import ControlPlane
 from mars_openhands.control.sessions import Session as GatewaySession
 from mars_openhands.engine.harness.inproc_engine import (
@@ -826,15 +827,10 @@ class Simulator:
 
     def _add_request(self, run: _SessionRun, arrival_s: float) -> None:
         turn = run.record.turns[-1]
-        extra: dict[str, Any] = {"mars_turn": turn.turn}
-        if self.config.send_last_step:
-            extra["mars_last_step"] = int(turn.turn == run.spec.num_turns - 1)
-        if run.prev_tool is not None:
-            extra["mars_prev_tool"], extra["mars_prev_tool_s"] = run.prev_tool
         assert run.gateway is not None
-        age_s = self.plane.session_age_s(run.gateway, turn.turn)
-        if age_s is not None:
-            extra["mars_session_age_s"] = age_s
+        last_step = int(turn.turn == run.spec.num_turns - 1) if self.config.send_last_step else None
+        extra = gateway_xargs(turn.turn, last_step, run.prev_tool,
+                              self.plane.session_age_s(run.gateway, turn.turn))
         assert run.stream is not None and run.replica is not None
         rep = run.replica
         if run.kv_import is not None:

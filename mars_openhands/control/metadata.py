@@ -49,6 +49,7 @@ __all__ = [
     "estimate_prompt_tokens",
     "extract_last_step",
     "extract_session_id",
+    "gateway_xargs",
     "is_side_request",
     "validate_session_id",
 ]
@@ -235,21 +236,30 @@ def build_engine_body(
     xargs.pop("mars_session_age_s", None)
     if turn is None:
         xargs.pop("mars_turn", None)
-        xargs["mars_side"] = 1
-        prev_tool = None
-    else:
-        xargs["mars_turn"] = turn
-    if last_step is not None:
-        xargs["mars_last_step"] = last_step
-    if prev_tool is not None:
-        xargs["mars_prev_tool"] = prev_tool[0]
-        xargs["mars_prev_tool_s"] = float(prev_tool[1])
-    if session_age_s is not None:
-        xargs["mars_session_age_s"] = float(session_age_s)
+    xargs.update(gateway_xargs(turn, last_step, prev_tool, session_age_s))
     if session_id is not None:
         out["session_id"] = session_id
     out["vllm_xargs"] = xargs
     return out
+
+
+def gateway_xargs(turn: int | None, last_step: int | None = None,
+                  prev_tool: tuple[str, float] | None = None,
+                  session_age_s: float | None = None) -> dict[str, Any]:
+    """The ``vllm_xargs`` keys the gateway sets on a request (the arguments as in
+    :func:`build_engine_body`): ``mars_turn``, or ``mars_side=1`` on a side request (``turn``
+    None, which takes no ``mars_prev_tool``); ``mars_last_step``, ``mars_prev_tool`` /
+    ``mars_prev_tool_s`` and ``mars_session_age_s`` when given. The gateway's two body paths and
+    the simulator build them here. Pure."""
+    xargs: dict[str, Any] = {"mars_turn": turn} if turn is not None else {"mars_side": 1}
+    if last_step is not None:
+        xargs["mars_last_step"] = last_step
+    if prev_tool is not None and turn is not None:
+        xargs["mars_prev_tool"] = prev_tool[0]
+        xargs["mars_prev_tool_s"] = float(prev_tool[1])
+    if session_age_s is not None:
+        xargs["mars_session_age_s"] = float(session_age_s)
+    return xargs
 
 
 def body_fingerprint(raw: bytes) -> int:

@@ -125,14 +125,7 @@ def engine_content(raw: bytes, fields: dict[str, Any], session_id: str | None, t
         BadRequestError: from :func:`metadata.build_engine_body`.
     """
     if _NEEDS_REWRITE.isdisjoint(fields):
-        xargs: dict[str, Any] = {"mars_turn": turn} if turn is not None else {"mars_side": 1}
-        if last_step is not None:
-            xargs["mars_last_step"] = last_step
-        if prev_tool is not None and turn is not None:
-            xargs["mars_prev_tool"] = prev_tool[0]
-            xargs["mars_prev_tool_s"] = float(prev_tool[1])
-        if session_age_s is not None:
-            xargs["mars_session_age_s"] = float(session_age_s)
+        xargs = metadata.gateway_xargs(turn, last_step, prev_tool, session_age_s)
         end = raw.rindex(b"}")
         head = raw[:end]
         parts = [head]
