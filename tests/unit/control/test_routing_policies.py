@@ -67,3 +67,27 @@ def test_working_sets_follow_each_turns_prompt_for_sticky_policies_that_read_the
     home = cp.router.route(s, 1000).index
     assert cp.router.route(s, 3000).index == home  # sticky
     assert cp.router.replica_loads()[home].num_working_set_tokens == 5000  # 3000 + 2000 growth
+
+
+@pytest.mark.parametrize("policy", ["least-sessions", "mars-placement"])
+def test_each_snapshot_field_reads_its_own_replica_field(policy: str) -> None:
+    """replica_loads builds ReplicaLoad positionally (speed): every field must land in its own
+    slot, with values that differ from one field to the next."""
+    cp = plane(policy, 2)
+    s = cp.open_session("s")
+    index = cp.router.route(s, 3000).index
+    s.tools_in_flight["call"] = object()
+    r = cp.router.replicas[index]
+    r.num_in_flight, r.num_waiting, r.num_prefix_tokens = 7, 11, 13
+    cp.router.observe_engine_step(f"engine:{index}", 250, 1000)
+    r.block_size_tokens = 16
+    load = cp.router.replica_loads()[index]
+    needs_sets = cp.router.policy.needs_prompt
+    assert (load.index, load.is_healthy, load.num_sessions, load.kv_usage, load.num_in_flight,
+            load.num_waiting, load.num_kv_tokens, load.num_prefix_tokens) == (
+        index, True, 1, 0.25, 7, 11, 16_000, 13)
+    assert load.num_working_set_tokens == (cp.router._placement["s"].projected_tokens
+                                           if needs_sets else 0)
+    assert load.num_acting_sessions == (1 if needs_sets else 0)
+    if needs_sets:
+        assert load.num_working_set_tokens > 0
