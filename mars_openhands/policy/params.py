@@ -183,6 +183,14 @@ class ResidencyParams(_Frozen):
     session may be suspended for it: the tail of the KV-bound bundled traces a few percent lower,
     capacity on long-tool workloads 0.84x instead of 1.09x thunderagent's. Measured in
     docs/schedulers.md "Residency order"."""
+    count_past_waits: bool | None = None
+    """Under ``order: response-ratio``, a held session's earlier waits for residency in this
+    engine count as waiting and not as service: E = prior + age when held - past waits, and the
+    ratio's wait is the current one plus the past ones (the ratio becomes the session's own
+    slowdown so far). ``None`` (default): on when the engine has a host KV tier, where an old held
+    session may displace younger idle residents and so actually gets the room its rank gives it;
+    off without one, where a high-ranked large session blocks the sessions behind it until enough
+    KV frees (measured both ways in docs/schedulers.md "Past waits in the response ratio")."""
     response_ratio_prior_s: float = Field(60.0, gt=0.0)
     """E of a session held at its first turn (nothing known of its size yet), seconds: how long a
     new session waits before its ratio doubles (ours; 300 s measured as the alternative in

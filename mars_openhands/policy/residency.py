@@ -190,7 +190,7 @@ that pays (``displace_value_s``), never by rank."""
 
 
 def response_ratio_priority(now_s: float, first_arrival_s: float, held_since_s: float | None,
-                            prior_s: float) -> tuple[float, float]:
+                            prior_s: float, past_wait_s: float = 0.0) -> tuple[float, float]:
     """Priority key (smaller first) of one session under highest-response-ratio-next. Pure.
 
     Source: Brinch Hansen, "Short-term scheduling in multiprogramming systems" (SOSP 1971): the
@@ -205,6 +205,8 @@ def response_ratio_priority(now_s: float, first_arrival_s: float, held_since_s: 
         first_arrival_s: when the session's first request reached the engine, seconds.
         held_since_s: when its held turn arrived, seconds; None for a resident (not held).
         prior_s: E of a session held at its first turn, seconds (> 0).
+        past_wait_s: seconds the session waited held before its current turn
+            (``residency.count_past_waits``): counted as wait, taken out of E.
 
     Returns:
         ``(-ratio, first_arrival_s)`` for a held session (ties: the older first);
@@ -212,8 +214,9 @@ def response_ratio_priority(now_s: float, first_arrival_s: float, held_since_s: 
     """
     if held_since_s is None:
         return (RESIDENT_FIRST, first_arrival_s)
-    expected_s = prior_s + max(0.0, held_since_s - first_arrival_s)
-    return (-(max(0.0, now_s - held_since_s) + expected_s) / expected_s, first_arrival_s)
+    expected_s = prior_s + max(0.0, held_since_s - first_arrival_s - past_wait_s)
+    return (-(max(0.0, now_s - held_since_s) + past_wait_s + expected_s) / expected_s,
+            first_arrival_s)
 
 
 def _victims(kept: list[SessionDemand], head: SessionDemand, by_age: bool = False) -> list[SessionDemand]:

@@ -88,6 +88,11 @@ class MarsScheduler(CertifiedRuns, MarsBaseScheduler):
         """Sessions whose KV is resident (policy/residency.py)."""
         self.held: dict[str, deque[Request]] = {}
         """Requests of non-resident sessions, held outside vLLM's waiting queue."""
+        self.held_at_s: dict[str, float] = {}
+        """When each held session began its current wait for residency (engine clock, s)."""
+        self.past_held_s: dict[str, float] = {}
+        """Seconds each live session waited held before its current wait
+        (``residency.count_past_waits``)."""
         self.num_suspensions = 0
         self.output_tokens = EmpiricalCdf(self.params.retention.max_samples_per_tool)
         """Output lengths of finished turns: a request's decode reserve is its expected
@@ -119,6 +124,7 @@ class MarsScheduler(CertifiedRuns, MarsBaseScheduler):
             return
         self.waiting.remove_request(request)
         self.held.setdefault(sid, deque()).append(request)
+        self.held_at_s.setdefault(sid, self.clock())
 
     def _is_one_turn_job(self, request: Request, sid: str) -> bool:
         """The request is its session's first turn and says it is the last (``mars_last_step``):
@@ -239,6 +245,8 @@ class MarsScheduler(CertifiedRuns, MarsBaseScheduler):
             self._suspend(sid, now_s)
         for sid in plan.activate:
             self.resident.add(sid)
+            if (held_at := self.held_at_s.pop(sid, None)) is not None:
+                self.past_held_s[sid] = self.past_held_s.get(sid, 0.0) + max(0.0, now_s - held_at)
             for request in self.held.pop(sid, ()):
                 self.waiting.add_request(request)
 
@@ -251,7 +259,12 @@ class MarsScheduler(CertifiedRuns, MarsBaseScheduler):
         held = self.held.get(sid)
         state = self.req_state.get(held[0].request_id) if held else None
         since = None if not held else (state.arrival_s if state is not None else now_s)
-        return response_ratio_priority(now_s, first, since, self.params.residency.response_ratio_prior_s)
+        residency = self.params.residency
+        counts = residency.count_past_waits
+        if counts is None:
+            counts = self.host_reload is not None
+        past = self.past_held_s.get(sid, 0.0) if counts else 0.0
+        return response_ratio_priority(now_s, first, since, residency.response_ratio_prior_s, past)
 
     def _is_overdue(self, request: Request, now_s: float) -> bool:
         """A held turn never scheduled that arrived ``residency.max_hold_s`` ago or more."""
@@ -302,6 +315,7 @@ class MarsScheduler(CertifiedRuns, MarsBaseScheduler):
             queue.remove(request)
             if not queue:
                 del self.held[request.session_id]
+                self.held_at_s.pop(request.session_id, None)
 
     def release_retained(self, session_id: str, reason: str, now_s: float | None = None) -> int:
         """As the base; a reclaimed resident is suspended (its KV is gone)."""
@@ -316,6 +330,8 @@ class MarsScheduler(CertifiedRuns, MarsBaseScheduler):
         if event.kind == "session_end" and event.session_id is not None:
             self.resident.discard(event.session_id)
             self.host_prompt_tokens.pop(event.session_id, None)
+            self.held_at_s.pop(event.session_id, None)
+            self.past_held_s.pop(event.session_id, None)
 
     # ------------------------------------------------------------------ merged runs
     def can_merge_run(self) -> bool:
@@ -524,6 +540,7 @@ class MarsScheduler(CertifiedRuns, MarsBaseScheduler):
             self.num_suspensions += 1
             self.waiting.remove_request(request)
             self.held.setdefault(sid, deque()).appendleft(request)
+            self.held_at_s.setdefault(sid, self.clock())
 
     # ------------------------------------------------------------------ retention
     def _decide(self, tool_name: str | None, num_tokens: int, num_blocks: int,

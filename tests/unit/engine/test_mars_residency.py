@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -43,6 +45,42 @@ def test_a_session_that_does_not_fit_is_held_until_a_resident_ends() -> None:
     s.on_stream_event(SessionEnd(**now_stamps(), source="t", session_id="a", turn=None, status="ok"))
     h.run_until_finished(b0.request_id)
     assert "b" in s.resident and not s.held
+    h.run_until_done()
+    h.assert_no_leaks()
+
+
+@pytest.mark.parametrize(("count_past_waits", "has_tier", "counts"), [
+    (False, False, False), (True, False, True), (None, False, False), (None, True, True),
+    (False, True, False)])
+def test_a_held_sessions_wait_is_remembered_until_it_ends(
+        count_past_waits: bool | None, has_tier: bool, counts: bool) -> None:
+    """Each wait for residency is added to the session's past waits when it is activated, and
+    forgotten at ``session_end``; the rank reads it with ``count_past_waits``, by default (None)
+    when the engine has a host KV tier."""
+    h = harness(num_blocks=40, count_past_waits=count_past_waits)
+    s = h.scheduler
+    a0 = h.add(h.make_request("a", h.tokens(25 * BS), 4, turn(0)))
+    h.step(0.01)
+    b0 = h.add(h.make_request("b", h.tokens(20 * BS), 4, turn(0)))
+    h.step(0.01)
+    assert "b" in s.held and "b" in s.held_at_s
+    h.run_until_finished(a0.request_id)
+    h.clock.advance(30.0)
+    s.on_stream_event(SessionEnd(**now_stamps(), source="t", session_id="a", turn=None, status="ok"))
+    h.run_until_finished(b0.request_id)
+    assert "b" in s.resident and "b" not in s.held_at_s
+    assert s.past_held_s["b"] >= 30.0
+    session = s.sessions.get("b")
+    # b's next turn, just held (no wait of its own yet): ratio 1 unless the 30 s count.
+    s.held["b"] = deque([h.next_turn(b0, BS, 4, turn(1))])
+    no_tier = s.host_reload
+    s.host_reload = object() if has_tier else None  # the rank reads only whether there is one
+    rank = s._residency_priority("b", session, h.clock())
+    s.host_reload = no_tier
+    s.held.pop("b")
+    assert (rank[0] < -1.0) == counts
+    s.on_stream_event(SessionEnd(**now_stamps(), source="t", session_id="b", turn=None, status="ok"))
+    assert "b" not in s.past_held_s
     h.run_until_done()
     h.assert_no_leaks()
 

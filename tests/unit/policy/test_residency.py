@@ -242,6 +242,20 @@ def test_response_ratio_puts_a_new_held_session_before_an_old_one_after_a_short_
     assert old_later < new_later  # old held 403 s (ratio 1.61) goes before a new one held 3 s (1.05)
 
 
+def test_past_waits_count_as_waiting_and_not_as_service() -> None:
+    """count_past_waits: of two sessions of the same age held for the same time, the one that
+    spent 300 s of its 600 s held earlier goes first (ratio (3 + 300 + 360) / 360 against
+    663 / 660); with no past wait the key is the plain response ratio's."""
+    plain = response_ratio_priority(603.0, 0.0, 600.0, 60.0)
+    assert response_ratio_priority(603.0, 0.0, 600.0, 60.0, past_wait_s=0.0) == plain
+    waited = response_ratio_priority(603.0, 0.0, 600.0, 60.0, past_wait_s=300.0)
+    assert waited[0] == pytest.approx(-663.0 / 360.0)
+    assert waited < plain
+    # A new session held 2 s outranks the plain old one (62 / 60 > 663 / 660), not the one that waited.
+    new = response_ratio_priority(603.0, 601.0, 601.0, 60.0)
+    assert plain > new > waited
+
+
 def test_response_ratio_never_starves_a_held_session_and_keeps_residents_first() -> None:
     old = [response_ratio_priority(t, 0.0, 3600.0, 60.0) for t in (3600.0, 7200.0, 14400.0)]
     assert old[0] > old[1] > old[2]  # its rank only rises while it waits
