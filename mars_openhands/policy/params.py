@@ -187,10 +187,10 @@ class ResidencyParams(_Frozen):
     """Under ``order: response-ratio``, a held session's earlier waits for residency in this
     engine count as waiting and not as service: E = prior + age when held - past waits, and the
     ratio's wait is the current one plus the past ones (the ratio becomes the session's own
-    slowdown so far). ``None`` (default): on when the engine has a host KV tier, where an old held
-    session may displace younger idle residents and so actually gets the room its rank gives it;
-    off without one, where a high-ranked large session blocks the sessions behind it until enough
-    KV frees (measured both ways in docs/schedulers.md "Past waits in the response ratio")."""
+    slowdown so far). ``None`` (default): on when the engine has a host KV tier (there it gained a
+    rung of capacity on long tools and most of bf16's P95 gap to continuum + tier), off without
+    one (the bundled traces 1-4% worse with it); measured in docs/schedulers.md "Past waits in the
+    response ratio"."""
     response_ratio_prior_s: float = Field(60.0, gt=0.0)
     """E of a session held at its first turn (nothing known of its size yet), seconds: how long a
     new session waits before its ratio doubles (ours; 300 s measured as the alternative in

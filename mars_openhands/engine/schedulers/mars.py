@@ -211,11 +211,16 @@ class MarsScheduler(CertifiedRuns, MarsBaseScheduler):
 
     def adopt_session(self, peer: MarsBaseScheduler, session_id: str) -> None:
         """As the base; a resident of ``peer`` stays resident here (its KV is still pinned, now
-        by this scheduler), instead of being held as a new session."""
+        by this scheduler), instead of being held as a new session, and its past waits for
+        residency come along."""
         super().adopt_session(peer, session_id)
-        if isinstance(peer, MarsScheduler) and session_id in peer.resident:
+        if not isinstance(peer, MarsScheduler):
+            return
+        if session_id in peer.resident:
             peer.resident.discard(session_id)
             self.resident.add(session_id)
+        if (past := peer.past_held_s.pop(session_id, None)) is not None:
+            self.past_held_s[session_id] = past
 
     def resident_demand_blocks(self) -> int:
         """Blocks the resident sessions' demand counts now (what this scheduler's residency plan

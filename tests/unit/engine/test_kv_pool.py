@@ -250,6 +250,7 @@ def test_a_session_moving_within_the_pool_takes_its_record_residency_and_pins(li
     s1, s2 = h1.scheduler, h2.scheduler
     assert "s" in s1.resident and "s" in s1.retained
     first_arrival = s1.sessions["s"].first_arrival_s
+    s1.past_held_s["s"] = 42.0  # waits for residency on replica 1 (count_past_waits)
     h1.clock.advance(1.0)
     r1 = h2.add(h2.next_turn(r0, 20, 4, {"mars_turn": 1, "mars_last_step": 0}))
     assert ("s" in s2.held) != linked  # a resident's turn is not held for the next plan
@@ -258,6 +259,7 @@ def test_a_session_moving_within_the_pool_takes_its_record_residency_and_pins(li
         assert "s" not in s1.sessions and "s" not in s1.retained and "s" not in s1.resident
         assert s2.sessions["s"].first_arrival_s == first_arrival
         assert "s" in s2.resident
+        assert s2.past_held_s["s"] == 42.0 and "s" not in s1.past_held_s
         hit = r1.num_computed_tokens - res.num_scheduled_tokens[r1.request_id]
         assert hit >= 192  # turn 0's 200 prompt tokens + outputs: 12 full blocks, from the pool
     else:
